@@ -1,0 +1,276 @@
+"""Run configuration: small dataclasses per component, YAML recipes and `key=value` overrides.
+
+A recipe is plain data. `load_config` merges the recipe with dotted overrides, checks every
+key and type (unknown keys get a "did you mean" suggestion), and returns a `RunConfig`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from .errors import UserError
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str | None = None  # hub id or local folder; None = random init from `config`
+    config: dict = field(default_factory=dict)  # overrides of the model config (or the whole config)
+    random_init: bool = False  # build from the config with fresh weights instead of loading them
+    tokenizer: str | None = None  # defaults to name_or_path
+    trust_remote_code: bool = False
+
+
+@dataclass
+class DataConfig:
+    path: str | None = None  # hub dataset id, local file, or local folder of files
+    name: str | None = None  # hub dataset config name (e.g. wikitext-2-raw-v1)
+    split: str = "train"
+    val_split: str | None = None  # default: the dataset's own validation split, else carved out
+    val_size: float = 0.05  # fraction (<1) or count (>=1) of documents held out when carving
+    text_field: str = "text"
+    seq_len: int = 512
+    start_idx: int | None = None  # slice of the training documents, before packing
+    end_idx: int | None = None
+    num_proc: int | None = None  # tokenizer workers for datasets.map
+
+
+@dataclass
+class FSDPConfig:
+    sharding: Literal["full_shard", "shard_grad_op", "hybrid_shard", "no_shard"] = "full_shard"
+    wrap: Literal["block", "size"] = "block"
+    min_num_params: int = 100_000_000  # wrap="size": a unit per subtree with at least this many
+    block_class: str | None = None  # override the detected decoder-block class name
+    replicate_size: int | None = None  # hybrid_shard: number of replicas (default: nodes)
+    shard_size: int | None = None  # hybrid_shard: ranks per shard group (default: ranks per node)
+    cpu_offload: bool = False
+    forward_prefetch: int = 0  # explicitly prefetch the next N blocks' all-gather in forward
+    backward_prefetch: int = 1  # ... in backward (1 = FSDP2's default implicit prefetch)
+
+
+@dataclass
+class TrainConfig:
+    micro_batch_size: int = 8  # sequences per rank per forward/backward
+    global_batch_size: int = 32  # sequences per optimizer step, over all ranks
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1  # cosine/linear decay ends at lr * min_lr_ratio
+    lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0  # 0 disables clipping
+    max_steps: int = 0  # > 0 wins over epochs
+    epochs: float = 1.0
+    seed: int = 42
+
+
+@dataclass
+class EvalConfig:
+    every_steps: int = 0  # 0: only before and after training
+    max_batches: int = 0  # 0: the whole validation split
+    micro_batch_size: int | None = None  # default: train.micro_batch_size
+    at_start: bool = True
+
+
+@dataclass
+class LogConfig:
+    every_steps: int = 10
+    progress: bool = True
+
+
+@dataclass
+class RunConfig:
+    output_dir: str | None = None  # default runs/<recipe>-<time>
+    precision: Literal["bf16", "fp16", "fp32"] = "fp32"
+    activation_checkpointing: bool = False
+    compile: bool = False
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    recipe: str | None = None  # name of the recipe the run came from (set by the loader)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ----------------------------------------------------------------------------- parsing
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`train.lr=3e-5` -> ("train.lr", 3e-05). Values are parsed as YAML scalars/lists."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise UserError(f"override {text!r} is not key=value; write it like train.lr=3e-5")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else None
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def set_dotted(tree: dict, key: str, value: Any) -> None:
+    node = tree
+    parts = key.split(".")
+    for part in parts[:-1]:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = node[part] = {}
+        node = child
+    node[parts[-1]] = value
+
+
+def load_config(recipe: str | Path | None, overrides: list[str] | None = None,
+                defaults: dict | None = None) -> RunConfig:
+    """Recipe YAML (or `defaults` when there is none) + dotted overrides -> checked RunConfig."""
+    tree: dict = dict(defaults or {})
+    name = None
+    if recipe is not None:
+        path = Path(recipe)
+        if not path.is_file():
+            raise UserError(f"recipe {str(path)!r} not found; give the path to a YAML file (see recipes/)")
+        try:
+            loaded = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            first = str(exc).splitlines()[0]
+            raise UserError(f"recipe {str(path)!r} is not valid YAML ({first}); fix the file") from None
+        if not isinstance(loaded, dict):
+            raise UserError(f"recipe {str(path)!r} must be a mapping of keys to values")
+        tree = loaded
+        name = path.stem
+    for text in overrides or []:
+        key, value = parse_override(text)
+        set_dotted(tree, key, value)
+    cfg = _build(RunConfig, tree, prefix="")
+    if cfg.recipe is None:
+        cfg.recipe = name or "quickstart"
+    validate(cfg)
+    return cfg
+
+
+def _build(cls, data: Any, prefix: str):
+    if not isinstance(data, dict):
+        raise UserError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {data!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in data.items():
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=1)
+            hint = f"; did you mean {prefix}{close[0]}?" if close else f"; valid keys: {', '.join(fields)}"
+            raise UserError(f"unknown config key '{prefix}{key}'{hint}")
+        kwargs[key] = _coerce(hints[key], value, f"{prefix}{key}")
+    return cls(**kwargs)
+
+
+def _coerce(tp, value: Any, key: str):
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, prefix=key + ".")
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(arg, value, key)
+            except UserError as exc:
+                errors.append(exc)
+        raise errors[0]
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+            hint = f"did you mean {close[0]}? " if close else ""
+            raise UserError(f"{key}={value!r} is not a valid choice; {hint}choose one of: {', '.join(choices)}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise UserError(f"{key} must be a list, got {value!r}; write it like {key}=[0.9,0.95]")
+        (inner,) = typing.get_args(tp)
+        return [_coerce(inner, v, key) for v in value]
+    if tp is dict:
+        if not isinstance(value, dict):
+            raise UserError(f"{key} must be a mapping, got {value!r}")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise UserError(f"{key} must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise UserError(f"{key} must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads "3e-5" (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise UserError(f"{key} must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise UserError(f"{key} must be a string, got {value!r}")
+        return str(value)
+    raise TypeError(f"unsupported config type {tp} for {key}")
+
+
+def validate(cfg: RunConfig) -> None:
+    """Checks that need no model, data or process group."""
+    t, d = cfg.train, cfg.data
+    if cfg.model.name_or_path is None and not cfg.model.config:
+        raise UserError("no model given; set model.name_or_path=<hub id or folder> "
+                        "(or model.config={model_type: gpt2, ...} for a random-init model)")
+    if d.path is None:
+        raise UserError("no dataset given; set data.path=<hub id, file or folder>")
+    for key, value in [("train.micro_batch_size", t.micro_batch_size),
+                       ("train.global_batch_size", t.global_batch_size),
+                       ("data.seq_len", d.seq_len), ("log.every_steps", cfg.log.every_steps)]:
+        if value < 1:
+            raise UserError(f"{key} must be at least 1, got {value}")
+    if t.global_batch_size % t.micro_batch_size:
+        raise UserError(f"train.global_batch_size={t.global_batch_size} is not a multiple of "
+                        f"train.micro_batch_size={t.micro_batch_size}; pick sizes that divide")
+    if t.lr <= 0:
+        raise UserError(f"train.lr must be positive, got {t.lr}")
+    if t.max_steps <= 0 and t.epochs <= 0:
+        raise UserError("set train.max_steps or train.epochs to a positive number")
+    if len(t.betas) != 2:
+        raise UserError(f"train.betas must have two numbers, got {t.betas}")
+    if d.start_idx is not None and d.end_idx is not None and d.end_idx <= d.start_idx:
+        raise UserError(f"data.end_idx={d.end_idx} must be greater than data.start_idx={d.start_idx}")
+    if d.val_size < 0:
+        raise UserError(f"data.val_size must be >= 0, got {d.val_size}")
+
+
+def check_world(cfg: RunConfig, world_size: int) -> int:
+    """Gradient-accumulation steps for this world size, or a UserError if the batch does not divide."""
+    t = cfg.train
+    per_step = t.micro_batch_size * world_size
+    if t.global_batch_size % per_step:
+        raise UserError(
+            f"train.global_batch_size={t.global_batch_size} is not divisible by micro_batch_size "
+            f"x ranks = {t.micro_batch_size} x {world_size}; change the batch sizes or the number of ranks")
+    return t.global_batch_size // per_step
+
+
+def dump_yaml(cfg: RunConfig) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
