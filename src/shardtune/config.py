@@ -274,3 +274,32 @@ def check_world(cfg: RunConfig, world_size: int) -> int:
 
 def dump_yaml(cfg: RunConfig) -> str:
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
+def reference_lines() -> list[str]:
+    """`section.key (type = default)  comment` for every key, read from the dataclasses above."""
+    import inspect
+    import re
+
+    lines = []
+
+    def walk(cls, prefix: str) -> None:
+        comments = {}
+        for line in inspect.getsource(cls).splitlines():
+            m = re.match(r"\s+(\w+):.*?#\s*(.*)$", line)
+            if m:
+                comments[m.group(1)] = m.group(2)
+        for f in dataclasses.fields(cls):
+            if f.name == "recipe":
+                continue
+            sub = typing.get_type_hints(cls)[f.name]
+            if dataclasses.is_dataclass(sub):
+                walk(sub, prefix + f.name + ".")
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            type_name = str(f.type).replace("typing.", "").replace("Literal", "one of ")
+            text = f"  {prefix}{f.name} ({type_name} = {default!r})"
+            lines.append(text + (f"  {comments[f.name]}" if f.name in comments else ""))
+
+    walk(RunConfig, "")
+    return lines

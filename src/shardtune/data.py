@@ -1,0 +1,212 @@
+"""Data: load documents (local files or the HF hub), tokenize once (cached by `datasets`),
+pack into fixed-length blocks, and decide which blocks each rank trains on at each step.
+
+The global order of an epoch is a seeded permutation of all packed blocks; optimizer step s
+takes the next `global_batch_size` blocks of it, and rank r's micro-batch m inside that step
+is a fixed slice of them. The split depends only on (seed, epoch, step, rank, world size), so
+any world size trains on exactly the same global batches.
+"""
+
+from __future__ import annotations
+
+from itertools import chain
+from pathlib import Path
+
+from .config import DataConfig
+from .errors import UserError
+
+BUILDERS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".csv": "csv",
+            ".parquet": "parquet"}
+VAL_NAMES = ("validation", "valid", "val", "dev")
+IGNORE_INDEX = -100
+
+
+# ----------------------------------------------------------------------------- documents
+
+
+def _local_files(path: Path) -> dict[str, list[str]]:
+    """Files of a local dataset, by split. A folder's `train*`/`validation*` files are splits."""
+    if path.is_file():
+        files = [path]
+    else:
+        files = sorted(p for p in path.iterdir() if p.suffix in BUILDERS and not p.name.startswith("."))
+        if not files:
+            raise UserError(f"data.path={str(path)!r} holds no {'/'.join(sorted(BUILDERS))} files; "
+                            "point it at a data file or a folder of them")
+    suffixes = {p.suffix for p in files}
+    if len({BUILDERS[s] for s in suffixes if s in BUILDERS}) != 1 or not suffixes <= BUILDERS.keys():
+        raise UserError(f"data.path={str(path)!r} mixes or has unsupported file types ({', '.join(sorted(suffixes))}); "
+                        f"use one of {', '.join(sorted(BUILDERS))}")
+    splits: dict[str, list[str]] = {}
+    for p in files:
+        stem = p.stem.lower()
+        split = next((s for s in ("train", *VAL_NAMES, "test") if stem.startswith(s)), "train")
+        splits.setdefault("validation" if split in VAL_NAMES else split, []).append(str(p))
+    if "train" not in splits:
+        splits = {"train": [f for group in splits.values() for f in group]}
+    return splits
+
+
+def load_documents(cfg: DataConfig):
+    """DatasetDict-like {split: Dataset} of raw documents."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    path = Path(cfg.path).expanduser()
+    try:
+        if path.exists():
+            files = _local_files(path)
+            builder = BUILDERS[Path(next(iter(files.values()))[0]).suffix]
+            return datasets.load_dataset(builder, data_files=files)
+        if cfg.path.startswith((".", "/", "~")) or Path(cfg.path).suffix in BUILDERS:
+            raise UserError(f"data file {cfg.path!r} not found; check data.path")
+        return datasets.load_dataset(cfg.path, cfg.name)
+    except UserError:
+        raise
+    except (FileNotFoundError, ConnectionError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"could not load dataset {cfg.path!r} ({first[:200]}); check data.path/data.name "
+                        "(no network? download it first)") from None
+
+
+def split_documents(cfg: DataConfig, splits, seed: int):
+    """(train, validation) documents: the dataset's own validation split if it has one, else a
+    seeded hold-out of `val_size` training documents; then `start_idx:end_idx` of the rest."""
+    if cfg.split not in splits:
+        raise UserError(f"dataset {cfg.path!r} has no split {cfg.split!r}; choose data.split from "
+                        f"{', '.join(splits)}")
+    train = splits[cfg.split]
+    val_name = cfg.val_split or next((s for s in VAL_NAMES if s in splits and s != cfg.split), None)
+    if cfg.val_split and cfg.val_split not in splits:
+        raise UserError(f"dataset {cfg.path!r} has no split {cfg.val_split!r}; choose data.val_split from "
+                        f"{', '.join(splits)}")
+    if val_name is not None:
+        val = splits[val_name]
+    else:
+        n = len(train)
+        k = int(cfg.val_size) if cfg.val_size >= 1 else int(round(n * cfg.val_size))
+        k = min(k, n - 1) if n > 1 else 0
+        import numpy as np
+
+        held = np.random.default_rng(seed).permutation(n)[:k]
+        held_set = set(held.tolist())
+        val = train.select(sorted(held_set))
+        train = train.select([i for i in range(n) if i not in held_set])
+    start = cfg.start_idx or 0
+    end = len(train) if cfg.end_idx is None else min(cfg.end_idx, len(train))
+    if start or end < len(train):
+        train = train.select(range(start, end))
+    return train, val
+
+
+# ----------------------------------------------------------------------------- tokens
+
+
+def _check_field(ds, field: str, what: str) -> None:
+    if field not in ds.column_names:
+        raise UserError(f"{what} has no column {field!r}; set data.text_field to one of: "
+                        f"{', '.join(ds.column_names)}")
+
+
+def pack(docs, tokenizer, field: str, seq_len: int, num_proc: int | None = None):
+    """Tokenize, join documents with EOS, and cut into `seq_len` blocks (the tail is dropped)."""
+    eos = tokenizer.eos_token_id
+
+    def tokenize(batch):
+        ids = tokenizer(batch[field], add_special_tokens=False)["input_ids"]
+        return {"input_ids": [x + [eos] for x in ids]}
+
+    def group(batch):
+        flat = list(chain.from_iterable(batch["input_ids"]))
+        usable = len(flat) // seq_len * seq_len
+        return {"input_ids": [flat[i:i + seq_len] for i in range(0, usable, seq_len)]}
+
+    tokens = docs.map(tokenize, batched=True, remove_columns=docs.column_names, num_proc=num_proc,
+                      desc="tokenize")
+    # One pass over everything (batch_size=None) so no block straddles a gap.
+    return tokens.map(group, batched=True, batch_size=None, desc=f"pack {seq_len}")
+
+
+def prepare(cfg: DataConfig, tokenizer, seed: int):
+    """(train_blocks, val_blocks): packed datasets with an `input_ids` column of length seq_len."""
+    splits = load_documents(cfg)
+    train_docs, val_docs = split_documents(cfg, splits, seed)
+    _check_field(train_docs, cfg.text_field, f"dataset {cfg.path!r}")
+    if len(train_docs) == 0:
+        raise UserError(f"dataset {cfg.path!r} has no training documents (after start_idx/end_idx); "
+                        "check data.path and the slice")
+    train = pack(train_docs, tokenizer, cfg.text_field, cfg.seq_len, cfg.num_proc)
+    if len(train) == 0:
+        raise UserError(f"dataset {cfg.path!r} has fewer tokens than one sequence of data.seq_len={cfg.seq_len}; "
+                        "add data or lower data.seq_len")
+    val = None
+    if len(val_docs):
+        _check_field(val_docs, cfg.text_field, f"the validation split of {cfg.path!r}")
+        val = pack(val_docs, tokenizer, cfg.text_field, cfg.seq_len, cfg.num_proc)
+        val = val if len(val) else None
+    return train.with_format("torch"), (val.with_format("torch") if val is not None else None)
+
+
+# ----------------------------------------------------------------------------- batches
+
+
+class BatchPlan:
+    """Which packed blocks rank `rank` uses for every micro-step of every optimizer step."""
+
+    def __init__(self, num_samples: int, global_batch: int, micro_batch: int, world_size: int,
+                 rank: int, seed: int):
+        self.num_samples, self.global_batch, self.micro_batch = num_samples, global_batch, micro_batch
+        self.world_size, self.rank, self.seed = world_size, rank, seed
+        self.accum = global_batch // (micro_batch * world_size)
+        self.steps_per_epoch = num_samples // global_batch
+        if self.steps_per_epoch == 0:
+            raise UserError(f"the training split has {num_samples} sequences, fewer than "
+                            f"train.global_batch_size={global_batch}; lower the batch size or data.seq_len")
+        self._epoch, self._order = -1, None
+
+    def order(self, epoch: int):
+        import torch
+
+        if epoch != self._epoch:
+            gen = torch.Generator().manual_seed(self.seed + epoch)
+            self._epoch, self._order = epoch, torch.randperm(self.num_samples, generator=gen)
+        return self._order
+
+    def micro_batches(self, epoch: int, step_in_epoch: int) -> list[list[int]]:
+        """`accum` lists of `micro_batch` sample indices for this rank at this step."""
+        order = self.order(epoch)
+        base = step_in_epoch * self.global_batch
+        out = []
+        for m in range(self.accum):
+            start = base + (m * self.world_size + self.rank) * self.micro_batch
+            out.append(order[start:start + self.micro_batch].tolist())
+        return out
+
+
+def eval_batches(num_samples: int, micro_batch: int, world_size: int, rank: int,
+                 max_batches: int = 0) -> list[list[int]]:
+    """Validation blocks for this rank in fixed order. Every rank gets the same number of
+    batches (FSDP needs every rank in every forward); missing places are -1 (masked)."""
+    per_round = micro_batch * world_size
+    rounds = -(-num_samples // per_round)
+    if max_batches:
+        rounds = min(rounds, max_batches)
+    batches = []
+    for r in range(rounds):
+        start = r * per_round + rank * micro_batch
+        batches.append([i if i < num_samples else -1 for i in range(start, start + micro_batch)])
+    return batches
+
+
+def collate(ds, indices: list[int], device):
+    """{input_ids, labels} tensors for these blocks; index -1 is a padding row with no loss."""
+    import torch
+
+    real = [i if i >= 0 else 0 for i in indices]
+    rows = ds[real]
+    input_ids = rows["input_ids"]
+    labels = rows["labels"].clone() if "labels" in rows else input_ids.clone()
+    for pos, i in enumerate(indices):
+        if i < 0:
+            labels[pos] = IGNORE_INDEX
+    return {"input_ids": input_ids.to(device, non_blocking=True), "labels": labels.to(device, non_blocking=True)}

@@ -1,0 +1,169 @@
+"""Processes: start N local workers, or join the group torchrun / Slurm already started.
+
+One command covers every layout:
+- plain `shardtune train ...`      -> world of 1 (still a process group, so one code path);
+- `shardtune train ... --nproc N`  -> torch's elastic launcher starts N copies of the same command;
+- under `torchrun` or `srun`       -> the environment names rank and world; we join.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import uuid
+from dataclasses import dataclass
+
+from .errors import EXIT_USAGE, UserError
+
+
+@dataclass
+class Dist:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: "torch.device"  # noqa: F821
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, self.world_size // self.local_world_size)
+
+
+def launched_by_agent() -> bool:
+    """True inside a torchrun/elastic worker or an srun task."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ or "SLURM_PROCID" in os.environ
+
+
+def _adopt_slurm_env() -> None:
+    """srun without torchrun: translate Slurm's variables into torch.distributed's."""
+    if "RANK" in os.environ or "SLURM_PROCID" not in os.environ:
+        return
+    env = os.environ
+    env["RANK"] = env["SLURM_PROCID"]
+    env["WORLD_SIZE"] = env.get("SLURM_NTASKS", "1")
+    env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+    env["LOCAL_WORLD_SIZE"] = env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0]
+    if "MASTER_ADDR" not in env:
+        nodes = env.get("SLURM_JOB_NODELIST", "127.0.0.1")
+        try:  # first host of the allocation
+            out = subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True,
+                                 text=True, check=True).stdout.split()
+            env["MASTER_ADDR"] = out[0]
+        except (OSError, subprocess.CalledProcessError, IndexError):
+            env["MASTER_ADDR"] = nodes.split(",")[0]
+    env.setdefault("MASTER_PORT", str(29500 + int(env.get("SLURM_JOB_ID", "0")) % 1000))
+
+
+def resolve_device(requested: str) -> "torch.device":  # noqa: F821
+    import torch
+
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise UserError("device=cuda but no CUDA GPU is visible; use device=cpu or run on a GPU machine")
+    if requested == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def check_nproc(nproc: int, requested_device: str) -> None:
+    if nproc < 1:
+        raise UserError(f"--nproc must be at least 1, got {nproc}")
+    if requested_device == "cpu":
+        return
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus and nproc > gpus:
+        raise UserError(f"--nproc {nproc} asks for more ranks than the {gpus} CUDA GPU(s) present; "
+                        f"use --nproc {gpus} or fewer (or device=cpu)")
+    if requested_device == "cuda" and not gpus:
+        raise UserError("device=cuda but no CUDA GPU is visible; use device=cpu or run on a GPU machine")
+
+
+def init_distributed(requested_device: str) -> Dist:
+    """Join (or create, for a lone process) the default process group."""
+    import torch
+    import torch.distributed as dist
+
+    _adopt_slurm_env()
+    device = resolve_device(requested_device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
+    if not dist.is_initialized():
+        if launched_by_agent():
+            dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
+        else:  # a lone process: a private in-memory store, no ports
+            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+    world = dist.get_world_size()
+    return Dist(rank=dist.get_rank(), world_size=world,
+                local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+                local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", str(world))),
+                device=device)
+
+
+def launch_local(nproc: int, worker_argv: list[str]) -> int:
+    """Run `python -m shardtune <worker_argv>` as `nproc` local ranks with torch's elastic agent."""
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
+                          rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+                          max_restarts=0, monitor_interval=0.5)
+    # The workers print their own errors; the agent's retelling would bury the one line that matters.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    try:
+        elastic_launch(config, entrypoint=sys.executable)("-m", "shardtune", *worker_argv)
+    except ChildFailedError as exc:
+        codes = {failure.exitcode for failure in exc.failures.values()}
+        if EXIT_USAGE in codes:
+            return EXIT_USAGE
+        print(f"error: {len(exc.failures)} worker(s) failed (exit codes {sorted(codes)}); "
+              f"see their output above", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def rank0_first(dist: Dist, fn):
+    """Run `fn` on rank 0, then on the others (e.g. to fill a cache once). A UserError on
+    rank 0 is re-raised on every rank instead of leaving the others waiting forever."""
+    import torch.distributed as tdist
+
+    result, error = None, None
+    if dist.is_main:
+        try:
+            result = fn()
+        except UserError as exc:
+            error = str(exc)
+    if dist.world_size > 1:
+        box = [error]
+        tdist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error is not None:
+        raise UserError(error)
+    return result if dist.is_main else fn()
+
+
+def broadcast_value(dist: Dist, value):
+    """Rank 0's `value` on every rank."""
+    if dist.world_size == 1:
+        return value
+    import torch.distributed as tdist
+
+    box = [value]
+    tdist.broadcast_object_list(box, src=0)
+    return box[0]

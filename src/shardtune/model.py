@@ -1,0 +1,143 @@
+"""Model and tokenizer: where they come from, how big a sequence they take, and how the
+weights reach every rank without N full copies in host memory.
+
+Every rank builds the model skeleton on the meta device; only rank 0 reads (or randomly
+initialises) the full weights, which are then broadcast shard by shard after `fully_shard`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .config import ModelConfig
+from .errors import UserError
+
+
+def _hub_hint(name: str) -> str:
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        return f"HF_HUB_OFFLINE=1 and {name!r} is not in the local cache; download it first where there is network"
+    return f"check the name, or give a local folder (no network? download {name!r} first)"
+
+
+def load_hf_config(cfg: ModelConfig):
+    """The transformers config of the model, with `model.config` overrides applied."""
+    from transformers import AutoConfig
+
+    overrides = dict(cfg.config)
+    if cfg.name_or_path is None:
+        model_type = overrides.pop("model_type", None)
+        if model_type is None:
+            raise UserError("model.config needs model_type (e.g. model.config.model_type=gpt2) "
+                            "when model.name_or_path is not set")
+        try:
+            return AutoConfig.for_model(model_type, **overrides)
+        except ValueError as exc:
+            raise UserError(f"model.config.model_type={model_type!r} is unknown to transformers ({exc})") from None
+    try:
+        hf_config = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
+    except OSError:
+        raise UserError(f"model {cfg.name_or_path!r} not found; {_hub_hint(cfg.name_or_path)}") from None
+    except ValueError as exc:
+        if "trust_remote_code" in str(exc):
+            raise UserError(f"model {cfg.name_or_path!r} needs custom code; set model.trust_remote_code=true "
+                            "if you trust it") from None
+        raise
+    for key, value in overrides.items():
+        if not hasattr(hf_config, key):
+            raise UserError(f"model.config.{key} is not a field of {type(hf_config).__name__}; check the name")
+        setattr(hf_config, key, value)
+    return hf_config
+
+
+def max_positions(hf_config) -> int | None:
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(hf_config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_seq_len(hf_config, seq_len: int) -> None:
+    limit = max_positions(hf_config)
+    if limit is not None and seq_len > limit:
+        raise UserError(f"data.seq_len={seq_len} is above the model's maximum of {limit} positions; "
+                        f"set data.seq_len={limit} or less")
+
+
+def load_tokenizer(cfg: ModelConfig):
+    from transformers import AutoTokenizer
+
+    source = cfg.tokenizer or cfg.name_or_path
+    if source is None:
+        raise UserError("a random-init model needs a tokenizer: set model.tokenizer=<hub id or folder>")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
+    except OSError:
+        raise UserError(f"tokenizer {source!r} not found; {_hub_hint(source)}") from None
+    if tokenizer.eos_token_id is None:
+        raise UserError(f"tokenizer {source!r} has no end-of-sequence token; pick a tokenizer that has one")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def build_meta_model(hf_config, trust_remote_code: bool = False):
+    """The model's structure with no storage: cheap on every rank."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32,
+                                                trust_remote_code=trust_remote_code)
+
+
+def load_source_model(cfg: ModelConfig, hf_config, seed: int):
+    """The full weights, in fp32 on CPU. Called on rank 0 only."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if cfg.name_or_path is None or cfg.random_init:
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32,
+                                                trust_remote_code=cfg.trust_remote_code)
+    return AutoModelForCausalLM.from_pretrained(cfg.name_or_path, config=hf_config, dtype=torch.float32,
+                                                trust_remote_code=cfg.trust_remote_code)
+
+
+def materialize(model, source, device, is_main: bool) -> None:
+    """Give the sharded meta `model` real storage on `device` and fill it from rank 0's `source`.
+
+    Parameters travel with DCP's broadcast-from-rank-0 (each rank keeps only its shard);
+    buffers (e.g. rotary frequencies, not in the state dict) are broadcast whole.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    model.to_empty(device=device)
+    full = source.state_dict() if is_main else {}
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    source_buffers = dict(source.named_buffers()) if is_main else {}
+    for name, buf in model.named_buffers():
+        if is_main:
+            buf.copy_(source_buffers[name].to(device))
+        if dist.get_world_size() > 1:
+            dist.broadcast(buf, src=0)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    del full
+
+
+def count_params(model) -> tuple[int, int]:
+    """(total, trainable) parameter counts of the unsharded model."""
+    total = trainable = 0
+    for p in model.parameters():
+        n = p.numel()  # DTensor.numel() is the global size
+        total += n
+        trainable += n if p.requires_grad else 0
+    return total, trainable
+
+
+def is_local_folder(name: str | None) -> bool:
+    return name is not None and Path(name).is_dir()

@@ -1,0 +1,42 @@
+"""AdamW with the usual decay groups, and the learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+
+from .config import TrainConfig
+
+
+def build_optimizer(model, cfg: TrainConfig, device):
+    import torch
+
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    # Biases and norm weights are the 1-D parameters; decaying them only hurts.
+    groups = [
+        {"params": [p for p in trainable if p.ndim >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in trainable if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    groups = [g for g in groups if g["params"]]
+    fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **fast)
+
+
+def lr_factor(step: int, total: int, cfg: TrainConfig) -> float:
+    """Multiplier of cfg.lr at optimizer step `step` (0-based): linear warmup, then decay."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.lr_schedule == "constant":
+        return 1.0
+    span = max(1, total - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    if cfg.lr_schedule == "linear":
+        shape = 1.0 - progress
+    else:
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
+
+
+def build_scheduler(optimizer, total_steps: int, cfg: TrainConfig):
+    import torch
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total_steps, cfg))

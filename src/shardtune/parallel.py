@@ -1,0 +1,125 @@
+"""FSDP2: the device mesh and the one function that applies parallelism, in a fixed order:
+activation checkpointing -> compile -> fully_shard per unit -> fully_shard on the root.
+"""
+
+from __future__ import annotations
+
+from .config import RunConfig
+from .errors import UserError
+from .launch import Dist
+
+
+def detect_block_class(model, override: str | None = None) -> type:
+    """The decoder-block class that becomes one FSDP unit (GPT2Block, OPTDecoderLayer, ...)."""
+    classes = {type(m).__name__: type(m) for m in model.modules()}
+    if override:
+        if override not in classes:
+            candidates = sorted(n for n in classes if "Block" in n or "Layer" in n)
+            raise UserError(f"fsdp.block_class={override!r} is not a module of this model; "
+                            f"candidates: {', '.join(candidates) or 'none'}")
+        return classes[override]
+    for name in getattr(model, "_no_split_modules", None) or []:
+        if name in classes:
+            return classes[name]
+    # Fallback: the class of the longest ModuleList (the stack of decoder layers).
+    import torch.nn as nn
+
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    if not lists:
+        raise UserError("could not find the decoder blocks of this model; set fsdp.block_class=<class name>")
+    return type(max(lists, key=len)[0])
+
+
+def build_mesh(cfg: RunConfig, dist: Dist):
+    """1-D mesh for full_shard/shard_grad_op; 2-D (replicate, shard) for hybrid_shard and no_shard."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.world_size
+    sharding = cfg.fsdp.sharding
+    if sharding in ("full_shard", "shard_grad_op"):
+        return init_device_mesh(dist.device.type, (world,), mesh_dim_names=("shard",))
+    if sharding == "no_shard":  # pure data parallel: replicate everywhere, shard groups of one
+        replicate, shard = world, 1
+    else:
+        shard = cfg.fsdp.shard_size or (world // cfg.fsdp.replicate_size if cfg.fsdp.replicate_size
+                                        else dist.local_world_size)
+        replicate = cfg.fsdp.replicate_size or (world // shard if shard else 0)
+        if shard < 1 or replicate * shard != world:
+            raise UserError(f"hybrid_shard needs replicate_size x shard_size = world size {world}, got "
+                            f"{replicate} x {shard}; set fsdp.shard_size to a divisor of {world}")
+    return init_device_mesh(dist.device.type, (replicate, shard), mesh_dim_names=("replicate", "shard"))
+
+
+def mixed_precision(precision: str):
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[precision]
+    # Compute in low precision, keep fp32 master weights, reduce gradients in fp32.
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+
+
+def apply_parallelism(model, cfg: RunConfig, mesh, device) -> list:
+    """Shard `model` in place. Returns the FSDP units (in forward order) below the root."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    block_cls = detect_block_class(model, cfg.fsdp.block_class)
+    blocks = [m for m in model.modules() if isinstance(m, block_cls)]
+
+    if cfg.activation_checkpointing:
+        if not getattr(model, "supports_gradient_checkpointing", False):
+            raise UserError(f"{type(model).__name__} does not support activation checkpointing; "
+                            "set activation_checkpointing=false")
+        # transformers' per-layer checkpointing keeps parameter names unchanged.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+
+    if cfg.compile:
+        for block in blocks:
+            block.compile()  # in place: parameter names unchanged
+
+    kwargs = dict(
+        mesh=mesh,
+        mp_policy=mixed_precision(cfg.precision),
+        # pinned host memory needs CUDA; on CPU, pinning fails
+        offload_policy=CPUOffloadPolicy(pin_memory=device.type == "cuda") if cfg.fsdp.cpu_offload
+        else OffloadPolicy(),
+    )
+    reshard = cfg.fsdp.sharding in ("full_shard", "hybrid_shard")
+    if cfg.fsdp.wrap == "block":
+        units = blocks
+    else:
+        units = _size_based_units(model, cfg.fsdp.min_num_params)
+    for unit in units:
+        fully_shard(unit, reshard_after_forward=reshard, **kwargs)
+    # The root holds embeddings/head; it is needed again right at the start of backward.
+    fully_shard(model, reshard_after_forward=False, **kwargs)
+    _set_prefetch(units, cfg.fsdp.forward_prefetch, cfg.fsdp.backward_prefetch)
+    return units
+
+
+def _size_based_units(model, min_num_params: int) -> list:
+    """Post-order walk: a subtree becomes a unit once it holds >= min_num_params not yet in a unit."""
+    units = []
+
+    def visit(module) -> int:
+        pending = sum(p.numel() for p in module.parameters(recurse=False))
+        for child in module.children():
+            pending += visit(child)
+        if module is not model and pending >= min_num_params:
+            units.append(module)
+            return 0
+        return pending
+
+    visit(model)
+    return units
+
+
+def _set_prefetch(units: list, forward: int, backward: int) -> None:
+    """FSDP2 prefetches one unit ahead implicitly; these settings make it explicit or deeper."""
+    if forward > 0:
+        for i, unit in enumerate(units[:-1]):
+            unit.set_modules_to_forward_prefetch(units[i + 1:i + 1 + forward])
+    if backward != 1:
+        for i, unit in enumerate(units[1:], start=1):
+            unit.set_modules_to_backward_prefetch(units[max(0, i - backward):i][::-1] if backward else [])

@@ -1,0 +1,226 @@
+"""The training loop, top to bottom: set up, then step / log / evaluate, then export."""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+from . import data as data_lib
+from .config import RunConfig, check_world, dump_yaml
+from .errors import UserError
+from .launch import Dist, broadcast_value, init_distributed, rank0_first
+from .model import build_meta_model, check_seq_len, count_params, load_hf_config, load_source_model, \
+    load_tokenizer, materialize
+from .parallel import apply_parallelism, build_mesh
+from .rundir import claim_output_dir, default_output_dir
+from .telemetry import MetricsLog, Progress, Throughput, perplexity
+
+
+def token_loss(model, batch):
+    """(sum of next-token losses, number of predicted tokens, number correct) of one micro-batch."""
+    import torch
+    import torch.nn.functional as F
+
+    logits = model(input_ids=batch["input_ids"], use_cache=False).logits[:, :-1]
+    labels = batch["labels"][:, 1:]
+    flat = logits.reshape(-1, logits.size(-1)).float()
+    loss_sum = F.cross_entropy(flat, labels.reshape(-1), ignore_index=data_lib.IGNORE_INDEX, reduction="sum")
+    mask = labels != data_lib.IGNORE_INDEX
+    correct = ((logits.argmax(-1) == labels) & mask).sum()
+    return loss_sum, mask.sum(), correct
+
+
+def all_sum(*values, device):
+    import torch
+    import torch.distributed as dist
+
+    t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values])
+    if dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def evaluate(model, ds, batches, device) -> dict:
+    """Token-weighted validation loss, perplexity and next-token accuracy over all ranks."""
+    import torch
+
+    model.eval()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    count = torch.zeros((), dtype=torch.float64, device=device)
+    correct = torch.zeros((), dtype=torch.float64, device=device)
+    with torch.no_grad():
+        for indices in batches:
+            s, n, c = token_loss(model, data_lib.collate(ds, indices, device))
+            loss_sum += s
+            count += n
+            correct += c
+    model.train()
+    loss_sum, count, correct = all_sum(loss_sum, count, correct, device=device)
+    loss = loss_sum / max(count, 1)
+    return {"eval_loss": loss, "eval_ppl": perplexity(loss), "eval_acc": correct / max(count, 1)}
+
+
+def train_step(model, optimizer, scaler, ds, micro_batches, cfg: RunConfig, dist: Dist):
+    """One optimizer step over this rank's micro-batches. Returns (loss sum, tokens, grad norm)
+    as device tensors; the loss is normalised by the tokens of the whole global batch, so the
+    gradient is the same whatever the world size and accumulation."""
+    import torch
+
+    batches = [data_lib.collate(ds, idx, dist.device) for idx in micro_batches]
+    local_tokens = sum((b["labels"][:, 1:] != data_lib.IGNORE_INDEX).sum() for b in batches)
+    (global_tokens,) = all_sum(local_tokens, device=dist.device)
+    # FSDP averages gradients over ranks; scale back up so the result is a sum over all tokens.
+    scale = dist.world_size / max(global_tokens, 1.0)
+    sync_each = cfg.fsdp.sharding in ("full_shard", "hybrid_shard")  # keep grads sharded between micro-steps
+    loss_sum = torch.zeros((), device=dist.device)
+    for i, batch in enumerate(batches):
+        model.set_requires_gradient_sync(sync_each or i == len(batches) - 1)
+        s, _, _ = token_loss(model, batch)
+        loss = s * scale
+        (scaler.scale(loss) if scaler else loss).backward()
+        loss_sum += s.detach()
+    if scaler:
+        scaler.unscale_(optimizer)
+    max_norm = cfg.train.max_grad_norm if cfg.train.max_grad_norm > 0 else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_norm)
+    if hasattr(grad_norm, "full_tensor"):
+        grad_norm = grad_norm.full_tensor()
+    if scaler:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_sum, global_tokens, grad_norm
+
+
+def seed_everything(seed: int) -> None:
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def run(cfg: RunConfig, overwrite: bool = False) -> dict:
+    """Train as one rank of the job (the process group is joined or created here)."""
+    import torch
+
+    dist = init_distributed(cfg.device)
+    cfg.output_dir = broadcast_value(dist, cfg.output_dir or default_output_dir(cfg.recipe))
+    out = Path(cfg.output_dir)
+    rank0_first(dist, lambda: claim_output_dir(out, overwrite) if dist.is_main else None)
+    say = print if dist.is_main else (lambda *a, **k: None)
+
+    # ---- model config, tokenizer and data (rank 0 tokenizes first; the others hit the cache)
+    tokenizer = load_tokenizer(cfg.model)
+    hf_config = load_hf_config(cfg.model)
+    if cfg.model.name_or_path is None:  # random init: the tokenizer defines the vocabulary
+        if "vocab_size" not in cfg.model.config:
+            hf_config.vocab_size = len(tokenizer)
+        hf_config.bos_token_id = tokenizer.bos_token_id
+        hf_config.eos_token_id = tokenizer.eos_token_id
+        hf_config.pad_token_id = tokenizer.pad_token_id
+    if len(tokenizer) > hf_config.vocab_size:
+        raise UserError(f"the tokenizer has {len(tokenizer)} tokens but the model only {hf_config.vocab_size}; "
+                        "use the model's own tokenizer or set model.config.vocab_size")
+    check_seq_len(hf_config, cfg.data.seq_len)
+    accum = check_world(cfg, dist.world_size)
+    train_ds, val_ds = rank0_first(dist, lambda: data_lib.prepare(cfg.data, tokenizer, cfg.train.seed))
+    t = cfg.train
+    plan = data_lib.BatchPlan(len(train_ds), t.global_batch_size, t.micro_batch_size, dist.world_size,
+                              dist.rank, t.seed)
+    total_steps = t.max_steps if t.max_steps > 0 else max(1, int(t.epochs * plan.steps_per_epoch))
+    eval_mb = cfg.eval.micro_batch_size or t.micro_batch_size
+    val_batches = data_lib.eval_batches(len(val_ds), eval_mb, dist.world_size, dist.rank,
+                                        cfg.eval.max_batches) if val_ds is not None else []
+
+    # ---- model: skeleton on meta everywhere, sharded, then filled from rank 0's single copy
+    seed_everything(t.seed)
+    model = build_meta_model(hf_config, cfg.model.trust_remote_code)
+    mesh = build_mesh(cfg, dist)
+    apply_parallelism(model, cfg, mesh, dist.device)
+    source = load_source_model(cfg.model, hf_config, t.seed) if dist.is_main else None
+    materialize(model, source, dist.device, dist.is_main)
+    del source
+    model.train()
+    total, trainable = count_params(model)
+    say(f"model: {type(model).__name__.removeprefix('FSDP')} {total / 1e6:.2f}M params ({trainable / 1e6:.2f}M trainable, "
+        f"{100 * trainable / max(total, 1):.1f}%) | {dist.world_size} rank(s) on {dist.device.type} | "
+        f"{cfg.fsdp.sharding} | {cfg.precision} | accumulation {accum} | {total_steps} steps")
+
+    from .optim import build_optimizer, build_scheduler
+
+    optimizer = build_optimizer(model, t, dist.device)
+    scheduler = build_scheduler(optimizer, total_steps, t)
+    scaler = None
+    if cfg.precision == "fp16":
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        scaler = ShardedGradScaler(device=dist.device.type)
+
+    if dist.is_main:
+        (out / "config.yaml").write_text(dump_yaml(cfg))
+    log = MetricsLog(out / "metrics.jsonl", dist.is_main)
+    torch.manual_seed(t.seed + dist.rank)  # dropout: different masks per rank, reproducible per run
+
+    results: dict = {}
+    if val_batches and cfg.eval.at_start:
+        results["first"] = evaluate(model, val_ds, val_batches, dist.device)
+        log.write({"step": 0, "epoch": 0.0, **results["first"]})
+        say(f"step 0: validation loss {results['first']['eval_loss']:.4f}, "
+            f"perplexity {results['first']['eval_ppl']:.2f}")
+
+    progress = Progress(total_steps, 0, dist.is_main and cfg.log.progress)
+    speed = Throughput()
+    tokens_per_step = t.global_batch_size * cfg.data.seq_len
+    start = time.perf_counter()
+    for step in range(1, total_steps + 1):
+        epoch, step_in_epoch = divmod(step - 1, plan.steps_per_epoch)
+        loss_sum, tokens, grad_norm = train_step(model, optimizer, scaler, train_ds,
+                                                 plan.micro_batches(epoch, step_in_epoch), cfg, dist)
+        lr = scheduler.get_last_lr()[0]
+        scheduler.step()
+        speed.add(tokens_per_step)
+        record = {}
+        if step % cfg.log.every_steps == 0 or step == total_steps:
+            (loss_total,) = all_sum(loss_sum, device=dist.device)
+            loss = loss_total / max(tokens, 1.0)
+            record = {"step": step, "epoch": step / plan.steps_per_epoch, "loss": loss, "lr": lr,
+                      "grad_norm": float(grad_norm), "tokens_seen": step * tokens_per_step,
+                      "tokens_per_s": speed.rate()}
+            if scaler:
+                record["loss_scale"] = float(scaler.get_scale())
+            progress.update(0, loss=loss, tok_s=record["tokens_per_s"])
+        if val_batches and (step == total_steps or (cfg.eval.every_steps and step % cfg.eval.every_steps == 0)):
+            results["last"] = evaluate(model, val_ds, val_batches, dist.device)
+            record = {"step": step, "epoch": step / plan.steps_per_epoch, **record, **results["last"]}
+            progress.write(f"step {step}: validation loss {results['last']['eval_loss']:.4f}, "
+                           f"perplexity {results['last']['eval_ppl']:.2f}")
+        if record:
+            log.write(record)
+        progress.update(1)
+    progress.close()
+    elapsed = time.perf_counter() - start
+    results["train_seconds"] = elapsed
+    results["tokens_per_s"] = total_steps * tokens_per_step / max(elapsed, 1e-9)
+    log.close()
+
+    # ---- export: gathered to rank 0's CPU only
+    from .export import gather_full_state_dict, save_hf_folder
+
+    full = gather_full_state_dict(model)
+    if dist.is_main:
+        save_hf_folder(full, hf_config, tokenizer, out / "final")
+    del full
+    if "first" in results and "last" in results:
+        say(f"validation perplexity: {results['first']['eval_ppl']:.2f} before -> "
+            f"{results['last']['eval_ppl']:.2f} after training")
+    say(f"done in {elapsed:.1f}s ({results['tokens_per_s']:.0f} tokens/s); model saved to {out / 'final'}")
+    import torch.distributed
+
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    return results
