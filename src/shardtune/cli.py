@@ -88,7 +88,12 @@ def cmd_train(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # key=value words after an option (`--nproc 2 train.lr=1e-3`) land in `extra`.
+    if extra and (args.command != "train" or any(w.startswith("-") or "=" not in w for w in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE

@@ -45,9 +45,9 @@ class Throughput:
 class Progress:
     """tqdm bar on the main rank; nothing elsewhere."""
 
-    def __init__(self, total: int, initial: int, enabled: bool):
-        self.bar = None
-        if enabled:
+    def __init__(self, total: int, initial: int, is_main: bool, bar: bool = True):
+        self.is_main, self.bar = is_main, None
+        if is_main and bar:
             from tqdm.auto import tqdm
 
             self.bar = tqdm(total=total, initial=initial, desc="train", unit="step", file=sys.stderr,
@@ -61,6 +61,8 @@ class Progress:
     def write(self, text: str) -> None:
         if self.bar is not None:
             self.bar.write(text, file=sys.stdout)
+        elif self.is_main:
+            print(text, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:

@@ -104,123 +104,158 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+class Trainer:
+    """One rank's view of a run: `Trainer(cfg)` sets everything up, `fit()` trains and
+    evaluates, `export()` writes final/, `close()` leaves the process group."""
+
+    def __init__(self, cfg: RunConfig, overwrite: bool = False):
+        import torch
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()  # its padding/attention-mask advice does not apply to packed blocks
+        self.cfg = cfg
+        self.owns_group = not torch.distributed.is_initialized()
+        self.dist = dist = init_distributed(cfg.device)
+        cfg.output_dir = broadcast_value(dist, cfg.output_dir or default_output_dir(cfg.recipe))
+        self.out = out = Path(cfg.output_dir)
+        rank0_first(dist, lambda: claim_output_dir(out, overwrite) if dist.is_main else None)
+
+        # ---- model config, tokenizer and data (rank 0 tokenizes first; the others hit the cache)
+        self.tokenizer = tokenizer = load_tokenizer(cfg.model)
+        self.hf_config = hf_config = load_hf_config(cfg.model)
+        if cfg.model.name_or_path is None:  # random init: the tokenizer defines the vocabulary
+            if "vocab_size" not in cfg.model.config:
+                hf_config.vocab_size = len(tokenizer)
+            hf_config.bos_token_id = tokenizer.bos_token_id
+            hf_config.eos_token_id = tokenizer.eos_token_id
+            hf_config.pad_token_id = tokenizer.pad_token_id
+        if len(tokenizer) > hf_config.vocab_size:
+            raise UserError(f"the tokenizer has {len(tokenizer)} tokens but the model only {hf_config.vocab_size}; "
+                            "use the model's own tokenizer or set model.config.vocab_size")
+        check_seq_len(hf_config, cfg.data.seq_len)
+        self.accum = check_world(cfg, dist.world_size)
+        self.train_ds, self.val_ds = rank0_first(dist, lambda: data_lib.prepare(cfg.data, tokenizer, cfg.train.seed))
+        t = cfg.train
+        self.plan = data_lib.BatchPlan(len(self.train_ds), t.global_batch_size, t.micro_batch_size,
+                                       dist.world_size, dist.rank, t.seed)
+        self.total_steps = t.max_steps if t.max_steps > 0 else max(1, int(t.epochs * self.plan.steps_per_epoch))
+        eval_mb = cfg.eval.micro_batch_size or t.micro_batch_size
+        self.val_batches = data_lib.eval_batches(len(self.val_ds), eval_mb, dist.world_size, dist.rank,
+                                                 cfg.eval.max_batches) if self.val_ds is not None else []
+
+        # ---- model: skeleton on meta everywhere, sharded, then filled from rank 0's single copy
+        seed_everything(t.seed)
+        self.model = model = build_meta_model(hf_config, cfg.model.trust_remote_code)
+        apply_parallelism(model, cfg, build_mesh(cfg, dist), dist.device)
+        source = load_source_model(cfg.model, hf_config, t.seed) if dist.is_main else None
+        materialize(model, source, dist.device, dist.is_main)
+        del source
+        model.train()
+        total, trainable = count_params(model)
+        self.say(f"model: {type(model).__name__.removeprefix('FSDP')} {total / 1e6:.2f}M params "
+                 f"({trainable / 1e6:.2f}M trainable, {100 * trainable / max(total, 1):.1f}%) | "
+                 f"{dist.world_size} rank(s) on {dist.device.type} | {cfg.fsdp.sharding} | {cfg.precision} | "
+                 f"accumulation {self.accum} | {self.total_steps} steps")
+
+        from .optim import build_optimizer, build_scheduler
+
+        self.optimizer = build_optimizer(model, t, dist.device)
+        self.scheduler = build_scheduler(self.optimizer, self.total_steps, t)
+        self.scaler = None
+        if cfg.precision == "fp16":
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            self.scaler = ShardedGradScaler(device=dist.device.type)
+        self.step = 0
+        if dist.is_main:
+            (out / "config.yaml").write_text(dump_yaml(cfg))
+
+    def say(self, text: str) -> None:
+        if self.dist.is_main:
+            print(text, flush=True)
+
+    def evaluate(self) -> dict:
+        return evaluate(self.model, self.val_ds, self.val_batches, self.dist.device)
+
+    def fit(self) -> dict:
+        import torch
+
+        cfg, dist, plan, t = self.cfg, self.dist, self.plan, self.cfg.train
+        log = MetricsLog(self.out / "metrics.jsonl", dist.is_main)
+        torch.manual_seed(t.seed + dist.rank)  # dropout: different masks per rank, reproducible per run
+        results: dict = {}
+        if self.val_batches and cfg.eval.at_start:
+            results["first"] = self.evaluate()
+            log.write({"step": self.step, "epoch": self.step / plan.steps_per_epoch, **results["first"]})
+            self.say(f"step {self.step}: validation loss {results['first']['eval_loss']:.4f}, "
+                     f"perplexity {results['first']['eval_ppl']:.2f}")
+
+        progress = Progress(self.total_steps, self.step, dist.is_main, cfg.log.progress)
+        speed = Throughput()
+        tokens_per_step = t.global_batch_size * cfg.data.seq_len
+        start, first_step = time.perf_counter(), self.step
+        while self.step < self.total_steps:
+            epoch, step_in_epoch = divmod(self.step, plan.steps_per_epoch)
+            loss_sum, tokens, grad_norm = train_step(self.model, self.optimizer, self.scaler, self.train_ds,
+                                                     plan.micro_batches(epoch, step_in_epoch), cfg, dist)
+            lr = self.scheduler.get_last_lr()[0]
+            self.scheduler.step()
+            self.step = step = self.step + 1
+            speed.add(tokens_per_step)
+            record = {}
+            last = step == self.total_steps
+            if step % cfg.log.every_steps == 0 or last:
+                (loss_total,) = all_sum(loss_sum, device=dist.device)
+                loss = loss_total / max(tokens, 1.0)
+                record = {"step": step, "epoch": step / plan.steps_per_epoch, "loss": loss, "lr": lr,
+                          "grad_norm": float(grad_norm), "tokens_seen": step * tokens_per_step,
+                          "tokens_per_s": speed.rate()}
+                if self.scaler:
+                    record["loss_scale"] = float(self.scaler.get_scale())
+                progress.update(0, loss=loss, tok_s=record["tokens_per_s"])
+            if self.val_batches and (last or (cfg.eval.every_steps and step % cfg.eval.every_steps == 0)):
+                results["last"] = self.evaluate()
+                record = {"step": step, "epoch": step / plan.steps_per_epoch, **record, **results["last"]}
+                progress.write(f"step {step}: validation loss {results['last']['eval_loss']:.4f}, "
+                               f"perplexity {results['last']['eval_ppl']:.2f}")
+            if record:
+                log.write(record)
+            progress.update(1)
+        progress.close()
+        log.close()
+        elapsed = time.perf_counter() - start
+        results["train_seconds"] = elapsed
+        results["tokens_per_s"] = (self.step - first_step) * tokens_per_step / max(elapsed, 1e-9)
+        if "first" in results and "last" in results:
+            self.say(f"validation perplexity: {results['first']['eval_ppl']:.2f} before -> "
+                     f"{results['last']['eval_ppl']:.2f} after training")
+        self.say(f"trained {self.step - first_step} steps in {elapsed:.1f}s ({results['tokens_per_s']:.0f} tokens/s)")
+        return results
+
+    def export(self, folder: Path | None = None) -> Path:
+        """Plain HF folder, gathered to rank 0's CPU only."""
+        from .export import gather_full_state_dict, save_hf_folder
+
+        folder = folder or self.out / "final"
+        full = gather_full_state_dict(self.model)
+        if self.dist.is_main:
+            save_hf_folder(full, self.hf_config, self.tokenizer, folder)
+        del full
+        self.say(f"model saved to {folder}")
+        return folder
+
+    def close(self) -> None:
+        import torch.distributed
+
+        torch.distributed.barrier()
+        if self.owns_group:
+            torch.distributed.destroy_process_group()
+
+
 def run(cfg: RunConfig, overwrite: bool = False) -> dict:
-    """Train as one rank of the job (the process group is joined or created here)."""
-    import torch
-
-    dist = init_distributed(cfg.device)
-    cfg.output_dir = broadcast_value(dist, cfg.output_dir or default_output_dir(cfg.recipe))
-    out = Path(cfg.output_dir)
-    rank0_first(dist, lambda: claim_output_dir(out, overwrite) if dist.is_main else None)
-    say = print if dist.is_main else (lambda *a, **k: None)
-
-    # ---- model config, tokenizer and data (rank 0 tokenizes first; the others hit the cache)
-    tokenizer = load_tokenizer(cfg.model)
-    hf_config = load_hf_config(cfg.model)
-    if cfg.model.name_or_path is None:  # random init: the tokenizer defines the vocabulary
-        if "vocab_size" not in cfg.model.config:
-            hf_config.vocab_size = len(tokenizer)
-        hf_config.bos_token_id = tokenizer.bos_token_id
-        hf_config.eos_token_id = tokenizer.eos_token_id
-        hf_config.pad_token_id = tokenizer.pad_token_id
-    if len(tokenizer) > hf_config.vocab_size:
-        raise UserError(f"the tokenizer has {len(tokenizer)} tokens but the model only {hf_config.vocab_size}; "
-                        "use the model's own tokenizer or set model.config.vocab_size")
-    check_seq_len(hf_config, cfg.data.seq_len)
-    accum = check_world(cfg, dist.world_size)
-    train_ds, val_ds = rank0_first(dist, lambda: data_lib.prepare(cfg.data, tokenizer, cfg.train.seed))
-    t = cfg.train
-    plan = data_lib.BatchPlan(len(train_ds), t.global_batch_size, t.micro_batch_size, dist.world_size,
-                              dist.rank, t.seed)
-    total_steps = t.max_steps if t.max_steps > 0 else max(1, int(t.epochs * plan.steps_per_epoch))
-    eval_mb = cfg.eval.micro_batch_size or t.micro_batch_size
-    val_batches = data_lib.eval_batches(len(val_ds), eval_mb, dist.world_size, dist.rank,
-                                        cfg.eval.max_batches) if val_ds is not None else []
-
-    # ---- model: skeleton on meta everywhere, sharded, then filled from rank 0's single copy
-    seed_everything(t.seed)
-    model = build_meta_model(hf_config, cfg.model.trust_remote_code)
-    mesh = build_mesh(cfg, dist)
-    apply_parallelism(model, cfg, mesh, dist.device)
-    source = load_source_model(cfg.model, hf_config, t.seed) if dist.is_main else None
-    materialize(model, source, dist.device, dist.is_main)
-    del source
-    model.train()
-    total, trainable = count_params(model)
-    say(f"model: {type(model).__name__.removeprefix('FSDP')} {total / 1e6:.2f}M params ({trainable / 1e6:.2f}M trainable, "
-        f"{100 * trainable / max(total, 1):.1f}%) | {dist.world_size} rank(s) on {dist.device.type} | "
-        f"{cfg.fsdp.sharding} | {cfg.precision} | accumulation {accum} | {total_steps} steps")
-
-    from .optim import build_optimizer, build_scheduler
-
-    optimizer = build_optimizer(model, t, dist.device)
-    scheduler = build_scheduler(optimizer, total_steps, t)
-    scaler = None
-    if cfg.precision == "fp16":
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-        scaler = ShardedGradScaler(device=dist.device.type)
-
-    if dist.is_main:
-        (out / "config.yaml").write_text(dump_yaml(cfg))
-    log = MetricsLog(out / "metrics.jsonl", dist.is_main)
-    torch.manual_seed(t.seed + dist.rank)  # dropout: different masks per rank, reproducible per run
-
-    results: dict = {}
-    if val_batches and cfg.eval.at_start:
-        results["first"] = evaluate(model, val_ds, val_batches, dist.device)
-        log.write({"step": 0, "epoch": 0.0, **results["first"]})
-        say(f"step 0: validation loss {results['first']['eval_loss']:.4f}, "
-            f"perplexity {results['first']['eval_ppl']:.2f}")
-
-    progress = Progress(total_steps, 0, dist.is_main and cfg.log.progress)
-    speed = Throughput()
-    tokens_per_step = t.global_batch_size * cfg.data.seq_len
-    start = time.perf_counter()
-    for step in range(1, total_steps + 1):
-        epoch, step_in_epoch = divmod(step - 1, plan.steps_per_epoch)
-        loss_sum, tokens, grad_norm = train_step(model, optimizer, scaler, train_ds,
-                                                 plan.micro_batches(epoch, step_in_epoch), cfg, dist)
-        lr = scheduler.get_last_lr()[0]
-        scheduler.step()
-        speed.add(tokens_per_step)
-        record = {}
-        if step % cfg.log.every_steps == 0 or step == total_steps:
-            (loss_total,) = all_sum(loss_sum, device=dist.device)
-            loss = loss_total / max(tokens, 1.0)
-            record = {"step": step, "epoch": step / plan.steps_per_epoch, "loss": loss, "lr": lr,
-                      "grad_norm": float(grad_norm), "tokens_seen": step * tokens_per_step,
-                      "tokens_per_s": speed.rate()}
-            if scaler:
-                record["loss_scale"] = float(scaler.get_scale())
-            progress.update(0, loss=loss, tok_s=record["tokens_per_s"])
-        if val_batches and (step == total_steps or (cfg.eval.every_steps and step % cfg.eval.every_steps == 0)):
-            results["last"] = evaluate(model, val_ds, val_batches, dist.device)
-            record = {"step": step, "epoch": step / plan.steps_per_epoch, **record, **results["last"]}
-            progress.write(f"step {step}: validation loss {results['last']['eval_loss']:.4f}, "
-                           f"perplexity {results['last']['eval_ppl']:.2f}")
-        if record:
-            log.write(record)
-        progress.update(1)
-    progress.close()
-    elapsed = time.perf_counter() - start
-    results["train_seconds"] = elapsed
-    results["tokens_per_s"] = total_steps * tokens_per_step / max(elapsed, 1e-9)
-    log.close()
-
-    # ---- export: gathered to rank 0's CPU only
-    from .export import gather_full_state_dict, save_hf_folder
-
-    full = gather_full_state_dict(model)
-    if dist.is_main:
-        save_hf_folder(full, hf_config, tokenizer, out / "final")
-    del full
-    if "first" in results and "last" in results:
-        say(f"validation perplexity: {results['first']['eval_ppl']:.2f} before -> "
-            f"{results['last']['eval_ppl']:.2f} after training")
-    say(f"done in {elapsed:.1f}s ({results['tokens_per_s']:.0f} tokens/s); model saved to {out / 'final'}")
-    import torch.distributed
-
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    """Train as one rank of the job: set up, fit, export final/, leave."""
+    trainer = Trainer(cfg, overwrite)
+    results = trainer.fit()
+    trainer.export()
+    trainer.close()
     return results
