@@ -27,7 +27,10 @@ def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
     parser = argparse.ArgumentParser(prog="shardtune", description="Fine-tune Hugging Face causal LMs "
-                                     "with PyTorch FSDP2 from one YAML config and one command.")
+                                     "with PyTorch FSDP2 from one YAML config and one command.",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="`shardtune train --help` shows the options of train.\n"
+                                     + TRAIN_EPILOG + _config_reference())
     parser.add_argument("--version", action="version", version=f"shardtune {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     train = sub.add_parser("train", help="fine-tune a model (1 process, --nproc N ranks, or under torchrun/srun)",
@@ -66,7 +69,7 @@ def cmd_train(args) -> int:
 
         defaults = quickstart_defaults()
     cfg = load_config(recipe, overrides, defaults)
-    nproc = args.nproc or 1
+    nproc = 1 if args.nproc is None else args.nproc
     if launched_by_agent() or nproc == 1:
         if args.nproc and launched_by_agent() and args.nproc != int(os.environ.get("LOCAL_WORLD_SIZE", nproc)):
             raise UserError("--nproc conflicts with the ranks torchrun/srun started; drop --nproc")
@@ -89,8 +92,9 @@ def cmd_train(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    # key=value words after an option (`--nproc 2 train.lr=1e-3`) land in `extra`.
-    if extra and (args.command != "train" or any(w.startswith("-") or "=" not in w for w in extra)):
+    # key=value words after an option (`--nproc 2 train.lr=1e-3`) land in `extra`; any other
+    # word there goes along too, so load_config reports it as an override that is not key=value.
+    if extra and (args.command != "train" or any(w.startswith("-") for w in extra)):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:
         args.overrides = [*args.overrides, *extra]

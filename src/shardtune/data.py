@@ -24,6 +24,15 @@ IGNORE_INDEX = -100
 # ----------------------------------------------------------------------------- documents
 
 
+def _is_blank(path: Path) -> bool:
+    """True for a file with nothing but whitespace (reads only until the first real byte)."""
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 16):
+            if chunk.strip():
+                return False
+    return True
+
+
 def _local_files(path: Path) -> dict[str, list[str]]:
     """Files of a local dataset, by split. A folder's `train*`/`validation*` files are splits."""
     if path.is_file():
@@ -33,6 +42,10 @@ def _local_files(path: Path) -> dict[str, list[str]]:
         if not files:
             raise UserError(f"data.path={str(path)!r} holds no {'/'.join(sorted(BUILDERS))} files; "
                             "point it at a data file or a folder of them")
+    blank = [p for p in files if _is_blank(p)]
+    if blank:
+        raise UserError(f"data file {str(blank[0])!r} is empty (no documents); add documents to it "
+                        "or point data.path elsewhere")
     suffixes = {p.suffix for p in files}
     if len({BUILDERS[s] for s in suffixes if s in BUILDERS}) != 1 or not suffixes <= BUILDERS.keys():
         raise UserError(f"data.path={str(path)!r} mixes or has unsupported file types ({', '.join(sorted(suffixes))}); "
@@ -53,6 +66,8 @@ def load_documents(cfg: DataConfig):
 
     datasets.disable_progress_bars()
     path = Path(cfg.path).expanduser()
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors are retold as one UserError
     try:
         if path.exists():
             files = _local_files(path)
@@ -63,10 +78,16 @@ def load_documents(cfg: DataConfig):
         return datasets.load_dataset(cfg.path, cfg.name)
     except UserError:
         raise
+    except datasets.exceptions.DatasetGenerationError as exc:  # e.g. a malformed JSON line
+        cause = str(exc.__cause__ or exc).strip().splitlines() or [type(exc).__name__]
+        raise UserError(f"could not read dataset {cfg.path!r} ({cause[0][:200]}); fix the file "
+                        "or point data.path elsewhere") from None
     except (FileNotFoundError, ConnectionError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserError(f"could not load dataset {cfg.path!r} ({first[:200]}); check data.path/data.name "
                         "(no network? download it first)") from None
+    finally:
+        datasets.logging.set_verbosity(verbosity)
 
 
 def split_documents(cfg: DataConfig, splits, seed: int):

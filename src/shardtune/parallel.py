@@ -99,14 +99,24 @@ def apply_parallelism(model, cfg: RunConfig, mesh, device) -> list:
 
 
 def _size_based_units(model, min_num_params: int) -> list:
-    """Post-order walk: a subtree becomes a unit once it holds >= min_num_params not yet in a unit."""
+    """Post-order walk: a subtree becomes a unit once it holds >= min_num_params not yet in a unit.
+    Containers without a forward (ModuleList/ModuleDict) and subtrees holding a tied parameter
+    (e.g. input embeddings shared with the LM head: both must live in one unit) pass it up."""
+    from collections import Counter
+
+    import torch.nn as nn
+
+    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    tied = {pid for pid, n in uses.items() if n > 1}
     units = []
 
     def visit(module) -> int:
         pending = sum(p.numel() for p in module.parameters(recurse=False))
         for child in module.children():
             pending += visit(child)
-        if module is not model and pending >= min_num_params:
+        eligible = not isinstance(module, (nn.ModuleList, nn.ModuleDict)) and \
+            not any(id(p) in tied for p in module.parameters())
+        if module is not model and eligible and pending >= min_num_params:
             units.append(module)
             return 0
         return pending

@@ -1,0 +1,63 @@
+"""Shared fixtures: a small local corpus + tokenizer, and tiny model configs (no hub access)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Dropout off: equivalence tests compare runs step by step.
+TINY = {
+    "gpt2": {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 2, "n_positions": 128,
+             "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
+    "opt": {"model_type": "opt", "num_hidden_layers": 2, "hidden_size": 64, "ffn_dim": 128,
+            "num_attention_heads": 2, "word_embed_proj_dim": 64, "max_position_embeddings": 128,
+            "dropout": 0.0, "attention_dropout": 0.0},
+    "llama": {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128},
+}
+
+
+@pytest.fixture(scope="session")
+def assets(tmp_path_factory):
+    from shardtune.quickstart import build_quickstart_assets
+
+    return build_quickstart_assets(tmp_path_factory.mktemp("assets"), vocab_size=300, max_docs=400)
+
+
+def tiny_overrides(assets: dict, out: Path, arch: str = "gpt2", **extra) -> list[str]:
+    """CLI overrides for a fast, deterministic run on the local corpus."""
+    base = {
+        "model.config": json.dumps(TINY[arch]),
+        "model.tokenizer": assets["tokenizer"],
+        "data.path": str(Path(assets["train"]).parent),
+        "data.seq_len": 64,
+        "train.micro_batch_size": 2,
+        "train.global_batch_size": 8,
+        "train.max_steps": 6,
+        "train.lr": 1e-3,
+        "train.warmup_steps": 0,
+        "eval.max_batches": 4,
+        "log.every_steps": 1,
+        "log.progress": "false",
+        "output_dir": str(out),
+    }
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+def losses(out: Path) -> list[float]:
+    rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+def run_cli(args: list[str], timeout: int = 300, env: dict | None = None, **kw) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "shardtune", *args], capture_output=True, text=True,
+                          timeout=timeout, env=full_env, cwd=kw.pop("cwd", ROOT), **kw)

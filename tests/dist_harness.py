@@ -1,0 +1,75 @@
+"""Run under torchrun by test_distributed.py: several jobs in one launch, to keep the number of
+(slow) multi-process starts small. argv[1] is a JSON spec; results go to spec["result"]."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from shardtune.config import load_config
+from shardtune.launch import init_distributed
+from shardtune.train import Trainer
+
+
+def check_loading(folder: str) -> float:
+    """Max |difference| between a 2-rank sharded load of `folder` and a plain from_pretrained."""
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.config import RunConfig
+    from shardtune.export import gather_full_state_dict
+    from shardtune.model import build_meta_model, load_hf_config, load_source_model, materialize
+    from shardtune.parallel import apply_parallelism, build_mesh
+
+    cfg = RunConfig()
+    cfg.model.name_or_path = folder
+    d = init_distributed("cpu")
+    hf_config = load_hf_config(cfg.model)
+    model = build_meta_model(hf_config)
+    apply_parallelism(model, cfg, build_mesh(cfg, d), d.device)
+    source = load_source_model(cfg.model, hf_config, seed=0) if d.is_main else None
+    materialize(model, source, d.device, d.is_main)
+    full = gather_full_state_dict(model)
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    if not d.is_main:
+        return 0.0
+    plain = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    ref = plain.state_dict()
+    diff = max((full[k] - ref[k]).abs().max().item() for k in ref)
+    diff = max([diff] + [(buffers[n] - b).abs().max().item() for n, b in plain.named_buffers()])
+    assert set(full) >= set(ref), set(ref) - set(full)
+    return diff
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    dist.init_process_group("gloo")
+    result = {"loading": {}, "export_logit_diff": None}
+    for folder in spec.get("load", []):
+        result["loading"][folder] = check_loading(folder)
+    for i, overrides in enumerate(spec.get("jobs", [])):
+        trainer = Trainer(load_config(None, overrides, defaults={}), overwrite=True)
+        trainer.fit()
+        if i == 0 and spec.get("export"):
+            probe = torch.arange(32).reshape(2, 16) % 200
+            with torch.no_grad():
+                trainer.model.eval()
+                logits = trainer.model(input_ids=probe).logits
+            folder = trainer.export()
+            if trainer.dist.is_main:
+                from transformers import AutoModelForCausalLM
+
+                loaded = AutoModelForCausalLM.from_pretrained(folder)
+                with torch.no_grad():
+                    result["export_logit_diff"] = (loaded(input_ids=probe).logits - logits).abs().max().item()
+        trainer.close()
+    if dist.get_rank() == 0:
+        Path(spec["result"]).write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
