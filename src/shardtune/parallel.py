@@ -71,7 +71,11 @@ def apply_parallelism(model, cfg: RunConfig, mesh, device) -> list:
             raise UserError(f"{type(model).__name__} does not support activation checkpointing; "
                             "set activation_checkpointing=false")
         # transformers' per-layer checkpointing keeps parameter names unchanged.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.x name
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
 
     if cfg.compile:

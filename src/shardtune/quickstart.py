@@ -217,8 +217,8 @@ def quickstart_defaults() -> dict:
                   "config": {"model_type": "gpt2", "n_layer": 2, "n_embd": 128, "n_head": 4,
                              "n_positions": 256, "vocab_size": 2048}},
         "data": {"path": str(Path(assets["train"]).parent), "seq_len": 128},
-        "train": {"micro_batch_size": 8, "global_batch_size": 16, "lr": 2e-3, "warmup_steps": 20,
-                  "max_steps": 300, "weight_decay": 0.01},
-        "eval": {"every_steps": 100, "max_batches": 16},
+        "train": {"micro_batch_size": 16, "global_batch_size": 32, "lr": 3e-3, "warmup_steps": 15,
+                  "max_steps": 150, "weight_decay": 0.01},
+        "eval": {"every_steps": 50, "max_batches": 8},
         "log": {"every_steps": 10},
     }
