@@ -108,3 +108,13 @@ def test_collate_masks_padding_rows(tokenizer, assets):
 def test_too_few_sequences_for_one_global_batch_is_a_user_error():
     with pytest.raises(UserError, match="global_batch_size"):
         D.BatchPlan(3, 8, 2, 1, 0, seed=0)
+
+
+def test_blank_documents_add_no_tokens(tokenizer):
+    import datasets
+
+    with_blanks = datasets.Dataset.from_dict({"text": ["alpha beta", "", "   ", "gamma delta"] * 20})
+    without = datasets.Dataset.from_dict({"text": ["alpha beta", "gamma delta"] * 20})
+    a = D.pack(with_blanks, tokenizer, "text", seq_len=8)["input_ids"]
+    b = D.pack(without, tokenizer, "text", seq_len=8)["input_ids"]
+    assert a == b

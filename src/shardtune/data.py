@@ -142,6 +142,9 @@ def pack(docs, tokenizer, field: str, seq_len: int, num_proc: int | None = None)
         usable = len(flat) // seq_len * seq_len
         return {"input_ids": [flat[i:i + seq_len] for i in range(0, usable, seq_len)]}
 
+    # Blank documents (wikitext's empty lines) would only add runs of EOS.
+    docs = docs.filter(lambda batch: [bool(t and t.strip()) for t in batch[field]], batched=True,
+                       num_proc=num_proc, desc="drop blank")
     tokens = docs.map(tokenize, batched=True, remove_columns=docs.column_names, num_proc=num_proc,
                       desc="tokenize")
     # One pass over everything (batch_size=None) so no block straddles a gap.
