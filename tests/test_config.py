@@ -1,0 +1,44 @@
+"""Recipes and overrides."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shardtune.config import load_config, parse_override, reference_lines
+from shardtune.errors import UserError
+
+RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])
+def test_every_recipe_loads(recipe):
+    cfg = load_config(recipe)
+    assert cfg.recipe == recipe.stem
+    assert cfg.model.name_or_path or cfg.model.config
+
+
+def test_overrides_are_dotted_and_typed(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: {name_or_path: m}\ndata: {path: d}\ntrain: {lr: 0.1}\n")
+    cfg = load_config(recipe, ["train.lr=3e-5", "fsdp.sharding=hybrid_shard", "train.betas=[0.9,0.99]",
+                               "model.config.n_layer=4", "data.end_idx=100", "compile=true"])
+    assert cfg.train.lr == 3e-5 and cfg.fsdp.sharding == "hybrid_shard"
+    assert cfg.train.betas == [0.9, 0.99] and cfg.model.config == {"n_layer": 4}
+    assert cfg.data.end_idx == 100 and cfg.compile is True
+    assert cfg.model.name_or_path == "m"  # untouched keys keep the recipe's values
+
+
+def test_parse_override_needs_key_and_value():
+    assert parse_override("a.b=") == ("a.b", None)
+    with pytest.raises(UserError):
+        parse_override("nokey")
+
+
+def test_reference_lists_every_key_with_its_comment():
+    text = "\n".join(reference_lines())
+    for key in ("fsdp.sharding", "fsdp.min_num_params", "train.global_batch_size", "data.start_idx",
+                "eval.every_steps", "log.every_steps", "precision", "output_dir"):
+        assert f"  {key} (" in text, key
+    assert "hub id or local folder" in text  # the field's own comment travels into --help
