@@ -71,3 +71,123 @@ class Progress:
 
 def perplexity(loss: float) -> float:
     return math.exp(loss) if loss < 700 else float("inf")
+
+
+# ----------------------------------------------------------------------------- MFU
+
+# Dense peak TFLOP/s by device-name fragment: (bf16, fp16, fp32). fp32 is plain (non-TF32) math.
+PEAK_TFLOPS = {
+    "H200": (989.4, 989.4, 66.9),
+    "H100": (989.4, 989.4, 66.9),  # SXM; the PCIe card is lower — override with log.peak_tflops
+    "A100": (312.0, 312.0, 19.5),
+    "L40S": (362.1, 362.1, 91.6),
+    "A10G": (70.0, 70.0, 31.2),
+    "A10": (125.0, 125.0, 31.2),
+    "L4": (121.0, 121.0, 30.3),
+    "RTX 4090": (165.2, 165.2, 82.6),
+    "RTX 3090": (71.0, 71.0, 35.6),
+    "A6000": (154.8, 154.8, 38.7),
+    "V100": (0.0, 125.0, 15.7),
+    "T4": (0.0, 65.0, 8.1),
+}
+
+
+def device_peak_flops(device, precision: str, override_tflops: float | None = None) -> float | None:
+    """Peak FLOP/s of one device for this precision, or None when unknown (e.g. a CPU)."""
+    if override_tflops:
+        return override_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    import torch
+
+    name = torch.cuda.get_device_name(device)
+    column = {"bf16": 0, "fp16": 1, "fp32": 2}[precision]
+    for fragment, peaks in PEAK_TFLOPS.items():
+        if fragment in name and peaks[column]:
+            return peaks[column] * 1e12
+    return None
+
+
+def flops_per_token(num_params: int, hf_config, seq_len: int) -> float:
+    """Useful training FLOPs per token: 6 x parameters (forward + backward matmuls) plus the
+    attention scores/values term 12 x layers x hidden x seq_len. Recomputation by activation
+    checkpointing is deliberately not counted: MFU measures useful work."""
+    layers = _first(hf_config, "num_hidden_layers", "n_layer", "num_layers") or 0
+    hidden = _first(hf_config, "hidden_size", "n_embd", "d_model") or 0
+    return 6.0 * num_params + 12.0 * layers * hidden * seq_len
+
+
+def _first(obj, *names):
+    for name in names:
+        value = getattr(obj, name, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def memory_stats(device) -> dict:
+    """Peak memory since the last call: CUDA allocated/reserved, or process RSS on CPU (GiB)."""
+    gib = 1024 ** 3
+    if device.type == "cuda":
+        import torch
+
+        stats = {"mem_allocated_gib": torch.cuda.max_memory_allocated(device) / gib,
+                 "mem_reserved_gib": torch.cuda.max_memory_reserved(device) / gib}
+        torch.cuda.reset_peak_memory_stats(device)
+        return stats
+    import resource
+
+    return {"mem_rss_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / gib}
+
+
+class GPUSampler:
+    """Background NVML sampling of GPU utilisation and memory; `read()` gives the means since
+    the last read. Silently off where NVML is missing (CPU machines, no nvidia-ml-py)."""
+
+    def __init__(self, device, interval: float = 0.5):
+        import threading
+
+        self._samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = None
+        if device.type != "cuda":
+            return
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            index = device.index if device.index is not None else 0
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            self._nvml = pynvml
+        except Exception:  # no driver library / package: telemetry must never stop training
+            return
+        self._interval = interval
+        self._thread = threading.Thread(target=self._run, name="gpu-sampler", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                util = self._nvml.nvmlDeviceGetUtilizationRates(self._handle)
+                mem = self._nvml.nvmlDeviceGetMemoryInfo(self._handle)
+            except Exception:
+                return
+            with self._lock:
+                self._samples.append((float(util.gpu), mem.used / 1024 ** 3))
+
+    def read(self) -> dict:
+        with self._lock:
+            samples, self._samples = self._samples, []
+        if not samples:
+            return {}
+        return {"gpu_util": sum(s[0] for s in samples) / len(samples),
+                "gpu_mem_used_gib": max(s[1] for s in samples)}
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)

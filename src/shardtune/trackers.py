@@ -1,0 +1,112 @@
+"""Experiment trackers beside the always-on metrics.jsonl: TensorBoard, W&B, MLflow.
+
+Only rank 0 logs. W&B honours WANDB_MODE (offline works without network); MLflow writes to
+MLFLOW_TRACKING_URI, or to a local file store in the run folder when that is unset.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .errors import UserError
+
+EXTRAS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+
+
+def _require(module: str, tracker: str):
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise UserError(f"log.trackers includes {tracker} but {module!r} is not installed; "
+                        f"pip install 'shardtune[{EXTRAS[tracker]}]'") from None
+
+
+def flatten(tree: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value if isinstance(value, (int, float, str, bool)) else str(value)
+    return flat
+
+
+class Trackers:
+    """Fan-out of scalar metrics to the configured trackers."""
+
+    def __init__(self, names: list[str], out: Path, config: dict, project: str, run_name: str,
+                 enabled: bool = True):
+        self.sinks = []
+        if not enabled:
+            return
+        hparams = flatten(config)
+        for name in names:
+            if name == "tensorboard":
+                _require("tensorboard", name)
+                from torch.utils.tensorboard import SummaryWriter
+
+                writer = SummaryWriter(log_dir=str(out / "tensorboard"))
+                writer.add_text("config", "\n".join(f"    {k}: {v}" for k, v in hparams.items()))
+                self.sinks.append(_TensorBoard(writer))
+            elif name == "wandb":
+                wandb = _require("wandb", name)
+                run = wandb.init(project=project, name=run_name, dir=str(out), config=hparams,
+                                 mode=os.environ.get("WANDB_MODE", "online"))
+                self.sinks.append(_WandB(run))
+            elif name == "mlflow":
+                mlflow = _require("mlflow", name)
+                if "MLFLOW_TRACKING_URI" not in os.environ:
+                    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # local files: no server needed
+                    mlflow.set_tracking_uri((out / "mlruns").resolve().as_uri())
+                mlflow.set_experiment(project)
+                mlflow.start_run(run_name=run_name)
+                mlflow.log_params({k[:250]: str(v)[:500] for k, v in hparams.items()})
+                self.sinks.append(_MLflow(mlflow))
+
+    def log(self, metrics: dict, step: int) -> None:
+        scalars = {k: float(v) for k, v in metrics.items()
+                   if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        for sink in self.sinks:
+            sink.log(scalars, step)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
+
+
+class _TensorBoard:
+    def __init__(self, writer):
+        self.writer = writer
+
+    def log(self, scalars: dict, step: int) -> None:
+        for key, value in scalars.items():
+            self.writer.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class _WandB:
+    def __init__(self, run):
+        self.run = run
+
+    def log(self, scalars: dict, step: int) -> None:
+        self.run.log(scalars, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class _MLflow:
+    def __init__(self, mlflow):
+        self.mlflow = mlflow
+
+    def log(self, scalars: dict, step: int) -> None:
+        self.mlflow.log_metrics(scalars, step=step)
+
+    def close(self) -> None:
+        self.mlflow.end_run()

@@ -1,0 +1,78 @@
+"""MFU arithmetic, trackers in their offline modes, and the report's plots."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from shardtune.errors import UserError
+from shardtune.report import write_report
+from shardtune.telemetry import device_peak_flops, flops_per_token, memory_stats
+from shardtune.trackers import Trackers
+
+
+def test_flops_per_token_is_six_n_plus_attention():
+    from transformers import GPT2Config
+
+    cfg = GPT2Config(n_layer=12, n_embd=768, n_head=12)
+    assert flops_per_token(124_000_000, cfg, 1024) == 6 * 124e6 + 12 * 12 * 768 * 1024
+
+
+def test_peak_flops_unknown_on_cpu_unless_overridden():
+    import torch
+
+    cpu = torch.device("cpu")
+    assert device_peak_flops(cpu, "bf16") is None
+    assert device_peak_flops(cpu, "fp32", override_tflops=2.0) == 2e12
+    assert memory_stats(cpu)["mem_rss_peak_gib"] > 0
+
+
+def test_trackers_write_offline(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    config = {"train": {"lr": 0.1, "betas": [0.9, 0.95]}, "precision": "fp32"}
+    t = Trackers(["tensorboard", "wandb", "mlflow"], tmp_path, config, "shardtune-test", "run1")
+    for step in (1, 2):
+        t.log({"step": step, "loss": 3.0 / step, "skipped": True, "note": "x"}, step)
+    t.close()
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert list((tmp_path / "wandb").glob("offline-run-*"))
+    metric_files = list((tmp_path / "mlruns").rglob("metrics/loss"))
+    assert metric_files and len(metric_files[0].read_text().splitlines()) == 2
+    params = list((tmp_path / "mlruns").rglob("params/train.lr"))
+    assert params and params[0].read_text().strip() == "0.1"
+
+
+def test_missing_tracker_package_is_a_one_line_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import fails
+    with pytest.raises(UserError, match=r"pip install 'shardtune\[wandb\]'"):
+        Trackers(["wandb"], tmp_path, {}, "p", "r")
+
+
+def _fake_run(folder, scale):
+    folder.mkdir()
+    rows = [{"step": 0, "eval_loss": 5.0, "eval_ppl": 148.4}]
+    rows += [{"step": s, "loss": scale * 5 / s, "tokens_per_s": 1000.0 * s, "mem_rss_peak_gib": 1.5,
+              "mfu": 0.1} for s in range(1, 11)]
+    rows += [{"step": 10, "eval_loss": 2.0, "eval_ppl": 7.39}]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
+def test_report_overlays_runs_and_summarizes(tmp_path):
+    runs = [_fake_run(tmp_path / "a", 1.0), _fake_run(tmp_path / "b", 0.5)]
+    report = write_report(runs, tmp_path / "report")
+    text = report.read_text()
+    assert "| a |" in text and "| b |" in text and "148.4" in text and "7.39" in text
+    for stem in ("loss", "perplexity", "throughput", "memory", "mfu"):
+        png = tmp_path / "report" / f"{stem}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"({stem}.png)" in text
+    assert not (tmp_path / "report" / "gpu.png").exists()  # nothing recorded, nothing drawn
+
+
+def test_report_refuses_a_folder_without_metrics(tmp_path):
+    with pytest.raises(UserError, match="metrics.jsonl"):
+        write_report([tmp_path], tmp_path / "out")
