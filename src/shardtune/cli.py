@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from .errors import EXIT_USAGE, UserError
+from .signals import EXIT_PREEMPTED
 
 TRAIN_EPILOG = """\
 overrides are dotted config keys, e.g. train.lr=3e-5 fsdp.sharding=shard_grad_op data.seq_len=1024.
@@ -44,6 +45,38 @@ def build_parser() -> argparse.ArgumentParser:
                             "whatever torchrun/srun started)")
     train.add_argument("--overwrite", action="store_true",
                        help="replace the run already in output_dir")
+
+    export = sub.add_parser("export", help="write a plain Hugging Face folder from a sharded checkpoint")
+    export.add_argument("checkpoint", help="checkpoint folder (OUTPUT_DIR/checkpoints/step-N), or a run's "
+                        "output_dir for its newest checkpoint")
+    export.add_argument("out", help="new folder for the model (safetensors, config, tokenizer)")
+    export.add_argument("--max-shard-size", default="2GB", help="split weights into files of at most this "
+                        "size (default: 2GB)")
+    export.add_argument("--push-to-hub", metavar="REPO", help="then upload the folder to this hub repo")
+    export.add_argument("--private", action="store_true", help="create the hub repo as private")
+
+    ev = sub.add_parser("eval", help="loss, perplexity and next-token accuracy of a model or checkpoint")
+    ev.add_argument("model", help="HF folder or hub id, run folder, or checkpoint folder")
+    ev.add_argument("--data", help="dataset (hub id, file or folder); default: the checkpoint's validation split")
+    ev.add_argument("--data-name", help="hub dataset config name")
+    ev.add_argument("--split", help="split to evaluate (default: validation, else test, else train)")
+    ev.add_argument("--text-field", default="text", help="column holding the text (default: text)")
+    ev.add_argument("--seq-len", type=int, help="block length (default: the run's data.seq_len, else 512)")
+    ev.add_argument("--micro-batch-size", type=int, default=8, help="sequences per rank per forward (default: 8)")
+    ev.add_argument("--max-batches", type=int, default=0, help="stop after N batches per rank (default: all)")
+    ev.add_argument("--compare", metavar="BASE", help="also evaluate BASE and print both side by side")
+    ev.add_argument("--nproc", type=int, default=None, metavar="N", help="run on N local ranks")
+    ev.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+
+    gen = sub.add_parser("generate", help="generate text from a model or checkpoint")
+    gen.add_argument("model", help="HF folder or hub id, run folder, or checkpoint folder")
+    gen.add_argument("--prompt", action="append", help="prompt text (repeatable)")
+    gen.add_argument("--prompts-file", help="file with one prompt per line")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default: 0.7)")
+    gen.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling mass (default: 0.9)")
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    gen.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     return parser
 
 
@@ -75,23 +108,84 @@ def cmd_train(args) -> int:
             raise UserError("--nproc conflicts with the ranks torchrun/srun started; drop --nproc")
         from .train import run
 
-        run(cfg, overwrite=args.overwrite)
-        return 0
+        results = run(cfg, overwrite=args.overwrite)
+        return EXIT_PREEMPTED if results.get("preempted") else 0
     # Parent of N local ranks: check what can be checked before starting anything.
-    from .rundir import claim_output_dir, default_output_dir
+    from .checkpoint import prepare_run_dir
+    from .rundir import default_output_dir
 
     check_nproc(nproc, cfg.device)
-    out = cfg.output_dir or default_output_dir(cfg.recipe)
-    claim_output_dir(Path(out), args.overwrite, check_only=True)
+    out = cfg.output_dir = cfg.output_dir or default_output_dir(cfg.recipe)
+    prepare_run_dir(cfg, args.overwrite, check_only=True)
     worker = ["train", *([recipe] if recipe else []), *overrides, f"output_dir={out}"]
     if args.overwrite:
         worker.append("--overwrite")
-    return launch_local(nproc, worker)
+    return _launch_preemptible(nproc, worker)
+
+
+def _launch_preemptible(nproc: int, worker: list[str]) -> int:
+    """The elastic agent passes SIGTERM on to the ranks (which checkpoint and exit) but not
+    SIGUSR1, so turn SIGUSR1 into SIGTERM here; either way the job ends with EXIT_PREEMPTED."""
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from .launch import launch_local
+
+    signal.signal(signal.SIGUSR1, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
+    try:
+        return launch_local(nproc, worker)
+    except SignalException as exc:
+        print(f"{exc.sigval.name}: the ranks saved a checkpoint and stopped; exit {EXIT_PREEMPTED} "
+              "(resume=auto continues)", file=sys.stderr)
+        return EXIT_PREEMPTED
+
+
+def cmd_export(args) -> int:
+    from .export import export_checkpoint, push_to_hub
+
+    out = export_checkpoint(args.checkpoint, Path(args.out), args.max_shard_size)
+    if args.push_to_hub:
+        push_to_hub(out, args.push_to_hub, args.private)
+    return 0
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for word in argv:
+        if skip or word.startswith("--nproc="):
+            skip = False
+            continue
+        skip = word == "--nproc"
+        if not skip:
+            out.append(word)
+    return out
+
+
+def cmd_eval(args) -> int:
+    from .launch import check_nproc, launch_local, launched_by_agent
+
+    if args.nproc and args.nproc > 1 and not launched_by_agent():
+        check_nproc(args.nproc, args.device)
+        return launch_local(args.nproc, _without_nproc(args.argv))
+    from .evaluate import run_eval
+
+    run_eval(args)
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from .evaluate import run_generate
+
+    run_generate(args)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args, extra = parser.parse_known_args(argv)
+    args.argv = argv
     # key=value words after an option (`--nproc 2 train.lr=1e-3`) land in `extra`; any other
     # word there goes along too, so load_config reports it as an override that is not key=value.
     if extra and (args.command != "train" or any(w.startswith("-") for w in extra)):
@@ -102,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return EXIT_USAGE
     try:
-        return {"train": cmd_train}[args.command](args)
+        return {"train": cmd_train, "export": cmd_export, "eval": cmd_eval, "generate": cmd_generate}[args.command](args)
     except UserError as exc:
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {exc}", file=sys.stderr)

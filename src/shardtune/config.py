@@ -35,11 +35,23 @@ class DataConfig:
     split: str = "train"
     val_split: str | None = None  # default: the dataset's own validation split, else carved out
     val_size: float = 0.05  # fraction (<1) or count (>=1) of documents held out when carving
-    text_field: str = "text"
-    seq_len: int = 512
+    text_field: str = "text"  # text: the column holding documents (a list column is joined with list_sep)
+    seq_len: int = 512  # tokens per packed block; the default cutoff_len of instruct/chat
     start_idx: int | None = None  # slice of the training documents, before packing
-    end_idx: int | None = None
+    end_idx: int | None = None  # end of that slice (exclusive)
     num_proc: int | None = None  # tokenizer workers for datasets.map
+    format: Literal["text", "instruct", "chat"] = "text"  # text: packed documents; instruct: prompt + response; chat: messages
+    template: str | None = None  # columns as text, e.g. "Quote: {quote}\nAuthor: {author}" (text: the document; instruct: the prompt)
+    list_sep: str = " "  # joins list-valued columns, e.g. chess moves ["e4","e5"] -> "e4 e5"
+    instruction_field: str = "instruction"  # instruct: column with the task
+    input_field: str = "input"  # instruct: column with optional context (may be absent)
+    output_field: str = "output"  # instruct: column with the response (gets the loss)
+    messages_field: str = "messages"  # chat: column with a list of {role, content} messages
+    chat_template: str | None = None  # chat: Jinja template to use instead of the tokenizer's own (saved with the model)
+    train_on_inputs: bool = False  # instruct/chat: also train on prompt / non-assistant tokens
+    cutoff_len: int | None = None  # instruct/chat: longest example in tokens, longer ones truncated (default seq_len)
+    packing: bool = False  # instruct/chat: concatenate examples into seq_len blocks instead of padding each
+    group_by_length: bool = False  # padded batches: put examples of similar length together (less padding)
 
 
 @dataclass
@@ -87,6 +99,16 @@ class LogConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    every_steps: int = 0  # save a sharded checkpoint every N optimizer steps (0: never)
+    at_epoch_end: bool = False  # also save when an epoch of the training data ends
+    keep_last: int = 2  # complete checkpoints kept in output_dir/checkpoints (0: keep all)
+    async_save: bool = False  # YAML key `async` works too: train on while the files are written
+
+    KEY_ALIASES: typing.ClassVar[dict] = {"async": "async_save"}  # `async` is a Python keyword
+
+
+@dataclass
 class RunConfig:
     output_dir: str | None = None  # default runs/<recipe>-<time>
     precision: Literal["bf16", "fp16", "fp32"] = "fp32"
@@ -99,6 +121,9 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    resume: str | None = None  # auto: newest checkpoint in output_dir; or a checkpoint/run folder
+    on_nan: Literal["stop", "skip"] = "stop"  # non-finite loss: stop, or skip that step's update
     recipe: str | None = None  # name of the recipe the run came from (set by the loader)
 
     def to_dict(self) -> dict:
@@ -166,6 +191,7 @@ def _build(cls, data: Any, prefix: str):
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for key, value in data.items():
+        key = getattr(cls, "KEY_ALIASES", {}).get(key, key)
         if key not in fields:
             close = difflib.get_close_matches(key, fields, n=1)
             hint = f"; did you mean {prefix}{close[0]}?" if close else f"; valid keys: {', '.join(fields)}"
@@ -259,6 +285,9 @@ def validate(cfg: RunConfig) -> None:
         raise UserError(f"data.end_idx={d.end_idx} must be greater than data.start_idx={d.start_idx}")
     if d.val_size < 0:
         raise UserError(f"data.val_size must be >= 0, got {d.val_size}")
+    c = cfg.checkpoint
+    if c.every_steps < 0 or c.keep_last < 0:
+        raise UserError("checkpoint.every_steps and checkpoint.keep_last must be >= 0")
 
 
 def check_world(cfg: RunConfig, world_size: int) -> int:

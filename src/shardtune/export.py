@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .errors import UserError
+
 
 def gather_full_state_dict(model) -> dict:
     """Full (unsharded) weights on rank 0's CPU; other ranks get {} and never hold a full copy."""
@@ -34,3 +36,35 @@ def save_hf_folder(state_dict: dict, hf_config, tokenizer, out: Path, max_shard_
     shell.save_pretrained(out, max_shard_size=max_shard_size, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
+
+
+def export_checkpoint(spec: str, out: Path, max_shard_size: str = "2GB") -> Path:
+    """`shardtune export`: a sharded checkpoint (or a run folder's newest) -> plain HF folder.
+    One process, one copy of the weights; no process group and no optimizer state."""
+    from transformers.utils import logging as hf_logging
+
+    from .checkpoint import load_plain_model, resolve_checkpoint
+
+    hf_logging.set_verbosity_error()
+    path = resolve_checkpoint(spec)
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"export folder {str(out)!r} is not empty; choose a new folder")
+    model, tokenizer, meta = load_plain_model(path)
+    save_hf_folder(model.state_dict(), model.config, tokenizer, out, max_shard_size)
+    print(f"exported {path} (step {meta['step']}) to {out}", flush=True)
+    return out
+
+
+def push_to_hub(folder: Path, repo: str, private: bool = False) -> None:
+    """Upload an exported folder; any hub failure (no network, no token) is one line."""
+    try:
+        from huggingface_hub import HfApi
+
+        api = HfApi()
+        api.create_repo(repo, private=private, exist_ok=True)
+        api.upload_folder(folder_path=str(folder), repo_id=repo, commit_message="Upload with shardtune export")
+    except Exception as exc:  # the hub raises many kinds; the user needs the first line of any
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise UserError(f"could not push to the hub repo {repo!r} ({type(exc).__name__}: {first}); check the "
+                        f"network and `hf auth login`; the export itself is in {folder}") from None
+    print(f"pushed {folder} to https://huggingface.co/{repo}", flush=True)

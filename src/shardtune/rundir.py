@@ -20,12 +20,17 @@ def holds_run(out: Path) -> bool:
     return any((out / name).exists() for name in RUN_FILES + RUN_DIRS)
 
 
-def claim_output_dir(out: Path, overwrite: bool, check_only: bool = False) -> None:
-    """Refuse a folder that already holds a run unless `overwrite`; then remove only the run's
-    own files (never anything else the user keeps there). `check_only` changes nothing."""
+def claim_output_dir(out: Path, overwrite: bool, check_only: bool = False, resuming: bool = False) -> None:
+    """Refuse a folder that already holds a run unless `overwrite` (or `resuming` it); then remove
+    only the run's own files (never anything else the user keeps there). `check_only` changes nothing."""
     if out.exists() and not out.is_dir():
         raise UserError(f"output_dir {str(out)!r} is a file; choose another output_dir")
-    if holds_run(out):
+    if resuming:
+        overwrite = False  # a resumed run keeps its files
+    elif holds_run(out):
+        if not overwrite and (out / "checkpoints").is_dir():
+            raise UserError(f"output_dir {str(out)!r} holds checkpoints of an earlier run; pass resume=auto "
+                            "to continue it, or --overwrite to start over")
         if not overwrite:
             raise UserError(f"output_dir {str(out)!r} already holds a run; choose another output_dir "
                             "or pass --overwrite to replace it")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from pathlib import Path
@@ -13,7 +14,7 @@ from .launch import Dist, broadcast_value, init_distributed, rank0_first
 from .model import build_meta_model, check_seq_len, count_params, load_hf_config, load_source_model, \
     load_tokenizer, materialize
 from .parallel import apply_parallelism, build_mesh
-from .rundir import claim_output_dir, default_output_dir
+from .rundir import default_output_dir
 from .telemetry import MetricsLog, Progress, Throughput, perplexity
 
 
@@ -87,9 +88,9 @@ def train_step(model, optimizer, scaler, ds, micro_batches, cfg: RunConfig, dist
     if hasattr(grad_norm, "full_tensor"):
         grad_norm = grad_norm.full_tensor()
     if scaler:
-        scaler.step(optimizer)
+        scaler.step(optimizer)  # skips non-finite steps itself
         scaler.update()
-    else:
+    elif torch.isfinite(grad_norm):  # a NaN/inf update would poison every weight; fit() decides what next
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss_sum, global_tokens, grad_norm
@@ -118,7 +119,10 @@ class Trainer:
         self.dist = dist = init_distributed(cfg.device)
         cfg.output_dir = broadcast_value(dist, cfg.output_dir or default_output_dir(cfg.recipe))
         self.out = out = Path(cfg.output_dir)
-        rank0_first(dist, lambda: claim_output_dir(out, overwrite) if dist.is_main else None)
+        from .checkpoint import Checkpointer, prepare_run_dir
+
+        resume_from = broadcast_value(dist, rank0_first(
+            dist, lambda: prepare_run_dir(cfg, overwrite) if dist.is_main else None))
 
         # ---- model config, tokenizer and data (rank 0 tokenizes first; the others hit the cache)
         self.tokenizer = tokenizer = load_tokenizer(cfg.model)
@@ -167,6 +171,9 @@ class Trainer:
 
             self.scaler = ShardedGradScaler(device=dist.device.type)
         self.step = 0
+        self.ckpt = Checkpointer(self)
+        if resume_from:
+            self.ckpt.load(resume_from)
         if dist.is_main:
             (out / "config.yaml").write_text(dump_yaml(cfg))
 
@@ -183,8 +190,9 @@ class Trainer:
         cfg, dist, plan, t = self.cfg, self.dist, self.plan, self.cfg.train
         log = MetricsLog(self.out / "metrics.jsonl", dist.is_main)
         torch.manual_seed(t.seed + dist.rank)  # dropout: different masks per rank, reproducible per run
+        self.ckpt.restore_rng()
         results: dict = {}
-        if self.val_batches and cfg.eval.at_start:
+        if self.val_batches and cfg.eval.at_start and self.step == 0:
             results["first"] = self.evaluate()
             log.write({"step": self.step, "epoch": self.step / plan.steps_per_epoch, **results["first"]})
             self.say(f"step {self.step}: validation loss {results['first']['eval_loss']:.4f}, "
@@ -194,6 +202,28 @@ class Trainer:
         speed = Throughput()
         tokens_per_step = t.global_batch_size * cfg.data.seq_len
         start, first_step = time.perf_counter(), self.step
+        from .signals import Preemption
+
+        preemption = Preemption()
+        try:
+            self._loop(log, progress, speed, results, preemption)
+        finally:
+            preemption.restore()
+            progress.close()
+            log.close()
+            self.ckpt.wait()
+        elapsed = time.perf_counter() - start
+        results["train_seconds"] = elapsed
+        results["tokens_per_s"] = (self.step - first_step) * tokens_per_step / max(elapsed, 1e-9)
+        if "first" in results and "last" in results:
+            self.say(f"validation perplexity: {results['first']['eval_ppl']:.2f} before -> "
+                     f"{results['last']['eval_ppl']:.2f} after training")
+        self.say(f"trained {self.step - first_step} steps in {elapsed:.1f}s ({results['tokens_per_s']:.0f} tokens/s)")
+        return results
+
+    def _loop(self, log, progress, speed, results: dict, preemption) -> None:
+        cfg, dist, plan, t = self.cfg, self.dist, self.plan, self.cfg.train
+        tokens_per_step = t.global_batch_size * cfg.data.seq_len
         while self.step < self.total_steps:
             epoch, step_in_epoch = divmod(self.step, plan.steps_per_epoch)
             loss_sum, tokens, grad_norm = train_step(self.model, self.optimizer, self.scaler, self.train_ds,
@@ -202,11 +232,15 @@ class Trainer:
             self.scheduler.step()
             self.step = step = self.step + 1
             speed.add(tokens_per_step)
+            loss_total, stop = all_sum(loss_sum, preemption.requested, device=dist.device)
+            loss = loss_total / max(tokens, 1.0)
             record = {}
             last = step == self.total_steps
-            if step % cfg.log.every_steps == 0 or last:
-                (loss_total,) = all_sum(loss_sum, device=dist.device)
-                loss = loss_total / max(tokens, 1.0)
+            bad = not math.isfinite(loss) or (self.scaler is None and not math.isfinite(float(grad_norm)))
+            if bad:
+                self.nonfinite(step, loss, float(grad_norm))
+                record = {"step": step, "epoch": step / plan.steps_per_epoch, "loss": None, "skipped": True}
+            elif step % cfg.log.every_steps == 0 or last:
                 record = {"step": step, "epoch": step / plan.steps_per_epoch, "loss": loss, "lr": lr,
                           "grad_norm": float(grad_norm), "tokens_seen": step * tokens_per_step,
                           "tokens_per_s": speed.rate()}
@@ -221,16 +255,30 @@ class Trainer:
             if record:
                 log.write(record)
             progress.update(1)
-        progress.close()
-        log.close()
-        elapsed = time.perf_counter() - start
-        results["train_seconds"] = elapsed
-        results["tokens_per_s"] = (self.step - first_step) * tokens_per_step / max(elapsed, 1e-9)
-        if "first" in results and "last" in results:
-            self.say(f"validation perplexity: {results['first']['eval_ppl']:.2f} before -> "
-                     f"{results['last']['eval_ppl']:.2f} after training")
-        self.say(f"trained {self.step - first_step} steps in {elapsed:.1f}s ({results['tokens_per_s']:.0f} tokens/s)")
-        return results
+            self.ckpt.poll()
+            if stop and not last:
+                folder = self.ckpt.save(step)
+                self.ckpt.wait()
+                results["preempted"] = True
+                progress.write(f"step {step}: got {preemption.name}; checkpoint saved to {folder}; "
+                               "exiting for a requeue (resume=auto continues)")
+                return
+            if self.ckpt.due(step):
+                self.ckpt.save(step)
+
+    def nonfinite(self, step: int, loss: float, grad_norm: float) -> None:
+        """A NaN/inf loss or gradient: the update was not applied (train_step); stop or go on."""
+        what = f"loss {loss} / gradient norm {grad_norm} at step {step}"
+        if self.cfg.on_nan == "skip":
+            self.say(f"warning: {what}; skipped that update (on_nan=skip)")
+            return
+        self.ckpt.wait()
+        from .checkpoint import find_latest
+
+        good = find_latest(self.out / "checkpoints")
+        where = f"the last good checkpoint is {good}" if good else "no checkpoint was written"
+        raise UserError(f"{what}; stopped without applying it (on_nan=stop), {where}; lower train.lr "
+                        "or set on_nan=skip")
 
     def export(self, folder: Path | None = None) -> Path:
         """Plain HF folder, gathered to rank 0's CPU only."""
@@ -247,6 +295,7 @@ class Trainer:
     def close(self) -> None:
         import torch.distributed
 
+        self.ckpt.close()
         torch.distributed.barrier()
         if self.owns_group:
             torch.distributed.destroy_process_group()
@@ -256,6 +305,7 @@ def run(cfg: RunConfig, overwrite: bool = False) -> dict:
     """Train as one rank of the job: set up, fit, export final/, leave."""
     trainer = Trainer(cfg, overwrite)
     results = trainer.fit()
-    trainer.export()
+    if not results.get("preempted"):  # a preempted run is finished by its resume
+        trainer.export()
     trainer.close()
     return results
