@@ -132,13 +132,15 @@ def _launch_preemptible(nproc: int, worker: list[str]) -> int:
 
     from .launch import launch_local
 
-    signal.signal(signal.SIGUSR1, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
+    previous = signal.signal(signal.SIGUSR1, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
     try:
         return launch_local(nproc, worker)
     except SignalException as exc:
         print(f"{exc.sigval.name}: the ranks saved a checkpoint and stopped; exit {EXIT_PREEMPTED} "
               "(resume=auto continues)", file=sys.stderr)
         return EXIT_PREEMPTED
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
 
 
 def cmd_export(args) -> int:

@@ -288,6 +288,8 @@ def validate(cfg: RunConfig) -> None:
     c = cfg.checkpoint
     if c.every_steps < 0 or c.keep_last < 0:
         raise UserError("checkpoint.every_steps and checkpoint.keep_last must be >= 0")
+    if cfg.resume == "auto" and not cfg.output_dir:
+        raise UserError("resume=auto continues the run in output_dir; set output_dir=<that run's folder>")
 
 
 def check_world(cfg: RunConfig, world_size: int) -> int:

@@ -1,5 +1,6 @@
 """Data: load documents (local files or the HF hub), tokenize once (cached by `datasets`),
-pack into fixed-length blocks, and decide which blocks each rank trains on at each step.
+pack text into fixed-length blocks (instruct/chat examples stay one per row, see formats.py),
+and decide which samples each rank trains on at each step.
 
 The global order of an epoch is a seeded permutation of all packed blocks; optimizer step s
 takes the next `global_batch_size` blocks of it, and rank r's micro-batch m inside that step
@@ -12,13 +13,14 @@ from __future__ import annotations
 from itertools import chain
 from pathlib import Path
 
+from . import formats
 from .config import DataConfig
 from .errors import UserError
+from .formats import IGNORE_INDEX
 
 BUILDERS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".csv": "csv",
             ".parquet": "parquet"}
 VAL_NAMES = ("validation", "valid", "val", "dev")
-IGNORE_INDEX = -100
 
 
 # ----------------------------------------------------------------------------- documents
@@ -137,50 +139,107 @@ def pack(docs, tokenizer, field: str, seq_len: int, num_proc: int | None = None)
         ids = tokenizer(batch[field], add_special_tokens=False)["input_ids"]
         return {"input_ids": [x + [eos] for x in ids]}
 
-    def group(batch):
-        flat = list(chain.from_iterable(batch["input_ids"]))
-        usable = len(flat) // seq_len * seq_len
-        return {"input_ids": [flat[i:i + seq_len] for i in range(0, usable, seq_len)]}
-
     # Blank documents (wikitext's empty lines) would only add runs of EOS.
     docs = docs.filter(lambda batch: [bool(t and t.strip()) for t in batch[field]], batched=True,
                        num_proc=num_proc, desc="drop blank")
     tokens = docs.map(tokenize, batched=True, remove_columns=docs.column_names, num_proc=num_proc,
                       desc="tokenize")
-    # One pass over everything (batch_size=None) so no block straddles a gap.
-    return tokens.map(group, batched=True, batch_size=None, desc=f"pack {seq_len}")
+    return blocks(tokens, seq_len)
+
+
+def blocks(tokens, seq_len: int):
+    """Concatenate every row's `input_ids` (and `labels`, if any) and cut into `seq_len` blocks;
+    the tail is dropped. One pass over everything (batch_size=None) so no block straddles a gap."""
+    columns = [c for c in ("input_ids", "labels") if c in tokens.column_names]
+
+    def group(batch):
+        out = {}
+        for c in columns:
+            flat = list(chain.from_iterable(batch[c]))
+            usable = len(flat) // seq_len * seq_len
+            out[c] = [flat[i:i + seq_len] for i in range(0, usable, seq_len)]
+        return out
+
+    return tokens.map(group, batched=True, batch_size=None, remove_columns=tokens.column_names,
+                      desc=f"pack {seq_len}")
+
+
+def tokenize_split(docs, cfg: DataConfig, tokenizer, what: str, required: bool = False):
+    """Token rows of one split in cfg.format: packed text blocks, or one example per row with
+    `labels` (IGNORE_INDEX where there is no loss) and `length`. `required`: an instruct/chat
+    split left with no example is a UserError."""
+    if cfg.format == "text":
+        docs, field = formats.render_text(docs, cfg, what)
+        return pack(docs, tokenizer, field, cfg.seq_len, cfg.num_proc)
+    make = formats.instruct_fn if cfg.format == "instruct" else formats.chat_fn
+    build = make(cfg, tokenizer, docs.column_names, what)
+    rows = docs.map(build, batched=True, with_indices=cfg.format == "chat", remove_columns=docs.column_names,
+                    num_proc=cfg.num_proc, desc=f"tokenize {cfg.format}")
+    # Rows whose loss tokens were all cut off (or that had none) would only cost compute;
+    # position 0 is never predicted, hence [1:].
+    rows = rows.filter(lambda batch: [any(t != IGNORE_INDEX for t in lab[1:]) for lab in batch["labels"]],
+                       batched=True, num_proc=cfg.num_proc, desc="drop rows without loss")
+    if required and len(rows) == 0:
+        raise UserError(f"no example of {what} keeps a response (or assistant) token within data.cutoff_len="
+                        f"{cfg.cutoff_len or cfg.seq_len}; raise data.cutoff_len/data.seq_len or check the data")
+    if cfg.train_on_inputs:
+        rows = rows.remove_columns("labels")  # labels == input_ids
+    if cfg.packing:
+        rows = blocks(rows, cfg.seq_len)
+    return rows
 
 
 def prepare(cfg: DataConfig, tokenizer, seed: int):
-    """(train_blocks, val_blocks): packed datasets with an `input_ids` column of length seq_len."""
+    """(train, val) torch datasets with `input_ids` (and `labels` where some tokens get no loss).
+    text: packed blocks of seq_len; instruct/chat: one example per row, at most cutoff_len long,
+    with a `length` column (see `lengths`), unless data.packing."""
+    cutoff = cfg.cutoff_len or cfg.seq_len
+    if cfg.format != "text" and not 2 <= cutoff <= cfg.seq_len:
+        raise UserError(f"data.cutoff_len={cfg.cutoff_len} must be between 2 and data.seq_len={cfg.seq_len}; "
+                        "lower it, or raise data.seq_len (the model's position limit is checked against seq_len)")
     splits = load_documents(cfg)
     train_docs, val_docs = split_documents(cfg, splits, seed)
-    _check_field(train_docs, cfg.text_field, f"dataset {cfg.path!r}")
     if len(train_docs) == 0:
         raise UserError(f"dataset {cfg.path!r} has no training documents (after start_idx/end_idx); "
                         "check data.path and the slice")
-    train = pack(train_docs, tokenizer, cfg.text_field, cfg.seq_len, cfg.num_proc)
+    train = tokenize_split(train_docs, cfg, tokenizer, f"dataset {cfg.path!r}", required=True)
     if len(train) == 0:
         raise UserError(f"dataset {cfg.path!r} has fewer tokens than one sequence of data.seq_len={cfg.seq_len}; "
                         "add data or lower data.seq_len")
     val = None
     if len(val_docs):
-        _check_field(val_docs, cfg.text_field, f"the validation split of {cfg.path!r}")
-        val = pack(val_docs, tokenizer, cfg.text_field, cfg.seq_len, cfg.num_proc)
+        val = tokenize_split(val_docs, cfg, tokenizer, f"the validation split of {cfg.path!r}")
         val = val if len(val) else None
     return train.with_format("torch"), (val.with_format("torch") if val is not None else None)
+
+
+def lengths(ds) -> list[int] | None:
+    """Per-sample token counts for BatchPlan(lengths=...), or None for packed (equal) blocks."""
+    if "length" not in ds.column_names:
+        return None
+    return ds.with_format("numpy", columns=["length"])[:]["length"].tolist()
 
 
 # ----------------------------------------------------------------------------- batches
 
 
 class BatchPlan:
-    """Which packed blocks rank `rank` uses for every micro-step of every optimizer step."""
+    """Which samples rank `rank` uses for every micro-step of every optimizer step.
+
+    With `lengths` (group_by_length), each epoch's shuffled order is cut into mega-chunks of
+    GROUP_BATCHES global batches, each chunk is sorted longest first, and then the global
+    batches are shuffled: micro-batches hold similar lengths (little padding) while the
+    order of batches stays random. Like the plain order, it depends on (seed, epoch) only."""
+
+    GROUP_BATCHES = 50
 
     def __init__(self, num_samples: int, global_batch: int, micro_batch: int, world_size: int,
-                 rank: int, seed: int):
+                 rank: int, seed: int, lengths=None):
         self.num_samples, self.global_batch, self.micro_batch = num_samples, global_batch, micro_batch
         self.world_size, self.rank, self.seed = world_size, rank, seed
+        if lengths is not None and len(lengths) != num_samples:
+            raise ValueError(f"{len(lengths)} lengths for {num_samples} samples")
+        self.lengths = lengths
         self.accum = global_batch // (micro_batch * world_size)
         self.steps_per_epoch = num_samples // global_batch
         if self.steps_per_epoch == 0:
@@ -193,8 +252,26 @@ class BatchPlan:
 
         if epoch != self._epoch:
             gen = torch.Generator().manual_seed(self.seed + epoch)
-            self._epoch, self._order = epoch, torch.randperm(self.num_samples, generator=gen)
+            order = torch.randperm(self.num_samples, generator=gen)
+            if self.lengths is not None:
+                order = self._grouped(order, gen)
+            self._epoch, self._order = epoch, order
         return self._order
+
+    def _grouped(self, order, gen):
+        import torch
+
+        lengths = torch.as_tensor(self.lengths)[order]
+        chunk = self.GROUP_BATCHES * self.global_batch
+        parts = []
+        for start in range(0, self.num_samples, chunk):
+            by_len = torch.sort(lengths[start:start + chunk], descending=True, stable=True).indices
+            parts.append(order[start:start + chunk][by_len])
+        order = torch.cat(parts)
+        usable = self.steps_per_epoch * self.global_batch
+        batches = order[:usable].view(self.steps_per_epoch, self.global_batch)
+        shuffled = batches[torch.randperm(self.steps_per_epoch, generator=gen)].reshape(-1)
+        return torch.cat([shuffled, order[usable:]])  # the tail is not trained on this epoch
 
     def micro_batches(self, epoch: int, step_in_epoch: int) -> list[list[int]]:
         """`accum` lists of `micro_batch` sample indices for this rank at this step."""
@@ -222,15 +299,32 @@ def eval_batches(num_samples: int, micro_batch: int, world_size: int, rank: int,
     return batches
 
 
-def collate(ds, indices: list[int], device):
-    """{input_ids, labels} tensors for these blocks; index -1 is a padding row with no loss."""
+def collate(ds, indices: list[int], device, pad_id: int = 0):
+    """{input_ids, labels} tensors for these samples; index -1 is a padding row with no loss.
+    Rows of different lengths are right-padded with `pad_id` (labels with IGNORE_INDEX) to the
+    longest, and only then is an `attention_mask` (1 = real token) added."""
     import torch
 
     real = [i if i >= 0 else 0 for i in indices]
     rows = ds[real]
     input_ids = rows["input_ids"]
-    labels = rows["labels"].clone() if "labels" in rows else input_ids.clone()
+    labels = rows.get("labels")
+    if isinstance(input_ids, torch.Tensor):  # equal lengths: datasets stacked them already
+        labels = labels.clone() if labels is not None else input_ids.clone()
+        mask = None
+    else:
+        labels = labels if labels is not None else input_ids
+        width = max(len(x) for x in input_ids)
+        padded = torch.full((len(real), width), pad_id, dtype=input_ids[0].dtype)
+        mask = torch.zeros((len(real), width), dtype=torch.long)
+        padded_labels = torch.full((len(real), width), IGNORE_INDEX, dtype=input_ids[0].dtype)
+        for pos, (ids, lab) in enumerate(zip(input_ids, labels)):
+            padded[pos, :len(ids)], padded_labels[pos, :len(ids)], mask[pos, :len(ids)] = ids, lab, 1
+        input_ids, labels = padded, padded_labels
     for pos, i in enumerate(indices):
         if i < 0:
             labels[pos] = IGNORE_INDEX
-    return {"input_ids": input_ids.to(device, non_blocking=True), "labels": labels.to(device, non_blocking=True)}
+    batch = {"input_ids": input_ids.to(device, non_blocking=True), "labels": labels.to(device, non_blocking=True)}
+    if mask is not None:
+        batch["attention_mask"] = mask.to(device, non_blocking=True)
+    return batch

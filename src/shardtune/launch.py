@@ -126,6 +126,10 @@ def launch_local(nproc: int, worker_argv: list[str]) -> int:
         codes = {failure.exitcode for failure in exc.failures.values()}
         if EXIT_USAGE in codes:
             return EXIT_USAGE
+        from .signals import EXIT_PREEMPTED
+
+        if codes == {EXIT_PREEMPTED}:
+            return EXIT_PREEMPTED
         print(f"error: {len(exc.failures)} worker(s) failed (exit codes {sorted(codes)}); "
               f"see their output above", file=sys.stderr)
         return 1

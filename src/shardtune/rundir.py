@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .errors import UserError
 
-RUN_FILES = ("config.yaml", "metrics.jsonl")
+RUN_FILES = ("config.yaml", "metrics.jsonl", "PREEMPTED")
 RUN_DIRS = ("final", "checkpoints")
 
 

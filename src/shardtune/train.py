@@ -15,6 +15,7 @@ from .model import build_meta_model, check_seq_len, count_params, load_hf_config
     load_tokenizer, materialize
 from .parallel import apply_parallelism, build_mesh
 from .rundir import default_output_dir
+from .slurm import PREEMPTED_MARKER
 from .telemetry import MetricsLog, Progress, Throughput, perplexity
 
 
@@ -23,7 +24,7 @@ def token_loss(model, batch):
     import torch
     import torch.nn.functional as F
 
-    logits = model(input_ids=batch["input_ids"], use_cache=False).logits[:, :-1]
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), use_cache=False).logits[:, :-1]
     labels = batch["labels"][:, 1:]
     flat = logits.reshape(-1, logits.size(-1)).float()
     loss_sum = F.cross_entropy(flat, labels.reshape(-1), ignore_index=data_lib.IGNORE_INDEX, reduction="sum")
@@ -121,8 +122,9 @@ class Trainer:
         self.out = out = Path(cfg.output_dir)
         from .checkpoint import Checkpointer, prepare_run_dir
 
+        # Check the folder now, but change it (overwrite, trim, clean) only once all input is valid.
         resume_from = broadcast_value(dist, rank0_first(
-            dist, lambda: prepare_run_dir(cfg, overwrite) if dist.is_main else None))
+            dist, lambda: prepare_run_dir(cfg, overwrite, check_only=True) if dist.is_main else None))
 
         # ---- model config, tokenizer and data (rank 0 tokenizes first; the others hit the cache)
         self.tokenizer = tokenizer = load_tokenizer(cfg.model)
@@ -171,11 +173,13 @@ class Trainer:
 
             self.scaler = ShardedGradScaler(device=dist.device.type)
         self.step = 0
+        rank0_first(dist, lambda: prepare_run_dir(cfg, overwrite) if dist.is_main else None)
         self.ckpt = Checkpointer(self)
         if resume_from:
             self.ckpt.load(resume_from)
         if dist.is_main:
             (out / "config.yaml").write_text(dump_yaml(cfg))
+            (out / PREEMPTED_MARKER).unlink(missing_ok=True)
 
     def say(self, text: str) -> None:
         if self.dist.is_main:
@@ -260,6 +264,8 @@ class Trainer:
                 folder = self.ckpt.save(step)
                 self.ckpt.wait()
                 results["preempted"] = True
+                if dist.is_main:  # for job scripts that cannot see the ranks' exit code (torchrun)
+                    (self.out / PREEMPTED_MARKER).write_text(f"{step}\n")
                 progress.write(f"step {step}: got {preemption.name}; checkpoint saved to {folder}; "
                                "exiting for a requeue (resume=auto continues)")
                 return
@@ -303,7 +309,15 @@ class Trainer:
 
 def run(cfg: RunConfig, overwrite: bool = False) -> dict:
     """Train as one rank of the job: set up, fit, export final/, leave."""
-    trainer = Trainer(cfg, overwrite)
+    import torch.distributed
+
+    owns_group = not torch.distributed.is_initialized()
+    try:
+        trainer = Trainer(cfg, overwrite)
+    except BaseException:
+        if owns_group and torch.distributed.is_initialized():  # leave no group behind a failed set-up
+            torch.distributed.destroy_process_group()
+        raise
     results = trainer.fit()
     if not results.get("preempted"):  # a preempted run is finished by its resume
         trainer.export()

@@ -1,0 +1,138 @@
+"""Helpers shared by the benchmarks: assets, launching ranks, memory probes, state bytes, tables.
+
+Kept free of benchmark logic so each benchmark file reads top to bottom on its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+PYTHON = sys.executable
+MB = 1024 ** 2
+
+
+def default_workdir() -> Path:
+    """Scratch space for run folders and per-rank JSON (outside the repository)."""
+    return Path(os.environ.get("SHARDTUNE_BENCH_DIR", "/tmp/shardtune-bench"))
+
+
+def quickstart_assets(vocab_size: int = 2048) -> dict:
+    """The offline docstring corpus + BPE tokenizer (built once, then reused from the cache)."""
+    from shardtune.quickstart import build_quickstart_assets, default_cache_dir
+
+    return build_quickstart_assets(default_cache_dir(), vocab_size=vocab_size)
+
+
+def overrides_from(tree: dict, prefix: str = "") -> list[str]:
+    """Nested dict -> shardtune `key=value` overrides (dicts under model.config stay JSON)."""
+    out = []
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and name != "model.config":
+            out += overrides_from(value, name + ".")
+        else:
+            out.append(f"{name}={json.dumps(value) if isinstance(value, (dict, list, bool)) or value is None else value}")
+    return out
+
+
+def threads_per_rank(nproc: int) -> int:
+    return max(1, (os.cpu_count() or 1) // nproc)
+
+
+def torchrun(script: Path, nproc: int, args: list[str], timeout: int = 900, env: dict | None = None):
+    """Start `nproc` ranks of `script` with torch's launcher; returns the CompletedProcess."""
+    cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script), *args]
+    full_env = {**os.environ, "OMP_NUM_THREADS": str(threads_per_rank(nproc)), "PYTHONUNBUFFERED": "1",
+                "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+                **(env or {})}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
+def last_error_line(proc) -> str:
+    """The most telling line of a failed run's output (the last exception line, else the last line)."""
+    lines = [line.strip() for line in (proc.stderr + proc.stdout).splitlines() if line.strip()]
+    for line in lines:  # the first exception raised by a rank is the cause; the launcher's come later
+        if re.match(r"^(\[rank\d+\]: ?)?[\w.]*(Error|Exception)\b.*:", line) and "ChildFailedError" not in line:
+            return line[:300]
+    return lines[-1][:300] if lines else f"exit code {proc.returncode}"
+
+
+def peak_memory_bytes(device_type: str) -> int:
+    """CUDA: max_memory_allocated; CPU: this process's peak resident set size (ru_maxrss, KiB on Linux)."""
+    if device_type == "cuda":
+        import torch
+
+        return int(torch.cuda.max_memory_allocated())
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def current_rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def local_bytes(t) -> int:
+    """Bytes this rank holds for a tensor (the local shard of a DTensor)."""
+    if hasattr(t, "to_local"):
+        t = t.to_local()
+    return t.numel() * t.element_size()
+
+
+def state_bytes(model, optimizer) -> dict:
+    """Per-rank bytes of parameters, gradients and optimizer state (local shards only)."""
+    params = [p for p in model.parameters()]
+    out = {"param_bytes": sum(local_bytes(p) for p in params),
+           "grad_bytes": sum(local_bytes(p.grad) for p in params if p.grad is not None),
+           "optim_bytes": 0}
+    for st in optimizer.state.values():
+        out["optim_bytes"] += sum(local_bytes(v) for v in st.values() if hasattr(v, "element_size"))
+    return out
+
+
+def write_rank_json(folder: Path, tag: str, record: dict) -> None:
+    rank = int(os.environ.get("RANK", "0"))
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{tag}.rank{rank}.json").write_text(json.dumps(record))
+
+
+def read_rank_json(folder: Path, tag: str) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(folder.glob(f"{tag}.rank*.json"))]
+
+
+def machine_line() -> str:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024 ** 3
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    import transformers
+
+    versions = f"torch {torch.__version__}, transformers {transformers.__version__}"
+    try:
+        import accelerate
+
+        versions += f", accelerate {accelerate.__version__}"
+    except ImportError:
+        pass
+    return (f"{time.strftime('%Y-%m-%d %H:%M %Z')} | {cpu}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, {gpu} | "
+            f"Python {platform.python_version()}, {versions}")
+
+
+def markdown_table(headers: list[str], rows: list[list]) -> str:
+    cells = [[str(c) for c in row] for row in rows]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in cells]
+    return "\n".join(lines)

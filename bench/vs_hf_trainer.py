@@ -1,0 +1,343 @@
+"""shardtune vs transformers.Trainer: the same fine-tune, steady-state tokens/s and peak memory.
+
+Both sides train the same random-init model on the same packed token blocks, in the same
+order and split over ranks the same way, with the same AdamW settings, LR schedule, precision,
+batch sizes and number of steps. Runs alternate (shardtune, HF, shardtune, HF, ...) so drift
+on the machine hits both. The first --skip steps are left out of tokens/s.
+
+    python bench/vs_hf_trainer.py                 # CPU: GPT-2 4x256, 1 and 2 ranks
+    python bench/vs_hf_trainer.py --gpu           # GPU: Llama-shape ~1B, bf16, seq 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
+
+TRAIN = {"lr": 1e-3, "lr_schedule": "cosine", "min_lr_ratio": 0.1, "warmup_steps": 3, "weight_decay": 0.01,
+         "betas": [0.9, 0.95], "eps": 1e-8, "max_grad_norm": 1.0, "seed": 42}
+SETUPS = {
+    "cpu": {"model": {"model_type": "gpt2", "n_layer": 4, "n_embd": 256, "n_head": 4, "n_positions": 256,
+                      "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
+            "seq_len": 256, "micro": 8, "global": 16, "steps": 30, "precision": "fp32",
+            "nproc": [1, 2], "sharding": ["no_shard", "full_shard"], "target": 1.25},
+    "gpu": {"model": {"model_type": "llama", "hidden_size": 2048, "num_hidden_layers": 16,
+                      "num_attention_heads": 32, "num_key_value_heads": 32, "intermediate_size": 5632,
+                      "vocab_size": 32000, "max_position_embeddings": 2048},
+            "seq_len": 2048, "micro": 4, "global": 32, "steps": 30, "precision": "bf16", "lr": 3e-4,
+            "nproc": None, "sharding": ["full_shard", "no_shard"], "target": 1.5, "mfu_target": 0.5},
+}
+PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "H800": 989.4, "A100": 312.0, "L40S": 362.0, "A10G": 70.0}
+
+
+def shardtune_overrides(setup: dict, tokenizer: str, data_dir: str, out: Path, nproc: int, sharding: str) -> list[str]:
+    tree = {"model": {"config": setup["model"], "tokenizer": tokenizer},
+            "data": {"path": data_dir, "seq_len": setup["seq_len"]},
+            "train": {**TRAIN, "lr": setup.get("lr", TRAIN["lr"]), "micro_batch_size": setup["micro"],
+                      "global_batch_size": setup["global"], "max_steps": setup["steps"]},
+            "fsdp": {"sharding": sharding}, "precision": setup["precision"],
+            "eval": {"at_start": False, "max_batches": 1}, "log": {"every_steps": 1, "progress": False},
+            "output_dir": str(out)}
+    return C.overrides_from(tree)
+
+
+def weighted_sums(ids):
+    """One number per micro-batch that changes if any block, or any token's place, differs."""
+    import torch
+
+    pos = torch.arange(1, ids.shape[-1] + 1, device=ids.device, dtype=torch.int64)
+    return (ids.to(torch.int64) * pos).sum()
+
+
+# ----------------------------------------------------------------------------- workers (one per rank)
+
+
+def worker_shardtune(spec: dict) -> None:
+    import torch
+
+    from shardtune.config import load_config
+    from shardtune.train import Trainer
+
+    trainer = Trainer(load_config(None, spec["overrides"]), overwrite=True)
+    plan, ids = trainer.plan, trainer.train_ds["input_ids"]
+    sums = []
+    for step in range(trainer.total_steps):  # exactly the blocks train_step will see on this rank
+        epoch, in_epoch = divmod(step, plan.steps_per_epoch)
+        sums += [int(weighted_sums(ids[torch.tensor(idx)])) for idx in plan.micro_batches(epoch, in_epoch)]
+    rss_setup, cpu0, wall0 = C.current_rss_bytes(), time.process_time(), time.perf_counter()
+    trainer.fit()
+    util = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
+    peak = C.peak_memory_bytes(trainer.dist.device.type)
+    record = {"peak_bytes": peak, "rss_setup": rss_setup, "sums": sums, "mode": f"FSDP2 {spec['sharding']}",
+              "cpu_util": util}
+    if trainer.dist.is_main:
+        rows = [json.loads(line) for line in (trainer.out / "metrics.jsonl").read_text().splitlines()]
+        rows = [r for r in rows if "tokens_per_s" in r]
+        record["step_seconds"] = [spec["tokens_per_step"] / r["tokens_per_s"] for r in rows]
+        record["losses"] = [r["loss"] for r in rows]
+    C.write_rank_json(Path(spec["out"]), "shardtune", record)
+    trainer.close()
+
+
+def worker_hf(spec: dict) -> None:
+    import datasets
+    import torch
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from shardtune.config import load_config
+    from shardtune.model import load_hf_config, load_source_model, load_tokenizer
+    from shardtune.optim import lr_factor
+    from shardtune.parallel import detect_block_class
+
+    cfg = load_config(None, spec["overrides"])
+    t = cfg.train
+    tokenizer = load_tokenizer(cfg.model)
+    hf_config = load_hf_config(cfg.model)  # the same config, vocabulary and seeded init as shardtune
+    if "vocab_size" not in cfg.model.config:
+        hf_config.vocab_size = len(tokenizer)
+    hf_config.bos_token_id, hf_config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
+    hf_config.pad_token_id = tokenizer.pad_token_id
+    model = load_source_model(cfg.model, hf_config, t.seed)
+    blocks = torch.load(spec["blocks"])
+    train_ds = datasets.Dataset.from_dict({"input_ids": blocks.tolist(), "labels": blocks.tolist()})
+    train_ds = train_ds.with_format("torch")
+
+    world = spec["nproc"]
+    fsdp = {}
+    if spec["hf_fsdp"]:
+        fsdp = {"fsdp": True,
+                "fsdp_config": {"version": 2, "reshard_after_forward": True, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                                "transformer_layer_cls_to_wrap": [detect_block_class(model).__name__]}}
+    args = TrainingArguments(
+        output_dir=spec["out"] + "/hf", per_device_train_batch_size=t.micro_batch_size,
+        gradient_accumulation_steps=t.global_batch_size // (t.micro_batch_size * world), max_steps=t.max_steps,
+        learning_rate=t.lr, weight_decay=t.weight_decay, adam_beta1=t.betas[0], adam_beta2=t.betas[1],
+        adam_epsilon=t.eps, max_grad_norm=t.max_grad_norm, warmup_steps=t.warmup_steps,
+        bf16=cfg.precision == "bf16", use_cpu=spec["device"] == "cpu", seed=t.seed,
+        train_sampling_strategy="sequential", dataloader_drop_last=True, logging_steps=1,
+        save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True,
+        ddp_find_unused_parameters=False, **fsdp)  # HF's default True costs an extra graph walk
+
+    class Timer(TrainerCallback):
+        def __init__(self):
+            self.ends = []
+
+        def on_step_end(self, args, state, control, **kw):
+            if torch.cuda.is_available() and spec["device"] == "cuda":
+                torch.cuda.synchronize()
+            self.ends.append(time.perf_counter())
+
+        def on_train_begin(self, args, state, control, **kw):
+            self.begin = time.perf_counter()
+
+    class SameRecipeTrainer(Trainer):
+        """transformers.Trainer with shardtune's LR curve, recording which blocks each micro-step used."""
+
+        sums: list = []
+
+        def create_scheduler(self, num_training_steps, optimizer=None):
+            if self.lr_scheduler is None:
+                self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
+                    optimizer or self.optimizer, lambda s: lr_factor(s, num_training_steps, t))
+            return self.lr_scheduler
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            self.sums.append(weighted_sums(inputs["input_ids"]))
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    timer = Timer()
+    trainer = SameRecipeTrainer(model=model, args=args, train_dataset=train_ds, callbacks=[timer])
+    rss_setup, cpu0, wall0 = C.current_rss_bytes(), time.process_time(), time.perf_counter()
+    trainer.train()
+    util = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
+    state = trainer.accelerator.state
+    sharded = any(hasattr(p, "to_local") for p in trainer.model.parameters())
+    mode = "FSDP2" if sharded else ("DDP" if world > 1 else "single process")
+    ends = [timer.begin] + timer.ends
+    record = {"peak_bytes": C.peak_memory_bytes(spec["device"]), "rss_setup": rss_setup, "mode": mode,
+              "distributed_type": str(state.distributed_type), "cpu_util": util, "sums": [int(s) for s in trainer.sums],
+              "step_seconds": [b - a for a, b in zip(ends, ends[1:])],
+              "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h]}
+    if spec["hf_fsdp"] and not sharded:
+        record["fsdp_error"] = (f"TrainingArguments(fsdp=...) accepted, but accelerate ran {state.distributed_type} "
+                                "with unsharded parameters (its FSDP plugin is only enabled for accelerator devices)")
+    C.write_rank_json(Path(spec["out"]), "hf", record)
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def build_blocks(overrides: list[str], steps: int, path: Path) -> int:
+    """The packed blocks shardtune will train on, in the order it consumes them; returns the count."""
+    import torch
+
+    from shardtune import data as data_lib
+    from shardtune.config import load_config
+    from shardtune.model import load_tokenizer
+
+    cfg = load_config(None, overrides)
+    t = cfg.train
+    train, _ = data_lib.prepare(cfg.data, load_tokenizer(cfg.model), t.seed)
+    plan = data_lib.BatchPlan(len(train), t.global_batch_size, t.micro_batch_size, 1, 0, t.seed)
+    order = [plan.order(e)[s * t.global_batch_size:(s + 1) * t.global_batch_size]
+             for e, s in (divmod(step, plan.steps_per_epoch) for step in range(steps))]
+    blocks = train["input_ids"][torch.cat(order)]
+    torch.save(blocks.clone(), path)
+    return len(train)
+
+
+def run_side(side: str, spec: dict, workdir: Path) -> dict:
+    out = workdir / f"{side}-{spec['nproc']}-{spec['sharding']}-{spec['repeat']}{'-fsdp' if spec['hf_fsdp'] else ''}"
+    spec = {**spec, "out": str(out)}
+    spec_path = workdir / f"{out.name}.json"
+    spec_path.write_text(json.dumps(spec))
+    load = os.getloadavg()[0]  # other work on the machine skews CPU numbers: keep it visible
+    proc = C.torchrun(Path(__file__), spec["nproc"], ["--worker", side, "--spec", str(spec_path)])
+    if proc.returncode != 0:
+        return {"error": C.last_error_line(proc)}
+    ranks = C.read_rank_json(out, side)
+    main = next(r for r in ranks if "step_seconds" in r)
+    steady = main["step_seconds"][spec["skip"]:]
+    return {"tokens_per_s": spec["tokens_per_step"] * len(steady) / sum(steady), "peak_bytes": max(
+        r["peak_bytes"] for r in ranks), "losses": main["losses"], "mode": main["mode"],
+        "sums": [r["sums"] for r in ranks], "note": main.get("fsdp_error"), "load": load,
+        "cpu_util": statistics.mean(r["cpu_util"] for r in ranks)}
+
+
+def flops_per_token(model_config: dict, tokenizer: str, seq_len: int) -> float:
+    """6 x (weights used in matmuls, LM head included) + 12 x layers x hidden x seq (attention)."""
+    import torch
+
+    from shardtune.config import ModelConfig
+    from shardtune.model import build_meta_model, load_hf_config
+
+    hf = load_hf_config(ModelConfig(config=model_config, tokenizer=tokenizer))
+    model = build_meta_model(hf)
+    matmul = sum(m.weight.numel() for m in model.modules()
+                 if hasattr(m, "weight") and getattr(m.weight, "ndim", 0) == 2 and not isinstance(m, torch.nn.Embedding))
+    return 6 * matmul + 12 * hf.num_hidden_layers * hf.hidden_size * seq_len
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gpu", action="store_true", help="the bf16 ~1B GPU setup (needs CUDA)")
+    p.add_argument("--repeats", type=int, default=2, help="shardtune/HF pairs per configuration")
+    p.add_argument("--steps", type=int, help="optimizer steps per run (default: the setup's)")
+    p.add_argument("--skip", type=int, default=2, help="first steps left out of tokens/s")
+    p.add_argument("--nproc", type=int, nargs="+", help="rank counts (default: CPU 1 2, GPU 1 and all GPUs)")
+    p.add_argument("--sharding", nargs="+", choices=["no_shard", "full_shard"])
+    p.add_argument("--peak-tflops", type=float, help="GPU peak bf16 TFLOPS for MFU (default: by GPU name)")
+    p.add_argument("--workdir", type=Path, default=C.default_workdir() / "vs_hf")
+    p.add_argument("--worker", choices=["shardtune", "hf"], help=argparse.SUPPRESS)
+    p.add_argument("--spec", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.worker:
+        spec = json.loads(Path(a.spec).read_text())
+        (worker_shardtune if a.worker == "shardtune" else worker_hf)(spec)
+        return 0
+
+    import torch
+
+    if a.gpu and not torch.cuda.is_available():
+        print("error: --gpu needs a CUDA GPU and torch.cuda.is_available() is False here; "
+              "run without --gpu for the CPU benchmark", file=sys.stderr)
+        return 2
+    setup = dict(SETUPS["gpu" if a.gpu else "cpu"])
+    setup["steps"] = a.steps or setup["steps"]
+    device = "cuda" if a.gpu else "cpu"
+    gpus = torch.cuda.device_count() if a.gpu else 0
+    nprocs = a.nproc or setup["nproc"] or sorted({1, gpus})
+    shardings = a.sharding or setup["sharding"]
+    a.workdir.mkdir(parents=True, exist_ok=True)
+    assets = C.quickstart_assets()
+    data_dir = str(Path(assets["train"]).parent)
+    base = shardtune_overrides(setup, assets["tokenizer"], data_dir, a.workdir / "st", 1, "full_shard")
+    blocks_path = a.workdir / "blocks.pt"
+    n_blocks = build_blocks(base, setup["steps"], blocks_path)
+    tokens_per_step = setup["global"] * setup["seq_len"]
+    print(f"# shardtune vs transformers.Trainer ({device})\n\n{C.machine_line()}\n\n"
+          f"model {json.dumps(setup['model'])} | seq {setup['seq_len']} | micro {setup['micro']} | "
+          f"global {setup['global']} | {setup['steps']} steps (first {a.skip} not timed) | {setup['precision']} | "
+          f"AdamW lr {setup.get('lr', TRAIN['lr'])} cosine warmup {TRAIN['warmup_steps']} | "
+          f"{n_blocks} packed blocks in the corpus | {a.repeats} alternating pair(s) per row\n", flush=True)
+
+    results, raw = [], []
+    for nproc in nprocs:
+        for sharding in shardings:
+            if setup["global"] % (setup["micro"] * nproc):
+                print(f"skipping {nproc} ranks: global batch {setup['global']} does not divide", flush=True)
+                continue
+            spec = {"nproc": nproc, "sharding": sharding, "device": device, "skip": a.skip,
+                    "tokens_per_step": tokens_per_step, "blocks": str(blocks_path),
+                    "overrides": shardtune_overrides(setup, assets["tokenizer"], data_dir,
+                                                     a.workdir / f"run-{nproc}-{sharding}", nproc, sharding)}
+            hf_fsdp = nproc > 1 and sharding == "full_shard"
+            runs = {"shardtune": [], "hf": []}
+            for repeat in range(a.repeats):
+                for side in ("shardtune", "hf"):
+                    t0 = time.perf_counter()
+                    r = run_side(side, {**spec, "repeat": repeat, "hf_fsdp": hf_fsdp}, a.workdir)
+                    if side == "hf" and hf_fsdp and "error" in r:  # FSDP refused: fall back to DDP, say so
+                        note = r["error"]
+                        r = run_side(side, {**spec, "repeat": repeat, "hf_fsdp": False}, a.workdir)
+                        r["note"] = f"FSDP failed ({note}); ran DDP"
+                    runs[side].append(r)
+                    raw.append([nproc, sharding, side, repeat, f"{r.get('tokens_per_s', 0):.0f}",
+                                f"{r.get('peak_bytes', 0) / C.MB:.0f}", f"{time.perf_counter() - t0:.0f}",
+                                f"{r.get('load', 0):.1f}", f"{r.get('cpu_util', 0):.2f}",
+                                r.get("error", r.get("mode", ""))])
+                    print(f"  {nproc} rank(s) {sharding:10s} {side:9s} #{repeat}: "
+                          f"{r.get('tokens_per_s', 0):8.0f} tok/s  peak {r.get('peak_bytes', 0) / C.MB:7.0f} MB  "
+                          f"({time.perf_counter() - t0:.0f}s wall) {r.get('error', '')}", flush=True)
+            results.append((nproc, sharding, runs))
+
+    target = setup["target"]
+    fpt = flops_per_token(setup["model"], assets["tokenizer"], setup["seq_len"]) if a.gpu else None
+    peak = a.peak_tflops or next((v for k, v in PEAK_BF16_TFLOPS.items()
+                                  if a.gpu and k in torch.cuda.get_device_name(0)), None)
+    headers = ["ranks", "sharding", "HF mode", "shardtune tok/s", "HF tok/s", f"ratio (target ≥ {target}×)",
+               "shardtune peak MB", "HF peak MB", "peak ratio", "loss step 1 / last (st | HF)", "same blocks"]
+    if fpt and peak:
+        headers += [f"shardtune MFU (target ≥ {setup['mfu_target']:.0%})", "HF MFU"]
+    rows, notes = [], []
+    for nproc, sharding, runs in results:
+        st, hf = runs["shardtune"], runs["hf"]
+        if any("error" in r for r in st + hf):
+            err = next(r["error"] for r in st + hf if "error" in r)
+            rows.append([nproc, sharding, "error", "", "", "", "", "", "", err, ""])
+            continue
+        st_tps = statistics.median(r["tokens_per_s"] for r in st)
+        hf_tps = statistics.median(r["tokens_per_s"] for r in hf)
+        st_mem, hf_mem = max(r["peak_bytes"] for r in st), max(r["peak_bytes"] for r in hf)
+        ratio = st_tps / hf_tps
+        same = all(s["sums"] == h["sums"] for s, h in zip(st, hf))
+        loss = f"{st[0]['losses'][0]:.3f}/{st[0]['losses'][-1]:.3f} \\| {hf[0]['losses'][0]:.3f}/{hf[0]['losses'][-1]:.3f}"
+        row = [nproc, sharding, hf[0]["mode"], f"{st_tps:.0f}", f"{hf_tps:.0f}",
+               f"{ratio:.2f}× {'✅' if ratio >= target else '❌'}", f"{st_mem / C.MB:.0f}", f"{hf_mem / C.MB:.0f}",
+               f"{st_mem / hf_mem:.2f}", loss, "yes" if same else "NO"]
+        if fpt and peak:
+            mfu = [tps / nproc * fpt / (peak * 1e12) for tps in (st_tps, hf_tps)]
+            row += [f"{mfu[0]:.1%} {'✅' if mfu[0] >= setup['mfu_target'] else '❌'}", f"{mfu[1]:.1%}"]
+        rows.append(row)
+        notes += [f"- {nproc} ranks {sharding}: {r['note']}" for r in hf[:1] if r.get("note")]
+    memory = "CUDA max_memory_allocated" if a.gpu else "peak RSS (ru_maxrss), max over ranks and repeats"
+    print(f"\n## Results (median tokens/s over repeats; memory = {memory})\n")
+    print(C.markdown_table(headers, rows))
+    if notes:
+        print("\nNotes:\n" + "\n".join(dict.fromkeys(notes)))
+    print("\n## Runs in the order they ran\n")
+    print(C.markdown_table(["ranks", "sharding", "side", "repeat", "tok/s", "peak MB", "wall s",
+                                   "load avg before", "CPU s/wall s per rank", "mode / error"], raw))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
