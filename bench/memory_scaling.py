@@ -36,14 +36,21 @@ def overrides(tokenizer: str, data_dir: str, out: Path, nproc: int, sharding: st
 
 
 def worker(spec: dict) -> None:
+    import torch.distributed.fsdp  # noqa: F401  (the baseline below includes the libraries)
+    import transformers  # noqa: F401
     from shardtune import data as data_lib
     from shardtune.config import load_config
     from shardtune.model import count_params
-    from shardtune.train import Trainer, token_loss
+    from shardtune.train import Trainer
+
+    try:
+        from shardtune.step import token_loss
+    except ImportError:  # older layout
+        from shardtune.train import token_loss
 
     baseline = C.current_rss_bytes()  # after importing torch, transformers and shardtune
     trainer = Trainer(load_config(None, spec["overrides"]), overwrite=True)
-    rss_setup = C.current_rss_bytes()
+    rss_setup, peak_setup = C.current_rss_bytes(), C.peak_memory_bytes(trainer.dist.device.type)
     t0 = time.perf_counter()
     trainer.fit()
     train_s = time.perf_counter() - t0
@@ -55,7 +62,7 @@ def worker(spec: dict) -> None:
     total, _ = count_params(trainer.model)
     record = {**C.state_bytes(trainer.model, trainer.optimizer), "total_params": total,
               "peak_bytes": C.peak_memory_bytes(dist.device.type), "baseline_rss": baseline,
-              "setup_rss": rss_setup, "train_s": train_s, "rank": dist.rank}
+              "setup_rss": rss_setup, "setup_peak": peak_setup, "train_s": train_s, "rank": dist.rank}
     C.write_rank_json(Path(spec["out"]), "mem", record)
     trainer.optimizer.zero_grad(set_to_none=True)
     trainer.close()
@@ -95,7 +102,7 @@ def main() -> int:
             wall = time.perf_counter() - t0
             if proc.returncode != 0:
                 print(f"  {sharding} x{nproc}: FAILED: {C.last_error_line(proc)}", flush=True)
-                rows.append([sharding, nproc, "failed: " + C.last_error_line(proc)] + [""] * 9)
+                rows.append([sharding, nproc, "failed: " + C.last_error_line(proc)] + [""] * 10)
                 continue
             ranks = C.read_rank_json(out, "mem")
             full = ranks[0]["total_params"] * 4  # fp32 bytes of one whole copy
@@ -106,11 +113,13 @@ def main() -> int:
             peaks = [r["peak_bytes"] for r in ranks]
             rows.append([sharding, nproc, mb(worst["param_bytes"]), mb(worst["grad_bytes"]), mb(worst["optim_bytes"]),
                          mb(state), mb(ideal), f"{state / ideal:.2f}", mb(max(peaks)), mb(min(peaks)),
-                         mb(max(r["baseline_rss"] for r in ranks)), f"{wall:.0f}"])
+                         mb(max(r["setup_peak"] for r in ranks)), mb(max(r["baseline_rss"] for r in ranks)),
+                         f"{wall:.0f}"])
             print(f"  {sharding} x{nproc}: state {mb(state)} MB/rank (ideal {mb(ideal)}), "
                   f"peak RSS {mb(max(peaks))} MB, {wall:.0f}s", flush=True)
     headers = ["sharding", "ranks", "params MB/rank", "grads MB/rank", "optim MB/rank", "state MB/rank",
-               "ideal total/N MB", "state / ideal", "peak RSS max MB", "peak RSS min MB", "RSS after imports MB",
+               "ideal total/N MB", "state / ideal", "peak RSS max MB", "peak RSS min MB", "peak RSS by end of setup MB",
+               "RSS after imports MB",
                "wall s"]
     print("\n## Results (per rank = the rank holding the most; MB = 2^20 bytes)\n")
     print(C.markdown_table(headers, rows))

@@ -75,13 +75,15 @@ def worker_shardtune(spec: dict) -> None:
     rss_setup, cpu0, wall0 = C.current_rss_bytes(), time.process_time(), time.perf_counter()
     trainer.fit()
     util = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
-    peak = C.peak_memory_bytes(trainer.dist.device.type)
+    rows = [json.loads(line) for line in (trainer.out / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "tokens_per_s" in r]
+    # shardtune's own CUDA memory log resets the peak at every log line: take the max over them too
+    logged = max((r.get("mem_allocated_gib", 0) * 1024 ** 3 for r in rows), default=0)
+    peak = max(C.peak_memory_bytes(trainer.dist.device.type), int(logged))
     record = {"peak_bytes": peak, "rss_setup": rss_setup, "sums": sums, "mode": f"FSDP2 {spec['sharding']}",
               "cpu_util": util}
     if trainer.dist.is_main:
-        rows = [json.loads(line) for line in (trainer.out / "metrics.jsonl").read_text().splitlines()]
-        rows = [r for r in rows if "tokens_per_s" in r]
-        record["step_seconds"] = [spec["tokens_per_step"] / r["tokens_per_s"] for r in rows]
+        record["step_seconds"] = [r.get("step_time_s") or spec["tokens_per_step"] / r["tokens_per_s"] for r in rows]
         record["losses"] = [r["loss"] for r in rows]
     C.write_rank_json(Path(spec["out"]), "shardtune", record)
     trainer.close()

@@ -173,7 +173,7 @@ def test_resume_path_mid_epoch_exact(reference, ck_assets, tmp_path):
 def test_signal_stop_then_resume_auto_exact(reference, ck_assets, tmp_path, capsys, monkeypatch):
     """SIGUSR1 after step 5 (mid-epoch): checkpoint, exit 75; the same command with resume=auto
     finishes the run with the uninterrupted losses. Without resume the folder is refused."""
-    import shardtune.train as train_mod
+    import shardtune.step as train_mod
 
     real_step, calls = train_mod.train_step, []
 
@@ -276,7 +276,7 @@ def test_one_rank_checkpoint_resumes_on_two(reference, ck_assets, tmp_path):
 
 def poison_step(monkeypatch, step: int) -> None:
     """Make every micro-batch loss of optimizer step `step` NaN (4 micro-batches per step)."""
-    import shardtune.train as train_mod
+    import shardtune.step as train_mod
 
     real, calls = train_mod.token_loss, []
 

@@ -69,6 +69,17 @@ def add_lora(model, cfg: PeftConfig, model_type: str, seed: int | None = None):
     return get_peft_model(model, lora)
 
 
+def adapt(model, cfg, block_cls: type, seed: int | None = None):
+    """LoRA and/or freezing as the run config asks; returns the (possibly wrapped) model."""
+    if cfg.peft.method == "lora":
+        if cfg.freeze.trainable_blocks is not None or cfg.freeze.head_only or cfg.freeze.embeddings:
+            raise UserError("freeze.* does not combine with peft.method=lora (LoRA already freezes the base); "
+                            "drop one of them")
+        return add_lora(model, cfg.peft, model.config.model_type, seed)
+    freeze(model, cfg.freeze, block_cls)
+    return model
+
+
 def freeze(model, cfg: FreezeConfig, block_cls: type) -> None:
     """Turn off gradients: they then get no gradient and no optimizer state."""
     import torch.nn as nn

@@ -272,7 +272,7 @@ class Checkpointer:
         d = t.cfg.data
         return {
             "format": FORMAT, "shardtune_version": __version__, "step": step, "epoch": step / spe,
-            "tokens_seen": step * gb * d.seq_len, "world_size": t.dist.world_size,
+            "tokens_seen": t.tokens_seen, "world_size": t.dist.world_size,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             # Position in the seeded global order (data.BatchPlan): enough to continue exactly.
             "data": {"start_idx": d.start_idx, "end_idx": d.end_idx, "sequences_per_epoch": t.plan.num_samples,
@@ -335,7 +335,7 @@ class Checkpointer:
             group["lr"] = lr
         if t.scaler is not None and meta.get("scaler"):
             t.scaler.load_state_dict(meta["scaler"])
-        t.step = meta["step"]
+        t.step, t.tokens_seen = meta["step"], meta.get("tokens_seen", 0)
         if meta["world_size"] == t.dist.world_size:
             self.rng = torch.load(path / f"rng-rank{t.dist.rank:05d}.pt", weights_only=True)
         else:

@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "size (default: 2GB)")
     export.add_argument("--push-to-hub", metavar="REPO", help="then upload the folder to this hub repo")
     export.add_argument("--private", action="store_true", help="create the hub repo as private")
+    export.add_argument("--merge", action="store_true", help="CHECKPOINT is the final/ adapter folder of a "
+                        "LoRA run: fold the adapter into the base and write a plain model")
 
     ev = sub.add_parser("eval", help="loss, perplexity and next-token accuracy of a model or checkpoint")
     ev.add_argument("model", help="HF folder or hub id, run folder, or checkpoint folder")
@@ -77,6 +79,31 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling mass (default: 0.9)")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     gen.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    rep = sub.add_parser("report", help="PNG plots and a markdown summary of one or more runs")
+    rep.add_argument("runs", nargs="+", metavar="RUN_DIR", help="output folders of runs (overlaid)")
+    rep.add_argument("--out", help="folder for the plots and report.md (default: RUN_DIR/report, or "
+                     "./report-compare for several runs)")
+
+    sl = sub.add_parser("slurm", help="write an sbatch script: srun + torchrun, checkpoint on preemption, requeue")
+    sl.add_argument("recipe", help="recipe YAML")
+    sl.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for the job")
+    sl.add_argument("--nodes", type=int, required=True)
+    sl.add_argument("--gpus-per-node", type=int, required=True)
+    sl.add_argument("--output-dir", help="the run's output_dir (default: the recipe's, else runs/<recipe>)")
+    sl.add_argument("--time", default="24:00:00", help="time limit (default 24:00:00)")
+    sl.add_argument("--partition")
+    sl.add_argument("--account")
+    sl.add_argument("--job-name")
+    sl.add_argument("--signal-lead", type=int, default=300, help="seconds before the limit at which Slurm "
+                    "sends SIGUSR1 to checkpoint (default 300)")
+    sl.add_argument("--online", action="store_true", help="let compute nodes use the network (default: "
+                    "HF_HUB_OFFLINE=1, models and data from `shardtune download`)")
+    sl.add_argument("-o", "--out", help="write the script here (default: print it)")
+
+    dl = sub.add_parser("download", help="fill the Hugging Face cache (for compute nodes without network)")
+    dl.add_argument("targets", nargs="+", metavar="TARGET", help="a recipe YAML (its model, tokenizer and "
+                    "dataset), or hub ids: model:ID or dataset:ID (a bare ID is a model)")
+    dl.add_argument("--cache-dir", help="cache folder (default: the HF cache, $HF_HOME)")
     return parser
 
 
@@ -144,9 +171,12 @@ def _launch_preemptible(nproc: int, worker: list[str]) -> int:
 
 
 def cmd_export(args) -> int:
-    from .export import export_checkpoint, push_to_hub
+    from .export import export_checkpoint, merge_adapter_folder, push_to_hub
 
-    out = export_checkpoint(args.checkpoint, Path(args.out), args.max_shard_size)
+    if args.merge:
+        out = merge_adapter_folder(Path(args.checkpoint), Path(args.out), args.max_shard_size)
+    else:
+        out = export_checkpoint(args.checkpoint, Path(args.out), args.max_shard_size)
     if args.push_to_hub:
         push_to_hub(out, args.push_to_hub, args.private)
     return 0
@@ -183,6 +213,47 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    from .report import write_report
+
+    runs = [Path(r) for r in args.runs]
+    out = Path(args.out) if args.out else (runs[0] / "report" if len(runs) == 1 else Path("report-compare"))
+    print(f"report written to {write_report(runs, out)}")
+    return 0
+
+
+def cmd_slurm(args) -> int:
+    from .config import load_config
+    from .slurm import sbatch_script
+
+    cfg = load_config(args.recipe, args.overrides)  # refuse a bad recipe now, not on the cluster
+    out = args.output_dir or cfg.output_dir or f"runs/{cfg.recipe}"
+    text = sbatch_script(args.recipe, out, args.nodes, args.gpus_per_node, overrides=args.overrides,
+                         job_name=args.job_name, time=args.time, partition=args.partition, account=args.account,
+                         signal_lead_s=args.signal_lead, offline=not args.online)
+    if args.out:
+        Path(args.out).write_text(text)
+        print(f"wrote {args.out}; submit it with: sbatch {args.out}")
+    else:
+        print(text, end="")
+    return 0
+
+
+def cmd_download(args) -> int:
+    from .download import download, targets_from_recipe
+
+    targets = []
+    for word in args.targets:
+        if word.endswith((".yaml", ".yml")):
+            targets += targets_from_recipe(word)
+        else:
+            kind, _, repo = word.partition(":") if word.startswith(("model:", "dataset:")) else ("model", "", word)
+            targets.append((kind, repo, None))
+    for (kind, repo, _), path in zip(targets, download(targets, args.cache_dir)):
+        print(f"{kind} {repo} -> {path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -198,7 +269,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return EXIT_USAGE
     try:
-        return {"train": cmd_train, "export": cmd_export, "eval": cmd_eval, "generate": cmd_generate}[args.command](args)
+        commands = {"train": cmd_train, "export": cmd_export, "eval": cmd_eval, "generate": cmd_generate,
+                    "report": cmd_report, "slurm": cmd_slurm, "download": cmd_download}
+        return commands[args.command](args)
     except UserError as exc:
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {exc}", file=sys.stderr)

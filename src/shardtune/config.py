@@ -94,8 +94,28 @@ class EvalConfig:
 
 @dataclass
 class LogConfig:
-    every_steps: int = 10
-    progress: bool = True
+    every_steps: int = 10  # a metrics.jsonl record (and tracker point) every N optimizer steps
+    progress: bool = True  # progress bar on rank 0
+    trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = field(default_factory=list)  # beside metrics.jsonl
+    project: str = "shardtune"  # W&B project / MLflow experiment
+    peak_tflops: float | None = None  # device peak for MFU (default: table of common GPUs by name)
+
+
+@dataclass
+class PeftConfig:
+    method: Literal["none", "lora"] = "none"  # lora: train low-rank adapters, base frozen (peft)
+    r: int = 8  # LoRA rank
+    alpha: int = 16  # LoRA scaling numerator (scale = alpha / r)
+    dropout: float = 0.05  # dropout on the adapter input
+    target_modules: list[str] | None = None  # default: gpt2 c_attn; opt/llama/mistral q_proj, v_proj
+    quantize: Literal["none", "4bit"] = "none"  # 4bit: QLoRA on an NF4 base (CUDA + bitsandbytes)
+
+
+@dataclass
+class FreezeConfig:
+    trainable_blocks: int | None = None  # train only the top N decoder blocks (and the final norm)
+    head_only: bool = False  # train only the output head
+    embeddings: bool = False  # freeze the input (and position) embeddings
 
 
 @dataclass
@@ -122,6 +142,8 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
+    freeze: FreezeConfig = field(default_factory=FreezeConfig)
     resume: str | None = None  # auto: newest checkpoint in output_dir; or a checkpoint/run folder
     on_nan: Literal["stop", "skip"] = "stop"  # non-finite loss: stop, or skip that step's update
     recipe: str | None = None  # name of the recipe the run came from (set by the loader)

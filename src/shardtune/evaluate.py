@@ -104,7 +104,7 @@ def eval_one(spec: str, args, dist, data_cfg) -> dict:
     from .launch import rank0_first
     from .model import build_meta_model, check_seq_len, materialize
     from .parallel import apply_parallelism, build_mesh
-    from .train import evaluate
+    from .step import evaluate
 
     # Rank 0 alone reads the full weights; the other ranks only the config and tokenizer.
     source, tokenizer, hf_config, run_cfg = rank0_first(dist, lambda: load_model(spec, weights=dist.is_main))
@@ -119,7 +119,7 @@ def eval_one(spec: str, args, dist, data_cfg) -> dict:
     metrics = evaluate(model, ds, batches, dist.device)
     metrics["sequences"] = sum(1 for b in batches for i in b if i >= 0)
     if dist.world_size > 1:
-        from .train import all_sum
+        from .step import all_sum
 
         (metrics["sequences"],) = all_sum(metrics["sequences"], device=dist.device)
     metrics["sequences"] = int(metrics["sequences"])

@@ -68,3 +68,43 @@ def push_to_hub(folder: Path, repo: str, private: bool = False) -> None:
         raise UserError(f"could not push to the hub repo {repo!r} ({type(exc).__name__}: {first}); check the "
                         f"network and `hf auth login`; the export itself is in {folder}") from None
     print(f"pushed {folder} to https://huggingface.co/{repo}", flush=True)
+
+
+def save_adapter_folder(state_dict: dict, peft_model, model_cfg, hf_config, tokenizer, out: Path) -> None:
+    """LoRA run: the adapter in peft's format (`PeftModel.from_pretrained` loads it). A base that
+    is not a hub model (a local folder or a random init) is saved beside it, in out/base, and the
+    adapter config points there, so the pair loads on any machine that has the folder."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    adapter = get_peft_model_state_dict(peft_model, state_dict=state_dict)
+    save_file({k: v.contiguous() for k, v in adapter.items()}, str(out / "adapter_model.safetensors"),
+              metadata={"format": "pt"})
+    config = peft_model.peft_config["default"]
+    hub_base = model_cfg.name_or_path and not model_cfg.random_init and not Path(model_cfg.name_or_path).exists()
+    if hub_base:
+        config.base_model_name_or_path = model_cfg.name_or_path
+    else:
+        prefix, lora = "base_model.model.", (".lora_A.", ".lora_B.", ".lora_dropout.")
+        base = {k[len(prefix):].replace(".base_layer.", "."): v for k, v in state_dict.items()
+                if k.startswith(prefix) and not any(tag in k for tag in lora)}
+        save_hf_folder(base, hf_config, tokenizer, out / "base")
+        config.base_model_name_or_path = str((out / "base").resolve())
+    config.save_pretrained(str(out))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+
+
+def merge_adapter_folder(adapter: Path, out: Path, max_shard_size: str = "2GB") -> Path:
+    """`shardtune export ADAPTER OUT --merge`: base + LoRA folded into plain weights."""
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoTokenizer
+
+    if not (adapter / "adapter_config.json").is_file():
+        raise UserError(f"{str(adapter)!r} is not a LoRA adapter folder (no adapter_config.json); "
+                        "--merge takes the final/ folder of a peft.method=lora run")
+    model = AutoPeftModelForCausalLM.from_pretrained(str(adapter)).merge_and_unload()
+    model.save_pretrained(out, max_shard_size=max_shard_size, safe_serialization=True)
+    AutoTokenizer.from_pretrained(adapter).save_pretrained(out)
+    return out

@@ -25,21 +25,33 @@ class MetricsLog:
             self._file.close()
 
 
-class Throughput:
-    """Tokens per second between two reports."""
+class StepMeter:
+    """Speed between two log lines: tokens/s (global and per device), step time, the share of
+    it spent assembling batches, and MFU when the device's peak is known."""
 
-    def __init__(self):
+    def __init__(self, world_size: int, flops_per_token: float, peak_flops: float | None):
+        self.world_size, self.flops_per_token, self.peak_flops = world_size, flops_per_token, peak_flops
+        self._reset()
+
+    def _reset(self) -> None:
         self._t = time.perf_counter()
-        self._tokens = 0
+        self._steps = self._tokens = 0
+        self._data_s = 0.0
 
-    def add(self, tokens: int) -> None:
-        self._tokens += tokens
+    def add(self, global_tokens: float, data_seconds: float) -> None:
+        self._steps += 1
+        self._tokens += global_tokens
+        self._data_s += data_seconds
 
-    def rate(self) -> float:
-        now = time.perf_counter()
-        rate = self._tokens / max(now - self._t, 1e-9)
-        self._t, self._tokens = now, 0
-        return rate
+    def report(self) -> dict:
+        elapsed = max(time.perf_counter() - self._t, 1e-9)
+        rate = self._tokens / elapsed
+        out = {"tokens_per_s": rate, "tokens_per_s_per_device": rate / self.world_size,
+               "step_time_s": elapsed / max(self._steps, 1), "data_wait_share": min(1.0, self._data_s / elapsed)}
+        if self.peak_flops:
+            out["mfu"] = rate * self.flops_per_token / (self.peak_flops * self.world_size)
+        self._reset()
+        return out
 
 
 class Progress:
@@ -108,13 +120,15 @@ def device_peak_flops(device, precision: str, override_tflops: float | None = No
     return None
 
 
-def flops_per_token(num_params: int, hf_config, seq_len: int) -> float:
-    """Useful training FLOPs per token: 6 x parameters (forward + backward matmuls) plus the
-    attention scores/values term 12 x layers x hidden x seq_len. Recomputation by activation
-    checkpointing is deliberately not counted: MFU measures useful work."""
+def flops_per_token(num_params: int, hf_config, seq_len: int, trainable: int | None = None) -> float:
+    """Useful training FLOPs per token: 2N forward + 2N backward through the activations +
+    2N for weight gradients of the trainable parameters (6N when all train), plus the attention
+    term 12 x layers x hidden x seq_len. Recomputation by activation checkpointing is not
+    counted: MFU measures useful work."""
+    trainable = num_params if trainable is None else trainable
     layers = _first(hf_config, "num_hidden_layers", "n_layer", "num_layers") or 0
     hidden = _first(hf_config, "hidden_size", "n_embd", "d_model") or 0
-    return 6.0 * num_params + 12.0 * layers * hidden * seq_len
+    return 4.0 * num_params + 2.0 * trainable + 12.0 * layers * hidden * seq_len
 
 
 def _first(obj, *names):

@@ -13,88 +13,13 @@ from .errors import UserError
 from .launch import Dist, broadcast_value, init_distributed, rank0_first
 from .model import build_meta_model, check_seq_len, count_params, load_hf_config, load_source_model, \
     load_tokenizer, materialize
-from .parallel import apply_parallelism, build_mesh
+from .adapters import adapt, check_quantize
+from .parallel import apply_parallelism, build_mesh, detect_block_class
 from .rundir import default_output_dir
 from .slurm import PREEMPTED_MARKER
-from .telemetry import MetricsLog, Progress, Throughput, perplexity
-
-
-def token_loss(model, batch):
-    """(sum of next-token losses, number of predicted tokens, number correct) of one micro-batch."""
-    import torch
-    import torch.nn.functional as F
-
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), use_cache=False).logits[:, :-1]
-    labels = batch["labels"][:, 1:]
-    flat = logits.reshape(-1, logits.size(-1)).float()
-    loss_sum = F.cross_entropy(flat, labels.reshape(-1), ignore_index=data_lib.IGNORE_INDEX, reduction="sum")
-    mask = labels != data_lib.IGNORE_INDEX
-    correct = ((logits.argmax(-1) == labels) & mask).sum()
-    return loss_sum, mask.sum(), correct
-
-
-def all_sum(*values, device):
-    import torch
-    import torch.distributed as dist
-
-    t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values])
-    if dist.get_world_size() > 1:
-        dist.all_reduce(t)
-    return t.tolist()
-
-
-def evaluate(model, ds, batches, device) -> dict:
-    """Token-weighted validation loss, perplexity and next-token accuracy over all ranks."""
-    import torch
-
-    model.eval()
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    count = torch.zeros((), dtype=torch.float64, device=device)
-    correct = torch.zeros((), dtype=torch.float64, device=device)
-    with torch.no_grad():
-        for indices in batches:
-            s, n, c = token_loss(model, data_lib.collate(ds, indices, device))
-            loss_sum += s
-            count += n
-            correct += c
-    model.train()
-    loss_sum, count, correct = all_sum(loss_sum, count, correct, device=device)
-    loss = loss_sum / max(count, 1)
-    return {"eval_loss": loss, "eval_ppl": perplexity(loss), "eval_acc": correct / max(count, 1)}
-
-
-def train_step(model, optimizer, scaler, ds, micro_batches, cfg: RunConfig, dist: Dist):
-    """One optimizer step over this rank's micro-batches. Returns (loss sum, tokens, grad norm)
-    as device tensors; the loss is normalised by the tokens of the whole global batch, so the
-    gradient is the same whatever the world size and accumulation."""
-    import torch
-
-    batches = [data_lib.collate(ds, idx, dist.device) for idx in micro_batches]
-    local_tokens = sum((b["labels"][:, 1:] != data_lib.IGNORE_INDEX).sum() for b in batches)
-    (global_tokens,) = all_sum(local_tokens, device=dist.device)
-    # FSDP averages gradients over ranks; scale back up so the result is a sum over all tokens.
-    scale = dist.world_size / max(global_tokens, 1.0)
-    sync_each = cfg.fsdp.sharding in ("full_shard", "hybrid_shard")  # keep grads sharded between micro-steps
-    loss_sum = torch.zeros((), device=dist.device)
-    for i, batch in enumerate(batches):
-        model.set_requires_gradient_sync(sync_each or i == len(batches) - 1)
-        s, _, _ = token_loss(model, batch)
-        loss = s * scale
-        (scaler.scale(loss) if scaler else loss).backward()
-        loss_sum += s.detach()
-    if scaler:
-        scaler.unscale_(optimizer)
-    max_norm = cfg.train.max_grad_norm if cfg.train.max_grad_norm > 0 else float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_norm)
-    if hasattr(grad_norm, "full_tensor"):
-        grad_norm = grad_norm.full_tensor()
-    if scaler:
-        scaler.step(optimizer)  # skips non-finite steps itself
-        scaler.update()
-    elif torch.isfinite(grad_norm):  # a NaN/inf update would poison every weight; fit() decides what next
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return loss_sum, global_tokens, grad_norm
+from .step import all_sum, evaluate, train_step
+from .telemetry import GPUSampler, MetricsLog, Progress, StepMeter, device_peak_flops, flops_per_token, \
+    memory_stats
 
 
 def seed_everything(seed: int) -> None:
@@ -143,7 +68,8 @@ class Trainer:
         self.train_ds, self.val_ds = rank0_first(dist, lambda: data_lib.prepare(cfg.data, tokenizer, cfg.train.seed))
         t = cfg.train
         self.plan = data_lib.BatchPlan(len(self.train_ds), t.global_batch_size, t.micro_batch_size,
-                                       dist.world_size, dist.rank, t.seed)
+                                       dist.world_size, dist.rank, t.seed,
+                                       lengths=data_lib.lengths(self.train_ds) if cfg.data.group_by_length else None)
         self.total_steps = t.max_steps if t.max_steps > 0 else max(1, int(t.epochs * self.plan.steps_per_epoch))
         eval_mb = cfg.eval.micro_batch_size or t.micro_batch_size
         self.val_batches = data_lib.eval_batches(len(self.val_ds), eval_mb, dist.world_size, dist.rank,
@@ -151,13 +77,17 @@ class Trainer:
 
         # ---- model: skeleton on meta everywhere, sharded, then filled from rank 0's single copy
         seed_everything(t.seed)
-        self.model = model = build_meta_model(hf_config, cfg.model.trust_remote_code)
+        check_quantize(cfg.peft, dist.device)
+        meta = build_meta_model(hf_config, cfg.model.trust_remote_code)
+        block_cls = detect_block_class(meta, cfg.fsdp.block_class)
+        self.model = model = adapt(meta, cfg, block_cls)
         apply_parallelism(model, cfg, build_mesh(cfg, dist), dist.device)
-        source = load_source_model(cfg.model, hf_config, t.seed) if dist.is_main else None
+        source = adapt(load_source_model(cfg.model, hf_config, t.seed), cfg, block_cls, t.seed) if dist.is_main else None
         materialize(model, source, dist.device, dist.is_main)
         del source
         model.train()
         total, trainable = count_params(model)
+        self.flops_per_token = flops_per_token(total, hf_config, cfg.data.seq_len, trainable)
         self.say(f"model: {type(model).__name__.removeprefix('FSDP')} {total / 1e6:.2f}M params "
                  f"({trainable / 1e6:.2f}M trainable, {100 * trainable / max(total, 1):.1f}%) | "
                  f"{dist.world_size} rank(s) on {dist.device.type} | {cfg.fsdp.sharding} | {cfg.precision} | "
@@ -172,7 +102,7 @@ class Trainer:
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
             self.scaler = ShardedGradScaler(device=dist.device.type)
-        self.step = 0
+        self.step, self.tokens_seen = 0, 0.0
         rank0_first(dist, lambda: prepare_run_dir(cfg, overwrite) if dist.is_main else None)
         self.ckpt = Checkpointer(self)
         if resume_from:
@@ -186,68 +116,81 @@ class Trainer:
             print(text, flush=True)
 
     def evaluate(self) -> dict:
-        return evaluate(self.model, self.val_ds, self.val_batches, self.dist.device)
+        return evaluate(self.model, self.val_ds, self.val_batches, self.dist.device, self.tokenizer.pad_token_id or 0)
 
     def fit(self) -> dict:
         import torch
 
+        from .signals import Preemption
+        from .trackers import Trackers
+
         cfg, dist, plan, t = self.cfg, self.dist, self.plan, self.cfg.train
         log = MetricsLog(self.out / "metrics.jsonl", dist.is_main)
+        trackers = Trackers(cfg.log.trackers, self.out, cfg.to_dict(), cfg.log.project, self.out.name, dist.is_main)
         torch.manual_seed(t.seed + dist.rank)  # dropout: different masks per rank, reproducible per run
         self.ckpt.restore_rng()
         results: dict = {}
         if self.val_batches and cfg.eval.at_start and self.step == 0:
             results["first"] = self.evaluate()
-            log.write({"step": self.step, "epoch": self.step / plan.steps_per_epoch, **results["first"]})
+            record = {"step": self.step, "epoch": 0.0, **results["first"]}
+            log.write(record)
+            trackers.log(record, self.step)
             self.say(f"step {self.step}: validation loss {results['first']['eval_loss']:.4f}, "
                      f"perplexity {results['first']['eval_ppl']:.2f}")
-
         progress = Progress(self.total_steps, self.step, dist.is_main, cfg.log.progress)
-        speed = Throughput()
-        tokens_per_step = t.global_batch_size * cfg.data.seq_len
+        gpu = GPUSampler(dist.device)
         start, first_step = time.perf_counter(), self.step
-        from .signals import Preemption
-
         preemption = Preemption()
         try:
-            self._loop(log, progress, speed, results, preemption)
+            results["tokens"] = self._loop(log, trackers, progress, gpu, results, preemption)
         finally:
             preemption.restore()
             progress.close()
             log.close()
+            trackers.close()
+            gpu.close()
             self.ckpt.wait()
         elapsed = time.perf_counter() - start
         results["train_seconds"] = elapsed
-        results["tokens_per_s"] = (self.step - first_step) * tokens_per_step / max(elapsed, 1e-9)
+        results["tokens_per_s"] = results["tokens"] / max(elapsed, 1e-9)
         if "first" in results and "last" in results:
             self.say(f"validation perplexity: {results['first']['eval_ppl']:.2f} before -> "
                      f"{results['last']['eval_ppl']:.2f} after training")
         self.say(f"trained {self.step - first_step} steps in {elapsed:.1f}s ({results['tokens_per_s']:.0f} tokens/s)")
         return results
 
-    def _loop(self, log, progress, speed, results: dict, preemption) -> None:
-        cfg, dist, plan, t = self.cfg, self.dist, self.plan, self.cfg.train
-        tokens_per_step = t.global_batch_size * cfg.data.seq_len
+    def _loop(self, log, trackers, progress, gpu, results: dict, preemption) -> float:
+        """Steps until done or preempted; returns the number of tokens trained on."""
+        cfg, dist, plan = self.cfg, self.dist, self.plan
+        meter = StepMeter(dist.world_size, self.flops_per_token,
+                          device_peak_flops(dist.device, cfg.precision, cfg.log.peak_tflops))
+        pad_id = self.tokenizer.pad_token_id or 0
+        trained_tokens = 0.0
         while self.step < self.total_steps:
             epoch, step_in_epoch = divmod(self.step, plan.steps_per_epoch)
-            loss_sum, tokens, grad_norm = train_step(self.model, self.optimizer, self.scaler, self.train_ds,
-                                                     plan.micro_batches(epoch, step_in_epoch), cfg, dist)
+            out = train_step(self.model, self.optimizer, self.scaler, self.train_ds,
+                             plan.micro_batches(epoch, step_in_epoch), cfg, dist, pad_id)
             lr = self.scheduler.get_last_lr()[0]
             self.scheduler.step()
             self.step = step = self.step + 1
-            speed.add(tokens_per_step)
-            loss_total, stop = all_sum(loss_sum, preemption.requested, device=dist.device)
-            loss = loss_total / max(tokens, 1.0)
+            # One small all-reduce a step: the global loss, the input tokens, and whether any
+            # rank was asked to stop (so all ranks stop at the same step).
+            loss_total, tokens, stop = all_sum(out.loss_sum, out.input_tokens, preemption.requested,
+                                               device=dist.device)
+            self.tokens_seen += tokens
+            trained_tokens += tokens
+            meter.add(tokens, out.data_seconds)
+            loss = loss_total / max(out.loss_tokens, 1.0)
+            grad_norm = float(out.grad_norm)
             record = {}
             last = step == self.total_steps
-            bad = not math.isfinite(loss) or (self.scaler is None and not math.isfinite(float(grad_norm)))
-            if bad:
-                self.nonfinite(step, loss, float(grad_norm))
+            if not math.isfinite(loss) or (self.scaler is None and not math.isfinite(grad_norm)):
+                self.nonfinite(step, loss, grad_norm)
                 record = {"step": step, "epoch": step / plan.steps_per_epoch, "loss": None, "skipped": True}
             elif step % cfg.log.every_steps == 0 or last:
                 record = {"step": step, "epoch": step / plan.steps_per_epoch, "loss": loss, "lr": lr,
-                          "grad_norm": float(grad_norm), "tokens_seen": step * tokens_per_step,
-                          "tokens_per_s": speed.rate()}
+                          "grad_norm": grad_norm, "tokens_seen": self.tokens_seen, **meter.report(),
+                          **memory_stats(dist.device), **gpu.read()}
                 if self.scaler:
                     record["loss_scale"] = float(self.scaler.get_scale())
                 progress.update(0, loss=loss, tok_s=record["tokens_per_s"])
@@ -258,6 +201,7 @@ class Trainer:
                                f"perplexity {results['last']['eval_ppl']:.2f}")
             if record:
                 log.write(record)
+                trackers.log(record, step)
             progress.update(1)
             self.ckpt.poll()
             if stop and not last:
@@ -268,9 +212,10 @@ class Trainer:
                     (self.out / PREEMPTED_MARKER).write_text(f"{step}\n")
                 progress.write(f"step {step}: got {preemption.name}; checkpoint saved to {folder}; "
                                "exiting for a requeue (resume=auto continues)")
-                return
+                break
             if self.ckpt.due(step):
                 self.ckpt.save(step)
+        return trained_tokens
 
     def nonfinite(self, step: int, loss: float, grad_norm: float) -> None:
         """A NaN/inf loss or gradient: the update was not applied (train_step); stop or go on."""
@@ -292,7 +237,11 @@ class Trainer:
 
         folder = folder or self.out / "final"
         full = gather_full_state_dict(self.model)
-        if self.dist.is_main:
+        if self.dist.is_main and self.cfg.peft.method == "lora":
+            from .export import save_adapter_folder
+
+            save_adapter_folder(full, self.model, self.cfg.model, self.hf_config, self.tokenizer, folder)
+        elif self.dist.is_main:
             save_hf_folder(full, self.hf_config, self.tokenizer, folder)
         del full
         self.say(f"model saved to {folder}")

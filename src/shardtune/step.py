@@ -1,0 +1,105 @@
+"""The math of one optimizer step and of evaluation: token losses, gradient accumulation,
+clipping and the update. Everything a rank computes between two log lines is here."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from . import data as data_lib
+from .config import RunConfig
+from .launch import Dist
+from .telemetry import perplexity
+
+
+def token_loss(model, batch):
+    """(sum of next-token losses, number of predicted tokens, number correct) of one micro-batch."""
+    import torch
+    import torch.nn.functional as F
+
+    out = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), use_cache=False)
+    logits = out.logits[:, :-1]
+    labels = batch["labels"][:, 1:]
+    flat = logits.reshape(-1, logits.size(-1)).float()
+    loss_sum = F.cross_entropy(flat, labels.reshape(-1), ignore_index=data_lib.IGNORE_INDEX, reduction="sum")
+    mask = labels != data_lib.IGNORE_INDEX
+    correct = ((logits.argmax(-1) == labels) & mask).sum()
+    return loss_sum, mask.sum(), correct
+
+
+def all_sum(*values, device):
+    import torch
+    import torch.distributed as dist
+
+    t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values])
+    if dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def evaluate(model, ds, batches, device, pad_id: int = 0) -> dict:
+    """Token-weighted validation loss, perplexity and next-token accuracy over all ranks."""
+    import torch
+
+    model.eval()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    count = torch.zeros((), dtype=torch.float64, device=device)
+    correct = torch.zeros((), dtype=torch.float64, device=device)
+    with torch.no_grad():
+        for indices in batches:
+            s, n, c = token_loss(model, data_lib.collate(ds, indices, device, pad_id))
+            loss_sum += s
+            count += n
+            correct += c
+    model.train()
+    loss_sum, count, correct = all_sum(loss_sum, count, correct, device=device)
+    loss = loss_sum / max(count, 1)
+    return {"eval_loss": loss, "eval_ppl": perplexity(loss), "eval_acc": correct / max(count, 1)}
+
+
+@dataclass
+class StepResult:
+    loss_sum: "torch.Tensor"  # noqa: F821  this rank's summed token loss (device tensor, no sync)
+    loss_tokens: float  # tokens with a loss in the whole global batch
+    input_tokens: int  # tokens this rank fed the model (padding excluded)
+    grad_norm: "torch.Tensor"  # noqa: F821
+    data_seconds: float  # time spent assembling batches
+
+
+def train_step(model, optimizer, scaler, ds, micro_batches, cfg: RunConfig, dist: Dist,
+               pad_id: int = 0) -> StepResult:
+    """One optimizer step over this rank's micro-batches. The loss is normalised by the tokens
+    of the whole global batch, so the gradient is the same whatever the world size and
+    accumulation."""
+    import torch
+
+    t0 = time.perf_counter()
+    batches = [data_lib.collate(ds, idx, dist.device, pad_id) for idx in micro_batches]
+    data_seconds = time.perf_counter() - t0
+    input_tokens = sum(int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].numel()
+                       for b in batches)
+    local_tokens = sum((b["labels"][:, 1:] != data_lib.IGNORE_INDEX).sum() for b in batches)
+    (global_tokens,) = all_sum(local_tokens, device=dist.device)
+    # FSDP averages gradients over ranks; scale back up so the result is a sum over all tokens.
+    scale = dist.world_size / max(global_tokens, 1.0)
+    sync_each = cfg.fsdp.sharding in ("full_shard", "hybrid_shard")  # keep grads sharded between micro-steps
+    loss_sum = torch.zeros((), device=dist.device)
+    for i, batch in enumerate(batches):
+        model.set_requires_gradient_sync(sync_each or i == len(batches) - 1)
+        s, _, _ = token_loss(model, batch)
+        loss = s * scale
+        (scaler.scale(loss) if scaler else loss).backward()
+        loss_sum += s.detach()
+    if scaler:
+        scaler.unscale_(optimizer)
+    max_norm = cfg.train.max_grad_norm if cfg.train.max_grad_norm > 0 else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_norm)
+    if hasattr(grad_norm, "full_tensor"):
+        grad_norm = grad_norm.full_tensor()
+    if scaler:
+        scaler.step(optimizer)  # skips non-finite steps itself
+        scaler.update()
+    elif torch.isfinite(grad_norm):  # a NaN/inf update would poison every weight; fit() decides what next
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(loss_sum, global_tokens, input_tokens, grad_norm, data_seconds)
