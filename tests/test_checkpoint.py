@@ -173,7 +173,7 @@ def test_resume_path_mid_epoch_exact(reference, ck_assets, tmp_path):
 def test_signal_stop_then_resume_auto_exact(reference, ck_assets, tmp_path, capsys, monkeypatch):
     """SIGUSR1 after step 5 (mid-epoch): checkpoint, exit 75; the same command with resume=auto
     finishes the run with the uninterrupted losses. Without resume the folder is refused."""
-    import shardtune.step as train_mod
+    import shardtune.train as train_mod
 
     real_step, calls = train_mod.train_step, []
 

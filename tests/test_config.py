@@ -42,3 +42,10 @@ def test_reference_lists_every_key_with_its_comment():
                 "eval.every_steps", "log.every_steps", "precision", "output_dir"):
         assert f"  {key} (" in text, key
     assert "hub id or local folder" in text  # the field's own comment travels into --help
+
+
+def test_text_keys_take_override_text_that_yaml_would_read_as_a_mapping(tmp_path):
+    cfg = load_config(None, ["model.config={model_type: gpt2}", "data.path=x",
+                             "data.template=Quote: {quote} by {author}", "model.config.n_layer=3"])
+    assert cfg.data.template == "Quote: {quote} by {author}"
+    assert cfg.model.config == {"model_type": "gpt2", "n_layer": 3}

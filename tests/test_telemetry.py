@@ -76,3 +76,34 @@ def test_report_overlays_runs_and_summarizes(tmp_path):
 def test_report_refuses_a_folder_without_metrics(tmp_path):
     with pytest.raises(UserError, match="metrics.jsonl"):
         write_report([tmp_path], tmp_path / "out")
+
+
+def test_a_run_records_speed_memory_mfu_and_feeds_trackers_and_report(assets, tmp_path, monkeypatch):
+    """End to end: metrics.jsonl holds the telemetry, TensorBoard gets the same points, and
+    `shardtune report` draws the run."""
+    from conftest import tiny_overrides
+    from shardtune.cli import main
+    from shardtune.config import load_config
+    from shardtune.train import run
+
+    out = tmp_path / "run"
+    run(load_config(None, tiny_overrides(assets, out, **{"train.max_steps": 4, "log.every_steps": 2,
+                                                          "log.peak_tflops": 0.5,
+                                                          "log.trackers": "[tensorboard]"}), defaults={}))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    logged = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in logged] == [2, 4]
+    for r in logged:
+        assert r["tokens_per_s"] > 0 and r["tokens_per_s_per_device"] == r["tokens_per_s"]
+        assert 0 <= r["data_wait_share"] < 1 and r["step_time_s"] > 0
+        assert 0 < r["mfu"] < 1 and r["mem_rss_peak_gib"] > 0
+    assert logged[-1]["tokens_seen"] == 4 * 8 * 64
+    events = list((out / "tensorboard").glob("events.out.tfevents.*"))
+    assert events
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(events[0]))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("loss")] == [2, 4]
+    assert main(["report", str(out)]) == 0
+    assert (out / "report" / "loss.png").is_file() and (out / "report" / "throughput.png").is_file()

@@ -32,7 +32,11 @@ NAME = re.compile(r"^step-(\d+)$")
 # Changing these breaks resume: the weights' shapes, or what "step N" means in the data order.
 RESUME_KEYS = ("model.name_or_path", "model.config", "model.tokenizer", "data.path", "data.name",
                "data.split", "data.val_split", "data.val_size", "data.text_field", "data.seq_len",
-               "data.start_idx", "data.end_idx", "train.global_batch_size", "train.seed")
+               "data.start_idx", "data.end_idx", "data.format", "data.template", "data.list_sep",
+               "data.instruction_field", "data.input_field", "data.output_field", "data.messages_field",
+               "data.chat_template", "data.train_on_inputs", "data.cutoff_len", "data.packing",
+               "data.group_by_length", "train.global_batch_size", "train.seed", "peft.method", "peft.r",
+               "peft.target_modules", "peft.quantize", "freeze")
 
 
 # ----------------------------------------------------------------------------- finding

@@ -164,7 +164,18 @@ def parse_override(text: str) -> tuple[str, Any]:
         value = yaml.safe_load(raw) if raw != "" else None
     except yaml.YAMLError:
         value = raw
+    if not isinstance(value, (str, type(None))) and not isinstance(value, (bool, int, float)):
+        value = Override(raw, value)  # `data.template=Q: {q}` reads as YAML but is meant as text
     return key.strip(), value
+
+
+class Override(str):
+    """Command-line text that YAML read as a list/mapping: string-typed keys take the text."""
+
+    def __new__(cls, raw: str, parsed):
+        obj = super().__new__(cls, raw)
+        obj.parsed = parsed
+        return obj
 
 
 def set_dotted(tree: dict, key: str, value: Any) -> None:
@@ -172,6 +183,8 @@ def set_dotted(tree: dict, key: str, value: Any) -> None:
     parts = key.split(".")
     for part in parts[:-1]:
         child = node.get(part)
+        if isinstance(child, Override) and isinstance(child.parsed, dict):
+            child = node[part] = child.parsed
         if not isinstance(child, dict):
             child = node[part] = {}
         node = child
@@ -223,6 +236,9 @@ def _build(cls, data: Any, prefix: str):
 
 
 def _coerce(tp, value: Any, key: str):
+    if isinstance(value, Override):
+        wants_text = tp is str or str in typing.get_args(tp)
+        value = str(value) if wants_text else value.parsed
     origin = typing.get_origin(tp)
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, prefix=key + ".")
