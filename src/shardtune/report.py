@@ -82,14 +82,16 @@ def write_report(runs: list[Path], out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     images = []
     for stem, title, ylabel, keys, log_scale in PLOTS:
-        lines = [(f"{name}{' ' + suffix if suffix else ''}", *series(rows, key))
-                 for name, rows in data.items() for key, suffix in keys]
-        lines = [line for line in lines if line[1]]
+        # One colour per run; train/validation (or allocated/reserved) told apart by line style.
+        lines = [(f"{name}{' ' + suffix if suffix else ''}", f"C{i}", ("-", "--", ":")[j], *series(rows, key))
+                 for i, (name, rows) in enumerate(data.items()) for j, (key, suffix) in enumerate(keys)]
+        lines = [line for line in lines if line[3]]
         if not lines:
             continue
         fig, ax = plt.subplots(figsize=(7, 4))
-        for label, xs, ys in lines:
-            ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=label)
+        for label, color, style, xs, ys in lines:
+            ax.plot(xs, ys, color=color, linestyle=style, marker="o" if len(xs) < 30 else None, markersize=3,
+                    label=label)
         ax.set(title=title, xlabel="step", ylabel=ylabel)
         if log_scale:
             ax.set_yscale("log")
