@@ -49,3 +49,9 @@ def test_text_keys_take_override_text_that_yaml_would_read_as_a_mapping(tmp_path
                              "data.template=Quote: {quote} by {author}", "model.config.n_layer=3"])
     assert cfg.data.template == "Quote: {quote} by {author}"
     assert cfg.model.config == {"model_type": "gpt2", "n_layer": 3}
+
+
+def test_readme_documents_every_config_key():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    missing = [line.split()[0] for line in reference_lines() if line.strip().split()[0] not in readme]
+    assert not missing, f"README config reference lacks {missing}"

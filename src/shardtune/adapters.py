@@ -61,12 +61,29 @@ def add_lora(model, cfg: PeftConfig, model_type: str, seed: int | None = None):
     missing = [t for t in targets if t not in names]
     if missing:
         raise UserError(f"peft.target_modules {missing} are not modules of this {model_type} model; "
-                        f"choose among e.g. {', '.join(sorted(n for n in names if 'proj' in n or 'attn' in n)[:8])}")
+                        f"choose among its linear layers: {', '.join(_linear_names(model)[:12])}")
+    if cfg.r < 1 or cfg.alpha <= 0 or not 0 <= cfg.dropout < 1:
+        raise UserError(f"LoRA needs peft.r >= 1, peft.alpha > 0 and 0 <= peft.dropout < 1; got r={cfg.r}, "
+                        f"alpha={cfg.alpha}, dropout={cfg.dropout}")
     if seed is not None:
         torch.manual_seed(seed)  # adapter init identical whatever the world size
     lora = LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
                       task_type="CAUSAL_LM", bias="none")
-    return get_peft_model(model, lora)
+    try:
+        return get_peft_model(model, lora)
+    except ValueError:  # e.g. a target that is a whole attention block, not a linear layer
+        kinds = sorted({type(m).__name__ for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in targets})
+        raise UserError(f"peft.target_modules={targets} names {', '.join(kinds) or 'modules'}, which cannot take "
+                        f"LoRA adapters; name linear layers, e.g. {', '.join(_linear_names(model)[:12])}") from None
+
+
+def _linear_names(model) -> list[str]:
+    """Short names of the layers LoRA can adapt (Linear, and GPT-2's Conv1D), sorted."""
+    import torch.nn as nn
+
+    names = {name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+             if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"}
+    return sorted(names - {"lm_head", "score"})
 
 
 def adapt(model, cfg, block_cls: type, seed: int | None = None):

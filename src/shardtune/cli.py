@@ -226,9 +226,12 @@ def cmd_slurm(args) -> int:
     from .config import load_config
     from .slurm import sbatch_script
 
-    cfg = load_config(args.recipe, args.overrides)  # refuse a bad recipe now, not on the cluster
+    recipe, _ = _split_recipe(args.recipe, [])  # a path, or a name in ./recipes
+    if recipe is None or "=" in args.recipe:
+        raise UserError(f"shardtune slurm needs a recipe YAML first, got {args.recipe!r}")
+    cfg = load_config(recipe, args.overrides)  # refuse a bad recipe now, not on the cluster
     out = args.output_dir or cfg.output_dir or f"runs/{cfg.recipe}"
-    text = sbatch_script(args.recipe, out, args.nodes, args.gpus_per_node, overrides=args.overrides,
+    text = sbatch_script(recipe, out, args.nodes, args.gpus_per_node, overrides=args.overrides,
                          job_name=args.job_name, time=args.time, partition=args.partition, account=args.account,
                          signal_lead_s=args.signal_lead, offline=not args.online)
     if args.out:
@@ -244,13 +247,27 @@ def cmd_download(args) -> int:
 
     targets = []
     for word in args.targets:
-        if word.endswith((".yaml", ".yml")):
-            targets += targets_from_recipe(word)
-        else:
-            kind, _, repo = word.partition(":") if word.startswith(("model:", "dataset:")) else ("model", "", word)
-            targets.append((kind, repo, None))
-    for (kind, repo, _), path in zip(targets, download(targets, args.cache_dir)):
-        print(f"{kind} {repo} -> {path}")
+        if word.endswith((".yaml", ".yml")) or (Path(word).is_file() and not word.startswith(("model:", "dataset:"))):
+            found = targets_from_recipe(word)
+            if not found:
+                print(f"{word}: its model and data are local; nothing to download")
+            targets += [t for t in found if t not in targets]
+            continue
+        kind, repo = ("model", word)
+        if word.startswith(("model:", "dataset:")):
+            kind, _, repo = word.partition(":")
+        config_name = None
+        if kind == "dataset" and repo.count(":") == 1:  # dataset:ID:CONFIG
+            repo, config_name = repo.split(":")
+        if not repo or ":" in repo:
+            raise UserError(f"download target {word!r} is not a recipe or a hub id; write model:ORG/NAME, "
+                            "dataset:ORG/NAME or dataset:ORG/NAME:CONFIG")
+        if (kind, repo, config_name) not in targets:
+            targets.append((kind, repo, config_name))
+    for (kind, repo, config_name), path in zip(targets, download(targets, args.cache_dir)):
+        print(f"{kind} {repo}{':' + config_name if config_name else ''} -> {path}", flush=True)
+    if args.cache_dir and targets:
+        print(f"on machines without network: export HF_HOME={args.cache_dir} HF_HUB_OFFLINE=1")
     return 0
 
 
@@ -261,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = argv
     # key=value words after an option (`--nproc 2 train.lr=1e-3`) land in `extra`; any other
     # word there goes along too, so load_config reports it as an override that is not key=value.
-    if extra and (args.command != "train" or any(w.startswith("-") for w in extra)):
+    if extra and (args.command not in ("train", "slurm") or any(w.startswith("-") for w in extra)):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:
         args.overrides = [*args.overrides, *extra]

@@ -25,14 +25,14 @@ class ModelConfig:
     config: dict = field(default_factory=dict)  # overrides of the model config (or the whole config)
     random_init: bool = False  # build from the config with fresh weights instead of loading them
     tokenizer: str | None = None  # defaults to name_or_path
-    trust_remote_code: bool = False
+    trust_remote_code: bool = False  # run the model repository's own code (only if you trust it)
 
 
 @dataclass
 class DataConfig:
     path: str | None = None  # hub dataset id, local file, or local folder of files
     name: str | None = None  # hub dataset config name (e.g. wikitext-2-raw-v1)
-    split: str = "train"
+    split: str = "train"  # the split to train on
     val_split: str | None = None  # default: the dataset's own validation split, else carved out
     val_size: float = 0.05  # fraction (<1) or count (>=1) of documents held out when carving
     text_field: str = "text"  # text: the column holding documents (a list column is joined with list_sep)
@@ -56,13 +56,13 @@ class DataConfig:
 
 @dataclass
 class FSDPConfig:
-    sharding: Literal["full_shard", "shard_grad_op", "hybrid_shard", "no_shard"] = "full_shard"
-    wrap: Literal["block", "size"] = "block"
+    sharding: Literal["full_shard", "shard_grad_op", "hybrid_shard", "no_shard"] = "full_shard"  # see the FSDP1 map in the README
+    wrap: Literal["block", "size"] = "block"  # FSDP units: one per decoder block, or by parameter count
     min_num_params: int = 100_000_000  # wrap="size": a unit per subtree with at least this many
     block_class: str | None = None  # override the detected decoder-block class name
     replicate_size: int | None = None  # hybrid_shard: number of replicas (default: nodes)
     shard_size: int | None = None  # hybrid_shard: ranks per shard group (default: ranks per node)
-    cpu_offload: bool = False
+    cpu_offload: bool = False  # keep sharded parameters, gradients and optimizer state in host memory
     forward_prefetch: int = 0  # explicitly prefetch the next N blocks' all-gather in forward
     backward_prefetch: int = 1  # ... in backward (1 = FSDP2's default implicit prefetch)
 
@@ -71,17 +71,17 @@ class FSDPConfig:
 class TrainConfig:
     micro_batch_size: int = 8  # sequences per rank per forward/backward
     global_batch_size: int = 32  # sequences per optimizer step, over all ranks
-    lr: float = 3e-4
+    lr: float = 3e-4  # peak learning rate
     min_lr_ratio: float = 0.1  # cosine/linear decay ends at lr * min_lr_ratio
-    lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
+    lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"  # decay after warmup
+    warmup_steps: int = 0  # linear warmup from lr/warmup_steps to lr
+    weight_decay: float = 0.0  # AdamW decay of matrices (never of biases and norms)
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
+    eps: float = 1e-8  # AdamW epsilon
     max_grad_norm: float = 1.0  # 0 disables clipping
     max_steps: int = 0  # > 0 wins over epochs
-    epochs: float = 1.0
-    seed: int = 42
+    epochs: float = 1.0  # used when max_steps is 0; fractions allowed
+    seed: int = 42  # weights init, data order, LoRA init, dropout
 
 
 @dataclass
@@ -89,7 +89,7 @@ class EvalConfig:
     every_steps: int = 0  # 0: only before and after training
     max_batches: int = 0  # 0: the whole validation split
     micro_batch_size: int | None = None  # default: train.micro_batch_size
-    at_start: bool = True
+    at_start: bool = True  # evaluate before the first step (the baseline)
 
 
 @dataclass
@@ -131,10 +131,10 @@ class CheckpointConfig:
 @dataclass
 class RunConfig:
     output_dir: str | None = None  # default runs/<recipe>-<time>
-    precision: Literal["bf16", "fp16", "fp32"] = "fp32"
-    activation_checkpointing: bool = False
-    compile: bool = False
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    precision: Literal["bf16", "fp16", "fp32"] = "fp32"  # compute dtype; master weights and reductions stay fp32
+    activation_checkpointing: bool = False  # recompute each block's activations in backward (less memory)
+    compile: bool = False  # torch.compile each decoder block before sharding
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when present, else CPU (gloo)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)

@@ -86,8 +86,9 @@ def load_documents(cfg: DataConfig):
                         "or point data.path elsewhere") from None
     except (FileNotFoundError, ConnectionError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        target = f"dataset:{cfg.path}" + (f":{cfg.name}" if cfg.name else "")
         raise UserError(f"could not load dataset {cfg.path!r} ({first[:200]}); check data.path/data.name "
-                        "(no network? download it first)") from None
+                        f"(no network? run `shardtune download {target}` where there is)") from None
     finally:
         datasets.logging.set_verbosity(verbosity)
 

@@ -97,14 +97,44 @@ def save_adapter_folder(state_dict: dict, peft_model, model_cfg, hf_config, toke
 
 
 def merge_adapter_folder(adapter: Path, out: Path, max_shard_size: str = "2GB") -> Path:
-    """`shardtune export ADAPTER OUT --merge`: base + LoRA folded into plain weights."""
-    from peft import AutoPeftModelForCausalLM
-    from transformers import AutoTokenizer
+    """`shardtune export ADAPTER OUT --merge`: base + LoRA folded into plain weights, in the
+    base's own dtype. The base is the one the adapter config names; if that folder is gone (the
+    run folder was moved or copied to another machine), the copy in ADAPTER/base is used."""
+    import json
 
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from .model import _hub_hint
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    if not (adapter / "adapter_config.json").is_file() and (adapter / "final" / "adapter_config.json").is_file():
+        adapter = adapter / "final"  # a run folder: its final adapter
     if not (adapter / "adapter_config.json").is_file():
         raise UserError(f"{str(adapter)!r} is not a LoRA adapter folder (no adapter_config.json); "
                         "--merge takes the final/ folder of a peft.method=lora run")
-    model = AutoPeftModelForCausalLM.from_pretrained(str(adapter)).merge_and_unload()
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"export folder {str(out)!r} is not empty; choose a new folder")
+    base = json.loads((adapter / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    beside = adapter / "base"
+    if (not base or not Path(base).is_dir()) and (beside / "config.json").is_file():
+        base = str(beside)
+    if not base:
+        raise UserError(f"{str(adapter / 'adapter_config.json')!r} names no base model "
+                        "(base_model_name_or_path); set it to the hub id or folder the adapter was trained on")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(base, dtype="auto")
+    except OSError:
+        raise UserError(f"base model {base!r} of the adapter not found; {_hub_hint(base)}") from None
+    model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
     model.save_pretrained(out, max_shard_size=max_shard_size, safe_serialization=True)
-    AutoTokenizer.from_pretrained(adapter).save_pretrained(out)
+    for source in (adapter, base):
+        try:
+            AutoTokenizer.from_pretrained(str(source)).save_pretrained(out)
+            break
+        except (OSError, ValueError):
+            continue
+    print(f"merged the adapter {adapter} into {base}; wrote {out}", flush=True)
     return out

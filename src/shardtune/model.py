@@ -15,9 +15,10 @@ from .errors import UserError
 
 
 def _hub_hint(name: str) -> str:
-    if os.environ.get("HF_HUB_OFFLINE") == "1":
-        return f"HF_HUB_OFFLINE=1 and {name!r} is not in the local cache; download it first where there is network"
-    return f"check the name, or give a local folder (no network? download {name!r} first)"
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in {"1", "ON", "YES", "TRUE"}:
+        return (f"HF_HUB_OFFLINE=1 and {name!r} is not in the local cache ($HF_HOME); run "
+                f"`shardtune download {name}` where there is network, or give a local folder")
+    return f"check the name, or give a local folder (no network? run `shardtune download {name}` where there is)"
 
 
 def load_hf_config(cfg: ModelConfig):

@@ -15,6 +15,7 @@ import shlex
 from pathlib import Path
 
 from .errors import UserError
+from .signals import EXIT_PREEMPTED
 
 PREEMPTED_MARKER = "PREEMPTED"
 
@@ -50,14 +51,15 @@ set -uo pipefail
 head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 rm -f {out}/{PREEMPTED_MARKER}
 
-srun --kill-on-bad-exit=1 torchrun \\
+# srun does not pass --cpus-per-task on to the step by itself (Slurm >= 22.05): say it again.
+srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" torchrun \\
   --nnodes="$SLURM_NNODES" --nproc_per_node={gpus_per_node} \\
   --rdzv_backend=c10d --rdzv_endpoint="$head_node:{port}" --rdzv_id="$SLURM_JOB_ID" \\
   --signals_to_handle=SIGTERM,SIGINT,SIGUSR1 --shutdown_timeout={max(30, signal_lead_s - 30)} \\
   -m shardtune train {train_args}
 status=$?
 
-if [ -f {out}/{PREEMPTED_MARKER} ] || [ "$status" -eq 75 ]; then
+if [ -f {out}/{PREEMPTED_MARKER} ] || [ "$status" -eq {EXIT_PREEMPTED} ]; then
   echo "preempted: checkpoint written; requeueing job $SLURM_JOB_ID to resume"
   scontrol requeue "$SLURM_JOB_ID"
   exit 0
