@@ -48,6 +48,28 @@ def quantization_config(cfg: PeftConfig):
                               bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.bfloat16)
 
 
+def load_qlora_model(cfg, hf_config, device, world_size: int, seed: int):
+    """QLoRA: bitsandbytes loads the base straight onto this GPU in NF4, LoRA adapters go on top.
+    One rank only — the 4-bit weights are small enough for one card and are not FSDP-sharded."""
+    import torch
+    from peft import prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM
+
+    if world_size > 1:
+        raise UserError("peft.quantize=4bit runs on one GPU; use --nproc 1, or peft.quantize=none for "
+                        "sharded LoRA on several GPUs")
+    if cfg.model.name_or_path is None or cfg.model.random_init:
+        raise UserError("peft.quantize=4bit quantizes pretrained weights; set model.name_or_path and "
+                        "model.random_init=false")
+    model = AutoModelForCausalLM.from_pretrained(
+        cfg.model.name_or_path, config=hf_config, quantization_config=quantization_config(cfg.peft),
+        dtype=torch.bfloat16, device_map={"": device.index or 0}, trust_remote_code=cfg.model.trust_remote_code)
+    # fp32 norms and embeddings-output grads, optional checkpointing: the usual k-bit preparation.
+    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.activation_checkpointing,
+                                            gradient_checkpointing_kwargs={"use_reentrant": False})
+    return add_lora(model, cfg.peft, hf_config.model_type, seed)
+
+
 def add_lora(model, cfg: PeftConfig, model_type: str, seed: int | None = None):
     """Wrap `model` with LoRA adapters (a PeftModel); the base weights are frozen by peft."""
     import torch

@@ -70,7 +70,8 @@ def push_to_hub(folder: Path, repo: str, private: bool = False) -> None:
     print(f"pushed {folder} to https://huggingface.co/{repo}", flush=True)
 
 
-def save_adapter_folder(state_dict: dict, peft_model, model_cfg, hf_config, tokenizer, out: Path) -> None:
+def save_adapter_folder(state_dict: dict, peft_model, model_cfg, hf_config, tokenizer, out: Path,
+                        quantized: bool = False) -> None:
     """LoRA run: the adapter in peft's format (`PeftModel.from_pretrained` loads it). A base that
     is not a hub model (a local folder or a random init) is saved beside it, in out/base, and the
     adapter config points there, so the pair loads on any machine that has the folder."""
@@ -82,9 +83,11 @@ def save_adapter_folder(state_dict: dict, peft_model, model_cfg, hf_config, toke
     save_file({k: v.contiguous() for k, v in adapter.items()}, str(out / "adapter_model.safetensors"),
               metadata={"format": "pt"})
     config = peft_model.peft_config["default"]
-    hub_base = model_cfg.name_or_path and not model_cfg.random_init and not Path(model_cfg.name_or_path).exists()
-    if hub_base:
-        config.base_model_name_or_path = model_cfg.name_or_path
+    pretrained = model_cfg.name_or_path and not model_cfg.random_init
+    if pretrained and (not Path(model_cfg.name_or_path).exists() or quantized):
+        # a hub id, or (QLoRA) the local folder the 4-bit base was quantized from
+        local = Path(model_cfg.name_or_path)
+        config.base_model_name_or_path = str(local.resolve()) if local.exists() else model_cfg.name_or_path
     else:
         prefix, lora = "base_model.model.", (".lora_A.", ".lora_B.", ".lora_dropout.")
         base = {k[len(prefix):].replace(".base_layer.", "."): v for k, v in state_dict.items()

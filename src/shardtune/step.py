@@ -85,7 +85,8 @@ def train_step(model, optimizer, scaler, ds, micro_batches, cfg: RunConfig, dist
     sync_each = cfg.fsdp.sharding in ("full_shard", "hybrid_shard")  # keep grads sharded between micro-steps
     loss_sum = torch.zeros((), device=dist.device)
     for i, batch in enumerate(batches):
-        model.set_requires_gradient_sync(sync_each or i == len(batches) - 1)
+        if hasattr(model, "set_requires_gradient_sync"):  # FSDP; a QLoRA model is not sharded
+            model.set_requires_gradient_sync(sync_each or i == len(batches) - 1)
         s, _, _ = token_loss(model, batch)
         loss = s * scale
         (scaler.scale(loss) if scaler else loss).backward()

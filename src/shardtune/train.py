@@ -13,7 +13,7 @@ from .errors import UserError
 from .launch import Dist, broadcast_value, init_distributed, rank0_first
 from .model import build_meta_model, check_seq_len, count_params, load_hf_config, load_source_model, \
     load_tokenizer, materialize
-from .adapters import adapt, check_quantize
+from .adapters import adapt, check_quantize, load_qlora_model
 from .parallel import apply_parallelism, build_mesh, detect_block_class
 from .rundir import default_output_dir
 from .slurm import PREEMPTED_MARKER
@@ -78,13 +78,17 @@ class Trainer:
         # ---- model: skeleton on meta everywhere, sharded, then filled from rank 0's single copy
         seed_everything(t.seed)
         check_quantize(cfg.peft, dist.device)
-        meta = build_meta_model(hf_config, cfg.model.trust_remote_code)
-        block_cls = detect_block_class(meta, cfg.fsdp.block_class)
-        self.model = model = adapt(meta, cfg, block_cls)
-        apply_parallelism(model, cfg, build_mesh(cfg, dist), dist.device)
-        source = adapt(load_source_model(cfg.model, hf_config, t.seed), cfg, block_cls, t.seed) if dist.is_main else None
-        materialize(model, source, dist.device, dist.is_main)
-        del source
+        if cfg.peft.quantize == "4bit":  # QLoRA: one GPU, the base quantized on load
+            self.model = model = load_qlora_model(cfg, hf_config, dist.device, dist.world_size, t.seed)
+        else:
+            meta = build_meta_model(hf_config, cfg.model.trust_remote_code)
+            block_cls = detect_block_class(meta, cfg.fsdp.block_class)
+            self.model = model = adapt(meta, cfg, block_cls)
+            apply_parallelism(model, cfg, build_mesh(cfg, dist), dist.device)
+            source = adapt(load_source_model(cfg.model, hf_config, t.seed), cfg, block_cls, t.seed) \
+                if dist.is_main else None
+            materialize(model, source, dist.device, dist.is_main)
+            del source
         model.train()
         total, trainable = count_params(model)
         self.flops_per_token = flops_per_token(total, hf_config, cfg.data.seq_len, trainable)
@@ -240,7 +244,8 @@ class Trainer:
         if self.dist.is_main and self.cfg.peft.method == "lora":
             from .export import save_adapter_folder
 
-            save_adapter_folder(full, self.model, self.cfg.model, self.hf_config, self.tokenizer, folder)
+            save_adapter_folder(full, self.model, self.cfg.model, self.hf_config, self.tokenizer, folder,
+                                quantized=self.cfg.peft.quantize != "none")
         elif self.dist.is_main:
             save_hf_folder(full, self.hf_config, self.tokenizer, folder)
         del full
