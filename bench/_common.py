@@ -136,3 +136,28 @@ def markdown_table(headers: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in cells]
     return "\n".join(lines)
+
+
+PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "H800": 989.4, "A100": 312.0, "L40S": 362.0, "A10G": 70.0}
+
+
+def weighted_sums(ids):
+    """One number per micro-batch that changes if any block, or any token's place, differs."""
+    import torch
+
+    pos = torch.arange(1, ids.shape[-1] + 1, device=ids.device, dtype=torch.int64)
+    return (ids.to(torch.int64) * pos).sum()
+
+
+def flops_per_token(model_config: dict, tokenizer: str, seq_len: int) -> float:
+    """6 x (weights used in matmuls, LM head included) + 12 x layers x hidden x seq (attention)."""
+    import torch
+
+    from shardtune.config import ModelConfig
+    from shardtune.model import build_meta_model, load_hf_config
+
+    hf = load_hf_config(ModelConfig(config=model_config, tokenizer=tokenizer))
+    model = build_meta_model(hf)
+    matmul = sum(m.weight.numel() for m in model.modules()
+                 if hasattr(m, "weight") and getattr(m.weight, "ndim", 0) == 2 and not isinstance(m, torch.nn.Embedding))
+    return 6 * matmul + 12 * hf.num_hidden_layers * hf.hidden_size * seq_len

@@ -27,7 +27,7 @@ TRAIN = {"lr": 1e-3, "lr_schedule": "cosine", "min_lr_ratio": 0.1, "warmup_steps
 SETUPS = {
     "cpu": {"model": {"model_type": "gpt2", "n_layer": 4, "n_embd": 256, "n_head": 4, "n_positions": 256,
                       "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
-            "seq_len": 256, "micro": 8, "global": 16, "steps": 30, "precision": "fp32",
+            "seq_len": 256, "micro": 8, "global": 16, "steps": 20, "precision": "fp32",
             "nproc": [1, 2], "sharding": ["no_shard", "full_shard"], "target": 1.25},
     "gpu": {"model": {"model_type": "llama", "hidden_size": 2048, "num_hidden_layers": 16,
                       "num_attention_heads": 32, "num_key_value_heads": 32, "intermediate_size": 5632,
@@ -35,7 +35,6 @@ SETUPS = {
             "seq_len": 2048, "micro": 4, "global": 32, "steps": 30, "precision": "bf16", "lr": 3e-4,
             "nproc": None, "sharding": ["full_shard", "no_shard"], "target": 1.5, "mfu_target": 0.5},
 }
-PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "H800": 989.4, "A100": 312.0, "L40S": 362.0, "A10G": 70.0}
 
 
 def shardtune_overrides(setup: dict, tokenizer: str, data_dir: str, out: Path, nproc: int, sharding: str) -> list[str]:
@@ -47,14 +46,6 @@ def shardtune_overrides(setup: dict, tokenizer: str, data_dir: str, out: Path, n
             "eval": {"at_start": False, "max_batches": 1}, "log": {"every_steps": 1, "progress": False},
             "output_dir": str(out)}
     return C.overrides_from(tree)
-
-
-def weighted_sums(ids):
-    """One number per micro-batch that changes if any block, or any token's place, differs."""
-    import torch
-
-    pos = torch.arange(1, ids.shape[-1] + 1, device=ids.device, dtype=torch.int64)
-    return (ids.to(torch.int64) * pos).sum()
 
 
 # ----------------------------------------------------------------------------- workers (one per rank)
@@ -71,7 +62,7 @@ def worker_shardtune(spec: dict) -> None:
     sums = []
     for step in range(trainer.total_steps):  # exactly the blocks train_step will see on this rank
         epoch, in_epoch = divmod(step, plan.steps_per_epoch)
-        sums += [int(weighted_sums(ids[torch.tensor(idx)])) for idx in plan.micro_batches(epoch, in_epoch)]
+        sums += [int(C.weighted_sums(ids[torch.tensor(idx)])) for idx in plan.micro_batches(epoch, in_epoch)]
     rss_setup, cpu0, wall0 = C.current_rss_bytes(), time.process_time(), time.perf_counter()
     trainer.fit()
     util = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
@@ -152,7 +143,7 @@ def worker_hf(spec: dict) -> None:
             return self.lr_scheduler
 
         def training_step(self, model, inputs, num_items_in_batch=None):
-            self.sums.append(weighted_sums(inputs["input_ids"]))
+            self.sums.append(C.weighted_sums(inputs["input_ids"]))
             return super().training_step(model, inputs, num_items_in_batch)
 
     timer = Timer()
@@ -212,20 +203,6 @@ def run_side(side: str, spec: dict, workdir: Path) -> dict:
         r["peak_bytes"] for r in ranks), "losses": main["losses"], "mode": main["mode"],
         "sums": [r["sums"] for r in ranks], "note": main.get("fsdp_error"), "load": load,
         "cpu_util": statistics.mean(r["cpu_util"] for r in ranks)}
-
-
-def flops_per_token(model_config: dict, tokenizer: str, seq_len: int) -> float:
-    """6 x (weights used in matmuls, LM head included) + 12 x layers x hidden x seq (attention)."""
-    import torch
-
-    from shardtune.config import ModelConfig
-    from shardtune.model import build_meta_model, load_hf_config
-
-    hf = load_hf_config(ModelConfig(config=model_config, tokenizer=tokenizer))
-    model = build_meta_model(hf)
-    matmul = sum(m.weight.numel() for m in model.modules()
-                 if hasattr(m, "weight") and getattr(m.weight, "ndim", 0) == 2 and not isinstance(m, torch.nn.Embedding))
-    return 6 * matmul + 12 * hf.num_hidden_layers * hf.hidden_size * seq_len
 
 
 def main() -> int:
@@ -302,8 +279,8 @@ def main() -> int:
             results.append((nproc, sharding, runs))
 
     target = setup["target"]
-    fpt = flops_per_token(setup["model"], assets["tokenizer"], setup["seq_len"]) if a.gpu else None
-    peak = a.peak_tflops or next((v for k, v in PEAK_BF16_TFLOPS.items()
+    fpt = C.flops_per_token(setup["model"], assets["tokenizer"], setup["seq_len"]) if a.gpu else None
+    peak = a.peak_tflops or next((v for k, v in C.PEAK_BF16_TFLOPS.items()
                                   if a.gpu and k in torch.cuda.get_device_name(0)), None)
     headers = ["ranks", "sharding", "HF mode", "shardtune tok/s", "HF tok/s", f"ratio (target ≥ {target}×)",
                "shardtune peak MB", "HF peak MB", "peak ratio", "loss step 1 / last (st | HF)", "same blocks"]

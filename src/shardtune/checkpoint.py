@@ -409,6 +409,12 @@ def load_plain_model(path: Path, device: str = "cpu"):
     tokenizer = AutoTokenizer.from_pretrained(path / "tokenizer", trust_remote_code=trust)
     with no_init_weights(), torch.device(device):  # real buffers (e.g. rotary), parameters left empty
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, trust_remote_code=trust)
+    peft_cfg = meta["config"].get("peft", {})
+    if peft_cfg.get("method") == "lora":  # the checkpoint holds the adapter-wrapped names
+        from .adapters import add_lora
+        from .config import PeftConfig
+
+        model = add_lora(model, PeftConfig(**peft_cfg), hf_config.model_type)
     _dcp_load({"model": model.state_dict()}, path, no_dist=True)
     model.tie_weights()
     model.eval()

@@ -50,7 +50,13 @@ def export_checkpoint(spec: str, out: Path, max_shard_size: str = "2GB") -> Path
     if out.exists() and any(out.iterdir()):
         raise UserError(f"export folder {str(out)!r} is not empty; choose a new folder")
     model, tokenizer, meta = load_plain_model(path)
-    save_hf_folder(model.state_dict(), model.config, tokenizer, out, max_shard_size)
+    if getattr(model, "peft_config", None):  # a LoRA run's checkpoint: the adapter, as in final/
+        from .config import ModelConfig
+
+        known = {k: v for k, v in meta["config"].get("model", {}).items() if k in ModelConfig.__dataclass_fields__}
+        save_adapter_folder(model.state_dict(), model, ModelConfig(**known), model.config, tokenizer, out)
+    else:
+        save_hf_folder(model.state_dict(), model.config, tokenizer, out, max_shard_size)
     print(f"exported {path} (step {meta['step']}) to {out}", flush=True)
     return out
 

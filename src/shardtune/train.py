@@ -92,8 +92,8 @@ class Trainer:
         model.train()
         total, trainable = count_params(model)
         self.flops_per_token = flops_per_token(total, hf_config, cfg.data.seq_len, trainable)
-        self.say(f"model: {type(model).__name__.removeprefix('FSDP')} {total / 1e6:.2f}M params "
-                 f"({trainable / 1e6:.2f}M trainable, {100 * trainable / max(total, 1):.1f}%) | "
+        self.say(f"model: {type(model).__name__.removeprefix('FSDP')} {total:,} params "
+                 f"({trainable:,} trainable, {100 * trainable / max(total, 1):.3g}%) | "
                  f"{dist.world_size} rank(s) on {dist.device.type} | {cfg.fsdp.sharding} | {cfg.precision} | "
                  f"accumulation {self.accum} | {self.total_steps} steps")
 
