@@ -188,7 +188,7 @@ def build_blocks(overrides: list[str], steps: int, path: Path) -> int:
 
 
 def run_side(side: str, spec: dict, workdir: Path) -> dict:
-    out = workdir / f"{side}-{spec['nproc']}-{spec['sharding']}-{spec['repeat']}{'-fsdp' if spec['hf_fsdp'] else ''}"
+    out = workdir / f"{side}-{spec['nproc']}-{spec['sharding']}-{spec['repeat']}{'-fsdp' if side == 'hf' and spec['hf_fsdp'] else ''}"
     spec = {**spec, "out": str(out)}
     spec_path = workdir / f"{out.name}.json"
     spec_path.write_text(json.dumps(spec))

@@ -280,8 +280,8 @@ def poison_step(monkeypatch, step: int) -> None:
 
     real, calls = train_mod.token_loss, []
 
-    def token_loss(model, batch):
-        s, n, c = real(model, batch)
+    def token_loss(model, batch, accuracy=False):
+        s, n, c = real(model, batch, accuracy)
         if model.training:
             calls.append(1)
         if model.training and (len(calls) - 1) // 4 + 1 == step:

@@ -7,7 +7,7 @@ import math
 from .config import TrainConfig
 
 
-def build_optimizer(model, cfg: TrainConfig, device):
+def build_optimizer(model, cfg: TrainConfig, device, precision: str = "fp32"):
     import torch
 
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -17,8 +17,11 @@ def build_optimizer(model, cfg: TrainConfig, device):
         {"params": [p for p in trainable if p.ndim < 2], "weight_decay": 0.0},
     ]
     groups = [g for g in groups if g["params"]]
-    fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **fast)
+    # Fused kernels exist for CUDA and CPU (and take DTensor shards); the sharded fp16 grad
+    # scaler hands them a found-inf tensor they do not accept, so fp16 uses foreach.
+    fused = device.type in ("cuda", "cpu") and precision != "fp16"
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused,
+                             foreach=None if fused else True)
 
 
 def lr_factor(step: int, total: int, cfg: TrainConfig) -> float:

@@ -12,8 +12,9 @@ from .launch import Dist
 from .telemetry import perplexity
 
 
-def token_loss(model, batch):
-    """(sum of next-token losses, number of predicted tokens, number correct) of one micro-batch."""
+def token_loss(model, batch, accuracy: bool = False):
+    """(sum of next-token losses, number of predicted tokens, number correct or None) of one
+    micro-batch. The argmax for accuracy costs a pass over the logits: evaluation only."""
     import torch
     import torch.nn.functional as F
 
@@ -23,7 +24,7 @@ def token_loss(model, batch):
     flat = logits.reshape(-1, logits.size(-1)).float()
     loss_sum = F.cross_entropy(flat, labels.reshape(-1), ignore_index=data_lib.IGNORE_INDEX, reduction="sum")
     mask = labels != data_lib.IGNORE_INDEX
-    correct = ((logits.argmax(-1) == labels) & mask).sum()
+    correct = ((logits.argmax(-1) == labels) & mask).sum() if accuracy else None
     return loss_sum, mask.sum(), correct
 
 
@@ -47,7 +48,7 @@ def evaluate(model, ds, batches, device, pad_id: int = 0) -> dict:
     correct = torch.zeros((), dtype=torch.float64, device=device)
     with torch.no_grad():
         for indices in batches:
-            s, n, c = token_loss(model, data_lib.collate(ds, indices, device, pad_id))
+            s, n, c = token_loss(model, data_lib.collate(ds, indices, device, pad_id), accuracy=True)
             loss_sum += s
             count += n
             correct += c
@@ -61,7 +62,7 @@ def evaluate(model, ds, batches, device, pad_id: int = 0) -> dict:
 class StepResult:
     loss_sum: "torch.Tensor"  # noqa: F821  this rank's summed token loss (device tensor, no sync)
     loss_tokens: float  # tokens with a loss in the whole global batch
-    input_tokens: int  # tokens this rank fed the model (padding excluded)
+    input_tokens: "torch.Tensor | int"  # noqa: F821  tokens this rank fed the model (padding excluded)
     grad_norm: "torch.Tensor"  # noqa: F821
     data_seconds: float  # time spent assembling batches
 
@@ -76,10 +77,13 @@ def train_step(model, optimizer, scaler, ds, micro_batches, cfg: RunConfig, dist
     t0 = time.perf_counter()
     batches = [data_lib.collate(ds, idx, dist.device, pad_id) for idx in micro_batches]
     data_seconds = time.perf_counter() - t0
-    input_tokens = sum(int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].numel()
+    input_tokens = sum(b["attention_mask"].sum() if "attention_mask" in b else b["input_ids"].numel()
                        for b in batches)
-    local_tokens = sum((b["labels"][:, 1:] != data_lib.IGNORE_INDEX).sum() for b in batches)
-    (global_tokens,) = all_sum(local_tokens, device=dist.device)
+    if "labels" in ds.column_names or any("attention_mask" in b for b in batches):
+        local_tokens = sum((b["labels"][:, 1:] != data_lib.IGNORE_INDEX).sum() for b in batches)
+        (global_tokens,) = all_sum(local_tokens, device=dist.device)
+    else:  # packed blocks: every position but the first is predicted; no need to ask the others
+        global_tokens = float(cfg.train.global_batch_size * (batches[0]["input_ids"].size(1) - 1))
     # FSDP averages gradients over ranks; scale back up so the result is a sum over all tokens.
     scale = dist.world_size / max(global_tokens, 1.0)
     sync_each = cfg.fsdp.sharding in ("full_shard", "hybrid_shard")  # keep grads sharded between micro-steps

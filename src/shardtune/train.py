@@ -99,7 +99,7 @@ class Trainer:
 
         from .optim import build_optimizer, build_scheduler
 
-        self.optimizer = build_optimizer(model, t, dist.device)
+        self.optimizer = build_optimizer(model, t, dist.device, cfg.precision)
         self.scheduler = build_scheduler(self.optimizer, self.total_steps, t)
         self.scaler = None
         if cfg.precision == "fp16":
