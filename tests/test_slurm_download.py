@@ -3,14 +3,12 @@ one-line error for a model or dataset missing from the cache, and `shardtune slu
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
-from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, TINY, run_cli, tiny_overrides
+from conftest import ROOT, run_cli, tiny_overrides
 
 
 def _one_line_error(err: str) -> str:
@@ -160,3 +158,26 @@ def test_missing_dataset_offline_names_it_and_shardtune_download(assets, tmp_pat
     assert proc.returncode == 2, proc.stderr[-2000:]
     line = _one_line_error(proc.stderr)
     assert "some-org/not-cached-data" in line and "shardtune download dataset:some-org/not-cached-data:cfg1" in line
+
+
+def test_srun_without_torchrun_maps_slurm_variables(monkeypatch):
+    """Under `srun` alone, shardtune reads rank and world from Slurm's variables."""
+    import os
+
+    from shardtune.launch import _adopt_slurm_env, launched_by_agent
+
+    torch_keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    # a private copy of the environment: what _adopt_slurm_env sets must not leak into other tests
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k not in torch_keys})
+    monkeypatch.setenv("SLURM_PROCID", "5")
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "4(x2)")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu-node-7")
+    monkeypatch.setenv("SLURM_JOB_ID", "1234")
+    monkeypatch.setenv("PATH", "/nonexistent")  # no scontrol here: the first host is taken from the list
+    assert launched_by_agent()
+    _adopt_slurm_env()
+    assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == ("5", "8", "1")
+    assert os.environ["LOCAL_WORLD_SIZE"] == "4" and os.environ["MASTER_ADDR"] == "gpu-node-7"
+    assert os.environ["MASTER_PORT"] == str(29500 + 1234 % 1000)

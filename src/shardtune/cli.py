@@ -120,7 +120,7 @@ def _split_recipe(recipe: str | None, overrides: list[str]) -> tuple[str | None,
 
 def cmd_train(args) -> int:
     from .config import load_config
-    from .launch import check_nproc, launch_local, launched_by_agent
+    from .launch import check_nproc, launched_by_agent
 
     recipe, overrides = _split_recipe(args.recipe, args.overrides)
     defaults = None

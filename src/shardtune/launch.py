@@ -116,7 +116,8 @@ def launch_local(nproc: int, worker_argv: list[str]) -> int:
 
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
                           rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}",
-                          max_restarts=0, monitor_interval=0.5)
+                          max_restarts=0, monitor_interval=0.5,
+                          shutdown_timeout=900)  # time for the ranks to checkpoint after SIGTERM
     # The workers print their own errors; the agent's retelling would bury the one line that matters.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))

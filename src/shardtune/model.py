@@ -112,7 +112,6 @@ def materialize(model, source, device, is_main: bool) -> None:
     Parameters travel with DCP's broadcast-from-rank-0 (each rank keeps only its shard);
     buffers (e.g. rotary frequencies, not in the state dict) are broadcast whole.
     """
-    import torch
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 

@@ -15,7 +15,6 @@ from .telemetry import perplexity
 def token_loss(model, batch, accuracy: bool = False):
     """(sum of next-token losses, number of predicted tokens, number correct or None) of one
     micro-batch. The argmax for accuracy costs a pass over the logits: evaluation only."""
-    import torch
     import torch.nn.functional as F
 
     out = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), use_cache=False)

@@ -10,7 +10,7 @@ from pathlib import Path
 from . import data as data_lib
 from .config import RunConfig, check_world, dump_yaml
 from .errors import UserError
-from .launch import Dist, broadcast_value, init_distributed, rank0_first
+from .launch import broadcast_value, init_distributed, rank0_first
 from .model import build_meta_model, check_seq_len, count_params, load_hf_config, load_source_model, \
     load_tokenizer, materialize
 from .adapters import adapt, check_quantize, load_qlora_model
@@ -128,7 +128,7 @@ class Trainer:
         from .signals import Preemption
         from .trackers import Trackers
 
-        cfg, dist, plan, t = self.cfg, self.dist, self.plan, self.cfg.train
+        cfg, dist, t = self.cfg, self.dist, self.cfg.train
         log = MetricsLog(self.out / "metrics.jsonl", dist.is_main)
         trackers = Trackers(cfg.log.trackers, self.out, cfg.to_dict(), cfg.log.project, self.out.name, dist.is_main)
         torch.manual_seed(t.seed + dist.rank)  # dropout: different masks per rank, reproducible per run
