@@ -215,6 +215,8 @@ def main() -> int:
     p.add_argument("--sharding", nargs="+", choices=["no_shard", "full_shard"])
     p.add_argument("--peak-tflops", type=float, help="GPU peak bf16 TFLOPS for MFU (default: by GPU name)")
     p.add_argument("--workdir", type=Path, default=C.default_workdir() / "vs_hf")
+    p.add_argument("--shardtune-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra shardtune override, e.g. compile=true (repeatable); HF runs unchanged")
     p.add_argument("--worker", choices=["shardtune", "hf"], help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -257,7 +259,8 @@ def main() -> int:
             spec = {"nproc": nproc, "sharding": sharding, "device": device, "skip": a.skip,
                     "tokens_per_step": tokens_per_step, "blocks": str(blocks_path),
                     "overrides": shardtune_overrides(setup, assets["tokenizer"], data_dir,
-                                                     a.workdir / f"run-{nproc}-{sharding}", nproc, sharding)}
+                                                     a.workdir / f"run-{nproc}-{sharding}", nproc, sharding)
+                    + a.shardtune_set}
             hf_fsdp = nproc > 1 and sharding == "full_shard"
             runs = {"shardtune": [], "hf": []}
             for repeat in range(a.repeats):

@@ -92,7 +92,9 @@ def test_eval_batches_cover_everything_once_with_equal_counts_per_rank():
     assert len({len(b) for b in per_rank}) == 1
     real = sorted(i for b in per_rank for mb in b for i in mb if i >= 0)
     assert real == list(range(n))
-    assert len(D.eval_batches(n, micro, world, 0, max_batches=1)) == 1
+    capped = [D.eval_batches(n, micro, world, r, max_batches=4) for r in range(world)]
+    assert sorted(i for b in capped for mb in b for i in mb if i >= 0) == list(range(8))
+    assert [i for mb in D.eval_batches(n, micro, 1, 0, max_batches=4) for i in mb] == list(range(8))
 
 
 def test_collate_masks_padding_rows(tokenizer, assets):

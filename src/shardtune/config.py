@@ -87,7 +87,7 @@ class TrainConfig:
 @dataclass
 class EvalConfig:
     every_steps: int = 0  # 0: only before and after training
-    max_batches: int = 0  # 0: the whole validation split
+    max_batches: int = 0  # evaluate the first N x micro_batch_size sequences (any world size); 0: all
     micro_batch_size: int | None = None  # default: train.micro_batch_size
     at_start: bool = True  # evaluate before the first step (the baseline)
 

@@ -288,11 +288,12 @@ class BatchPlan:
 def eval_batches(num_samples: int, micro_batch: int, world_size: int, rank: int,
                  max_batches: int = 0) -> list[list[int]]:
     """Validation blocks for this rank in fixed order. Every rank gets the same number of
-    batches (FSDP needs every rank in every forward); missing places are -1 (masked)."""
+    batches (FSDP needs every rank in every forward); missing places are -1 (masked).
+    `max_batches` caps the sequences at max_batches x micro_batch, the same set for any world size."""
+    if max_batches:
+        num_samples = min(num_samples, max_batches * micro_batch)
     per_round = micro_batch * world_size
     rounds = -(-num_samples // per_round)
-    if max_batches:
-        rounds = min(rounds, max_batches)
     batches = []
     for r in range(rounds):
         start = r * per_round + rank * micro_batch
