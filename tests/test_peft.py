@@ -294,3 +294,15 @@ def test_lora_checkpoint_exports_the_same_adapter_as_final(lora_run, tmp_path):
     b = AutoPeftModelForCausalLM.from_pretrained(str(lora_run["final"])).eval()
     with torch.no_grad():
         assert (a(input_ids=_probe()).logits - b(input_ids=_probe()).logits).abs().max() < 1e-5
+
+
+def test_eval_and_generate_take_a_lora_run(lora_run, assets, capsys):
+    """`shardtune eval` / `generate` on a LoRA run's adapter folder (base folded in)."""
+    from shardtune.cli import main
+
+    assert main(["eval", str(lora_run["final"]), "--data", assets["validation"], "--seq-len", "64",
+                 "--max-batches", "2"]) == 0
+    assert "perplexity" in capsys.readouterr().out
+    assert main(["generate", str(lora_run["out"]), "--prompt", "def", "--max-new-tokens", "4",
+                 "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.strip()

@@ -21,6 +21,9 @@ def resolve_model(spec: str) -> tuple[str, Path | str]:
     path = Path(spec).expanduser()
     if (path / "final" / "config.json").is_file():
         return "hf", path / "final"
+    for folder in (path, path / "final"):  # a LoRA run's final/: adapter (+ base)
+        if (folder / "adapter_config.json").is_file():
+            return "adapter", folder
     if (path / "meta.json").exists() or (path / ".metadata").exists() or (path / "checkpoints").is_dir() \
             or path.name == "checkpoints":
         return "checkpoint", resolve_checkpoint(path)
@@ -47,6 +50,20 @@ def load_model(spec: str, device: str = "cpu", weights: bool = True):
         return (None, AutoTokenizer.from_pretrained(where / "tokenizer", trust_remote_code=trust),
                 AutoConfig.from_pretrained(where, trust_remote_code=trust), run_cfg)
     import torch
+
+    if kind == "adapter":  # evaluate/generate with the adapter folded into its base
+        import json
+
+        from transformers import AutoConfig, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(where)
+        if not weights:
+            base = json.loads((where / "adapter_config.json").read_text())["base_model_name_or_path"]
+            return None, tokenizer, AutoConfig.from_pretrained(base), None
+        from peft import AutoPeftModelForCausalLM
+
+        model = AutoPeftModelForCausalLM.from_pretrained(str(where)).merge_and_unload()
+        return model.to(torch.device(device)).eval(), tokenizer, model.config, None
 
     from .config import ModelConfig
     from .model import load_hf_config, load_source_model, load_tokenizer
