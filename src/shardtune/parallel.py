@@ -96,10 +96,30 @@ def apply_parallelism(model, cfg: RunConfig, mesh, device) -> list:
         units = _size_based_units(model, cfg.fsdp.min_num_params)
     for unit in units:
         fully_shard(unit, reshard_after_forward=reshard, **kwargs)
-    # The root holds embeddings/head; it is needed again right at the start of backward.
+    if cfg.fsdp.wrap == "block":
+        _shard_embeddings(model, reshard, kwargs)
+    # The root keeps what is left (final norm, ...); it is needed again right at the start of backward.
     fully_shard(model, reshard_after_forward=False, **kwargs)
     _set_prefetch(units, cfg.fsdp.forward_prefetch, cfg.fsdp.backward_prefetch)
     return units
+
+
+def _shard_embeddings(model, reshard: bool, kwargs: dict) -> None:
+    """Input embeddings and LM head as units of their own: left in the root they would stay
+    unsharded on every rank from forward to the end of backward (GPT-2's are 30 % of it). A tied
+    pair shares one weight, so it must be one unit."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if emb is None or any(isinstance(p, DTensor) for p in emb.parameters()):
+        return
+    if head is not None and head.weight is emb.weight:
+        fully_shard([emb, head], reshard_after_forward=reshard, **kwargs)
+        return
+    fully_shard(emb, reshard_after_forward=reshard, **kwargs)
+    if head is not None and not any(isinstance(p, DTensor) for p in head.parameters()):
+        fully_shard(head, reshard_after_forward=False, **kwargs)  # backward starts with it
 
 
 def _size_based_units(model, min_num_params: int) -> list:
