@@ -40,6 +40,9 @@ class Trainer:
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()  # its padding/attention-mask advice does not apply to packed blocks
+        from huggingface_hub.utils import logging as hub_logging
+
+        hub_logging.set_verbosity_error()  # no retry chatter: a hub failure ends in one UserError line
         self.cfg = cfg
         self.owns_group = not torch.distributed.is_initialized()
         self.dist = dist = init_distributed(cfg.device)
