@@ -78,21 +78,7 @@ class Trainer:
         self.val_batches = data_lib.eval_batches(len(self.val_ds), eval_mb, dist.world_size, dist.rank,
                                                  cfg.eval.max_batches) if self.val_ds is not None else []
 
-        # ---- model: skeleton on meta everywhere, sharded, then filled from rank 0's single copy
-        seed_everything(t.seed)
-        check_quantize(cfg.peft, dist.device)
-        if cfg.peft.quantize == "4bit":  # QLoRA: one GPU, the base quantized on load
-            self.model = model = load_qlora_model(cfg, hf_config, dist.device, dist.world_size, t.seed)
-        else:
-            meta = build_meta_model(hf_config, cfg.model.trust_remote_code)
-            block_cls = detect_block_class(meta, cfg.fsdp.block_class)
-            self.model = model = adapt(meta, cfg, block_cls)
-            apply_parallelism(model, cfg, build_mesh(cfg, dist), dist.device)
-            source = adapt(load_source_model(cfg.model, hf_config, t.seed), cfg, block_cls, t.seed) \
-                if dist.is_main else None
-            materialize(model, source, dist.device, dist.is_main)
-            del source
-        model.train()
+        self.model = model = self._build_model()
         total, trainable = count_params(model)
         self.flops_per_token = flops_per_token(total, hf_config, cfg.data.seq_len, trainable)
         self.say(f"model: {type(model).__name__.removeprefix('FSDP')} {total:,} params "
@@ -117,6 +103,22 @@ class Trainer:
         if dist.is_main:
             (out / "config.yaml").write_text(dump_yaml(cfg))
             (out / PREEMPTED_MARKER).unlink(missing_ok=True)
+
+    def _build_model(self):
+        """Skeleton on meta everywhere, sharded, then filled from rank 0's single copy."""
+        cfg, dist, seed = self.cfg, self.dist, self.cfg.train.seed
+        seed_everything(seed)
+        check_quantize(cfg.peft, dist.device)
+        if cfg.peft.quantize == "4bit":  # QLoRA: one GPU, the base quantized on load
+            return load_qlora_model(cfg, self.hf_config, dist.device, dist.world_size, seed).train()
+        meta = build_meta_model(self.hf_config, cfg.model.trust_remote_code)
+        block_cls = detect_block_class(meta, cfg.fsdp.block_class)
+        model = adapt(meta, cfg, block_cls)
+        apply_parallelism(model, cfg, build_mesh(cfg, dist), dist.device)
+        source = adapt(load_source_model(cfg.model, self.hf_config, seed), cfg, block_cls, seed) \
+            if dist.is_main else None
+        materialize(model, source, dist.device, dist.is_main)
+        return model.train()
 
     def say(self, text: str) -> None:
         if self.dist.is_main:
