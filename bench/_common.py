@@ -80,24 +80,6 @@ def current_rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def local_bytes(t) -> int:
-    """Bytes this rank holds for a tensor (the local shard of a DTensor)."""
-    if hasattr(t, "to_local"):
-        t = t.to_local()
-    return t.numel() * t.element_size()
-
-
-def state_bytes(model, optimizer) -> dict:
-    """Per-rank bytes of parameters, gradients and optimizer state (local shards only)."""
-    params = [p for p in model.parameters()]
-    out = {"param_bytes": sum(local_bytes(p) for p in params),
-           "grad_bytes": sum(local_bytes(p.grad) for p in params if p.grad is not None),
-           "optim_bytes": 0}
-    for st in optimizer.state.values():
-        out["optim_bytes"] += sum(local_bytes(v) for v in st.values() if hasattr(v, "element_size"))
-    return out
-
-
 def write_rank_json(folder: Path, tag: str, record: dict) -> None:
     rank = int(os.environ.get("RANK", "0"))
     folder.mkdir(parents=True, exist_ok=True)
@@ -138,9 +120,6 @@ def markdown_table(headers: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
-PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "H800": 989.4, "A100": 312.0, "L40S": 362.0, "A10G": 70.0}
-
-
 def weighted_sums(ids):
     """One number per micro-batch that changes if any block, or any token's place, differs."""
     import torch
@@ -150,14 +129,10 @@ def weighted_sums(ids):
 
 
 def flops_per_token(model_config: dict, tokenizer: str, seq_len: int) -> float:
-    """6 x (weights used in matmuls, LM head included) + 12 x layers x hidden x seq (attention)."""
-    import torch
-
+    """shardtune's own count (telemetry.flops_per_token over the matmul weights), all trainable."""
     from shardtune.config import ModelConfig
     from shardtune.model import build_meta_model, load_hf_config
+    from shardtune.telemetry import flops_per_token as count, matmul_params
 
     hf = load_hf_config(ModelConfig(config=model_config, tokenizer=tokenizer))
-    model = build_meta_model(hf)
-    matmul = sum(m.weight.numel() for m in model.modules()
-                 if hasattr(m, "weight") and getattr(m.weight, "ndim", 0) == 2 and not isinstance(m, torch.nn.Embedding))
-    return 6 * matmul + 12 * hf.num_hidden_layers * hf.hidden_size * seq_len
+    return count(matmul_params(build_meta_model(hf))[0], hf, seq_len)

@@ -41,12 +41,9 @@ def worker(spec: dict) -> None:
     from shardtune import data as data_lib
     from shardtune.config import load_config
     from shardtune.model import count_params
+    from shardtune.step import token_loss
+    from shardtune.telemetry import state_bytes
     from shardtune.train import Trainer
-
-    try:
-        from shardtune.step import token_loss
-    except ImportError:  # older layout
-        from shardtune.train import token_loss
 
     baseline = C.current_rss_bytes()  # after importing torch, transformers and shardtune
     trainer = Trainer(load_config(None, spec["overrides"]), overwrite=True)
@@ -60,7 +57,7 @@ def worker(spec: dict) -> None:
     loss_sum, count, _ = token_loss(trainer.model, batch)
     (loss_sum / count).backward()
     total, _ = count_params(trainer.model)
-    record = {**C.state_bytes(trainer.model, trainer.optimizer), "total_params": total,
+    record = {**state_bytes(trainer.model, trainer.optimizer), "total_params": total,
               "peak_bytes": C.peak_memory_bytes(dist.device.type), "baseline_rss": baseline,
               "setup_rss": rss_setup, "setup_peak": peak_setup, "train_s": train_s, "rank": dist.rank}
     C.write_rank_json(Path(spec["out"]), "mem", record)

@@ -283,8 +283,12 @@ def main() -> int:
 
     target = setup["target"]
     fpt = C.flops_per_token(setup["model"], assets["tokenizer"], setup["seq_len"]) if a.gpu else None
-    peak = a.peak_tflops or next((v for k, v in C.PEAK_BF16_TFLOPS.items()
-                                  if a.gpu and k in torch.cuda.get_device_name(0)), None)
+    peak = None
+    if a.gpu:  # shardtune's table of device peaks (TFLOP/s), or --peak-tflops
+        from shardtune.telemetry import device_peak_flops
+
+        peak_flops = device_peak_flops(torch.device("cuda", 0), "bf16", a.peak_tflops)
+        peak = peak_flops / 1e12 if peak_flops else None
     headers = ["ranks", "sharding", "HF mode", "shardtune tok/s", "HF tok/s", f"ratio (target ≥ {target}×)",
                "shardtune peak MB", "HF peak MB", "peak ratio", "loss step 1 / last (st | HF)", "same blocks"]
     if fpt and peak:

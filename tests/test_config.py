@@ -55,3 +55,13 @@ def test_readme_documents_every_config_key():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     missing = [line.split()[0] for line in reference_lines() if line.strip().split()[0] not in readme]
     assert not missing, f"README config reference lacks {missing}"
+
+
+@pytest.mark.parametrize("override, key", [
+    ("eval.every_steps=-1", "eval.every_steps"), ("fsdp.forward_prefetch=-2", "fsdp.forward_prefetch"),
+    ("train.max_grad_norm=-1", "train.max_grad_norm"), ("log.peak_tflops=0", "log.peak_tflops"),
+    ("checkpoint.keep_last=-1", "checkpoint.keep_last"), ("data.val_size=-0.1", "data.val_size"),
+])
+def test_out_of_range_numbers_are_refused_with_the_key(override, key):
+    with pytest.raises(UserError, match=key):
+        load_config(None, ["model.config={model_type: gpt2}", "data.path=x", override])

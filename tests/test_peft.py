@@ -222,7 +222,7 @@ def freeze_runs(assets, tmp_path_factory):
     import contextlib
     import io
 
-    from shardtune.adapters import optimizer_state_bytes
+    from shardtune.telemetry import state_bytes
     from shardtune.config import load_config
     from shardtune.train import Trainer
 
@@ -241,7 +241,7 @@ def freeze_runs(assets, tmp_path_factory):
             trainer.fit()
             after = _full_state(trainer.model)
             results[name] = {
-                "state_bytes": optimizer_state_bytes(trainer.optimizer),
+                "state_bytes": state_bytes(trainer.model, trainer.optimizer)["optim_bytes"],
                 "trainable": {n for n, p in params.items() if p.requires_grad},
                 "numel": {n: p.numel() for n, p in params.items()},
                 "with_grad": with_grad, "before": before, "after": after,

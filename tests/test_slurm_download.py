@@ -142,22 +142,18 @@ def test_download_passes_dataset_configs_and_an_hf_home_cache(monkeypatch, tmp_p
     assert f"HF_HOME={tmp_path}" in capsys.readouterr().out
 
 
-def test_missing_model_offline_names_it_and_shardtune_download(assets, tmp_path):
+@pytest.mark.parametrize("missing, names, command", [
+    ({"model.name_or_path": "some-org/not-cached", "model.tokenizer": "null"},
+     "some-org/not-cached", "shardtune download some-org/not-cached"),
+    ({"data.path": "some-org/not-cached-data", "data.name": "cfg1"},
+     "some-org/not-cached-data", "shardtune download dataset:some-org/not-cached-data:cfg1"),
+], ids=["model", "dataset"])
+def test_missing_offline_names_it_and_shardtune_download(assets, tmp_path, missing, names, command):
     env = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "empty-cache")}
-    proc = run_cli(["train", *tiny_overrides(assets, tmp_path / "m", **{"model.name_or_path": "some-org/not-cached",
-                                                                         "model.tokenizer": "null"})], env=env)
+    proc = run_cli(["train", *tiny_overrides(assets, tmp_path / "run", **missing)], env=env)
     assert proc.returncode == 2, proc.stderr[-2000:]
     line = _one_line_error(proc.stderr)
-    assert "some-org/not-cached" in line and "shardtune download some-org/not-cached" in line
-
-
-def test_missing_dataset_offline_names_it_and_shardtune_download(assets, tmp_path):
-    env = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "empty-cache")}
-    proc = run_cli(["train", *tiny_overrides(assets, tmp_path / "d", **{"data.path": "some-org/not-cached-data",
-                                                                         "data.name": "cfg1"})], env=env)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    line = _one_line_error(proc.stderr)
-    assert "some-org/not-cached-data" in line and "shardtune download dataset:some-org/not-cached-data:cfg1" in line
+    assert names in line and command in line
 
 
 def test_srun_without_torchrun_maps_slurm_variables(monkeypatch):

@@ -149,15 +149,3 @@ def freeze(model, cfg: FreezeConfig, block_cls: type) -> None:
         for module in model.modules():
             if isinstance(module, nn.Embedding):
                 module.requires_grad_(False)
-
-
-def optimizer_state_bytes(optimizer) -> int:
-    """Bytes of optimizer state held by this rank (local shards only)."""
-    total = 0
-    for state in optimizer.state.values():
-        for value in state.values():
-            if hasattr(value, "to_local"):
-                value = value.to_local()
-            if hasattr(value, "numel") and value.dim() > 0:
-                total += value.numel() * value.element_size()
-    return total

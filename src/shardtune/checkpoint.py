@@ -30,13 +30,10 @@ from .errors import UserError
 FORMAT = 1
 NAME = re.compile(r"^step-(\d+)$")
 # Changing these breaks resume: the weights' shapes, or what "step N" means in the data order.
-RESUME_KEYS = ("model.name_or_path", "model.config", "model.tokenizer", "data.path", "data.name",
-               "data.split", "data.val_split", "data.val_size", "data.text_field", "data.seq_len",
-               "data.start_idx", "data.end_idx", "data.format", "data.template", "data.list_sep",
-               "data.instruction_field", "data.input_field", "data.output_field", "data.messages_field",
-               "data.chat_template", "data.train_on_inputs", "data.cutoff_len", "data.packing",
-               "data.group_by_length", "train.global_batch_size", "train.seed", "peft.method", "peft.r",
-               "peft.target_modules", "peft.quantize", "freeze")
+# Whole sections are compared, so a key added to one later is covered without a change here.
+RESUME_KEYS = ("model.name_or_path", "model.config", "model.tokenizer", "data", "train.global_batch_size",
+               "train.seed", "peft", "freeze")
+MAY_CHANGE = {"data.num_proc", "peft.dropout"}  # inside those sections, but harmless
 
 
 # ----------------------------------------------------------------------------- finding
@@ -118,7 +115,8 @@ def check_compatible(saved: dict, now: dict, path: Path) -> None:
         old, new = get(saved, key), get(now, key)
         if isinstance(old, dict) and isinstance(new, dict):  # name the changed sub-keys only
             changed += [f"{key}.{k} {short(old.get(k))} -> {short(new.get(k))}"
-                        for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)]
+                        for k in sorted(old.keys() | new.keys())
+                        if old.get(k) != new.get(k) and f"{key}.{k}" not in MAY_CHANGE]
         elif old != new:
             changed.append(f"{key} {short(old)} -> {short(new)}")
     if changed:
@@ -231,7 +229,6 @@ class Checkpointer:
         self.pending = None  # (future or None, tmp folder, meta)
         self.rng = None  # this rank's RNG states from the checkpoint we resumed
         self.reseed = False
-        self.blocking_s: list[float] = []
         # The async writer runs collectives from a thread: it needs a group of its own, or its
         # messages would interleave with the training step's.
         self.pg = dist.new_group(backend="gloo") if self.cfg.async_save else None
@@ -251,7 +248,6 @@ class Checkpointer:
         import torch
         import torch.distributed.checkpoint as dcp
 
-        start = time.perf_counter()
         self.wait()
         t, name = self.t, f"step-{step:06d}"
         tmp = self.root / f".tmp-{name}"
@@ -265,7 +261,6 @@ class Checkpointer:
             dcp.save(self._state(), checkpoint_id=tmp)
             self.pending = (None, tmp, meta)
             self._commit()
-        self.blocking_s.append(time.perf_counter() - start)
         return self.root / name
 
     def _meta(self, step: int) -> dict:

@@ -305,11 +305,22 @@ def validate(cfg: RunConfig) -> None:
                         "(or model.config={model_type: gpt2, ...} for a random-init model)")
     if d.path is None:
         raise UserError("no dataset given; set data.path=<hub id, file or folder>")
-    for key, value in [("train.micro_batch_size", t.micro_batch_size),
-                       ("train.global_batch_size", t.global_batch_size),
-                       ("data.seq_len", d.seq_len), ("log.every_steps", cfg.log.every_steps)]:
-        if value < 1:
-            raise UserError(f"{key} must be at least 1, got {value}")
+    f, e, c = cfg.fsdp, cfg.eval, cfg.checkpoint
+    for key, value, least in [
+            ("train.micro_batch_size", t.micro_batch_size, 1), ("train.global_batch_size", t.global_batch_size, 1),
+            ("data.seq_len", d.seq_len, 1), ("log.every_steps", cfg.log.every_steps, 1),
+            ("fsdp.min_num_params", f.min_num_params, 1), ("fsdp.forward_prefetch", f.forward_prefetch, 0),
+            ("fsdp.backward_prefetch", f.backward_prefetch, 0), ("train.warmup_steps", t.warmup_steps, 0),
+            ("train.weight_decay", t.weight_decay, 0), ("train.max_grad_norm", t.max_grad_norm, 0),
+            ("train.min_lr_ratio", t.min_lr_ratio, 0), ("eval.every_steps", e.every_steps, 0),
+            ("eval.max_batches", e.max_batches, 0), ("data.val_size", d.val_size, 0),
+            ("checkpoint.every_steps", c.every_steps, 0), ("checkpoint.keep_last", c.keep_last, 0)]:
+        if value < least:
+            raise UserError(f"{key} must be at least {least}, got {value}")
+    for key, value in [("eval.micro_batch_size", e.micro_batch_size), ("log.peak_tflops", cfg.log.peak_tflops),
+                       ("fsdp.shard_size", f.shard_size), ("fsdp.replicate_size", f.replicate_size)]:
+        if value is not None and value <= 0:
+            raise UserError(f"{key} must be positive (or unset), got {value}")
     if t.global_batch_size % t.micro_batch_size:
         raise UserError(f"train.global_batch_size={t.global_batch_size} is not a multiple of "
                         f"train.micro_batch_size={t.micro_batch_size}; pick sizes that divide")
@@ -321,11 +332,6 @@ def validate(cfg: RunConfig) -> None:
         raise UserError(f"train.betas must have two numbers, got {t.betas}")
     if d.start_idx is not None and d.end_idx is not None and d.end_idx <= d.start_idx:
         raise UserError(f"data.end_idx={d.end_idx} must be greater than data.start_idx={d.start_idx}")
-    if d.val_size < 0:
-        raise UserError(f"data.val_size must be >= 0, got {d.val_size}")
-    c = cfg.checkpoint
-    if c.every_steps < 0 or c.keep_last < 0:
-        raise UserError("checkpoint.every_steps and checkpoint.keep_last must be >= 0")
     if cfg.resume == "auto" and not cfg.output_dir:
         raise UserError("resume=auto continues the run in output_dir; set output_dir=<that run's folder>")
 

@@ -126,12 +126,6 @@ def split_documents(cfg: DataConfig, splits, seed: int):
 # ----------------------------------------------------------------------------- tokens
 
 
-def _check_field(ds, field: str, what: str) -> None:
-    if field not in ds.column_names:
-        raise UserError(f"{what} has no column {field!r}; set data.text_field to one of: "
-                        f"{', '.join(ds.column_names)}")
-
-
 def pack(docs, tokenizer, field: str, seq_len: int, num_proc: int | None = None):
     """Tokenize, join documents with EOS, and cut into `seq_len` blocks (the tail is dropped)."""
     eos = tokenizer.eos_token_id

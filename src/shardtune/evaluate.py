@@ -104,9 +104,8 @@ def eval_blocks(args, run_cfg, tokenizer):
     split = args.split or next((s for s in ("validation", "test") if s in splits), "train")
     if split not in splits:
         raise UserError(f"dataset {cfg.path!r} has no split {split!r}; choose --split from {', '.join(splits)}")
-    docs = splits[split]
-    data_lib._check_field(docs, cfg.text_field, f"dataset {cfg.path!r}")
-    blocks = data_lib.pack(docs, tokenizer, cfg.text_field, cfg.seq_len, cfg.num_proc)
+    # the run's format (instruct, chat, template) when it is the run's data; packed text otherwise
+    blocks = data_lib.tokenize_split(splits[split], cfg, tokenizer, f"dataset {cfg.path!r}")
     if len(blocks) == 0:
         raise UserError(f"split {split!r} of {cfg.path!r} has fewer tokens than one block of {cfg.seq_len}; "
                         "lower --seq-len")

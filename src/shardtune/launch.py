@@ -30,10 +30,6 @@ class Dist:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    @property
-    def num_nodes(self) -> int:
-        return max(1, self.world_size // self.local_world_size)
-
 
 def launched_by_agent() -> bool:
     """True inside a torchrun/elastic worker or an srun task."""

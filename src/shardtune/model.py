@@ -8,7 +8,6 @@ initialises) the full weights, which are then broadcast shard by shard after `fu
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 from .config import ModelConfig
 from .errors import UserError
@@ -137,7 +136,3 @@ def count_params(model) -> tuple[int, int]:
         total += n
         trainable += n if p.requires_grad else 0
     return total, trainable
-
-
-def is_local_folder(name: str | None) -> bool:
-    return name is not None and Path(name).is_dir()

@@ -90,7 +90,8 @@ def perplexity(loss: float) -> float:
 # Dense peak TFLOP/s by device-name fragment: (bf16, fp16, fp32). fp32 is plain (non-TF32) math.
 PEAK_TFLOPS = {
     "H200": (989.4, 989.4, 66.9),
-    "H100": (989.4, 989.4, 66.9),  # SXM; the PCIe card is lower — override with log.peak_tflops
+    "H100": (989.4, 989.4, 66.9),
+    "H800": (989.4, 989.4, 66.9),  # SXM; the PCIe card is lower — override with log.peak_tflops
     "A100": (312.0, 312.0, 19.5),
     "L40S": (362.1, 362.1, 91.6),
     "A10G": (70.0, 70.0, 31.2),
@@ -121,14 +122,42 @@ def device_peak_flops(device, precision: str, override_tflops: float | None = No
 
 
 def flops_per_token(num_params: int, hf_config, seq_len: int, trainable: int | None = None) -> float:
-    """Useful training FLOPs per token: 2N forward + 2N backward through the activations +
-    2N for weight gradients of the trainable parameters (6N when all train), plus the attention
-    term 12 x layers x hidden x seq_len. Recomputation by activation checkpointing is not
-    counted: MFU measures useful work."""
+    """Useful training FLOPs per token for N matmul weights (`matmul_params`): 2N forward + 2N
+    backward through the activations + 2N for weight gradients of the trainable ones (6N when
+    all train), plus the attention term 12 x layers x hidden x seq_len. Recomputation by
+    activation checkpointing is not counted: MFU measures useful work."""
     trainable = num_params if trainable is None else trainable
     layers = _first(hf_config, "num_hidden_layers", "n_layer", "num_layers") or 0
     hidden = _first(hf_config, "hidden_size", "n_embd", "d_model") or 0
     return 4.0 * num_params + 2.0 * trainable + 12.0 * layers * hidden * seq_len
+
+
+def matmul_params(model) -> tuple[int, int]:
+    """(all, trainable) elements of the weights used in matrix multiplies: 2-D weights outside
+    embedding lookups. An LM head counts even when tied to the input embedding (it multiplies)."""
+    import torch.nn as nn
+
+    total = trainable = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(module, nn.Embedding) or weight is None or weight.ndim != 2:
+            continue
+        total += weight.numel()
+        trainable += weight.numel() if weight.requires_grad else 0
+    return total, trainable
+
+
+def state_bytes(model, optimizer) -> dict:
+    """Bytes of parameters, gradients and optimizer state this rank holds (local shards only)."""
+    def local(t) -> int:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size()
+
+    params = list(model.parameters())
+    return {"param_bytes": sum(local(p) for p in params),
+            "grad_bytes": sum(local(p.grad) for p in params if p.grad is not None),
+            "optim_bytes": sum(local(v) for s in optimizer.state.values() for v in s.values()
+                               if hasattr(v, "element_size") and v.dim() > 0)}
 
 
 def _first(obj, *names):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 from .errors import UserError
 
@@ -34,6 +35,11 @@ def flatten(tree: dict, prefix: str = "") -> dict:
     return flat
 
 
+class Sink(NamedTuple):
+    log: Callable[[dict, int], object]  # (scalars, step)
+    close: Callable[[], object]
+
+
 class Trackers:
     """Fan-out of scalar metrics to the configured trackers."""
 
@@ -50,12 +56,16 @@ class Trackers:
 
                 writer = SummaryWriter(log_dir=str(out / "tensorboard"))
                 writer.add_text("config", "\n".join(f"    {k}: {v}" for k, v in hparams.items()))
-                self.sinks.append(_TensorBoard(writer))
+                def add_scalars(scalars: dict, step: int, w=writer) -> None:
+                    for key, value in scalars.items():
+                        w.add_scalar(key, value, step)
+
+                self.sinks.append(Sink(add_scalars, writer.close))
             elif name == "wandb":
                 wandb = _require("wandb", name)
                 run = wandb.init(project=project, name=run_name, dir=str(out), config=hparams,
                                  mode=os.environ.get("WANDB_MODE", "online"))
-                self.sinks.append(_WandB(run))
+                self.sinks.append(Sink(lambda scalars, step, r=run: r.log(scalars, step=step), run.finish))
             elif name == "mlflow":
                 mlflow = _require("mlflow", name)
                 if "MLFLOW_TRACKING_URI" not in os.environ:
@@ -64,7 +74,8 @@ class Trackers:
                 mlflow.set_experiment(project)
                 mlflow.start_run(run_name=run_name)
                 mlflow.log_params({k[:250]: str(v)[:500] for k, v in hparams.items()})
-                self.sinks.append(_MLflow(mlflow))
+                self.sinks.append(Sink(lambda scalars, step, m=mlflow: m.log_metrics(scalars, step=step),
+                                       mlflow.end_run))
 
     def log(self, metrics: dict, step: int) -> None:
         scalars = {k: float(v) for k, v in metrics.items()
@@ -76,37 +87,3 @@ class Trackers:
         for sink in self.sinks:
             sink.close()
         self.sinks = []
-
-
-class _TensorBoard:
-    def __init__(self, writer):
-        self.writer = writer
-
-    def log(self, scalars: dict, step: int) -> None:
-        for key, value in scalars.items():
-            self.writer.add_scalar(key, value, step)
-
-    def close(self) -> None:
-        self.writer.close()
-
-
-class _WandB:
-    def __init__(self, run):
-        self.run = run
-
-    def log(self, scalars: dict, step: int) -> None:
-        self.run.log(scalars, step=step)
-
-    def close(self) -> None:
-        self.run.finish()
-
-
-class _MLflow:
-    def __init__(self, mlflow):
-        self.mlflow = mlflow
-
-    def log(self, scalars: dict, step: int) -> None:
-        self.mlflow.log_metrics(scalars, step=step)
-
-    def close(self) -> None:
-        self.mlflow.end_run()

@@ -19,7 +19,7 @@ from .rundir import default_output_dir
 from .slurm import PREEMPTED_MARKER
 from .step import all_sum, evaluate, train_step
 from .telemetry import GPUSampler, MetricsLog, Progress, StepMeter, device_peak_flops, flops_per_token, \
-    memory_stats
+    matmul_params, memory_stats
 
 
 def seed_everything(seed: int) -> None:
@@ -80,7 +80,8 @@ class Trainer:
 
         self.model = model = self._build_model()
         total, trainable = count_params(model)
-        self.flops_per_token = flops_per_token(total, hf_config, cfg.data.seq_len, trainable)
+        matmul, matmul_trainable = matmul_params(model)
+        self.flops_per_token = flops_per_token(matmul, hf_config, cfg.data.seq_len, matmul_trainable)
         self.say(f"model: {type(model).__name__.removeprefix('FSDP')} {total:,} params "
                  f"({trainable:,} trainable, {100 * trainable / max(total, 1):.3g}%) | "
                  f"{dist.world_size} rank(s) on {dist.device.type} | {cfg.fsdp.sharding} | {cfg.precision} | "
