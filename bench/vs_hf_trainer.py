@@ -5,7 +5,8 @@ order and split over ranks the same way, with the same AdamW settings, LR schedu
 batch sizes and number of steps. Runs alternate (shardtune, HF, shardtune, HF, ...) so drift
 on the machine hits both. The first --skip steps are left out of tokens/s.
 
-    python bench/vs_hf_trainer.py                 # CPU: GPT-2 4x256, 1 and 2 ranks
+    python bench/vs_hf_trainer.py                 # CPU: GPT-2 4x256 with GPT-2's vocabulary, 1 and 2 ranks
+    python bench/vs_hf_trainer.py --setup cpu-vocab2048   # the same body, 2048-token vocabulary
     python bench/vs_hf_trainer.py --gpu           # GPU: Llama-shape ~1B, bf16, seq 2048
 """
 
@@ -25,10 +26,17 @@ import _common as C  # noqa: E402
 TRAIN = {"lr": 1e-3, "lr_schedule": "cosine", "min_lr_ratio": 0.1, "warmup_steps": 3, "weight_decay": 0.01,
          "betas": [0.9, 0.95], "eps": 1e-8, "max_grad_norm": 1.0, "seed": 42}
 SETUPS = {
+    # GPT-2's own 50257-token vocabulary on a small body: the LM head and its logits weigh as they do
+    # when fine-tuning GPT-2 (in GPT-2 small the logits of a micro-batch outweigh a layer's activations)
     "cpu": {"model": {"model_type": "gpt2", "n_layer": 4, "n_embd": 256, "n_head": 4, "n_positions": 256,
-                      "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
-            "seq_len": 256, "micro": 8, "global": 16, "steps": 20, "precision": "fp32",
+                      "vocab_size": 50257, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
+            "seq_len": 256, "micro": 4, "global": 8, "steps": 12, "precision": "fp32",
             "nproc": [1, 2], "sharding": ["no_shard", "full_shard"], "target": 1.25},
+    # the first CPU setup (2026-11-22 runs 1-3): the quickstart's 2048-token vocabulary, matmul-bound body
+    "cpu-vocab2048": {"model": {"model_type": "gpt2", "n_layer": 4, "n_embd": 256, "n_head": 4, "n_positions": 256,
+                                "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
+                      "seq_len": 256, "micro": 8, "global": 16, "steps": 20, "precision": "fp32",
+                      "nproc": [1, 2], "sharding": ["no_shard", "full_shard"], "target": 1.25},
     "gpu": {"model": {"model_type": "llama", "hidden_size": 2048, "num_hidden_layers": 16,
                       "num_attention_heads": 32, "num_key_value_heads": 32, "intermediate_size": 5632,
                       "vocab_size": 32000, "max_position_embeddings": 2048},
@@ -207,7 +215,8 @@ def run_side(side: str, spec: dict, workdir: Path) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--gpu", action="store_true", help="the bf16 ~1B GPU setup (needs CUDA)")
+    p.add_argument("--setup", choices=sorted(SETUPS), default="cpu", help="which fine-tune (default: cpu)")
+    p.add_argument("--gpu", action="store_true", help="same as --setup gpu: the bf16 ~1B GPU setup (needs CUDA)")
     p.add_argument("--repeats", type=int, default=2, help="shardtune/HF pairs per configuration")
     p.add_argument("--steps", type=int, help="optimizer steps per run (default: the setup's)")
     p.add_argument("--skip", type=int, default=2, help="first steps left out of tokens/s")
@@ -227,11 +236,12 @@ def main() -> int:
 
     import torch
 
+    a.gpu = a.gpu or a.setup == "gpu"
     if a.gpu and not torch.cuda.is_available():
         print("error: --gpu needs a CUDA GPU and torch.cuda.is_available() is False here; "
               "run without --gpu for the CPU benchmark", file=sys.stderr)
         return 2
-    setup = dict(SETUPS["gpu" if a.gpu else "cpu"])
+    setup = dict(SETUPS["gpu" if a.gpu else a.setup])
     setup["steps"] = a.steps or setup["steps"]
     device = "cuda" if a.gpu else "cpu"
     gpus = torch.cuda.device_count() if a.gpu else 0

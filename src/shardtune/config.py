@@ -134,6 +134,7 @@ class RunConfig:
     precision: Literal["bf16", "fp16", "fp32"] = "fp32"  # compute dtype; master weights and reductions stay fp32
     activation_checkpointing: bool = False  # recompute each block's activations in backward (less memory)
     compile: bool = False  # torch.compile each decoder block before sharding
+    loss_chunk_tokens: int | None = None  # LM head + cross-entropy in chunks of N tokens (no full logits); default ~64 MB of logits per chunk; 0: off
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when present, else CPU (gloo)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -314,7 +315,8 @@ def validate(cfg: RunConfig) -> None:
             ("train.weight_decay", t.weight_decay, 0), ("train.max_grad_norm", t.max_grad_norm, 0),
             ("train.min_lr_ratio", t.min_lr_ratio, 0), ("eval.every_steps", e.every_steps, 0),
             ("eval.max_batches", e.max_batches, 0), ("data.val_size", d.val_size, 0),
-            ("checkpoint.every_steps", c.every_steps, 0), ("checkpoint.keep_last", c.keep_last, 0)]:
+            ("checkpoint.every_steps", c.every_steps, 0), ("checkpoint.keep_last", c.keep_last, 0),
+            ("loss_chunk_tokens", cfg.loss_chunk_tokens or 0, 0)]:
         if value < least:
             raise UserError(f"{key} must be at least {least}, got {value}")
     for key, value in [("eval.micro_batch_size", e.micro_batch_size), ("log.peak_tflops", cfg.log.peak_tflops),

@@ -116,6 +116,7 @@ def eval_one(spec: str, args, dist, data_cfg) -> dict:
     """Metrics of one model over all ranks (collective), on the data that `data_cfg` (the run
     config of the evaluated checkpoint, or None) and args select."""
     from . import data as data_lib
+    from . import loss as loss_lib
     from .config import RunConfig
     from .launch import rank0_first
     from .model import build_meta_model, check_seq_len, materialize
@@ -128,6 +129,7 @@ def eval_one(spec: str, args, dist, data_cfg) -> dict:
     check_seq_len(hf_config, len(ds[0]["input_ids"]))
     layout = RunConfig()  # eval needs no training settings: fp32, full_shard
     model = build_meta_model(hf_config, bool(run_cfg and run_cfg.model.trust_remote_code))
+    loss_lib.install(model, run_cfg.loss_chunk_tokens if run_cfg else None)
     apply_parallelism(model, layout, build_mesh(layout, dist), dist.device)
     materialize(model, source if dist.is_main else None, dist.device, dist.is_main)
     del source

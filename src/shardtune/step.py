@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 
 from . import data as data_lib
+from . import loss as loss_lib
 from .config import RunConfig
 from .launch import Dist
 from .telemetry import perplexity
@@ -14,15 +15,21 @@ from .telemetry import perplexity
 
 def token_loss(model, batch, accuracy: bool = False):
     """(sum of next-token losses, number of predicted tokens, number correct or None) of one
-    micro-batch. The argmax for accuracy costs a pass over the logits: evaluation only."""
+    micro-batch. With the chunked head loss installed (loss.install) the logits never exist in
+    full; otherwise they do, and the argmax for accuracy costs one more pass (evaluation only)."""
     import torch.nn.functional as F
 
-    out = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), use_cache=False)
-    logits = out.logits[:, :-1]
-    labels = batch["labels"][:, 1:]
+    # position t predicts token t+1; padding the labels (not slicing the logits) avoids a copy
+    labels = F.pad(batch["labels"][:, 1:], (0, 1), value=data_lib.IGNORE_INDEX)
+    mask = labels != data_lib.IGNORE_INDEX
+    inputs = dict(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), use_cache=False)
+    if loss_lib.is_installed(model):
+        with loss_lib.head_labels(model, labels, accuracy):
+            out = model(**inputs).logits  # the head returned the loss (and the number correct)
+        return (out[0], mask.sum(), out[1]) if accuracy else (out, mask.sum(), None)
+    logits = model(**inputs).logits
     flat = logits.reshape(-1, logits.size(-1)).float()
     loss_sum = F.cross_entropy(flat, labels.reshape(-1), ignore_index=data_lib.IGNORE_INDEX, reduction="sum")
-    mask = labels != data_lib.IGNORE_INDEX
     correct = ((logits.argmax(-1) == labels) & mask).sum() if accuracy else None
     return loss_sum, mask.sum(), correct
 

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from . import data as data_lib
+from . import loss as loss_lib
 from .config import RunConfig, check_world, dump_yaml
 from .errors import UserError
 from .launch import broadcast_value, init_distributed, rank0_first
@@ -111,10 +112,13 @@ class Trainer:
         seed_everything(seed)
         check_quantize(cfg.peft, dist.device)
         if cfg.peft.quantize == "4bit":  # QLoRA: one GPU, the base quantized on load
-            return load_qlora_model(cfg, self.hf_config, dist.device, dist.world_size, seed).train()
+            model = load_qlora_model(cfg, self.hf_config, dist.device, dist.world_size, seed)
+            loss_lib.install(model, cfg.loss_chunk_tokens)
+            return model.train()
         meta = build_meta_model(self.hf_config, cfg.model.trust_remote_code)
         block_cls = detect_block_class(meta, cfg.fsdp.block_class)
         model = adapt(meta, cfg, block_cls)
+        loss_lib.install(model, cfg.loss_chunk_tokens)  # before sharding: it checks the head's class
         apply_parallelism(model, cfg, build_mesh(cfg, dist), dist.device)
         source = adapt(load_source_model(cfg.model, self.hf_config, seed), cfg, block_cls, seed) \
             if dist.is_main else None
