@@ -7,6 +7,12 @@ DTensors) and its peak RSS. The driver prints them next to the ideal total / N.
 
     python bench/memory_scaling.py                       # GPT-2 small shape, random init
     python bench/memory_scaling.py --nproc 1 2 --steps 3
+    python bench/memory_scaling.py --release-freed     # RSS that follows live tensors (see below)
+
+Peak RSS is a high-water mark of what the C allocator holds, not of live tensors: glibc keeps
+freed blocks below its (self-raising) mmap threshold for reuse. --release-freed fixes that
+threshold at 128 KiB, so every tensor buffer above it is its own mapping and goes back to the
+OS when freed: peak RSS then follows the live bytes (plus the libraries' baseline).
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
+# fixed thresholds: no self-raising mmap threshold, free memory trimmed from the heap top at once
+RELEASE = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
 GPT2_SMALL = {"model_type": "gpt2", "n_layer": 12, "n_embd": 768, "n_head": 12, "n_positions": 1024,
               "vocab_size": 50257}
 
@@ -70,6 +78,8 @@ def main() -> int:
     p.add_argument("--nproc", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--sharding", nargs="+", default=["no_shard", "full_shard"], choices=["no_shard", "full_shard"])
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--release-freed", action="store_true",
+                   help="glibc returns freed tensor buffers to the OS at once (MALLOC_MMAP_THRESHOLD_=131072)")
     p.add_argument("--workdir", type=Path, default=C.default_workdir() / "memory")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
@@ -83,7 +93,9 @@ def main() -> int:
     data_dir = str(Path(assets["train"]).parent)
     print(f"# shardtune per-rank memory: no_shard vs full_shard\n\n{C.machine_line()}\n\n"
           f"model GPT-2 small shape {json.dumps(GPT2_SMALL)}, random init, fp32 | seq 128 | micro 1 per rank | "
-          f"{a.steps} steps via Trainer.fit(), then one more backward for the gradients\n", flush=True)
+          f"{a.steps} steps via Trainer.fit(), then one more backward for the gradients"
+          f"{' | freed buffers returned to the OS (' + ' '.join(f'{k}={v}' for k, v in RELEASE.items()) + ')' if a.release_freed else ''}\n",
+          flush=True)
     rows = []
     for sharding in a.sharding:
         for nproc in a.nproc:
@@ -95,7 +107,7 @@ def main() -> int:
             for old in out.glob("mem.rank*.json"):
                 old.unlink()
             t0 = time.perf_counter()
-            proc = C.torchrun(Path(__file__), nproc, ["--worker", "--spec", str(spec_path)])
+            proc = C.torchrun(Path(__file__), nproc, ["--worker", "--spec", str(spec_path)], env=RELEASE if a.release_freed else None)
             wall = time.perf_counter() - t0
             if proc.returncode != 0:
                 print(f"  {sharding} x{nproc}: FAILED: {C.last_error_line(proc)}", flush=True)

@@ -92,7 +92,8 @@ def train_step(model, optimizer, scaler, ds, micro_batches, cfg: RunConfig, dist
         global_tokens = float(cfg.train.global_batch_size * (batches[0]["input_ids"].size(1) - 1))
     # FSDP averages gradients over ranks; scale back up so the result is a sum over all tokens.
     scale = dist.world_size / max(global_tokens, 1.0)
-    sync_each = cfg.fsdp.sharding in ("full_shard", "hybrid_shard")  # keep grads sharded between micro-steps
+    # keep gradients sharded between micro-steps (memory), unless there is only one rank to shard over
+    sync_each = cfg.fsdp.sharding in ("full_shard", "hybrid_shard") and dist.world_size > 1
     loss_sum = torch.zeros((), device=dist.device)
     for i, batch in enumerate(batches):
         if hasattr(model, "set_requires_gradient_sync"):  # FSDP; a QLoRA model is not sharded
