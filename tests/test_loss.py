@@ -111,11 +111,31 @@ def test_install_leaves_what_it_cannot_prove_alone():
     assert not loss_lib.install(model, None)
 
 
-def test_default_chunk_holds_about_64_mb_of_logits():
-    assert loss_lib.chunk_tokens(None, 50257) == 333
-    assert loss_lib.chunk_tokens(None, 32000) == 524
-    assert loss_lib.chunk_tokens(None, 300) == 8192  # capped
-    assert loss_lib.chunk_tokens(5, 50257) == 5
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_both_logit_layouts_give_the_same_loss_and_gradients(dtype):
+    """CPU computes (vocab x tokens) logits, CUDA (tokens x vocab): the same numbers either way."""
+    import torch
+
+    g = torch.Generator().manual_seed(3)
+    dt = getattr(torch, dtype)
+    hidden, weight = torch.randn(37, 16, generator=g).to(dt), (torch.randn(300, 16, generator=g) * 0.1).to(dt)
+    labels = torch.randint(0, 300, (37,), generator=g)
+    labels[[0, 5, 36]] = -100
+    a = loss_lib.head_loss(hidden, weight, labels, 8, True, True, accuracy=True, vocab_first=True)
+    b = loss_lib.head_loss(hidden, weight, labels, 8, True, True, accuracy=True, vocab_first=False)
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    assert int(a[1]) == int(b[1])
+    for x, y in zip((a[0], a[2], a[3]), (b[0], b[2], b[3])):
+        assert torch.allclose(x.float(), y.float(), rtol=tol, atol=tol)
+
+
+def test_default_chunk_fits_the_device():
+    """About 24 MB of fp32 logits on CPU (an L3 cache), 64 MB on CUDA; an explicit size wins."""
+    assert loss_lib.chunk_tokens(None, 50257, "cpu") == 125
+    assert loss_lib.chunk_tokens(None, 50257, "cuda") == 333
+    assert loss_lib.chunk_tokens(None, 32000, "cuda") == 524
+    assert loss_lib.chunk_tokens(None, 300, "cpu") == 8192  # capped
+    assert loss_lib.chunk_tokens(5, 50257, "cpu") == 5
 
 
 def test_training_with_and_without_chunks_is_the_same_run(assets, tmp_path):

@@ -19,23 +19,31 @@ IGNORE_INDEX = -100
 # (no soft-capping or scaling), so a loss computed inside the head is the model's loss
 # (checked in transformers 5's modeling files); others keep the plain logits + cross-entropy
 PLAIN_HEAD_TYPES = {"gpt2", "opt", "llama", "mistral", "qwen2", "qwen3", "gpt_neox"}
-CHUNK_BYTES = 64 * 2 ** 20  # default: chunks of about 64 MB of fp32 logits
+# default chunk, in bytes of fp32 logits: on CPU small enough to stay in a typical L3 cache
+# (passes over logits run ~4x faster there); on GPUs large enough for full-speed GEMMs
+CHUNK_BYTES = {"cpu": 24 * 2 ** 20, "cuda": 64 * 2 ** 20}
 
 
-def chunk_tokens(setting: int | None, vocab_size: int) -> int:
-    """Tokens per chunk: the configured number, or as many as fit CHUNK_BYTES of fp32 logits."""
+def chunk_tokens(setting: int | None, vocab_size: int, device_type: str = "cuda") -> int:
+    """Tokens per chunk: the configured number, or as many as fit the device's CHUNK_BYTES."""
     if setting is not None:
         return setting
-    return max(64, min(8192, CHUNK_BYTES // (4 * vocab_size)))
+    budget = CHUNK_BYTES.get(device_type, CHUNK_BYTES["cuda"])
+    return max(64, min(8192, budget // (4 * vocab_size)))
 
 
 def head_loss(hidden, weight, labels, chunk: int, want_hidden_grad: bool, want_weight_grad: bool,
-              accuracy: bool = False):
+              accuracy: bool = False, vocab_first: bool | None = None):
     """(loss sum, number correct or None, d loss/d hidden, d loss/d weight) of `hidden` (N x d)
     against `labels` (N), one chunk of rows at a time. Logits and their softmax are fp32; the
     gradients keep the operands' dtype, except fp16, whose unscaled gradients would underflow."""
     import torch
 
+    # On CPU, MKL computes (vocab x tokens) logits ~1.5x faster than (tokens x vocab) for
+    # these shapes, and the softmax over dim 0 stays vectorised; on CUDA, tokens first.
+    if vocab_first is None:
+        vocab_first = hidden.device.type == "cpu"
+    dim = 0 if vocab_first else 1
     grad_dtype = torch.float32 if weight.dtype == torch.float16 else weight.dtype
     loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
     correct = torch.zeros((), dtype=torch.int64, device=hidden.device) if accuracy else None
@@ -43,24 +51,28 @@ def head_loss(hidden, weight, labels, chunk: int, want_hidden_grad: bool, want_w
     d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight_grad else None
     for start in range(0, hidden.size(0), chunk):
         h, y = hidden[start:start + chunk], labels[start:start + chunk]
+        logits = weight @ h.t() if dim == 0 else h @ weight.t()
         # one fused log-softmax pass gives the loss; exp of it, in place, the softmax
-        logp = torch.log_softmax((h @ weight.t()).float(), dim=-1)
-        valid = y != IGNORE_INDEX
-        target = y.clamp(min=0)
-        loss -= (logp.gather(1, target[:, None]).squeeze(1) * valid).sum()
+        logp = torch.log_softmax(logits.float(), dim=dim)
+        valid = (y != IGNORE_INDEX).unsqueeze(dim)
+        target = y.clamp(min=0).unsqueeze(dim)
+        loss -= (logp.gather(dim, target) * valid).sum()
         if accuracy:
-            correct += ((logp.argmax(-1) == y) & valid).sum()
+            correct += ((logp.argmax(dim, keepdim=True) == y.unsqueeze(dim)) & valid).sum()
         if not (want_hidden_grad or want_weight_grad):
             continue
         # d loss / d logits = softmax - one_hot(target), zero on ignored positions
-        probs = logp.exp_()
-        probs[torch.arange(y.numel(), device=y.device), target] -= 1.0
-        probs *= valid[:, None]
+        probs = logp.exp_().scatter_add_(dim, target, torch.full_like(target, -1.0, dtype=logp.dtype))
+        probs *= valid
         g = probs.to(weight.dtype)
+        g_vocab_first = g if dim == 0 else g.t()  # V x c view either way
         if want_hidden_grad:
-            d_hidden[start:start + chunk] = g @ weight
+            d_hidden[start:start + chunk] = g_vocab_first.t() @ weight
         if want_weight_grad:
-            d_weight += (g.t() @ h).float()
+            if g.dtype == d_weight.dtype:
+                d_weight.addmm_(g_vocab_first, h)  # no V x d temporary
+            else:
+                d_weight += (g_vocab_first @ h).float()
     if d_weight is not None:
         d_weight = d_weight.to(grad_dtype)
     return loss, correct, d_hidden, d_weight
@@ -94,13 +106,14 @@ def _function():
     return _fused_function()
 
 
-def _head_forward(head, plain_forward, chunk: int, hidden):
+def _head_forward(head, plain_forward, setting: int | None, hidden):
     request = head.__dict__.get("_shardtune_labels")
     if request is None:
         return plain_forward(hidden)
     import torch
 
     labels, accuracy = request
+    chunk = chunk_tokens(setting, head.out_features, hidden.device.type)
     flat = hidden.reshape(-1, hidden.size(-1))
     if torch.is_grad_enabled() and (flat.requires_grad or head.weight.requires_grad):
         return _function().apply(flat, head.weight, labels, chunk)
@@ -119,10 +132,9 @@ def install(model, setting: int | None) -> bool:
     model_type = getattr(model.config, "model_type", None)
     if setting == 0 or type(head) is not nn.Linear or head.bias is not None or model_type not in PLAIN_HEAD_TYPES:
         return False
-    chunk = chunk_tokens(setting, head.out_features)
     # an instance attribute: FSDP's hooks still wrap the call; parameter names are unchanged
-    head.forward = functools.partial(_head_forward, head, head.forward, chunk)
-    head.__dict__["_shardtune_chunked"] = chunk
+    head.forward = functools.partial(_head_forward, head, head.forward, setting)
+    head.__dict__["_shardtune_chunked"] = True
     return True
 
 
