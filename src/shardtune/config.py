@@ -134,7 +134,7 @@ class RunConfig:
     precision: Literal["bf16", "fp16", "fp32"] = "fp32"  # compute dtype; master weights and reductions stay fp32
     activation_checkpointing: bool = False  # recompute each block's activations in backward (less memory)
     compile: bool = False  # torch.compile each decoder block before sharding
-    loss_chunk_tokens: int | None = None  # LM head + cross-entropy in chunks of N tokens (no full logits); default ~64 MB of logits per chunk; 0: off
+    loss_chunk_tokens: int | None = None  # LM head + loss in chunks of N tokens (no full logits); default ~24 MB CPU, 64 MB CUDA; 0: off
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when present, else CPU (gloo)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)

@@ -109,7 +109,7 @@ def apply_parallelism(model, cfg: RunConfig, mesh, device) -> list:
 def _shard_embeddings(model, reshard: bool, kwargs: dict) -> None:
     """Input embeddings and LM head as units of their own: left in the root they would stay
     unsharded on every rank from forward to the end of backward (GPT-2's are 30 % of it). A tied
-    pair shares one weight, so it must be one unit."""
+    pair shares one weight, so it must be one unit; it is freed after backward."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
@@ -117,7 +117,9 @@ def _shard_embeddings(model, reshard: bool, kwargs: dict) -> None:
     if emb is None or any(isinstance(p, DTensor) for p in emb.parameters()):
         return
     if head is not None and head.weight is emb.weight:
-        fully_shard([emb, head], reshard_after_forward=reshard, **kwargs)
+        # Gathered from the first forward op to the last anyway, and the head opens backward:
+        # resharding after forward would only gather the largest unit again at once.
+        fully_shard([emb, head], reshard_after_forward=False, **kwargs)
         return
     fully_shard(emb, reshard_after_forward=reshard, **kwargs)
     if head is not None and not any(isinstance(p, DTensor) for p in head.parameters()):
