@@ -4,6 +4,7 @@ in every precision, with frozen heads, and in a whole training run."""
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 
@@ -103,6 +104,9 @@ def test_install_leaves_what_it_cannot_prove_alone():
     import torch.nn as nn
 
     assert not loss_lib.install(tiny_model("gpt2"), 0)  # switched off
+    model = tiny_model("gpt2")
+    assert loss_lib.install(model, 16) and loss_lib.install(model, 16)  # twice is once
+    assert not isinstance(model.get_output_embeddings().forward.args[1], functools.partial)
     model = tiny_model("gpt2")
     model.config.model_type = "gemma2"  # soft-caps its logits after the head
     assert not loss_lib.install(model, None) and not loss_lib.is_installed(model)

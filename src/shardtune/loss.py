@@ -14,7 +14,8 @@ from __future__ import annotations
 import contextlib
 import functools
 
-IGNORE_INDEX = -100
+from .formats import IGNORE_INDEX
+
 # model types whose causal-LM forward applies the head and nothing else to the logits
 # (no soft-capping or scaling), so a loss computed inside the head is the model's loss
 # (checked in transformers 5's modeling files); others keep the plain logits + cross-entropy
@@ -129,6 +130,8 @@ def install(model, setting: int | None) -> bool:
     import torch.nn as nn
 
     head = model.get_output_embeddings()
+    if is_installed(model):
+        return True
     model_type = getattr(model.config, "model_type", None)
     if setting == 0 or type(head) is not nn.Linear or head.bias is not None or model_type not in PLAIN_HEAD_TYPES:
         return False
