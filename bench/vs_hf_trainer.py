@@ -44,6 +44,10 @@ SETUPS = {
             "nproc": None, "sharding": ["full_shard", "no_shard"], "target": 1.5, "mfu_target": 0.5},
 }
 
+# the cpu setup on a CPU with bf16 instructions (AVX512-BF16/AMX), each side in its own bf16 mixed
+# precision (shardtune: FSDP2 bf16 compute, fp32 master weights; HF: autocast)
+SETUPS["cpu-bf16"] = {**SETUPS["cpu"], "precision": "bf16"}
+
 
 def shardtune_overrides(setup: dict, tokenizer: str, data_dir: str, out: Path, nproc: int, sharding: str) -> list[str]:
     tree = {"model": {"config": setup["model"], "tokenizer": tokenizer},
