@@ -100,6 +100,21 @@ def test_low_precision_heads_match_the_plain_loss(dtype):
     assert (wc.float() - wp.float()).norm() / wp.float().norm() < 2e-2
 
 
+def test_an_fp32_head_on_bf16_hidden_states():
+    """After peft's k-bit preparation (QLoRA) the head is fp32 while the body may give bf16."""
+    import torch
+
+    model = tiny_model("llama")
+    loss_lib.install(model, 8)
+    hidden = torch.randn(2, 5, 64, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, 300, (10,))
+    with loss_lib.head_labels(model, labels):
+        loss = model.get_output_embeddings()(hidden)
+    loss.backward()
+    assert loss.dtype == torch.float32 and hidden.grad.dtype == torch.bfloat16
+    assert model.get_output_embeddings().weight.grad.dtype == torch.float32
+
+
 def test_install_leaves_what_it_cannot_prove_alone():
     import torch.nn as nn
 

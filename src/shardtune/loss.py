@@ -115,7 +115,8 @@ def _head_forward(head, plain_forward, setting: int | None, hidden):
 
     labels, accuracy = request
     chunk = chunk_tokens(setting, head.out_features, hidden.device.type)
-    flat = hidden.reshape(-1, hidden.size(-1))
+    # k-bit preparation (QLoRA) keeps the head in fp32: meet its dtype, autograd casts back
+    flat = hidden.reshape(-1, hidden.size(-1)).to(head.weight.dtype)
     if torch.is_grad_enabled() and (flat.requires_grad or head.weight.requires_grad):
         return _function().apply(flat, head.weight, labels, chunk)
     loss, correct, _, _ = head_loss(flat, head.weight, labels, chunk, False, False, accuracy)
