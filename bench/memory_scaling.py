@@ -91,11 +91,11 @@ def main() -> int:
     a.workdir.mkdir(parents=True, exist_ok=True)
     assets = C.quickstart_assets()
     data_dir = str(Path(assets["train"]).parent)
+    released = " | freed buffers returned to the OS (" + " ".join(f"{k}={v}" for k, v in RELEASE.items()) + ")"
     print(f"# shardtune per-rank memory: no_shard vs full_shard\n\n{C.machine_line()}\n\n"
           f"model GPT-2 small shape {json.dumps(GPT2_SMALL)}, random init, fp32 | seq 128 | micro 1 per rank | "
           f"{a.steps} steps via Trainer.fit(), then one more backward for the gradients"
-          f"{' | freed buffers returned to the OS (' + ' '.join(f'{k}={v}' for k, v in RELEASE.items()) + ')' if a.release_freed else ''}\n",
-          flush=True)
+          f"{released if a.release_freed else ''}\n", flush=True)
     rows = []
     for sharding in a.sharding:
         for nproc in a.nproc:
@@ -107,7 +107,8 @@ def main() -> int:
             for old in out.glob("mem.rank*.json"):
                 old.unlink()
             t0 = time.perf_counter()
-            proc = C.torchrun(Path(__file__), nproc, ["--worker", "--spec", str(spec_path)], env=RELEASE if a.release_freed else None)
+            proc = C.torchrun(Path(__file__), nproc, ["--worker", "--spec", str(spec_path)],
+                              env=RELEASE if a.release_freed else None)
             wall = time.perf_counter() - t0
             if proc.returncode != 0:
                 print(f"  {sharding} x{nproc}: FAILED: {C.last_error_line(proc)}", flush=True)

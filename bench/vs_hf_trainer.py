@@ -32,11 +32,6 @@ SETUPS = {
                       "vocab_size": 50257, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
             "seq_len": 256, "micro": 4, "global": 8, "steps": 12, "precision": "fp32",
             "nproc": [1, 2], "sharding": ["no_shard", "full_shard"], "target": 1.25},
-    # the first CPU setup (2026-11-22 runs 1-3): the quickstart's 2048-token vocabulary, matmul-bound body
-    "cpu-vocab2048": {"model": {"model_type": "gpt2", "n_layer": 4, "n_embd": 256, "n_head": 4, "n_positions": 256,
-                                "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
-                      "seq_len": 256, "micro": 8, "global": 16, "steps": 20, "precision": "fp32",
-                      "nproc": [1, 2], "sharding": ["no_shard", "full_shard"], "target": 1.25},
     "gpu": {"model": {"model_type": "llama", "hidden_size": 2048, "num_hidden_layers": 16,
                       "num_attention_heads": 32, "num_key_value_heads": 32, "intermediate_size": 5632,
                       "vocab_size": 32000, "max_position_embeddings": 2048},
@@ -44,6 +39,9 @@ SETUPS = {
             "nproc": None, "sharding": ["full_shard", "no_shard"], "target": 1.5, "mfu_target": 0.5},
 }
 
+# the first CPU setup (2026-11-22 runs 1-3): the quickstart's 2048-token vocabulary, a matmul-bound body
+SETUPS["cpu-vocab2048"] = {**SETUPS["cpu"], "micro": 8, "global": 16, "steps": 20,
+                           "model": {k: v for k, v in SETUPS["cpu"]["model"].items() if k != "vocab_size"}}
 # the cpu setup on a CPU with bf16 instructions (AVX512-BF16/AMX), each side in its own bf16 mixed
 # precision (shardtune: FSDP2 bf16 compute, fp32 master weights; HF: autocast)
 SETUPS["cpu-bf16"] = {**SETUPS["cpu"], "precision": "bf16"}

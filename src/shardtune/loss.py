@@ -79,7 +79,9 @@ def head_loss(hidden, weight, labels, chunk: int, want_hidden_grad: bool, want_w
     return loss, correct, d_hidden, d_weight
 
 
-def _fused_function():
+@functools.cache
+def _autograd_function():
+    """The autograd.Function, built on first use (torch is imported lazily)."""
     import torch
 
     class ChunkedHeadLoss(torch.autograd.Function):
@@ -102,11 +104,6 @@ def _fused_function():
     return ChunkedHeadLoss
 
 
-@functools.cache
-def _function():
-    return _fused_function()
-
-
 def _head_forward(head, plain_forward, setting: int | None, hidden):
     request = head.__dict__.get("_shardtune_labels")
     if request is None:
@@ -118,7 +115,7 @@ def _head_forward(head, plain_forward, setting: int | None, hidden):
     # k-bit preparation (QLoRA) keeps the head in fp32: meet its dtype, autograd casts back
     flat = hidden.reshape(-1, hidden.size(-1)).to(head.weight.dtype)
     if torch.is_grad_enabled() and (flat.requires_grad or head.weight.requires_grad):
-        return _function().apply(flat, head.weight, labels, chunk)
+        return _autograd_function().apply(flat, head.weight, labels, chunk)
     loss, correct, _, _ = head_loss(flat, head.weight, labels, chunk, False, False, accuracy)
     return torch.stack([loss, correct.float()]) if accuracy else loss
 
@@ -130,9 +127,9 @@ def install(model, setting: int | None) -> bool:
     transforms the logits after the head."""
     import torch.nn as nn
 
-    head = model.get_output_embeddings()
     if is_installed(model):
         return True
+    head = model.get_output_embeddings()
     model_type = getattr(model.config, "model_type", None)
     if setting == 0 or type(head) is not nn.Linear or head.bias is not None or model_type not in PLAIN_HEAD_TYPES:
         return False
