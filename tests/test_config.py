@@ -61,6 +61,7 @@ def test_readme_documents_every_config_key():
     ("eval.every_steps=-1", "eval.every_steps"), ("fsdp.forward_prefetch=-2", "fsdp.forward_prefetch"),
     ("train.max_grad_norm=-1", "train.max_grad_norm"), ("log.peak_tflops=0", "log.peak_tflops"),
     ("checkpoint.keep_last=-1", "checkpoint.keep_last"), ("data.val_size=-0.1", "data.val_size"),
+    ("loss_chunk_tokens=-5", "loss_chunk_tokens"),
 ])
 def test_out_of_range_numbers_are_refused_with_the_key(override, key):
     with pytest.raises(UserError, match=key):

@@ -25,7 +25,7 @@ PLAIN_HEAD_TYPES = {"gpt2", "opt", "llama", "mistral", "qwen2", "qwen3", "gpt_ne
 CHUNK_BYTES = {"cpu": 24 * 2 ** 20, "cuda": 64 * 2 ** 20}
 
 
-def chunk_tokens(setting: int | None, vocab_size: int, device_type: str = "cuda") -> int:
+def chunk_tokens(setting: int | None, vocab_size: int, device_type: str) -> int:
     """Tokens per chunk: the configured number, or as many as fit the device's CHUNK_BYTES."""
     if setting is not None:
         return setting
