@@ -149,7 +149,8 @@ def test_eval_bad_input(trained, tmp_path, capsys):
 def test_generate_matches_transformers(trained, tmp_path, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from shardtune.evaluate import generate, load_model
+    from shardtune.evaluate import generate
+    from shardtune.loading import load_model
 
     prompt = "Return the"
     tok = AutoTokenizer.from_pretrained(trained / "final")

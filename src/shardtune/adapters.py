@@ -108,14 +108,12 @@ def _linear_names(model) -> list[str]:
     return sorted(names - {"lm_head", "score"})
 
 
-def adapt(model, cfg, block_cls: type, seed: int | None = None):
-    """LoRA and/or freezing as the run config asks; returns the (possibly wrapped) model."""
-    if cfg.peft.method == "lora":
-        if cfg.freeze.trainable_blocks is not None or cfg.freeze.head_only or cfg.freeze.embeddings:
-            raise UserError("freeze.* does not combine with peft.method=lora (LoRA already freezes the base); "
-                            "drop one of them")
-        return add_lora(model, cfg.peft, model.config.model_type, seed)
-    freeze(model, cfg.freeze, block_cls)
+def adapt(model, peft: PeftConfig, freeze_cfg: FreezeConfig, block_cls: type, seed: int | None = None):
+    """LoRA or freezing as the config asks (config.validate refuses both at once); returns the
+    (possibly wrapped) model."""
+    if peft.method == "lora":
+        return add_lora(model, peft, model.config.model_type, seed)
+    freeze(model, freeze_cfg, block_cls)
     return model
 
 

@@ -25,7 +25,7 @@ import time
 import warnings
 from pathlib import Path
 
-from .errors import UserError
+from .errors import UserError, first_line
 
 FORMAT = 1
 NAME = re.compile(r"^step-(\d+)$")
@@ -122,65 +122,6 @@ def check_compatible(saved: dict, now: dict, path: Path) -> None:
     if changed:
         raise UserError(f"cannot resume from {str(path)!r}: {'; '.join(changed)} changed; resume with the "
                         "checkpoint's values (lr, max_steps, eval and log settings may change) or use a new output_dir")
-
-
-# ----------------------------------------------------------------------------- the run folder
-
-
-def prepare_run_dir(cfg, overwrite: bool, check_only: bool = False) -> str | None:
-    """Rank 0, before anything is built: the checkpoint to resume from (or None), with the
-    output folder claimed. Conflicts and bad checkpoints are UserErrors here, not later."""
-    from .rundir import claim_output_dir
-
-    out = Path(cfg.output_dir)
-    ckpt = None
-    if cfg.resume is not None and overwrite:
-        raise UserError(f"resume={cfg.resume} continues a run and --overwrite deletes it; drop one of them")
-    if cfg.resume == "auto":
-        ckpt = find_latest(out / "checkpoints")
-        if ckpt is None and (out / "final").is_dir():
-            raise UserError(f"resume=auto: output_dir {str(out)!r} holds a finished run and no checkpoint; "
-                            "pass --overwrite (without resume) to start over")
-    elif cfg.resume:
-        ckpt = resolve_checkpoint(cfg.resume)
-        inside = out.resolve() in ckpt.resolve().parents
-        from .rundir import holds_run
-
-        if not inside and holds_run(out):
-            raise UserError(f"output_dir {str(out)!r} holds another run; resume {str(ckpt)!r} into a new output_dir")
-    step = read_meta(ckpt)["step"] if ckpt is not None else 0
-    if ckpt is not None:
-        check_compatible(read_meta(ckpt)["config"], cfg.to_dict(), ckpt)
-    # resume=auto with nothing to resume starts from scratch, so a requeue script works from its first launch.
-    claim_output_dir(out, overwrite or (cfg.resume == "auto" and ckpt is None), check_only,
-                     resuming=ckpt is not None)
-    if check_only:
-        return str(ckpt) if ckpt else None
-    root = out / "checkpoints"
-    for stale in [*root.glob(".tmp-*"), *root.glob(".old-*")] if root.is_dir() else []:
-        shutil.rmtree(stale, ignore_errors=True)  # saves cut short by a kill
-    if ckpt is not None:
-        trim_metrics(out / "metrics.jsonl", step)
-        print(f"resuming from {ckpt} (step {step})", flush=True)
-    elif cfg.resume == "auto":
-        print(f"resume=auto: no checkpoint in {out / 'checkpoints'}; starting from step 0", flush=True)
-    return str(ckpt) if ckpt else None
-
-
-def trim_metrics(path: Path, step: int) -> None:
-    """Drop records of steps after `step`: the resumed run writes them again."""
-    if not path.is_file():
-        return
-    keep = []
-    for line in path.read_text().splitlines():
-        try:
-            if json.loads(line).get("step", 0) <= step:
-                keep.append(line)
-        except ValueError:  # a line cut short by a kill
-            continue
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(line + "\n" for line in keep))
-    os.replace(tmp, path)
 
 
 # ----------------------------------------------------------------------------- RNG
@@ -322,7 +263,7 @@ class Checkpointer:
         # Hyperparameters come from the current config (lr may change); the state from the checkpoint.
         fresh = [{k: v for k, v in g.items() if k != "params"} for g in t.optimizer.param_groups]
         state = self._state()
-        _dcp_load(state, path, no_dist=False)
+        dcp_load(state, path, no_dist=False)
         set_state_dict(t.model, t.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         for group, hyper in zip(t.optimizer.param_groups, fresh):
             group.update(hyper)
@@ -361,7 +302,7 @@ class Checkpointer:
             self.pg = None
 
 
-def _dcp_load(state: dict, path: Path, no_dist: bool) -> None:
+def dcp_load(state: dict, path: Path, no_dist: bool) -> None:
     """dcp.load in place, with a damaged or mismatched checkpoint as a one-line UserError."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
@@ -373,9 +314,8 @@ def _dcp_load(state: dict, path: Path, no_dist: bool) -> None:
     except (CheckpointException, Exception) as exc:  # CheckpointException is a BaseException
         cause = next(iter((getattr(exc, "failures", None) or {}).values()), exc)  # rank -> (exception, traceback)
         cause = cause[0] if isinstance(cause, tuple) else cause
-        text = str(cause).strip()
-        first = f"{type(cause).__name__}: {text.splitlines()[-1][:160]}" if text else type(cause).__name__
-        raise UserError(f"checkpoint {str(path)!r} could not be loaded ({first}); it is damaged or from "
+        raise UserError(f"checkpoint {str(path)!r} could not be loaded ({type(cause).__name__}: "
+                        f"{first_line(cause, 160, last=True)}); it is damaged or from "
                         "another model: use another checkpoint") from None
 
 
@@ -386,31 +326,3 @@ def _write_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-
-
-# ----------------------------------------------------------------------------- one process, no group
-
-
-def load_plain_model(path: Path, device: str = "cpu"):
-    """(model, tokenizer, meta) from a checkpoint, in this process alone: one copy of the
-    weights in memory, read shard by shard from the DCP files; the optimizer is never read."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.initialization import no_init_weights
-
-    meta = read_meta(path)
-    trust = bool(meta["config"].get("model", {}).get("trust_remote_code"))
-    hf_config = AutoConfig.from_pretrained(path, trust_remote_code=trust)
-    tokenizer = AutoTokenizer.from_pretrained(path / "tokenizer", trust_remote_code=trust)
-    with no_init_weights(), torch.device(device):  # real buffers (e.g. rotary), parameters left empty
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, trust_remote_code=trust)
-    peft_cfg = meta["config"].get("peft", {})
-    if peft_cfg.get("method") == "lora":  # the checkpoint holds the adapter-wrapped names
-        from .adapters import add_lora
-        from .config import PeftConfig
-
-        model = add_lora(model, PeftConfig(**peft_cfg), hf_config.model_type)
-    _dcp_load({"model": model.state_dict()}, path, no_dist=True)
-    model.tie_weights()
-    model.eval()
-    return model, tokenizer, meta

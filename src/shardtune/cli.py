@@ -138,8 +138,7 @@ def cmd_train(args) -> int:
         results = run(cfg, overwrite=args.overwrite)
         return EXIT_PREEMPTED if results.get("preempted") else 0
     # Parent of N local ranks: check what can be checked before starting anything.
-    from .checkpoint import prepare_run_dir
-    from .rundir import default_output_dir
+    from .rundir import default_output_dir, prepare_run_dir
 
     check_nproc(nproc, cfg.device)
     out = cfg.output_dir = cfg.output_dir or default_output_dir(cfg.recipe)

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import yaml
 
-from .errors import UserError
+from .errors import UserError, first_line
 
 
 @dataclass
@@ -204,8 +204,7 @@ def load_config(recipe: str | Path | None, overrides: list[str] | None = None,
         try:
             loaded = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as exc:
-            first = str(exc).splitlines()[0]
-            raise UserError(f"recipe {str(path)!r} is not valid YAML ({first}); fix the file") from None
+            raise UserError(f"recipe {str(path)!r} is not valid YAML ({first_line(exc)}); fix the file") from None
         if not isinstance(loaded, dict):
             raise UserError(f"recipe {str(path)!r} must be a mapping of keys to values")
         tree = loaded
@@ -336,6 +335,10 @@ def validate(cfg: RunConfig) -> None:
         raise UserError(f"data.end_idx={d.end_idx} must be greater than data.start_idx={d.start_idx}")
     if cfg.resume == "auto" and not cfg.output_dir:
         raise UserError("resume=auto continues the run in output_dir; set output_dir=<that run's folder>")
+    fr = cfg.freeze
+    if cfg.peft.method == "lora" and (fr.trainable_blocks is not None or fr.head_only or fr.embeddings):
+        raise UserError("freeze.* does not combine with peft.method=lora (LoRA already freezes the base); "
+                        "drop one of them")
 
 
 def check_world(cfg: RunConfig, world_size: int) -> int:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from . import formats
 from .config import DataConfig
-from .errors import UserError
+from .errors import UserError, first_line
 from .formats import IGNORE_INDEX
 
 BUILDERS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".csv": "csv",
@@ -81,13 +81,11 @@ def load_documents(cfg: DataConfig):
     except UserError:
         raise
     except datasets.exceptions.DatasetGenerationError as exc:  # e.g. a malformed JSON line
-        cause = str(exc.__cause__ or exc).strip().splitlines() or [type(exc).__name__]
-        raise UserError(f"could not read dataset {cfg.path!r} ({cause[0][:200]}); fix the file "
+        raise UserError(f"could not read dataset {cfg.path!r} ({first_line(exc.__cause__ or exc)}); fix the file "
                         "or point data.path elsewhere") from None
     except (FileNotFoundError, ConnectionError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         target = f"dataset:{cfg.path}" + (f":{cfg.name}" if cfg.name else "")
-        raise UserError(f"could not load dataset {cfg.path!r} ({first[:200]}); check data.path/data.name "
+        raise UserError(f"could not load dataset {cfg.path!r} ({first_line(exc)}); check data.path/data.name "
                         f"(no network? run `shardtune download {target}` where there is)") from None
     finally:
         datasets.logging.set_verbosity(verbosity)

@@ -18,7 +18,7 @@ import re
 import string
 
 from .config import DataConfig
-from .errors import UserError
+from .errors import UserError, first_line
 
 IGNORE_INDEX = -100
 
@@ -249,8 +249,7 @@ def chat_fn(cfg: DataConfig, tokenizer, columns: list[str], what: str):
             except UserError:
                 raise
             except Exception as exc:  # jinja errors raised by the template itself
-                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-                raise UserError(f"the chat template failed on row {index} ({first[:160]}); fix the row "
+                raise UserError(f"the chat template failed on row {index} ({first_line(exc, 160)}); fix the row "
                                 "or set data.chat_template") from None
             ids, labels = _label_spans(text, spans, tokenizer)
             ids, labels = ids[:cutoff], (ids if cfg.train_on_inputs else labels)[:cutoff]

@@ -168,3 +168,14 @@ def broadcast_value(dist: Dist, value):
     box = [value]
     tdist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def all_sum(*values, device) -> list[float]:
+    """The element-wise sum of `values` over all ranks, as floats (one all-reduce; a host sync)."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values])
+    if dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t.tolist()

@@ -15,9 +15,7 @@ import shlex
 from pathlib import Path
 
 from .errors import UserError
-from .signals import EXIT_PREEMPTED
-
-PREEMPTED_MARKER = "PREEMPTED"
+from .signals import EXIT_PREEMPTED, PREEMPTED_MARKER
 
 
 def sbatch_script(recipe: str, output_dir: str, nodes: int, gpus_per_node: int, *, overrides: list[str],

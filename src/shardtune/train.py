@@ -8,17 +8,16 @@ import time
 from pathlib import Path
 
 from . import data as data_lib
-from . import loss as loss_lib
+from .build import BuiltModel, ModelSpec, build_model
 from .config import RunConfig, check_world, dump_yaml
 from .errors import UserError
-from .launch import broadcast_value, init_distributed, rank0_first
-from .model import build_meta_model, check_seq_len, count_params, load_hf_config, load_source_model, \
-    load_tokenizer, materialize
-from .adapters import adapt, check_quantize, load_qlora_model
-from .parallel import apply_parallelism, build_mesh, detect_block_class
+from .launch import all_sum, broadcast_value, init_distributed, rank0_first
+from .model import check_seq_len, count_params, load_hf_config, load_source_model, load_tokenizer
+from .adapters import check_quantize, load_qlora_model
+from .parallel import build_mesh
 from .rundir import default_output_dir
-from .slurm import PREEMPTED_MARKER
-from .step import all_sum, evaluate, train_step
+from .signals import PREEMPTED_MARKER
+from .step import evaluate, train_step
 from .telemetry import GPUSampler, MetricsLog, Progress, StepMeter, device_peak_flops, flops_per_token, \
     matmul_params, memory_stats
 
@@ -49,7 +48,8 @@ class Trainer:
         self.dist = dist = init_distributed(cfg.device)
         cfg.output_dir = broadcast_value(dist, cfg.output_dir or default_output_dir(cfg.recipe))
         self.out = out = Path(cfg.output_dir)
-        from .checkpoint import Checkpointer, prepare_run_dir
+        from .checkpoint import Checkpointer
+        from .rundir import prepare_run_dir
 
         # Check the folder now, but change it (overwrite, trim, clean) only once all input is valid.
         resume_from = broadcast_value(dist, rank0_first(
@@ -79,7 +79,8 @@ class Trainer:
         self.val_batches = data_lib.eval_batches(len(self.val_ds), eval_mb, dist.world_size, dist.rank,
                                                  cfg.eval.max_batches) if self.val_ds is not None else []
 
-        self.model = model = self._build_model()
+        self.built = self._build_model()
+        self.model = model = self.built.model
         total, trainable = count_params(model)
         matmul, matmul_trainable = matmul_params(model)
         self.flops_per_token = flops_per_token(matmul, hf_config, cfg.data.seq_len, matmul_trainable)
@@ -106,24 +107,21 @@ class Trainer:
             (out / "config.yaml").write_text(dump_yaml(cfg))
             (out / PREEMPTED_MARKER).unlink(missing_ok=True)
 
-    def _build_model(self):
+    def _build_model(self) -> BuiltModel:
         """Skeleton on meta everywhere, sharded, then filled from rank 0's single copy."""
         cfg, dist, seed = self.cfg, self.dist, self.cfg.train.seed
         seed_everything(seed)
         check_quantize(cfg.peft, dist.device)
-        if cfg.peft.quantize == "4bit":  # QLoRA: one GPU, the base quantized on load
+        if cfg.peft.quantize == "4bit":  # QLoRA: one GPU, the base quantized on load, not sharded
+            from . import loss as loss_lib
+
             model = load_qlora_model(cfg, self.hf_config, dist.device, dist.world_size, seed)
             loss_lib.install(model, cfg.loss_chunk_tokens)
-            return model.train()
-        meta = build_meta_model(self.hf_config, cfg.model.trust_remote_code)
-        block_cls = detect_block_class(meta, cfg.fsdp.block_class)
-        model = adapt(meta, cfg, block_cls)
-        loss_lib.install(model, cfg.loss_chunk_tokens)  # before sharding: it checks the head's class
-        apply_parallelism(model, cfg, build_mesh(cfg, dist), dist.device)
-        source = adapt(load_source_model(cfg.model, self.hf_config, seed), cfg, block_cls, seed) \
-            if dist.is_main else None
-        materialize(model, source, dist.device, dist.is_main)
-        return model.train()
+            return BuiltModel(model.train(), None, [], reshard_after_forward=False)
+        built = build_model(ModelSpec.of_run(cfg, self.hf_config), build_mesh(cfg.fsdp, dist), dist.device,
+                            source=lambda: load_source_model(cfg.model, self.hf_config, seed), seed=seed)
+        built.model.train()
+        return built
 
     def say(self, text: str) -> None:
         if self.dist.is_main:
@@ -183,7 +181,8 @@ class Trainer:
         while self.step < self.total_steps:
             epoch, step_in_epoch = divmod(self.step, plan.steps_per_epoch)
             out = train_step(self.model, self.optimizer, self.scaler, self.train_ds,
-                             plan.micro_batches(epoch, step_in_epoch), cfg, dist, pad_id)
+                             plan.micro_batches(epoch, step_in_epoch), cfg, dist, pad_id,
+                             sync_each=self.built.sync_grads_each_micro_step)
             lr = self.scheduler.get_last_lr()[0]
             self.scheduler.step()
             self.step = step = self.step + 1
