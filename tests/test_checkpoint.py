@@ -149,8 +149,8 @@ def test_layout_keep_last_and_metadata(reference):
     assert meta["step"] == 6 and meta["world_size"] == 1 and meta["epoch"] == 1.5
     assert meta["data"] == {"start_idx": None, "end_idx": 12, "sequences_per_epoch": meta["data"]["sequences_per_epoch"],
                             "epoch": 1, "samples_into_epoch": 16, "samples_consumed": 48}
-    assert meta["tokens_seen"] == 6 * 8 * 64
-    assert meta["config"]["train"]["max_steps"] == STEPS and meta["scheduler"]["last_epoch"] == 6
+    assert meta["train_state"]["tokens_seen"] == 6 * 8 * 64
+    assert meta["config"]["train"]["max_steps"] == STEPS and meta["train_state"]["step"] == 6
     assert (step6 / ".metadata").is_file() and (step6 / "rng-rank00000.pt").is_file()
     assert (step6 / "config.json").is_file() and (step6 / "tokenizer").is_dir()
     assert not list(root.glob(".tmp-*"))
