@@ -15,7 +15,7 @@ import pytest
 from conftest import TINY, losses, tiny_overrides
 from shardtune import data as D
 from shardtune import formats as F
-from shardtune.config import DataConfig
+from shardtune.config import DataConfig, load_config
 from shardtune.errors import UserError
 
 IGNORE = D.IGNORE_INDEX
@@ -167,8 +167,9 @@ def test_instruct_prepare_truncates_to_cutoff_len_and_drops_examples_with_no_res
     assert all((row["labels"][1:] != IGNORE).any() for row in train)
     with pytest.raises(UserError, match="cutoff_len"):
         D.prepare(DataConfig(path=str(path), format="instruct", seq_len=256, cutoff_len=8), tokenizer, seed=0)
-    with pytest.raises(UserError, match="between 2 and data.seq_len=64"):
-        D.prepare(DataConfig(path=str(path), format="instruct", seq_len=64, cutoff_len=100), tokenizer, seed=0)
+    with pytest.raises(UserError, match="between 2 and data.seq_len=64"):  # refused with the config, before data
+        load_config(None, ["model.config={model_type: gpt2}", f"data.path={path}", "data.format=instruct",
+                           "data.seq_len=64", "data.cutoff_len=100"])
 
 
 def test_instruct_tokenizes_the_same_with_worker_processes(tmp_path, tokenizer):

@@ -62,6 +62,7 @@ class Trainer:
         self.cfg = cfg
         self.owns_group = not torch.distributed.is_initialized()
         self.dist = dist = init_distributed(cfg.device)
+        check_quantize(cfg.peft, dist.device)  # the machine's part of the QLoRA checks (config.validate did the rest)
         cfg.output_dir = broadcast_value(dist, cfg.output_dir or default_output_dir(cfg.recipe))
         self.out = out = Path(cfg.output_dir)
         from .checkpoint import Checkpointer
@@ -133,7 +134,6 @@ class Trainer:
         """Skeleton on meta everywhere, sharded, then filled from rank 0's single copy."""
         cfg, dist, seed = self.cfg, self.dist, self.cfg.train.seed
         seed_everything(seed)
-        check_quantize(cfg.peft, dist.device)
         if cfg.peft.quantize == "4bit":  # QLoRA: one GPU, the base quantized on load, not sharded
             from . import loss as loss_lib
 
@@ -204,7 +204,8 @@ class Trainer:
         if "first" in results and "last" in results:
             self.say(f"validation perplexity: {results['first']['eval_ppl']:.2f} before -> "
                      f"{results['last']['eval_ppl']:.2f} after training")
-        self.say(f"trained {self.state.step - first_step} steps in {elapsed:.1f}s ({results['tokens_per_s']:.0f} tokens/s)")
+        self.say(f"trained {self.state.step - first_step} steps in {elapsed:.1f}s "
+                 f"({results['tokens_per_s']:.0f} tokens/s)")
         return results
 
     def _loop(self, log, trackers, progress, gpu, results: dict, preemption) -> float:
