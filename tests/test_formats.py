@@ -131,7 +131,7 @@ def instruct_rows(rows, tokenizer, **kw):
 def test_instruct_masks_the_prompt_and_ends_the_response_with_eos(tokenizer):
     rows = instruct_rows(ALPACA, tokenizer)
     eos = tokenizer.eos_token
-    for src, row in zip(ALPACA, rows):
+    for src, row in zip(ALPACA, rows, strict=True):
         text = tokenizer.decode(row["input_ids"])
         assert ("### Input:\n" + src["input"] in text) == bool(src["input"])  # the template without input
         assert text.endswith("### Response:\n" + src["output"] + eos)
@@ -206,7 +206,7 @@ def test_chat_loss_is_on_assistant_turns_only(chat_tokenizer):
     assert text == chat_tokenizer.apply_chat_template(chat_row(0)["messages"], tokenize=False)  # nothing added
     assert kept(chat_tokenizer, row["labels"]) == f"answer 0.0{eos}answer 0.1{eos}"
     # the masked tokens are exactly everything else
-    masked = chat_tokenizer.decode([t for t, lab in zip(row["input_ids"], row["labels"]) if lab == IGNORE])
+    masked = chat_tokenizer.decode([t for t, lab in zip(row["input_ids"], row["labels"], strict=True) if lab == IGNORE])
     assert "question 0.1?" in masked and "answer" not in masked and "<|assistant|>" in masked
     assert kept(chat_tokenizer, rows[1]["labels"]) == f"answer 1.0{eos}"
     everything = chat_rows([chat_row(0)], chat_tokenizer, train_on_inputs=True)[0]

@@ -222,8 +222,8 @@ def freeze_runs(assets, tmp_path_factory):
     import contextlib
     import io
 
-    from shardtune.telemetry import state_bytes
     from shardtune.config import load_config
+    from shardtune.telemetry import state_bytes
     from shardtune.train import Trainer
 
     results = {}
@@ -236,7 +236,8 @@ def freeze_runs(assets, tmp_path_factory):
             with_grad: list[set] = []
             # just before each update: which parameters got a gradient
             trainer.optimizer.register_step_pre_hook(
-                lambda *_: with_grad.append({n for n, p in params.items() if p.grad is not None}))
+                lambda *_, seen=with_grad, params=params: seen.append(
+                    {n for n, p in params.items() if p.grad is not None}))
             before = _full_state(trainer.model)
             trainer.fit()
             after = _full_state(trainer.model)

@@ -137,8 +137,8 @@ def rng_state() -> dict:
     import torch
 
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    state = {"python": random.getstate(), "numpy": [kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, gauss],
-             "torch": torch.get_rng_state()}
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
+             "numpy": [kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, gauss]}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     return state

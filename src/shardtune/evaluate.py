@@ -13,7 +13,6 @@ from pathlib import Path
 from .errors import UserError
 from .loading import load_model
 
-
 # ----------------------------------------------------------------------------- eval
 
 

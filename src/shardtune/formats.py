@@ -14,7 +14,6 @@ Problems a user can fix are raised as one-line UserErrors.
 
 from __future__ import annotations
 
-
 from .config import DataConfig
 from .errors import UserError, first_line
 from .validation import template_columns

@@ -24,7 +24,7 @@ class Dist:
     world_size: int
     local_rank: int
     local_world_size: int
-    device: "torch.device"  # noqa: F821
+    device: torch.device  # noqa: F821
 
     @property
     def is_main(self) -> bool:
@@ -56,7 +56,7 @@ def _adopt_slurm_env() -> None:
     env.setdefault("MASTER_PORT", str(29500 + int(env.get("SLURM_JOB_ID", "0")) % 1000))
 
 
-def resolve_device(requested: str) -> "torch.device":  # noqa: F821
+def resolve_device(requested: str) -> torch.device:  # noqa: F821
     import torch
 
     if requested == "cuda" and not torch.cuda.is_available():

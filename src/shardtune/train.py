@@ -9,18 +9,26 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import data as data_lib
+from .adapters import check_quantize, load_qlora_model
 from .build import BuiltModel, ModelSpec, build_model
 from .config import RunConfig, check_world, dump_yaml
 from .errors import UserError
 from .launch import all_sum, broadcast_value, init_distributed, rank0_first
 from .model import check_seq_len, count_params, load_hf_config, load_source_model, load_tokenizer
-from .adapters import check_quantize, load_qlora_model
 from .parallel import build_mesh
 from .rundir import default_output_dir
 from .signals import PREEMPTED_MARKER
 from .step import evaluate, train_step
-from .telemetry import GPUSampler, MetricsLog, Progress, StepMeter, device_peak_flops, flops_per_token, \
-    matmul_params, memory_stats
+from .telemetry import (
+    GPUSampler,
+    MetricsLog,
+    Progress,
+    StepMeter,
+    device_peak_flops,
+    flops_per_token,
+    matmul_params,
+    memory_stats,
+)
 
 
 def seed_everything(seed: int) -> None:
