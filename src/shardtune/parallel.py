@@ -78,8 +78,8 @@ def apply_parallelism(model, spec, block_cls: type, mesh, device) -> tuple[list,
         if not getattr(model, "supports_gradient_checkpointing", False):
             raise UserError(f"{type(model).__name__} does not support activation checkpointing; "
                             "set activation_checkpointing=false")
-        # transformers' per-layer checkpointing keeps parameter names unchanged. Its name since
-        # 5.2x; older 5.x (5.17 on the GPU machines we test on) only have the deprecated one.
+        # transformers' per-layer checkpointing keeps parameter names unchanged. Newer 5.x name it
+        # activation_checkpointing_enable; 5.17 (on the GPU machines) has only the deprecated name.
         enable = getattr(model, "activation_checkpointing_enable", None)
         if enable is not None:
             enable(activation_checkpointing_kwargs={"use_reentrant": False})
