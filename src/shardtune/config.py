@@ -52,6 +52,22 @@ class DataConfig:
     cutoff_len: int | None = None  # instruct/chat: longest example in tokens, longer ones truncated (default seq_len)
     packing: bool = False  # instruct/chat: concatenate examples into seq_len blocks instead of padding each
     group_by_length: bool = False  # padded batches: put examples of similar length together (less padding)
+    document_mask: bool | None = None  # attention and positions restart per document (default: packed instruct/chat)
+    padding_free: bool = False  # unpacked instruct/chat: a micro-batch's examples in one row, no padding
+
+    @property
+    def cutoff(self) -> int:
+        """Longest instruct/chat example in tokens."""
+        return self.cutoff_len or self.seq_len
+
+    @property
+    def masks_documents(self) -> bool:
+        """Whether batches carry restarting positions and a document mask (data.document_mask resolved)."""
+        if self.padding_free:
+            return True
+        if self.document_mask is None:
+            return self.format != "text" and self.packing
+        return self.document_mask and (self.format == "text" or self.packing)
 
 
 @dataclass
@@ -334,6 +350,12 @@ def validate(cfg: RunConfig) -> None:
         raise UserError(f"train.betas must have two numbers, got {t.betas}")
     if d.start_idx is not None and d.end_idx is not None and d.end_idx <= d.start_idx:
         raise UserError(f"data.end_idx={d.end_idx} must be greater than data.start_idx={d.start_idx}")
+    if d.padding_free and (d.format == "text" or d.packing):
+        raise UserError("data.padding_free lays unpacked instruct/chat examples end to end, but packed blocks have "
+                        "no padding to remove; set data.padding_free=false (or data.packing=false)")
+    if d.padding_free and d.document_mask is False:
+        raise UserError("data.padding_free=true needs the document mask (examples laid end to end must not see each "
+                        "other); drop data.document_mask=false")
     if cfg.resume == "auto" and not cfg.output_dir:
         raise UserError("resume=auto continues the run in output_dir; set output_dir=<that run's folder>")
 

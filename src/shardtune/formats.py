@@ -130,7 +130,7 @@ def instruct_fn(cfg: DataConfig, tokenizer, columns: list[str], what: str):
             raise UserError(f"data.format=instruct needs a column {col!r} but {what} has only: "
                             f"{', '.join(columns)}; set {key} to the right column")
     bos, eos = _leading_bos(tokenizer), tokenizer.eos_token_id
-    cutoff, sep = cfg.cutoff_len or cfg.seq_len, cfg.list_sep
+    cutoff, sep = cfg.cutoff, cfg.list_sep
     has_input = cfg.input_field in columns
 
     def prompt(row: dict) -> str:
@@ -235,7 +235,7 @@ def chat_fn(cfg: DataConfig, tokenizer, columns: list[str], what: str):
         raise UserError(f"data.format=chat needs a column {field!r} of messages but {what} has only: "
                         f"{', '.join(columns)}; set data.messages_field")
     check_chat_template(cfg, tokenizer)
-    cutoff = cfg.cutoff_len or cfg.seq_len
+    cutoff = cfg.cutoff
 
     def render(messages, generation_prompt):
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
