@@ -163,3 +163,27 @@ def test_padding_free_training_matches_padded_training(assets, tmp_path, monkeyp
         got[name] = losses(tmp_path / name) + [results["last"]["eval_loss"]]
     assert max(abs(a - b) for a, b in zip(got["padded"], got["padding_free"])) <= 1e-5, got
     assert len(flat_rows) == 2 * 2 + 2 * 2  # every micro-batch of 2 steps and of 2 evaluations went flat
+
+
+def _has_flash_attn() -> bool:
+    import importlib.util
+
+    import torch
+
+    return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+
+
+@pytest.mark.skipif(not _has_flash_attn(), reason="needs a CUDA GPU with flash-attn installed")
+@pytest.mark.parametrize("arch", ["gpt2", "opt", "llama"])
+def test_flash_attention_varlen_keeps_documents_apart(arch, docs_blocks):
+    """On CUDA, flash-attention's varlen kernel gets the document lengths (bf16 tolerance)."""
+    import torch
+
+    rows, masked, _ = docs_blocks
+    model = tiny_model(arch, "flash_attention_2").to("cuda", torch.bfloat16)
+    batch = D.collate(masked, [0, 0], torch.device("cuda"))  # two rows: the lengths span the micro-batch
+    with torch.no_grad():
+        packed = model(**docmask.model_inputs(model, batch)).logits.float()
+        alone = model(input_ids=torch.tensor([rows[1]], device="cuda"), use_cache=False).logits[0].float()
+    for row in packed:
+        assert (row[9:32] - alone).abs().max() < 2e-2

@@ -39,7 +39,7 @@ class DataConfig:
     seq_len: int = 512  # tokens per packed block; the default cutoff_len of instruct/chat
     start_idx: int | None = None  # slice of the training documents, before packing
     end_idx: int | None = None  # end of that slice (exclusive)
-    num_proc: int | None = None  # tokenizer workers for datasets.map
+    num_proc: int | None = None  # tokenizer worker processes (default: one, with the tokenizer's own threads)
     format: Literal["text", "instruct", "chat"] = "text"  # text: packed documents; instruct: prompt + response; chat: messages
     template: str | None = None  # columns as text, e.g. "Quote: {quote}\nAuthor: {author}" (text: the document; instruct: the prompt)
     list_sep: str = " "  # joins list-valued columns, e.g. chess moves ["e4","e5"] -> "e4 e5"

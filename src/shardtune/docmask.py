@@ -38,7 +38,7 @@ def check(cfg: DataConfig, hf_config) -> None:
     attn = getattr(hf_config, "_attn_implementation", None)
     if attn not in ATTENTION:
         raise UserError(f"{key} works with attention implementations {', '.join(a for a in ATTENTION if a)}, "
-                        f"not {attn!r}; set model.config.attn_implementation=sdpa or {fix}")
+                        f"not {attn!r}; pick one of them in model.config, or {fix}")
 
 
 def positions(starts, length: int):
