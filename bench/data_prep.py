@@ -6,14 +6,17 @@ from the quickstart docstrings (seeded, 200-4000 characters each) to a scratch f
 each in a fresh process with a fresh `datasets` cache:
 
 - `tokenizer`: the quickstart tokenizer's `tokenizer(texts)` over the corpus in chunks of 1000
-  documents, timing only the calls: the bound;
+  documents, timing only the calls (wall and CPU seconds, all threads): the bound;
 - `prepare` (cold): `shardtune.data.prepare` as `shardtune train` calls it (read the jsonl, hold
-  out 5 %, tokenize, pack seq_len 512), with `--num-proc` workers; peak RSS covers its workers;
+  out 5 %, tokenize, pack seq_len 512), with `--num-proc` workers; peak RSS covers its workers,
+  CPU seconds its threads and workers;
 - `prepare` (warm): the same again, on the cache the cold run left;
 - with `--before SRC`, the cold `prepare` of another checkout's source folder (e.g. main's
   `src`, the in-memory packer) for comparison.
 
-The corpora and caches are deleted afterwards. Results: a markdown table on stdout.
+Throughput is text MB per wall second and per CPU second: on a shared machine the CPU ratio is
+the one other load does not move. The corpora and caches are deleted afterwards. Results: a
+markdown table on stdout.
 """
 
 from __future__ import annotations
@@ -37,14 +40,15 @@ import json, resource, sys, time
 mode, corpus, tokenizer_path, num_proc = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
 from transformers import AutoTokenizer
 tok = AutoTokenizer.from_pretrained(tokenizer_path)
-t0 = time.perf_counter()
-if mode == "tokenizer":
-    encode, tokens, batch = 0.0, 0, []
+t0, cpu0 = time.perf_counter(), time.process_time()
+if mode == "tokenizer":  # wall and CPU seconds (all threads) inside the tokenizer calls only
+    encode, encode_cpu, tokens, batch = 0.0, 0.0, 0, []
     def flush():
-        global encode, tokens
-        t = time.perf_counter()
+        global encode, encode_cpu, tokens
+        t, c = time.perf_counter(), time.process_time()
         tokens += sum(map(len, tok(batch, add_special_tokens=False)["input_ids"]))
         encode += time.perf_counter() - t
+        encode_cpu += time.process_time() - c
         batch.clear()
     with open(corpus) as f:
         for line in f:
@@ -52,16 +56,17 @@ if mode == "tokenizer":
             if len(batch) == 1000:
                 flush()
     flush()
-    out = {"seconds": encode, "tokens": tokens}
+    out = {"seconds": encode, "cpu_seconds": encode_cpu, "tokens": tokens}
 else:
     from shardtune.config import DataConfig
     from shardtune.data import prepare
     cfg = DataConfig(path=corpus, seq_len=512, num_proc=int(num_proc) or None)
     train, val = prepare(cfg, tok, seed=42)
     out = {"seconds": time.perf_counter() - t0, "blocks": len(train) + (len(val) if val is not None else 0)}
-self_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-kids_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-out.update(peak_rss_mb=self_kb / 1024, workers_peak_rss_mb=kids_kb / 1024)
+me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+out.update(peak_rss_mb=me.ru_maxrss / 1024, workers_peak_rss_mb=kids.ru_maxrss / 1024)
+if mode != "tokenizer":  # CPU seconds of the whole preparation (threads and worker processes)
+    out["cpu_seconds"] = me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime - cpu0
 print("RESULT " + json.dumps(out))
 """
 
@@ -119,15 +124,16 @@ def main() -> None:
                                             scratch / "cache-before", args.before)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
-        bound_mb_s = text_mb / bound["seconds"]
+        bound_wall, bound_cpu = text_mb / bound["seconds"], text_mb / bound["cpu_seconds"]
         for name, r in runs.items():
             peak = max(r["peak_rss_mb"], r["workers_peak_rss_mb"])
-            rate = text_mb / r["seconds"]
-            rows.append([size, name, f"{r['seconds']:.1f}", f"{peak:.0f}", f"{rate:.2f}", f"{bound_mb_s:.2f}",
-                         f"{100 * rate / bound_mb_s:.0f}%" if name != "warm" else "-", r["blocks"]])
+            wall, cpu = text_mb / r["seconds"], text_mb / r["cpu_seconds"]
+            share = f"{100 * wall / bound_wall:.0f}% / {100 * cpu / bound_cpu:.0f}%" if name != "warm" else "-"
+            rows.append([size, name, f"{r['seconds']:.1f}", f"{r['cpu_seconds']:.1f}", f"{peak:.0f}",
+                         f"{wall:.2f} / {cpu:.2f}", f"{bound_wall:.2f} / {bound_cpu:.2f}", share, r["blocks"]])
         print(f"{size} MB done ({time.strftime('%H:%M:%S')}, load {os.getloadavg()[0]:.2f})", file=sys.stderr)
-    print(markdown_table(["corpus MB", "run", "seconds", "peak RSS MB", "text MB/s", "tokenizer MB/s",
-                          "of tokenizer (target ≥ 70%)", "blocks"], rows))
+    print(markdown_table(["corpus MB", "run", "wall s", "CPU s", "peak RSS MB", "MB/s (wall / CPU)",
+                          "tokenizer MB/s (wall / CPU)", "of tokenizer, wall / CPU (target ≥ 70%)", "blocks"], rows))
 
 
 if __name__ == "__main__":

@@ -32,26 +32,30 @@ class PackedBlocks:
     """`seq_len` blocks over a folder of flat arrays, read like a torch-formatted dataset:
     `blocks[i]` is {input_ids[, labels][, position_ids]} of one block, `blocks[list or slice]`
     the same stacked. With `document_mask`, positions restart at every document and a
-    document's first token gets no label (nothing is predicted across a document boundary)."""
+    document's first token gets no label (nothing is predicted across a document boundary).
+    A block is one positioned read of the files (no memory map: an epoch over a corpus larger
+    than memory leaves no pages counted in the resident set)."""
 
     def __init__(self, folder: Path, seq_len: int, document_mask: bool = False, owned: bool = False):
+        import weakref
+
         import numpy as np
 
         self.folder, self.seq_len, self.document_mask = Path(folder), seq_len, document_mask
         meta = json.loads((self.folder / "meta.json").read_text())
         self.num_tokens = meta["num_tokens"]
-        self.ids = _open(self.folder / "input_ids.bin", meta["dtype"], self.num_tokens)
-        self.labels = _open(self.folder / "labels.bin", "int32", self.num_tokens) if meta["labels"] else None
-        self.doc_starts = np.fromfile(self.folder / "doc_starts.bin", dtype=np.int64)
-        if owned:  # a temporary folder (data without a cache of its own) goes with this object
-            import weakref
-
-            weakref.finalize(self, shutil.rmtree, str(self.folder), True)
+        self.dtypes = {"input_ids": np.dtype(meta["dtype"])}
+        if meta["labels"]:
+            self.dtypes["labels"] = np.dtype(np.int32)
+        self.fds = {name: os.open(self.folder / f"{name}.bin", os.O_RDONLY) for name in self.dtypes}
+        starts = self.folder / "doc_starts.bin"  # searched, not read whole: mapped
+        self.doc_starts = np.memmap(starts, np.int64, "r") if starts.stat().st_size else np.empty(0, np.int64)
+        weakref.finalize(self, _close, list(self.fds.values()), str(self.folder) if owned else None)
 
     @property
     def column_names(self) -> list[str]:
         names = ["input_ids"]
-        if self.labels is not None or self.document_mask:
+        if "labels" in self.dtypes or self.document_mask:
             names.append("labels")
         return names + (["position_ids"] if self.document_mask else [])
 
@@ -68,8 +72,8 @@ class PackedBlocks:
         if not 0 <= i < len(self):
             raise IndexError(f"block {i} of {len(self)}")
         start, end = i * self.seq_len, (i + 1) * self.seq_len
-        out = {"input_ids": self.ids[start:end].astype(np.int64)}
-        labels = self.labels[start:end].astype(np.int64) if self.labels is not None else None
+        out = {"input_ids": self._read("input_ids", start)}
+        labels = self._read("labels", start) if "labels" in self.dtypes else None
         if self.document_mask:
             inside = self.doc_starts[np.searchsorted(self.doc_starts, start, side="right"):
                                      np.searchsorted(self.doc_starts, end, side="left")] - start
@@ -95,12 +99,20 @@ class PackedBlocks:
         return (self[i] for i in range(len(self)))
 
 
-def _open(path: Path, dtype: str, count: int):
-    import numpy as np
+    def _read(self, name: str, start: int):
+        """int64 numpy array of the seq_len values of file `name` from token `start` on."""
+        import numpy as np
 
-    if count == 0:
-        return np.empty(0, dtype=dtype)
-    return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
+        dtype = self.dtypes[name]
+        data = os.pread(self.fds[name], self.seq_len * dtype.itemsize, start * dtype.itemsize)
+        return np.frombuffer(data, dtype=dtype).astype(np.int64)
+
+
+def _close(fds: list[int], folder: str | None) -> None:
+    for fd in fds:
+        os.close(fd)
+    if folder is not None:  # a temporary folder (data without a cache of its own) goes with its blocks
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------- writing
@@ -190,18 +202,53 @@ def encode(texts: list, tokenizer, eos: int, dtype: str):
     return out, lengths
 
 
+class _ReadPages:
+    """Keeps the pages of memory-mapped dataset files that were read out of this process's
+    resident set: `datasets` reads its arrow files through a memory map, and every page of the
+    corpus read once would otherwise stay counted in RSS (reclaimable, but RSS would grow with the
+    corpus). `release()` asks Linux to page them out (MADV_PAGEOUT, a hint: nothing changes for
+    the program; elsewhere, or on kernels before 5.4, it does nothing)."""
+
+    MADV_PAGEOUT = 21
+
+    def __init__(self, paths: list[str]):
+        self.ranges, self.madvise = [], None
+        wanted = {os.path.realpath(p) for p in paths}
+        try:
+            with open("/proc/self/maps") as f:
+                for line in f:
+                    fields = line.split(None, 5)
+                    if len(fields) == 6 and fields[5].strip() in wanted:
+                        start, end = (int(x, 16) for x in fields[0].split("-"))
+                        self.ranges.append((start, end - start))
+            import ctypes
+
+            self.madvise = ctypes.CDLL(None, use_errno=True).madvise
+            self.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        except (OSError, AttributeError):
+            self.ranges = []
+
+    def release(self) -> None:
+        for start, length in self.ranges:
+            if self.madvise(start, length, self.MADV_PAGEOUT) != 0:
+                self.ranges = []  # not supported here: stop asking
+                return
+
+
 _WORKER: dict = {}
 
 
 def _worker_init(docs, field: str, tokenizer, eos: int, dtype: str, in_worker: bool = True) -> None:
     if in_worker:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the worker processes are the parallelism
-    _WORKER.update(docs=docs.with_format("arrow"), field=field, tokenizer=tokenizer, eos=eos, dtype=dtype)
+    _WORKER.update(docs=docs.with_format("arrow"), field=field, tokenizer=tokenizer, eos=eos, dtype=dtype,
+                   pages=_ReadPages([f["filename"] for f in docs.cache_files]))
 
 
 def _worker_encode(start: int):
     w = _WORKER
     texts = w["docs"][start:start + CHUNK_DOCS].column(w["field"]).to_pylist()
+    w["pages"].release()
     return encode(texts, w["tokenizer"], w["eos"], w["dtype"])
 
 
