@@ -291,7 +291,49 @@ def collate(ds, indices: list[int], device, pad_id: int = 0, padding_free: bool 
         else:
             input_ids, labels, batch["attention_mask"] = _pad(input_ids, labels, pad_id)
     batch.update(input_ids=input_ids, labels=labels)
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    return to_device(batch, device)
+
+
+def to_device(batch: dict, device) -> dict:
+    """A CPU batch on `device`; page-locked first on CUDA, so the copy is asynchronous."""
+    if device.type == "cpu":
+        return batch
+    return {k: (v if v.is_pinned() else v.pin_memory()).to(device, non_blocking=True) for k, v in batch.items()}
+
+
+class Prefetcher:
+    """The next step's micro-batches are assembled (dataset reads, padding, page-locking) in a
+    background thread while the current step computes, so batch assembly is off the critical
+    path; `take(step)` hands them over and says how long the loop waited for them."""
+
+    def __init__(self, assemble, device, first_step: int, end_step: int):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.assemble, self.device, self.end = assemble, device, end_step
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batches")
+        self.pending = self._submit(first_step)
+
+    def _submit(self, step: int):
+        if step >= self.end:
+            return None
+        pin = self.device.type == "cuda"
+        return step, self.pool.submit(lambda: [b if not pin else {k: v.pin_memory() for k, v in b.items()}
+                                               for b in self.assemble(step)])
+
+    def take(self, step: int) -> tuple[list[dict], float]:
+        """(this step's micro-batches on the device, seconds waited for them)."""
+        import time
+
+        queued, future = self.pending
+        assert queued == step, f"prefetched step {queued}, asked for {step}"
+        start = time.perf_counter()
+        batches = future.result()
+        waited = time.perf_counter() - start
+        self.pending = self._submit(step + 1)
+        return [to_device(b, self.device) for b in batches], waited
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _pad(input_ids: list, labels: list, pad_id: int):

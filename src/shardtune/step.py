@@ -3,7 +3,6 @@ clipping and the update. Everything a rank computes between two log lines is her
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 from . import data as data_lib
@@ -58,31 +57,32 @@ def evaluate(model, ds, batches, device, pad_id: int = 0, padding_free: bool = F
 @dataclass
 class StepResult:
     loss_sum: torch.Tensor  # noqa: F821  this rank's summed token loss (device tensor, no sync)
-    loss_tokens: float  # tokens with a loss in the whole global batch
+    loss_tokens: torch.Tensor | float  # noqa: F821  tokens with a loss in the whole global batch
     input_tokens: torch.Tensor | int  # noqa: F821  tokens this rank fed the model (padding excluded)
     grad_norm: torch.Tensor  # noqa: F821
-    data_seconds: float  # time spent assembling batches
 
 
-def train_step(model, optimizer, scaler, ds, micro_batches, cfg: RunConfig, dist: Dist,
-               pad_id: int = 0, sync_each: bool = False) -> StepResult:
-    """One optimizer step over this rank's micro-batches. The loss is normalised by the tokens
-    of the whole global batch, so the gradient is the same whatever the world size and
-    accumulation. `sync_each`: reduce gradients after every micro-batch (BuiltModel's policy)."""
+def train_step(model, optimizer, scaler, batches: list[dict], cfg: RunConfig, dist: Dist,
+               labels_vary: bool = False, sync_each: bool = False) -> StepResult:
+    """One optimizer step over this rank's micro-batches (data.Prefetcher assembled them). The
+    loss is normalised by the tokens of the whole global batch, so the gradient is the same
+    whatever the world size and accumulation. `labels_vary`: the dataset has its own labels
+    (some tokens get no loss), so the tokens with a loss are counted; `sync_each`: reduce
+    gradients after every micro-batch (BuiltModel's policy)."""
     import torch
 
-    t0 = time.perf_counter()
-    batches = [data_lib.collate(ds, idx, dist.device, pad_id, cfg.data.padding_free) for idx in micro_batches]
-    data_seconds = time.perf_counter() - t0
     input_tokens = sum(b["attention_mask"].sum() if "attention_mask" in b else b["input_ids"].numel()
                        for b in batches)
-    if "labels" in ds.column_names or any(set(b) != {"input_ids", "labels"} for b in batches):
-        local_tokens = sum((b["labels"][:, 1:] != data_lib.IGNORE_INDEX).sum() for b in batches)
-        (global_tokens,) = all_sum(local_tokens, device=dist.device)
+    if labels_vary or any(set(b) != {"input_ids", "labels"} for b in batches):
+        # counted and summed over ranks on the device: no host synchronisation before the forward
+        global_tokens = sum((b["labels"][:, 1:] != data_lib.IGNORE_INDEX).sum() for b in batches).double()
+        if dist.world_size > 1:
+            torch.distributed.all_reduce(global_tokens)
+        scale = dist.world_size / global_tokens.clamp(min=1.0)
     else:  # packed blocks: every position but the first is predicted; no need to ask the others
         global_tokens = float(cfg.train.global_batch_size * (batches[0]["input_ids"].size(1) - 1))
-    # FSDP averages gradients over ranks; scale back up so the result is a sum over all tokens.
-    scale = dist.world_size / max(global_tokens, 1.0)
+        scale = dist.world_size / max(global_tokens, 1.0)
+    # FSDP averages gradients over ranks; `scale` brings the result back to a sum over all tokens.
     loss_sum = torch.zeros((), device=dist.device)
     for i, batch in enumerate(batches):
         if hasattr(model, "set_requires_gradient_sync"):  # FSDP; a QLoRA model is not sharded
@@ -103,4 +103,4 @@ def train_step(model, optimizer, scaler, ds, micro_batches, cfg: RunConfig, dist
     elif torch.isfinite(grad_norm):  # a NaN/inf update would poison every weight; fit() decides what next
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss_sum, global_tokens, input_tokens, grad_norm, data_seconds)
+    return StepResult(loss_sum, global_tokens, input_tokens, grad_norm)

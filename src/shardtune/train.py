@@ -200,9 +200,11 @@ class Trainer:
         gpu = GPUSampler(dist.device)
         start, first_step = time.perf_counter(), self.state.step
         preemption = Preemption()
+        prefetcher = self.prefetcher()
         try:
-            results["tokens"] = self._loop(log, trackers, progress, gpu, results, preemption)
+            results["tokens"] = self._loop(log, trackers, progress, gpu, results, preemption, prefetcher)
         finally:
+            prefetcher.close()
             preemption.restore()
             progress.close()
             log.close()
@@ -219,31 +221,45 @@ class Trainer:
                  f"({results['tokens_per_s']:.0f} tokens/s)")
         return results
 
-    def _loop(self, log, trackers, progress, gpu, results: dict, preemption) -> float:
+    def prefetcher(self) -> data_lib.Prefetcher:
+        """This rank's micro-batches of every step from the current one on, one step ahead."""
+        import torch
+
+        plan, cpu, pad_id = self.plan, torch.device("cpu"), self.tokenizer.pad_token_id or 0
+
+        def assemble(step: int) -> list[dict]:
+            epoch, in_epoch = divmod(step, plan.steps_per_epoch)
+            return [data_lib.collate(self.train_ds, indices, cpu, pad_id, self.cfg.data.padding_free)
+                    for indices in plan.micro_batches(epoch, in_epoch)]
+
+        return data_lib.Prefetcher(assemble, self.dist.device, self.state.step, self.total_steps)
+
+    def _loop(self, log, trackers, progress, gpu, results: dict, preemption, prefetcher) -> float:
         """Steps until done or preempted; returns the number of tokens trained on."""
         from .optim import lr_at, set_lr
 
         cfg, dist, plan, state = self.cfg, self.dist, self.plan, self.state
         meter = StepMeter(dist.world_size, self.flops_per_token,
                           device_peak_flops(dist.device, cfg.precision, cfg.log.peak_tflops))
-        pad_id = self.tokenizer.pad_token_id or 0
         trained_tokens = 0.0
+        labels_vary = "labels" in self.train_ds.column_names
         while state.step < self.total_steps:
-            epoch, step_in_epoch = divmod(state.step, plan.steps_per_epoch)
             lr = lr_at(state.step, self.total_steps, cfg.train)
             set_lr(self.optimizer, lr)
-            out = train_step(self.model, self.optimizer, self.scaler, self.train_ds,
-                             plan.micro_batches(epoch, step_in_epoch), cfg, dist, pad_id,
+            batches, data_seconds = prefetcher.take(state.step)
+            out = train_step(self.model, self.optimizer, self.scaler, batches, cfg, dist, labels_vary,
                              sync_each=self.built.sync_grads_each_micro_step)
+            del batches
             state.step = step = state.step + 1
-            # One small all-reduce a step: the global loss, the input tokens, and whether any
-            # rank was asked to stop (so all ranks stop at the same step).
+            # The step's one host synchronisation, once its work is queued: a small all-reduce of
+            # the global loss, the input tokens, and whether any rank was asked to stop (so all
+            # ranks stop at the same step). The values read after it are ready by then.
             loss_total, tokens, stop = all_sum(out.loss_sum, out.input_tokens, preemption.requested,
                                                device=dist.device)
             state.tokens_seen += tokens
             trained_tokens += tokens
-            meter.add(tokens, out.data_seconds)
-            loss = loss_total / max(out.loss_tokens, 1.0)
+            meter.add(tokens, data_seconds)
+            loss = loss_total / max(float(out.loss_tokens), 1.0)
             grad_norm = float(out.grad_norm)
             record = {}
             last = step == self.total_steps
