@@ -99,6 +99,7 @@ class LogConfig:
     trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = field(default_factory=list)  # beside metrics.jsonl
     project: str = "shardtune"  # W&B project / MLflow experiment
     peak_tflops: float | None = None  # device peak for MFU (default: table of common GPUs by name)
+    live_memory: int = 0  # track the peak bytes of live tensors over the first N steps (MemTracker; those steps run slower)
 
 
 @dataclass
@@ -131,6 +132,7 @@ class CheckpointConfig:
 @dataclass
 class RunConfig:
     output_dir: str | None = None  # default runs/<recipe>-<time>
+    save_final: bool = True  # write final/ (a plain HF folder) at the end; sweep trials turn it off
     precision: Literal["bf16", "fp16", "fp32"] = "fp32"  # compute dtype; master weights and reductions stay fp32
     activation_checkpointing: bool = False  # recompute each block's activations in backward (less memory)
     compile: bool = False  # torch.compile each decoder block before sharding
@@ -316,7 +318,8 @@ def validate(cfg: RunConfig) -> None:
             ("train.min_lr_ratio", t.min_lr_ratio, 0), ("eval.every_steps", e.every_steps, 0),
             ("eval.max_batches", e.max_batches, 0), ("data.val_size", d.val_size, 0),
             ("checkpoint.every_steps", c.every_steps, 0), ("checkpoint.keep_last", c.keep_last, 0),
-            ("loss_chunk_tokens", cfg.loss_chunk_tokens or 0, 0)]:
+            ("loss_chunk_tokens", cfg.loss_chunk_tokens or 0, 0),
+            ("log.live_memory", cfg.log.live_memory, 0)]:
         if value < least:
             raise UserError(f"{key} must be at least {least}, got {value}")
     for key, value in [("eval.micro_batch_size", e.micro_batch_size), ("log.peak_tflops", cfg.log.peak_tflops),

@@ -16,7 +16,7 @@ PLOTS = [
     ("throughput", "Throughput", "tokens / s", [("tokens_per_s", "")], False),
     ("mfu", "Model FLOPs utilisation", "MFU", [("mfu", "")], False),
     ("memory", "Peak memory", "GiB", [("mem_allocated_gib", "allocated"), ("mem_reserved_gib", "reserved"),
-                                      ("mem_rss_peak_gib", "host RSS")], False),
+                                      ("mem_rss_peak_gib", "host RSS"), ("mem_live_peak_gib", "live tensors")], False),
     ("gpu", "GPU utilisation", "%", [("gpu_util", "")], False),
 ]
 
@@ -83,7 +83,7 @@ def write_report(runs: list[Path], out: Path) -> Path:
     images = []
     for stem, title, ylabel, keys, log_scale in PLOTS:
         # One colour per run; train/validation (or allocated/reserved) told apart by line style.
-        lines = [(f"{name}{' ' + suffix if suffix else ''}", f"C{i}", ("-", "--", ":")[j], *series(rows, key))
+        lines = [(f"{name}{' ' + suffix if suffix else ''}", f"C{i}", ("-", "--", ":", "-.")[j], *series(rows, key))
                  for i, (name, rows) in enumerate(data.items()) for j, (key, suffix) in enumerate(keys)]
         lines = [line for line in lines if line[3]]
         if not lines:

@@ -19,8 +19,8 @@ from .parallel import apply_parallelism, build_mesh, detect_block_class
 from .rundir import default_output_dir
 from .slurm import PREEMPTED_MARKER
 from .step import all_sum, evaluate, train_step
-from .telemetry import GPUSampler, MetricsLog, Progress, StepMeter, device_peak_flops, flops_per_token, \
-    matmul_params, memory_stats
+from .telemetry import GPUSampler, LiveMemory, MetricsLog, Progress, StepMeter, device_peak_flops, \
+    flops_per_token, matmul_params, memory_stats
 
 
 def seed_everything(seed: int) -> None:
@@ -178,12 +178,14 @@ class Trainer:
         cfg, dist, plan = self.cfg, self.dist, self.plan
         meter = StepMeter(dist.world_size, self.flops_per_token,
                           device_peak_flops(dist.device, cfg.precision, cfg.log.peak_tflops))
+        live = LiveMemory(self.model, self.optimizer, dist.device, cfg.log.live_memory)
         pad_id = self.tokenizer.pad_token_id or 0
         trained_tokens = 0.0
         while self.step < self.total_steps:
             epoch, step_in_epoch = divmod(self.step, plan.steps_per_epoch)
-            out = train_step(self.model, self.optimizer, self.scaler, self.train_ds,
-                             plan.micro_batches(epoch, step_in_epoch), cfg, dist, pad_id)
+            with live.track():
+                out = train_step(self.model, self.optimizer, self.scaler, self.train_ds,
+                                 plan.micro_batches(epoch, step_in_epoch), cfg, dist, pad_id)
             lr = self.scheduler.get_last_lr()[0]
             self.scheduler.step()
             self.step = step = self.step + 1
@@ -204,7 +206,7 @@ class Trainer:
             elif step % cfg.log.every_steps == 0 or last:
                 record = {"step": step, "epoch": step / plan.steps_per_epoch, "loss": loss, "lr": lr,
                           "grad_norm": grad_norm, "tokens_seen": self.tokens_seen, **meter.report(),
-                          **memory_stats(dist.device), **gpu.read()}
+                          **memory_stats(dist.device), **live.read(), **gpu.read()}
                 if self.scaler:
                     record["loss_scale"] = float(self.scaler.get_scale())
                 progress.update(0, loss=loss, tok_s=record["tokens_per_s"])
@@ -283,7 +285,7 @@ def run(cfg: RunConfig, overwrite: bool = False) -> dict:
             torch.distributed.destroy_process_group()
         raise
     results = trainer.fit()
-    if not results.get("preempted"):  # a preempted run is finished by its resume
+    if cfg.save_final and not results.get("preempted"):  # a preempted run is finished by its resume
         trainer.export()
     trainer.close()
     return results
