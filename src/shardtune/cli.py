@@ -100,6 +100,23 @@ def build_parser() -> argparse.ArgumentParser:
                     "HF_HUB_OFFLINE=1, models and data from `shardtune download`)")
     sl.add_argument("-o", "--out", help="write the script here (default: print it)")
 
+    sw = sub.add_parser("sweep", help="short real runs over a grid of settings (sharding, precision, ...), the "
+                        "largest micro-batch that fits: csv, table, plots")
+    sw.add_argument("recipe", nargs="?", help="recipe YAML (omit for the quickstart)")
+    sw.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every trial")
+    sw.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2,...",
+                    help="a config key and its values (repeatable: every combination is a trial)")
+    sw.add_argument("--max-batch", action="store_true", help="per grid point, search the largest micro-batch "
+                    "per rank that fits (the global batch stays; accumulation adjusts)")
+    sw.add_argument("--steps", type=int, default=5, help="optimizer steps per trial (default: 5)")
+    sw.add_argument("--eval-steps", type=int, metavar="E", help="also train E steps and record the validation "
+                    "loss and perplexity then")
+    sw.add_argument("--nproc", type=int, default=1, metavar="N", help="ranks per trial (default: 1)")
+    sw.add_argument("--mem-limit", metavar="SIZE", help="memory per rank, e.g. 2GiB: on CPU a real cap on "
+                    "each trial process; on a GPU the budget a trial must stay under (default: the GPU's memory)")
+    sw.add_argument("--out", help="folder for sweep.csv, sweep.md, plots and trials (default: "
+                    "runs/sweep-<recipe>); rerunning with the same folder continues the sweep")
+
     dl = sub.add_parser("download", help="fill the Hugging Face cache (for compute nodes without network)")
     dl.add_argument("targets", nargs="+", metavar="TARGET", help="a recipe YAML (its model, tokenizer and "
                     "dataset), or hub ids: model:ID or dataset:ID (a bare ID is a model)")
@@ -242,6 +259,23 @@ def cmd_slurm(args) -> int:
     return 0
 
 
+def cmd_sweep(args) -> int:
+    from .sweep import Sweep, parse_grid, parse_size, run_sweep
+
+    recipe, overrides = _split_recipe(args.recipe, args.overrides)
+    defaults = None
+    if recipe is None:
+        from .quickstart import quickstart_defaults
+
+        defaults = quickstart_defaults()
+    sweep = Sweep(recipe, overrides, parse_grid(args.grid), steps=args.steps, eval_steps=args.eval_steps,
+                  max_batch=args.max_batch, nproc=args.nproc,
+                  mem_limit=parse_size(args.mem_limit) if args.mem_limit else None, defaults=defaults)
+    sweep.out = Path(args.out or f"runs/sweep-{Path(recipe).stem if recipe else 'quickstart'}")
+    print(f"sweep table written to {run_sweep(sweep)}")
+    return 0
+
+
 def cmd_download(args) -> int:
     from .download import download, targets_from_recipe
 
@@ -278,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = argv
     # key=value words after an option (`--nproc 2 train.lr=1e-3`) land in `extra`; any other
     # word there goes along too, so load_config reports it as an override that is not key=value.
-    if extra and (args.command not in ("train", "slurm") or any(w.startswith("-") for w in extra)):
+    if extra and (args.command not in ("train", "slurm", "sweep") or any(w.startswith("-") for w in extra)):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:
         args.overrides = [*args.overrides, *extra]
@@ -287,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     try:
         commands = {"train": cmd_train, "export": cmd_export, "eval": cmd_eval, "generate": cmd_generate,
-                    "report": cmd_report, "slurm": cmd_slurm, "download": cmd_download}
+                    "report": cmd_report, "slurm": cmd_slurm, "download": cmd_download,
+                    "sweep": cmd_sweep}
         return commands[args.command](args)
     except UserError as exc:
         if os.environ.get("RANK", "0") == "0":
