@@ -28,6 +28,12 @@ LIVE_STEPS = 2  # CPU trials count live tensor bytes over their first steps (the
 # (ENOMEM under the data-segment cap), Python, C++, and threads or libraries that could not be mapped.
 OOM_SIGNS = ("out of memory", "outofmemoryerror", "memoryerror", "can't allocate memory", "cannot allocate memory",
              "bad_alloc", "can't start new thread", "failed to map segment")
+# A capped CPU trial should run out of memory when its tensors (and the libraries) exceed the cap:
+# pyarrow's mimalloc maps a 1 GiB arena at once when it can and smaller ones when it cannot (the cap
+# would bind at random), and glibc keeps freed tensor buffers for reuse (the cap would bind on its
+# cache, which grows with the small Python objects that live-memory tracking allocates between them).
+CAPPED_ENV = {"ARROW_DEFAULT_MEMORY_POOL": "system", "MALLOC_MMAP_THRESHOLD_": "131072",
+              "MALLOC_TRIM_THRESHOLD_": "131072"}
 TRIAL_SETTINGS = ["save_final=false", "checkpoint.every_steps=0", "checkpoint.at_epoch_end=false", "resume=null",
                   "log.every_steps=1", "log.progress=false", "log.trackers=[]"]
 SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
@@ -228,9 +234,7 @@ def run_trial(sweep: Sweep, point: dict, micro_batch: int | None, name: str, cap
             *(["--nproc", str(sweep.nproc)] if sweep.nproc > 1 else [])]
     env = dict(os.environ)
     if cap:
-        # pyarrow's mimalloc maps a 1 GiB arena at once when it can, and smaller ones when it
-        # cannot, which makes a cap on the data segment bind at random; malloc grows with use.
-        env["ARROW_DEFAULT_MEMORY_POOL"] = "system"
+        env.update(CAPPED_ENV)
     start = time.perf_counter()
     with open(folder / "stdout.log", "w") as out, open(folder / "stderr.log", "w") as err:
         code = subprocess.run(argv, stdout=out, stderr=err, env=env,

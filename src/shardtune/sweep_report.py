@@ -38,7 +38,7 @@ def summarize_point(point: dict, records: list[dict], best: int | None, why: str
     if first_misfit is not None:
         note = "; ".join(filter(None, [note, f"mb {first_misfit['micro_batch']}: {first_misfit['status']}"
                                        + (f" ({first_misfit['note']})" if why == "broken" else "")]))
-    return {"point": point, "record": record, "micro_batch": best, "note": f"{note}; {len(records)} trials"}
+    return {"point": point, "record": record, "micro_batch": best, "note": f"{note}; {len(records)} trial{'s' if len(records) > 1 else ''}"}
 
 
 def _order(records: list[dict], points: list[dict]) -> list[dict]:
