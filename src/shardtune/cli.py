@@ -65,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--text-field", default="text", help="column holding the text (default: text)")
     ev.add_argument("--seq-len", type=int, help="block length (default: the run's data.seq_len, else 512)")
     ev.add_argument("--micro-batch-size", type=int, default=8, help="sequences per rank per forward (default: 8)")
-    ev.add_argument("--max-batches", type=int, default=0, help="evaluate the first N x micro-batch-size sequences (default: all)")
+    ev.add_argument("--max-batches", type=int, default=0,
+                    help="evaluate the first N x micro-batch-size sequences (default: all)")
     ev.add_argument("--compare", metavar="BASE", help="also evaluate BASE and print both side by side")
     ev.add_argument("--nproc", type=int, default=None, metavar="N", help="run on N local ranks")
     ev.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -138,8 +139,7 @@ def cmd_train(args) -> int:
         results = run(cfg, overwrite=args.overwrite)
         return EXIT_PREEMPTED if results.get("preempted") else 0
     # Parent of N local ranks: check what can be checked before starting anything.
-    from .checkpoint import prepare_run_dir
-    from .rundir import default_output_dir
+    from .rundir import default_output_dir, prepare_run_dir
 
     check_nproc(nproc, cfg.device)
     out = cfg.output_dir = cfg.output_dir or default_output_dir(cfg.recipe)
