@@ -36,6 +36,7 @@ class StepTrace:
     phases: dict[tuple, dict[str, int]]
     layers: int
     steady: dict[str, int] = field(default_factory=dict)  # held between steps (params, optimizer state)
+    params: dict[str, int] = field(default_factory=dict)  # total, trainable, matmul, matmul_trainable (unsharded)
 
     def peak(self, leave_out: tuple[str, ...] = ()) -> tuple[tuple, dict[str, int]]:
         """(phase, bytes by category) of the largest phase, not counting `leave_out` categories."""
@@ -54,7 +55,8 @@ def extrapolate(traces: dict[tuple[int, int], StepTrace], layers: int, micro_bat
     (activations grow with both, states with depth only). Phases are keyed by position (first,
     middle, last block, ...), so the same key means the same place at every depth."""
     (l0, m0), (l1, m1) = min(traces), max(traces)
-    x, y = (layers - l0) / (l1 - l0), (micro_batch - m0) / (m1 - m0)
+    x = (layers - l0) / (l1 - l0) if l1 != l0 else 0.0
+    y = (micro_batch - m0) / (m1 - m0)
 
     def at(key: tuple | None, category: str) -> int:
         def v(lm):
@@ -65,7 +67,10 @@ def extrapolate(traces: dict[tuple[int, int], StepTrace], layers: int, micro_bat
         return max(0, round(value))
     keys = set.intersection(*(set(t.phases) for t in traces.values()))
     phases = {key: {c: at(key, c) for c in CATEGORIES} for key in keys}
-    return StepTrace(phases, layers, {c: at(None, c) for c in CATEGORIES})
+    params = {name: round(traces[(l0, m0)].params[name] + (traces[(l1, m0)].params[name]
+                                                           - traces[(l0, m0)].params[name]) * x)
+              for name in traces[(l0, m0)].params}
+    return StepTrace(phases, layers, {c: at(None, c) for c in CATEGORIES}, params)
 
 
 def layer_count(hf_config) -> int:
@@ -97,16 +102,16 @@ def trace_step(cfg: RunConfig, hf_config, world_size: int, local_world_size: int
     blocks instead of the model's own, for extrapolation). It runs on CPU whatever the target;
     for target "cuda" the step makes the choices a GPU run makes: the loss chunk sized for CUDA
     and attention through the flash / memory-efficient kernels (no seq x seq scores held)."""
-    import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from . import loss as loss_lib
-    from .adapters import adapt
+    from .build import ModelSpec, build_model
     from .config import check_world
-    from .model import build_meta_model
-    from .optim import build_optimizer
-    from .parallel import apply_parallelism, build_mesh, detect_block_class
+    from .model import count_params
+    from .optim import build_grad_scaler, build_optimizer
+    from .parallel import build_mesh
     from .step import train_step
+    from .telemetry import matmul_params
 
     hf_config = copy.deepcopy(hf_config)
     if target == "cuda" and cfg.loss_chunk_tokens is None:
@@ -116,12 +121,13 @@ def trace_step(cfg: RunConfig, hf_config, world_size: int, local_world_size: int
         hf_config.num_hidden_layers = layers
     accum = check_world(cfg, world_size)
     with fake_world(world_size, local_world_size or world_size) as dist:
-        meta = build_meta_model(hf_config, cfg.model.trust_remote_code)
-        block_cls = detect_block_class(meta, cfg.fsdp.block_class)
-        model = adapt(meta, cfg, block_cls)
-        loss_lib.install(model, cfg.loss_chunk_tokens)
-        apply_parallelism(model, cfg, build_mesh(cfg, dist), dist.device)
-        blocks = [f"{type(model).__name__}.{name}" for name, m in model.named_modules() if isinstance(m, block_cls)]
+        built = build_model(ModelSpec.of_run(cfg, hf_config), build_mesh(cfg.fsdp, dist), dist.device)
+        model = built.model
+        total, trainable = count_params(model)
+        params = dict(zip(("total", "trainable", "matmul", "matmul_trainable"),
+                          (total, trainable, *matmul_params(model)), strict=True))
+        blocks = [f"{type(model).__name__}.{name}" for name, m in model.named_modules()
+                  if isinstance(m, built.block_cls)]
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device=dist.device)
             if hasattr(model, "tie_weights"):
@@ -129,11 +135,7 @@ def trace_step(cfg: RunConfig, hf_config, world_size: int, local_world_size: int
             model.train()
             optimizer = build_optimizer(model, cfg.train, dist.device, cfg.precision)
             _create_optimizer_state(model, optimizer)
-            scaler = None
-            if cfg.precision == "fp16":
-                from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-                scaler = ShardedGradScaler(device=dist.device.type)
+            scaler = build_grad_scaler(cfg.precision, dist.device)
             tracker = _phase_tracker(model, optimizer, blocks)
             # two micro-steps show what accumulation holds across them (unsharded gradients)
             micro = [[0] * cfg.train.micro_batch_size for _ in range(min(accum, 2))]
@@ -141,11 +143,12 @@ def trace_step(cfg: RunConfig, hf_config, world_size: int, local_world_size: int
             with tracker, _answer_scalars_mode(), _dtensor_meta_outside_trace(), attention:
                 handle = model.register_forward_pre_hook(tracker.next_micro_step, prepend=True)
                 try:
-                    train_step(model, optimizer, scaler, _ShapeOnlyData(cfg), micro, cfg, dist)
+                    train_step(model, optimizer, scaler, _ShapeOnlyData(cfg), micro, cfg, dist,
+                               sync_each=built.sync_grads_each_micro_step)
                 finally:
                     handle.remove()
             steady = tracker.current()
-    return StepTrace(tracker.peaks, layer_count(hf_config), steady)
+    return StepTrace(tracker.peaks, layer_count(hf_config), steady, params)
 
 
 def _create_optimizer_state(model, optimizer) -> None:
@@ -182,15 +185,21 @@ class _ShapeOnlyData:
 
 def _answer_scalars_mode():
     import torch
+    from torch._subclasses.fake_tensor import DataDependentOutputException
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class AnswerScalars(TorchDispatchMode):
-        """A fake tensor has no value: where the step reads one (finite gradient norm? inf found
-        by the scaler? token counts) answer "finite", "none found", 0 — the path a healthy step takes."""
+        """A fake tensor has no value unless fake mode knows it as a constant (the optimizer's
+        step count). Where the step reads an unknown one (is the gradient norm finite? did the
+        scaler find an inf? how many tokens?) answer "finite", "none found", 0: the path a
+        healthy step takes."""
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func is torch.ops.aten._local_scalar_dense.default:
-                return True if args[0].dtype == torch.bool else 0
+                try:
+                    return func(*args, **(kwargs or {}))
+                except DataDependentOutputException:
+                    return True if args[0].dtype == torch.bool else 0
             return func(*args, **(kwargs or {}))
 
     return AnswerScalars()

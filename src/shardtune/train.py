@@ -115,14 +115,10 @@ class Trainer:
                  f"accumulation {self.accum} | {self.total_steps} steps")
 
         from .checkpoint import ModelOptimizerState
-        from .optim import build_optimizer
+        from .optim import build_grad_scaler, build_optimizer
 
         self.optimizer = build_optimizer(model, t, dist.device, cfg.precision)
-        self.scaler = None
-        if cfg.precision == "fp16":
-            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-            self.scaler = ShardedGradScaler(device=dist.device.type)
+        self.scaler = build_grad_scaler(cfg.precision, dist.device)
         self.state = TrainState()
         rank0_first(dist, lambda: prepare_run_dir(cfg, overwrite) if dist.is_main else None)
         self.ckpt = Checkpointer(out / "checkpoints", cfg.checkpoint, ModelOptimizerState(model, self.optimizer),
