@@ -151,6 +151,50 @@ def trace_step(cfg: RunConfig, hf_config, world_size: int, local_world_size: int
     return StepTrace(tracker.peaks, layer_count(hf_config), steady, params)
 
 
+def measure_step(cfg: RunConfig, hf_config, dist) -> int:
+    """Peak bytes of live tensors during one steady training step of `cfg`, really run on this
+    rank of the current process group (what `trace_step` predicts): a first step creates the
+    optimizer state, the second is measured with torch's MemTracker (every storage allocated and
+    freed, not the process RSS, which the C allocator inflates). Collective."""
+    import torch
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from .build import ModelSpec, build_model
+    from .config import check_world
+    from .model import load_source_model
+    from .optim import build_grad_scaler, build_optimizer
+    from .parallel import build_mesh
+    from .step import train_step
+
+    accum = check_world(cfg, dist.world_size)
+    built = build_model(ModelSpec.of_run(cfg, hf_config), build_mesh(cfg.fsdp, dist), dist.device,
+                        source=lambda: load_source_model(cfg.model, hf_config, cfg.train.seed), seed=cfg.train.seed)
+    model = built.model.train()
+    optimizer = build_optimizer(model, cfg.train, dist.device, cfg.precision)
+    scaler = build_grad_scaler(cfg.precision, dist.device)
+    micro = [[0] * cfg.train.micro_batch_size for _ in range(accum)]
+    data = _ShapeOnlyData(cfg)
+    train_step(model, optimizer, scaler, data, micro, cfg, dist, sync_each=built.sync_grads_each_micro_step)
+    class StepTracker(MemTracker):
+        def _pre_fw_hook(self, module, inputs) -> None:
+            if module is model:  # a forward per micro-batch: per-module stats start afresh each time
+                self.reset_mod_stats()
+            super()._pre_fw_hook(module, inputs)
+
+        def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+            # its gradient hooks only label gradients (which are counted anyway) and cannot go
+            # on frozen parameters (LoRA, freezing)
+            return super()._track_module_params_and_buffers(module, install_grad_hooks=False)
+
+    tracker = StepTracker()
+    tracker.track_external(model, optimizer, *model.buffers())
+    with tracker:
+        train_step(model, optimizer, scaler, data, micro, cfg, dist, sync_each=built.sync_grads_each_micro_step)
+    peak = tracker.get_tracker_snapshot("peak")
+    return sum(snap["Total"] for device, snap in peak.items() if device.type == dist.device.type) \
+        if isinstance(next(iter(peak), None), torch.device) else 0
+
+
 def _create_optimizer_state(model, optimizer) -> None:
     """AdamW creates its state on its first step; make it now, so the traced step is a steady one."""
     import torch

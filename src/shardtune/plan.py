@@ -158,6 +158,7 @@ class Estimate:
     why_not: str = ""
     exact: bool = False  # traced whole (else extrapolated from the small copies)
     trace: StepTrace | None = field(default=None, repr=False)
+    at: object = field(default=None, repr=False)  # micro-batch -> StepTrace of this layout (screen())
 
 
 def step_time(trace: StepTrace, hf_config, cand: Candidate, cfg: RunConfig, target: Target, accum: int) -> float:
@@ -292,6 +293,8 @@ def search(cfg: RunConfig, hf_config, target: Target, say=print) -> list[Estimat
                 at = screen(layout, hf_config, target)
                 batch = [estimate(at(mb), hf_config, Candidate(sharding, ac, offload, precision, mb), layout, target)
                          for offload in (False, True) for mb in sizes]
+                for e in batch:
+                    e.at = at
                 estimates += batch
                 if not any(e.fits for e in batch):
                     misfit[ac] = f"needs more memory than {sharding} with checkpointing {'on' if ac else 'off'}"
@@ -301,7 +304,8 @@ def search(cfg: RunConfig, hf_config, target: Target, say=print) -> list[Estimat
 def largest_micro_batch(est: Estimate, cfg: RunConfig, hf_config, target: Target) -> int:
     """The largest power-of-two micro-batch of `est`'s layout that fits, whatever the global batch."""
     c = est.candidate
-    at = screen(layout_cfg(cfg, c.sharding, c.activation_checkpointing, c.precision, target), hf_config, target)
+    at = est.at or screen(layout_cfg(cfg, c.sharding, c.activation_checkpointing, c.precision, target), hf_config,
+                          target)
     best = 0
     for mb in (2 ** i for i in range(14)):
         trial = dataclasses.replace(c, micro_batch=mb)
@@ -339,7 +343,7 @@ def confirm(best: list[Estimate], cfg: RunConfig, hf_config, target: Target) -> 
                                              est.candidate.precision, target))
         full = trace_step(run, hf_config, target.world, target.gpus_per_node, target="cuda")
         exact = estimate(full, hf_config, est.candidate, run, target)
-        exact.exact = True
+        exact.exact, exact.at = True, est.at
         if exact.fits:
             return exact
         est.fits, est.why_not = False, f"extrapolated fit, but the full trace {exact.why_not}"
