@@ -188,6 +188,8 @@ def measure_step(cfg: RunConfig, hf_config, dist) -> int:
 
     tracker = StepTracker()
     tracker.track_external(model, optimizer, *model.buffers())
+    if dist.device.type == "cuda":  # torch.cuda.max_memory_* then cover the measured step only
+        torch.cuda.reset_peak_memory_stats(dist.device)
     with tracker:
         train_step(model, optimizer, scaler, data, micro, cfg, dist, sync_each=built.sync_grads_each_micro_step)
     peak = tracker.get_tracker_snapshot("peak")
