@@ -19,19 +19,17 @@ def check_loading(folder: str) -> float:
     """Max |difference| between a 2-rank sharded load of `folder` and a plain from_pretrained."""
     from transformers import AutoModelForCausalLM
 
-    from shardtune.config import RunConfig
+    from shardtune.build import ModelSpec, build_model
+    from shardtune.config import FSDPConfig, ModelConfig
     from shardtune.export import gather_full_state_dict
-    from shardtune.model import build_meta_model, load_hf_config, load_source_model, materialize
-    from shardtune.parallel import apply_parallelism, build_mesh
+    from shardtune.model import load_hf_config, load_source_model
+    from shardtune.parallel import build_mesh
 
-    cfg = RunConfig()
-    cfg.model.name_or_path = folder
+    model_cfg = ModelConfig(name_or_path=folder)
     d = init_distributed("cpu")
-    hf_config = load_hf_config(cfg.model)
-    model = build_meta_model(hf_config)
-    apply_parallelism(model, cfg, build_mesh(cfg, d), d.device)
-    source = load_source_model(cfg.model, hf_config, seed=0) if d.is_main else None
-    materialize(model, source, d.device, d.is_main)
+    hf_config = load_hf_config(model_cfg)
+    model = build_model(ModelSpec(hf_config), build_mesh(FSDPConfig(), d), d.device,
+                        source=lambda: load_source_model(model_cfg, hf_config, seed=0)).model
     full = gather_full_state_dict(model)
     buffers = {n: b.clone() for n, b in model.named_buffers()}
     if not d.is_main:

@@ -31,8 +31,6 @@ def check_quantize(cfg: PeftConfig, device) -> None:
     if device.type != "cuda":
         raise UserError("peft.quantize=4bit (QLoRA) needs a CUDA GPU and bitsandbytes; "
                         "on this machine use peft.quantize=none (plain LoRA)")
-    if cfg.method != "lora":
-        raise UserError("peft.quantize=4bit trains LoRA adapters on a frozen 4-bit base; set peft.method=lora")
     try:
         import bitsandbytes  # noqa: F401
     except ImportError:
@@ -58,9 +56,6 @@ def load_qlora_model(cfg, hf_config, device, world_size: int, seed: int):
     if world_size > 1:
         raise UserError("peft.quantize=4bit runs on one GPU; use --nproc 1, or peft.quantize=none for "
                         "sharded LoRA on several GPUs")
-    if cfg.model.name_or_path is None or cfg.model.random_init:
-        raise UserError("peft.quantize=4bit quantizes pretrained weights; set model.name_or_path and "
-                        "model.random_init=false")
     model = AutoModelForCausalLM.from_pretrained(
         cfg.model.name_or_path, config=hf_config, quantization_config=quantization_config(cfg.peft),
         dtype=torch.bfloat16, device_map={"": device.index or 0}, trust_remote_code=cfg.model.trust_remote_code)
@@ -84,9 +79,6 @@ def add_lora(model, cfg: PeftConfig, model_type: str, seed: int | None = None):
     if missing:
         raise UserError(f"peft.target_modules {missing} are not modules of this {model_type} model; "
                         f"choose among its linear layers: {', '.join(_linear_names(model)[:12])}")
-    if cfg.r < 1 or cfg.alpha <= 0 or not 0 <= cfg.dropout < 1:
-        raise UserError(f"LoRA needs peft.r >= 1, peft.alpha > 0 and 0 <= peft.dropout < 1; got r={cfg.r}, "
-                        f"alpha={cfg.alpha}, dropout={cfg.dropout}")
     if seed is not None:
         torch.manual_seed(seed)  # adapter init identical whatever the world size
     lora = LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
@@ -108,14 +100,12 @@ def _linear_names(model) -> list[str]:
     return sorted(names - {"lm_head", "score"})
 
 
-def adapt(model, cfg, block_cls: type, seed: int | None = None):
-    """LoRA and/or freezing as the run config asks; returns the (possibly wrapped) model."""
-    if cfg.peft.method == "lora":
-        if cfg.freeze.trainable_blocks is not None or cfg.freeze.head_only or cfg.freeze.embeddings:
-            raise UserError("freeze.* does not combine with peft.method=lora (LoRA already freezes the base); "
-                            "drop one of them")
-        return add_lora(model, cfg.peft, model.config.model_type, seed)
-    freeze(model, cfg.freeze, block_cls)
+def adapt(model, peft: PeftConfig, freeze_cfg: FreezeConfig, block_cls: type, seed: int | None = None):
+    """LoRA or freezing as the config asks (config.validate refuses both at once); returns the
+    (possibly wrapped) model."""
+    if peft.method == "lora":
+        return add_lora(model, peft, model.config.model_type, seed)
+    freeze(model, freeze_cfg, block_cls)
     return model
 
 
@@ -125,8 +115,6 @@ def freeze(model, cfg: FreezeConfig, block_cls: type) -> None:
 
     if cfg.trainable_blocks is None and not cfg.head_only and not cfg.embeddings:
         return
-    if cfg.head_only and cfg.trainable_blocks is not None:
-        raise UserError("freeze.head_only and freeze.trainable_blocks exclude each other; set only one")
     if cfg.head_only:
         model.requires_grad_(False)
         model.get_output_embeddings().weight.requires_grad_(True)

@@ -65,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--text-field", default="text", help="column holding the text (default: text)")
     ev.add_argument("--seq-len", type=int, help="block length (default: the run's data.seq_len, else 512)")
     ev.add_argument("--micro-batch-size", type=int, default=8, help="sequences per rank per forward (default: 8)")
-    ev.add_argument("--max-batches", type=int, default=0, help="evaluate the first N x micro-batch-size sequences (default: all)")
+    ev.add_argument("--max-batches", type=int, default=0,
+                    help="evaluate the first N x micro-batch-size sequences (default: all)")
     ev.add_argument("--compare", metavar="BASE", help="also evaluate BASE and print both side by side")
     ev.add_argument("--nproc", type=int, default=None, metavar="N", help="run on N local ranks")
     ev.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -99,6 +100,21 @@ def build_parser() -> argparse.ArgumentParser:
     sl.add_argument("--online", action="store_true", help="let compute nodes use the network (default: "
                     "HF_HUB_OFFLINE=1, models and data from `shardtune download`)")
     sl.add_argument("-o", "--out", help="write the script here (default: print it)")
+
+    pl = sub.add_parser("plan", help="predict each GPU's memory (no GPU needed) and pick the fastest config that fits")
+    pl.add_argument("recipe", nargs="?", help="recipe YAML (a path, or a name in ./recipes); omit for the quickstart")
+    pl.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    pl.add_argument("--gpus", type=int, default=None, metavar="N", help="GPUs per node")
+    pl.add_argument("--nodes", type=int, default=1, metavar="M", help="nodes (default 1)")
+    pl.add_argument("--gpu", metavar="NAME", help="a GPU from the table (memory, peak FLOP/s, link), e.g. A100-80GB")
+    pl.add_argument("--gpu-mem", metavar="SIZE", help="memory per GPU, e.g. 16GiB (overrides the table's)")
+    pl.add_argument("--host-mem", metavar="SIZE", help="host RAM per node; candidates needing more are dropped")
+    pl.add_argument("--peak-tflops", type=float, help="peak TFLOP/s per GPU (default: the table's)")
+    pl.add_argument("--bandwidth", type=float, metavar="GB/s", help="collective bandwidth per GPU inside a node "
+                    "(default: the table's NVLink/PCIe figure)")
+    pl.add_argument("--inter-node-bandwidth", type=float, metavar="GB/s", help="per GPU between nodes (default 12.5)")
+    pl.add_argument("--margin", type=float, default=0.05, help="share of GPU memory kept free (default 0.05)")
+    pl.add_argument("--json", action="store_true", help="machine-readable output")
 
     sw = sub.add_parser("sweep", help="short real runs over a grid of settings (sharding, precision, ...), the "
                         "largest micro-batch that fits: csv, table, plots")
@@ -155,8 +171,7 @@ def cmd_train(args) -> int:
         results = run(cfg, overwrite=args.overwrite)
         return EXIT_PREEMPTED if results.get("preempted") else 0
     # Parent of N local ranks: check what can be checked before starting anything.
-    from .checkpoint import prepare_run_dir
-    from .rundir import default_output_dir
+    from .rundir import default_output_dir, prepare_run_dir
 
     check_nproc(nproc, cfg.device)
     out = cfg.output_dir = cfg.output_dir or default_output_dir(cfg.recipe)
@@ -239,6 +254,20 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    from .config import load_config
+    from .plan_report import run_plan
+
+    recipe, overrides = _split_recipe(args.recipe, args.overrides)
+    defaults = None
+    if recipe is None:
+        from .quickstart import quickstart_defaults
+
+        defaults = quickstart_defaults()
+    cfg = load_config(recipe, overrides, defaults)
+    return run_plan(args, cfg, recipe, overrides)
+
+
 def cmd_slurm(args) -> int:
     from .config import load_config
     from .slurm import sbatch_script
@@ -312,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = argv
     # key=value words after an option (`--nproc 2 train.lr=1e-3`) land in `extra`; any other
     # word there goes along too, so load_config reports it as an override that is not key=value.
-    if extra and (args.command not in ("train", "slurm", "sweep") or any(w.startswith("-") for w in extra)):
+    if extra and (args.command not in ("train", "slurm", "plan", "sweep") or any(w.startswith("-") for w in extra)):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:
         args.overrides = [*args.overrides, *extra]
@@ -320,8 +349,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return EXIT_USAGE
     try:
-        commands = {"train": cmd_train, "export": cmd_export, "eval": cmd_eval, "generate": cmd_generate,
-                    "report": cmd_report, "slurm": cmd_slurm, "download": cmd_download,
+        commands = {"train": cmd_train, "plan": cmd_plan, "export": cmd_export, "eval": cmd_eval,
+                    "generate": cmd_generate, "report": cmd_report, "slurm": cmd_slurm, "download": cmd_download,
                     "sweep": cmd_sweep}
         return commands[args.command](args)
     except UserError as exc:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from . import formats
 from .config import DataConfig
-from .errors import UserError
+from .errors import UserError, first_line
 from .formats import IGNORE_INDEX
 
 BUILDERS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".csv": "csv",
@@ -81,13 +81,11 @@ def load_documents(cfg: DataConfig):
     except UserError:
         raise
     except datasets.exceptions.DatasetGenerationError as exc:  # e.g. a malformed JSON line
-        cause = str(exc.__cause__ or exc).strip().splitlines() or [type(exc).__name__]
-        raise UserError(f"could not read dataset {cfg.path!r} ({cause[0][:200]}); fix the file "
+        raise UserError(f"could not read dataset {cfg.path!r} ({first_line(exc.__cause__ or exc)}); fix the file "
                         "or point data.path elsewhere") from None
     except (FileNotFoundError, ConnectionError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         target = f"dataset:{cfg.path}" + (f":{cfg.name}" if cfg.name else "")
-        raise UserError(f"could not load dataset {cfg.path!r} ({first[:200]}); check data.path/data.name "
+        raise UserError(f"could not load dataset {cfg.path!r} ({first_line(exc)}); check data.path/data.name "
                         f"(no network? run `shardtune download {target}` where there is)") from None
     finally:
         datasets.logging.set_verbosity(verbosity)
@@ -176,7 +174,7 @@ def tokenize_split(docs, cfg: DataConfig, tokenizer, what: str, required: bool =
                        batched=True, num_proc=cfg.num_proc, desc="drop rows without loss")
     if required and len(rows) == 0:
         raise UserError(f"no example of {what} keeps a response (or assistant) token within data.cutoff_len="
-                        f"{cfg.cutoff_len or cfg.seq_len}; raise data.cutoff_len/data.seq_len or check the data")
+                        f"{cfg.example_cutoff}; raise data.cutoff_len/data.seq_len or check the data")
     if cfg.train_on_inputs:
         rows = rows.remove_columns("labels")  # labels == input_ids
     if cfg.packing:
@@ -188,10 +186,6 @@ def prepare(cfg: DataConfig, tokenizer, seed: int):
     """(train, val) torch datasets with `input_ids` (and `labels` where some tokens get no loss).
     text: packed blocks of seq_len; instruct/chat: one example per row, at most cutoff_len long,
     with a `length` column (see `lengths`), unless data.packing."""
-    cutoff = cfg.cutoff_len or cfg.seq_len
-    if cfg.format != "text" and not 2 <= cutoff <= cfg.seq_len:
-        raise UserError(f"data.cutoff_len={cfg.cutoff_len} must be between 2 and data.seq_len={cfg.seq_len}; "
-                        "lower it, or raise data.seq_len (the model's position limit is checked against seq_len)")
     splits = load_documents(cfg)
     train_docs, val_docs = split_documents(cfg, splits, seed)
     if len(train_docs) == 0:

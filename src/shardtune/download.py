@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .errors import UserError
+from .errors import UserError, first_line
 
 # Weights in formats shardtune never reads: skipped so a 7B download is not three 7B downloads.
 IGNORE = ["*.h5", "*.msgpack", "*.ot", "*.onnx", "*.onnx_data", "onnx/*", "coreml/*", "*.tflite", "*.mlmodel",
@@ -45,11 +45,6 @@ def targets_from_recipe(recipe: str, overrides: list[str] | None = None) -> list
     if cfg.data.path and not _is_local(cfg.data.path):
         found.append(("dataset", cfg.data.path, cfg.data.name))
     return found
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:200] if text else type(exc).__name__
 
 
 def download(targets: list[tuple[str, str, str | None]], cache_dir: str | None = None) -> list[str]:
@@ -84,7 +79,7 @@ def _download_model(repo: str, cache_dir: str | None) -> str:
         raise UserError(f"model {repo!r} not found on the Hugging Face hub (or it is gated); check the name, "
                         "and for gated models accept the license on the hub and `hf auth login`") from None
     except (HfHubHTTPError, OSError, ValueError) as exc:
-        raise UserError(f"could not download model {repo!r} ({_first_line(exc)}); check the network "
+        raise UserError(f"could not download model {repo!r} ({first_line(exc)}); check the network "
                         "and the name") from None
 
 
@@ -96,7 +91,7 @@ def _download_dataset(repo: str, config_name: str | None, cache_dir: str | None)
     try:
         loaded = datasets.load_dataset(repo, config_name, cache_dir=cache_dir)
     except Exception as exc:  # datasets raises many kinds (not found, no config name, network)
-        raise UserError(f"could not download dataset {label!r} ({type(exc).__name__}: {_first_line(exc)}); "
+        raise UserError(f"could not download dataset {label!r} ({type(exc).__name__}: {first_line(exc)}); "
                         "check the name and the network (a dataset with several configs needs "
                         "dataset:ID:CONFIG or data.name in the recipe)") from None
     files = [f["filename"] for split in loaded.values() for f in split.cache_files]

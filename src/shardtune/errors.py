@@ -8,3 +8,11 @@ class UserError(Exception):
 
     The message should name the problem and the fix.
     """
+
+
+def first_line(exc: BaseException, limit: int = 200, last: bool = False) -> str:
+    """One line of an exception's text for a UserError message: the first line (or the `last`,
+    for errors that carry a retold traceback), at most `limit` characters; the type's name when
+    the exception has no text."""
+    lines = str(exc).strip().splitlines()
+    return (lines[-1] if last else lines[0])[:limit] if lines else type(exc).__name__

@@ -11,70 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .errors import UserError
-
-
-def resolve_model(spec: str) -> tuple[str, Path | str]:
-    """("checkpoint", folder) or ("hf", folder or hub id). A run folder means its final/
-    export if it has one, else its newest checkpoint."""
-    from .checkpoint import resolve_checkpoint
-
-    path = Path(spec).expanduser()
-    if (path / "final" / "config.json").is_file():
-        return "hf", path / "final"
-    for folder in (path, path / "final"):  # a LoRA run's final/: adapter (+ base)
-        if (folder / "adapter_config.json").is_file():
-            return "adapter", folder
-    if (path / "meta.json").exists() or (path / ".metadata").exists() or (path / "checkpoints").is_dir() \
-            or path.name == "checkpoints":
-        return "checkpoint", resolve_checkpoint(path)
-    if path.is_dir() and not (path / "config.json").is_file():
-        raise UserError(f"{spec!r} is neither a model folder (config.json) nor a shardtune checkpoint or run folder")
-    return "hf", spec
-
-
-def load_model(spec: str, device: str = "cpu", weights: bool = True):
-    """(model or None, tokenizer, hf_config, run config or None) in this process. Without
-    `weights` only the small parts are read; a checkpoint brings the config of its run."""
-    kind, where = resolve_model(spec)
-    if kind == "checkpoint":
-        from .checkpoint import load_plain_model, read_meta
-        from .config import load_config
-
-        run_cfg = load_config(None, None, defaults=read_meta(where)["config"])
-        if weights:
-            model, tokenizer, _ = load_plain_model(where, device)
-            return model, tokenizer, model.config, run_cfg
-        from transformers import AutoConfig, AutoTokenizer
-
-        trust = run_cfg.model.trust_remote_code
-        return (None, AutoTokenizer.from_pretrained(where / "tokenizer", trust_remote_code=trust),
-                AutoConfig.from_pretrained(where, trust_remote_code=trust), run_cfg)
-    import torch
-
-    if kind == "adapter":  # evaluate/generate with the adapter folded into its base
-        import json
-
-        from transformers import AutoConfig, AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(where)
-        if not weights:
-            base = json.loads((where / "adapter_config.json").read_text())["base_model_name_or_path"]
-            return None, tokenizer, AutoConfig.from_pretrained(base), None
-        from peft import AutoPeftModelForCausalLM
-
-        model = AutoPeftModelForCausalLM.from_pretrained(str(where)).merge_and_unload()
-        return model.to(torch.device(device)).eval(), tokenizer, model.config, None
-
-    from .config import ModelConfig
-    from .model import load_hf_config, load_source_model, load_tokenizer
-
-    mc = ModelConfig(name_or_path=str(where))
-    tokenizer, hf_config = load_tokenizer(mc), load_hf_config(mc)
-    if not weights:
-        return None, tokenizer, hf_config, None
-    model = load_source_model(mc, hf_config, seed=0).to(torch.device(device))
-    return model.eval(), tokenizer, hf_config, None
-
+from .loading import load_model
 
 # ----------------------------------------------------------------------------- eval
 
@@ -116,28 +53,27 @@ def eval_one(spec: str, args, dist, data_cfg) -> dict:
     """Metrics of one model over all ranks (collective), on the data that `data_cfg` (the run
     config of the evaluated checkpoint, or None) and args select."""
     from . import data as data_lib
-    from . import loss as loss_lib
-    from .config import RunConfig
+    from .build import ModelSpec, build_model
     from .launch import rank0_first
-    from .model import build_meta_model, check_seq_len, materialize
-    from .parallel import apply_parallelism, build_mesh
+    from .model import check_seq_len
+    from .parallel import build_mesh
     from .step import evaluate
 
     # Rank 0 alone reads the full weights; the other ranks only the config and tokenizer.
     source, tokenizer, hf_config, run_cfg = rank0_first(dist, lambda: load_model(spec, weights=dist.is_main))
     ds = rank0_first(dist, lambda: eval_blocks(args, data_cfg, tokenizer))
     check_seq_len(hf_config, len(ds[0]["input_ids"]))
-    layout = RunConfig()  # eval needs no training settings: fp32, full_shard
-    model = build_meta_model(hf_config, bool(run_cfg and run_cfg.model.trust_remote_code))
-    loss_lib.install(model, run_cfg.loss_chunk_tokens if run_cfg else None)
-    apply_parallelism(model, layout, build_mesh(layout, dist), dist.device)
-    materialize(model, source if dist.is_main else None, dist.device, dist.is_main)
+    # fp32, full_shard: evaluation needs none of the run's training settings
+    layout = ModelSpec(hf_config, loss_chunk_tokens=run_cfg.loss_chunk_tokens if run_cfg else None,
+                       trust_remote_code=bool(run_cfg and run_cfg.model.trust_remote_code))
+    held = [source]  # popped by build_model: rank 0's full copy is freed once it is handed out
     del source
+    model = build_model(layout, build_mesh(layout.fsdp, dist), dist.device, source=held.pop).model
     batches = data_lib.eval_batches(len(ds), args.micro_batch_size, dist.world_size, dist.rank, args.max_batches)
     metrics = evaluate(model, ds, batches, dist.device)
     metrics["sequences"] = sum(1 for b in batches for i in b if i >= 0)
     if dist.world_size > 1:
-        from .step import all_sum
+        from .launch import all_sum
 
         (metrics["sequences"],) = all_sum(metrics["sequences"], device=dist.device)
     metrics["sequences"] = int(metrics["sequences"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .errors import UserError
+from .errors import UserError, first_line
 
 
 def gather_full_state_dict(model) -> dict:
@@ -43,7 +43,8 @@ def export_checkpoint(spec: str, out: Path, max_shard_size: str = "2GB") -> Path
     One process, one copy of the weights; no process group and no optimizer state."""
     from transformers.utils import logging as hf_logging
 
-    from .checkpoint import load_plain_model, resolve_checkpoint
+    from .checkpoint import resolve_checkpoint
+    from .loading import load_plain_model
 
     hf_logging.set_verbosity_error()
     path = resolve_checkpoint(spec)
@@ -70,8 +71,7 @@ def push_to_hub(folder: Path, repo: str, private: bool = False) -> None:
         api.create_repo(repo, private=private, exist_ok=True)
         api.upload_folder(folder_path=str(folder), repo_id=repo, commit_message="Upload with shardtune export")
     except Exception as exc:  # the hub raises many kinds; the user needs the first line of any
-        first = (str(exc).strip().splitlines() or [""])[0][:200]
-        raise UserError(f"could not push to the hub repo {repo!r} ({type(exc).__name__}: {first}); check the "
+        raise UserError(f"could not push to the hub repo {repo!r} ({type(exc).__name__}: {first_line(exc)}); check the "
                         f"network and `hf auth login`; the export itself is in {folder}") from None
     print(f"pushed {folder} to https://huggingface.co/{repo}", flush=True)
 

@@ -24,7 +24,7 @@ class Dist:
     world_size: int
     local_rank: int
     local_world_size: int
-    device: "torch.device"  # noqa: F821
+    device: torch.device  # noqa: F821
 
     @property
     def is_main(self) -> bool:
@@ -56,7 +56,7 @@ def _adopt_slurm_env() -> None:
     env.setdefault("MASTER_PORT", str(29500 + int(env.get("SLURM_JOB_ID", "0")) % 1000))
 
 
-def resolve_device(requested: str) -> "torch.device":  # noqa: F821
+def resolve_device(requested: str) -> torch.device:  # noqa: F821
     import torch
 
     if requested == "cuda" and not torch.cuda.is_available():
@@ -168,3 +168,14 @@ def broadcast_value(dist: Dist, value):
     box = [value]
     tdist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def all_sum(*values, device) -> list[float]:
+    """The element-wise sum of `values` over all ranks, as floats (one all-reduce; a host sync)."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values])
+    if dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t.tolist()

@@ -1,4 +1,4 @@
-"""AdamW with the usual decay groups, and the learning-rate schedule."""
+"""AdamW with the usual decay groups, and the learning rate as a function of the step."""
 
 from __future__ import annotations
 
@@ -24,6 +24,15 @@ def build_optimizer(model, cfg: TrainConfig, device, precision: str = "fp32"):
                              foreach=None if fused else True)
 
 
+def build_grad_scaler(precision: str, device):
+    """fp16 needs a (sharded) gradient scaler; bf16 and fp32 none."""
+    if precision != "fp16":
+        return None
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    return ShardedGradScaler(device=device.type)
+
+
 def lr_factor(step: int, total: int, cfg: TrainConfig) -> float:
     """Multiplier of cfg.lr at optimizer step `step` (0-based): linear warmup, then decay."""
     if cfg.warmup_steps and step < cfg.warmup_steps:
@@ -39,7 +48,12 @@ def lr_factor(step: int, total: int, cfg: TrainConfig) -> float:
     return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
 
 
-def build_scheduler(optimizer, total_steps: int, cfg: TrainConfig):
-    import torch
+def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
+    """The learning rate of optimizer step `step` (0-based): a pure function of the step, so a
+    resumed run needs no scheduler state."""
+    return cfg.lr * lr_factor(step, total, cfg)
 
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total_steps, cfg))
+
+def set_lr(optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr

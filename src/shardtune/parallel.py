@@ -4,7 +4,7 @@ activation checkpointing -> compile -> fully_shard per unit -> fully_shard on th
 
 from __future__ import annotations
 
-from .config import RunConfig
+from .config import FSDPConfig
 from .errors import UserError
 from .launch import Dist
 
@@ -30,20 +30,19 @@ def detect_block_class(model, override: str | None = None) -> type:
     return type(max(lists, key=len)[0])
 
 
-def build_mesh(cfg: RunConfig, dist: Dist):
+def build_mesh(fsdp: FSDPConfig, dist: Dist):
     """1-D mesh for full_shard/shard_grad_op; 2-D (replicate, shard) for hybrid_shard and no_shard."""
     from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.world_size
-    sharding = cfg.fsdp.sharding
+    sharding = fsdp.sharding
     if sharding in ("full_shard", "shard_grad_op"):
         return init_device_mesh(dist.device.type, (world,), mesh_dim_names=("shard",))
     if sharding == "no_shard":  # pure data parallel: replicate everywhere, shard groups of one
         replicate, shard = world, 1
     else:
-        shard = cfg.fsdp.shard_size or (world // cfg.fsdp.replicate_size if cfg.fsdp.replicate_size
-                                        else dist.local_world_size)
-        replicate = cfg.fsdp.replicate_size or (world // shard if shard else 0)
+        shard = fsdp.shard_size or (world // fsdp.replicate_size if fsdp.replicate_size else dist.local_world_size)
+        replicate = fsdp.replicate_size or (world // shard if shard else 0)
         if shard < 1 or replicate * shard != world:
             raise UserError(f"hybrid_shard needs replicate_size x shard_size = world size {world}, got "
                             f"{replicate} x {shard}; set fsdp.shard_size to a divisor of {world}")
@@ -59,51 +58,51 @@ def mixed_precision(precision: str):
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
 
 
-def apply_parallelism(model, cfg: RunConfig, mesh, device) -> list:
-    """Shard `model` in place. Returns the FSDP units (in forward order) below the root."""
+def reshard_after_forward(sharding: str, shard_group_size: int) -> bool:
+    """The sharding policy, decided here only: free gathered parameters after forward (and keep
+    gradients sharded between micro-batches) for full_shard and hybrid_shard, where a shard
+    group has several ranks. With one rank in the group there is nothing to free, and
+    re-gathering would only copy (10 % of a 1-rank step on CPU)."""
+    return sharding in ("full_shard", "hybrid_shard") and shard_group_size > 1
+
+
+def apply_parallelism(model, spec, block_cls: type, mesh, device) -> tuple[list, bool]:
+    """Shard `model` in place as `spec` (build.ModelSpec) says. Returns the FSDP units (in
+    forward order) below the root, and whether they are resharded after forward."""
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
-    block_cls = detect_block_class(model, cfg.fsdp.block_class)
+    fsdp = spec.fsdp
     blocks = [m for m in model.modules() if isinstance(m, block_cls)]
 
-    if cfg.activation_checkpointing:
+    if spec.activation_checkpointing:
         if not getattr(model, "supports_gradient_checkpointing", False):
             raise UserError(f"{type(model).__name__} does not support activation checkpointing; "
                             "set activation_checkpointing=false")
         # transformers' per-layer checkpointing keeps parameter names unchanged.
-        enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.x name
-        if enable is not None:
-            enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
 
-    if cfg.compile:
+    if spec.compile:
         for block in blocks:
             block.compile()  # in place: parameter names unchanged
 
     kwargs = dict(
         mesh=mesh,
-        mp_policy=mixed_precision(cfg.precision),
+        mp_policy=mixed_precision(spec.precision),
         # pinned host memory needs CUDA; on CPU, pinning fails
-        offload_policy=CPUOffloadPolicy(pin_memory=device.type == "cuda") if cfg.fsdp.cpu_offload
+        offload_policy=CPUOffloadPolicy(pin_memory=device.type == "cuda") if fsdp.cpu_offload
         else OffloadPolicy(),
     )
-    # Free parameters after forward only where a shard group has several ranks: with one, there
-    # is nothing to free, and re-gathering would only copy (10 % of a 1-rank step on CPU).
-    reshard = cfg.fsdp.sharding in ("full_shard", "hybrid_shard") and mesh.size(mesh.ndim - 1) > 1
-    if cfg.fsdp.wrap == "block":
-        units = blocks
-    else:
-        units = _size_based_units(model, cfg.fsdp.min_num_params)
+    reshard = reshard_after_forward(fsdp.sharding, mesh.size(mesh.ndim - 1))
+    units = blocks if fsdp.wrap == "block" else _size_based_units(model, fsdp.min_num_params)
     for unit in units:
         fully_shard(unit, reshard_after_forward=reshard, **kwargs)
-    if cfg.fsdp.wrap == "block":
+    if fsdp.wrap == "block":
         _shard_embeddings(model, reshard, kwargs)
     # The root keeps what is left (final norm, ...); it is needed again right at the start of backward.
     fully_shard(model, reshard_after_forward=False, **kwargs)
-    _set_prefetch(units, cfg.fsdp.forward_prefetch, cfg.fsdp.backward_prefetch)
-    return units
+    _set_prefetch(units, fsdp.forward_prefetch, fsdp.backward_prefetch)
+    return units, reshard
 
 
 def _shard_embeddings(model, reshard: bool, kwargs: dict) -> None:

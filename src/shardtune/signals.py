@@ -14,6 +14,8 @@ import signal
 import threading
 
 EXIT_PREEMPTED = 75
+# left in the output folder by a preempted run, for job scripts that cannot see the ranks' exit code
+PREEMPTED_MARKER = "PREEMPTED"
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 

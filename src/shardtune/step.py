@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from . import data as data_lib
 from . import loss as loss_lib
 from .config import RunConfig
-from .launch import Dist
+from .launch import Dist, all_sum
 from .telemetry import perplexity
 
 
@@ -34,16 +34,6 @@ def token_loss(model, batch, accuracy: bool = False):
     return loss_sum, mask.sum(), correct
 
 
-def all_sum(*values, device):
-    import torch
-    import torch.distributed as dist
-
-    t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values])
-    if dist.get_world_size() > 1:
-        dist.all_reduce(t)
-    return t.tolist()
-
-
 def evaluate(model, ds, batches, device, pad_id: int = 0) -> dict:
     """Token-weighted validation loss, perplexity and next-token accuracy over all ranks."""
     import torch
@@ -66,18 +56,18 @@ def evaluate(model, ds, batches, device, pad_id: int = 0) -> dict:
 
 @dataclass
 class StepResult:
-    loss_sum: "torch.Tensor"  # noqa: F821  this rank's summed token loss (device tensor, no sync)
+    loss_sum: torch.Tensor  # noqa: F821  this rank's summed token loss (device tensor, no sync)
     loss_tokens: float  # tokens with a loss in the whole global batch
-    input_tokens: "torch.Tensor | int"  # noqa: F821  tokens this rank fed the model (padding excluded)
-    grad_norm: "torch.Tensor"  # noqa: F821
+    input_tokens: torch.Tensor | int  # noqa: F821  tokens this rank fed the model (padding excluded)
+    grad_norm: torch.Tensor  # noqa: F821
     data_seconds: float  # time spent assembling batches
 
 
 def train_step(model, optimizer, scaler, ds, micro_batches, cfg: RunConfig, dist: Dist,
-               pad_id: int = 0) -> StepResult:
+               pad_id: int = 0, sync_each: bool = False) -> StepResult:
     """One optimizer step over this rank's micro-batches. The loss is normalised by the tokens
     of the whole global batch, so the gradient is the same whatever the world size and
-    accumulation."""
+    accumulation. `sync_each`: reduce gradients after every micro-batch (BuiltModel's policy)."""
     import torch
 
     t0 = time.perf_counter()
@@ -92,8 +82,6 @@ def train_step(model, optimizer, scaler, ds, micro_batches, cfg: RunConfig, dist
         global_tokens = float(cfg.train.global_batch_size * (batches[0]["input_ids"].size(1) - 1))
     # FSDP averages gradients over ranks; scale back up so the result is a sum over all tokens.
     scale = dist.world_size / max(global_tokens, 1.0)
-    # keep gradients sharded between micro-steps (memory), unless there is only one rank to shard over
-    sync_each = cfg.fsdp.sharding in ("full_shard", "hybrid_shard") and dist.world_size > 1
     loss_sum = torch.zeros((), device=dist.device)
     for i, batch in enumerate(batches):
         if hasattr(model, "set_requires_gradient_sync"):  # FSDP; a QLoRA model is not sharded

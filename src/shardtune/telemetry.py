@@ -90,24 +90,6 @@ def perplexity(loss: float) -> float:
 
 # ----------------------------------------------------------------------------- MFU
 
-# Dense peak TFLOP/s by device-name fragment: (bf16, fp16, fp32). fp32 is plain (non-TF32) math.
-PEAK_TFLOPS = {
-    "H200": (989.4, 989.4, 66.9),
-    "H100": (989.4, 989.4, 66.9),
-    "H800": (989.4, 989.4, 66.9),  # SXM; the PCIe card is lower — override with log.peak_tflops
-    "A100": (312.0, 312.0, 19.5),
-    "L40S": (362.1, 362.1, 91.6),
-    "A10G": (70.0, 70.0, 31.2),
-    "A10": (125.0, 125.0, 31.2),
-    "L4": (121.0, 121.0, 30.3),
-    "RTX 4090": (165.2, 165.2, 82.6),
-    "RTX 3090": (71.0, 71.0, 35.6),
-    "A6000": (154.8, 154.8, 38.7),
-    "V100": (0.0, 125.0, 15.7),
-    "T4": (0.0, 65.0, 8.1),
-}
-
-
 def device_peak_flops(device, precision: str, override_tflops: float | None = None) -> float | None:
     """Peak FLOP/s of one device for this precision, or None when unknown (e.g. a CPU)."""
     if override_tflops:
@@ -116,12 +98,10 @@ def device_peak_flops(device, precision: str, override_tflops: float | None = No
         return None
     import torch
 
-    name = torch.cuda.get_device_name(device)
-    column = {"bf16": 0, "fp16": 1, "fp32": 2}[precision]
-    for fragment, peaks in PEAK_TFLOPS.items():
-        if fragment in name and peaks[column]:
-            return peaks[column] * 1e12
-    return None
+    from .hardware import gpu_by_device_name
+
+    gpu = gpu_by_device_name(torch.cuda.get_device_name(device))
+    return gpu.peak_flops(precision) if gpu is not None and gpu.supports(precision) else None
 
 
 def flops_per_token(num_params: int, hf_config, seq_len: int, trainable: int | None = None) -> float:
