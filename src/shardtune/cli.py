@@ -289,7 +289,8 @@ def cmd_slurm(args) -> int:
 
 
 def cmd_sweep(args) -> int:
-    from .sweep import Sweep, parse_grid, parse_size, run_sweep
+    from .hardware import parse_size
+    from .sweep import Sweep, parse_grid, run_sweep
 
     recipe, overrides = _split_recipe(args.recipe, args.overrides)
     defaults = None
@@ -299,7 +300,7 @@ def cmd_sweep(args) -> int:
         defaults = quickstart_defaults()
     sweep = Sweep(recipe, overrides, parse_grid(args.grid), steps=args.steps, eval_steps=args.eval_steps,
                   max_batch=args.max_batch, nproc=args.nproc,
-                  mem_limit=parse_size(args.mem_limit) if args.mem_limit else None, defaults=defaults)
+                  mem_limit=parse_size(args.mem_limit, "--mem-limit") if args.mem_limit else None, defaults=defaults)
     sweep.out = Path(args.out or f"runs/sweep-{Path(recipe).stem if recipe else 'quickstart'}")
     print(f"sweep table written to {run_sweep(sweep)}")
     return 0

@@ -15,29 +15,16 @@ import itertools
 import json
 import os
 import re
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 from .errors import UserError
+from .hardware import GIB
+from .sweep_report import describe, method_label, summarize_point, write_outputs
+from .sweep_trial import LIVE_STEPS, run_trial
 
-LIVE_STEPS = 2  # CPU trials count live tensor bytes over their first steps (the peak is in step 2)
-# What a failed trial prints when it ran out of memory: CUDA's allocator, torch's CPU allocator
-# (ENOMEM under the data-segment cap), Python, C++, and threads or libraries that could not be mapped.
-OOM_SIGNS = ("out of memory", "outofmemoryerror", "memoryerror", "can't allocate memory", "cannot allocate memory",
-             "bad_alloc", "can't start new thread", "failed to map segment")
-# A capped CPU trial should run out of memory when its tensors (and the libraries) exceed the cap:
-# pyarrow's mimalloc maps a 1 GiB arena at once when it can and smaller ones when it cannot (the cap
-# would bind at random), and glibc keeps freed tensor buffers for reuse (the cap would bind on its
-# cache, which grows with the small Python objects that live-memory tracking allocates between them).
-CAPPED_ENV = {"ARROW_DEFAULT_MEMORY_POOL": "system", "MALLOC_MMAP_THRESHOLD_": "131072",
-              "MALLOC_TRIM_THRESHOLD_": "131072"}
+VERDICTS = {"ok": "fits", "oom": "too_big", "over_limit": "too_big"}  # a trial's status, for the search
 TRIAL_SETTINGS = ["save_final=false", "checkpoint.every_steps=0", "checkpoint.at_epoch_end=false", "resume=null",
                   "log.every_steps=1", "log.progress=false", "log.trackers=[]"]
-SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
-              "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
 
 
 @dataclasses.dataclass
@@ -50,7 +37,7 @@ class Sweep:
     eval_steps: int | None = None
     max_batch: bool = False
     nproc: int = 1
-    mem_limit: int | None = None  # bytes: the cap on a CPU trial's data segment, the budget on a GPU
+    mem_limit: int | None = None  # bytes per rank: the cap on a CPU trial's data segment, the budget on a GPU
     out: Path = Path("runs/sweep")
     defaults: dict | None = None  # the quickstart's settings when there is no recipe
     device: str = "cpu"  # where the trials run: "cpu" or "cuda"
@@ -114,7 +101,8 @@ def parse_grid(texts: list[str]) -> list[tuple[str, list[str]]]:
         key = key.strip()
         values = split_values(raw) if raw.strip() else []
         if not sep or not key or not values or "" in values:
-            raise UserError(f"--grid {text!r} is not KEY=V1,V2,...; write it like --grid fsdp.sharding=full_shard,no_shard")
+            raise UserError(f"--grid {text!r} is not KEY=V1,V2,...; write it like "
+                            "--grid fsdp.sharding=full_shard,no_shard")
         if key in ("output_dir", "resume"):
             raise UserError(f"--grid {key} is set by the sweep for each trial; sweep other keys")
         if key in dict(grid):
@@ -123,17 +111,6 @@ def parse_grid(texts: list[str]) -> list[tuple[str, list[str]]]:
             raise UserError(f"--grid {key} repeats a value ({raw}); list each value once")
         grid.append((key, values))
     return grid
-
-
-def parse_size(text: str) -> int:
-    """`2GiB`, `512MiB`, `1.5G`, `4e9` -> bytes (G/M/K without `i` are powers of 10)."""
-    m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-z]*)\s*", text.lower())
-    if not m or m.group(2) not in SIZE_UNITS:
-        raise UserError(f"--mem-limit {text!r} is not a size; write it like 2GiB, 512MiB or 8GB")
-    size = int(float(m.group(1)) * SIZE_UNITS[m.group(2)])
-    if size <= 0:
-        raise UserError(f"--mem-limit must be positive, got {text!r}")
-    return size
 
 
 def check(sweep: Sweep) -> None:
@@ -206,108 +183,64 @@ def search_max_batch(candidates: list[int], seed: int, attempt) -> tuple[int | N
     return candidates[lo], "all fit" if lo == len(candidates) - 1 else "boundary"
 
 
-def seed_index(candidates: list[int], start: int, limit: int | None, predict=None) -> int:
-    """Where the search starts: the largest micro-batch whose predicted peak fits the limit,
-    or without a prediction the recipe's own micro-batch."""
-    if predict is not None and limit is not None:
-        fitting = [i for i, mb in enumerate(candidates) if predict(mb) <= limit]
-        return fitting[-1] if fitting else 0
-    below = [i for i, mb in enumerate(candidates) if mb <= start]
-    return below[-1] if below else 0
+def seed_index(candidates: list[int], start: int, budget: int | None, predict=None) -> int:
+    """Where the search starts: the largest micro-batch whose predicted peak fits the budget
+    (bisection: predictions grow with the micro-batch), else the recipe's own micro-batch."""
+    if predict is None or budget is None or predict(candidates[0]) is None:
+        return max([i for i, mb in enumerate(candidates) if mb <= start] or [0])
+    lo, hi = -1, len(candidates)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if predict(candidates[mid]) <= budget else (lo, mid)
+    return max(lo, 0)
 
 
-# ----------------------------------------------------------------------------- trials
+class Predictions:
+    """`shardtune plan`'s predicted peak bytes of live tensors per rank for a trial's config,
+    each a fake-tensor trace of one step (seconds), so cached. None where the planner cannot
+    predict (it says why once)."""
+
+    def __init__(self, sweep: Sweep):
+        self.sweep, self.cache, self.warned = sweep, {}, set()
+
+    def __call__(self, point: dict, micro_batch: int | None) -> int | None:
+        key = (tuple(point.items()), micro_batch)
+        if key not in self.cache:
+            from transformers.utils import logging as hf_logging
+
+            from .plan import predict_peak_bytes
+
+            hf_logging.set_verbosity_error()  # config warnings belong to the trials' own output
+            try:
+                self.cache[key] = predict_peak_bytes(self.sweep.config(point, micro_batch), self.sweep.nproc)
+            except Exception as exc:  # noqa: BLE001  a config the planner cannot build: its trial will say why
+                self.cache[key] = None
+                if key[0] not in self.warned:
+                    self.warned.add(key[0])
+                    print(f"  no memory prediction for {method_label(point)}: "
+                          f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", flush=True)
+        return self.cache[key]
+
+
+def tensor_budget(limit: int | None, device: str, records: list[dict]) -> int | None:
+    """What of a rank's memory limit its tensors may use. A CPU cap also holds the interpreter and
+    libraries: what finished trials held beyond their tensors (RSS - live peak), else about what
+    this process holds, having loaded the same libraries to predict."""
+    if limit is None or device != "cpu":
+        return limit
+    import resource
+
+    measured = [(r["mem_rss_gib"] - r["mem_live_gib"]) * GIB for r in records
+                if r["status"] == "ok" and r.get("mem_rss_gib") and r.get("mem_live_gib")]
+    return limit - int(max(measured) if measured else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+
+
+# ----------------------------------------------------------------------------- the sweep
 
 
 def slug(point: dict) -> str:
     text = "_".join(f"{k}-{v}" for k, v in point.items()) or "recipe"
     return re.sub(r"[^A-Za-z0-9_.-]+", "", text.replace("=", "-").replace(",", "-"))[:150]
-
-
-def run_trial(sweep: Sweep, point: dict, micro_batch: int | None, name: str, cap: int | None) -> dict:
-    """One `shardtune train` process (N ranks with --nproc), its output in OUT/trials/NAME;
-    `cap` bounds the data segment of each of its processes (CPU)."""
-    folder = sweep.out / "trials" / name
-    folder.mkdir(parents=True, exist_ok=True)
-    argv = [sys.executable, "-m", "shardtune", "train", *([sweep.recipe] if sweep.recipe else []),
-            *sweep.trial_overrides(point, micro_batch), f"output_dir={folder}", "--overwrite",
-            *(["--nproc", str(sweep.nproc)] if sweep.nproc > 1 else [])]
-    env = dict(os.environ)
-    if cap:
-        env.update(CAPPED_ENV)
-    start = time.perf_counter()
-    with open(folder / "stdout.log", "w") as out, open(folder / "stderr.log", "w") as err:
-        code = subprocess.run(argv, stdout=out, stderr=err, env=env,
-                              preexec_fn=(lambda: _cap_data_segment(cap)) if cap else None).returncode
-    record = {"name": name, "point": point, "micro_batch": micro_batch, "seconds": time.perf_counter() - start,
-              "exit_code": code}
-    stderr = (folder / "stderr.log").read_text(errors="replace")
-    record.update(_measurements(folder, sweep))
-    if code == 0:
-        record["status"] = "ok"
-        over = sweep.device == "cuda" and sweep.mem_limit and \
-            (record.get("mem_reserved_gib") or 0) * 2**30 > sweep.mem_limit
-        if over:
-            record.update(status="over_limit", note=f"reserved {record['mem_reserved_gib']:.3g} GiB > --mem-limit")
-        return record
-    if code in (-signal.SIGKILL, 128 + signal.SIGKILL):
-        record.update(status="oom", note="killed by SIGKILL (the kernel's out-of-memory killer?)")
-    else:
-        record.update(status="oom" if any(s in stderr.lower() for s in OOM_SIGNS) else "failed",
-                      note=failure_line(stderr) or f"exit code {code}")
-    return record
-
-
-def _cap_data_segment(limit: int) -> None:
-    """In the trial process before exec: RLIMIT_DATA bounds its heap and anonymous mappings
-    (torch's CPU tensors), unlike RLIMIT_AS which also counts the libraries' code. Inherited
-    by the ranks, so with --nproc every rank has the cap."""
-    import resource
-
-    resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
-
-
-def failure_line(stderr: str) -> str:
-    """The line that says what went wrong: the last exception or error line (the launcher's
-    "N worker(s) failed" summary is not it), without the `[rankN]:` prefix."""
-    lines = [re.sub(r"^\[(?:default)?rank\d+\]:\s*", "", line).strip() for line in stderr.splitlines()]
-    lines = [line for line in lines if line and not (line.startswith("error: ") and "worker(s) failed" in line)]
-    errors = [line for line in lines if re.match(r"^([\w.]*(Error|Exception|Interrupt)\b|error:)", line)]
-    return (errors or lines or [""])[-1][:300]
-
-
-def _measurements(folder: Path, sweep: Sweep) -> dict:
-    """Speed, memory and validation numbers of a trial from its metrics.jsonl (what exists)."""
-    from .report import read_metrics
-
-    try:
-        rows = read_metrics(folder)
-    except UserError:
-        return {}
-    steps = [r for r in rows if isinstance(r.get("tokens_per_s"), (int, float))]
-    # speed from the steady steps: not the first (start-up) nor those slowed by live-memory tracking
-    skip = LIVE_STEPS if sweep.device == "cpu" else 1
-    timed = steps[skip:] or steps[1:] or steps
-
-    def mean(key):
-        values = [r[key] for r in timed if isinstance(r.get(key), (int, float))]
-        return sum(values) / len(values) if values else None
-
-    def peak(key):
-        values = [r[key] for r in steps if isinstance(r.get(key), (int, float))]
-        return max(values) if values else None
-
-    out = {"tokens_per_s": mean("tokens_per_s"), "step_time_s": mean("step_time_s"), "mfu": mean("mfu"),
-           "gpu_util": mean("gpu_util"), "mem_allocated_gib": peak("mem_allocated_gib"),
-           "mem_reserved_gib": peak("mem_reserved_gib"), "mem_live_gib": peak("mem_live_peak_gib"),
-           "mem_rss_gib": peak("mem_rss_peak_gib")}
-    evals = [r for r in rows if "eval_loss" in r and r.get("step") == sweep.eval_steps]
-    if sweep.eval_steps and evals:
-        out.update(eval_loss=evals[-1]["eval_loss"], eval_ppl=evals[-1]["eval_ppl"])
-    return {k: v for k, v in out.items() if v is not None}
-
-
-# ----------------------------------------------------------------------------- the sweep
 
 
 class State:
@@ -334,8 +267,6 @@ class State:
 
 def run_sweep(sweep: Sweep) -> Path:
     """Validate everything, then run (or take from OUT/sweep.json) each trial; write the outputs."""
-    from .sweep_report import summarize_point, write_outputs
-
     from .launch import check_nproc, resolve_device
 
     check(sweep)
@@ -347,43 +278,53 @@ def run_sweep(sweep: Sweep) -> Path:
     sweep.out.mkdir(parents=True, exist_ok=True)
     state = State(sweep)
     limit = memory_limit(sweep)
+    cap = limit if sweep.device == "cpu" else None  # a GPU's own memory is the real limit there
     points = sweep.points()
-    done_before = len(state.trials)
     print(f"sweep: {len(points)} grid point(s){', max-batch search' if sweep.max_batch else ''} on "
           f"{sweep.nproc} {sweep.device} rank(s), {sweep.steps} steps each -> {sweep.out}"
-          + (f" ({done_before} trial(s) already done)" if done_before else ""), flush=True)
+          + (f" ({len(state.trials)} trial(s) already done)" if state.trials else ""), flush=True)
+    predict = Predictions(sweep)
     summaries = []
 
     def trial(point: dict, micro_batch: int | None) -> dict:
         name = slug(point) + (f"-mb{micro_batch}" if micro_batch is not None else "")
         if name not in state.trials:
-            record = run_trial(sweep, point, micro_batch, name, limit if sweep.device == "cpu" else None)
             cfg = sweep.config(point, micro_batch)
-            record["micro_batch"] = cfg.train.micro_batch_size
-            record["accumulation"] = cfg.train.global_batch_size // (cfg.train.micro_batch_size * sweep.nproc)
+            predicted = predict(point, micro_batch)
+            record = run_trial(sweep, point, name, cap, micro_batch)
+            record.update(micro_batch=cfg.train.micro_batch_size, predicted_gib=predicted and predicted / GIB,
+                          accumulation=cfg.train.global_batch_size // (cfg.train.micro_batch_size * sweep.nproc))
             state.add(record)
-            print(f"  {_describe(record)}", flush=True)
+            print(f"  {describe(record)}", flush=True)
         return state.trials[name]
 
     try:
         for point in points:
-            if not sweep.max_batch:
+            if sweep.max_batch:
+                summaries.append(max_batch_of(sweep, point, trial, predict, limit, list(state.trials.values())))
+            else:
                 summaries.append(summarize_point(point, [trial(point, None)], None, ""))
-                continue
-            cfg = sweep.config(point)
-            candidates = micro_batch_candidates(cfg, sweep.nproc)
-            records = []
-
-            def attempt(micro_batch: int) -> str:
-                records.append(trial(point, micro_batch))
-                return {"ok": "fits", "oom": "too_big", "over_limit": "too_big"}.get(records[-1]["status"], "broken")
-
-            best, why = search_max_batch(candidates, seed_index(candidates, cfg.train.micro_batch_size, limit),
-                                         attempt)
-            summaries.append(summarize_point(point, records, best, why))
     finally:  # also after an interrupt: what is done is written
         write_outputs(sweep, list(state.trials.values()), summaries, limit)
     return sweep.out / "sweep.md"
+
+
+def max_batch_of(sweep: Sweep, point: dict, trial, predict, limit: int | None, records_so_far: list[dict]) -> dict:
+    """The largest micro-batch of one grid point that fits, searched with real trials from the
+    prediction's seed; its table row."""
+    cfg = sweep.config(point)
+    candidates = micro_batch_candidates(cfg, sweep.nproc)
+    predict(point, candidates[0])  # first: it loads the libraries the budget's estimate counts
+    budget = tensor_budget(limit, sweep.device, records_so_far)
+    seed = seed_index(candidates, cfg.train.micro_batch_size, budget, lambda mb: predict(point, mb))
+    records = []
+
+    def attempt(micro_batch: int) -> str:
+        records.append(trial(point, micro_batch))
+        return VERDICTS.get(records[-1]["status"], "broken")
+
+    best, why = search_max_batch(candidates, seed, attempt)
+    return summarize_point(point, records, best, why)
 
 
 def memory_limit(sweep: Sweep) -> int | None:
@@ -398,12 +339,3 @@ def memory_limit(sweep: Sweep) -> int | None:
     if sweep.max_batch:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // sweep.nproc
     return None
-
-
-def _describe(record: dict) -> str:
-    text = f"{record['name']}: {record['status']}"
-    if record["status"] == "ok":
-        text += f", {record.get('tokens_per_s', 0):,.0f} tokens/s"
-    else:
-        text += f" ({record.get('note', '')})"
-    return text + f" [{record['seconds']:.1f} s]"

@@ -6,9 +6,9 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
+from .hardware import GIB
 from .report import fmt, save_bars, save_plot
 
-GIB = 1024 ** 3
 COLUMNS = ["micro_batch", "accumulation", "status", "tokens_per_s", "step_time_s", "mfu", "mem_allocated_gib",
            "mem_reserved_gib", "mem_live_gib", "mem_rss_gib", "gpu_util", "predicted_gib", "eval_loss", "eval_ppl",
            "seconds", "note", "name"]
@@ -38,7 +38,8 @@ def summarize_point(point: dict, records: list[dict], best: int | None, why: str
     if first_misfit is not None:
         note = "; ".join(filter(None, [note, f"mb {first_misfit['micro_batch']}: {first_misfit['status']}"
                                        + (f" ({first_misfit['note']})" if why == "broken" else "")]))
-    return {"point": point, "record": record, "micro_batch": best, "note": f"{note}; {len(records)} trial{'s' if len(records) > 1 else ''}"}
+    trials = f"{len(records)} trial{'s' if len(records) > 1 else ''}"
+    return {"point": point, "record": record, "micro_batch": best, "note": f"{note}; {trials}"}
 
 
 def _order(records: list[dict], points: list[dict]) -> list[dict]:
@@ -58,6 +59,12 @@ def _size(gib) -> str:
     if gib is None:
         return "–"
     return f"{gib * 1024:.3g} MiB" if gib < 1 else f"{gib:.3g} GiB"
+
+
+def _seconds(value) -> str:
+    if value is None:
+        return "–"
+    return f"{value * 1000:.3g} ms" if value < 1 else f"{value:.3g} s"
 
 
 def _peak_memory(record: dict) -> str:
@@ -81,7 +88,7 @@ def markdown(sweep, summaries: list[dict], limit: int | None) -> str:
         ok = r.get("status") == "ok"
         cells = [method_label(summary["point"]), fmt(summary["micro_batch"]), fmt(r.get("accumulation")),
                  f"{r['tokens_per_s']:,.0f}" if ok and r.get("tokens_per_s") else "–",
-                 f"{r['step_time_s'] * 1000:.4g} ms" if ok and r.get("step_time_s") else "–",
+                 _seconds(r.get("step_time_s")) if ok else "–",
                  _peak_memory(r) if ok else "–"]
         cells += [_size(r.get(key)) if key == "predicted_gib" else fmt(r.get(key)) for _, key in optional]
         lines.append("| " + " | ".join([*cells, summary["note"] or ""]) + " |")
@@ -125,14 +132,14 @@ def write_plots(out: Path, records: list[dict], points: list[dict], limit: int |
                    for label, color, rs in groups for key, kind, style, _ in memory_kinds], log_memory, rules)
     images = ["throughput", "memory"]
     measured_key = "mem_allocated_gib" if device == "cuda" else "mem_live_gib"
-    pairs = [(r["predicted_gib"], r[measured_key]) for r in ok
-             if r.get("predicted_gib") is not None and r.get(measured_key) is not None]
-    if pairs:
-        top = max(max(p) for p in pairs)
-        save_plot(out / "predicted_vs_measured.png", "Predicted vs measured peak of live tensors",
-                  "predicted GiB", "measured GiB",
-                  [("trials", "C0", "none", [p[0] for p in pairs], [p[1] for p in pairs]),
-                   ("measured = predicted", "gray", ":", [0, top], [0, top])])
+    lines = [(label, color, "none", *zip(*pairs)) for label, color, rs in groups
+             if (pairs := [(r["predicted_gib"], r[measured_key]) for r in rs
+                           if r.get("predicted_gib") is not None and r.get(measured_key) is not None])]
+    if lines:
+        top = max(max(*xs, *ys) for *_, xs, ys in lines)
+        save_plot(out / "predicted_vs_measured.png", "Predicted vs measured peak of live tensors per rank",
+                  "predicted GiB (shardtune plan)", "measured GiB", [*lines, ("measured = predicted", "gray", ":",
+                                                                          [0, top], [0, top])])
         images.append("predicted_vs_measured")
     return images
 
@@ -144,3 +151,13 @@ def write_outputs(sweep, records: list[dict], summaries: list[dict], limit: int 
     images = write_plots(sweep.out, records, points, limit, sweep.device)
     text = markdown(sweep, summaries, limit) + "".join(f"\n![{stem}]({stem}.png)\n" for stem in images)
     (sweep.out / "sweep.md").write_text(text)
+
+
+def describe(record: dict) -> str:
+    """One line of progress per trial."""
+    text = f"{record['name']}: {record['status']}"
+    if record["status"] == "ok":
+        text += f", {record.get('tokens_per_s', 0):,.0f} tokens/s, peak {_peak_memory(record)}"
+    else:
+        text += f" ({record.get('note', '')})"
+    return text + f" [{record['seconds']:.0f} s]"

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-GIB = 1024 ** 3
+from .hardware import GIB
 
 
 class MetricsLog:
