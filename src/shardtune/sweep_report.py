@@ -113,7 +113,7 @@ def write_plots(out: Path, records: list[dict], points: list[dict], limit: int |
     rules = [(limit / GIB, "memory limit per rank")] if limit else []
     log_memory = bool(memory) and max(memory + [y for y, _ in rules]) / min(memory) > 20
     if all(len(rs) == 1 for _, _, rs in groups):  # one micro-batch per point: bars
-        names = [label.replace(", ", "\n") for label, _, _ in groups]
+        names = [label.replace(", ", "\n") + f"\nmb {rs[0]['micro_batch']}" for label, _, rs in groups]
         colors = [color for _, color, _ in groups]
         save_bars(out / "throughput.png", "Throughput", "tokens / s", names,
                   [("tokens/s", None, colors, [rs[0].get("tokens_per_s") for _, _, rs in groups])])
