@@ -88,7 +88,7 @@ def test_a_run_records_speed_memory_mfu_and_feeds_trackers_and_report(assets, tm
 
     out = tmp_path / "run"
     run(load_config(None, tiny_overrides(assets, out, **{"train.max_steps": 4, "log.every_steps": 2,
-                                                          "log.peak_tflops": 0.5,
+                                                          "log.peak_tflops": 0.5, "log.live_memory": 1,
                                                           "log.trackers": "[tensorboard]"}), defaults={}))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     logged = [r for r in rows if "loss" in r]
@@ -98,6 +98,8 @@ def test_a_run_records_speed_memory_mfu_and_feeds_trackers_and_report(assets, tm
         assert 0 <= r["data_wait_share"] < 1 and r["step_time_s"] > 0
         assert 0 < r["mfu"] < 1 and r["mem_rss_peak_gib"] > 0
     assert logged[-1]["tokens_seen"] == 4 * 8 * 64
+    # live tensors of step 1 (log.live_memory=1): a small part of the process, none tracked later
+    assert 0 < logged[0]["mem_live_peak_gib"] < logged[0]["mem_rss_peak_gib"] and "mem_live_peak_gib" not in logged[1]
     events = list((out / "tensorboard").glob("events.out.tfevents.*"))
     assert events
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -101,6 +101,38 @@ def build_parser() -> argparse.ArgumentParser:
                     "HF_HUB_OFFLINE=1, models and data from `shardtune download`)")
     sl.add_argument("-o", "--out", help="write the script here (default: print it)")
 
+    pl = sub.add_parser("plan", help="predict each GPU's memory (no GPU needed) and pick the fastest config that fits")
+    pl.add_argument("recipe", nargs="?", help="recipe YAML (a path, or a name in ./recipes); omit for the quickstart")
+    pl.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    pl.add_argument("--gpus", type=int, default=None, metavar="N", help="GPUs per node")
+    pl.add_argument("--nodes", type=int, default=1, metavar="M", help="nodes (default 1)")
+    pl.add_argument("--gpu", metavar="NAME", help="a GPU from the table (memory, peak FLOP/s, link), e.g. A100-80GB")
+    pl.add_argument("--gpu-mem", metavar="SIZE", help="memory per GPU, e.g. 16GiB (overrides the table's)")
+    pl.add_argument("--host-mem", metavar="SIZE", help="host RAM per node; candidates needing more are dropped")
+    pl.add_argument("--peak-tflops", type=float, help="peak TFLOP/s per GPU (default: the table's)")
+    pl.add_argument("--bandwidth", type=float, metavar="GB/s", help="collective bandwidth per GPU inside a node "
+                    "(default: the table's NVLink/PCIe figure)")
+    pl.add_argument("--inter-node-bandwidth", type=float, metavar="GB/s", help="per GPU between nodes (default 12.5)")
+    pl.add_argument("--margin", type=float, default=0.05, help="share of GPU memory kept free (default 0.05)")
+    pl.add_argument("--json", action="store_true", help="machine-readable output")
+
+    sw = sub.add_parser("sweep", help="short real runs over a grid of settings (sharding, precision, ...), the "
+                        "largest micro-batch that fits: csv, table, plots")
+    sw.add_argument("recipe", nargs="?", help="recipe YAML (omit for the quickstart)")
+    sw.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every trial")
+    sw.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2,...",
+                    help="a config key and its values (repeatable: every combination is a trial)")
+    sw.add_argument("--max-batch", action="store_true", help="per grid point, search the largest micro-batch "
+                    "per rank that fits (the global batch stays; accumulation adjusts)")
+    sw.add_argument("--steps", type=int, default=5, help="optimizer steps per trial (default: 5)")
+    sw.add_argument("--eval-steps", type=int, metavar="E", help="also train E steps and record the validation "
+                    "loss and perplexity then")
+    sw.add_argument("--nproc", type=int, default=1, metavar="N", help="ranks per trial (default: 1)")
+    sw.add_argument("--mem-limit", metavar="SIZE", help="memory per rank, e.g. 2GiB: on CPU a real cap on "
+                    "each trial process; on a GPU the budget a trial must stay under (default: the GPU's memory)")
+    sw.add_argument("--out", help="folder for sweep.csv, sweep.md, plots and trials (default: "
+                    "runs/sweep-<recipe>); rerunning with the same folder continues the sweep")
+
     dl = sub.add_parser("download", help="fill the Hugging Face cache (for compute nodes without network)")
     dl.add_argument("targets", nargs="+", metavar="TARGET", help="a recipe YAML (its model, tokenizer and "
                     "dataset), or hub ids: model:ID or dataset:ID (a bare ID is a model)")
@@ -222,6 +254,20 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    from .config import load_config
+    from .plan_report import run_plan
+
+    recipe, overrides = _split_recipe(args.recipe, args.overrides)
+    defaults = None
+    if recipe is None:
+        from .quickstart import quickstart_defaults
+
+        defaults = quickstart_defaults()
+    cfg = load_config(recipe, overrides, defaults)
+    return run_plan(args, cfg, recipe, overrides)
+
+
 def cmd_slurm(args) -> int:
     from .config import load_config
     from .slurm import sbatch_script
@@ -239,6 +285,24 @@ def cmd_slurm(args) -> int:
         print(f"wrote {args.out}; submit it with: sbatch {args.out}")
     else:
         print(text, end="")
+    return 0
+
+
+def cmd_sweep(args) -> int:
+    from .hardware import parse_size
+    from .sweep import Sweep, parse_grid, run_sweep
+
+    recipe, overrides = _split_recipe(args.recipe, args.overrides)
+    defaults = None
+    if recipe is None:
+        from .quickstart import quickstart_defaults
+
+        defaults = quickstart_defaults()
+    sweep = Sweep(recipe, overrides, parse_grid(args.grid), steps=args.steps, eval_steps=args.eval_steps,
+                  max_batch=args.max_batch, nproc=args.nproc,
+                  mem_limit=parse_size(args.mem_limit, "--mem-limit") if args.mem_limit else None, defaults=defaults)
+    sweep.out = Path(args.out or f"runs/sweep-{Path(recipe).stem if recipe else 'quickstart'}")
+    print(f"sweep table written to {run_sweep(sweep)}")
     return 0
 
 
@@ -278,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = argv
     # key=value words after an option (`--nproc 2 train.lr=1e-3`) land in `extra`; any other
     # word there goes along too, so load_config reports it as an override that is not key=value.
-    if extra and (args.command not in ("train", "slurm") or any(w.startswith("-") for w in extra)):
+    if extra and (args.command not in ("train", "slurm", "plan", "sweep") or any(w.startswith("-") for w in extra)):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:
         args.overrides = [*args.overrides, *extra]
@@ -286,8 +350,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return EXIT_USAGE
     try:
-        commands = {"train": cmd_train, "export": cmd_export, "eval": cmd_eval, "generate": cmd_generate,
-                    "report": cmd_report, "slurm": cmd_slurm, "download": cmd_download}
+        commands = {"train": cmd_train, "plan": cmd_plan, "export": cmd_export, "eval": cmd_eval,
+                    "generate": cmd_generate, "report": cmd_report, "slurm": cmd_slurm, "download": cmd_download,
+                    "sweep": cmd_sweep}
         return commands[args.command](args)
     except UserError as exc:
         if os.environ.get("RANK", "0") == "0":

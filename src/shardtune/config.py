@@ -116,6 +116,7 @@ class LogConfig:
     trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = field(default_factory=list)  # beside metrics.jsonl
     project: str = "shardtune"  # W&B project / MLflow experiment
     peak_tflops: float | None = None  # device peak for MFU (default: table of common GPUs by name)
+    live_memory: int = 0  # track the peak bytes of live tensors over the first N steps (MemTracker; those steps run slower)
 
 
 @dataclass
@@ -148,6 +149,7 @@ class CheckpointConfig:
 @dataclass
 class RunConfig:
     output_dir: str | None = None  # default runs/<recipe>-<time>
+    save_final: bool = True  # write final/ (a plain HF folder) at the end; sweep trials turn it off
     precision: Literal["bf16", "fp16", "fp32"] = "fp32"  # compute dtype; master weights and reductions stay fp32
     activation_checkpointing: bool = False  # recompute each block's activations in backward (less memory)
     compile: bool = False  # torch.compile each decoder block before sharding

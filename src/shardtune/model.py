@@ -20,8 +20,9 @@ def _hub_hint(name: str) -> str:
     return f"check the name, or give a local folder (no network? run `shardtune download {name}` where there is)"
 
 
-def load_hf_config(cfg: ModelConfig):
-    """The transformers config of the model, with `model.config` overrides applied."""
+def load_hf_config(cfg: ModelConfig, local_files_only: bool = False):
+    """The transformers config of the model, with `model.config` overrides applied
+    (`local_files_only`: a local folder or the Hugging Face cache, never the network)."""
     from transformers import AutoConfig
 
     overrides = dict(cfg.config)
@@ -35,7 +36,8 @@ def load_hf_config(cfg: ModelConfig):
         except ValueError as exc:
             raise UserError(f"model.config.model_type={model_type!r} is unknown to transformers ({exc})") from None
     try:
-        hf_config = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
+        hf_config = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code,
+                                               local_files_only=local_files_only)
     except OSError:
         raise UserError(f"model {cfg.name_or_path!r} not found; {_hub_hint(cfg.name_or_path)}") from None
     except ValueError as exc:

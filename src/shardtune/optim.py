@@ -24,6 +24,15 @@ def build_optimizer(model, cfg: TrainConfig, device, precision: str = "fp32"):
                              foreach=None if fused else True)
 
 
+def build_grad_scaler(precision: str, device):
+    """fp16 needs a (sharded) gradient scaler; bf16 and fp32 none."""
+    if precision != "fp16":
+        return None
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    return ShardedGradScaler(device=device.type)
+
+
 def lr_factor(step: int, total: int, cfg: TrainConfig) -> float:
     """Multiplier of cfg.lr at optimizer step `step` (0-based): linear warmup, then decay."""
     if cfg.warmup_steps and step < cfg.warmup_steps:

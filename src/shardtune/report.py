@@ -3,6 +3,7 @@ runs' metrics.jsonl, several runs overlaid for comparison."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from pathlib import Path
@@ -16,7 +17,7 @@ PLOTS = [
     ("throughput", "Throughput", "tokens / s", [("tokens_per_s", "")], False),
     ("mfu", "Model FLOPs utilisation", "MFU", [("mfu", "")], False),
     ("memory", "Peak memory", "GiB", [("mem_allocated_gib", "allocated"), ("mem_reserved_gib", "reserved"),
-                                      ("mem_rss_peak_gib", "host RSS")], False),
+                                      ("mem_rss_peak_gib", "host RSS"), ("mem_live_peak_gib", "live tensors")], False),
     ("gpu", "GPU utilisation", "%", [("gpu_util", "")], False),
 ]
 
@@ -59,7 +60,7 @@ def summarize(name: str, rows: list[dict]) -> dict:
             "tokens/s": mean("tokens_per_s"), "MFU": mean("mfu"), "peak mem GiB": max(peaks) if peaks else None}
 
 
-def _fmt(value) -> str:
+def fmt(value) -> str:
     if value is None:
         return "–"
     if isinstance(value, float):
@@ -67,12 +68,54 @@ def _fmt(value) -> str:
     return str(value)
 
 
-def write_report(runs: list[Path], out: Path) -> Path:
+def save_plot(path: Path, title: str, xlabel: str, ylabel: str, lines: list[tuple], log_scale: bool = False,
+              rules: list[tuple[float, str]] = ()) -> None:
+    """One PNG: `lines` are (label, colour, line style, xs, ys) — style "none" draws only the
+    markers; `rules` are (y, label) horizontal lines such as a memory limit."""
+    with _figure(path, title, xlabel, ylabel, log_scale, rules, (7, 4)) as ax:
+        for label, color, style, xs, ys in lines:
+            ax.plot(xs, ys, color=color, linestyle=style, marker="o" if len(xs) < 30 else None,
+                    markersize=3 if style != "none" else 5, label=label)
+
+
+def save_bars(path: Path, title: str, ylabel: str, categories: list[str], bars: list[tuple], log_scale: bool = False,
+              rules: list[tuple[float, str]] = ()) -> None:
+    """One PNG of grouped bars: a group per category, `bars` are (label, hatch, colours, values)
+    with one colour and value per category (None: no bar)."""
+    width = 0.8 / max(len(bars), 1)
+    with _figure(path, title, "", ylabel, log_scale, rules, (max(7.0, 2.0 * len(categories)), 4.5)) as ax:
+        for j, (label, hatch, colors, values) in enumerate(bars):
+            xs = [i + (j - (len(bars) - 1) / 2) * width for i, v in enumerate(values) if v is not None]
+            ax.bar(xs, [v for v in values if v is not None], width, label=label, hatch=hatch, edgecolor="black",
+                   color=[c for c, v in zip(colors, values) if v is not None])
+        ax.set_xticks(range(len(categories)), categories, fontsize=7)
+
+
+@contextlib.contextmanager
+def _figure(path: Path, title: str, xlabel: str, ylabel: str, log_scale: bool, rules, size):
+    """The report's figure style around what the caller draws on the axes."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    fig, ax = plt.subplots(figsize=size)
+    try:
+        yield ax
+        for y, label in rules:
+            ax.axhline(y, color="black", linestyle="--", linewidth=1, label=label)
+        ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+        if log_scale:
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+    finally:
+        plt.close(fig)
+
+
+def write_report(runs: list[Path], out: Path) -> Path:
     data = {}
     for run in runs:
         name = run.resolve().name
@@ -83,28 +126,17 @@ def write_report(runs: list[Path], out: Path) -> Path:
     images = []
     for stem, title, ylabel, keys, log_scale in PLOTS:
         # One colour per run; train/validation (or allocated/reserved) told apart by line style.
-        lines = [(f"{name}{' ' + suffix if suffix else ''}", f"C{i}", ("-", "--", ":")[j], *series(rows, key))
+        lines = [(f"{name}{' ' + suffix if suffix else ''}", f"C{i}", ("-", "--", ":", "-.")[j], *series(rows, key))
                  for i, (name, rows) in enumerate(data.items()) for j, (key, suffix) in enumerate(keys)]
         lines = [line for line in lines if line[3]]
         if not lines:
             continue
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for label, color, style, xs, ys in lines:
-            ax.plot(xs, ys, color=color, linestyle=style, marker="o" if len(xs) < 30 else None, markersize=3,
-                    label=label)
-        ax.set(title=title, xlabel="step", ylabel=ylabel)
-        if log_scale:
-            ax.set_yscale("log")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out / f"{stem}.png", dpi=110)
-        plt.close(fig)
+        save_plot(out / f"{stem}.png", title, "step", ylabel, lines, log_scale)
         images.append(stem)
     rows = [summarize(name, metrics) for name, metrics in data.items()]
     headers = list(rows[0])
     table = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    table += ["| " + " | ".join(_fmt(r[h]) for h in headers) + " |" for r in rows]
+    table += ["| " + " | ".join(fmt(r[h]) for h in headers) + " |" for r in rows]
     text = ["# shardtune report", "", *table, ""]
     text += [f"![{stem}]({stem}.png)\n" for stem in images]
     report = out / "report.md"

@@ -22,6 +22,7 @@ from .signals import PREEMPTED_MARKER
 from .step import evaluate, train_step
 from .telemetry import (
     GPUSampler,
+    LiveMemory,
     MetricsLog,
     Progress,
     StepMeter,
@@ -117,14 +118,10 @@ class Trainer:
                  f"accumulation {self.accum} | {self.total_steps} steps")
 
         from .checkpoint import ModelOptimizerState
-        from .optim import build_optimizer
+        from .optim import build_grad_scaler, build_optimizer
 
         self.optimizer = build_optimizer(model, t, dist.device, cfg.precision)
-        self.scaler = None
-        if cfg.precision == "fp16":
-            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-            self.scaler = ShardedGradScaler(device=dist.device.type)
+        self.scaler = build_grad_scaler(cfg.precision, dist.device)
         self.state = TrainState()
         rank0_first(dist, lambda: prepare_run_dir(cfg, overwrite) if dist.is_main else None)
         self.ckpt = Checkpointer(out / "checkpoints", cfg.checkpoint, ModelOptimizerState(model, self.optimizer),
@@ -241,14 +238,16 @@ class Trainer:
         cfg, dist, plan, state = self.cfg, self.dist, self.plan, self.state
         meter = StepMeter(dist.world_size, self.flops_per_token,
                           device_peak_flops(dist.device, cfg.precision, cfg.log.peak_tflops))
+        live = LiveMemory(self.model, self.optimizer, dist.device, cfg.log.live_memory)
         trained_tokens = 0.0
         labels_vary = "labels" in self.train_ds.column_names
         while state.step < self.total_steps:
             lr = lr_at(state.step, self.total_steps, cfg.train)
             set_lr(self.optimizer, lr)
             batches, data_seconds = prefetcher.take(state.step)
-            out = train_step(self.model, self.optimizer, self.scaler, batches, cfg, dist, labels_vary,
-                             sync_each=self.built.sync_grads_each_micro_step)
+            with live.track():
+                out = train_step(self.model, self.optimizer, self.scaler, batches, cfg, dist, labels_vary,
+                                 sync_each=self.built.sync_grads_each_micro_step)
             del batches
             state.step = step = state.step + 1
             # The step's one host synchronisation, once its work is queued: a small all-reduce of
@@ -269,7 +268,7 @@ class Trainer:
             elif step % cfg.log.every_steps == 0 or last:
                 record = {"step": step, "epoch": step / plan.steps_per_epoch, "loss": loss, "lr": lr,
                           "grad_norm": grad_norm, "tokens_seen": state.tokens_seen, **meter.report(),
-                          **memory_stats(dist.device), **gpu.read()}
+                          **memory_stats(dist.device), **live.read(), **gpu.read()}
                 if self.scaler:
                     record["loss_scale"] = float(self.scaler.get_scale())
                 progress.update(0, loss=loss, tok_s=record["tokens_per_s"])
@@ -348,7 +347,7 @@ def run(cfg: RunConfig, overwrite: bool = False) -> dict:
             torch.distributed.destroy_process_group()
         raise
     results = trainer.fit()
-    if not results.get("preempted"):  # a preempted run is finished by its resume
+    if cfg.save_final and not results.get("preempted"):  # a preempted run is finished by its resume
         trainer.export()
     trainer.close()
     return results

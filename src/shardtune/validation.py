@@ -72,7 +72,8 @@ def validate(cfg) -> None:
         ("eval.max_batches", e.max_batches, 0), ("data.val_size", d.val_size, 0),
         ("checkpoint.every_steps", c.every_steps, 0), ("checkpoint.keep_last", c.keep_last, 0),
         ("loss_chunk_tokens", cfg.loss_chunk_tokens or 0, 0), ("train.max_steps", t.max_steps, 0),
-        ("train.epochs", t.epochs, 0), ("freeze.trainable_blocks", fr.trainable_blocks or 0, 0)])
+        ("train.epochs", t.epochs, 0), ("freeze.trainable_blocks", fr.trainable_blocks or 0, 0),
+        ("log.live_memory", cfg.log.live_memory, 0)])
     for key, value in [("eval.micro_batch_size", e.micro_batch_size), ("log.peak_tflops", cfg.log.peak_tflops),
                        ("fsdp.shard_size", f.shard_size), ("fsdp.replicate_size", f.replicate_size)]:
         if value is not None and value <= 0:

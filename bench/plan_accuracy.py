@@ -1,0 +1,170 @@
+"""How right is `shardtune plan`? The predicted per-rank peak against the peak of the same
+training step really run.
+
+CPU (default): the traced peak (memtrace.trace_step, fake tensors, fake process group) against
+the peak of live tensor bytes of rank 0 in a real run of N ranks (torch's MemTracker over the
+second of two steps; not RSS). Rows: a GPT-2-small shape and a ~100M Llama shape, 1/2/4 ranks,
+full_shard and no_shard, activation checkpointing on and off, LoRA, micro-batch 1/4/8.
+
+`--gpu`: the prediction for a CUDA rank (plan.gpu_memory: trace with CUDA's kernel choices +
+hardware.CUDA_OVERHEADS) against torch.cuda.max_memory_allocated and max_memory_reserved of the
+real step, on 1 GPU and on all visible GPUs, six configs including a ~1B Llama shape. Without a
+CUDA GPU it stops with a one-line error. Its rows are where the overhead constants get set.
+
+    .venv/bin/python bench/plan_accuracy.py [--gpu] [--rows N] [--seq-len 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SHAPES = {
+    "gpt2-small": {"model_type": "gpt2", "n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257,
+                   "n_positions": 2048},
+    "llama-100m": {"model_type": "llama", "num_hidden_layers": 12, "hidden_size": 768, "intermediate_size": 2048,
+                   "num_attention_heads": 12, "num_key_value_heads": 12, "vocab_size": 32000,
+                   "max_position_embeddings": 4096},
+    "llama-1b": {"model_type": "llama", "num_hidden_layers": 16, "hidden_size": 2048, "intermediate_size": 5632,
+                 "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000,
+                 "max_position_embeddings": 4096},
+}
+# (shape, ranks, sharding, activation checkpointing, LoRA, micro-batch)
+CPU_ROWS = [
+    ("gpt2-small", 1, "full_shard", False, False, 4),
+    ("gpt2-small", 2, "full_shard", False, False, 4),
+    ("gpt2-small", 4, "full_shard", False, False, 4),
+    ("gpt2-small", 2, "no_shard", False, False, 4),
+    ("gpt2-small", 2, "full_shard", True, False, 8),
+    ("gpt2-small", 2, "full_shard", False, True, 8),
+    ("gpt2-small", 4, "no_shard", True, False, 1),
+    ("llama-100m", 1, "full_shard", True, False, 8),
+    ("llama-100m", 2, "full_shard", False, False, 1),
+    ("llama-100m", 4, "full_shard", True, False, 4),
+    ("llama-100m", 2, "no_shard", False, True, 4),
+    ("llama-100m", 4, "full_shard", False, True, 8),
+]
+GPU_ROWS = [
+    ("gpt2-small", 1, "full_shard", False, False, 8),
+    ("gpt2-small", 0, "full_shard", True, False, 16),
+    ("llama-100m", 1, "full_shard", False, True, 8),
+    ("llama-1b", 1, "full_shard", True, False, 4),
+    ("llama-1b", 0, "full_shard", True, False, 4),
+    ("llama-1b", 0, "no_shard", False, False, 2),
+]  # ranks 0: every visible GPU
+
+
+def run_config(shape: str, ranks: int, sharding: str, ac: bool, lora: bool, mb: int, seq: int, device: str,
+               precision: str):
+    from shardtune.config import load_config
+
+    return load_config(None, [f"model.config={json.dumps(SHAPES[shape])}", "data.path=unused",
+                              f"data.seq_len={seq}", f"train.micro_batch_size={mb}",
+                              f"train.global_batch_size={2 * mb * ranks}", f"fsdp.sharding={sharding}",
+                              f"activation_checkpointing={str(ac).lower()}", f"device={device}",
+                              f"precision={precision}", *(["peft.method=lora"] if lora else [])])
+
+
+def worker(spec: dict, out: Path) -> None:
+    """One rank of a real run: measure a steady step, rank 0 writes the numbers."""
+    import torch
+    import torch.distributed as dist
+
+    from shardtune.launch import init_distributed
+    from shardtune.memtrace import measure_step
+    from shardtune.model import load_hf_config
+
+    cfg = run_config(**spec)
+    d = init_distributed(spec["device"])
+    hf_config = load_hf_config(cfg.model)
+    result = {"live_peak": measure_step(cfg, hf_config, d)}
+    if d.device.type == "cuda":  # measure_step ran two steps; the counters' peak is the steady one's
+        result["allocated"] = torch.cuda.max_memory_allocated(d.device)
+        result["reserved"] = torch.cuda.max_memory_reserved(d.device)
+    if d.is_main:
+        out.write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def measure(spec: dict, workdir: Path) -> dict:
+    out = workdir / f"row-{time.time_ns()}.json"
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // spec["ranks"]))}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={spec['ranks']}",
+           __file__, "--worker", json.dumps(spec), str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode:
+        raise SystemExit(f"error: the real run failed:\n{proc.stderr[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def predict(spec: dict) -> dict:
+    from shardtune.memtrace import trace_step
+    from shardtune.model import load_hf_config
+    from shardtune.plan import gpu_memory
+
+    cfg = run_config(**spec)
+    hf_config = load_hf_config(cfg.model)
+    target = "cuda" if spec["device"] == "cuda" else "cpu"
+    t0 = time.perf_counter()
+    trace = trace_step(cfg, hf_config, spec["ranks"], target=target)
+    out = {"trace_s": time.perf_counter() - t0, "live_peak": trace.peak_bytes()}
+    if target == "cuda":
+        mem = gpu_memory(trace, cfg.fsdp.cpu_offload, spec["ranks"])
+        out.update(allocated=mem["allocated"], reserved=mem["reserved"])
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gpu", action="store_true", help="CUDA rows: allocated and reserved")
+    parser.add_argument("--rows", type=int, default=None, help="only the first N rows")
+    parser.add_argument("--seq-len", type=int, default=None, help="default 128 on CPU, 1024 on GPU")
+    parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(json.loads(args.worker[0]), Path(args.worker[1]))
+        return 0
+    import torch
+
+    device, precision = ("cuda", "bf16") if args.gpu else ("cpu", "fp32")
+    if args.gpu and not torch.cuda.is_available():
+        print("error: --gpu needs a CUDA GPU; run without --gpu for the CPU rows", file=sys.stderr)
+        return 2
+    seq = args.seq_len or (1024 if args.gpu else 128)
+    gpus = torch.cuda.device_count() if args.gpu else 0
+    rows = (GPU_ROWS if args.gpu else CPU_ROWS)[:args.rows]
+    print(f"{time.strftime('%Y-%m-%d %H:%M')} | {platform.node()} | {os.cpu_count()} CPUs | torch {torch.__version__}"
+          f"{' | ' + torch.cuda.get_device_name(0) + f' x {gpus}' if args.gpu else ''} | seq {seq} | {precision}")
+    kinds = ["allocated", "reserved"] if args.gpu else ["live_peak"]
+    print("| model | ranks | sharding | checkpointing | LoRA | micro-batch | "
+          + " | ".join(f"predicted {k} MiB | measured {k} MiB | error" for k in kinds) + " | trace s |")
+    print("|---|---|---|---|---|---|" + "---|---|---|" * len(kinds) + "---|")
+    worst = 0.0
+    with tempfile.TemporaryDirectory() as tmp:
+        for shape, ranks, sharding, ac, lora, mb in rows:
+            spec = dict(shape=shape, ranks=ranks or gpus, sharding=sharding, ac=ac, lora=lora, mb=mb, seq=seq,
+                        device=device, precision=precision)
+            if spec["ranks"] == 1 and sharding == "no_shard":
+                continue
+            pred, real = predict(spec), measure(spec, Path(tmp))
+            cells = []
+            for k in kinds:
+                err = (pred[k] - real[k]) / real[k]
+                worst = max(worst, abs(err))
+                cells.append(f"{pred[k] / 2 ** 20:,.0f} | {real[k] / 2 ** 20:,.0f} | {100 * err:+.1f} %")
+            print(f"| {shape} | {spec['ranks']} | {sharding} | {'on' if ac else 'off'} | {'yes' if lora else 'no'} "
+                  f"| {mb} | " + " | ".join(cells) + f" | {pred['trace_s']:.1f} |", flush=True)
+    goal = 0.10 if args.gpu else 0.05
+    print(f"worst error {100 * worst:.1f} % (goal: within {100 * goal:.0f} %: {'met' if worst <= goal else 'NOT met'})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""Hardware facts in one place: each known GPU's memory, dense peak FLOP/s and interconnect
+bandwidth (used by telemetry's MFU and by `shardtune plan`), and the fixed memory overheads of
+a CUDA process that a CPU trace cannot see.
+
+No torch import here: the planner and the CLI read these tables without loading torch.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .errors import UserError
+
+GIB = 1024 ** 3
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str  # what `shardtune plan --gpu NAME` accepts (case-insensitive)
+    match: str  # fragment of torch.cuda.get_device_name() that identifies the card
+    memory_mib: int  # total memory as nvidia-smi reports it
+    tflops: tuple[float, float, float]  # dense peak TFLOP/s: (bf16, fp16, fp32); 0 = no such unit
+    link_gbs: float  # effective per-GPU collective bandwidth inside a node, GB/s (NVLink, else PCIe)
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.memory_mib * 2 ** 20
+
+    def peak_flops(self, precision: str) -> float:
+        return self.tflops[{"bf16": 0, "fp16": 1, "fp32": 2}[precision]] * 1e12
+
+    def supports(self, precision: str) -> bool:
+        return self.peak_flops(precision) > 0
+
+
+# Peaks: the vendors' datasheets, dense (no sparsity), fp32 without TF32. Link bandwidth: the
+# bus bandwidth nccl-tests reaches for large all-reduce (about 75 % of the NVLink/PCIe figure
+# per direction: NVLink3 300 GB/s -> 230, NVLink4 450 -> 360, PCIe 4 x16 32 -> 24, PCIe 3 x16
+# 16 -> 12). `plan --bandwidth` overrides it. Order matters for `match`: the first fragment
+# found in a device name wins ("A10G" before "A10", "A100" before "A10").
+GPUS = [
+    GPU("H200", "H200", 143771, (989.4, 989.4, 66.9), 360.0),
+    GPU("H100", "H100", 81559, (989.4, 989.4, 66.9), 360.0),
+    GPU("H800", "H800", 81559, (989.4, 989.4, 66.9), 160.0),  # SXM; the PCIe card is lower: log.peak_tflops
+    GPU("A100-80GB", "A100-SXM4-80GB", 81920, (312.0, 312.0, 19.5), 230.0),
+    GPU("A100-80GB-PCIe", "A100 80GB PCIe", 81920, (312.0, 312.0, 19.5), 24.0),
+    GPU("A100-40GB", "A100", 40960, (312.0, 312.0, 19.5), 230.0),
+    GPU("L40S", "L40S", 46068, (362.1, 362.1, 91.6), 24.0),
+    GPU("A10G", "A10G", 23028, (70.0, 70.0, 31.2), 24.0),
+    GPU("A10", "A10", 23028, (125.0, 125.0, 31.2), 24.0),
+    GPU("L4", "L4", 23034, (121.0, 121.0, 30.3), 24.0),
+    GPU("RTX-4090", "RTX 4090", 24564, (165.2, 165.2, 82.6), 24.0),
+    GPU("RTX-3090", "RTX 3090", 24576, (71.0, 71.0, 35.6), 24.0),
+    GPU("A6000", "A6000", 49140, (154.8, 154.8, 38.7), 24.0),
+    GPU("V100-32GB", "V100-SXM2-32GB", 32768, (0.0, 125.0, 15.7), 130.0),
+    GPU("V100-16GB", "V100", 16384, (0.0, 125.0, 15.7), 12.0),
+    GPU("T4", "T4", 15360, (0.0, 65.0, 8.1), 12.0),
+]
+
+
+def gpu_by_name(name: str) -> GPU:
+    """The table entry for a name given on the command line (case-insensitive)."""
+    wanted = name.strip().lower().replace(" ", "-")
+    for gpu in GPUS:
+        if gpu.name.lower() == wanted:
+            return gpu
+    raise UserError(f"unknown GPU {name!r}; known: {', '.join(g.name for g in GPUS)} "
+                    "(or give --gpu-mem SIZE and --peak-tflops)")
+
+
+def gpu_by_device_name(device_name: str) -> GPU | None:
+    """The table entry for torch.cuda.get_device_name(), or None."""
+    for gpu in GPUS:
+        if gpu.match in device_name:
+            return gpu
+    return None
+
+
+_UNITS = {"": 1, "b": 1, "k": 10 ** 3, "kb": 10 ** 3, "m": 10 ** 6, "mb": 10 ** 6, "g": 10 ** 9, "gb": 10 ** 9,
+          "t": 10 ** 12, "tb": 10 ** 12, "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
+
+
+def parse_size(text: str, what: str, default_unit: str = "gib") -> int:
+    """'16GiB', '16 GB', '15360MiB' or a bare number (in `default_unit`) -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else ""
+    if not m or unit not in _UNITS or float(m.group(1)) <= 0:
+        raise UserError(f"{what} {text!r} is not a memory size; write it like 16GiB, 80GB or 15360MiB")
+    return int(float(m.group(1)) * _UNITS[unit or default_unit])
+
+
+# ---------------------------------------------------------------------------- fixed overheads
+# What a CUDA rank holds beyond the live tensors a trace sees. NOT YET CALIBRATED ON A GPU: the
+# values are the public defaults named in `source`; `bench/plan_accuracy.py --gpu` measures
+# torch.cuda.max_memory_allocated/reserved against the prediction and is where to set them.
+@dataclass(frozen=True)
+class Overhead:
+    value: float
+    unit: str
+    source: str
+
+
+CUDA_OVERHEADS = {
+    # Inside torch's allocator (counted by max_memory_allocated and reserved):
+    "cublas_workspace": Overhead(
+        32 * 2 ** 20, "bytes",
+        "PyTorch's default CUBLAS_WORKSPACE_CONFIG ':4096:8' on sm90 (8 x 4 MiB), one per stream that runs GEMMs"),
+    "allocation_rounding": Overhead(
+        512, "bytes", "CUDACachingAllocator rounds every block up to 512 B (kMinBlockSize)"),
+    # Reserved but not allocated:
+    "fragmentation": Overhead(
+        0.08, "share of peak allocated",
+        "blocks cached by the caching allocator and not reusable at the peak; the usual 5-10 % "
+        "(PyTorch CUDA semantics notes, expandable_segments discussion)"),
+    # Outside torch's allocator (in nvidia-smi's figure, not in max_memory_reserved):
+    "cuda_context": Overhead(
+        500 * 2 ** 20, "bytes", "CUDA context + torch kernels loaded lazily: 300-600 MiB per process (CUDA "
+        "lazy loading, CUDA_MODULE_LOADING=LAZY default since CUDA 11.7)"),
+    "nccl_buffers": Overhead(
+        4 * 2 ** 20, "bytes per channel and peer",
+        "NCCL_BUFFSIZE default 4 MiB; the ring/tree uses about 2 channels per peer on PCIe, more on NVLink"),
+    "nccl_channels": Overhead(16, "channels", "NCCL's typical channel count on NVLink systems (NCCL_MAX_NCHANNELS)"),
+}
+
+
+def overhead(name: str) -> float:
+    return CUDA_OVERHEADS[name].value
+
+
+# Host-side assumptions for ranking offload (CPU AdamW and the host<->GPU copies).
+HOST_FACTS = {
+    "pcie_gbs": Overhead(24.0, "GB/s", "PCIe 4.0 x16, about 75 % of 32 GB/s per direction"),
+    "host_adam_gbs": Overhead(20.0, "GB/s", "memory bandwidth one rank's CPU AdamW streams (fused CPU kernel)"),
+    "inter_node_gbs": Overhead(12.5, "GB/s", "one 100 Gb/s InfiniBand/RoCE NIC per GPU; plan --inter-node-bandwidth"),
+    "mfu": Overhead(0.45, "share of peak", "model FLOPs utilisation FSDP reaches on large GEMMs (torchtitan's "
+                    "published Llama runs: 40-55 %)"),
+}
