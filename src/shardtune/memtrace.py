@@ -51,26 +51,32 @@ class StepTrace:
 
 def extrapolate(traces: dict[tuple[int, int], StepTrace], layers: int, micro_batch: int) -> StepTrace:
     """The trace at (`layers`, `micro_batch`) from traces at two depths x two micro-batch sizes
-    (keys (layers, micro_batch)): each phase's bytes are bilinear in depth and micro-batch size
-    (activations grow with both, states with depth only). Phases are keyed by position (first,
-    middle, last block, ...), so the same key means the same place at every depth."""
+    (keys (layers, micro_batch)). Each phase's peak is bilinear in depth and micro-batch size
+    (activations grow with both, states with depth only); phases are keyed by position (first,
+    middle, last block, ...), so a key means the same place at every depth. Per category only
+    the states (parameters, gradients, optimizer state) are extrapolated: the moment of a phase's
+    peak can differ between the small copies, so its transient categories are split as in the
+    deeper copy."""
     (l0, m0), (l1, m1) = min(traces), max(traces)
     x = (layers - l0) / (l1 - l0) if l1 != l0 else 0.0
     y = (micro_batch - m0) / (m1 - m0)
 
-    def at(key: tuple | None, category: str) -> int:
-        def v(lm):
-            t = traces[lm]
-            return (t.phases[key] if key else t.steady).get(category, 0)
-        value = (v((l0, m0)) * (1 - x) * (1 - y) + v((l1, m0)) * x * (1 - y) + v((l0, m1)) * (1 - x) * y
-                 + v((l1, m1)) * x * y)
-        return max(0, round(value))
+    def blend(value) -> float:
+        return (value((l0, m0)) * (1 - x) * (1 - y) + value((l1, m0)) * x * (1 - y) + value((l0, m1)) * (1 - x) * y
+                + value((l1, m1)) * x * y)
+
+    def phase(key) -> dict[str, int]:
+        cats = {c: max(0, round(blend(lambda lm, c=c: traces[lm].phases[key].get(c, 0)))) for c in OFFLOADED}
+        total = blend(lambda lm: sum(traces[lm].phases[key].values()))
+        deep = {c: (1 - y) * traces[(l1, m0)].phases[key].get(c, 0) + y * traces[(l1, m1)].phases[key].get(c, 0)
+                for c in CATEGORIES if c not in OFFLOADED}
+        rest, share = max(0.0, total - sum(cats.values())), sum(deep.values()) or 1.0
+        return {**cats, **{c: round(rest * v / share) for c, v in deep.items()}}
+
     keys = set.intersection(*(set(t.phases) for t in traces.values()))
-    phases = {key: {c: at(key, c) for c in CATEGORIES} for key in keys}
-    params = {name: round(traces[(l0, m0)].params[name] + (traces[(l1, m0)].params[name]
-                                                           - traces[(l0, m0)].params[name]) * x)
-              for name in traces[(l0, m0)].params}
-    return StepTrace(phases, layers, {c: at(None, c) for c in CATEGORIES}, params)
+    steady = {c: max(0, round(blend(lambda lm, c=c: traces[lm].steady.get(c, 0)))) for c in CATEGORIES}
+    params = {n: round(blend(lambda lm, n=n: traces[lm].params[n])) for n in traces[(l0, m0)].params}
+    return StepTrace({key: phase(key) for key in keys}, layers, steady, params)
 
 
 def layer_count(hf_config) -> int:
