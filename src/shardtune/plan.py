@@ -190,7 +190,8 @@ def step_time(trace: StepTrace, hf_config, cand: Candidate, cfg: RunConfig, targ
     offload = 0.0
     if cand.cpu_offload:
         shard = p["total"] * 4 / shard_group
-        offload = accum * 2 * shard / (HOST_FACTS["pcie_gbs"].value * 1e9)  # params in, gradients out
+        pcie = min(HOST_FACTS["pcie_gbs"].value, target.gpu.link_gbs if target.gpu else 1e9)  # PCIe 3 cards
+        offload = accum * 2 * shard / (pcie * 1e9)  # parameters in, gradients out
         offload += 28 * p["trainable"] / shard_group / (HOST_FACTS["host_adam_gbs"].value * 1e9)
     return max(compute, comm) + offload
 
