@@ -33,8 +33,8 @@ def test_pack_joins_documents_with_eos_and_cuts_fixed_blocks(tmp_path, tokenizer
     for t in texts:
         stream += tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     assert len(packed) == len(stream) // 16
-    assert all(len(row) == 16 for row in packed["input_ids"])
-    assert [tok for row in packed["input_ids"] for tok in row] == stream[:len(packed) * 16]
+    assert packed[:]["input_ids"].shape == (len(packed), 16)
+    assert packed[:]["input_ids"].flatten().tolist() == stream[:len(packed) * 16]
 
 
 def test_own_validation_split_is_used(tmp_path, tokenizer):
@@ -117,6 +117,6 @@ def test_blank_documents_add_no_tokens(tokenizer):
 
     with_blanks = datasets.Dataset.from_dict({"text": ["alpha beta", "", "   ", "gamma delta"] * 20})
     without = datasets.Dataset.from_dict({"text": ["alpha beta", "gamma delta"] * 20})
-    a = D.pack(with_blanks, tokenizer, "text", seq_len=8)["input_ids"]
-    b = D.pack(without, tokenizer, "text", seq_len=8)["input_ids"]
-    assert a == b
+    a = D.pack(with_blanks, tokenizer, "text", seq_len=8)[:]["input_ids"]
+    b = D.pack(without, tokenizer, "text", seq_len=8)[:]["input_ids"]
+    assert a.tolist() == b.tolist()

@@ -43,6 +43,20 @@ def lora_baseline(assets, tmp_path_factory):
     return losses(out)
 
 
+DOCMASK = {"data.document_mask": "true"}
+
+
+@pytest.fixture(scope="module")
+def docmask_baseline(assets, tmp_path_factory):
+    """Single-process reference run of document-masked packed blocks, in this process."""
+    from shardtune.config import load_config
+    from shardtune.train import run
+
+    out = tmp_path_factory.mktemp("docmask_baseline")
+    run(load_config(None, tiny_overrides(assets, out, **DOCMASK), defaults={}), overwrite=True)
+    return losses(out)
+
+
 def torchrun(nproc: int, script_args: list[str], nnodes: int = 1, timeout: int = 400):
     env = child_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
@@ -59,9 +73,10 @@ def torchrun(nproc: int, script_args: list[str], nnodes: int = 1, timeout: int =
     return [(a.returncode, o) for a, o in zip(agents, outs, strict=True)]
 
 
-def test_two_ranks_match_one_process_for_every_sharding(assets, baseline, lora_baseline, tmp_path):
+def test_two_ranks_match_one_process_for_every_sharding(assets, baseline, lora_baseline, docmask_baseline, tmp_path):
     """full_shard (accumulation 2 and 1, activation checkpointing), shard_grad_op and no_shard
-    on 2 ranks, with full logits and with many loss chunks (the baseline's loss is one chunk);
+    on 2 ranks, with full logits and with many loss chunks (the baseline's loss is one chunk),
+    and document-masked packing;
     a locally saved GPT-2 and Llama load on 2 ranks exactly; final/ round-trips."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -82,6 +97,7 @@ def test_two_ranks_match_one_process_for_every_sharding(assets, baseline, lora_b
         "no_accum": {"train.micro_batch_size": 4, "loss_chunk_tokens": 24},  # 11 loss chunks per micro-batch
         "size_wrap": {"fsdp.wrap": "size", "fsdp.min_num_params": 20000, "fsdp.forward_prefetch": 1},
         "lora": LORA,
+        "docmask": DOCMASK,
     }
     spec = {"result": str(tmp_path / "result.json"), "load": saved, "export": True,
             "jobs": [tiny_overrides(assets, tmp_path / name, **extra) for name, extra in jobs.items()]}
@@ -93,7 +109,7 @@ def test_two_ranks_match_one_process_for_every_sharding(assets, baseline, lora_b
     assert result["export_logit_diff"] < 1e-5
     assert len(baseline) == 6
     for name in jobs:
-        got, want = losses(tmp_path / name), lora_baseline if name == "lora" else baseline
+        got, want = losses(tmp_path / name), {"lora": lora_baseline, "docmask": docmask_baseline}.get(name, baseline)
         assert len(got) == len(want)
         assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < TOL, (name, got, want)
 

@@ -7,6 +7,9 @@ parameters in one unit, so any sharding strategy works with them.
 
 from __future__ import annotations
 
+import torch
+import torch.nn as nn
+
 from .config import FreezeConfig, PeftConfig
 from .errors import UserError
 
@@ -39,7 +42,6 @@ def check_quantize(cfg: PeftConfig, device) -> None:
 
 def quantization_config(cfg: PeftConfig):
     """bitsandbytes NF4 with bf16 storage, so FSDP can shard the quantized weights like bf16."""
-    import torch
     from transformers import BitsAndBytesConfig
 
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
@@ -49,7 +51,6 @@ def quantization_config(cfg: PeftConfig):
 def load_qlora_model(cfg, hf_config, device, world_size: int, seed: int):
     """QLoRA: bitsandbytes loads the base straight onto this GPU in NF4, LoRA adapters go on top.
     One rank only — the 4-bit weights are small enough for one card and are not FSDP-sharded."""
-    import torch
     from peft import prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM
 
@@ -67,7 +68,6 @@ def load_qlora_model(cfg, hf_config, device, world_size: int, seed: int):
 
 def add_lora(model, cfg: PeftConfig, model_type: str, seed: int | None = None):
     """Wrap `model` with LoRA adapters (a PeftModel); the base weights are frozen by peft."""
-    import torch
     from peft import LoraConfig, get_peft_model
 
     targets = cfg.target_modules or DEFAULT_TARGETS.get(model_type)
@@ -93,7 +93,6 @@ def add_lora(model, cfg: PeftConfig, model_type: str, seed: int | None = None):
 
 def _linear_names(model) -> list[str]:
     """Short names of the layers LoRA can adapt (Linear, and GPT-2's Conv1D), sorted."""
-    import torch.nn as nn
 
     names = {name.rsplit(".", 1)[-1] for name, m in model.named_modules()
              if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"}
@@ -111,7 +110,6 @@ def adapt(model, peft: PeftConfig, freeze_cfg: FreezeConfig, block_cls: type, se
 
 def freeze(model, cfg: FreezeConfig, block_cls: type) -> None:
     """Turn off gradients: they then get no gradient and no optimizer state."""
-    import torch.nn as nn
 
     if cfg.trainable_blocks is None and not cfg.head_only and not cfg.embeddings:
         return

@@ -40,7 +40,7 @@ class DataConfig:
     seq_len: int = 512  # tokens per packed block; the default cutoff_len of instruct/chat
     start_idx: int | None = None  # slice of the training documents, before packing
     end_idx: int | None = None  # end of that slice (exclusive)
-    num_proc: int | None = None  # tokenizer workers for datasets.map
+    num_proc: int | None = None  # tokenizer worker processes (default: one, with the tokenizer's own threads)
     format: Literal["text", "instruct", "chat"] = "text"  # text: packed documents; instruct: prompt + response; chat: messages
     template: str | None = None  # columns as text, e.g. "Quote: {quote}\nAuthor: {author}" (text: the document; instruct: the prompt)
     list_sep: str = " "  # joins list-valued columns, e.g. chess moves ["e4","e5"] -> "e4 e5"
@@ -53,6 +53,17 @@ class DataConfig:
     cutoff_len: int | None = None  # instruct/chat: longest example in tokens, longer ones truncated (default seq_len)
     packing: bool = False  # instruct/chat: concatenate examples into seq_len blocks instead of padding each
     group_by_length: bool = False  # padded batches: put examples of similar length together (less padding)
+    document_mask: bool | None = None  # attention and positions restart per document (default: packed instruct/chat)
+    padding_free: bool = False  # unpacked instruct/chat: a micro-batch's examples in one row, no padding
+
+    @property
+    def masks_documents(self) -> bool:
+        """Whether batches carry restarting positions and a document mask (data.document_mask resolved)."""
+        if self.padding_free:
+            return True
+        if self.document_mask is None:
+            return self.format != "text" and self.packing
+        return self.document_mask and (self.format == "text" or self.packing)
 
     @property
     def example_cutoff(self) -> int:

@@ -10,10 +10,9 @@ any world size trains on exactly the same global batches.
 
 from __future__ import annotations
 
-from itertools import chain
 from pathlib import Path
 
-from . import formats
+from . import docmask, formats
 from .config import DataConfig
 from .errors import UserError, first_line
 from .formats import IGNORE_INDEX
@@ -124,37 +123,12 @@ def split_documents(cfg: DataConfig, splits, seed: int):
 # ----------------------------------------------------------------------------- tokens
 
 
-def pack(docs, tokenizer, field: str, seq_len: int, num_proc: int | None = None):
-    """Tokenize, join documents with EOS, and cut into `seq_len` blocks (the tail is dropped)."""
-    eos = tokenizer.eos_token_id
+def pack(docs, tokenizer, field: str, seq_len: int, num_proc: int | None = None, document_mask: bool = False):
+    """Tokenize, join documents with EOS, and cut into `seq_len` blocks (the tail is dropped),
+    out of core (packing.py)."""
+    from .packing import pack_text
 
-    def tokenize(batch):
-        ids = tokenizer(batch[field], add_special_tokens=False)["input_ids"]
-        return {"input_ids": [x + [eos] for x in ids]}
-
-    # Blank documents (wikitext's empty lines) would only add runs of EOS.
-    docs = docs.filter(lambda batch: [bool(t and t.strip()) for t in batch[field]], batched=True,
-                       num_proc=num_proc, desc="drop blank")
-    tokens = docs.map(tokenize, batched=True, remove_columns=docs.column_names, num_proc=num_proc,
-                      desc="tokenize")
-    return blocks(tokens, seq_len)
-
-
-def blocks(tokens, seq_len: int):
-    """Concatenate every row's `input_ids` (and `labels`, if any) and cut into `seq_len` blocks;
-    the tail is dropped. One pass over everything (batch_size=None) so no block straddles a gap."""
-    columns = [c for c in ("input_ids", "labels") if c in tokens.column_names]
-
-    def group(batch):
-        out = {}
-        for c in columns:
-            flat = list(chain.from_iterable(batch[c]))
-            usable = len(flat) // seq_len * seq_len
-            out[c] = [flat[i:i + seq_len] for i in range(0, usable, seq_len)]
-        return out
-
-    return tokens.map(group, batched=True, batch_size=None, remove_columns=tokens.column_names,
-                      desc=f"pack {seq_len}")
+    return pack_text(docs, tokenizer, field, seq_len, num_proc, document_mask)
 
 
 def tokenize_split(docs, cfg: DataConfig, tokenizer, what: str, required: bool = False):
@@ -163,7 +137,7 @@ def tokenize_split(docs, cfg: DataConfig, tokenizer, what: str, required: bool =
     split left with no example is a UserError."""
     if cfg.format == "text":
         docs, field = formats.render_text(docs, cfg, what)
-        return pack(docs, tokenizer, field, cfg.seq_len, cfg.num_proc)
+        return pack(docs, tokenizer, field, cfg.seq_len, cfg.num_proc, cfg.masks_documents)
     make = formats.instruct_fn if cfg.format == "instruct" else formats.chat_fn
     build = make(cfg, tokenizer, docs.column_names, what)
     rows = docs.map(build, batched=True, with_indices=cfg.format == "chat", remove_columns=docs.column_names,
@@ -178,7 +152,9 @@ def tokenize_split(docs, cfg: DataConfig, tokenizer, what: str, required: bool =
     if cfg.train_on_inputs:
         rows = rows.remove_columns("labels")  # labels == input_ids
     if cfg.packing:
-        rows = blocks(rows, cfg.seq_len)
+        from .packing import pack_rows, token_dtype
+
+        return pack_rows(rows, cfg.seq_len, token_dtype(tokenizer), cfg.masks_documents)
     return rows
 
 
@@ -289,32 +265,43 @@ def eval_batches(num_samples: int, micro_batch: int, world_size: int, rank: int,
     return batches
 
 
-def collate(ds, indices: list[int], device, pad_id: int = 0):
-    """{input_ids, labels} tensors for these samples; index -1 is a padding row with no loss.
-    Rows of different lengths are right-padded with `pad_id` (labels with IGNORE_INDEX) to the
-    longest, and only then is an `attention_mask` (1 = real token) added."""
+def collate(ds, indices: list[int], device, pad_id: int = 0, padding_free: bool = False):
+    """{input_ids, labels[, attention_mask][, position_ids]} tensors for these samples; index -1
+    is a row with no loss. Packed blocks are stacked (document-masked ones bring their
+    position_ids). Rows of different lengths are right-padded with `pad_id` (labels with
+    IGNORE_INDEX) to the longest, with an `attention_mask` (1 = real token) — or, with
+    `padding_free`, laid end to end in one row with restarting position_ids."""
     import torch
 
     real = [i if i >= 0 else 0 for i in indices]
+    blank = [pos for pos, i in enumerate(indices) if i < 0]
     rows = ds[real]
-    input_ids = rows["input_ids"]
-    labels = rows.get("labels")
-    if isinstance(input_ids, torch.Tensor):  # equal lengths: datasets stacked them already
-        labels = labels.clone() if labels is not None else input_ids.clone()
-        mask = None
+    input_ids, labels = rows["input_ids"], rows.get("labels")
+    batch = {}
+    if isinstance(input_ids, torch.Tensor):  # equal lengths: stacked already
+        labels = (labels if labels is not None else input_ids).clone()
+        labels[blank] = IGNORE_INDEX
+        if "position_ids" in rows:
+            batch["position_ids"] = rows["position_ids"]
     else:
-        labels = labels if labels is not None else input_ids
-        width = max(len(x) for x in input_ids)
-        padded = torch.full((len(real), width), pad_id, dtype=input_ids[0].dtype)
-        mask = torch.zeros((len(real), width), dtype=torch.long)
-        padded_labels = torch.full((len(real), width), IGNORE_INDEX, dtype=input_ids[0].dtype)
-        for pos, (ids, lab) in enumerate(zip(input_ids, labels)):
-            padded[pos, :len(ids)], padded_labels[pos, :len(ids)], mask[pos, :len(ids)] = ids, lab, 1
-        input_ids, labels = padded, padded_labels
-    for pos, i in enumerate(indices):
-        if i < 0:
-            labels[pos] = IGNORE_INDEX
-    batch = {"input_ids": input_ids.to(device, non_blocking=True), "labels": labels.to(device, non_blocking=True)}
-    if mask is not None:
-        batch["attention_mask"] = mask.to(device, non_blocking=True)
-    return batch
+        labels = [torch.full_like(ids, IGNORE_INDEX) if pos in blank else lab
+                  for pos, (ids, lab) in enumerate(zip(input_ids, labels if labels is not None else input_ids))]
+        if padding_free:
+            input_ids, labels, batch["position_ids"] = docmask.flatten(input_ids, labels)
+        else:
+            input_ids, labels, batch["attention_mask"] = _pad(input_ids, labels, pad_id)
+    batch.update(input_ids=input_ids, labels=labels)
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def _pad(input_ids: list, labels: list, pad_id: int):
+    """Rows right-padded to the longest: (input_ids, labels, attention_mask)."""
+    import torch
+
+    width = max(len(x) for x in input_ids)
+    padded = torch.full((len(input_ids), width), pad_id, dtype=input_ids[0].dtype)
+    padded_labels = torch.full((len(input_ids), width), IGNORE_INDEX, dtype=input_ids[0].dtype)
+    mask = torch.zeros((len(input_ids), width), dtype=torch.long)
+    for pos, (ids, lab) in enumerate(zip(input_ids, labels)):
+        padded[pos, :len(ids)], padded_labels[pos, :len(ids)], mask[pos, :len(ids)] = ids, lab, 1
+    return padded, padded_labels, mask

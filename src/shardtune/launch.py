@@ -22,8 +22,7 @@ from .errors import EXIT_USAGE, UserError
 class Dist:
     rank: int
     world_size: int
-    local_rank: int
-    local_world_size: int
+    local_world_size: int  # ranks on this node: hybrid_shard's default shard group
     device: torch.device  # noqa: F821
 
     @property
@@ -98,7 +97,6 @@ def init_distributed(requested_device: str) -> Dist:
             dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
     world = dist.get_world_size()
     return Dist(rank=dist.get_rank(), world_size=world,
-                local_rank=int(os.environ.get("LOCAL_RANK", "0")),
                 local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", str(world))),
                 device=device)
 

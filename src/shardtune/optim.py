@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from .config import TrainConfig
 
 
 def build_optimizer(model, cfg: TrainConfig, device, precision: str = "fp32"):
-    import torch
-
     trainable = [p for p in model.parameters() if p.requires_grad]
     # Biases and norm weights are the 1-D parameters; decaying them only hurts.
     groups = [

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 
 from . import data as data_lib
+from . import docmask
 from . import loss as loss_lib
 from .config import RunConfig
 from .launch import Dist, all_sum
@@ -22,7 +23,7 @@ def token_loss(model, batch, accuracy: bool = False):
     # position t predicts token t+1; padding the labels (not slicing the logits) avoids a copy
     labels = F.pad(batch["labels"][:, 1:], (0, 1), value=data_lib.IGNORE_INDEX)
     mask = labels != data_lib.IGNORE_INDEX
-    inputs = dict(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), use_cache=False)
+    inputs = docmask.model_inputs(model, batch)
     if loss_lib.is_installed(model):
         with loss_lib.head_labels(model, labels, accuracy):
             out = model(**inputs).logits  # the head returned the loss (and the number correct)
@@ -34,7 +35,7 @@ def token_loss(model, batch, accuracy: bool = False):
     return loss_sum, mask.sum(), correct
 
 
-def evaluate(model, ds, batches, device, pad_id: int = 0) -> dict:
+def evaluate(model, ds, batches, device, pad_id: int = 0, padding_free: bool = False) -> dict:
     """Token-weighted validation loss, perplexity and next-token accuracy over all ranks."""
     import torch
 
@@ -44,7 +45,7 @@ def evaluate(model, ds, batches, device, pad_id: int = 0) -> dict:
     correct = torch.zeros((), dtype=torch.float64, device=device)
     with torch.no_grad():
         for indices in batches:
-            s, n, c = token_loss(model, data_lib.collate(ds, indices, device, pad_id), accuracy=True)
+            s, n, c = token_loss(model, data_lib.collate(ds, indices, device, pad_id, padding_free), accuracy=True)
             loss_sum += s
             count += n
             correct += c
@@ -71,11 +72,11 @@ def train_step(model, optimizer, scaler, ds, micro_batches, cfg: RunConfig, dist
     import torch
 
     t0 = time.perf_counter()
-    batches = [data_lib.collate(ds, idx, dist.device, pad_id) for idx in micro_batches]
+    batches = [data_lib.collate(ds, idx, dist.device, pad_id, cfg.data.padding_free) for idx in micro_batches]
     data_seconds = time.perf_counter() - t0
     input_tokens = sum(b["attention_mask"].sum() if "attention_mask" in b else b["input_ids"].numel()
                        for b in batches)
-    if "labels" in ds.column_names or any("attention_mask" in b for b in batches):
+    if "labels" in ds.column_names or any(set(b) != {"input_ids", "labels"} for b in batches):
         local_tokens = sum((b["labels"][:, 1:] != data_lib.IGNORE_INDEX).sum() for b in batches)
         (global_tokens,) = all_sum(local_tokens, device=dist.device)
     else:  # packed blocks: every position but the first is predicted; no need to ask the others

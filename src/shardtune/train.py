@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import data as data_lib
+from . import docmask
 from .adapters import check_quantize, load_qlora_model
 from .build import BuiltModel, ModelSpec, build_model
 from .config import RunConfig, check_world, dump_yaml
@@ -93,6 +94,7 @@ class Trainer:
             raise UserError(f"the tokenizer has {len(tokenizer)} tokens but the model only {hf_config.vocab_size}; "
                             "use the model's own tokenizer or set model.config.vocab_size")
         check_seq_len(hf_config, cfg.data.seq_len)
+        docmask.check(cfg.data, hf_config)
         self.accum = check_world(cfg, dist.world_size)
         self.train_ds, self.val_ds = rank0_first(dist, lambda: data_lib.prepare(cfg.data, tokenizer, cfg.train.seed))
         t = cfg.train
@@ -168,7 +170,8 @@ class Trainer:
             print(text, flush=True)
 
     def evaluate(self) -> dict:
-        return evaluate(self.model, self.val_ds, self.val_batches, self.dist.device, self.tokenizer.pad_token_id or 0)
+        return evaluate(self.model, self.val_ds, self.val_batches, self.dist.device, self.tokenizer.pad_token_id or 0,
+                        self.cfg.data.padding_free)
 
     def fit(self) -> dict:
         import torch
