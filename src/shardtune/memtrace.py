@@ -96,7 +96,7 @@ def fake_world(world_size: int, local_world_size: int):
         raise RuntimeError("a memory trace needs a process without a process group (it makes a fake one)")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
-        yield Dist(rank=0, world_size=world_size, local_rank=0, local_world_size=local_world_size,
+        yield Dist(rank=0, world_size=world_size, local_world_size=local_world_size,
                    device=torch.device("cpu"))
     finally:
         dist.destroy_process_group()
@@ -216,14 +216,16 @@ def _create_optimizer_state(model, optimizer) -> None:
 
 class _ShapeOnlyData:
     """Stands in for the tokenized dataset: rows of zeros of the recipe's shape. Packed text and
-    packed instruct/chat give equal rows; padded instruct/chat give full-length rows that go
-    through collate's padding path (and so get an attention mask, as in training)."""
+    packed instruct/chat give equal rows (with position_ids where documents are masked); padded
+    instruct/chat give full-length rows that go through collate's padding (or padding-free) path,
+    as in training."""
 
     def __init__(self, cfg: RunConfig):
         d = cfg.data
         self.padded = d.format != "text" and not d.packing
         self.seq = (d.cutoff_len or d.seq_len) if self.padded else d.seq_len
         self.column_names = ["input_ids"] if d.format == "text" else ["input_ids", "labels"]
+        self.positions = d.masks_documents and not self.padded
 
     def __getitem__(self, indices):
         import torch
@@ -232,7 +234,10 @@ class _ShapeOnlyData:
             rows = [torch.zeros(self.seq, dtype=torch.long) for _ in indices]
             return {"input_ids": rows, "labels": rows}
         ids = torch.zeros((len(indices), self.seq), dtype=torch.long)
-        return {"input_ids": ids, **({"labels": ids} if "labels" in self.column_names else {})}
+        rows = {"input_ids": ids, **({"labels": ids} if "labels" in self.column_names else {})}
+        if self.positions:  # document-masked packing: positions restart per document
+            rows["position_ids"] = torch.arange(self.seq).expand(len(indices), -1).contiguous()
+        return rows
 
 
 def _answer_scalars_mode():
