@@ -51,26 +51,32 @@ class StepTrace:
 
 def extrapolate(traces: dict[tuple[int, int], StepTrace], layers: int, micro_batch: int) -> StepTrace:
     """The trace at (`layers`, `micro_batch`) from traces at two depths x two micro-batch sizes
-    (keys (layers, micro_batch)): each phase's bytes are bilinear in depth and micro-batch size
-    (activations grow with both, states with depth only). Phases are keyed by position (first,
-    middle, last block, ...), so the same key means the same place at every depth."""
+    (keys (layers, micro_batch)). Each phase's peak is bilinear in depth and micro-batch size
+    (activations grow with both, states with depth only); phases are keyed by position (first,
+    middle, last block, ...), so a key means the same place at every depth. Per category only
+    the states (parameters, gradients, optimizer state) are extrapolated: the moment of a phase's
+    peak can differ between the small copies, so its transient categories are split as in the
+    deeper copy."""
     (l0, m0), (l1, m1) = min(traces), max(traces)
     x = (layers - l0) / (l1 - l0) if l1 != l0 else 0.0
     y = (micro_batch - m0) / (m1 - m0)
 
-    def at(key: tuple | None, category: str) -> int:
-        def v(lm):
-            t = traces[lm]
-            return (t.phases[key] if key else t.steady).get(category, 0)
-        value = (v((l0, m0)) * (1 - x) * (1 - y) + v((l1, m0)) * x * (1 - y) + v((l0, m1)) * (1 - x) * y
-                 + v((l1, m1)) * x * y)
-        return max(0, round(value))
+    def blend(value) -> float:
+        return (value((l0, m0)) * (1 - x) * (1 - y) + value((l1, m0)) * x * (1 - y) + value((l0, m1)) * (1 - x) * y
+                + value((l1, m1)) * x * y)
+
+    def phase(key) -> dict[str, int]:
+        cats = {c: max(0, round(blend(lambda lm, c=c: traces[lm].phases[key].get(c, 0)))) for c in OFFLOADED}
+        total = blend(lambda lm: sum(traces[lm].phases[key].values()))
+        deep = {c: (1 - y) * traces[(l1, m0)].phases[key].get(c, 0) + y * traces[(l1, m1)].phases[key].get(c, 0)
+                for c in CATEGORIES if c not in OFFLOADED}
+        rest, share = max(0.0, total - sum(cats.values())), sum(deep.values()) or 1.0
+        return {**cats, **{c: round(rest * v / share) for c, v in deep.items()}}
+
     keys = set.intersection(*(set(t.phases) for t in traces.values()))
-    phases = {key: {c: at(key, c) for c in CATEGORIES} for key in keys}
-    params = {name: round(traces[(l0, m0)].params[name] + (traces[(l1, m0)].params[name]
-                                                           - traces[(l0, m0)].params[name]) * x)
-              for name in traces[(l0, m0)].params}
-    return StepTrace(phases, layers, {c: at(None, c) for c in CATEGORIES}, params)
+    steady = {c: max(0, round(blend(lambda lm, c=c: traces[lm].steady.get(c, 0)))) for c in CATEGORIES}
+    params = {n: round(blend(lambda lm, n=n: traces[lm].params[n])) for n in traces[(l0, m0)].params}
+    return StepTrace({key: phase(key) for key in keys}, layers, steady, params)
 
 
 def layer_count(hf_config) -> int:
@@ -90,7 +96,7 @@ def fake_world(world_size: int, local_world_size: int):
         raise RuntimeError("a memory trace needs a process without a process group (it makes a fake one)")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
-        yield Dist(rank=0, world_size=world_size, local_rank=0, local_world_size=local_world_size,
+        yield Dist(rank=0, world_size=world_size, local_world_size=local_world_size,
                    device=torch.device("cpu"))
     finally:
         dist.destroy_process_group()
@@ -143,7 +149,8 @@ def trace_step(cfg: RunConfig, hf_config, world_size: int, local_world_size: int
             with tracker, _answer_scalars_mode(), _dtensor_meta_outside_trace(), attention:
                 handle = model.register_forward_pre_hook(tracker.next_micro_step, prepend=True)
                 try:
-                    train_step(model, optimizer, scaler, _ShapeOnlyData(cfg), micro, cfg, dist,
+                    batches, labels_vary = _shape_only_batches(cfg, micro, dist.device)
+                    train_step(model, optimizer, scaler, batches, cfg, dist, labels_vary,
                                sync_each=built.sync_grads_each_micro_step)
                 finally:
                     handle.remove()
@@ -173,13 +180,15 @@ def measure_step(cfg: RunConfig, hf_config, dist) -> int:
     optimizer = build_optimizer(model, cfg.train, dist.device, cfg.precision)
     scaler = build_grad_scaler(cfg.precision, dist.device)
     micro = [[0] * cfg.train.micro_batch_size for _ in range(accum)]
-    data = _ShapeOnlyData(cfg)
-    train_step(model, optimizer, scaler, data, micro, cfg, dist, sync_each=built.sync_grads_each_micro_step)
+    train_step(model, optimizer, scaler, *_shape_only_batches(cfg, micro, dist.device), cfg, dist,
+               sync_each=built.sync_grads_each_micro_step)
     live = LiveMemory(model, optimizer, dist.device, steps=1)  # the trainer's own live-bytes tracker
     if dist.device.type == "cuda":  # torch.cuda.max_memory_* then cover the measured step only
         torch.cuda.reset_peak_memory_stats(dist.device)
-    with live.track():
-        train_step(model, optimizer, scaler, data, micro, cfg, dist, sync_each=built.sync_grads_each_micro_step)
+    with live.track():  # the batches are made inside, as in the traced step
+        batches, labels_vary = _shape_only_batches(cfg, micro, dist.device)
+        train_step(model, optimizer, scaler, batches, cfg, dist, labels_vary,
+                   sync_each=built.sync_grads_each_micro_step)
     return live.peak or 0
 
 
@@ -194,16 +203,28 @@ def _create_optimizer_state(model, optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
+def _shape_only_batches(cfg: RunConfig, micro: list[list[int]], device) -> tuple[list[dict], bool]:
+    """(micro-batches of the recipe's shape, whether its labels vary), made as training makes
+    them (data.collate)."""
+    from .data import collate
+
+    data = _ShapeOnlyData(cfg)
+    return [collate(data, indices, device, 0, cfg.data.padding_free) for indices in micro], \
+        "labels" in data.column_names
+
+
 class _ShapeOnlyData:
     """Stands in for the tokenized dataset: rows of zeros of the recipe's shape. Packed text and
-    packed instruct/chat give equal rows; padded instruct/chat give full-length rows that go
-    through collate's padding path (and so get an attention mask, as in training)."""
+    packed instruct/chat give equal rows (with position_ids where documents are masked); padded
+    instruct/chat give full-length rows that go through collate's padding (or padding-free) path,
+    as in training."""
 
     def __init__(self, cfg: RunConfig):
         d = cfg.data
         self.padded = d.format != "text" and not d.packing
-        self.seq = (d.cutoff_len or d.seq_len) if self.padded else d.seq_len
+        self.seq = d.example_cutoff if self.padded else d.seq_len
         self.column_names = ["input_ids"] if d.format == "text" else ["input_ids", "labels"]
+        self.positions = d.masks_documents and not self.padded
 
     def __getitem__(self, indices):
         import torch
@@ -212,7 +233,10 @@ class _ShapeOnlyData:
             rows = [torch.zeros(self.seq, dtype=torch.long) for _ in indices]
             return {"input_ids": rows, "labels": rows}
         ids = torch.zeros((len(indices), self.seq), dtype=torch.long)
-        return {"input_ids": ids, **({"labels": ids} if "labels" in self.column_names else {})}
+        rows = {"input_ids": ids, **({"labels": ids} if "labels" in self.column_names else {})}
+        if self.positions:  # document-masked packing: positions restart per document
+            rows["position_ids"] = torch.arange(self.seq).expand(len(indices), -1).contiguous()
+        return rows
 
 
 def _answer_scalars_mode():

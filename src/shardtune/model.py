@@ -52,6 +52,18 @@ def load_hf_config(cfg: ModelConfig, local_files_only: bool = False):
     return hf_config
 
 
+def match_tokenizer(hf_config, tokenizer, cfg: ModelConfig) -> None:
+    """A model built from a config alone (no weights) takes its vocabulary and special tokens
+    from the tokenizer, unless model.config names a vocab_size."""
+    if cfg.name_or_path is not None:
+        return
+    if "vocab_size" not in cfg.config:
+        hf_config.vocab_size = len(tokenizer)
+    hf_config.bos_token_id = tokenizer.bos_token_id
+    hf_config.eos_token_id = tokenizer.eos_token_id
+    hf_config.pad_token_id = tokenizer.pad_token_id
+
+
 def max_positions(hf_config) -> int | None:
     for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
         value = getattr(hf_config, key, None)

@@ -32,8 +32,15 @@ def resolve_hf_config(cfg: RunConfig):
     from .model import load_hf_config
 
     m = cfg.model
-    if m.name_or_path is None:
-        return load_hf_config(m), "model.config"
+    if m.name_or_path is None:  # as train builds it: the vocabulary of its tokenizer, where that is at hand
+        from .model import load_tokenizer, match_tokenizer
+
+        hf_config = load_hf_config(m)
+        try:
+            match_tokenizer(hf_config, load_tokenizer(m), m)
+        except UserError:
+            return hf_config, "model.config (tokenizer not at hand: the config's vocabulary)"
+        return hf_config, "model.config"
     if Path(m.name_or_path).is_dir():
         return load_hf_config(m), f"local folder {m.name_or_path}"
     try:
@@ -190,7 +197,8 @@ def step_time(trace: StepTrace, hf_config, cand: Candidate, cfg: RunConfig, targ
     offload = 0.0
     if cand.cpu_offload:
         shard = p["total"] * 4 / shard_group
-        offload = accum * 2 * shard / (HOST_FACTS["pcie_gbs"].value * 1e9)  # params in, gradients out
+        pcie = min(HOST_FACTS["pcie_gbs"].value, target.gpu.link_gbs if target.gpu else 1e9)  # PCIe 3 cards
+        offload = accum * 2 * shard / (pcie * 1e9)  # parameters in, gradients out
         offload += 28 * p["trainable"] / shard_group / (HOST_FACTS["host_adam_gbs"].value * 1e9)
     return max(compute, comm) + offload
 

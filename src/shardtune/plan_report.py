@@ -141,7 +141,9 @@ def render(answer: dict) -> str:
     if answer["others"]:
         lines += ["", "other layouts (largest micro-batch that fits, or why dropped):"]
         shown = set()
-        for e in answer["others"]:
+        # per layout: the fastest that fits, else the smallest micro-batch's shortfall
+        for e in sorted(answer["others"], key=lambda e: (not e["fits"], e["candidate"]["micro_batch"] if not e["fits"]
+                                                          else -e.get("tokens_per_s", 0))):
             c = e["candidate"]
             layout = (c["sharding"], c["precision"], c["activation_checkpointing"], c["cpu_offload"])
             if layout in shown:

@@ -15,7 +15,7 @@ from .build import BuiltModel, ModelSpec, build_model
 from .config import RunConfig, check_world, dump_yaml
 from .errors import UserError
 from .launch import all_sum, broadcast_value, init_distributed, rank0_first
-from .model import check_seq_len, count_params, load_hf_config, load_source_model, load_tokenizer
+from .model import check_seq_len, match_tokenizer, count_params, load_hf_config, load_source_model, load_tokenizer
 from .parallel import build_mesh
 from .rundir import default_output_dir
 from .signals import PREEMPTED_MARKER
@@ -85,12 +85,7 @@ class Trainer:
         # ---- model config, tokenizer and data (rank 0 tokenizes first; the others hit the cache)
         self.tokenizer = tokenizer = load_tokenizer(cfg.model)
         self.hf_config = hf_config = load_hf_config(cfg.model)
-        if cfg.model.name_or_path is None:  # random init: the tokenizer defines the vocabulary
-            if "vocab_size" not in cfg.model.config:
-                hf_config.vocab_size = len(tokenizer)
-            hf_config.bos_token_id = tokenizer.bos_token_id
-            hf_config.eos_token_id = tokenizer.eos_token_id
-            hf_config.pad_token_id = tokenizer.pad_token_id
+        match_tokenizer(hf_config, tokenizer, cfg.model)
         if len(tokenizer) > hf_config.vocab_size:
             raise UserError(f"the tokenizer has {len(tokenizer)} tokens but the model only {hf_config.vocab_size}; "
                             "use the model's own tokenizer or set model.config.vocab_size")
