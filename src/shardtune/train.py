@@ -15,7 +15,7 @@ from .build import BuiltModel, ModelSpec, build_model
 from .config import RunConfig, check_world, dump_yaml
 from .errors import UserError
 from .launch import all_sum, broadcast_value, init_distributed, rank0_first
-from .model import check_seq_len, match_tokenizer, count_params, load_hf_config, load_source_model, load_tokenizer
+from .model import check_seq_len, count_params, load_hf_config, load_source_model, load_tokenizer, match_tokenizer
 from .parallel import build_mesh
 from .rundir import default_output_dir
 from .signals import PREEMPTED_MARKER
