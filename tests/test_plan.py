@@ -64,7 +64,7 @@ def test_plan_prints_a_command_line_that_loads(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     answer = json.loads(proc.stdout)
     best = answer["best"]
-    assert best["fits"] and best["traced_whole"] and answer["model_config_source"] == "model.config"
+    assert best["fits"] and best["traced_whole"] and answer["model_config_source"].startswith("model.config")
     assert best["gpu_bytes"]["total"] < answer["target"]["gpu_memory_bytes"]
     words = shlex.split(best["command"])
     assert words[:3] == ["shardtune", "train", str(recipe)] and words[-2:] == ["--nproc", "2"]

@@ -180,8 +180,8 @@ def measure_step(cfg: RunConfig, hf_config, dist) -> int:
     optimizer = build_optimizer(model, cfg.train, dist.device, cfg.precision)
     scaler = build_grad_scaler(cfg.precision, dist.device)
     micro = [[0] * cfg.train.micro_batch_size for _ in range(accum)]
-    train_step(model, optimizer, scaler, *_shape_only_batches(cfg, micro, dist.device), cfg, dist,
-               sync_each=built.sync_grads_each_micro_step)
+    batches, labels_vary = _shape_only_batches(cfg, micro, dist.device)
+    train_step(model, optimizer, scaler, batches, cfg, dist, labels_vary, sync_each=built.sync_grads_each_micro_step)
     live = LiveMemory(model, optimizer, dist.device, steps=1)  # the trainer's own live-bytes tracker
     if dist.device.type == "cuda":  # torch.cuda.max_memory_* then cover the measured step only
         torch.cuda.reset_peak_memory_stats(dist.device)
