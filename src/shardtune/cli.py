@@ -133,10 +133,11 @@ def cmd_train(args) -> int:
     if launched_by_agent() or nproc == 1:
         if args.nproc and launched_by_agent() and args.nproc != int(os.environ.get("LOCAL_WORLD_SIZE", nproc)):
             raise UserError("--nproc conflicts with the ranks torchrun/srun started; drop --nproc")
+        from .launch import LAUNCHER_ENV
         from .signals import interrupted_line
         from .train import run
 
-        if used and os.environ.get("RANK", "0") == "0":
+        if used and os.environ.get("RANK", "0") == "0" and LAUNCHER_ENV not in os.environ:  # else: the launcher's
             print(used, flush=True)
         try:
             results = run(cfg, overwrite=args.overwrite)
@@ -215,7 +216,7 @@ def cmd_eval(args) -> int:
 
     if args.nproc and args.nproc > 1 and not launched_by_agent():
         check_nproc(args.nproc, args.device)
-        return launch_local(args.nproc, _without_nproc(args.argv))  # 128 + N after signal N
+        return launch_local(args.nproc, _without_nproc(args.argv))
     from .evaluate import run_eval
 
     run_eval(args)

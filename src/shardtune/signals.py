@@ -22,6 +22,8 @@ import sys
 import threading
 from pathlib import Path
 
+from .launch import LAUNCHER_ENV, launched_by_agent
+
 EXIT_PREEMPTED = 75
 EXIT_INTERRUPTED = 128 + signal.SIGINT  # the shell's code for a process stopped by Ctrl-C
 # left in the output folder by a preempted run, for job scripts that cannot see the ranks' exit code
@@ -42,8 +44,6 @@ class Preemption:
 
     def _handle(self, signum, frame) -> None:
         if signum == signal.SIGINT:
-            from .launch import LAUNCHER_ENV, launched_by_agent
-
             lone = not launched_by_agent()
             # The second Ctrl-C: at once. A lone process unwinds (the CLI says what is left);
             # a rank dies by the default action (its launcher says it).
