@@ -252,11 +252,13 @@ class Checkpointer:
         if reason is None:
             raise exc
         shutil.rmtree(tmp, ignore_errors=True)
+        (self.root / ".latest.tmp").unlink(missing_ok=True)  # `_write_atomic`'s, if `latest` was being replaced
         good = find_latest(self.root)
         raise UserError(f"{reason} while saving {tmp.name.removeprefix('.tmp-')} in {self.root}: a checkpoint needs "
                         f"about {_gb(need)}, {_gb(free)} is free; the partial save was removed, "
-                        f"{f'the last good checkpoint is {good}' if good else 'no checkpoint was written'}; free "
-                        "space, lower checkpoint.keep_last, or use an output_dir with more room") from None
+                        f"{f'the last good checkpoint is {good}' if good else 'no checkpoint was written'}; "
+                        f"{'raise the limit, ' if 'ulimit' in reason else 'free space, lower checkpoint.keep_last, '}"
+                        "or use an output_dir with more room") from None
 
     def _write_rest(self, future, tmp: Path, meta: dict) -> None:
         self.pending = None
