@@ -214,6 +214,30 @@ def test_lock_is_exclusive_and_released(tmp_path):
     assert not (tmp_path / "new").exists()
 
 
+def test_live_run_refused_by_name(capfd, recipe, tmp_path):
+    """Another process holds the folder: a run (here with resume=auto, which would otherwise be
+    the advice) is refused naming it, and the folder is left as it was."""
+    out = tmp_path / "run"
+    out.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, sys, time\n"
+        f"fd = os.open({str(out / LOCK_FILE)!r}, os.O_RDWR | os.O_CREAT)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+        "os.write(fd, b'pid 4242 on node7 since 2026-01-01 00:00:00')\n"
+        "print('held', flush=True)\n"
+        "time.sleep(120)\n")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        before = snapshot(out)
+        line = fails(capfd, ["train", recipe, "resume=auto", f"output_dir={out}"],
+                     "in use by a live run (pid 4242 on node7 since 2026-01-01 00:00:00)", "choose another output_dir")
+        assert "resume=auto" not in line.split(";", 1)[1]
+        assert snapshot(out) == before
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 # ----------------------------------------------------------------------------- Ctrl-C, one process
 
 
@@ -369,8 +393,9 @@ def test_nproc2_lock_then_ctrl_c_checkpoints(recipe, tmp_path, datasets_cache):
     proc = launch(recipe, out, datasets_cache)
     try:
         wait_for(training(out), 180, proc)
-        second = subprocess.run([sys.executable, "-m", "shardtune", "train", recipe, "resume=auto", f"output_dir={out}"],
-                                capture_output=True, text=True, timeout=120, env=subprocess_env(datasets_cache))
+        second = subprocess.run([sys.executable, "-m", "shardtune", "train", recipe, "resume=auto", f"output_dir={out}",
+                                 "--nproc", "2"], capture_output=True, text=True, timeout=120,
+                                env=subprocess_env(datasets_cache))
         assert second.returncode == EXIT_USAGE, second.stderr
         line = one_error_line(second.stderr)
         assert "in use by a live run" in line and f"pid {proc.pid} on " in line and "resume=auto" not in line
