@@ -2,10 +2,8 @@
 the quickstart's defaults stay out of a user's own model and data, broken files and output
 folders that cannot be made are one line before anything is built, Ctrl-C stops with a
 checkpoint (or, twice, at once) and says which, a full disk during a save is one line with the
-partial save removed, killing the launcher leaves no ranks behind, and one live run per folder.
-
-Single-process cases run `shardtune.cli.main` in this process (fixtures from test_errors);
-the launcher cases run the real CLI under `--nproc 2`.
+partial save removed, and one live run per folder. All in this process through
+`shardtune.cli.main` (fixtures from test_errors); the `--nproc 2` cases are in test_launcher.py.
 """
 
 from __future__ import annotations
@@ -18,20 +16,19 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from shardtune.checkpoint import find_latest, read_meta, space_warning
+from shardtune.checkpoint import find_latest, read_meta
 from shardtune.cli import main
 from shardtune.config import CheckpointConfig
-from shardtune.errors import EXIT_USAGE
+from shardtune.diskspace import space_warning
 from shardtune.rundir import LOCK_FILE, hold_run_dir, release_run_dir
 from shardtune.signals import EXIT_INTERRUPTED, EXIT_PREEMPTED
-from test_errors import (TINY_GPT2, _isolated, datasets_cache, fails, one_error_line, out, qs_assets,  # noqa: F401
-                         recipe, snapshot, subprocess_env)
+from test_errors import (TINY_GPT2, _isolated, datasets_cache, fails, out, qs_assets, recipe,  # noqa: F401
+                         snapshot)
 
 
 @pytest.fixture(scope="session")
@@ -91,7 +88,8 @@ def test_quickstart_defaults_step_aside(monkeypatch, qs_assets):
     assert "model and training settings" in line and "data (docstring corpus)" in line and "your" not in line
 
     tree, line = qs.quickstart_defaults(["model.name_or_path=/my/model", "train.lr=1e-4"])
-    assert "model" not in tree and "train" not in tree and tree["data"] == {"path": str(Path(qs_assets["train"]).parent)}
+    assert "model" not in tree and "train" not in tree
+    assert tree["data"] == {"path": str(Path(qs_assets["train"]).parent)}
     assert "data (docstring corpus)" in line and "your model replace" in line and "model and training" not in line
 
     tree, line = qs.quickstart_defaults(["data.path=corpus.jsonl"])
@@ -343,107 +341,3 @@ def test_disk_full_during_save(capfd, monkeypatch, recipe, tmp_path, how):
         assert (root / "latest").read_text().strip() == "step-000001"
         assert not list(root.glob(".tmp-*")) and not list(root.glob(".*.tmp"))
         assert read_meta(root / "step-000001")["step"] == 1
-
-
-# ----------------------------------------------------------------------------- the launcher (--nproc 2)
-
-
-def launch(recipe: str, out: Path, datasets_cache, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "shardtune", "train", recipe, "device=cpu", "train.max_steps=400",
-                             "eval.at_start=false", f"output_dir={out}", "--nproc", "2", *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=out.parent,
-                            env=subprocess_env(datasets_cache))
-
-
-def wait_for(condition, timeout: float, proc: subprocess.Popen) -> None:
-    deadline = time.time() + timeout
-    while not condition():
-        assert proc.poll() is None, proc.communicate()[0]
-        assert time.time() < deadline, "timed out"
-        time.sleep(0.05)
-
-
-def training(out: Path):
-    metrics = out / "metrics.jsonl"
-    return lambda: metrics.is_file() and '"loss"' in metrics.read_text()
-
-
-def children(pid: int) -> list[int]:
-    found = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            found += [int(p) for p in f.read().split()]
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-@pytest.mark.multiproc
-def test_nproc2_lock_then_ctrl_c_checkpoints(recipe, tmp_path, datasets_cache):
-    """While a 2-rank run trains, a second run on its folder is refused naming the live run
-    (not "pass resume=auto"); then Ctrl-C: the ranks save a checkpoint, exit 75, and the
-    launcher names that checkpoint."""
-    out = tmp_path / "run"
-    proc = launch(recipe, out, datasets_cache)
-    try:
-        wait_for(training(out), 180, proc)
-        second = subprocess.run([sys.executable, "-m", "shardtune", "train", recipe, "resume=auto", f"output_dir={out}",
-                                 "--nproc", "2"], capture_output=True, text=True, timeout=120,
-                                env=subprocess_env(datasets_cache))
-        assert second.returncode == EXIT_USAGE, second.stderr
-        line = one_error_line(second.stderr)
-        assert "in use by a live run" in line and f"pid {proc.pid} on " in line and "resume=auto" not in line
-        proc.send_signal(signal.SIGINT)
-        output, _ = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-    assert proc.returncode == EXIT_PREEMPTED, output
-    step = int((out / "PREEMPTED").read_text())
-    ckpt = out / "checkpoints" / f"step-{step:06d}"
-    assert f"SIGINT: the ranks saved {ckpt} and stopped; exit 75" in output
-    assert read_meta(ckpt)["world_size"] == 2
-    assert not (out / LOCK_FILE).exists()
-
-
-@pytest.mark.multiproc
-def test_nproc2_ctrl_c_before_training_claims_no_checkpoint(recipe, tmp_path, datasets_cache):
-    out = tmp_path / "run"
-    proc = launch(recipe, out, datasets_cache)
-    try:
-        wait_for(lambda: len(children(proc.pid)) == 2, 60, proc)
-        proc.send_signal(signal.SIGINT)
-        output, _ = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-    assert proc.returncode == EXIT_INTERRUPTED, output
-    assert "SIGINT: the ranks stopped without writing a checkpoint; this run has no checkpoint; exit 130" in output
-    assert "saved" not in output and not (out / "checkpoints").exists()
-
-
-@pytest.mark.multiproc
-def test_nproc2_ranks_die_with_their_launcher(recipe, tmp_path, datasets_cache):
-    """kill -9 of `shardtune train --nproc 2`: both ranks are gone within seconds, and the
-    folder is free for the next run (the lock went with the launcher)."""
-    out = tmp_path / "run"
-    proc = launch(recipe, out, datasets_cache)
-    try:
-        wait_for(training(out), 180, proc)
-        ranks = children(proc.pid)
-        assert len(ranks) == 2 and all(alive(pid) for pid in ranks)
-        proc.kill()
-        proc.wait(timeout=30)
-        deadline = time.time() + 10
-        while any(alive(pid) for pid in ranks) and time.time() < deadline:
-            time.sleep(0.1)
-        assert not any(alive(pid) for pid in ranks), "ranks outlived their launcher"
-    finally:
-        proc.kill()
-        proc.communicate()
-    hold_run_dir(out)
-    release_run_dir(out)

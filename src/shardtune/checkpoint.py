@@ -17,7 +17,6 @@ DCP reshards on load, so a checkpoint of N ranks resumes on M ranks.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import re
@@ -26,6 +25,7 @@ import time
 import warnings
 from pathlib import Path
 
+from .diskspace import checkpoint_bytes, free_bytes, human_size, no_room
 from .errors import UserError, first_line
 
 FORMAT = 1
@@ -247,7 +247,7 @@ class Checkpointer:
         self.pending = None
         if isinstance(exc, (UserError, KeyboardInterrupt, SystemExit)):
             raise exc
-        need, free = checkpoint_bytes(self.t.model, self.t.dist.world_size), _free_bytes(self.root)
+        need, free = checkpoint_bytes(self.t.model, self.t.dist.world_size), free_bytes(self.root)
         reason = no_room(exc, need, free)
         if reason is None:
             raise exc
@@ -255,7 +255,7 @@ class Checkpointer:
         (self.root / ".latest.tmp").unlink(missing_ok=True)  # `_write_atomic`'s, if `latest` was being replaced
         good = find_latest(self.root)
         raise UserError(f"{reason} while saving {tmp.name.removeprefix('.tmp-')} in {self.root}: a checkpoint needs "
-                        f"about {_gb(need)}, {_gb(free)} is free; the partial save was removed, "
+                        f"about {human_size(need)}, {human_size(free)} is free; the partial save was removed, "
                         f"{f'the last good checkpoint is {good}' if good else 'no checkpoint was written'}; "
                         f"{'raise the limit, ' if 'ulimit' in reason else 'free space, lower checkpoint.keep_last, '}"
                         "or use an output_dir with more room") from None
@@ -345,76 +345,6 @@ def dcp_load(state: dict, path: Path, no_dist: bool) -> None:
         raise UserError(f"checkpoint {str(path)!r} could not be loaded ({type(cause).__name__}: "
                         f"{first_line(cause, 160, last=True)}); it is damaged or from "
                         "another model: use another checkpoint") from None
-
-
-# ----------------------------------------------------------------------------- disk space
-
-NO_SPACE = {errno.ENOSPC: "No space left", errno.EDQUOT: "Disk quota", errno.EFBIG: "File too large"}
-
-
-def no_room(exc: BaseException, need: int, free: int | None) -> str | None:
-    """Why a failed save had no room ("disk full", "file size limit reached"), or None when the
-    failure is something else. DCP wraps each rank's failure in its own exception, and
-    torch.save's zip writer keeps no errno, so a full disk or a `ulimit -f` below the
-    checkpoint's size also count."""
-    import resource
-
-    found, seen, todo = set(), set(), [exc]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        found |= {code for code, text in NO_SPACE.items()
-                  if (isinstance(e, OSError) and e.errno == code) or text in str(e)}
-        failures = getattr(e, "failures", None)
-        wrapped = [f[0] if isinstance(f, tuple) else f for f in failures.values()] if isinstance(failures, dict) else []
-        todo += [e.__cause__, e.__context__, *wrapped]
-    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-    if errno.EFBIG in found or limit != resource.RLIM_INFINITY and limit < need:
-        return "file size limit reached (ulimit -f)"
-    if found or (free is not None and free < need):
-        return "disk full"
-    return None
-
-
-def checkpoint_bytes(model, world_size: int) -> int:
-    """About the size of one checkpoint of all ranks: every parameter, plus AdamW's two fp32
-    states per trainable one (local shards x ranks, as FSDP shards evenly)."""
-    total = 0
-    for p in model.parameters():
-        local = p.to_local() if hasattr(p, "to_local") else p
-        total += local.numel() * (local.element_size() + (8 if p.requires_grad else 0))
-    return total * world_size
-
-
-def space_warning(root: Path, cfg, size: int, total_steps: int, steps_per_epoch: int) -> str | None:
-    """A start-up warning when the disk cannot hold the checkpoints the run keeps at once while
-    it writes the next (keep_last + 1), else None."""
-    planned = (total_steps // cfg.every_steps if cfg.every_steps else 0) + \
-        (total_steps // steps_per_epoch if cfg.at_epoch_end else 0)
-    count = max(1, min(cfg.keep_last + 1, planned) if cfg.keep_last else planned)
-    free = _free_bytes(root)
-    if free is None or free >= count * size:
-        return None
-    return (f"warning: {root} has {_gb(free)} free, less than the {count} checkpoint(s) of about {_gb(size)} "
-            f"this run holds at once (checkpoint.keep_last={cfg.keep_last} plus the one being written); free "
-            "space, lower checkpoint.keep_last, or use an output_dir with more room")
-
-
-def _free_bytes(path: Path) -> int | None:
-    while not path.exists() and path.parent != path:
-        path = path.parent
-    try:
-        return shutil.disk_usage(path).free
-    except OSError:
-        return None
-
-
-def _gb(n: int | None) -> str:
-    if n is None:
-        return "an unknown amount"
-    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
 def _write_atomic(path: Path, text: str) -> None:

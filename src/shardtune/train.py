@@ -48,7 +48,8 @@ class Trainer:
         self.dist = dist = init_distributed(cfg.device)
         cfg.output_dir = broadcast_value(dist, cfg.output_dir or default_output_dir(cfg.recipe))
         self.out = out = Path(cfg.output_dir)
-        from .checkpoint import Checkpointer, checkpoint_bytes, space_warning
+        from .checkpoint import Checkpointer
+        from .diskspace import checkpoint_bytes, space_warning
         from .rundir import prepare_run_dir
 
         # Check the folder now, but change it (overwrite, trim, clean) only once all input is valid.
