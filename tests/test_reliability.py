@@ -308,10 +308,12 @@ def test_space_warning(monkeypatch, tmp_path):
     assert space_warning(tmp_path, CheckpointConfig(every_steps=50, keep_last=0), 10 * 10**6, 100, 50) is None
 
 
-@pytest.mark.parametrize("how", ["tmpfs", "file-size-limit"])
+@pytest.mark.parametrize("how", ["tmpfs", "tmpfs-async", "file-size-limit"])
 def test_disk_full_during_save(capfd, monkeypatch, recipe, tmp_path, how):
     """The disk fills after the step-1 checkpoint: the step-2 save fails as one line naming the
-    folder and the size needed; its partial folder is gone and `latest` still names step 1."""
+    folder and the size needed; its partial folder is gone and `latest` still names step 1.
+    Async: step 1 is still being written (it commits after step 2 at the earliest), so it is the
+    one that fails, and the line says no checkpoint was written."""
     import shardtune.train as train_mod
 
     out, real, calls = tmp_path / "disk" / "run", train_mod.train_step, []
@@ -320,7 +322,7 @@ def test_disk_full_during_save(capfd, monkeypatch, recipe, tmp_path, how):
     def fill_after_first(*args, **kw):
         calls.append(1)
         if len(calls) == 2:
-            if how == "tmpfs":
+            if how.startswith("tmpfs"):
                 free = shutil.disk_usage(out).free
                 (out / "filler").write_bytes(b"\0" * max(0, free - 64 * 1024))
             else:  # writes beyond 64 kB fail with EFBIG (Python ignores SIGXFSZ)
@@ -328,16 +330,20 @@ def test_disk_full_during_save(capfd, monkeypatch, recipe, tmp_path, how):
         return real(*args, **kw)
 
     monkeypatch.setattr(train_mod, "train_step", fill_after_first)
-    with tmpfs(tmp_path / "disk", "8m") if how == "tmpfs" else contextlib.nullcontext():
+    failing = "step-000001" if how.endswith("async") else "step-000002"
+    with tmpfs(tmp_path / "disk", "8m") if how.startswith("tmpfs") else contextlib.nullcontext():
         try:
             line = fails(capfd, ["train", recipe, "train.max_steps=4", "checkpoint.every_steps=1",
-                                 f"output_dir={out}"], "while saving step-000002",
-                         str(out / "checkpoints"), "a checkpoint needs about", "MB")
+                                 f"checkpoint.async={how.endswith('async')}", f"output_dir={out}"],
+                         f"while saving {failing}", str(out / "checkpoints"), "a checkpoint needs about", "MB")
         finally:
             resource.setrlimit(resource.RLIMIT_FSIZE, limit)
         root = out / "checkpoints"
-        assert line.startswith("error: disk full" if how == "tmpfs" else "error: file size limit reached")
+        assert line.startswith("error: disk full" if how.startswith("tmpfs") else "error: file size limit reached")
+        assert not list(root.glob(".tmp-*")) and not list(root.glob(".*.tmp"))
+        if how.endswith("async"):
+            assert "no checkpoint was written" in line and find_latest(root) is None
+            return
         assert f"the last good checkpoint is {root / 'step-000001'}" in line
         assert (root / "latest").read_text().strip() == "step-000001"
-        assert not list(root.glob(".tmp-*")) and not list(root.glob(".*.tmp"))
         assert read_meta(root / "step-000001")["step"] == 1
