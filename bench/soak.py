@@ -95,7 +95,7 @@ def tree_usage(pid: int) -> tuple[int, float]:
 def soak(args, workdir: Path, step_s: float) -> tuple[list[dict], int, str]:
     """Run until the deadline; returns the samples ({t, rss, step}), the exit code and the output tail."""
     every = lambda minutes: max(1, round(minutes * 60 / step_s))  # noqa: E731
-    steps = round(args.minutes * 60 / step_s * 1.5)  # more than the deadline allows: SIGTERM ends it
+    steps = round(args.minutes * 60 / step_s * 10)  # far more than the deadline allows (load varies): SIGTERM ends it
     out = workdir / "soak"
     extra = {"train": {"max_steps": steps}, "eval": {"every_steps": every(args.eval_minutes)},
              "checkpoint": {"every_steps": every(args.checkpoint_minutes), "keep_last": 2,
