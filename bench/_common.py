@@ -40,7 +40,8 @@ def overrides_from(tree: dict, prefix: str = "") -> list[str]:
         if isinstance(value, dict) and name != "model.config":
             out += overrides_from(value, name + ".")
         else:
-            out.append(f"{name}={json.dumps(value) if isinstance(value, (dict, list, bool)) or value is None else value}")
+            as_json = isinstance(value, (dict, list, bool)) or value is None
+            out.append(f"{name}={json.dumps(value) if as_json else value}")
     return out
 
 
@@ -132,7 +133,8 @@ def flops_per_token(model_config: dict, tokenizer: str, seq_len: int) -> float:
     """shardtune's own count (telemetry.flops_per_token over the matmul weights), all trainable."""
     from shardtune.config import ModelConfig
     from shardtune.model import build_meta_model, load_hf_config
-    from shardtune.telemetry import flops_per_token as count, matmul_params
+    from shardtune.telemetry import flops_per_token as count
+    from shardtune.telemetry import matmul_params
 
     hf = load_hf_config(ModelConfig(config=model_config, tokenizer=tokenizer))
     return count(matmul_params(build_meta_model(hf))[0], hf, seq_len)

@@ -31,54 +31,73 @@ def main() -> None:
 
     import torch
     import torch.distributed as dist
+    from transformers import AutoTokenizer
 
-    from shardtune.checkpoint import Checkpointer
-    from shardtune.config import load_config
+    from shardtune.build import ModelSpec, build_model
+    from shardtune.checkpoint import Checkpointer, ModelOptimizerState
+    from shardtune.config import CheckpointConfig, ModelConfig, TrainConfig
+    from shardtune.launch import init_distributed
+    from shardtune.model import load_hf_config, load_source_model
+    from shardtune.optim import build_optimizer
+    from shardtune.parallel import build_mesh
     from shardtune.quickstart import build_quickstart_assets
-    from shardtune.train import Trainer
+    from shardtune.train import TrainState
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    # No Trainer: the model, the optimizer and the checkpointer's explicit state objects.
+    d = init_distributed("cpu")
+    world = d.world_size
     scratch = Path(args.out or os.path.join(tempfile.gettempdir(), f"shardtune-ckpt-bench-{world}"))
+    model_cfg = ModelConfig(config=dict(GPT2_SMALL))
+    hf_config = load_hf_config(model_cfg)
+    spec = ModelSpec(hf_config)
+    model = build_model(spec, build_mesh(spec.fsdp, d), d.device, source=lambda: load_source_model(
+        model_cfg, hf_config, seed=0)).model
+    optimizer = build_optimizer(model, TrainConfig(), d.device)
+    model(input_ids=torch.zeros(1, 64, dtype=torch.long)).logits.float().mean().backward()
+    optimizer.step()  # the optimizer now holds its moment buffers
+    progress = TrainState(step=1)
     assets = build_quickstart_assets(scratch.parent / "shardtune-bench-assets", vocab_size=300, max_docs=400)
-    cfg = load_config(None, [
-        f"model.config={json.dumps(GPT2_SMALL)}", f"model.tokenizer={assets['tokenizer']}",
-        f"data.path={Path(assets['train']).parent}", "data.seq_len=64", "train.micro_batch_size=1",
-        f"train.global_batch_size={world}", "train.max_steps=1", "eval.at_start=false", "eval.max_batches=1",
-        "log.progress=false", "device=cpu", f"output_dir={scratch / 'run'}", "checkpoint.keep_last=1"])
-    trainer = Trainer(cfg, overwrite=True)
-    trainer.fit()  # one step, so the optimizer holds its moment buffers
+    tokenizer = AutoTokenizer.from_pretrained(assets["tokenizer"])
+
+    def write_extras(folder: Path) -> None:  # what export needs beside the shards
+        hf_config.save_pretrained(folder)
+        tokenizer.save_pretrained(folder / "tokenizer")
+
+    def checkpointer(async_save: bool) -> Checkpointer:
+        return Checkpointer(scratch / "checkpoints", CheckpointConfig(keep_last=1, async_save=async_save),
+                            ModelOptimizerState(model, optimizer), {"train_state": progress},
+                            describe=lambda step: {"config": {}}, write_extras=write_extras)
 
     def timed_saves(async_save: bool, first_step: int) -> dict:
-        trainer.cfg.checkpoint.async_save = async_save
-        trainer.ckpt.close()
-        trainer.ckpt = Checkpointer(trainer)
+        ckpt = checkpointer(async_save)
         blocking, total = [], []
         for i in range(args.repeat):
             dist.barrier()
             start = time.perf_counter()
-            trainer.ckpt.save(first_step + i)
+            ckpt.save(first_step + i)
             blocking.append(time.perf_counter() - start)
-            trainer.ckpt.wait()
+            ckpt.wait()
             dist.barrier()
             total.append(time.perf_counter() - start)
+        ckpt.close()
         return {"blocking_s": statistics.median(blocking), "total_s": statistics.median(total)}
 
-    result = {"world_size": world, "params_M": sum(p.numel() for p in trainer.model.parameters()) / 1e6,
+    result = {"world_size": world, "params_M": sum(p.numel() for p in model.parameters()) / 1e6,
               "torch_threads": torch.get_num_threads(),
               "sync": timed_saves(False, 100), "async": timed_saves(True, 200)}
-    latest = trainer.ckpt.root / f"step-{200 + args.repeat - 1:06d}"
+    latest = scratch / "checkpoints" / f"step-{200 + args.repeat - 1:06d}"
     result["checkpoint_MB"] = sum(f.stat().st_size for f in latest.rglob("*") if f.is_file()) / 2**20
 
-    loads = []
+    loads, ckpt = [], checkpointer(False)
     for _ in range(args.repeat):
         dist.barrier()
         start = time.perf_counter()
-        trainer.ckpt.load(latest)
+        ckpt.load(latest)
         dist.barrier()
         loads.append(time.perf_counter() - start)
     result["load_s"] = statistics.median(loads)
 
-    if trainer.dist.is_main:
+    if d.is_main:
         from shardtune.export import export_checkpoint
 
         folder = scratch / "export"
@@ -87,8 +106,8 @@ def main() -> None:
         export_checkpoint(str(latest), folder)
         result["export_s"] = time.perf_counter() - start
         print(json.dumps(result, indent=1), flush=True)
-    trainer.close()
-    if trainer.dist.is_main:
+    dist.destroy_process_group()
+    if d.is_main:
         shutil.rmtree(scratch, ignore_errors=True)
 
 

@@ -46,6 +46,7 @@ def overrides(tokenizer: str, data_dir: str, out: Path, nproc: int, sharding: st
 def worker(spec: dict) -> None:
     import torch.distributed.fsdp  # noqa: F401  (the baseline below includes the libraries)
     import transformers  # noqa: F401
+
     from shardtune import data as data_lib
     from shardtune.config import load_config
     from shardtune.model import count_params

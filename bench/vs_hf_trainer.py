@@ -117,7 +117,8 @@ def worker_hf(spec: dict) -> None:
     fsdp = {}
     if spec["hf_fsdp"]:
         fsdp = {"fsdp": True,
-                "fsdp_config": {"version": 2, "reshard_after_forward": True, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                "fsdp_config": {"version": 2, "reshard_after_forward": True,
+                                "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
                                 "transformer_layer_cls_to_wrap": [detect_block_class(model).__name__]}}
     args = TrainingArguments(
         output_dir=spec["out"] + "/hf", per_device_train_batch_size=t.micro_batch_size,
@@ -198,7 +199,8 @@ def build_blocks(overrides: list[str], steps: int, path: Path) -> int:
 
 
 def run_side(side: str, spec: dict, workdir: Path) -> dict:
-    out = workdir / f"{side}-{spec['nproc']}-{spec['sharding']}-{spec['repeat']}{'-fsdp' if side == 'hf' and spec['hf_fsdp'] else ''}"
+    fsdp = "-fsdp" if side == "hf" and spec["hf_fsdp"] else ""
+    out = workdir / f"{side}-{spec['nproc']}-{spec['sharding']}-{spec['repeat']}{fsdp}"
     spec = {**spec, "out": str(out)}
     spec_path = workdir / f"{out.name}.json"
     spec_path.write_text(json.dumps(spec))
@@ -317,7 +319,8 @@ def main() -> int:
         st_mem, hf_mem = max(r["peak_bytes"] for r in st), max(r["peak_bytes"] for r in hf)
         ratio = st_tps / hf_tps
         same = all(s["sums"] == h["sums"] for s, h in zip(st, hf))
-        loss = f"{st[0]['losses'][0]:.3f}/{st[0]['losses'][-1]:.3f} \\| {hf[0]['losses'][0]:.3f}/{hf[0]['losses'][-1]:.3f}"
+        first_last = [f"{side[0]['losses'][0]:.3f}/{side[0]['losses'][-1]:.3f}" for side in (st, hf)]
+        loss = " \\| ".join(first_last)
         row = [nproc, sharding, hf[0]["mode"], f"{st_tps:.0f}", f"{hf_tps:.0f}",
                f"{ratio:.2f}× {'✅' if ratio >= target else '❌'}", f"{st_mem / C.MB:.0f}", f"{hf_mem / C.MB:.0f}",
                f"{st_mem / hf_mem:.2f}", loss, "yes" if same else "NO"]

@@ -57,7 +57,17 @@ def losses(out: Path) -> list[float]:
     return [r["loss"] for r in rows if "loss" in r]
 
 
+# what torchrun / Slurm set: a child must not believe it is a rank of the job running the tests
+AGENT_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+              "MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
+
+
+def child_env(**extra: str) -> dict:
+    """The environment of every process a test starts: one thread each, unbuffered output."""
+    env = {k: v for k, v in os.environ.items() if k not in AGENT_VARS}
+    return {**env, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **extra}
+
+
 def run_cli(args: list[str], timeout: int = 300, env: dict | None = None, **kw) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", "shardtune", *args], capture_output=True, text=True,
-                          timeout=timeout, env=full_env, cwd=kw.pop("cwd", ROOT), **kw)
+                          timeout=timeout, env=child_env(**(env or {})), cwd=kw.pop("cwd", ROOT), **kw)

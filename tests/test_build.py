@@ -59,3 +59,49 @@ def test_a_source_fills_the_weights_and_adapters_match(one_rank):
     assert all(torch.equal(state[k], v) for k, v in reference.items())
     trainable = {n for n, p in built.model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)
+
+
+def test_a_checkpoint_saves_and_loads_explicit_state_without_a_trainer(one_rank, tmp_path):
+    """The checkpointer takes state objects (torchtitan's `states={...}`): no Trainer needed."""
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.checkpoint import Checkpointer, ModelOptimizerState, read_meta
+    from shardtune.config import CheckpointConfig, TrainConfig
+    from shardtune.optim import build_optimizer
+    from shardtune.train import TrainState
+
+    spec = ModelSpec(hf_config("llama"))
+    model = build_model(spec, build_mesh(spec.fsdp, one_rank), one_rank.device,
+                        source=lambda: AutoModelForCausalLM.from_config(spec.hf_config)).model
+    optimizer = build_optimizer(model, TrainConfig(lr=1e-2), one_rank.device)
+
+    def step():
+        model(input_ids=torch.arange(16).reshape(2, 8)).logits.float().pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()
+    progress = TrainState(step=1, tokens_seen=16.0)
+    ckpt = Checkpointer(tmp_path, CheckpointConfig(), ModelOptimizerState(model, optimizer),
+                        {"train_state": progress}, describe=lambda s: {"config": {"note": s}})
+    folder = ckpt.save(1)
+    saved = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+    step()  # moves the weights and the optimizer state on
+    progress.step, progress.tokens_seen = 2, 32.0
+    assert read_meta(folder)["train_state"] == {"step": 1, "tokens_seen": 16.0}
+    assert read_meta(folder)["config"] == {"note": 1}
+    ckpt.load(folder)
+    assert (progress.step, progress.tokens_seen) == (1, 16.0)
+    assert all(torch.equal(p.full_tensor(), saved[n]) for n, p in model.named_parameters())
+    ckpt.close()
+
+
+def test_a_format_1_checkpoint_reads_its_progress(tmp_path):
+    import json
+
+    from shardtune.checkpoint import read_meta
+
+    (tmp_path / ".metadata").write_text("")
+    (tmp_path / "meta.json").write_text(json.dumps({"format": 1, "step": 7, "tokens_seen": 99.0, "config": {},
+                                                    "scheduler": {"last_epoch": 7}, "world_size": 1}))
+    assert read_meta(tmp_path)["train_state"] == {"step": 7, "tokens_seen": 99.0}

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import child_env
 from shardtune.checkpoint import check_compatible, find_latest, read_meta
 from shardtune.cli import main
 from shardtune.errors import UserError
@@ -115,8 +116,7 @@ def one_line_error(code: int, err: str, *needles: str) -> None:
 
 
 def spawn(args: list[str], **kw) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, *args], cwd=ROOT, env=child_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, **kw)
 
 
@@ -147,10 +147,10 @@ def test_layout_keep_last_and_metadata(reference):
     step6 = root / "step-000006"
     meta = read_meta(step6)
     assert meta["step"] == 6 and meta["world_size"] == 1 and meta["epoch"] == 1.5
-    assert meta["data"] == {"start_idx": None, "end_idx": 12, "sequences_per_epoch": meta["data"]["sequences_per_epoch"],
-                            "epoch": 1, "samples_into_epoch": 16, "samples_consumed": 48}
-    assert meta["tokens_seen"] == 6 * 8 * 64
-    assert meta["config"]["train"]["max_steps"] == STEPS and meta["scheduler"]["last_epoch"] == 6
+    assert meta["data"] == {"start_idx": None, "end_idx": 12, "epoch": 1, "samples_into_epoch": 16,
+                            "samples_consumed": 48, "sequences_per_epoch": meta["data"]["sequences_per_epoch"]}
+    assert meta["train_state"]["tokens_seen"] == 6 * 8 * 64
+    assert meta["config"]["train"]["max_steps"] == STEPS and meta["train_state"]["step"] == 6
     assert (step6 / ".metadata").is_file() and (step6 / "rng-rank00000.pt").is_file()
     assert (step6 / "config.json").is_file() and (step6 / "tokenizer").is_dir()
     assert not list(root.glob(".tmp-*"))

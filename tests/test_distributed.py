@@ -6,14 +6,13 @@ Multi-process launches are slow on 2 cores, so each launch runs several jobs (di
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
 
 import pytest
 
-from conftest import ROOT, losses, run_cli, tiny_overrides
+from conftest import ROOT, child_env, losses, run_cli, tiny_overrides
 
 pytestmark = pytest.mark.multiproc
 TOL = 1e-5
@@ -45,7 +44,7 @@ def lora_baseline(assets, tmp_path_factory):
 
 
 def torchrun(nproc: int, script_args: list[str], nnodes: int = 1, timeout: int = 400):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = child_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
     if nnodes == 1:
         cmd.append("--standalone")
@@ -57,14 +56,14 @@ def torchrun(nproc: int, script_args: list[str], nnodes: int = 1, timeout: int =
     agents = [subprocess.Popen(cmd + [f"--node_rank={i}", *script_args], stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT) for i in range(nnodes)]
     outs = [a.communicate(timeout=timeout)[0] for a in agents]
-    return [(a.returncode, o) for a, o in zip(agents, outs)]
+    return [(a.returncode, o) for a, o in zip(agents, outs, strict=True)]
 
 
 def test_two_ranks_match_one_process_for_every_sharding(assets, baseline, lora_baseline, tmp_path):
     """full_shard (accumulation 2 and 1, activation checkpointing), shard_grad_op and no_shard
     on 2 ranks, with full logits and with many loss chunks (the baseline's loss is one chunk);
     a locally saved GPT-2 and Llama load on 2 ranks exactly; final/ round-trips."""
-    from transformers import AutoModelForCausalLM, AutoConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from conftest import TINY
 
@@ -96,7 +95,7 @@ def test_two_ranks_match_one_process_for_every_sharding(assets, baseline, lora_b
     for name in jobs:
         got, want = losses(tmp_path / name), lora_baseline if name == "lora" else baseline
         assert len(got) == len(want)
-        assert max(abs(a - b) for a, b in zip(got, want)) < TOL, (name, got, want)
+        assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < TOL, (name, got, want)
 
 
 def test_two_nodes_hybrid_shard_matches_one_process(assets, baseline, tmp_path):
@@ -108,7 +107,7 @@ def test_two_nodes_hybrid_shard_matches_one_process(assets, baseline, tmp_path):
         assert code == 0, output[-4000:]
     assert "hybrid_shard" in "".join(o for _, o in results)
     got = losses(tmp_path / "hsdp")
-    assert max(abs(a - b) for a, b in zip(got, baseline)) < TOL, (got, baseline)
+    assert max(abs(a - b) for a, b in zip(got, baseline, strict=True)) < TOL, (got, baseline)
     assert (tmp_path / "hsdp" / "final" / "model.safetensors").exists()
 
 
@@ -117,4 +116,4 @@ def test_cli_nproc_two_runs_the_elastic_launcher(assets, baseline, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 rank(s)" in proc.stdout
     got = losses(tmp_path / "cli")
-    assert max(abs(a - b) for a, b in zip(got, baseline)) < TOL
+    assert max(abs(a - b) for a, b in zip(got, baseline, strict=True)) < TOL

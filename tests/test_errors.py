@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import subprocess
 import sys
 import textwrap
@@ -21,13 +20,12 @@ import pytest
 import torch
 import yaml
 
+from conftest import AGENT_VARS, child_env
 from shardtune.cli import main
 from shardtune.errors import EXIT_USAGE, UserError
 from shardtune.launch import check_nproc
 from shardtune.quickstart import build_quickstart_assets
 
-AGENT_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-              "MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
 TINY_GPT2 = {"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2, "n_positions": 64}
 
 
@@ -117,7 +115,7 @@ def library_logs_to_stderr():
     try:
         yield
     finally:
-        for h, stream in zip(handlers, saved):
+        for h, stream in zip(handlers, saved, strict=True):
             h.setStream(stream)
 
 
@@ -139,9 +137,7 @@ def write_jsonl(path: Path, rows: list[dict]) -> str:
 
 
 def subprocess_env(datasets_cache) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in AGENT_VARS}
-    env.update(HF_DATASETS_CACHE=str(datasets_cache), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    return env
+    return child_env(HF_DATASETS_CACHE=str(datasets_cache))
 
 
 # ----------------------------------------------------------------------------- config values

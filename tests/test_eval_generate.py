@@ -91,7 +91,8 @@ def test_export_round_trip(trained, tmp_path, capsys):
     from transformers import AutoTokenizer
 
     text = "def f(x):\n    return x"
-    assert AutoTokenizer.from_pretrained(out)(text).input_ids == AutoTokenizer.from_pretrained(trained / "final")(text).input_ids
+    exported, final = (AutoTokenizer.from_pretrained(folder) for folder in (out, trained / "final"))
+    assert exported(text).input_ids == final(text).input_ids
 
     one_line_error(*cli(["export", str(trained), str(out)], capsys), "not empty")
     hub = tmp_path / "hub"
@@ -105,7 +106,8 @@ def test_export_round_trip(trained, tmp_path, capsys):
 
 def test_eval_equals_hand_computation(trained, ck_assets):  # noqa: F811
     want = hand_metrics(trained / "final", ck_assets["validation"])
-    assert_metrics(run_eval(str(trained / "final"), "--data", ck_assets["validation"], "--seq-len", str(SEQ))["model"], want)
+    final = run_eval(str(trained / "final"), "--data", ck_assets["validation"], "--seq-len", str(SEQ))
+    assert_metrics(final["model"], want)
     # A checkpoint, with no --data: the validation split of its run, which is the same file.
     assert_metrics(run_eval(str(trained / "checkpoints" / "step-000006"))["model"], want)
 

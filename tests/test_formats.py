@@ -15,7 +15,7 @@ import pytest
 from conftest import TINY, losses, tiny_overrides
 from shardtune import data as D
 from shardtune import formats as F
-from shardtune.config import DataConfig
+from shardtune.config import DataConfig, load_config
 from shardtune.errors import UserError
 
 IGNORE = D.IGNORE_INDEX
@@ -131,7 +131,7 @@ def instruct_rows(rows, tokenizer, **kw):
 def test_instruct_masks_the_prompt_and_ends_the_response_with_eos(tokenizer):
     rows = instruct_rows(ALPACA, tokenizer)
     eos = tokenizer.eos_token
-    for src, row in zip(ALPACA, rows):
+    for src, row in zip(ALPACA, rows, strict=True):
         text = tokenizer.decode(row["input_ids"])
         assert ("### Input:\n" + src["input"] in text) == bool(src["input"])  # the template without input
         assert text.endswith("### Response:\n" + src["output"] + eos)
@@ -167,8 +167,9 @@ def test_instruct_prepare_truncates_to_cutoff_len_and_drops_examples_with_no_res
     assert all((row["labels"][1:] != IGNORE).any() for row in train)
     with pytest.raises(UserError, match="cutoff_len"):
         D.prepare(DataConfig(path=str(path), format="instruct", seq_len=256, cutoff_len=8), tokenizer, seed=0)
-    with pytest.raises(UserError, match="between 2 and data.seq_len=64"):
-        D.prepare(DataConfig(path=str(path), format="instruct", seq_len=64, cutoff_len=100), tokenizer, seed=0)
+    with pytest.raises(UserError, match="between 2 and data.seq_len=64"):  # refused with the config, before data
+        load_config(None, ["model.config={model_type: gpt2}", f"data.path={path}", "data.format=instruct",
+                           "data.seq_len=64", "data.cutoff_len=100"])
 
 
 def test_instruct_tokenizes_the_same_with_worker_processes(tmp_path, tokenizer):
@@ -205,7 +206,7 @@ def test_chat_loss_is_on_assistant_turns_only(chat_tokenizer):
     assert text == chat_tokenizer.apply_chat_template(chat_row(0)["messages"], tokenize=False)  # nothing added
     assert kept(chat_tokenizer, row["labels"]) == f"answer 0.0{eos}answer 0.1{eos}"
     # the masked tokens are exactly everything else
-    masked = chat_tokenizer.decode([t for t, lab in zip(row["input_ids"], row["labels"]) if lab == IGNORE])
+    masked = chat_tokenizer.decode([t for t, lab in zip(row["input_ids"], row["labels"], strict=True) if lab == IGNORE])
     assert "question 0.1?" in masked and "answer" not in masked and "<|assistant|>" in masked
     assert kept(chat_tokenizer, rows[1]["labels"]) == f"answer 1.0{eos}"
     everything = chat_rows([chat_row(0)], chat_tokenizer, train_on_inputs=True)[0]

@@ -50,7 +50,7 @@ def test_chunked_loss_gradients_and_accuracy_equal_the_plain_ones(arch):
     assert loss_c.item() == pytest.approx(expected, rel=1e-6)
     loss_p.backward()
     (loss_c * 1.0).backward()  # a scaled upstream gradient goes through the saved gradients
-    for (name, p), q in zip(plain.named_parameters(), chunked.parameters()):
+    for (name, p), q in zip(plain.named_parameters(), chunked.parameters(), strict=True):
         assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6), name
     with torch.no_grad():
         _, _, correct_p = token_loss(plain, b, accuracy=True)
@@ -74,7 +74,7 @@ def test_scaled_loss_and_a_frozen_head():
     (token_loss(plain, b)[0] * 1024.0).backward()
     (token_loss(chunked, b)[0] * 1024.0).backward()
     assert chunked.get_output_embeddings().weight.grad is None
-    for (name, p), q in zip(plain.named_parameters(), chunked.parameters()):
+    for (name, p), q in zip(plain.named_parameters(), chunked.parameters(), strict=True):
         if p.requires_grad:
             assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6 * p.grad.abs().max().item()), name
 
@@ -144,7 +144,7 @@ def test_both_logit_layouts_give_the_same_loss_and_gradients(dtype):
     b = loss_lib.head_loss(hidden, weight, labels, 8, True, True, accuracy=True, vocab_first=False)
     tol = 1e-5 if dtype == "float32" else 2e-2
     assert int(a[1]) == int(b[1])
-    for x, y in zip((a[0], a[2], a[3]), (b[0], b[2], b[3])):
+    for x, y in zip((a[0], a[2], a[3]), (b[0], b[2], b[3]), strict=True):
         assert torch.allclose(x.float(), y.float(), rtol=tol, atol=tol)
 
 
@@ -162,4 +162,4 @@ def test_training_with_and_without_chunks_is_the_same_run(assets, tmp_path):
 
     chunked = train(assets, tmp_path / "chunked", **{"train.max_steps": 4, "loss_chunk_tokens": 50})
     plain = train(assets, tmp_path / "plain", **{"train.max_steps": 4, "loss_chunk_tokens": 0})
-    assert max(abs(a - b) for a, b in zip(chunked, plain)) < 1e-5, (chunked, plain)
+    assert max(abs(a - b) for a, b in zip(chunked, plain, strict=True)) < 1e-5, (chunked, plain)

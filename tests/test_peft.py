@@ -196,7 +196,7 @@ def test_qlora_without_a_gpu_is_refused_in_one_line(assets, tmp_path):
     ({"peft.method": "lora", "peft.r": 0}, "peft.r"),
     ({"peft.method": "lora", "freeze.trainable_blocks": 1}, "freeze"),
     ({"freeze.trainable_blocks": 5}, "0..2"),
-    ({"freeze.trainable_blocks": -1}, "trainable_blocks=-1"),
+    ({"freeze.trainable_blocks": -1}, "freeze.trainable_blocks must be at least 0"),
     ({"freeze.head_only": "true", "freeze.trainable_blocks": 1}, "head_only"),
 ])
 def test_bad_peft_and_freeze_settings_are_one_line_errors(assets, tmp_path, capsys, extra, needle):
@@ -222,8 +222,8 @@ def freeze_runs(assets, tmp_path_factory):
     import contextlib
     import io
 
-    from shardtune.telemetry import state_bytes
     from shardtune.config import load_config
+    from shardtune.telemetry import state_bytes
     from shardtune.train import Trainer
 
     results = {}
@@ -236,7 +236,8 @@ def freeze_runs(assets, tmp_path_factory):
             with_grad: list[set] = []
             # just before each update: which parameters got a gradient
             trainer.optimizer.register_step_pre_hook(
-                lambda *_: with_grad.append({n for n, p in params.items() if p.grad is not None}))
+                lambda *_, seen=with_grad, params=params: seen.append(
+                    {n for n, p in params.items() if p.grad is not None}))
             before = _full_state(trainer.model)
             trainer.fit()
             after = _full_state(trainer.model)

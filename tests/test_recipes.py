@@ -41,8 +41,8 @@ def _rows(kind: str, docs: list[str]) -> list[dict]:
         return [{"Unnamed: 0.1": i, "Unnamed: 0": i, "title": d.split("\n")[0][:60], "abstract": d}
                 for i, d in enumerate(docs)]
     if kind == "quotes":  # Abirate/english_quotes
-        return [{"quote": f"“{d.split(chr(10))[0]}”", "author": f"Author {i % 7}", "tags": ["life", "code"][: 1 + i % 2]}
-                for i, d in enumerate(docs)]
+        return [{"quote": f"“{d.split(chr(10))[0]}”", "author": f"Author {i % 7}",
+                 "tags": ["life", "code"][: 1 + i % 2]} for i, d in enumerate(docs)]
     if kind == "alpaca":  # yahma/alpaca-cleaned
         return [{"instruction": d.split("\n")[0][:80], "input": "" if i % 2 else d[:40], "output": d[:200]}
                 for i, d in enumerate(docs)]

@@ -124,4 +124,4 @@ def test_quickstart_runs_offline_and_halves_perplexity(tmp_path):
 def test_compile_per_block_matches_eager(assets, tmp_path):
     eager = train(assets, tmp_path / "eager", **{"train.max_steps": 3})
     compiled = train(assets, tmp_path / "compiled", **{"train.max_steps": 3, "compile": "true"})
-    assert max(abs(a - b) for a, b in zip(eager, compiled)) < 1e-4, (eager, compiled)
+    assert max(abs(a - b) for a, b in zip(eager, compiled, strict=True)) < 1e-4, (eager, compiled)

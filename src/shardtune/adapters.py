@@ -7,6 +7,9 @@ parameters in one unit, so any sharding strategy works with them.
 
 from __future__ import annotations
 
+import torch
+import torch.nn as nn
+
 from .config import FreezeConfig, PeftConfig
 from .errors import UserError
 
@@ -31,8 +34,6 @@ def check_quantize(cfg: PeftConfig, device) -> None:
     if device.type != "cuda":
         raise UserError("peft.quantize=4bit (QLoRA) needs a CUDA GPU and bitsandbytes; "
                         "on this machine use peft.quantize=none (plain LoRA)")
-    if cfg.method != "lora":
-        raise UserError("peft.quantize=4bit trains LoRA adapters on a frozen 4-bit base; set peft.method=lora")
     try:
         import bitsandbytes  # noqa: F401
     except ImportError:
@@ -41,7 +42,6 @@ def check_quantize(cfg: PeftConfig, device) -> None:
 
 def quantization_config(cfg: PeftConfig):
     """bitsandbytes NF4 with bf16 storage, so FSDP can shard the quantized weights like bf16."""
-    import torch
     from transformers import BitsAndBytesConfig
 
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
@@ -51,16 +51,12 @@ def quantization_config(cfg: PeftConfig):
 def load_qlora_model(cfg, hf_config, device, world_size: int, seed: int):
     """QLoRA: bitsandbytes loads the base straight onto this GPU in NF4, LoRA adapters go on top.
     One rank only — the 4-bit weights are small enough for one card and are not FSDP-sharded."""
-    import torch
     from peft import prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM
 
     if world_size > 1:
         raise UserError("peft.quantize=4bit runs on one GPU; use --nproc 1, or peft.quantize=none for "
                         "sharded LoRA on several GPUs")
-    if cfg.model.name_or_path is None or cfg.model.random_init:
-        raise UserError("peft.quantize=4bit quantizes pretrained weights; set model.name_or_path and "
-                        "model.random_init=false")
     model = AutoModelForCausalLM.from_pretrained(
         cfg.model.name_or_path, config=hf_config, quantization_config=quantization_config(cfg.peft),
         dtype=torch.bfloat16, device_map={"": device.index or 0}, trust_remote_code=cfg.model.trust_remote_code)
@@ -72,7 +68,6 @@ def load_qlora_model(cfg, hf_config, device, world_size: int, seed: int):
 
 def add_lora(model, cfg: PeftConfig, model_type: str, seed: int | None = None):
     """Wrap `model` with LoRA adapters (a PeftModel); the base weights are frozen by peft."""
-    import torch
     from peft import LoraConfig, get_peft_model
 
     targets = cfg.target_modules or DEFAULT_TARGETS.get(model_type)
@@ -84,9 +79,6 @@ def add_lora(model, cfg: PeftConfig, model_type: str, seed: int | None = None):
     if missing:
         raise UserError(f"peft.target_modules {missing} are not modules of this {model_type} model; "
                         f"choose among its linear layers: {', '.join(_linear_names(model)[:12])}")
-    if cfg.r < 1 or cfg.alpha <= 0 or not 0 <= cfg.dropout < 1:
-        raise UserError(f"LoRA needs peft.r >= 1, peft.alpha > 0 and 0 <= peft.dropout < 1; got r={cfg.r}, "
-                        f"alpha={cfg.alpha}, dropout={cfg.dropout}")
     if seed is not None:
         torch.manual_seed(seed)  # adapter init identical whatever the world size
     lora = LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
@@ -101,7 +93,6 @@ def add_lora(model, cfg: PeftConfig, model_type: str, seed: int | None = None):
 
 def _linear_names(model) -> list[str]:
     """Short names of the layers LoRA can adapt (Linear, and GPT-2's Conv1D), sorted."""
-    import torch.nn as nn
 
     names = {name.rsplit(".", 1)[-1] for name, m in model.named_modules()
              if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"}
@@ -119,12 +110,9 @@ def adapt(model, peft: PeftConfig, freeze_cfg: FreezeConfig, block_cls: type, se
 
 def freeze(model, cfg: FreezeConfig, block_cls: type) -> None:
     """Turn off gradients: they then get no gradient and no optimizer state."""
-    import torch.nn as nn
 
     if cfg.trainable_blocks is None and not cfg.head_only and not cfg.embeddings:
         return
-    if cfg.head_only and cfg.trainable_blocks is not None:
-        raise UserError("freeze.head_only and freeze.trainable_blocks exclude each other; set only one")
     if cfg.head_only:
         model.requires_grad_(False)
         model.get_output_embeddings().weight.requires_grad_(True)

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch.distributed as dist
+
 from .config import FreezeConfig, FSDPConfig, PeftConfig, RunConfig
 
 
@@ -58,7 +60,6 @@ def build_model(spec: ModelSpec, mesh, device, source: Callable[[], Any] | None 
                 seed: int = 0) -> BuiltModel:
     """The sharded model of `spec` on `mesh`. `source` returns the full-weight plain model; it
     is called on rank 0 only (collective: every rank calls build_model with a source or none)."""
-    import torch.distributed as dist
 
     from . import loss as loss_lib
     from .adapters import adapt

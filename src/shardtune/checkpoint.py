@@ -6,7 +6,7 @@ Layout of OUTPUT_DIR/checkpoints/:
       .metadata, *.distcp    DCP: model + optimizer; every rank writes only its own shards
       rng-rank00000.pt       that rank's RNG states (python, numpy, torch, cuda)
       config.json tokenizer/ the HF model config and tokenizer: export/eval/generate need nothing else
-      meta.json              step, epoch, data position, world size, scheduler/scaler, run config
+      meta.json              step, world size, the state objects (train_state, scaler), data position, run config
     latest                   name of the newest complete checkpoint (replaced atomically)
     .tmp-step-000130/        a save in progress, or one killed mid-way (ignored, removed on restart)
 
@@ -25,10 +25,11 @@ import time
 import warnings
 from pathlib import Path
 
-from .diskspace import checkpoint_bytes, free_bytes, human_size, no_room
+from .config import CheckpointConfig
+from .diskspace import free_bytes, human_size, no_room, tensor_bytes
 from .errors import UserError, first_line
 
-FORMAT = 1
+FORMAT = 2  # 2: named state objects in meta.json (train_state, scaler); the LR is a function of the step
 NAME = re.compile(r"^step-(\d+)$")
 # Changing these breaks resume: the weights' shapes, or what "step N" means in the data order.
 # Whole sections are compared, so a key added to one later is covered without a change here.
@@ -84,6 +85,8 @@ def read_meta(path: Path) -> dict:
     if meta.get("format", 0) > FORMAT:
         raise UserError(f"checkpoint {str(path)!r} was written by a newer shardtune "
                         f"({meta.get('shardtune_version')}); upgrade shardtune")
+    if meta.get("format", 1) == 1:  # progress was kept at the top level (and a scheduler, now derived)
+        meta.setdefault("train_state", {"step": meta["step"], "tokens_seen": meta.get("tokens_seen", 0.0)})
     return meta
 
 
@@ -135,8 +138,8 @@ def rng_state() -> dict:
     import torch
 
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    state = {"python": random.getstate(), "numpy": [kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, gauss],
-             "torch": torch.get_rng_state()}
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
+             "numpy": [kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, gauss]}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -159,31 +162,59 @@ def set_rng_state(state: dict) -> None:
 # ----------------------------------------------------------------------------- save and load
 
 
-class Checkpointer:
-    """Saves and restores one Trainer's state. At most one save is in flight."""
+class ModelOptimizerState:
+    """The sharded model and its optimizer as one state object for DCP (every rank writes and
+    reads only its shards). On load the optimizer's moments and step counts come from the
+    checkpoint, its hyperparameters from the current config (they may change on resume)."""
 
-    def __init__(self, trainer):
-        import torch.distributed as dist
+    def __init__(self, model, optimizer):
+        self.model, self.optimizer = model, optimizer
 
-        self.t = trainer
-        self.cfg = trainer.cfg.checkpoint
-        self.root = trainer.out / "checkpoints"
-        self.pending = None  # (future or None, tmp folder, meta)
-        self.rng = None  # this rank's RNG states from the checkpoint we resumed
-        self.reseed = False
-        # The async writer runs collectives from a thread: it needs a group of its own, or its
-        # messages would interleave with the training step's.
-        self.pg = dist.new_group(backend="gloo") if self.cfg.async_save else None
-
-    def _state(self) -> dict:
+    def state_dict(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_sd, optim_sd = get_state_dict(self.t.model, self.t.optimizer)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         return {"model": model_sd, "optim": optim_sd}
 
-    def due(self, step: int) -> bool:
-        c, spe = self.cfg, self.t.plan.steps_per_epoch
-        return bool(c.every_steps and step % c.every_steps == 0) or (c.at_epoch_end and step % spe == 0)
+    def load_state_dict(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        fresh = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        for group, hyper in zip(self.optimizer.param_groups, fresh, strict=True):
+            group.update(hyper)
+
+
+class Checkpointer:
+    """Saves and restores explicit state objects; it knows nothing of the trainer.
+
+    - `tensors`: a state object whose state_dict holds the (sharded) tensors, written with DCP;
+    - `states`: small named state objects (training progress, gradient scaler) whose state_dicts
+      are JSON, kept in meta.json by rank 0;
+    - `describe(step)`: rank 0, at save time: what else meta.json records (the run config, the
+      data position) for resume checks and people, not loaded back;
+    - `write_extras(folder)`: rank 0, at commit: files beside the shards (HF config, tokenizer).
+    Each rank's RNG states are saved too. At most one save is in flight.
+    """
+
+    def __init__(self, root: Path, cfg: CheckpointConfig, tensors, states: dict, describe=None, write_extras=None):
+        import torch.distributed as dist
+
+        self.root, self.cfg = Path(root), cfg
+        self.tensors, self.states = tensors, states
+        self.describe = describe or (lambda step: {})
+        self.write_extras = write_extras or (lambda folder: None)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.pending = None  # (future or None, tmp folder, meta)
+        self.size = 0  # bytes of the last save, all ranks (for a full disk's message)
+        self.rng = None  # this rank's RNG states from the checkpoint we resumed on the same world size
+        # The async writer runs collectives from a thread: it needs a group of its own, or its
+        # messages would interleave with the training step's.
+        self.pg = dist.new_group(backend="gloo") if cfg.async_save else None
+
+    def due(self, step: int, steps_per_epoch: int) -> bool:
+        c = self.cfg
+        return bool(c.every_steps and step % c.every_steps == 0) or (c.at_epoch_end and step % steps_per_epoch == 0)
 
     def save(self, step: int) -> Path:
         """Collective. Returns the folder the checkpoint will have once committed."""
@@ -191,17 +222,19 @@ class Checkpointer:
         import torch.distributed.checkpoint as dcp
 
         self.wait()
-        t, name = self.t, f"step-{step:06d}"
+        name = f"step-{step:06d}"
         tmp = self.root / f".tmp-{name}"
         try:
             tmp.mkdir(parents=True, exist_ok=True)
-            torch.save(rng_state(), tmp / f"rng-rank{t.dist.rank:05d}.pt")
-            meta = self._meta(step)  # now: the scheduler moves on while an async save is written
+            torch.save(rng_state(), tmp / f"rng-rank{self.rank:05d}.pt")
+            meta = self._meta(step)  # now: an async save is written while training moves on
+            tensors = self.tensors.state_dict()
+            self.size = tensor_bytes(tensors) * self.world_size  # FSDP shards evenly
             if self.pg is not None:
-                future = dcp.async_save(self._state(), checkpoint_id=tmp, process_group=self.pg)
+                future = dcp.async_save(tensors, checkpoint_id=tmp, process_group=self.pg)
                 self.pending = (future, tmp, meta)
             else:
-                dcp.save(self._state(), checkpoint_id=tmp)
+                dcp.save(tensors, checkpoint_id=tmp)
                 self.pending = (None, tmp, meta)
                 self._commit()
         except BaseException as exc:  # noqa: B036 - DCP's CheckpointException is a BaseException
@@ -211,20 +244,9 @@ class Checkpointer:
     def _meta(self, step: int) -> dict:
         from . import __version__
 
-        t, spe, gb = self.t, self.t.plan.steps_per_epoch, self.t.cfg.train.global_batch_size
-        epoch, in_epoch = divmod(step, spe)
-        d = t.cfg.data
-        return {
-            "format": FORMAT, "shardtune_version": __version__, "step": step, "epoch": step / spe,
-            "tokens_seen": t.tokens_seen, "world_size": t.dist.world_size,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            # Position in the seeded global order (data.BatchPlan): enough to continue exactly.
-            "data": {"start_idx": d.start_idx, "end_idx": d.end_idx, "sequences_per_epoch": t.plan.num_samples,
-                     "epoch": epoch, "samples_into_epoch": in_epoch * gb, "samples_consumed": step * gb},
-            "scheduler": t.scheduler.state_dict(),
-            "scaler": t.scaler.state_dict() if t.scaler is not None else None,
-            "config": t.cfg.to_dict(),
-        }
+        return {"format": FORMAT, "shardtune_version": __version__, "step": step, "world_size": self.world_size,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                **{name: state.state_dict() for name, state in self.states.items()}, **self.describe(step)}
 
     def poll(self) -> None:
         """Commit a finished async save; cheap, call once per step."""
@@ -247,7 +269,7 @@ class Checkpointer:
         self.pending = None
         if isinstance(exc, (UserError, KeyboardInterrupt, SystemExit)):
             raise exc
-        need, free = checkpoint_bytes(self.t.model, self.t.dist.world_size), free_bytes(self.root)
+        need, free = self.size, free_bytes(self.root)
         reason = no_room(exc, need, free)
         if reason is None:
             raise exc
@@ -264,10 +286,9 @@ class Checkpointer:
         self.pending = None
         if future is not None:
             future.result()  # every rank's shards are written once the coordinator's future is done
-        if not self.t.dist.is_main:
+        if self.rank != 0:
             return
-        self.t.hf_config.save_pretrained(tmp)
-        self.t.tokenizer.save_pretrained(tmp / "tokenizer")
+        self.write_extras(tmp)
         _write_atomic(tmp / "meta.json", json.dumps(meta, indent=1) + "\n")  # last: marks it complete
         final = self.root / tmp.name.removeprefix(".tmp-")
         trash = self.root / f".old-{final.name}"
@@ -282,44 +303,31 @@ class Checkpointer:
                 shutil.rmtree(old, ignore_errors=True)
 
     def load(self, path: str | Path) -> dict:
-        """Collective: restore model, optimizer, scheduler, scaler and step from `path`."""
+        """Collective: restore the tensors and the states from `path`; returns its meta.json.
+        This rank's RNG states are kept for `restore_rng` when the world size is the same."""
         import torch
-        from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        t, path = self.t, Path(path)
+        path = Path(path)
         meta = read_meta(path)
-        # Hyperparameters come from the current config (lr may change); the state from the checkpoint.
-        fresh = [{k: v for k, v in g.items() if k != "params"} for g in t.optimizer.param_groups]
-        state = self._state()
-        dcp_load(state, path, no_dist=False)
-        set_state_dict(t.model, t.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        for group, hyper in zip(t.optimizer.param_groups, fresh):
-            group.update(hyper)
-        sched = t.scheduler
-        sched.load_state_dict(meta["scheduler"])
-        sched.base_lrs = [g["initial_lr"] for g in t.optimizer.param_groups]
-        sched._last_lr = [base * fn(sched.last_epoch) for base, fn in zip(sched.base_lrs, sched.lr_lambdas)]
-        for group, lr in zip(t.optimizer.param_groups, sched._last_lr):
-            group["lr"] = lr
-        if t.scaler is not None and meta.get("scaler"):
-            t.scaler.load_state_dict(meta["scaler"])
-        t.step, t.tokens_seen = meta["step"], meta.get("tokens_seen", 0)
-        if meta["world_size"] == t.dist.world_size:
-            self.rng = torch.load(path / f"rng-rank{t.dist.rank:05d}.pt", weights_only=True)
-        else:
-            self.reseed = True
-            t.say(f"checkpoint written by {meta['world_size']} rank(s), resuming on {t.dist.world_size}: "
-                  "model, optimizer and data order carry over; RNG streams (dropout) are re-seeded from seed+step+rank")
+        tensors = self.tensors.state_dict()
+        dcp_load(tensors, path, no_dist=False)
+        self.tensors.load_state_dict(tensors)
+        for name, state in self.states.items():
+            if meta.get(name) is not None:
+                state.load_state_dict(meta[name])
+        if meta["world_size"] == self.world_size:
+            self.rng = torch.load(path / f"rng-rank{self.rank:05d}.pt", weights_only=True)
         return meta
 
-    def restore_rng(self) -> None:
-        """Call where a fresh run seeds its training RNG."""
+    def restore_rng(self, reseed: int | None) -> None:
+        """Call where a fresh run seeds its training RNG: the saved streams of this rank, or,
+        when the checkpoint came from another world size, a fresh seed `reseed`."""
         import torch
 
         if self.rng is not None:
             set_rng_state(self.rng)
-        elif self.reseed:
-            torch.manual_seed(self.t.cfg.train.seed + 1_000_003 * self.t.step + self.t.dist.rank)
+        elif reseed is not None:
+            torch.manual_seed(reseed)
 
     def close(self) -> None:
         import torch.distributed as dist

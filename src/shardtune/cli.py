@@ -65,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--text-field", default="text", help="column holding the text (default: text)")
     ev.add_argument("--seq-len", type=int, help="block length (default: the run's data.seq_len, else 512)")
     ev.add_argument("--micro-batch-size", type=int, default=8, help="sequences per rank per forward (default: 8)")
-    ev.add_argument("--max-batches", type=int, default=0, help="evaluate the first N x micro-batch-size sequences (default: all)")
+    ev.add_argument("--max-batches", type=int, default=0,
+                    help="evaluate the first N x micro-batch-size sequences (default: all)")
     ev.add_argument("--compare", metavar="BASE", help="also evaluate BASE and print both side by side")
     ev.add_argument("--nproc", type=int, default=None, metavar="N", help="run on N local ranks")
     ev.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")

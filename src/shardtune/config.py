@@ -17,6 +17,7 @@ from typing import Any, Literal
 import yaml
 
 from .errors import UserError, first_line
+from .validation import validate
 
 
 @dataclass
@@ -52,6 +53,11 @@ class DataConfig:
     cutoff_len: int | None = None  # instruct/chat: longest example in tokens, longer ones truncated (default seq_len)
     packing: bool = False  # instruct/chat: concatenate examples into seq_len blocks instead of padding each
     group_by_length: bool = False  # padded batches: put examples of similar length together (less padding)
+
+    @property
+    def example_cutoff(self) -> int:
+        """instruct/chat: the longest example in tokens."""
+        return self.cutoff_len or self.seq_len
 
 
 @dataclass
@@ -307,50 +313,6 @@ def _coerce(tp, value: Any, key: str):
             raise UserError(f"{key} must be a string, got {value!r}")
         return str(value)
     raise TypeError(f"unsupported config type {tp} for {key}")
-
-
-def validate(cfg: RunConfig) -> None:
-    """Checks that need no model, data or process group."""
-    t, d = cfg.train, cfg.data
-    if cfg.model.name_or_path is None and not cfg.model.config:
-        raise UserError("no model given; set model.name_or_path=<hub id or folder> "
-                        "(or model.config={model_type: gpt2, ...} for a random-init model)")
-    if d.path is None:
-        raise UserError("no dataset given; set data.path=<hub id, file or folder>")
-    f, e, c = cfg.fsdp, cfg.eval, cfg.checkpoint
-    for key, value, least in [
-            ("train.micro_batch_size", t.micro_batch_size, 1), ("train.global_batch_size", t.global_batch_size, 1),
-            ("data.seq_len", d.seq_len, 1), ("log.every_steps", cfg.log.every_steps, 1),
-            ("fsdp.min_num_params", f.min_num_params, 1), ("fsdp.forward_prefetch", f.forward_prefetch, 0),
-            ("fsdp.backward_prefetch", f.backward_prefetch, 0), ("train.warmup_steps", t.warmup_steps, 0),
-            ("train.weight_decay", t.weight_decay, 0), ("train.max_grad_norm", t.max_grad_norm, 0),
-            ("train.min_lr_ratio", t.min_lr_ratio, 0), ("eval.every_steps", e.every_steps, 0),
-            ("eval.max_batches", e.max_batches, 0), ("data.val_size", d.val_size, 0),
-            ("checkpoint.every_steps", c.every_steps, 0), ("checkpoint.keep_last", c.keep_last, 0),
-            ("loss_chunk_tokens", cfg.loss_chunk_tokens or 0, 0)]:
-        if value < least:
-            raise UserError(f"{key} must be at least {least}, got {value}")
-    for key, value in [("eval.micro_batch_size", e.micro_batch_size), ("log.peak_tflops", cfg.log.peak_tflops),
-                       ("fsdp.shard_size", f.shard_size), ("fsdp.replicate_size", f.replicate_size)]:
-        if value is not None and value <= 0:
-            raise UserError(f"{key} must be positive (or unset), got {value}")
-    if t.global_batch_size % t.micro_batch_size:
-        raise UserError(f"train.global_batch_size={t.global_batch_size} is not a multiple of "
-                        f"train.micro_batch_size={t.micro_batch_size}; pick sizes that divide")
-    if t.lr <= 0:
-        raise UserError(f"train.lr must be positive, got {t.lr}")
-    if t.max_steps <= 0 and t.epochs <= 0:
-        raise UserError("set train.max_steps or train.epochs to a positive number")
-    if len(t.betas) != 2:
-        raise UserError(f"train.betas must have two numbers, got {t.betas}")
-    if d.start_idx is not None and d.end_idx is not None and d.end_idx <= d.start_idx:
-        raise UserError(f"data.end_idx={d.end_idx} must be greater than data.start_idx={d.start_idx}")
-    if cfg.resume == "auto" and not cfg.output_dir:
-        raise UserError("resume=auto continues the run in output_dir; set output_dir=<that run's folder>")
-    fr = cfg.freeze
-    if cfg.peft.method == "lora" and (fr.trainable_blocks is not None or fr.head_only or fr.embeddings):
-        raise UserError("freeze.* does not combine with peft.method=lora (LoRA already freezes the base); "
-                        "drop one of them")
 
 
 def check_world(cfg: RunConfig, world_size: int) -> int:

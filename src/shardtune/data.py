@@ -174,7 +174,7 @@ def tokenize_split(docs, cfg: DataConfig, tokenizer, what: str, required: bool =
                        batched=True, num_proc=cfg.num_proc, desc="drop rows without loss")
     if required and len(rows) == 0:
         raise UserError(f"no example of {what} keeps a response (or assistant) token within data.cutoff_len="
-                        f"{cfg.cutoff_len or cfg.seq_len}; raise data.cutoff_len/data.seq_len or check the data")
+                        f"{cfg.example_cutoff}; raise data.cutoff_len/data.seq_len or check the data")
     if cfg.train_on_inputs:
         rows = rows.remove_columns("labels")  # labels == input_ids
     if cfg.packing:
@@ -186,10 +186,6 @@ def prepare(cfg: DataConfig, tokenizer, seed: int):
     """(train, val) torch datasets with `input_ids` (and `labels` where some tokens get no loss).
     text: packed blocks of seq_len; instruct/chat: one example per row, at most cutoff_len long,
     with a `length` column (see `lengths`), unless data.packing."""
-    cutoff = cfg.cutoff_len or cfg.seq_len
-    if cfg.format != "text" and not 2 <= cutoff <= cfg.seq_len:
-        raise UserError(f"data.cutoff_len={cfg.cutoff_len} must be between 2 and data.seq_len={cfg.seq_len}; "
-                        "lower it, or raise data.seq_len (the model's position limit is checked against seq_len)")
     splits = load_documents(cfg)
     train_docs, val_docs = split_documents(cfg, splits, seed)
     if len(train_docs) == 0:

@@ -35,6 +35,16 @@ def no_room(exc: BaseException, need: int, free: int | None) -> str | None:
     return None
 
 
+def tensor_bytes(tree) -> int:
+    """Bytes of the (local shards of the) tensors in a nested state dict."""
+    if isinstance(tree, dict):
+        return sum(tensor_bytes(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(tensor_bytes(v) for v in tree)
+    local = tree.to_local() if hasattr(tree, "to_local") else tree
+    return local.numel() * local.element_size() if hasattr(local, "element_size") else 0
+
+
 def checkpoint_bytes(model, world_size: int) -> int:
     """About the size of one checkpoint of all ranks: every parameter, plus AdamW's two fp32
     states per trainable one (local shards x ranks, as FSDP shards evenly)."""

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+import torch.distributed as tdist
+
 from .errors import UserError
 from .loading import load_model
-
 
 # ----------------------------------------------------------------------------- eval
 
@@ -83,7 +85,6 @@ def eval_one(spec: str, args, dist, data_cfg) -> dict:
 
 def run_eval(args) -> dict:
     """{"model": metrics[, "base": metrics]}; prints a table on rank 0."""
-    import torch.distributed as tdist
     from transformers.utils import logging as hf_logging
 
     from .launch import init_distributed
@@ -136,7 +137,6 @@ def read_prompts(args) -> list[str]:
 def generate(model, tokenizer, prompts: list[str], max_new_tokens: int = 64, temperature: float = 0.7,
              top_p: float = 0.9, seed: int = 0) -> list[str]:
     """The continuation of each prompt; temperature 0 decodes greedily."""
-    import torch
 
     if temperature < 0 or not 0 < top_p <= 1 or max_new_tokens < 1:
         raise UserError("need --temperature >= 0, 0 < --top-p <= 1 and --max-new-tokens >= 1")

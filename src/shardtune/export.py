@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
 from .errors import UserError, first_line
 
 
 def gather_full_state_dict(model) -> dict:
     """Full (unsharded) weights on rank 0's CPU; other ranks get {} and never hold a full copy."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
@@ -17,7 +19,6 @@ def gather_full_state_dict(model) -> dict:
 def save_hf_folder(state_dict: dict, hf_config, tokenizer, out: Path, max_shard_size: str = "2GB") -> None:
     """Write config, safetensors weights (sharded above max_shard_size), generation config and
     tokenizer, loadable by `AutoModelForCausalLM.from_pretrained(out)` unchanged."""
-    import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
     from transformers.utils import logging as hf_logging
 

@@ -14,11 +14,9 @@ Problems a user can fix are raised as one-line UserErrors.
 
 from __future__ import annotations
 
-import re
-import string
-
 from .config import DataConfig
 from .errors import UserError, first_line
+from .validation import template_columns
 
 IGNORE_INDEX = -100
 
@@ -43,26 +41,6 @@ def as_text(value, sep: str = " "):
     if isinstance(value, (list, tuple)):
         return sep.join(str(as_text(v, sep)) for v in value)
     return value
-
-
-def template_columns(template: str, key: str = "data.template") -> list[str]:
-    """Column names a `str.format` template refers to ({a}, {a[0]}, {a.b} all name column a)."""
-    try:
-        parts = list(string.Formatter().parse(template))
-    except ValueError as exc:
-        raise UserError(f"{key}={template!r} is not a valid template ({exc}); name columns in braces "
-                        "like {quote} and write literal braces as {{ }}") from None
-    names = []
-    for _, field, _, _ in parts:
-        if field is None:
-            continue
-        name = re.match(r"[^.\[]*", field).group(0)
-        if not name or name.isdigit():
-            raise UserError(f"{key}={template!r} has a positional field {{{field}}}; name a column "
-                            "instead, e.g. {text}")
-        if name not in names:
-            names.append(name)
-    return names
 
 
 def check_columns(wanted: list[str], columns: list[str], what: str, key: str) -> None:
@@ -130,7 +108,7 @@ def instruct_fn(cfg: DataConfig, tokenizer, columns: list[str], what: str):
             raise UserError(f"data.format=instruct needs a column {col!r} but {what} has only: "
                             f"{', '.join(columns)}; set {key} to the right column")
     bos, eos = _leading_bos(tokenizer), tokenizer.eos_token_id
-    cutoff, sep = cfg.cutoff_len or cfg.seq_len, cfg.list_sep
+    cutoff, sep = cfg.example_cutoff, cfg.list_sep
     has_input = cfg.input_field in columns
 
     def prompt(row: dict) -> str:
@@ -235,7 +213,7 @@ def chat_fn(cfg: DataConfig, tokenizer, columns: list[str], what: str):
         raise UserError(f"data.format=chat needs a column {field!r} of messages but {what} has only: "
                         f"{', '.join(columns)}; set data.messages_field")
     check_chat_template(cfg, tokenizer)
-    cutoff = cfg.cutoff_len or cfg.seq_len
+    cutoff = cfg.example_cutoff
 
     def render(messages, generation_prompt):
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)

@@ -27,9 +27,8 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 class Dist:
     rank: int
     world_size: int
-    local_rank: int
-    local_world_size: int
-    device: "torch.device"  # noqa: F821
+    local_world_size: int  # ranks on this node: hybrid_shard's default shard group
+    device: torch.device  # noqa: F821
 
     @property
     def is_main(self) -> bool:
@@ -61,7 +60,7 @@ def _adopt_slurm_env() -> None:
     env.setdefault("MASTER_PORT", str(29500 + int(env.get("SLURM_JOB_ID", "0")) % 1000))
 
 
-def resolve_device(requested: str) -> "torch.device":  # noqa: F821
+def resolve_device(requested: str) -> torch.device:  # noqa: F821
     import torch
 
     if requested == "cuda" and not torch.cuda.is_available():
@@ -103,7 +102,6 @@ def init_distributed(requested_device: str) -> Dist:
             dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
     world = dist.get_world_size()
     return Dist(rank=dist.get_rank(), world_size=world,
-                local_rank=int(os.environ.get("LOCAL_RANK", "0")),
                 local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", str(world))),
                 device=device)
 

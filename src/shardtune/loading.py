@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from .checkpoint import dcp_load, read_meta, resolve_checkpoint
 from .errors import UserError
 
@@ -43,7 +45,6 @@ def load_model(spec: str, device: str = "cpu", weights: bool = True):
         trust = run_cfg.model.trust_remote_code
         return (None, AutoTokenizer.from_pretrained(where / "tokenizer", trust_remote_code=trust),
                 AutoConfig.from_pretrained(where, trust_remote_code=trust), run_cfg)
-    import torch
 
     if kind == "adapter":  # evaluate/generate with the adapter folded into its base
         import json
@@ -73,7 +74,6 @@ def load_model(spec: str, device: str = "cpu", weights: bool = True):
 def load_plain_model(path: Path, device: str = "cpu"):
     """(model, tokenizer, meta) from a checkpoint, in this process alone: one copy of the
     weights in memory, read shard by shard from the DCP files; the optimizer is never read."""
-    import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.initialization import no_init_weights
 

@@ -14,6 +14,9 @@ from __future__ import annotations
 import contextlib
 import functools
 
+import torch
+import torch.nn as nn
+
 from .formats import IGNORE_INDEX
 
 # model types whose causal-LM forward applies the head and nothing else to the logits
@@ -38,7 +41,6 @@ def head_loss(hidden, weight, labels, chunk: int, want_hidden_grad: bool, want_w
     """(loss sum, number correct or None, d loss/d hidden, d loss/d weight) of `hidden` (N x d)
     against `labels` (N), one chunk of rows at a time. Logits and their softmax are fp32; the
     gradients keep the operands' dtype, except fp16, whose unscaled gradients would underflow."""
-    import torch
 
     # On CPU, MKL computes (vocab x tokens) logits ~1.5x faster than (tokens x vocab) for
     # these shapes, and the softmax over dim 0 stays vectorised; on CUDA, tokens first.
@@ -82,7 +84,6 @@ def head_loss(hidden, weight, labels, chunk: int, want_hidden_grad: bool, want_w
 @functools.cache
 def _autograd_function():
     """The autograd.Function, built on first use (torch is imported lazily)."""
-    import torch
 
     class ChunkedHeadLoss(torch.autograd.Function):
         @staticmethod
@@ -108,7 +109,6 @@ def _head_forward(head, plain_forward, setting: int | None, hidden):
     request = head.__dict__.get("_shardtune_labels")
     if request is None:
         return plain_forward(hidden)
-    import torch
 
     labels, accuracy = request
     chunk = chunk_tokens(setting, head.out_features, hidden.device.type)
@@ -125,7 +125,6 @@ def install(model, setting: int | None) -> bool:
     Returns False (and leaves the model alone) where that would not be the model's own loss:
     switched off (setting 0), a head with a bias or wrapped by an adapter, or a model type that
     transforms the logits after the head."""
-    import torch.nn as nn
 
     if is_installed(model):
         return True

@@ -1,15 +1,15 @@
-"""AdamW with the usual decay groups, and the learning-rate schedule."""
+"""AdamW with the usual decay groups, and the learning rate as a function of the step."""
 
 from __future__ import annotations
 
 import math
 
+import torch
+
 from .config import TrainConfig
 
 
 def build_optimizer(model, cfg: TrainConfig, device, precision: str = "fp32"):
-    import torch
-
     trainable = [p for p in model.parameters() if p.requires_grad]
     # Biases and norm weights are the 1-D parameters; decaying them only hurts.
     groups = [
@@ -39,7 +39,12 @@ def lr_factor(step: int, total: int, cfg: TrainConfig) -> float:
     return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
 
 
-def build_scheduler(optimizer, total_steps: int, cfg: TrainConfig):
-    import torch
+def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
+    """The learning rate of optimizer step `step` (0-based): a pure function of the step, so a
+    resumed run needs no scheduler state."""
+    return cfg.lr * lr_factor(step, total, cfg)
 
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total_steps, cfg))
+
+def set_lr(optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr

@@ -4,6 +4,12 @@ activation checkpointing -> compile -> fully_shard per unit -> fully_shard on th
 
 from __future__ import annotations
 
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
 from .config import FSDPConfig
 from .errors import UserError
 from .launch import Dist
@@ -22,8 +28,6 @@ def detect_block_class(model, override: str | None = None) -> type:
         if name in classes:
             return classes[name]
     # Fallback: the class of the longest ModuleList (the stack of decoder layers).
-    import torch.nn as nn
-
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
     if not lists:
         raise UserError("could not find the decoder blocks of this model; set fsdp.block_class=<class name>")
@@ -32,7 +36,6 @@ def detect_block_class(model, override: str | None = None) -> type:
 
 def build_mesh(fsdp: FSDPConfig, dist: Dist):
     """1-D mesh for full_shard/shard_grad_op; 2-D (replicate, shard) for hybrid_shard and no_shard."""
-    from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.world_size
     sharding = fsdp.sharding
@@ -50,9 +53,6 @@ def build_mesh(fsdp: FSDPConfig, dist: Dist):
 
 
 def mixed_precision(precision: str):
-    import torch
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[precision]
     # Compute in low precision, keep fp32 master weights, reduce gradients in fp32.
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
@@ -69,7 +69,6 @@ def reshard_after_forward(sharding: str, shard_group_size: int) -> bool:
 def apply_parallelism(model, spec, block_cls: type, mesh, device) -> tuple[list, bool]:
     """Shard `model` in place as `spec` (build.ModelSpec) says. Returns the FSDP units (in
     forward order) below the root, and whether they are resharded after forward."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     fsdp = spec.fsdp
     blocks = [m for m in model.modules() if isinstance(m, block_cls)]
@@ -78,8 +77,13 @@ def apply_parallelism(model, spec, block_cls: type, mesh, device) -> tuple[list,
         if not getattr(model, "supports_gradient_checkpointing", False):
             raise UserError(f"{type(model).__name__} does not support activation checkpointing; "
                             "set activation_checkpointing=false")
-        # transformers' per-layer checkpointing keeps parameter names unchanged.
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        # transformers' per-layer checkpointing keeps parameter names unchanged. Newer 5.x name it
+        # activation_checkpointing_enable; 5.17 (on the GPU machines) has only the deprecated name.
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
 
     if spec.compile:
@@ -109,8 +113,6 @@ def _shard_embeddings(model, reshard: bool, kwargs: dict) -> None:
     """Input embeddings and LM head as units of their own: left in the root they would stay
     unsharded on every rank from forward to the end of backward (GPT-2's are 30 % of it). A tied
     pair shares one weight, so it must be one unit; it is freed after backward."""
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import DTensor
 
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     if emb is None or any(isinstance(p, DTensor) for p in emb.parameters()):
@@ -131,7 +133,6 @@ def _size_based_units(model, min_num_params: int) -> list:
     (e.g. input embeddings shared with the LM head: both must live in one unit) pass it up."""
     from collections import Counter
 
-    import torch.nn as nn
 
     uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     tied = {pid for pid, n in uses.items() if n > 1}

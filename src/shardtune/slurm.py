@@ -29,8 +29,8 @@ def sbatch_script(recipe: str, output_dir: str, nodes: int, gpus_per_node: int, 
     train_args = " ".join(shlex.quote(a) for a in [recipe, *overrides, f"output_dir={output_dir}", "resume=auto"])
     optional = "".join(f"#SBATCH --{key}={value}\n" for key, value in
                        (("partition", partition), ("account", account)) if value)
-    offline_env = "export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1  # compute nodes: use the cache filled by `shardtune download`\n" \
-        if offline else ""
+    offline_env = ("export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1  "
+                   "# compute nodes: use the cache filled by `shardtune download`\n") if offline else ""
     return f"""#!/bin/bash
 #SBATCH --job-name={job_name}
 #SBATCH --nodes={nodes}

@@ -56,10 +56,10 @@ def evaluate(model, ds, batches, device, pad_id: int = 0) -> dict:
 
 @dataclass
 class StepResult:
-    loss_sum: "torch.Tensor"  # noqa: F821  this rank's summed token loss (device tensor, no sync)
+    loss_sum: torch.Tensor  # noqa: F821  this rank's summed token loss (device tensor, no sync)
     loss_tokens: float  # tokens with a loss in the whole global batch
-    input_tokens: "torch.Tensor | int"  # noqa: F821  tokens this rank fed the model (padding excluded)
-    grad_norm: "torch.Tensor"  # noqa: F821
+    input_tokens: torch.Tensor | int  # noqa: F821  tokens this rank fed the model (padding excluded)
+    grad_norm: torch.Tensor  # noqa: F821
     data_seconds: float  # time spent assembling batches
 
 

@@ -7,8 +7,9 @@ MLFLOW_TRACKING_URI, or to a local file store in the run folder when that is uns
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 from .errors import UserError
 

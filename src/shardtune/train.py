@@ -5,21 +5,30 @@ from __future__ import annotations
 import math
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import data as data_lib
+from .adapters import check_quantize, load_qlora_model
 from .build import BuiltModel, ModelSpec, build_model
 from .config import RunConfig, check_world, dump_yaml
 from .errors import UserError
 from .launch import all_sum, broadcast_value, init_distributed, rank0_first
 from .model import check_seq_len, count_params, load_hf_config, load_source_model, load_tokenizer
-from .adapters import check_quantize, load_qlora_model
 from .parallel import build_mesh
 from .rundir import default_output_dir
 from .signals import PREEMPTED_MARKER
 from .step import evaluate, train_step
-from .telemetry import GPUSampler, MetricsLog, Progress, StepMeter, device_peak_flops, flops_per_token, \
-    matmul_params, memory_stats
+from .telemetry import (
+    GPUSampler,
+    MetricsLog,
+    Progress,
+    StepMeter,
+    device_peak_flops,
+    flops_per_token,
+    matmul_params,
+    memory_stats,
+)
 
 
 def seed_everything(seed: int) -> None:
@@ -29,6 +38,21 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+@dataclass
+class TrainState:
+    """Where training stands, beyond weights and optimizer: the step (the learning rate and the
+    data order are functions of it) and the tokens trained on. Saved in every checkpoint."""
+
+    step: int = 0
+    tokens_seen: float = 0.0
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "tokens_seen": self.tokens_seen}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.tokens_seen = int(state["step"]), float(state.get("tokens_seen", 0.0))
 
 
 class Trainer:
@@ -46,6 +70,7 @@ class Trainer:
         self.cfg = cfg
         self.owns_group = not torch.distributed.is_initialized()
         self.dist = dist = init_distributed(cfg.device)
+        check_quantize(cfg.peft, dist.device)  # the machine's part of the QLoRA checks (config.validate did the rest)
         cfg.output_dir = broadcast_value(dist, cfg.output_dir or default_output_dir(cfg.recipe))
         self.out = out = Path(cfg.output_dir)
         from .checkpoint import Checkpointer
@@ -90,23 +115,29 @@ class Trainer:
                  f"{dist.world_size} rank(s) on {dist.device.type} | {cfg.fsdp.sharding} | {cfg.precision} | "
                  f"accumulation {self.accum} | {self.total_steps} steps")
 
-        from .optim import build_optimizer, build_scheduler
+        from .checkpoint import ModelOptimizerState
+        from .optim import build_optimizer
 
         self.optimizer = build_optimizer(model, t, dist.device, cfg.precision)
-        self.scheduler = build_scheduler(self.optimizer, self.total_steps, t)
         self.scaler = None
         if cfg.precision == "fp16":
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
             self.scaler = ShardedGradScaler(device=dist.device.type)
-        self.step, self.tokens_seen = 0, 0.0
+        self.state = TrainState()
         rank0_first(dist, lambda: prepare_run_dir(cfg, overwrite) if dist.is_main else None)
-        self.ckpt = Checkpointer(self)
+        self.ckpt = Checkpointer(out / "checkpoints", cfg.checkpoint, ModelOptimizerState(model, self.optimizer),
+                                 {"train_state": self.state, **({"scaler": self.scaler} if self.scaler else {})},
+                                 describe=self.describe, write_extras=self.write_checkpoint_extras)
         if note := space_warning(out / "checkpoints", cfg.checkpoint, checkpoint_bytes(model, dist.world_size),
                                  self.total_steps, self.plan.steps_per_epoch):
             self.say(note)
         if resume_from:
-            self.ckpt.load(resume_from)
+            meta = self.ckpt.load(resume_from)
+            if meta["world_size"] != dist.world_size:
+                self.say(f"checkpoint written by {meta['world_size']} rank(s), resuming on {dist.world_size}: "
+                         "model, optimizer and data order carry over; RNG streams (dropout) are re-seeded from "
+                         "seed+step+rank")
         if dist.is_main:
             (out / "config.yaml").write_text(dump_yaml(cfg))
             (out / PREEMPTED_MARKER).unlink(missing_ok=True)
@@ -115,7 +146,6 @@ class Trainer:
         """Skeleton on meta everywhere, sharded, then filled from rank 0's single copy."""
         cfg, dist, seed = self.cfg, self.dist, self.cfg.train.seed
         seed_everything(seed)
-        check_quantize(cfg.peft, dist.device)
         if cfg.peft.quantize == "4bit":  # QLoRA: one GPU, the base quantized on load, not sharded
             from . import loss as loss_lib
 
@@ -126,6 +156,20 @@ class Trainer:
                             source=lambda: load_source_model(cfg.model, self.hf_config, seed), seed=seed)
         built.model.train()
         return built
+
+    def describe(self, step: int) -> dict:
+        """What a checkpoint records beside the state objects: the run config (a resume checks
+        it) and the position in the seeded data order (data.BatchPlan), for people."""
+        spe, gb, d = self.plan.steps_per_epoch, self.cfg.train.global_batch_size, self.cfg.data
+        epoch, in_epoch = divmod(step, spe)
+        return {"epoch": step / spe, "config": self.cfg.to_dict(),
+                "data": {"start_idx": d.start_idx, "end_idx": d.end_idx, "sequences_per_epoch": self.plan.num_samples,
+                         "epoch": epoch, "samples_into_epoch": in_epoch * gb, "samples_consumed": step * gb}}
+
+    def write_checkpoint_extras(self, folder: Path) -> None:
+        """The HF config and tokenizer beside the shards: export/eval/generate need nothing else."""
+        self.hf_config.save_pretrained(folder)
+        self.tokenizer.save_pretrained(folder / "tokenizer")
 
     def say(self, text: str) -> None:
         if self.dist.is_main:
@@ -144,18 +188,18 @@ class Trainer:
         log = MetricsLog(self.out / "metrics.jsonl", dist.is_main)
         trackers = Trackers(cfg.log.trackers, self.out, cfg.to_dict(), cfg.log.project, self.out.name, dist.is_main)
         torch.manual_seed(t.seed + dist.rank)  # dropout: different masks per rank, reproducible per run
-        self.ckpt.restore_rng()
+        self.ckpt.restore_rng(reseed=t.seed + 1_000_003 * self.state.step + dist.rank if self.state.step else None)
         results: dict = {}
-        if self.val_batches and cfg.eval.at_start and self.step == 0:
+        if self.val_batches and cfg.eval.at_start and self.state.step == 0:
             results["first"] = self.evaluate()
-            record = {"step": self.step, "epoch": 0.0, **results["first"]}
+            record = {"step": 0, "epoch": 0.0, **results["first"]}
             log.write(record)
-            trackers.log(record, self.step)
-            self.say(f"step {self.step}: validation loss {results['first']['eval_loss']:.4f}, "
+            trackers.log(record, 0)
+            self.say(f"step 0: validation loss {results['first']['eval_loss']:.4f}, "
                      f"perplexity {results['first']['eval_ppl']:.2f}")
-        progress = Progress(self.total_steps, self.step, dist.is_main, cfg.log.progress)
+        progress = Progress(self.total_steps, self.state.step, dist.is_main, cfg.log.progress)
         gpu = GPUSampler(dist.device)
-        start, first_step = time.perf_counter(), self.step
+        start, first_step = time.perf_counter(), self.state.step
         preemption = Preemption()
         try:
             results["tokens"] = self._loop(log, trackers, progress, gpu, results, preemption)
@@ -172,29 +216,32 @@ class Trainer:
         if "first" in results and "last" in results:
             self.say(f"validation perplexity: {results['first']['eval_ppl']:.2f} before -> "
                      f"{results['last']['eval_ppl']:.2f} after training")
-        self.say(f"trained {self.step - first_step} steps in {elapsed:.1f}s ({results['tokens_per_s']:.0f} tokens/s)")
+        self.say(f"trained {self.state.step - first_step} steps in {elapsed:.1f}s "
+                 f"({results['tokens_per_s']:.0f} tokens/s)")
         return results
 
     def _loop(self, log, trackers, progress, gpu, results: dict, preemption) -> float:
         """Steps until done or preempted; returns the number of tokens trained on."""
-        cfg, dist, plan = self.cfg, self.dist, self.plan
+        from .optim import lr_at, set_lr
+
+        cfg, dist, plan, state = self.cfg, self.dist, self.plan, self.state
         meter = StepMeter(dist.world_size, self.flops_per_token,
                           device_peak_flops(dist.device, cfg.precision, cfg.log.peak_tflops))
         pad_id = self.tokenizer.pad_token_id or 0
         trained_tokens = 0.0
-        while self.step < self.total_steps:
-            epoch, step_in_epoch = divmod(self.step, plan.steps_per_epoch)
+        while state.step < self.total_steps:
+            epoch, step_in_epoch = divmod(state.step, plan.steps_per_epoch)
+            lr = lr_at(state.step, self.total_steps, cfg.train)
+            set_lr(self.optimizer, lr)
             out = train_step(self.model, self.optimizer, self.scaler, self.train_ds,
                              plan.micro_batches(epoch, step_in_epoch), cfg, dist, pad_id,
                              sync_each=self.built.sync_grads_each_micro_step)
-            lr = self.scheduler.get_last_lr()[0]
-            self.scheduler.step()
-            self.step = step = self.step + 1
+            state.step = step = state.step + 1
             # One small all-reduce a step: the global loss, the input tokens, and whether any
             # rank was asked to stop (so all ranks stop at the same step).
             loss_total, tokens, stop = all_sum(out.loss_sum, out.input_tokens, preemption.requested,
                                                device=dist.device)
-            self.tokens_seen += tokens
+            state.tokens_seen += tokens
             trained_tokens += tokens
             meter.add(tokens, out.data_seconds)
             loss = loss_total / max(out.loss_tokens, 1.0)
@@ -206,7 +253,7 @@ class Trainer:
                 record = {"step": step, "epoch": step / plan.steps_per_epoch, "loss": None, "skipped": True}
             elif step % cfg.log.every_steps == 0 or last:
                 record = {"step": step, "epoch": step / plan.steps_per_epoch, "loss": loss, "lr": lr,
-                          "grad_norm": grad_norm, "tokens_seen": self.tokens_seen, **meter.report(),
+                          "grad_norm": grad_norm, "tokens_seen": state.tokens_seen, **meter.report(),
                           **memory_stats(dist.device), **gpu.read()}
                 if self.scaler:
                     record["loss_scale"] = float(self.scaler.get_scale())
@@ -230,7 +277,7 @@ class Trainer:
                 progress.write(f"step {step}: got {preemption.name}; checkpoint saved to {folder}; "
                                "exiting for a requeue (resume=auto continues)")
                 break
-            if self.ckpt.due(step):
+            if self.ckpt.due(step, plan.steps_per_epoch):
                 self.ckpt.save(step)
         return trained_tokens
 

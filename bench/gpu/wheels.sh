@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Run where pip reaches the registry: downloads into .whl/ (git-ignored) the wheels that GPU
+# machines without network lack (their image has torch, transformers, peft, accelerate, pyarrow,
+# xxhash, fsspec, huggingface-hub, tensorboard, matplotlib, nvidia-ml-py; not datasets and its
+# own needs, nor bitsandbytes). bench/gpu/run.sh installs them with --no-deps: nothing of the
+# machine's own torch is replaced.
+#   bash bench/gpu/wheels.sh [PYTHON_VERSION]   (default 3.12, the GPU image's python)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+py=${1:-3.12}
+pip=${PIP:-python3 -m pip}
+mkdir -p .whl
+exclude=$(git rev-parse --git-path info/exclude)
+mkdir -p "$(dirname "$exclude")"
+grep -qx '/.whl/' "$exclude" 2>/dev/null || echo '/.whl/' >> "$exclude"
+platforms=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64
+           --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64
+           --platform any)
+datasets=$(grep '^datasets==' constraints.txt)
+for wheel in "$datasets" dill multiprocess bitsandbytes; do
+  $pip download -q --no-deps --only-binary=:all: --python-version "$py" --implementation cp "${platforms[@]}" \
+    -d .whl "$wheel"
+done
+ls -1 .whl
