@@ -167,12 +167,10 @@ def test_bad_config_value(capfd, recipe, out, override, words):
 
 def test_unknown_key_without_recipe(capfd, monkeypatch, qs_assets, out):
     """No recipe: the first override is not taken for a recipe, and the quickstart defaults
-    (stubbed here, so no full asset build) get the same checks."""
+    (on the small assets here, so no full asset build) get the same checks."""
     import shardtune.quickstart
 
-    monkeypatch.setattr(shardtune.quickstart, "quickstart_defaults", lambda: {
-        "model": {"tokenizer": qs_assets["tokenizer"], "config": dict(TINY_GPT2)},
-        "data": {"path": qs_assets["train"], "seq_len": 32}})
+    monkeypatch.setattr(shardtune.quickstart, "build_quickstart_assets", lambda *a, **k: qs_assets)
     fails(capfd, ["train", "train.lrr=1", f"output_dir={out}"], "train.lrr", "train.lr")
     fails(capfd, ["train", "--nproc", "2", "eval.every=5"], "eval.every", "eval.every_steps")
 

@@ -7,6 +7,7 @@
 #    layout, QLoRA, checkpointing/compile/offload, NCCL under torchrun, NVML telemetry + report);
 # 3. runs the GPU benchmarks it has time for (shardtune vs HF Trainer, bf16 ~1B Llama; the
 #    planner's predictions against torch.cuda.max_memory_allocated/reserved where it exists).
+# 4. with SOAK_MINUTES=N, also the soak (bench/soak.py --device cuda): N minutes more.
 # Everything it measures lands in RESULTS_DIR (logs, JUnit XML, JSON, PNGs). About 9 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -33,6 +34,10 @@ timeout 200 $python bench/vs_hf_trainer.py --gpu --repeats 1 --sharding full_sha
   > "$results/vs_hf_trainer.md" || status=1
 if [ -f bench/plan_accuracy.py ]; then
   timeout 60 $python bench/plan_accuracy.py --gpu > "$results/plan_accuracy.md" || status=1
+fi
+if [ "${SOAK_MINUTES:-0}" != 0 ]; then  # optional: RSS and CUDA memory flat over a long run (bench/soak.py)
+  timeout $((SOAK_MINUTES * 60 + 300)) $python bench/soak.py --device cuda --minutes "$SOAK_MINUTES" \
+    --warmup-minutes 1 --bucket-minutes 1 --checkpoint-minutes 1 --eval-minutes 0.5 > "$results/soak.md" || status=1
 fi
 echo "GPU suite finished with status $status; results in $results"
 exit $status

@@ -26,6 +26,7 @@ import warnings
 from pathlib import Path
 
 from .config import CheckpointConfig
+from .diskspace import free_bytes, human_size, no_room, tensor_bytes
 from .errors import UserError, first_line
 
 FORMAT = 2  # 2: named state objects in meta.json (train_state, scaler); the LR is a function of the step
@@ -205,6 +206,7 @@ class Checkpointer:
         self.write_extras = write_extras or (lambda folder: None)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.pending = None  # (future or None, tmp folder, meta)
+        self.size = 0  # bytes of the last save, all ranks (for a full disk's message)
         self.rng = None  # this rank's RNG states from the checkpoint we resumed on the same world size
         # The async writer runs collectives from a thread: it needs a group of its own, or its
         # messages would interleave with the training step's.
@@ -222,16 +224,21 @@ class Checkpointer:
         self.wait()
         name = f"step-{step:06d}"
         tmp = self.root / f".tmp-{name}"
-        tmp.mkdir(parents=True, exist_ok=True)
-        torch.save(rng_state(), tmp / f"rng-rank{self.rank:05d}.pt")
-        meta = self._meta(step)  # now: an async save is written while training moves on
-        if self.pg is not None:
-            future = dcp.async_save(self.tensors.state_dict(), checkpoint_id=tmp, process_group=self.pg)
-            self.pending = (future, tmp, meta)
-        else:
-            dcp.save(self.tensors.state_dict(), checkpoint_id=tmp)
-            self.pending = (None, tmp, meta)
-            self._commit()
+        try:
+            tmp.mkdir(parents=True, exist_ok=True)
+            torch.save(rng_state(), tmp / f"rng-rank{self.rank:05d}.pt")
+            meta = self._meta(step)  # now: an async save is written while training moves on
+            tensors = self.tensors.state_dict()
+            self.size = tensor_bytes(tensors) * self.world_size  # FSDP shards evenly
+            if self.pg is not None:
+                future = dcp.async_save(tensors, checkpoint_id=tmp, process_group=self.pg)
+                self.pending = (future, tmp, meta)
+            else:
+                dcp.save(tensors, checkpoint_id=tmp)
+                self.pending = (None, tmp, meta)
+                self._commit()
+        except BaseException as exc:  # noqa: B036 - DCP's CheckpointException is a BaseException
+            self._failed(exc, tmp)
         return self.root / name
 
     def _meta(self, step: int) -> dict:
@@ -251,7 +258,31 @@ class Checkpointer:
             self._commit()
 
     def _commit(self) -> None:
-        future, tmp, meta = self.pending
+        tmp = self.pending[1]
+        try:
+            self._write_rest(*self.pending)
+        except BaseException as exc:  # noqa: B036
+            self._failed(exc, tmp)
+
+    def _failed(self, exc: BaseException, tmp: Path) -> None:
+        """A save that ran out of room: its partial folder goes, `latest` stays, one line."""
+        self.pending = None
+        if isinstance(exc, (UserError, KeyboardInterrupt, SystemExit)):
+            raise exc
+        need, free = self.size, free_bytes(self.root)
+        reason = no_room(exc, need, free)
+        if reason is None:
+            raise exc
+        shutil.rmtree(tmp, ignore_errors=True)
+        (self.root / ".latest.tmp").unlink(missing_ok=True)  # `_write_atomic`'s, if `latest` was being replaced
+        good = find_latest(self.root)
+        raise UserError(f"{reason} while saving {tmp.name.removeprefix('.tmp-')} in {self.root}: a checkpoint needs "
+                        f"about {human_size(need)}, {human_size(free)} is free; the partial save was removed, "
+                        f"{f'the last good checkpoint is {good}' if good else 'no checkpoint was written'}; "
+                        f"{'raise the limit, ' if 'ulimit' in reason else 'free space, lower checkpoint.keep_last, '}"
+                        "or use an output_dir with more room") from None
+
+    def _write_rest(self, future, tmp: Path, meta: dict) -> None:
         self.pending = None
         if future is not None:
             future.result()  # every rank's shards are written once the coordinator's future is done

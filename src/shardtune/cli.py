@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from .errors import EXIT_USAGE, UserError
-from .signals import EXIT_PREEMPTED
+from .signals import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 TRAIN_EPILOG = """\
 overrides are dotted config keys, e.g. train.lr=3e-5 fsdp.sharding=shard_grad_op data.seq_len=1024.
@@ -156,50 +156,68 @@ def cmd_train(args) -> int:
     from .launch import check_nproc, launched_by_agent
 
     recipe, overrides = _split_recipe(args.recipe, args.overrides)
-    defaults = None
+    defaults, used = None, None
     if recipe is None:
         from .quickstart import quickstart_defaults
 
-        defaults = quickstart_defaults()
+        defaults, used = quickstart_defaults(overrides)
     cfg = load_config(recipe, overrides, defaults)
     nproc = 1 if args.nproc is None else args.nproc
     if launched_by_agent() or nproc == 1:
         if args.nproc and launched_by_agent() and args.nproc != int(os.environ.get("LOCAL_WORLD_SIZE", nproc)):
             raise UserError("--nproc conflicts with the ranks torchrun/srun started; drop --nproc")
+        from .launch import LAUNCHER_ENV
+        from .signals import interrupted_line
         from .train import run
 
-        results = run(cfg, overwrite=args.overwrite)
+        if used and os.environ.get("RANK", "0") == "0" and LAUNCHER_ENV not in os.environ:  # else: the launcher's
+            print(used, flush=True)
+        try:
+            results = run(cfg, overwrite=args.overwrite)
+        except KeyboardInterrupt:  # a second Ctrl-C, or one before training started
+            if os.environ.get("RANK", "0") == "0":
+                print(interrupted_line(cfg.output_dir), file=sys.stderr, flush=True)
+            return EXIT_INTERRUPTED
         return EXIT_PREEMPTED if results.get("preempted") else 0
-    # Parent of N local ranks: check what can be checked before starting anything.
-    from .rundir import default_output_dir, prepare_run_dir
+    # Parent of N local ranks: check what can be checked before starting anything, and hold the
+    # output folder for the run's lifetime (the ranks it starts share the hold).
+    from .rundir import default_output_dir, prepare_run_dir, release_run_dir
 
     check_nproc(nproc, cfg.device)
     out = cfg.output_dir = cfg.output_dir or default_output_dir(cfg.recipe)
-    prepare_run_dir(cfg, args.overwrite, check_only=True)
-    worker = ["train", *([recipe] if recipe else []), *overrides, f"output_dir={out}"]
-    if args.overwrite:
-        worker.append("--overwrite")
-    return _launch_preemptible(nproc, worker)
+    if used:
+        print(used, flush=True)
+    try:
+        prepare_run_dir(cfg, args.overwrite, check_only=True)
+        worker = ["train", *([recipe] if recipe else []), *overrides, f"output_dir={out}"]
+        if args.overwrite:
+            worker.append("--overwrite")
+        return _launch_preemptible(nproc, worker, Path(out))
+    finally:
+        release_run_dir(out)
 
 
-def _launch_preemptible(nproc: int, worker: list[str]) -> int:
+def _launch_preemptible(nproc: int, worker: list[str], out: Path) -> int:
     """The elastic agent passes SIGTERM on to the ranks (which checkpoint and exit) but not
-    SIGUSR1, so turn SIGUSR1 into SIGTERM here; either way the job ends with EXIT_PREEMPTED."""
+    SIGUSR1, so turn SIGUSR1 into SIGTERM here. A stopped run ends with EXIT_PREEMPTED only when
+    the ranks wrote a checkpoint, and says which; otherwise with 128 + the signal."""
     import signal
 
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-
     from .launch import launch_local
+    from .signals import marker_stamp, stop_report
 
+    stamp = marker_stamp(out)
     previous = signal.signal(signal.SIGUSR1, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
     try:
-        return launch_local(nproc, worker)
-    except SignalException as exc:
-        print(f"{exc.sigval.name}: the ranks saved a checkpoint and stopped; exit {EXIT_PREEMPTED} "
-              "(resume=auto continues)", file=sys.stderr)
-        return EXIT_PREEMPTED
+        code = launch_local(nproc, worker, interrupt_note="Ctrl-C: the ranks stop after this step, with a "
+                            "checkpoint once training has started; Ctrl-C again stops them at once")
     finally:
         signal.signal(signal.SIGUSR1, previous)
+    if code <= 128:
+        return code
+    code, line = stop_report(code - 128, out, stamp)
+    print(line, file=sys.stderr)
+    return code
 
 
 def cmd_export(args) -> int:
@@ -349,6 +367,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE
+    from .launch import die_with_launcher
+
+    die_with_launcher()  # a rank of `--nproc N` or torchrun: no training on after its launcher is gone
     try:
         commands = {"train": cmd_train, "plan": cmd_plan, "export": cmd_export, "eval": cmd_eval,
                     "generate": cmd_generate, "report": cmd_report, "slurm": cmd_slurm, "download": cmd_download,
@@ -359,4 +380,4 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED

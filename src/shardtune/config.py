@@ -218,10 +218,12 @@ def load_config(recipe: str | Path | None, overrides: list[str] | None = None,
     name = None
     if recipe is not None:
         path = Path(recipe)
+        if path.is_dir():
+            raise UserError(f"recipe {str(path)!r} is a folder; give the path to a YAML file (see recipes/)")
         if not path.is_file():
             raise UserError(f"recipe {str(path)!r} not found; give the path to a YAML file (see recipes/)")
         try:
-            loaded = yaml.safe_load(path.read_text()) or {}
+            loaded = yaml.safe_load(_recipe_text(path)) or {}
         except yaml.YAMLError as exc:
             raise UserError(f"recipe {str(path)!r} is not valid YAML ({first_line(exc)}); fix the file") from None
         if not isinstance(loaded, dict):
@@ -236,6 +238,16 @@ def load_config(recipe: str | Path | None, overrides: list[str] | None = None,
         cfg.recipe = name or "quickstart"
     validate(cfg)
     return cfg
+
+
+def _recipe_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"recipe {str(path)!r} is not a text file (byte {exc.start} is not UTF-8); give a YAML "
+                        "recipe") from None
+    except OSError as exc:
+        raise UserError(f"recipe {str(path)!r} cannot be read ({exc.strerror}); check its permissions") from None
 
 
 def _build(cls, data: Any, prefix: str):

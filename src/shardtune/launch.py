@@ -9,6 +9,7 @@ One command covers every layout:
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -16,6 +17,10 @@ import uuid
 from dataclasses import dataclass
 
 from .errors import EXIT_USAGE, UserError
+
+# Set by `launch_local` for its workers: the pid of the launcher that started them.
+LAUNCHER_ENV = "SHARDTUNE_LAUNCHER_PID"
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 @dataclass
@@ -101,22 +106,49 @@ def init_distributed(requested_device: str) -> Dist:
                 device=device)
 
 
-def launch_local(nproc: int, worker_argv: list[str]) -> int:
-    """Run `python -m shardtune <worker_argv>` as `nproc` local ranks with torch's elastic agent."""
+def launch_local(nproc: int, worker_argv: list[str],
+                 interrupt_note: str = "Ctrl-C: stopping the ranks; Ctrl-C again stops them at once") -> int:
+    """Run `python -m shardtune <worker_argv>` as `nproc` local ranks with torch's elastic agent.
+    Returns the ranks' exit code, or 128 + N when this process got signal N and stopped them.
+
+    SIGTERM (and SIGHUP, SIGQUIT) go to the ranks through the agent, which waits for them. So does
+    the first Ctrl-C (SIGINT), after `interrupt_note`; a second Ctrl-C is passed on again, and
+    the ranks stop at once. The workers die with this process (`die_with_launcher`)."""
     import logging
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
                           rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}",
                           max_restarts=0, monitor_interval=0.5,
-                          shutdown_timeout=900)  # time for the ranks to checkpoint after SIGTERM
+                          shutdown_timeout=900,  # time for the ranks to checkpoint after SIGTERM
+                          signals_to_handle="SIGTERM,SIGHUP,SIGQUIT")  # SIGINT: `on_sigint` below
     # The workers print their own errors; the agent's retelling would bury the one line that matters.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    os.environ[LAUNCHER_ENV] = str(os.getpid())
+    interrupts = 0
+
+    def on_sigint(signum, frame):
+        nonlocal interrupts
+        interrupts += 1
+        if interrupts == 1:
+            _say(interrupt_note)
+            raise SignalException("Ctrl-C", sigval=signal.SIGINT)  # the agent passes SIGINT on to the ranks
+        _say("Ctrl-C again: stopping the ranks now, without a checkpoint")
+        for pid in _child_pids():
+            try:
+                os.killpg(pid, signal.SIGINT)  # each worker leads its own session (the agent's choice)
+            except OSError:
+                pass
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
     try:
         elastic_launch(config, entrypoint=sys.executable)("-m", "shardtune", *worker_argv)
+    except SignalException as exc:  # the ranks were stopped by the agent and have exited
+        return 128 + int(exc.sigval)
     except ChildFailedError as exc:
         codes = {failure.exitcode for failure in exc.failures.values()}
         if EXIT_USAGE in codes:
@@ -128,7 +160,42 @@ def launch_local(nproc: int, worker_argv: list[str]) -> int:
         print(f"error: {len(exc.failures)} worker(s) failed (exit codes {sorted(codes)}); "
               f"see their output above", file=sys.stderr)
         return 1
+    finally:
+        signal.signal(signal.SIGINT, previous)
     return 0
+
+
+def die_with_launcher() -> None:
+    """In a worker of an elastic agent (ours or torchrun): be killed when the agent dies, so a
+    `kill -9` of the launcher leaves no ranks training on (Linux's parent-death signal)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    launcher = os.environ.get(LAUNCHER_ENV)
+    if launcher and int(launcher) != os.getppid():  # it died before the prctl took effect
+        os._exit(1)
+
+
+def _child_pids() -> list[int]:
+    pids = []
+    try:
+        for task in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{task}/children") as f:
+                pids += [int(p) for p in f.read().split()]
+    except OSError:
+        pass
+    return pids
+
+
+def _say(text: str) -> None:
+    """A line on stderr from a signal handler (os.write: print may be in use when it runs)."""
+    os.write(sys.stderr.fileno(), (text + "\n").encode())
 
 
 def _free_port() -> int:

@@ -209,16 +209,41 @@ def build_quickstart_assets(cache_dir: str | Path, vocab_size: int = 2048, max_d
     return _result(final)
 
 
-def quickstart_defaults() -> dict:
-    """The embedded default run: a ~0.9M-parameter GPT-2 on the docstring corpus, CPU-sized."""
-    assets = build_quickstart_assets(default_cache_dir())
-    return {
-        "model": {"tokenizer": assets["tokenizer"],
-                  "config": {"model_type": "gpt2", "n_layer": 2, "n_embd": 128, "n_head": 4,
-                             "n_positions": 256, "vocab_size": 2048}},
-        "data": {"path": str(Path(assets["train"]).parent), "seq_len": 128},
-        "train": {"micro_batch_size": 16, "global_batch_size": 32, "lr": 3e-3, "warmup_steps": 15,
-                  "max_steps": 150, "weight_decay": 0.01},
-        "eval": {"every_steps": 50, "max_batches": 8},
-        "log": {"every_steps": 10},
-    }
+def quickstart_defaults(overrides: list[str] = ()) -> tuple[dict, str]:
+    """The embedded default run, less what the user's `overrides` replace, and the start-up line
+    saying which defaults apply.
+
+    Its parts: the model (a ~0.9M-parameter random-init GPT-2, its docstring tokenizer, and the
+    training settings and seq_len sized for it), the data (the docstring corpus), and the run's
+    shape (eval and log cadence). Naming a model (model.name_or_path) drops the model part;
+    naming data (data.path) drops the data part. The assets are built only when used."""
+    from .config import parse_override, set_dotted
+
+    named: dict = {}
+    for text in overrides:
+        set_dotted(named, *parse_override(text))
+    own_model = _names(named, "model", "name_or_path")
+    own_data = _names(named, "data", "path")
+    tree: dict = {"eval": {"every_steps": 50, "max_batches": 8}, "log": {"every_steps": 10}}
+    assets = build_quickstart_assets(default_cache_dir()) if not (own_model and own_data) else None
+    if not own_model:
+        tree["model"] = {"tokenizer": assets["tokenizer"],
+                         "config": {"model_type": "gpt2", "n_layer": 2, "n_embd": 128, "n_head": 4,
+                                    "n_positions": 256, "vocab_size": 2048}}
+        tree["data"] = {"seq_len": 128}
+        tree["train"] = {"micro_batch_size": 16, "global_batch_size": 32, "lr": 3e-3, "warmup_steps": 15,
+                         "max_steps": 150, "weight_decay": 0.01}
+    if not own_data:
+        tree.setdefault("data", {})["path"] = str(Path(assets["train"]).parent)
+    used = [part for part, mine in (("model and training settings (random-init GPT-2)", own_model),
+                                    ("data (docstring corpus)", own_data)) if not mine]
+    yours = [part for part, mine in (("model", own_model), ("data", own_data)) if mine]
+    return tree, (f"quickstart defaults: {', '.join(used + ['eval and log cadence'])}"
+                  + (f"; your {' and '.join(yours)} replace the quickstart's" if yours else ""))
+
+
+def _names(tree: dict, section: str, key: str) -> bool:
+    """True when the overrides give `section.key` a value (directly or as part of the section)."""
+    node = tree.get(section)
+    node = getattr(node, "parsed", node)
+    return isinstance(node, dict) and node.get(key) is not None

@@ -1,20 +1,24 @@
-"""The output folder of a run: its default name, refusing to clobber an earlier run, and getting
-it ready for a fresh start or a resume (which checkpoint, stale partial saves, trimmed metrics)."""
+"""The output folder of a run: its default name, one live run at a time (an exclusive lock held
+for the run's lifetime), refusing to clobber an earlier run, and getting it ready for a fresh
+start or a resume (which checkpoint, stale partial saves, trimmed metrics)."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import socket
 import time
 from pathlib import Path
 
 from .checkpoint import check_compatible, find_latest, read_meta, resolve_checkpoint
 from .errors import UserError
+from .launch import LAUNCHER_ENV
 from .signals import PREEMPTED_MARKER
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", PREEMPTED_MARKER)
 RUN_DIRS = ("final", "checkpoints")
+LOCK_FILE = ".shardtune.lock"  # "pid P on HOST since TIME" of the live run; removed when it ends
 
 
 def default_output_dir(recipe: str | None) -> str:
@@ -54,6 +58,7 @@ def prepare_run_dir(cfg, overwrite: bool, check_only: bool = False) -> str | Non
     ckpt = None
     if cfg.resume is not None and overwrite:
         raise UserError(f"resume={cfg.resume} continues a run and --overwrite deletes it; drop one of them")
+    hold_run_dir(out)  # before looking inside: another live run's folder is refused as such
     if cfg.resume == "auto":
         ckpt = find_latest(out / "checkpoints")
         if ckpt is None and (out / "final").is_dir():
@@ -97,3 +102,120 @@ def trim_metrics(path: Path, step: int) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(line + "\n" for line in keep))
     os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------- the lock
+
+_held: dict[Path, RunLock] = {}
+
+
+def hold_run_dir(out: Path) -> None:
+    """Create `out` if needed and take this process's exclusive lock on it until
+    `release_run_dir` (or the process's end, even by kill -9). Refused with one line naming the
+    live run that holds it, unless that is this process or the launcher that started it."""
+    key = Path(os.path.abspath(out))
+    if key not in _held:
+        lock = RunLock(key)
+        lock.acquire()
+        _held[key] = lock
+
+
+def release_run_dir(out: Path | str | None) -> None:
+    if out is not None:
+        lock = _held.pop(Path(os.path.abspath(out)), None)
+        if lock is not None:
+            lock.release()
+
+
+class RunLock:
+    """fcntl.flock on OUT/.shardtune.lock. The file is removed on release; a lock taken on a file
+    that another process removed meanwhile is retried on the new file."""
+
+    def __init__(self, out: Path):
+        self.out, self.path = out, out / LOCK_FILE
+        self.fd: int | None = None
+        self.created: Path | None = None  # the outermost folder made for the run
+
+    def acquire(self) -> None:
+        import fcntl
+
+        self.created = make_output_dir(self.out)
+        try:
+            while True:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    holder = os.read(fd, 200).decode(errors="replace").strip() or "another process"
+                    os.close(fd)
+                    if holder.startswith(f"pid {os.environ.get(LAUNCHER_ENV, '-')} ") and \
+                            os.environ.get(LAUNCHER_ENV) == str(os.getppid()):
+                        return  # the launcher that started this rank holds it for the run
+                    raise UserError(f"output_dir {str(self.out)!r} is in use by a live run ({holder}); wait for it "
+                                    "to finish or stop it, or choose another output_dir") from None
+                if _same_file(fd, self.path):
+                    break
+                os.close(fd)  # its holder removed it as we opened it: lock the new one
+        except OSError as exc:
+            self._remove_created()
+            raise UserError(f"output_dir {str(self.out)!r} is not writable ({exc.strerror}); "
+                            "choose another output_dir") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+                 .encode())
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            try:
+                self.path.unlink(missing_ok=True)  # while still locked: the next run makes a new file
+            except OSError:
+                pass
+            os.close(self.fd)
+            self.fd = None
+        self._remove_created()
+
+    def _remove_created(self) -> None:
+        """Folders made for a run that never wrote anything go again."""
+        if self.created is None:
+            return
+        folder = self.out
+        while True:
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+            if folder == self.created:
+                break
+            folder = folder.parent
+        self.created = None
+
+
+def make_output_dir(out: Path) -> Path | None:
+    """Create `out` (and its parents); returns the outermost folder created, None if it existed.
+    A folder that cannot be made is a one-line UserError now, before anything is built."""
+    if out.is_dir():
+        return None
+    if out.exists():
+        raise UserError(f"output_dir {str(out)!r} is a file; choose another output_dir")
+    first = out
+    while not first.parent.exists() and first.parent != first:
+        first = first.parent
+    if not first.parent.is_dir():
+        raise UserError(f"output_dir {str(out)!r} cannot be created: {str(first.parent)!r} is a file, not a folder; "
+                        "choose another output_dir")
+    try:
+        out.mkdir(parents=True)
+    except FileExistsError:  # made by a concurrent run; the lock decides who may use it
+        return None
+    except OSError as exc:
+        raise UserError(f"output_dir {str(out)!r} cannot be created ({exc.strerror}: "
+                        f"{exc.filename or out}); choose another output_dir") from None
+    return first
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        return os.fstat(fd).st_ino == os.stat(path).st_ino
+    except FileNotFoundError:
+        return False

@@ -76,6 +76,7 @@ class Trainer:
         cfg.output_dir = broadcast_value(dist, cfg.output_dir or default_output_dir(cfg.recipe))
         self.out = out = Path(cfg.output_dir)
         from .checkpoint import Checkpointer
+        from .diskspace import checkpoint_bytes, space_warning
         from .rundir import prepare_run_dir
 
         # Check the folder now, but change it (overwrite, trim, clean) only once all input is valid.
@@ -122,6 +123,9 @@ class Trainer:
         self.ckpt = Checkpointer(out / "checkpoints", cfg.checkpoint, ModelOptimizerState(model, self.optimizer),
                                  {"train_state": self.state, **({"scaler": self.scaler} if self.scaler else {})},
                                  describe=self.describe, write_extras=self.write_checkpoint_extras)
+        if note := space_warning(out / "checkpoints", cfg.checkpoint, checkpoint_bytes(model, dist.world_size),
+                                 self.total_steps, self.plan.steps_per_epoch):
+            self.say(note)
         if resume_from:
             meta = self.ckpt.load(resume_from)
             if meta["world_size"] != dist.world_size:
@@ -334,15 +338,20 @@ def run(cfg: RunConfig, overwrite: bool = False) -> dict:
     """Train as one rank of the job: set up, fit, export final/, leave."""
     import torch.distributed
 
+    from .rundir import release_run_dir
+
     owns_group = not torch.distributed.is_initialized()
     try:
-        trainer = Trainer(cfg, overwrite)
-    except BaseException:
-        if owns_group and torch.distributed.is_initialized():  # leave no group behind a failed set-up
-            torch.distributed.destroy_process_group()
-        raise
-    results = trainer.fit()
-    if cfg.save_final and not results.get("preempted"):  # a preempted run is finished by its resume
-        trainer.export()
-    trainer.close()
-    return results
+        try:
+            trainer = Trainer(cfg, overwrite)
+        except BaseException:
+            if owns_group and torch.distributed.is_initialized():  # leave no group behind a failed set-up
+                torch.distributed.destroy_process_group()
+            raise
+        results = trainer.fit()
+        if cfg.save_final and not results.get("preempted"):  # a preempted run is finished by its resume
+            trainer.export()
+        trainer.close()
+        return results
+    finally:
+        release_run_dir(cfg.output_dir)  # the output folder's lock (rank 0's, taken by prepare_run_dir)
