@@ -29,11 +29,11 @@ $python -m pip list 2>/dev/null | grep -iE '^(torch|transformers|peft|datasets|b
 
 export SHARDTUNE_GPU_RESULTS="$results" PYTHONUNBUFFERED=1
 status=0
-timeout 270 $python -m pytest -q -m cuda tests/test_cuda.py --junitxml "$results/cuda-tests.xml" || status=1
-timeout 200 $python bench/vs_hf_trainer.py --gpu --repeats 1 --sharding full_shard --steps 12 \
+timeout 240 $python -m pytest -q -m cuda tests/test_cuda.py --junitxml "$results/cuda-tests.xml" || status=1
+timeout 150 $python bench/vs_hf_trainer.py --gpu --repeats 1 --sharding full_shard --steps 12 \
   > "$results/vs_hf_trainer.md" || status=1
 if [ -f bench/plan_accuracy.py ]; then
-  timeout 60 $python bench/plan_accuracy.py --gpu > "$results/plan_accuracy.md" || status=1
+  timeout 120 $python bench/plan_accuracy.py --gpu --rows 3 > "$results/plan_accuracy.md" || status=1
 fi
 if [ "${SOAK_MINUTES:-0}" != 0 ]; then  # optional: RSS and CUDA memory flat over a long run (bench/soak.py)
   timeout $((SOAK_MINUTES * 60 + 300)) $python bench/soak.py --device cuda --minutes "$SOAK_MINUTES" \
