@@ -103,6 +103,8 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[25, 100], help="corpus sizes in MB")
     parser.add_argument("--num-proc", type=int, default=0, help="data.num_proc (0: none, the tokenizer's threads)")
     parser.add_argument("--before", default=None, help="a source folder (e.g. /work/main/src) to compare with")
+    parser.add_argument("--runs", nargs="+", choices=["tokenizer", "cold", "warm"],
+                        default=["tokenizer", "cold", "warm"], help="what to run (the largest corpus: only cold)")
     parser.add_argument("--workdir", type=Path, default=default_workdir())
     args = parser.parse_args()
     assets = quickstart_assets()
@@ -110,30 +112,37 @@ def main() -> None:
     args.workdir.mkdir(parents=True, exist_ok=True)
     print(machine_line())
     print(f"load average before: {os.getloadavg()[0]:.2f}; data.num_proc={args.num_proc or None}")
-    rows = []
+    headers = ["corpus MB", "run", "wall s", "CPU s", "peak RSS MB", "MB/s (wall / CPU)",
+               "tokenizer MB/s (wall / CPU)", "of tokenizer, wall / CPU (target ≥ 70%)", "blocks"]
+    print(markdown_table(headers, []), flush=True)  # rows follow as each size finishes
     for size in args.sizes:
         scratch = Path(tempfile.mkdtemp(prefix="data-prep-", dir=args.workdir))
+        runs, bound = {}, None
         try:
             corpus = scratch / "corpus.jsonl"
             text_mb = write_corpus(corpus, size, source) / MB
-            bound = run_worker("tokenizer", corpus, assets["tokenizer"], 0, scratch / "cache-tok", None)
-            runs = {"cold": run_worker("prepare", corpus, assets["tokenizer"], args.num_proc, scratch / "cache", None)}
-            runs["warm"] = run_worker("prepare", corpus, assets["tokenizer"], args.num_proc, scratch / "cache", None)
+            if "tokenizer" in args.runs:
+                bound = run_worker("tokenizer", corpus, assets["tokenizer"], 0, scratch / "cache-tok", None)
+            for name in ("cold", "warm"):
+                if name in args.runs:
+                    runs[name] = run_worker("prepare", corpus, assets["tokenizer"], args.num_proc, scratch / "cache",
+                                            None)
             if args.before:
                 runs["before"] = run_worker("prepare", corpus, assets["tokenizer"], args.num_proc,
                                             scratch / "cache-before", args.before)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
-        bound_wall, bound_cpu = text_mb / bound["seconds"], text_mb / bound["cpu_seconds"]
+        bound_wall, bound_cpu = (text_mb / bound["seconds"], text_mb / bound["cpu_seconds"]) if bound else (0, 0)
         for name, r in runs.items():
             peak = max(r["peak_rss_mb"], r["workers_peak_rss_mb"])
             wall, cpu = text_mb / r["seconds"], text_mb / r["cpu_seconds"]
-            share = f"{100 * wall / bound_wall:.0f}% / {100 * cpu / bound_cpu:.0f}%" if name != "warm" else "-"
-            rows.append([size, name, f"{r['seconds']:.1f}", f"{r['cpu_seconds']:.1f}", f"{peak:.0f}",
-                         f"{wall:.2f} / {cpu:.2f}", f"{bound_wall:.2f} / {bound_cpu:.2f}", share, r["blocks"]])
+            share = f"{100 * wall / bound_wall:.0f}% / {100 * cpu / bound_cpu:.0f}%" if bound else "-"
+            share = "-" if name == "warm" else share
+            bound_text = f"{bound_wall:.2f} / {bound_cpu:.2f}" if bound else "-"
+            row = [size, name, f"{r['seconds']:.1f}", f"{r['cpu_seconds']:.1f}", f"{peak:.0f}",
+                   f"{wall:.2f} / {cpu:.2f}", bound_text, share, r["blocks"]]
+            print("| " + " | ".join(str(c) for c in row) + " |", flush=True)
         print(f"{size} MB done ({time.strftime('%H:%M:%S')}, load {os.getloadavg()[0]:.2f})", file=sys.stderr)
-    print(markdown_table(["corpus MB", "run", "wall s", "CPU s", "peak RSS MB", "MB/s (wall / CPU)",
-                          "tokenizer MB/s (wall / CPU)", "of tokenizer, wall / CPU (target ≥ 70%)", "blocks"], rows))
 
 
 if __name__ == "__main__":

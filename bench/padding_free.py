@@ -4,9 +4,9 @@
 The fixture: 2000 examples whose instruction, optional input (40 % of them) and response
 lengths in words are log-normal like alpaca-cleaned's (medians about 13, 20 and 50 words, the
 responses with a long tail, cut at data.cutoff_len=512 tokens), words drawn from the quickstart
-docstrings. The model: a random-init Llama (4 layers, 256 wide, the quickstart's 2048-token
-vocabulary), micro-batch 8, global 16, fp32, one process, sdpa attention. Each layout runs
-`--repeats` times, alternating; tokens/s counts only real tokens, over the steps after `--skip`
+docstrings. The model: a random-init Llama (4 layers, 512 wide, the quickstart's 2048-token
+vocabulary; `--model llama256` is 256 wide), micro-batch 8, global 16, fp32, one process, sdpa.
+Each layout runs `--repeats` times, alternating; tokens/s counts only real tokens, over the steps after `--skip`
 (from `step_time_s` and `tokens_seen` in metrics.jsonl). `padded+grouped` (data.group_by_length)
 is shown for reference: its batches differ, so its losses do too.
 """
@@ -26,8 +26,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
-MODEL = {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 256, "intermediate_size": 688,
-         "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 512}
+# 512 wide: the linear layers outweigh attention per token, as in the models people fine-tune
+# (a padding-free row is one long sequence, and sdpa/eager on CPU compute its attention densely)
+MODELS = {"llama512": {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 512, "intermediate_size": 1376,
+                       "num_attention_heads": 8, "num_key_value_heads": 8, "max_position_embeddings": 512},
+          "llama256": {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 256, "intermediate_size": 688,
+                       "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 512}}
 LAYOUTS = {"padded": {}, "padding_free": {"data": {"padding_free": True}},
            "padded+grouped": {"data": {"group_by_length": True}}}
 
@@ -46,8 +50,8 @@ def alpaca_like(path: Path, source_words: list[str], n: int = 2000, seed: int = 
             f.write(json.dumps(row) + "\n")
 
 
-def run(layout: str, data: Path, tokenizer: str, out: Path, steps: int) -> list[dict]:
-    tree = {"model": {"config": MODEL, "tokenizer": tokenizer},
+def run(layout: str, model: dict, data: Path, tokenizer: str, out: Path, steps: int) -> list[dict]:
+    tree = {"model": {"config": model, "tokenizer": tokenizer},
             "data": {"path": str(data), "format": "instruct", "seq_len": 512, "val_size": 16,
                      **LAYOUTS[layout].get("data", {})},
             "train": {"micro_batch_size": 8, "global_batch_size": 16, "max_steps": steps, "lr": 1e-3,
@@ -73,6 +77,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=14)
     parser.add_argument("--skip", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--model", choices=sorted(MODELS), default="llama512")
+    parser.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS))
     parser.add_argument("--workdir", type=Path, default=C.default_workdir() / "padding_free")
     args = parser.parse_args()
     assets = C.quickstart_assets()
@@ -82,17 +88,19 @@ def main() -> None:
     data = args.workdir / "alpaca_like.jsonl"
     alpaca_like(data, vocab)
     print(C.machine_line())
-    rates: dict[str, list[float]] = {name: [] for name in LAYOUTS}
+    layouts = [name for name in LAYOUTS if name in args.layouts]
+    print(f"model {args.model}: {MODELS[args.model]}")
+    rates: dict[str, list[float]] = {name: [] for name in layouts}
     losses: dict[str, list[float]] = {}
     for r in range(args.repeats):
-        for name in LAYOUTS:
+        for name in layouts:
             print(f"repeat {r}, {name} (load {os.getloadavg()[0]:.2f})", file=sys.stderr)
-            records = run(name, data, assets["tokenizer"], args.workdir / name, args.steps)
+            records = run(name, MODELS[args.model], data, assets["tokenizer"], args.workdir / name, args.steps)
             rates[name].append(real_tokens_per_s(records, args.skip))
             losses[name] = [x["loss"] for x in records if x.get("loss") is not None]
     base = statistics.median(rates["padded"])
     rows = []
-    for name in LAYOUTS:
+    for name in layouts:
         diff = max(abs(a - b) for a, b in zip(losses[name], losses["padded"]))
         rows.append([name, " / ".join(f"{x:.0f}" for x in rates[name]), f"{statistics.median(rates[name]):.0f}",
                      f"{statistics.median(rates[name]) / base:.2f}×",

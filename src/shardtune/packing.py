@@ -1,10 +1,10 @@
-"""Out-of-core packing: token ids streamed once into flat files on disk, blocks as views.
+"""Out-of-core packing: token ids streamed once into flat files on disk, blocks read from them.
 
 Documents are tokenized a chunk at a time (in this process, where a fast tokenizer uses every
-core itself, or in `data.num_proc` worker processes) and appended to one flat array of token
+core itself, or in `data.num_proc` worker processes) and appended to one flat file of token
 ids, beside the offset where every document starts. Block i is ids[i*seq_len:(i+1)*seq_len] of
-that memory-mapped array, so memory does not grow with the corpus and the blocks are exactly
-those of concatenating everything and cutting (the tail is dropped). The files sit beside the
+that file (one positioned read), so memory does not grow with the corpus and the blocks are
+exactly those of concatenating everything and cutting (the tail is dropped). The files sit beside the
 dataset's own cache under a key of the documents, the tokenizer and the settings (not seq_len:
 one tokenization serves every block size), so a second run and the other ranks open them at once.
 """
@@ -91,13 +91,13 @@ class PackedBlocks:
         if isinstance(key, (int, np.integer)):
             return {k: torch.from_numpy(v) for k, v in self.block(int(key)).items()}
         indices = range(len(self))[key] if isinstance(key, slice) else [int(i) for i in key]
+        if not indices:
+            return {"input_ids": torch.empty((0, self.seq_len), dtype=torch.int64)}
         rows = [self.block(i) for i in indices]
-        return {k: torch.from_numpy(np.stack([r[k] for r in rows]) if rows else np.empty((0, self.seq_len), np.int64))
-                for k in (rows[0] if rows else {"input_ids": None})}
+        return {k: torch.from_numpy(np.stack([r[k] for r in rows])) for k in rows[0]}
 
     def __iter__(self):
         return (self[i] for i in range(len(self)))
-
 
     def _read(self, name: str, start: int):
         """int64 numpy array of the seq_len values of file `name` from token `start` on."""
@@ -302,13 +302,14 @@ def pack_rows(rows, seq_len: int, dtype: str, document_mask: bool = False) -> Pa
     has_labels = "labels" in rows.column_names
 
     def fill(writer: _Writer) -> None:
-        table = rows.with_format("arrow")
+        table, pages = rows.with_format("arrow"), _ReadPages([f["filename"] for f in rows.cache_files])
         for start in range(0, len(rows), CHUNK_DOCS):
             chunk = table[start:start + CHUNK_DOCS]
             ids = pc.list_flatten(chunk.column("input_ids")).to_numpy()
             lengths = pc.list_value_length(chunk.column("input_ids")).to_numpy().astype("int64")
             labels = pc.list_flatten(chunk.column("labels")).to_numpy() if has_labels else None
             writer.add(ids, lengths, labels)
+            pages.release()
 
     folder, owned = _cached(rows, ("rows",), fill, has_labels, dtype)
     return PackedBlocks(folder, seq_len, document_mask, owned)
