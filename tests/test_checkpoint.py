@@ -361,6 +361,18 @@ def test_harmless_changes_are_allowed(reference):
         check_compatible(saved, now, Path("x"))
 
 
+def test_keys_added_to_the_config_later_resume_at_their_default(reference):
+    """A checkpoint written before data.padding_free existed resumes when the key keeps its
+    default, and is refused when it does not."""
+    now = read_meta(reference / "checkpoints" / "step-000009")["config"]
+    saved = json.loads(json.dumps(now))
+    del saved["data"]["padding_free"], saved["data"]["document_mask"]
+    check_compatible(saved, now, Path("x"))
+    now["data"]["document_mask"] = True
+    with pytest.raises(UserError, match="data.document_mask None -> True"):
+        check_compatible(saved, now, Path("x"))
+
+
 def test_async_key_alias():
     from shardtune.config import load_config
 

@@ -25,7 +25,7 @@ import time
 import warnings
 from pathlib import Path
 
-from .config import CheckpointConfig
+from .config import CheckpointConfig, RunConfig
 from .diskspace import free_bytes, human_size, no_room, tensor_bytes
 from .errors import UserError, first_line
 
@@ -114,10 +114,12 @@ def check_compatible(saved: dict, now: dict, path: Path) -> None:
         text = repr(value)
         return text if len(text) <= 60 else text[:57] + "..."
 
-    changed = []
+    changed, defaults = [], RunConfig().to_dict()
     for key in RESUME_KEYS:
         old, new = get(saved, key), get(now, key)
         if isinstance(old, dict) and isinstance(new, dict):  # name the changed sub-keys only
+            # a key added to the config after the checkpoint was written had its default then
+            old = {**(get(defaults, key) or {}), **old}
             changed += [f"{key}.{k} {short(old.get(k))} -> {short(new.get(k))}"
                         for k in sorted(old.keys() | new.keys())
                         if old.get(k) != new.get(k) and f"{key}.{k}" not in MAY_CHANGE]
