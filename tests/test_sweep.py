@@ -89,7 +89,7 @@ def test_a_rerun_with_another_grid_is_refused(grid_sweep, capsys):
 
 
 def test_max_batch_search_finds_the_boundary_under_a_real_memory_cap(assets, tmp_path):
-    """A 4-layer GPT-2 whose activations dominate: under an 850 MiB cap on each trial's data
+    """A 4-layer GPT-2 whose activations dominate: under a 950 MiB cap on each trial's data
     segment, the largest micro-batch that runs is found in few trials, the next one up fails
     with a real out-of-memory, and a grid point that crashes for another reason is recorded as
     such while the other completes."""
@@ -98,7 +98,7 @@ def test_max_batch_search_finds_the_boundary_under_a_real_memory_cap(assets, tmp
                                                 "train.global_batch_size": 32, "train.micro_batch_size": 16})
     out = tmp_path / "out"
     result = run_cli(["sweep", str(recipe), "--grid", "model.config.n_head=4,3", "--max-batch", "--mem-limit",
-                      "850MiB", "--steps", "2", "--out", str(out)])
+                      "950MiB", "--steps", "2", "--out", str(out)])
     assert result.returncode == 0, result.stderr[-3000:]
     trials = {(r["model.config.n_head"], int(r["micro_batch"])): r for r in rows(out)}
     fits = [mb for (heads, mb), r in trials.items() if heads == "4" and r["status"] == "ok"]
@@ -110,7 +110,7 @@ def test_max_batch_search_finds_the_boundary_under_a_real_memory_cap(assets, tmp
     crashed = [r for (heads, _), r in trials.items() if heads == "3"]
     assert len(crashed) == 1 and crashed[0]["status"] == "failed" and "ValueError" in crashed[0]["note"]
     md = (out / "sweep.md").read_text()
-    assert f"| n_head=4 | {best} |" in md and f"mb {2 * best}: oom" in md and "limit 850 MiB per rank" in md
+    assert f"| n_head=4 | {best} |" in md and f"mb {2 * best}: oom" in md and "limit 950 MiB per rank" in md
     assert "stopped: a trial crashed (not memory)" in md
 
 
