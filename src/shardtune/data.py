@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from . import docmask, formats
 from .config import DataConfig
 from .errors import UserError, first_line
@@ -213,8 +215,6 @@ class BatchPlan:
         self._epoch, self._order = -1, None
 
     def order(self, epoch: int):
-        import torch
-
         if epoch != self._epoch:
             gen = torch.Generator().manual_seed(self.seed + epoch)
             order = torch.randperm(self.num_samples, generator=gen)
@@ -224,8 +224,6 @@ class BatchPlan:
         return self._order
 
     def _grouped(self, order, gen):
-        import torch
-
         lengths = torch.as_tensor(self.lengths)[order]
         chunk = self.GROUP_BATCHES * self.global_batch
         parts = []
@@ -271,7 +269,6 @@ def collate(ds, indices: list[int], device, pad_id: int = 0, padding_free: bool 
     position_ids). Rows of different lengths are right-padded with `pad_id` (labels with
     IGNORE_INDEX) to the longest, with an `attention_mask` (1 = real token) — or, with
     `padding_free`, laid end to end in one row with restarting position_ids."""
-    import torch
 
     real = [i if i >= 0 else 0 for i in indices]
     blank = [pos for pos, i in enumerate(indices) if i < 0]
@@ -338,7 +335,6 @@ class Prefetcher:
 
 def _pad(input_ids: list, labels: list, pad_id: int):
     """Rows right-padded to the longest: (input_ids, labels, attention_mask)."""
-    import torch
 
     width = max(len(x) for x in input_ids)
     padded = torch.full((len(input_ids), width), pad_id, dtype=input_ids[0].dtype)

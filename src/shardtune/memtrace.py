@@ -17,6 +17,13 @@ import contextlib
 import copy
 from dataclasses import dataclass, field
 
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from .config import RunConfig
 
 # FSDPMemTracker's categories -> the planner's
@@ -86,9 +93,6 @@ def layer_count(hf_config) -> int:
 @contextlib.contextmanager
 def fake_world(world_size: int, local_world_size: int):
     """Rank 0 of a fake process group of `world_size` ranks in this process."""
-    import torch
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
     from .launch import Dist
 
@@ -108,7 +112,6 @@ def trace_step(cfg: RunConfig, hf_config, world_size: int, local_world_size: int
     blocks instead of the model's own, for extrapolation). It runs on CPU whatever the target;
     for target "cuda" the step makes the choices a GPU run makes: the loss chunk sized for CUDA
     and attention through the flash / memory-efficient kernels (no seq x seq scores held)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
     from . import loss as loss_lib
     from .build import ModelSpec, build_model
@@ -163,7 +166,6 @@ def measure_step(cfg: RunConfig, hf_config, dist) -> int:
     rank of the current process group (what `trace_step` predicts): a first step creates the
     optimizer state, the second is measured with torch's MemTracker (every storage allocated and
     freed, not the process RSS, which the C allocator inflates). Collective."""
-    import torch
 
     from .build import ModelSpec, build_model
     from .config import check_world
@@ -194,7 +196,6 @@ def measure_step(cfg: RunConfig, hf_config, dist) -> int:
 
 def _create_optimizer_state(model, optimizer) -> None:
     """AdamW creates its state on its first step; make it now, so the traced step is a steady one."""
-    import torch
 
     for p in model.parameters():
         if p.requires_grad:
@@ -227,8 +228,6 @@ class _ShapeOnlyData:
         self.positions = d.masks_documents and not self.padded
 
     def __getitem__(self, indices):
-        import torch
-
         if self.padded:
             rows = [torch.zeros(self.seq, dtype=torch.long) for _ in indices]
             return {"input_ids": rows, "labels": rows}
@@ -240,10 +239,6 @@ class _ShapeOnlyData:
 
 
 def _answer_scalars_mode():
-    import torch
-    from torch._subclasses.fake_tensor import DataDependentOutputException
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     class AnswerScalars(TorchDispatchMode):
         """A fake tensor has no value unless fake mode knows it as a constant (the optimizer's
         step count). Where the step reads an unknown one (is the gradient norm finite? did the
@@ -276,7 +271,6 @@ def _cuda_attention():
     of the query's dtype, as on CUDA). Both keep O(seq) state per head, unlike CPU's math path."""
     from unittest import mock
 
-    import torch
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         if key.size(-3) != query.size(-3):  # grouped-query attention: one K/V head per group
@@ -294,8 +288,6 @@ def _cuda_attention():
 
 
 def _phase_tracker(model, optimizer, block_names: list[str]):
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-
     block_index = {name: j for j, name in enumerate(block_names)}
     last = len(block_names) - 1
 

@@ -11,6 +11,10 @@ import json
 import os
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
 from .config import ModelConfig
 from .errors import UserError, first_line
 
@@ -179,7 +183,6 @@ def load_tokenizer(cfg: ModelConfig):
 
 def build_meta_model(hf_config, trust_remote_code: bool = False):
     """The model's structure with no storage: cheap on every rank."""
-    import torch
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -189,7 +192,6 @@ def build_meta_model(hf_config, trust_remote_code: bool = False):
 
 def load_source_model(cfg: ModelConfig, hf_config, seed: int):
     """The full weights, in fp32 on CPU. Called on rank 0 only."""
-    import torch
     from transformers import AutoModelForCausalLM
 
     if cfg.name_or_path is None or cfg.random_init:
@@ -212,8 +214,6 @@ def materialize(model, source, device, is_main: bool) -> None:
     Parameters travel with DCP's broadcast-from-rank-0 (each rank keeps only its shard);
     buffers (e.g. rotary frequencies, not in the state dict) are broadcast whole.
     """
-    import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     model.to_empty(device=device)
     full = source.state_dict() if is_main else {}

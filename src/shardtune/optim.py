@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from .config import TrainConfig
 
@@ -28,7 +29,6 @@ def build_grad_scaler(precision: str, device):
     """fp16 needs a (sharded) gradient scaler; bf16 and fp32 none."""
     if precision != "fp16":
         return None
-    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
     return ShardedGradScaler(device=device.type)
 

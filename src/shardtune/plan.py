@@ -16,6 +16,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from .config import ModelConfig, RunConfig, check_world
 from .errors import UserError
 from .hardware import GPU, HOST_FACTS, overhead
@@ -60,7 +62,6 @@ def resolve_hf_config(cfg: RunConfig):
 def trace_target(cfg: RunConfig) -> str:
     """'cuda' where the run would use a GPU (device=cuda, or auto with one visible), else 'cpu'."""
     if cfg.device == "auto":
-        import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
     return cfg.device

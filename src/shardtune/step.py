@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+import torch.nn.functional as F
+
 from . import data as data_lib
 from . import docmask
 from . import loss as loss_lib
@@ -17,7 +20,6 @@ def token_loss(model, batch, accuracy: bool = False):
     """(sum of next-token losses, number of predicted tokens, number correct or None) of one
     micro-batch. With the chunked head loss installed (loss.install) the logits never exist in
     full; otherwise they do, and the argmax for accuracy costs one more pass (evaluation only)."""
-    import torch.nn.functional as F
 
     # position t predicts token t+1; padding the labels (not slicing the logits) avoids a copy
     labels = F.pad(batch["labels"][:, 1:], (0, 1), value=data_lib.IGNORE_INDEX)
@@ -36,7 +38,6 @@ def token_loss(model, batch, accuracy: bool = False):
 
 def evaluate(model, ds, batches, device, pad_id: int = 0, padding_free: bool = False) -> dict:
     """Token-weighted validation loss, perplexity and next-token accuracy over all ranks."""
-    import torch
 
     model.eval()
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
@@ -69,7 +70,6 @@ def train_step(model, optimizer, scaler, batches: list[dict], cfg: RunConfig, di
     whatever the world size and accumulation. `labels_vary`: the dataset has its own labels
     (some tokens get no loss), so the tokens with a loss are counted; `sync_each`: reduce
     gradients after every micro-batch (BuiltModel's policy)."""
-    import torch
 
     input_tokens = sum(b["attention_mask"].sum() if "attention_mask" in b else b["input_ids"].numel()
                        for b in batches)

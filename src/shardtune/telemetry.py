@@ -9,6 +9,10 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+import torch.nn as nn
+from torch.distributed._tools.mem_tracker import MemTracker
+
 from .hardware import GIB
 
 
@@ -96,7 +100,6 @@ def device_peak_flops(device, precision: str, override_tflops: float | None = No
         return override_tflops * 1e12
     if device.type != "cuda":
         return None
-    import torch
 
     from .hardware import gpu_by_device_name
 
@@ -118,7 +121,6 @@ def flops_per_token(num_params: int, hf_config, seq_len: int, trainable: int | N
 def matmul_params(model) -> tuple[int, int]:
     """(all, trainable) elements of the weights used in matrix multiplies: 2-D weights outside
     embedding lookups. An LM head counts even when tied to the input embedding (it multiplies)."""
-    import torch.nn as nn
 
     total = trainable = 0
     for module in model.modules():
@@ -157,7 +159,6 @@ def _first(obj, *names):
 def memory_stats(device) -> dict:
     """Peak memory since the last call: CUDA allocated/reserved, or process RSS on CPU (GiB)."""
     if device.type == "cuda":
-        import torch
 
         stats = {"mem_allocated_gib": torch.cuda.max_memory_allocated(device) / GIB,
                  "mem_reserved_gib": torch.cuda.max_memory_reserved(device) / GIB}
@@ -202,8 +203,6 @@ class LiveMemory:
 
 
 def _peak_only_tracker():
-    from torch.distributed._tools.mem_tracker import MemTracker
-
     class PeakOnlyTracker(MemTracker):
         """MemTracker keeping only the peak per device. Its per-module snapshots cost time that
         grows with modules x ops and refuse a second forward (gradient accumulation), so the

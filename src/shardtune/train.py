@@ -8,6 +8,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+import torch.distributed
+
 from . import data as data_lib
 from . import docmask
 from .adapters import check_quantize, load_qlora_model
@@ -35,7 +38,6 @@ from .telemetry import (
 
 def seed_everything(seed: int) -> None:
     import numpy as np
-    import torch
 
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -62,7 +64,6 @@ class Trainer:
     evaluates, `export()` writes final/, `close()` leaves the process group."""
 
     def __init__(self, cfg: RunConfig, overwrite: bool = False):
-        import torch
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()  # its padding/attention-mask advice does not apply to packed blocks
@@ -174,8 +175,6 @@ class Trainer:
                         self.cfg.data.padding_free)
 
     def fit(self) -> dict:
-        import torch
-
         from .signals import Preemption
         from .trackers import Trackers
 
@@ -219,7 +218,6 @@ class Trainer:
 
     def prefetcher(self) -> data_lib.Prefetcher:
         """This rank's micro-batches of every step from the current one on, one step ahead."""
-        import torch
 
         plan, cpu, pad_id = self.plan, torch.device("cpu"), self.tokenizer.pad_token_id or 0
 
@@ -326,8 +324,6 @@ class Trainer:
         return folder
 
     def close(self) -> None:
-        import torch.distributed
-
         self.ckpt.close()
         torch.distributed.barrier()
         if self.owns_group:
@@ -336,7 +332,6 @@ class Trainer:
 
 def run(cfg: RunConfig, overwrite: bool = False) -> dict:
     """Train as one rank of the job: set up, fit, export final/, leave."""
-    import torch.distributed
 
     from .rundir import release_run_dir
 
