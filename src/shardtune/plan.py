@@ -20,7 +20,7 @@ import torch
 
 from .config import ModelConfig, RunConfig, check_world
 from .errors import UserError
-from .hardware import GPU, HOST_FACTS, overhead
+from .hardware import GIB, GPU, HOST_FACTS, overhead
 from .memtrace import OFFLOADED, StepTrace
 
 SCREEN_DEPTHS = (3, 4)  # blocks in the copies the search traces; the phase peaks are linear beyond 2
@@ -273,9 +273,9 @@ def estimate(trace: StepTrace, hf_config, cand: Candidate, cfg: RunConfig, targe
     budget = target.memory_bytes * (1 - target.margin)
     why = ""
     if memory["total"] > budget:
-        why = f"needs {memory['total'] / 2 ** 30:.1f} GiB of {budget / 2 ** 30:.1f} GiB"
+        why = f"needs {memory['total'] / GIB:.1f} GiB of {budget / GIB:.1f} GiB"
     elif target.host_bytes and host["total"] > target.host_bytes:
-        why = f"needs {host['total'] / 2 ** 30:.1f} GiB of host RAM of {target.host_bytes / 2 ** 30:.1f} GiB"
+        why = f"needs {host['total'] / GIB:.1f} GiB of host RAM of {target.host_bytes / GIB:.1f} GiB"
     tokens = cfg.train.global_batch_size * cfg.data.seq_len
     return Estimate(cand, memory, host, seconds, tokens / seconds, accum, not why, why, trace=trace)
 

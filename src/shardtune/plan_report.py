@@ -11,10 +11,9 @@ import sys
 
 from .config import RunConfig
 from .errors import UserError
-from .hardware import gpu_by_name, overhead, parse_size
+from .hardware import GIB, gpu_by_name, overhead, parse_size
 from .plan import Estimate, Target, confirm, largest_micro_batch, resolve_hf_config, search
 
-GIB = 2 ** 30
 ROWS = [("sharded_params", "sharded parameters"), ("gathered_params", "gathered parameters"),
         ("gradients", "gradients"), ("optimizer_state", "optimizer state"), ("activations", "activations"),
         ("temporaries", "temporaries"), ("communication", "communication buffers"), ("buffers", "model buffers")]

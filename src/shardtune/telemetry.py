@@ -263,7 +263,7 @@ class GPUSampler:
             except Exception:
                 return
             with self._lock:
-                self._samples.append((float(util.gpu), mem.used / 1024 ** 3))
+                self._samples.append((float(util.gpu), mem.used / GIB))
 
     def read(self) -> dict:
         with self._lock:
