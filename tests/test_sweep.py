@@ -132,6 +132,11 @@ def test_the_search_probes_few_micro_batches():
     assert search(6, 128) == ((128, "all fit"), [64, 128])
     assert search(2, 0) == ((None, "none fits"), [4, 2, 1])
     assert search(2, 64, broken={8}) == ((4, "broken"), [4, 8])
+    # a seed that was too careful: the first trial's measurement moves the next one straight up
+    assert search_max_batch(candidates, 2, lambda mb: "fits" if mb <= 16 else "too_big", lambda: 4) == (16, "boundary")
+    tried = []
+    search_max_batch(candidates, 2, lambda mb: tried.append(mb) or ("fits" if mb <= 16 else "too_big"), lambda: 4)
+    assert tried == [4, 16, 32]
     # the seed: the largest candidate whose prediction fits; without one, the recipe's micro-batch
     assert seed_index(candidates, 16, 1000, lambda mb: 100 * mb) == 3
     assert seed_index(candidates, 16, None, lambda mb: 100 * mb) == 4

@@ -155,11 +155,12 @@ def micro_batch_candidates(cfg, nproc: int) -> list[int]:
 # ----------------------------------------------------------------------------- max batch
 
 
-def search_max_batch(candidates: list[int], seed: int, attempt) -> tuple[int | None, str]:
+def search_max_batch(candidates: list[int], seed: int, attempt, reseed=None) -> tuple[int | None, str]:
     """Largest candidate for which `attempt(mb)` says "fits", probing few: the seed (an index),
     then one step up or down, doubling the step while every answer agrees, then bisecting between
     the largest fit and the smallest misfit. "broken" (a crash that is not memory) ends the search.
-    Returns (largest fitting micro-batch or None, why the search stopped)."""
+    `reseed()`, asked once after the first trial, may name a better next index (the prediction
+    against what that trial measured). Returns (largest fitting micro-batch or None, why)."""
     lo, hi = -1, len(candidates)  # largest index known to fit, smallest known not to
     index, stride = seed, 1
     while True:
@@ -172,7 +173,10 @@ def search_max_batch(candidates: list[int], seed: int, attempt) -> tuple[int | N
             hi = index
         if hi - lo <= 1:
             break
-        if hi == len(candidates):  # nothing has failed yet: climb
+        better, reseed = (reseed() if reseed else None), None
+        if better is not None and lo < better < hi:
+            index = better
+        elif hi == len(candidates):  # nothing has failed yet: climb
             index, stride = min(lo + stride, hi - 1), stride * 2
         elif lo < 0:  # nothing has fitted yet: descend
             index, stride = max(hi - stride, 0), stride * 2
@@ -323,7 +327,12 @@ def max_batch_of(sweep: Sweep, point: dict, trial, predict, limit: int | None, r
         records.append(trial(point, micro_batch))
         return VERDICTS.get(records[-1]["status"], "broken")
 
-    best, why = search_max_batch(candidates, seed, attempt)
+    def reseed() -> int:  # the first trial measured what the process holds beside its tensors
+        return seed_index(candidates, cfg.train.micro_batch_size,
+                          tensor_budget(limit, sweep.device, records_so_far + records),
+                          lambda mb: predict(point, mb))
+
+    best, why = search_max_batch(candidates, seed, attempt, reseed)
     return summarize_point(point, records, best, why)
 
 
