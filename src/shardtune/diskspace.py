@@ -36,7 +36,8 @@ def no_room(exc: BaseException, need: int, free: int | None) -> str | None:
 
 
 def tensor_bytes(tree) -> int:
-    """Bytes of the (local shards of the) tensors in a nested state dict."""
+    """Bytes of the local shards of a tensor, or of the tensors in a nested dict or list (None
+    and non-tensors count 0). The one count of tensor bytes: checkpoints, telemetry, warnings."""
     if isinstance(tree, dict):
         return sum(tensor_bytes(v) for v in tree.values())
     if isinstance(tree, (list, tuple)):
@@ -48,11 +49,9 @@ def tensor_bytes(tree) -> int:
 def checkpoint_bytes(model, world_size: int) -> int:
     """About the size of one checkpoint of all ranks: every parameter, plus AdamW's two fp32
     states per trainable one (local shards x ranks, as FSDP shards evenly)."""
-    total = 0
-    for p in model.parameters():
-        local = p.to_local() if hasattr(p, "to_local") else p
-        total += local.numel() * (local.element_size() + (8 if p.requires_grad else 0))
-    return total * world_size
+    # AdamW: two fp32 moments per element of each trainable local shard
+    adam = sum(tensor_bytes(p) // p.element_size() * 8 for p in model.parameters() if p.requires_grad)
+    return (tensor_bytes(list(model.parameters())) + adam) * world_size
 
 
 def space_warning(root: Path, cfg, size: int, total_steps: int, steps_per_epoch: int) -> str | None:

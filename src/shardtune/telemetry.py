@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
+from .diskspace import tensor_bytes
 from .hardware import GIB
 
 
@@ -134,15 +135,10 @@ def matmul_params(model) -> tuple[int, int]:
 
 def state_bytes(model, optimizer) -> dict:
     """Bytes of parameters, gradients and optimizer state this rank holds (local shards only)."""
-    def local(t) -> int:
-        t = t.to_local() if hasattr(t, "to_local") else t
-        return t.numel() * t.element_size()
-
     params = list(model.parameters())
-    return {"param_bytes": sum(local(p) for p in params),
-            "grad_bytes": sum(local(p.grad) for p in params if p.grad is not None),
-            "optim_bytes": sum(local(v) for s in optimizer.state.values() for v in s.values()
-                               if hasattr(v, "element_size") and v.dim() > 0)}
+    return {"param_bytes": tensor_bytes(params), "grad_bytes": tensor_bytes([p.grad for p in params]),
+            "optim_bytes": tensor_bytes([v for s in optimizer.state.values() for v in s.values()
+                                         if hasattr(v, "dim") and v.dim() > 0])}
 
 
 def _first(obj, *names):
