@@ -17,7 +17,7 @@ import os
 import re
 from pathlib import Path
 
-from .errors import UserError
+from .errors import UserError, first_line
 from .hardware import GIB
 from .sweep_report import describe, method_label, summarize_point, write_outputs
 from .sweep_trial import LIVE_STEPS, run_trial
@@ -222,7 +222,7 @@ class Predictions:
                 if key[0] not in self.warned:
                     self.warned.add(key[0])
                     print(f"  no memory prediction for {method_label(point)}: "
-                          f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", flush=True)
+                          f"{type(exc).__name__}: {first_line(exc)}", flush=True)
         return self.cache[key]
 
 
