@@ -176,7 +176,7 @@ class LiveMemory:
         self.device, self.remaining, self.peak = device, steps, None
         self._tracker = None
         if steps > 0:
-            self._tracker = _peak_only_tracker()
+            self._tracker = PeakOnlyTracker()
             self._tracker.track_external(model, optimizer)  # what exists before the first tracked step
 
     @contextlib.contextmanager
@@ -198,31 +198,28 @@ class LiveMemory:
         return {} if peak is None else {"mem_live_peak_gib": peak / GIB}
 
 
-def _peak_only_tracker():
-    class PeakOnlyTracker(MemTracker):
-        """MemTracker keeping only the peak per device. Its per-module snapshots cost time that
-        grows with modules x ops and refuse a second forward (gradient accumulation), so the
-        module hooks do nothing; storages are still counted, which is all the total needs."""
+class PeakOnlyTracker(MemTracker):
+    """MemTracker keeping only the peak per device. Its per-module snapshots cost time that
+    grows with modules x ops and refuse a second forward (gradient accumulation), so the
+    module hooks do nothing; storages are still counted, which is all the total needs."""
 
-        def _pre_fw_hook(self, module, inputs) -> None:
-            pass
+    def _pre_fw_hook(self, module, inputs) -> None:
+        pass
 
-        def _post_fw_hook(self, module, inputs, outputs) -> None:
-            pass
+    def _post_fw_hook(self, module, inputs, outputs) -> None:
+        pass
 
-        def _pre_bw_hook(self, module, args) -> None:
-            pass
+    def _pre_bw_hook(self, module, args) -> None:
+        pass
 
-        def _post_bw_hook(self, module, args) -> None:
-            pass
+    def _post_bw_hook(self, module, args) -> None:
+        pass
 
-        def _update_peak_stats(self, peak_state) -> None:
-            for device, snap in self._curr_mem_snap.items():
-                if snap["Total"] > self._peak_mem.get(device, 0):
-                    self._peak_mem[device] = snap["Total"]
-                    self._peak_mem_snap[device] = dict(snap)
-
-    return PeakOnlyTracker()
+    def _update_peak_stats(self, peak_state) -> None:
+        for device, snap in self._curr_mem_snap.items():
+            if snap["Total"] > self._peak_mem.get(device, 0):
+                self._peak_mem[device] = snap["Total"]
+                self._peak_mem_snap[device] = dict(snap)
 
 
 class GPUSampler:
