@@ -145,11 +145,11 @@ def trace_step(cfg: RunConfig, hf_config, world_size: int, local_world_size: int
             optimizer = build_optimizer(model, cfg.train, dist.device, cfg.precision)
             _create_optimizer_state(model, optimizer)
             scaler = build_grad_scaler(cfg.precision, dist.device)
-            tracker = _phase_tracker(model, optimizer, blocks)
+            tracker = PhaseTracker(model, optimizer, blocks)
             # two micro-steps show what accumulation holds across them (unsharded gradients)
             micro = [[0] * cfg.train.micro_batch_size for _ in range(min(accum, 2))]
             attention = _cuda_attention() if target == "cuda" else contextlib.nullcontext()
-            with tracker, _answer_scalars_mode(), _dtensor_meta_outside_trace(), attention:
+            with tracker, AnswerScalars(), _dtensor_meta_outside_trace(), attention:
                 handle = model.register_forward_pre_hook(tracker.next_micro_step, prepend=True)
                 try:
                     batches, labels_vary = _shape_only_batches(cfg, micro, dist.device)
@@ -238,22 +238,19 @@ class _ShapeOnlyData:
         return rows
 
 
-def _answer_scalars_mode():
-    class AnswerScalars(TorchDispatchMode):
-        """A fake tensor has no value unless fake mode knows it as a constant (the optimizer's
-        step count). Where the step reads an unknown one (is the gradient norm finite? did the
-        scaler find an inf? how many tokens?) answer "finite", "none found", 0: the path a
-        healthy step takes."""
+class AnswerScalars(TorchDispatchMode):
+    """A fake tensor has no value unless fake mode knows it as a constant (the optimizer's
+    step count). Where the step reads an unknown one (is the gradient norm finite? did the
+    scaler find an inf? how many tokens?) answer "finite", "none found", 0: the path a
+    healthy step takes."""
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.aten._local_scalar_dense.default:
-                try:
-                    return func(*args, **(kwargs or {}))
-                except DataDependentOutputException:
-                    return True if args[0].dtype == torch.bool else 0
-            return func(*args, **(kwargs or {}))
-
-    return AnswerScalars()
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            try:
+                return func(*args, **(kwargs or {}))
+            except DataDependentOutputException:
+                return True if args[0].dtype == torch.bool else 0
+        return func(*args, **(kwargs or {}))
 
 
 def _dtensor_meta_outside_trace():
@@ -287,56 +284,51 @@ def _cuda_attention():
     return mock.patch("torch.nn.functional.scaled_dot_product_attention", sdpa)
 
 
-def _phase_tracker(model, optimizer, block_names: list[str]):
-    block_index = {name: j for j, name in enumerate(block_names)}
-    last = len(block_names) - 1
+class PhaseTracker(FSDPMemTracker):
+    """FSDPMemTracker with a peak per phase of the step instead of per module (whose
+    bookkeeping grows with the square of the number of modules)."""
 
-    class PhaseTracker(FSDPMemTracker):
-        """FSDPMemTracker with a peak per phase of the step instead of per module (whose
-        bookkeeping grows with the square of the number of modules)."""
+    def __init__(self, model, optimizer, block_names: list[str]):
+        super().__init__(model, optimizer)
+        self.block_index = {name: j for j, name in enumerate(block_names)}
+        self.peaks: dict[tuple, dict[str, int]] = {}
+        self.micro = -1
+        self.seen_blocks: set[str] = set()
+        self.backward_seen = False
 
-        def __init__(self):
-            super().__init__(model, optimizer)
-            self.peaks: dict[tuple, dict[str, int]] = {}
-            self.micro = -1
-            self.seen_blocks: set[str] = set()
-            self.backward_seen = False
+    def next_micro_step(self, *args) -> None:
+        self.reset_mod_stats()  # the base class refuses a second root forward otherwise
+        self.micro += 1
+        self.seen_blocks.clear()
+        self.backward_seen = False
 
-        def next_micro_step(self, *args) -> None:
-            self.reset_mod_stats()  # the base class refuses a second root forward otherwise
-            self.micro += 1
-            self.seen_blocks.clear()
-            self.backward_seen = False
+    def phase(self) -> tuple:
+        if self._in_opt:
+            return (self.micro, "optimizer", "")
+        if self._mod_tracker.is_bw:
+            self.backward_seen = True
+            direction = "backward"
+        else:
+            direction = "after backward" if self.backward_seen else "forward"
+        active = self._mod_tracker.parents & self.block_index.keys()
+        if active:
+            self.seen_blocks.add(direction)
+            j = self.block_index[next(iter(active))]
+            return (self.micro, direction, "first block" if j == 0 else "last block" if j == len(self.block_index) - 1
+                    else "middle blocks")
+        return (self.micro, direction, "after blocks" if direction in self.seen_blocks else "before blocks")
 
-        def phase(self) -> tuple:
-            if self._in_opt:
-                return (self.micro, "optimizer", "")
-            if self._mod_tracker.is_bw:
-                self.backward_seen = True
-                direction = "backward"
-            else:
-                direction = "after backward" if self.backward_seen else "forward"
-            active = self._mod_tracker.parents & block_index.keys()
-            if active:
-                self.seen_blocks.add(direction)
-                j = block_index[next(iter(active))]
-                return (self.micro, direction, "first block" if j == 0 else "last block" if j == last
-                        else "middle blocks")
-            return (self.micro, direction, "after blocks" if direction in self.seen_blocks else "before blocks")
+    def current(self) -> dict[str, int]:
+        out = dict.fromkeys(CATEGORIES, 0)
+        for snap in self._curr_mem_snap.values():
+            for reftype, value in snap.items():
+                if reftype in CATEGORY:  # str enums: "Sharded Param", ...; skips "Total"
+                    out[CATEGORY[reftype]] += value
+        return out
 
-        def current(self) -> dict[str, int]:
-            out = dict.fromkeys(CATEGORIES, 0)
-            for snap in self._curr_mem_snap.values():
-                for reftype, value in snap.items():
-                    if reftype in CATEGORY:  # str enums: "Sharded Param", ...; skips "Total"
-                        out[CATEGORY[reftype]] += value
-            return out
-
-        def _update_peak_stats(self, peak_state) -> None:
-            total = sum(snap["Total"] for snap in self._curr_mem_snap.values())
-            key = self.phase()
-            best = self.peaks.get(key)
-            if best is None or total > sum(best.values()):
-                self.peaks[key] = self.current()
-
-    return PhaseTracker()
+    def _update_peak_stats(self, peak_state) -> None:
+        total = sum(snap["Total"] for snap in self._curr_mem_snap.values())
+        key = self.phase()
+        best = self.peaks.get(key)
+        if best is None or total > sum(best.values()):
+            self.peaks[key] = self.current()
