@@ -171,8 +171,10 @@ def test_resume_path_mid_epoch_exact(reference, ck_assets, tmp_path):
 
 
 def test_signal_stop_then_resume_auto_exact(reference, ck_assets, tmp_path, capsys, monkeypatch):
-    """SIGUSR1 after step 5 (mid-epoch): checkpoint, exit 75; the same command with resume=auto
-    finishes the run with the uninterrupted losses. Without resume the folder is refused."""
+    """SIGUSR1 during step 5 (mid-epoch): the ranks agree on it with step 5's numbers, which the
+    host reads once step 6 is queued, so the checkpoint is step 6's; exit 75. The same command
+    with resume=auto finishes the run with the uninterrupted losses. Without resume the folder
+    is refused."""
     import shardtune.train as train_mod
 
     real_step, calls = train_mod.train_step, []
@@ -188,7 +190,7 @@ def test_signal_stop_then_resume_auto_exact(reference, ck_assets, tmp_path, caps
     args = ["train", *overrides(ck_assets, tmp_path)]
     code, _ = cli(args, capsys)
     assert code == EXIT_PREEMPTED
-    assert read_meta(tmp_path / "checkpoints" / "step-000005")["step"] == 5
+    assert read_meta(tmp_path / "checkpoints" / "step-000006")["step"] == 6
     assert not (tmp_path / "final").exists()
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # handler removed after the run
     monkeypatch.setattr(train_mod, "train_step", real_step)
@@ -197,7 +199,7 @@ def test_signal_stop_then_resume_auto_exact(reference, ck_assets, tmp_path, caps
     code, _ = cli([*args, "resume=auto"], capsys)
     assert code == 0 and (tmp_path / "final" / "config.json").is_file()
     got = losses(tmp_path)
-    assert sorted(got) == list(range(1, STEPS + 1))  # steps 1-5 kept, 6-10 from the resumed run
+    assert sorted(got) == list(range(1, STEPS + 1))  # steps 1-6 kept, 7-10 from the resumed run
     assert_same(got, losses(reference), EXACT)
 
 

@@ -259,9 +259,10 @@ def test_ctrl_c_once_checkpoints(capfd, monkeypatch, recipe, tmp_path):
     out = tmp_path / "run"
     rc, stdout, err = run_main(capfd, ["train", recipe, "train.max_steps=5", f"output_dir={out}"])
     assert rc == EXIT_PREEMPTED, err
-    assert "Ctrl-C: finishing this step and saving a checkpoint" in err
-    assert f"got SIGINT; checkpoint saved to {out / 'checkpoints' / 'step-000002'}" in stdout
-    assert read_meta(out / "checkpoints" / "step-000002")["step"] == 2
+    assert "Ctrl-C: finishing the steps under way and saving a checkpoint" in err
+    # during step 2: the ranks agree on it with step 2's numbers, read once step 3 is queued
+    assert f"got SIGINT; checkpoint saved to {out / 'checkpoints' / 'step-000003'}" in stdout
+    assert read_meta(out / "checkpoints" / "step-000003")["step"] == 3
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     assert not (out / LOCK_FILE).exists()
 

@@ -209,7 +209,7 @@ def _launch_preemptible(nproc: int, worker: list[str], out: Path) -> int:
     stamp = marker_stamp(out)
     previous = signal.signal(signal.SIGUSR1, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
     try:
-        code = launch_local(nproc, worker, interrupt_note="Ctrl-C: the ranks stop after this step, with a "
+        code = launch_local(nproc, worker, interrupt_note="Ctrl-C: the ranks stop after the steps under way, with a "
                             "checkpoint once training has started; Ctrl-C again stops them at once")
     finally:
         signal.signal(signal.SIGUSR1, previous)

@@ -237,10 +237,24 @@ def broadcast_value(dist: Dist, value):
 
 def all_sum(*values, device) -> list[float]:
     """The element-wise sum of `values` over all ranks, as floats (one all-reduce; a host sync)."""
-    import torch
+    return all_sum_on_device(*values, device=device).tolist()
+
+
+def all_sum_on_device(*values, device):
+    """The element-wise sum of `values` over all ranks as one float64 tensor on `device`: the
+    all-reduce is queued, nothing waits for it until the tensor is read."""
     import torch.distributed as dist
 
-    t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values])
+    t = stack_on_device(*values, device=device)
     if dist.get_world_size() > 1:
         dist.all_reduce(t)
-    return t.tolist()
+    return t
+
+
+def stack_on_device(*values, device):
+    """Numbers and 0-d tensors as one float64 tensor on `device`. Python numbers are filled in
+    there: a copy from host memory could wait for the device's queue."""
+    import torch
+
+    return torch.stack([v.to(device, torch.float64) if isinstance(v, torch.Tensor)
+                        else torch.full((), float(v), dtype=torch.float64, device=device) for v in values])

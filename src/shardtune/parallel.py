@@ -100,7 +100,8 @@ def apply_parallelism(model, spec, block_cls: type, mesh, device) -> tuple[list,
     reshard = reshard_after_forward(fsdp.sharding, mesh.size(mesh.ndim - 1))
     units = blocks if fsdp.wrap == "block" else _size_based_units(model, fsdp.min_num_params)
     for unit in units:
-        fully_shard(unit, reshard_after_forward=reshard, **kwargs)
+        # the last unit's backward comes right after its forward: freeing it would only re-gather it
+        fully_shard(unit, reshard_after_forward=reshard and unit is not units[-1], **kwargs)
     if fsdp.wrap == "block":
         _shard_embeddings(model, reshard, kwargs)
     # The root keeps what is left (final norm, ...); it is needed again right at the start of backward.

@@ -49,7 +49,7 @@ class Preemption:
             # a rank dies by the default action (its launcher says it).
             signal.signal(signal.SIGINT, signal.default_int_handler if lone else signal.SIG_DFL)
             if os.environ.get("RANK", "0") == "0" and LAUNCHER_ENV not in os.environ:
-                os.write(sys.stderr.fileno(), b"Ctrl-C: finishing this step and saving a checkpoint; "
+                os.write(sys.stderr.fileno(), b"Ctrl-C: finishing the steps under way and saving a checkpoint; "
                                               b"Ctrl-C again stops at once, without one\n")
         if not self.requested:
             self.requested, self.signum = 1, signum

@@ -12,7 +12,7 @@ from . import data as data_lib
 from . import docmask
 from . import loss as loss_lib
 from .config import RunConfig
-from .launch import Dist, all_sum
+from .launch import Dist, all_sum, all_sum_on_device, stack_on_device
 from .telemetry import perplexity
 
 
@@ -63,6 +63,29 @@ class StepResult:
     grad_norm: torch.Tensor  # noqa: F821
 
 
+@dataclass
+class StepNumbers:
+    """What the host reads of one optimizer step, the same on every rank."""
+
+    loss: float  # mean token loss of the global batch
+    input_tokens: float  # tokens all ranks fed the model
+    stop: bool  # a rank was asked to stop (signals.Preemption)
+    grad_norm: float
+
+
+def queue_numbers(out: StepResult, stop_requested: int, device) -> torch.Tensor:
+    """A step's numbers in one device tensor, for `read_numbers` to take later: one small
+    all-reduce (loss, input tokens, stop requests) is queued, and nothing waits for it."""
+    summed = all_sum_on_device(out.loss_sum, out.input_tokens, stop_requested, device=device)
+    return torch.cat([summed, stack_on_device(out.loss_tokens, out.grad_norm, device=device)])
+
+
+def read_numbers(numbers: torch.Tensor) -> StepNumbers:
+    """The host's copy of `queue_numbers`' tensor: waits for that step's work to finish."""
+    loss_sum, tokens, stop, loss_tokens, grad_norm = numbers.tolist()
+    return StepNumbers(loss_sum / max(loss_tokens, 1.0), tokens, stop > 0, grad_norm)
+
+
 def train_step(model, optimizer, scaler, batches: list[dict], cfg: RunConfig, dist: Dist,
                labels_vary: bool = False, sync_each: bool = False) -> StepResult:
     """One optimizer step over this rank's micro-batches (data.Prefetcher assembled them). The
@@ -97,10 +120,14 @@ def train_step(model, optimizer, scaler, batches: list[dict], cfg: RunConfig, di
     grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_norm)
     if hasattr(grad_norm, "full_tensor"):
         grad_norm = grad_norm.full_tensor()
+    # A NaN/inf update would poison every weight: it is skipped here, and fit() decides what next.
     if scaler:
         scaler.step(optimizer)  # skips non-finite steps itself
         scaler.update()
-    elif torch.isfinite(grad_norm):  # a NaN/inf update would poison every weight; fit() decides what next
+    elif optimizer.defaults.get("fused"):  # the fused kernel skips the update on the device: no host sync
+        optimizer.found_inf = (~torch.isfinite(grad_norm)).float()
+        optimizer.step()
+    elif torch.isfinite(grad_norm):  # other kernels cannot: ask the host
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return StepResult(loss_sum, global_tokens, input_tokens, grad_norm)

@@ -17,12 +17,12 @@ from .adapters import check_quantize, load_qlora_model
 from .build import BuiltModel, ModelSpec, build_model
 from .config import RunConfig, check_world, dump_yaml
 from .errors import UserError
-from .launch import all_sum, broadcast_value, init_distributed, rank0_first
+from .launch import broadcast_value, init_distributed, rank0_first
 from .model import check_seq_len, count_params, load_hf_config, load_source_model, load_tokenizer, match_tokenizer
 from .parallel import build_mesh
 from .rundir import default_output_dir
 from .signals import PREEMPTED_MARKER
-from .step import evaluate, train_step
+from .step import evaluate, queue_numbers, read_numbers, train_step
 from .telemetry import (
     GPUSampler,
     LiveMemory,
@@ -57,6 +57,16 @@ class TrainState:
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.tokens_seen = int(state["step"]), float(state.get("tokens_seen", 0.0))
+
+
+@dataclass
+class QueuedStep:
+    """An optimizer step whose work is queued on the device, and what the host will read of it."""
+
+    step: int
+    lr: float
+    data_seconds: float  # the loop's wait for this step's batches
+    numbers: torch.Tensor  # step.queue_numbers: still on the device
 
 
 class Trainer:
@@ -229,15 +239,18 @@ class Trainer:
         return data_lib.Prefetcher(assemble, self.dist.device, self.state.step, self.total_steps)
 
     def _loop(self, log, trackers, progress, gpu, results: dict, preemption, prefetcher) -> float:
-        """Steps until done or preempted; returns the number of tokens trained on."""
+        """Steps until done or preempted; returns the number of tokens trained on. The host reads
+        a step's numbers one step late, once the next step's work is queued, so the device never
+        waits for the host; evaluation, checkpoints, a stop and the last step read them at once."""
         from .optim import lr_at, set_lr
 
         cfg, dist, plan, state = self.cfg, self.dist, self.plan, self.state
         meter = StepMeter(dist.world_size, self.flops_per_token,
                           device_peak_flops(dist.device, cfg.precision, cfg.log.peak_tflops))
         live = LiveMemory(self.model, self.optimizer, dist.device, cfg.log.live_memory)
-        trained_tokens = 0.0
+        first_tokens = state.tokens_seen
         labels_vary = "labels" in self.train_ds.column_names
+        queued: list[QueuedStep] = []
         while state.step < self.total_steps:
             lr = lr_at(state.step, self.total_steps, cfg.train)
             set_lr(self.optimizer, lr)
@@ -247,36 +260,25 @@ class Trainer:
                                  sync_each=self.built.sync_grads_each_micro_step)
             del batches
             state.step = step = state.step + 1
-            # The step's one host synchronisation, once its work is queued: a small all-reduce of
-            # the global loss, the input tokens, and whether any rank was asked to stop (so all
-            # ranks stop at the same step). The values read after it are ready by then.
-            loss_total, tokens, stop = all_sum(out.loss_sum, out.input_tokens, preemption.requested,
-                                               device=dist.device)
-            state.tokens_seen += tokens
-            trained_tokens += tokens
-            meter.add(tokens, data_seconds)
-            loss = loss_total / max(float(out.loss_tokens), 1.0)
-            grad_norm = float(out.grad_norm)
-            record = {}
+            # the global loss, tokens and whether any rank was asked to stop (all ranks stop at the
+            # same step): one small all-reduce, queued behind the step
+            queued.append(QueuedStep(step, lr, data_seconds, queue_numbers(out, preemption.requested, dist.device)))
             last = step == self.total_steps
-            if not math.isfinite(loss) or (self.scaler is None and not math.isfinite(grad_norm)):
-                self.nonfinite(step, loss, grad_norm)
-                record = {"step": step, "epoch": step / plan.steps_per_epoch, "loss": None, "skipped": True}
-            elif step % cfg.log.every_steps == 0 or last:
-                record = {"step": step, "epoch": step / plan.steps_per_epoch, "loss": loss, "lr": lr,
-                          "grad_norm": grad_norm, "tokens_seen": state.tokens_seen, **meter.report(),
-                          **memory_stats(dist.device), **live.read(), **gpu.read()}
-                if self.scaler:
-                    record["loss_scale"] = float(self.scaler.get_scale())
-                progress.update(0, loss=loss, tok_s=record["tokens_per_s"])
-            if self.val_batches and (last or (cfg.eval.every_steps and step % cfg.eval.every_steps == 0)):
+            eval_now = bool(self.val_batches) and (last or (cfg.eval.every_steps and step % cfg.eval.every_steps == 0))
+            save_now = self.ckpt.due(step, plan.steps_per_epoch)
+            records, stop = [], False
+            while queued and (len(queued) > 1 or last or eval_now or save_now or stop):
+                record, asked = self._read(queued.pop(0), meter, live, gpu, progress)
+                records.append(record)
+                stop = stop or asked
+            if eval_now:
                 results["last"] = self.evaluate()
-                record = {"step": step, "epoch": step / plan.steps_per_epoch, **record, **results["last"]}
+                records[-1] = {"step": step, "epoch": step / plan.steps_per_epoch, **records[-1], **results["last"]}
                 progress.write(f"step {step}: validation loss {results['last']['eval_loss']:.4f}, "
                                f"perplexity {results['last']['eval_ppl']:.2f}")
-            if record:
+            for record in filter(None, records):
                 log.write(record)
-                trackers.log(record, step)
+                trackers.log(record, record["step"])
             progress.update(1)
             self.ckpt.poll()
             if stop and not last:
@@ -288,9 +290,31 @@ class Trainer:
                 progress.write(f"step {step}: got {preemption.name}; checkpoint saved to {folder}; "
                                "exiting for a requeue (resume=auto continues)")
                 break
-            if self.ckpt.due(step, plan.steps_per_epoch):
+            if save_now:
                 self.ckpt.save(step)
-        return trained_tokens
+        return state.tokens_seen - first_tokens
+
+    def _read(self, queued: QueuedStep, meter, live, gpu, progress) -> tuple[dict, bool]:
+        """The host's look at a queued step (it waits for that step to finish): tokens seen, the
+        metrics record when one is due (else {}), and whether any rank was asked to stop."""
+        cfg, step = self.cfg, queued.step
+        numbers = read_numbers(queued.numbers)
+        self.state.tokens_seen += numbers.input_tokens
+        meter.add(numbers.input_tokens, queued.data_seconds)
+        epoch = step / self.plan.steps_per_epoch
+        loss, grad_norm = numbers.loss, numbers.grad_norm
+        if not math.isfinite(loss) or (self.scaler is None and not math.isfinite(grad_norm)):
+            self.nonfinite(step, loss, grad_norm)
+            return {"step": step, "epoch": epoch, "loss": None, "skipped": True}, numbers.stop
+        if step % cfg.log.every_steps and step != self.total_steps:
+            return {}, numbers.stop
+        record = {"step": step, "epoch": epoch, "loss": loss, "lr": queued.lr, "grad_norm": grad_norm,
+                  "tokens_seen": self.state.tokens_seen, **meter.report(), **memory_stats(self.dist.device),
+                  **live.read(), **gpu.read()}
+        if self.scaler:
+            record["loss_scale"] = float(self.scaler.get_scale())
+        progress.update(0, loss=loss, tok_s=record["tokens_per_s"])
+        return record, numbers.stop
 
     def nonfinite(self, step: int, loss: float, grad_norm: float) -> None:
         """A NaN/inf loss or gradient: the update was not applied (train_step); stop or go on."""
