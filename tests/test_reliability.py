@@ -308,6 +308,49 @@ def test_space_warning(monkeypatch, tmp_path):
     assert space_warning(tmp_path, CheckpointConfig(every_steps=50, keep_last=0), 10 * 10**6, 100, 50) is None
 
 
+def test_disk_full_while_the_data_is_cached(capfd, monkeypatch, recipe, qs_assets, tmp_path):
+    """`datasets` writes its tokenized cache on a disk with no room left: one line naming the
+    disk-full failure, the file and the fix, not the library's traceback; the run folder the
+    user kept a file in is untouched."""
+    import datasets
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine\n")
+    data = tmp_path / "corpus.jsonl"  # fresh data: nothing of it is cached yet
+    data.write_text(Path(qs_assets["train"]).read_text())
+    with tmpfs(tmp_path / "cache", "64k") as cache:
+        monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(cache))
+        line = fails(capfd, ["train", recipe, f"data.path={data}", f"output_dir={out}"],
+                     "disk full", "HF_DATASETS_CACHE")
+    assert str(tmp_path / "cache") in line
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+    # past loading: the tokenized rows or the packed blocks find no room
+    import errno
+
+    import shardtune.data as data_mod
+
+    def no_space(*args, **kw):
+        raise OSError(errno.ENOSPC, "No space left on device", "cache-00001.arrow")
+
+    monkeypatch.setattr(data_mod, "tokenize_split", no_space)
+    fails(capfd, ["train", recipe, f"output_dir={out}"], "disk full while caching the data", "HF_DATASETS_CACHE")
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+def test_disk_full_while_writing_a_report(capfd, tmp_path):
+    """Any command that fills the disk (here `report`'s PNGs) ends in one line naming the file."""
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"step": s, "loss": 5 / s, "tokens_per_s": 1000.0} for s in range(1, 11)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with tmpfs(tmp_path / "small", "16k") as small:
+        line = fails(capfd, ["report", str(run), "--out", str(small / "report")], "disk full while writing",
+                     str(small / "report"), "free space")
+    assert "Traceback" not in line
+
+
 @pytest.mark.parametrize("how", ["tmpfs", "tmpfs-async", "file-size-limit"])
 def test_disk_full_during_save(capfd, monkeypatch, recipe, tmp_path, how):
     """The disk fills after the step-1 checkpoint: the step-2 save fails as one line naming the

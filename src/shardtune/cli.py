@@ -379,5 +379,15 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except OSError as exc:  # a full disk wherever a command writes, told as one line too
+        from .diskspace import no_room
+
+        if (why := no_room(exc, 0, None)) is None:
+            raise
+        where = exc.filename or getattr(args, "out", None) or f"the output of `shardtune {args.command}`"
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {why} while writing {where}; free space there or write to another disk, and run again",
+                  file=sys.stderr)
+        return EXIT_USAGE
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
