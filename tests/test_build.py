@@ -43,6 +43,7 @@ def test_without_a_source_the_sharded_skeleton_stays_on_meta(one_rank, arch, blo
     assert built.block_cls.__name__ == block and len(built.units) == 2
     assert all(p.is_meta for p in built.model.parameters())
     assert not built.sync_grads_each_micro_step  # one rank: gradients reduced once per step
+    assert built.model.config._attn_implementation == "sdpa"  # fused attention kernels on CUDA
 
 
 def test_a_source_fills_the_weights_and_adapters_match(one_rank):

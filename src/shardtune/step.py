@@ -122,7 +122,7 @@ def train_step(model, optimizer, scaler, batches: list[dict], cfg: RunConfig, di
         grad_norm = grad_norm.full_tensor()
     # A NaN/inf update would poison every weight: it is skipped here, and fit() decides what next.
     if scaler:
-        scaler.step(optimizer)  # skips non-finite steps itself
+        scaler.step(optimizer)  # skips non-finite steps itself; asks the host (foreach kernels, see optim.py)
         scaler.update()
     elif optimizer.defaults.get("fused"):  # the fused kernel skips the update on the device: no host sync
         optimizer.found_inf = (~torch.isfinite(grad_norm)).float()
