@@ -85,6 +85,28 @@ def test_nproc2_lock_then_ctrl_c_checkpoints(recipe, tmp_path, datasets_cache):
     assert not (out / LOCK_FILE).exists()
 
 
+def test_nproc2_ctrl_c_twice_stops_at_once(recipe, tmp_path, datasets_cache):
+    """Ctrl-C twice on a 2-rank run: both ranks stop at once, without a new checkpoint; exit 130
+    with the line naming the last good one; no rank is left and the folder is free."""
+    out = tmp_path / "run"
+    proc = launch(recipe, out, datasets_cache, "checkpoint.every_steps=2")
+    try:
+        wait_for(lambda: (out / "checkpoints" / "latest").is_file(), 180, proc)
+        ranks = children(proc.pid)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == EXIT_INTERRUPTED, output
+    assert "Ctrl-C again: stopping the ranks now, without a checkpoint" in output
+    last = (out / "checkpoints" / "latest").read_text().strip()
+    assert f"the last good checkpoint is {out / 'checkpoints' / last}" in output.splitlines()[-1], output
+    assert "Traceback" not in output and not (out / "PREEMPTED").exists()
+    assert not any(alive(pid) for pid in ranks) and not (out / LOCK_FILE).exists()
+
+
 def test_nproc2_ctrl_c_before_training_claims_no_checkpoint(recipe, tmp_path, datasets_cache):
     out = tmp_path / "run"
     proc = launch(recipe, out, datasets_cache)
