@@ -120,10 +120,12 @@ def launch_local(nproc: int, worker_argv: list[str],
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    # Time for the ranks to checkpoint after SIGTERM. torch 2.11's LaunchConfig has no
+    # shutdown_timeout: its agent gives the ranks a fixed 30 s before SIGKILL.
+    grace = {"shutdown_timeout": 900} if "shutdown_timeout" in LaunchConfig.__dataclass_fields__ else {}
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
                           rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}",
-                          max_restarts=0, monitor_interval=0.5,
-                          shutdown_timeout=900,  # time for the ranks to checkpoint after SIGTERM
+                          max_restarts=0, monitor_interval=0.5, **grace,
                           signals_to_handle="SIGTERM,SIGHUP,SIGQUIT")  # SIGINT: `on_sigint` below
     # The workers print their own errors; the agent's retelling would bury the one line that matters.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)

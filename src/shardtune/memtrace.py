@@ -242,15 +242,21 @@ class AnswerScalars(TorchDispatchMode):
     """A fake tensor has no value unless fake mode knows it as a constant (the optimizer's
     step count). Where the step reads an unknown one (is the gradient norm finite? did the
     scaler find an inf? how many tokens?) answer "finite", "none found", 0: the path a
-    healthy step takes."""
+    healthy step takes. A single random number (a scalar draw) is a known 0.5, so a branch on it
+    is decided by its threshold: transformers 5.17's OPT draws one per layer for LayerDrop even
+    at layerdrop=0 (5.23 checks the rate first), and an unknown draw would skip every layer."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten.rand.default and not list(args[0]):
+            dtype = kwargs.get("dtype") or torch.get_default_dtype()
+            return torch.tensor(0.5, dtype=dtype, device=kwargs.get("device"))
         if func is torch.ops.aten._local_scalar_dense.default:
             try:
-                return func(*args, **(kwargs or {}))
+                return func(*args, **kwargs)
             except DataDependentOutputException:
                 return True if args[0].dtype == torch.bool else 0
-        return func(*args, **(kwargs or {}))
+        return func(*args, **kwargs)
 
 
 def _dtensor_meta_outside_trace():
