@@ -60,10 +60,14 @@ def test_slurm_script_marker_check_and_requeue_work_in_bash(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "scontrol").write_text('#!/bin/bash\n[ "$1" = requeue ] && echo "REQUEUED $2" || echo node1\n')
-    for status, marker, requeued in [(0, False, False), (1, False, False), (75, False, True), (1, True, True)]:
+    for status, marker, requeued, grace in [(0, False, False, True), (1, False, False, False),
+                                            (75, False, True, True), (1, True, True, False)]:
         out.mkdir(exist_ok=True)
         write = f'mkdir -p "{out}"; echo 3 > "{out}/PREEMPTED"; ' if marker else ""
-        (bin_dir / "srun").write_text(f"#!/bin/bash\n{write}exit {status}\n")
+        (bin_dir / "srun").write_text(f'#!/bin/bash\necho "$@" > "{tmp_path}/srun-args"\n{write}exit {status}\n')
+        # torchrun of torch >= 2.12 has --shutdown_timeout; 2.11's does not
+        option = "--shutdown_timeout SHUTDOWN_TIMEOUT" if grace else "--signals_to_handle SIGNALS"
+        (bin_dir / "torchrun").write_text(f"#!/bin/bash\necho 'usage: torchrun {option}'\n")
         for f in bin_dir.iterdir():
             f.chmod(0o755)
         env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "42", "SLURM_NNODES": "1",
@@ -71,6 +75,7 @@ def test_slurm_script_marker_check_and_requeue_work_in_bash(tmp_path):
         proc = subprocess.run(["bash", "-c", text], capture_output=True, text=True, env=env, cwd=tmp_path)
         assert ("REQUEUED 42" in proc.stdout) == requeued, (status, marker, proc.stdout, proc.stderr)
         assert proc.returncode == (0 if requeued else status), (status, marker, proc.returncode)
+        assert ("--shutdown_timeout=270" in (tmp_path / "srun-args").read_text()) == grace
 
 
 def test_slurm_refuses_bad_input_in_one_line(capsys):

@@ -49,11 +49,14 @@ set -uo pipefail
 head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 rm -f {out}/{PREEMPTED_MARKER}
 
+# How long torchrun waits for the ranks' checkpoint after the signal; torchrun of torch 2.11
+# and older has no such option and waits a fixed 30 s.
+grace=$(torchrun --help 2>&1 | grep -q -e --shutdown_timeout && echo --shutdown_timeout={max(30, signal_lead_s - 30)})
 # srun does not pass --cpus-per-task on to the step by itself (Slurm >= 22.05): say it again.
 srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" torchrun \\
   --nnodes="$SLURM_NNODES" --nproc_per_node={gpus_per_node} \\
   --rdzv_backend=c10d --rdzv_endpoint="$head_node:{port}" --rdzv_id="$SLURM_JOB_ID" \\
-  --signals_to_handle=SIGTERM,SIGINT,SIGUSR1 --shutdown_timeout={max(30, signal_lead_s - 30)} \\
+  --signals_to_handle=SIGTERM,SIGINT,SIGUSR1 $grace \\
   -m shardtune train {train_args}
 status=$?
 
