@@ -158,6 +158,9 @@ def subprocess_env(datasets_cache) -> dict:
     ("device=tpu", ["device", "auto, cpu, cuda"]),
     ("train.global_batch_size=5", ["train.global_batch_size=5", "train.micro_batch_size=2", "divide"]),
     ("train.micro_batch_size=0", ["train.micro_batch_size", "at least 1"]),
+    ("log.profile_steps=3", ["log.profile_steps", "must be a list", "log.profile_steps=[3,5]"]),
+    ("log.profile_steps=[5,3]", ["log.profile_steps=[5, 3]", "1 <= first <= last", "log.profile_steps=[3,5]"]),
+    ("log.profile_steps=[0,2]", ["log.profile_steps=[0, 2]", "1 <= first <= last"]),
 ])
 def test_bad_config_value(capfd, recipe, out, override, words):
     before = snapshot(out)

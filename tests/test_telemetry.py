@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import sys
 
@@ -89,7 +90,8 @@ def test_a_run_records_speed_memory_mfu_and_feeds_trackers_and_report(assets, tm
     out = tmp_path / "run"
     run(load_config(None, tiny_overrides(assets, out, **{"train.max_steps": 4, "log.every_steps": 2,
                                                           "log.peak_tflops": 0.5, "log.live_memory": 1,
-                                                          "log.trackers": "[tensorboard]"}), defaults={}))
+                                                          "log.trackers": "[tensorboard]",
+                                                          "log.profile_steps": "[2,3]"}), defaults={}))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     logged = [r for r in rows if "loss" in r]
     assert [r["step"] for r in logged] == [2, 4]
@@ -109,3 +111,44 @@ def test_a_run_records_speed_memory_mfu_and_feeds_trackers_and_report(assets, tm
     assert [e.step for e in acc.Scalars("loss")] == [2, 4]
     assert main(["report", str(out)]) == 0
     assert (out / "report" / "loss.png").is_file() and (out / "report" / "throughput.png").is_file()
+    # log.profile_steps=[2,3]: a Chrome trace of exactly those two steps and the operator table
+    trace = json.loads(gzip.open(out / "profile" / "trace.json.gz").read())
+    names = {e.get("name", "") for e in trace["traceEvents"]}
+    assert sorted(n for n in names if n.startswith("ProfilerStep#")) == ["ProfilerStep#1", "ProfilerStep#2"]
+    assert "aten::mm" in names or "aten::addmm" in names
+    table = (out / "profile" / "ops.txt").read_text()
+    assert table.startswith("optimizer steps 2-3") and "aten::" in table and "Self CPU" in table
+
+
+class _Rank:
+    def __init__(self, rank: int, world_size: int):
+        import torch
+
+        self.rank, self.world_size, self.is_main, self.device = rank, world_size, rank == 0, torch.device("cpu")
+
+
+@pytest.mark.parametrize("steps, done, total, rank, written", [
+    ([3, 9], 0, 4, 0, "trace.json.gz"),  # the window ends with the run: its steps 3-4
+    ([2, 3], 2, 6, 1, "trace-rank1.json.gz"),  # resumed at step 2: steps 3 only; per-rank names
+    ([5, 6], 0, 4, 0, None),  # beyond the run: nothing, and a warning
+])
+def test_step_profiler_window(tmp_path, capsys, steps, done, total, rank, written):
+    import torch
+
+    from shardtune.telemetry import StepProfiler
+
+    prof = StepProfiler(steps, done, total, _Rank(rank, 2 if rank else 1), tmp_path)
+    x = torch.ones(8, 8)
+    for _ in range(done, total):
+        x = torch.mm(x, x) / 8
+        prof.step()
+    prof.close()
+    files = sorted(p.name for p in (tmp_path / "profile").glob("*")) if written else []
+    assert files == ([] if written is None else sorted([written, written.replace("trace", "ops")[:-8] + ".txt"]))
+    if written is None:
+        assert not (tmp_path / "profile").exists() and "nothing profiled" in capsys.readouterr().out
+        return
+    events = json.loads(gzip.open(tmp_path / "profile" / written).read())["traceEvents"]
+    mms = [e for e in events if e.get("name") == "aten::mm"]
+    first, last = max(steps[0], done + 1), min(steps[1], total)
+    assert len(mms) == last - first + 1

@@ -117,6 +117,7 @@ class LogConfig:
     project: str = "shardtune"  # W&B project / MLflow experiment
     peak_tflops: float | None = None  # device peak for MFU (default: table of common GPUs by name)
     live_memory: int = 0  # track the peak bytes of live tensors over the first N steps (MemTracker; those steps run slower)
+    profile_steps: list[int] | None = None  # [first, last]: torch.profiler trace of those optimizer steps into OUT/profile/ (Chrome trace + operator table)
 
 
 @dataclass
@@ -294,9 +295,10 @@ def _coerce(tp, value: Any, key: str):
             raise UserError(f"{key}={value!r} is not a valid choice; {hint}choose one of: {', '.join(choices)}")
         return value
     if origin is list:
-        if not isinstance(value, list):
-            raise UserError(f"{key} must be a list, got {value!r}; write it like {key}=[0.9,0.95]")
         (inner,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            example = "[3,5]" if inner is int else "[0.9,0.95]"
+            raise UserError(f"{key} must be a list, got {value!r}; write it like {key}={example}")
         return [_coerce(inner, v, key) for v in value]
     if tp is dict:
         if not isinstance(value, dict):

@@ -17,7 +17,7 @@ from .launch import LAUNCHER_ENV
 from .signals import PREEMPTED_MARKER
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", PREEMPTED_MARKER)
-RUN_DIRS = ("final", "checkpoints")
+RUN_DIRS = ("final", "checkpoints", "profile")
 LOCK_FILE = ".shardtune.lock"  # "pid P on HOST since TIME" of the live run; removed when it ends
 
 

@@ -270,3 +270,62 @@ class GPUSampler:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=2)
+
+
+# ----------------------------------------------------------------------------- profiling
+
+
+class StepProfiler:
+    """torch.profiler over optimizer steps `first`..`last` (`log.profile_steps`, counted like the
+    metrics' `step`), with the step before as warm-up (the profiler's own start-up distorts the
+    first step it traces). Each rank writes into OUT/profile/ a Chrome trace (trace.json.gz;
+    chrome://tracing or ui.perfetto.dev) and the table of operators by self time (ops.txt);
+    with more ranks the names get `-rankN`. Shapes are not recorded: they multiply the trace's
+    size and the profiler's overhead. Without `log.profile_steps` it does nothing."""
+
+    ROWS = 40  # operators in the table
+
+    def __init__(self, steps: list[int] | None, done: int, total: int, dist, out: Path):
+        self._prof, self.dist, self.folder, self.done = None, dist, out / "profile", done
+        if not steps:
+            return
+        first, last = max(steps[0], done + 1), min(steps[1], total)
+        if first > last:  # the run (or its resumed part) does not reach the window
+            if dist.is_main:
+                print(f"warning: log.profile_steps={steps} lies outside steps {done + 1}..{total} of this run; "
+                      "nothing profiled", flush=True)
+            return
+        self.window = (first, last)
+        from torch.profiler import ProfilerActivity, profile, schedule
+
+        warmup = min(1, first - done - 1)  # step numbers count from done + 1; the profiler's from 0
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dist.device.type == "cuda" else [])
+        self._prof = profile(activities=activities, record_shapes=False, on_trace_ready=self._write,
+                             schedule=schedule(wait=first - done - 1 - warmup, warmup=warmup,
+                                               active=last - first + 1, repeat=1))
+        self._prof.start()
+
+    def step(self) -> None:
+        """After each optimizer step: moves the profiler's schedule on."""
+        if self._prof is not None:
+            self._prof.step()
+
+    def close(self) -> None:
+        """At the end of training (also when it stopped early): writes what was traced."""
+        if self._prof is not None:
+            prof, self._prof = self._prof, None
+            prof.stop()
+
+    def _write(self, prof) -> None:
+        suffix = f"-rank{self.dist.rank}" if self.dist.world_size > 1 else ""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        trace, table = self.folder / f"trace{suffix}.json.gz", self.folder / f"ops{suffix}.txt"
+        prof.export_chrome_trace(str(trace))
+        sort = "self_device_time_total" if self.dist.device.type == "cuda" else "self_cpu_time_total"
+        first, last = self.window
+        table.write_text(f"optimizer steps {first}-{last} (the trace's ProfilerStep#N is step N + {self.done + 1}), "
+                         f"operators by {sort}\n"
+                         + prof.key_averages().table(sort_by=sort, row_limit=self.ROWS) + "\n")
+        if self.dist.is_main:
+            print(f"profile of steps {first}-{last}: {trace} (chrome://tracing or ui.perfetto.dev), {table}",
+                  flush=True)

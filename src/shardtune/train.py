@@ -29,6 +29,7 @@ from .telemetry import (
     MetricsLog,
     Progress,
     StepMeter,
+    StepProfiler,
     device_peak_flops,
     flops_per_token,
     matmul_params,
@@ -206,9 +207,11 @@ class Trainer:
         start, first_step = time.perf_counter(), self.state.step
         preemption = Preemption()
         prefetcher = self.prefetcher()
+        self.profiler = StepProfiler(cfg.log.profile_steps, self.state.step, self.total_steps, dist, self.out)
         try:
             results["tokens"] = self._loop(log, trackers, progress, gpu, results, preemption, prefetcher)
         finally:
+            self.profiler.close()
             prefetcher.close()
             preemption.restore()
             progress.close()
@@ -258,6 +261,7 @@ class Trainer:
             with live.track():
                 out = train_step(self.model, self.optimizer, self.scaler, batches, cfg, dist, labels_vary,
                                  sync_each=self.built.sync_grads_each_micro_step)
+            self.profiler.step()
             del batches
             state.step = step = state.step + 1
             # the global loss, tokens and whether any rank was asked to stop (all ranks stop at the

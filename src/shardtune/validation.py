@@ -94,6 +94,10 @@ def validate(cfg) -> None:
         raise UserError(f"data.end_idx={d.end_idx} must be greater than data.start_idx={d.start_idx}")
     if cfg.resume == "auto" and not cfg.output_dir:
         raise UserError("resume=auto continues the run in output_dir; set output_dir=<that run's folder>")
+    ps = cfg.log.profile_steps
+    if ps is not None and (len(ps) != 2 or not 1 <= ps[0] <= ps[1]):
+        raise UserError(f"log.profile_steps={ps} must be [first, last] optimizer steps with 1 <= first <= last; "
+                        "e.g. log.profile_steps=[3,5] (a few steps: traces grow with every step)")
     _validate_format(d)
     _validate_adapters(cfg)
 
