@@ -114,6 +114,17 @@ def machine_line() -> str:
             f"Python {platform.python_version()}, {versions}")
 
 
+# A model config shrunk to a tiny one of the same architecture (--rehearse: a GPU benchmark's code
+# path, run on CPU in seconds); each key that sets a size gets the tiny size
+TINY_SIZES = {"num_hidden_layers": 2, "n_layer": 2, "hidden_size": 64, "n_embd": 64, "word_embed_proj_dim": 64,
+              "intermediate_size": 128, "ffn_dim": 128, "num_attention_heads": 4, "num_key_value_heads": 4,
+              "n_head": 4, "vocab_size": 2048}
+
+
+def tiny_model(model_config: dict) -> dict:
+    return {k: TINY_SIZES.get(k, v) for k, v in model_config.items()}
+
+
 def markdown_table(headers: list[str], rows: list[list]) -> str:
     cells = [[str(c) for c in row] for row in rows]
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]

@@ -10,8 +10,10 @@ full_shard and no_shard, activation checkpointing on and off, LoRA, micro-batch 
 hardware.CUDA_OVERHEADS) against torch.cuda.max_memory_allocated and max_memory_reserved of the
 real step, on 1 GPU and on all visible GPUs, six configs including a ~1B Llama shape. Without a
 CUDA GPU it stops with a one-line error. Its rows are where the overhead constants get set.
+`--gpu --rehearse` runs the GPU rows' code path on CPU with tiny models of the same architectures
+(the CUDA prediction against the CPU's live-tensor peak, which stands in for allocated/reserved).
 
-    .venv/bin/python bench/plan_accuracy.py [--gpu] [--rows N] [--seq-len 128]
+    .venv/bin/python bench/plan_accuracy.py [--gpu [--rehearse]] [--rows N] [--seq-len 128]
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import tiny_model  # noqa: E402
 
 SHAPES = {
     "gpt2-small": {"model_type": "gpt2", "n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257,
@@ -62,10 +67,11 @@ GPU_ROWS = [
 
 
 def run_config(shape: str, ranks: int, sharding: str, ac: bool, lora: bool, mb: int, seq: int, device: str,
-               precision: str):
+               precision: str, target: str, tiny: bool):
     from shardtune.config import load_config
 
-    return load_config(None, [f"model.config={json.dumps(SHAPES[shape])}", "data.path=unused",
+    model = tiny_model(SHAPES[shape]) if tiny else SHAPES[shape]
+    return load_config(None, [f"model.config={json.dumps(model)}", "data.path=unused",
                               f"data.seq_len={seq}", f"train.micro_batch_size={mb}",
                               f"train.global_batch_size={2 * mb * ranks}", f"fsdp.sharding={sharding}",
                               f"activation_checkpointing={str(ac).lower()}", f"device={device}",
@@ -111,7 +117,7 @@ def predict(spec: dict) -> dict:
 
     cfg = run_config(**spec)
     hf_config = load_hf_config(cfg.model)
-    target = "cuda" if spec["device"] == "cuda" else "cpu"
+    target = spec["target"]
     t0 = time.perf_counter()
     trace = trace_step(cfg, hf_config, spec["ranks"], target=target)
     out = {"trace_s": time.perf_counter() - t0, "live_peak": trace.peak_bytes()}
@@ -125,7 +131,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gpu", action="store_true", help="CUDA rows: allocated and reserved")
     parser.add_argument("--rows", type=int, default=None, help="only the first N rows")
-    parser.add_argument("--seq-len", type=int, default=None, help="default 128 on CPU, 1024 on GPU")
+    parser.add_argument("--seq-len", type=int, default=None, help="default 128 on CPU, 1024 on GPU (64 rehearsing)")
+    parser.add_argument("--rehearse", action="store_true", help="with --gpu: its code path on CPU, tiny models")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -134,14 +141,18 @@ def main() -> int:
     import torch
 
     device, precision = ("cuda", "bf16") if args.gpu else ("cpu", "fp32")
-    if args.gpu and not torch.cuda.is_available():
-        print("error: --gpu needs a CUDA GPU; run without --gpu for the CPU rows", file=sys.stderr)
+    if args.gpu and args.rehearse:
+        device = "cpu"
+    elif args.gpu and not torch.cuda.is_available():
+        print("error: --gpu needs a CUDA GPU; run without --gpu for the CPU rows (or add --rehearse)", file=sys.stderr)
         return 2
-    seq = args.seq_len or (1024 if args.gpu else 128)
-    gpus = torch.cuda.device_count() if args.gpu else 0
+    seq = args.seq_len or (64 if args.rehearse else 1024 if args.gpu else 128)
+    gpus = torch.cuda.device_count() if device == "cuda" else 1
     rows = (GPU_ROWS if args.gpu else CPU_ROWS)[:args.rows]
+    gpu = f" | {torch.cuda.get_device_name(0)} x {gpus}" if device == "cuda" else ""
+    note = " | rehearsal: tiny models on CPU, live-tensor peak in place of allocated/reserved" if args.rehearse else ""
     print(f"{time.strftime('%Y-%m-%d %H:%M')} | {platform.node()} | {os.cpu_count()} CPUs | torch {torch.__version__}"
-          f"{' | ' + torch.cuda.get_device_name(0) + f' x {gpus}' if args.gpu else ''} | seq {seq} | {precision}")
+          f"{gpu} | seq {seq} | {precision}{note}")
     kinds = ["allocated", "reserved"] if args.gpu else ["live_peak"]
     print("| model | ranks | sharding | checkpointing | LoRA | micro-batch | "
           + " | ".join(f"predicted {k} MiB | measured {k} MiB | error" for k in kinds) + " | trace s |")
@@ -150,10 +161,12 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for shape, ranks, sharding, ac, lora, mb in rows:
             spec = dict(shape=shape, ranks=ranks or gpus, sharding=sharding, ac=ac, lora=lora, mb=mb, seq=seq,
-                        device=device, precision=precision)
+                        device=device, precision=precision, target="cuda" if args.gpu else "cpu", tiny=args.rehearse)
             if spec["ranks"] == 1 and sharding == "no_shard":
                 continue
             pred, real = predict(spec), measure(spec, Path(tmp))
+            if args.rehearse:
+                real.update(allocated=real["live_peak"], reserved=real["live_peak"])
             cells = []
             for k in kinds:
                 err = (pred[k] - real[k]) / real[k]

@@ -8,6 +8,8 @@ on the machine hits both. The first --skip steps are left out of tokens/s.
     python bench/vs_hf_trainer.py                 # CPU: GPT-2 4x256 with GPT-2's vocabulary, 1 and 2 ranks
     python bench/vs_hf_trainer.py --setup cpu-vocab2048   # the same body, 2048-token vocabulary
     python bench/vs_hf_trainer.py --gpu           # GPU: Llama-shape ~1B, bf16, seq 2048
+    python bench/vs_hf_trainer.py --setup gpu-opt # GPU: OPT-1.3B's shapes, bf16, seq 2048
+    python bench/vs_hf_trainer.py --setup gpu-opt --rehearse   # that run's code path, tiny, on CPU
 """
 
 from __future__ import annotations
@@ -38,6 +40,15 @@ SETUPS = {
             "seq_len": 2048, "micro": 4, "global": 32, "steps": 30, "precision": "bf16", "lr": 3e-4,
             "nproc": None, "sharding": ["full_shard", "no_shard"], "target": 1.5, "mfu_target": 0.5},
 }
+# OPT-1.3B (a reference system's model): its public config (facebook/opt-1.3b), random init, the
+# GPU setup's batch and sequence. ~1.3B parameters, 9.0 GFLOP per token at seq 2048.
+SETUPS["gpu-opt"] = {**SETUPS["gpu"], "model": {
+    "model_type": "opt", "hidden_size": 2048, "num_hidden_layers": 24, "num_attention_heads": 32, "ffn_dim": 8192,
+    "vocab_size": 50272, "max_position_embeddings": 2048, "word_embed_proj_dim": 2048, "do_layer_norm_before": True,
+    "activation_function": "relu", "enable_bias": True, "dropout": 0.1, "attention_dropout": 0.0,
+    "activation_dropout": 0.0}}
+# --rehearse: a setup's code path at a tiny size on CPU (same architecture, precision and sides)
+REHEARSAL = {"seq_len": 128, "micro": 2, "global": 4, "steps": 4}
 
 # the first CPU setup (2026-11-22 runs 1-3): the quickstart's 2048-token vocabulary, a matmul-bound body
 SETUPS["cpu-vocab2048"] = {**SETUPS["cpu"], "micro": 8, "global": 16, "steps": 20,
@@ -62,17 +73,17 @@ def shardtune_overrides(setup: dict, tokenizer: str, data_dir: str, out: Path, n
 
 
 def worker_shardtune(spec: dict) -> None:
-    import torch
 
     from shardtune.config import load_config
     from shardtune.train import Trainer
 
     trainer = Trainer(load_config(None, spec["overrides"]), overwrite=True)
-    plan, ids = trainer.plan, trainer.train_ds["input_ids"]
+    plan, ds = trainer.plan, trainer.train_ds
     sums = []
     for step in range(trainer.total_steps):  # exactly the blocks train_step will see on this rank
         epoch, in_epoch = divmod(step, plan.steps_per_epoch)
-        sums += [int(C.weighted_sums(ids[torch.tensor(idx)])) for idx in plan.micro_batches(epoch, in_epoch)]
+        sums += [int(C.weighted_sums(ds[[int(i) for i in idx]]["input_ids"]))
+                 for idx in plan.micro_batches(epoch, in_epoch)]
     rss_setup, cpu0, wall0 = C.current_rss_bytes(), time.process_time(), time.perf_counter()
     trainer.fit()
     util = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
@@ -193,7 +204,7 @@ def build_blocks(overrides: list[str], steps: int, path: Path) -> int:
     plan = data_lib.BatchPlan(len(train), t.global_batch_size, t.micro_batch_size, 1, 0, t.seed)
     order = [plan.order(e)[s * t.global_batch_size:(s + 1) * t.global_batch_size]
              for e, s in (divmod(step, plan.steps_per_epoch) for step in range(steps))]
-    blocks = train["input_ids"][torch.cat(order)]
+    blocks = train[torch.cat(order).tolist()]["input_ids"]
     torch.save(blocks.clone(), path)
     return len(train)
 
@@ -220,12 +231,19 @@ def run_side(side: str, spec: dict, workdir: Path) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--setup", choices=sorted(SETUPS), default="cpu", help="which fine-tune (default: cpu)")
-    p.add_argument("--gpu", action="store_true", help="same as --setup gpu: the bf16 ~1B GPU setup (needs CUDA)")
+    p.add_argument("--gpu", action="store_true", help="a GPU setup (needs CUDA): --setup gpu (Llama ~1B, the default "
+                   "with --gpu) or gpu-opt (OPT-1.3B)")
     p.add_argument("--repeats", type=int, default=2, help="shardtune/HF pairs per configuration")
     p.add_argument("--steps", type=int, help="optimizer steps per run (default: the setup's)")
     p.add_argument("--skip", type=int, default=2, help="first steps left out of tokens/s")
     p.add_argument("--nproc", type=int, nargs="+", help="rank counts (default: CPU 1 2, GPU 1 and all GPUs)")
     p.add_argument("--sharding", nargs="+", choices=["no_shard", "full_shard"])
+    p.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: the setup's)")
+    p.add_argument("--budget-s", type=float, help="start no run that would end after this many seconds (judged by the "
+                   "longest run so far); the table shows what ran")
+    p.add_argument("--json", type=Path, help="also write the table and every run as JSON here (after each run)")
+    p.add_argument("--rehearse", action="store_true", help="the setup's code path at a tiny size on CPU (2 layers "
+                   "of 64, seq 128, 4 steps): checks a GPU run's plumbing without a GPU")
     p.add_argument("--peak-tflops", type=float, help="GPU peak bf16 TFLOPS for MFU (default: by GPU name)")
     p.add_argument("--workdir", type=Path, default=C.default_workdir() / "vs_hf")
     p.add_argument("--shardtune-set", action="append", default=[], metavar="KEY=VALUE",
@@ -240,16 +258,21 @@ def main() -> int:
 
     import torch
 
-    a.gpu = a.gpu or a.setup == "gpu"
-    if a.gpu and not torch.cuda.is_available():
+    a.gpu = a.gpu or a.setup.startswith("gpu")
+    name = (a.setup if a.setup.startswith("gpu") else "gpu") if a.gpu else a.setup
+    if a.gpu and not a.rehearse and not torch.cuda.is_available():
         print("error: --gpu needs a CUDA GPU and torch.cuda.is_available() is False here; "
-              "run without --gpu for the CPU benchmark", file=sys.stderr)
+              "run without --gpu for the CPU benchmark (or add --rehearse for its code path on CPU)", file=sys.stderr)
         return 2
-    setup = dict(SETUPS["gpu" if a.gpu else a.setup])
+    setup = dict(SETUPS[name])
     setup["steps"] = a.steps or setup["steps"]
-    device = "cuda" if a.gpu else "cpu"
-    gpus = torch.cuda.device_count() if a.gpu else 0
-    nprocs = a.nproc or setup["nproc"] or sorted({1, gpus})
+    setup["global"] = a.global_batch or setup["global"]
+    if a.rehearse:
+        setup.update(REHEARSAL, model=C.tiny_model(setup["model"]), steps=min(setup["steps"], REHEARSAL["steps"]))
+        a.skip = min(a.skip, setup["steps"] - 2)
+    device = "cuda" if a.gpu and not a.rehearse else "cpu"
+    gpus = torch.cuda.device_count() if device == "cuda" else 0
+    nprocs = a.nproc or setup["nproc"] or sorted({1, max(gpus, 1)})
     shardings = a.sharding or setup["sharding"]
     a.workdir.mkdir(parents=True, exist_ok=True)
     assets = C.quickstart_assets()
@@ -258,13 +281,21 @@ def main() -> int:
     blocks_path = a.workdir / "blocks.pt"
     n_blocks = build_blocks(base, setup["steps"], blocks_path)
     tokens_per_step = setup["global"] * setup["seq_len"]
-    print(f"# shardtune vs transformers.Trainer ({device})\n\n{C.machine_line()}\n\n"
+    print(f"# shardtune vs transformers.Trainer ({name}{', rehearsal' if a.rehearse else ''} on {device})\n\n"
+          f"{C.machine_line()}\n\n"
           f"model {json.dumps(setup['model'])} | seq {setup['seq_len']} | micro {setup['micro']} | "
           f"global {setup['global']} | {setup['steps']} steps (first {a.skip} not timed) | {setup['precision']} | "
           f"AdamW lr {setup.get('lr', TRAIN['lr'])} cosine warmup {TRAIN['warmup_steps']} | "
           f"{n_blocks} packed blocks in the corpus | {a.repeats} alternating pair(s) per row\n", flush=True)
 
-    results, raw = [], []
+    results, raw, began, walls = [], [], time.perf_counter(), {"shardtune": 0.0, "hf": 0.0}
+    fpt = C.flops_per_token(setup["model"], assets["tokenizer"], setup["seq_len"]) if a.gpu else None
+    peak = None
+    if a.gpu:  # shardtune's table of device peaks (TFLOP/s), or --peak-tflops
+        from shardtune.telemetry import device_peak_flops
+
+        peak_flops = device_peak_flops(torch.device(device, 0), "bf16", a.peak_tflops)
+        peak = peak_flops / 1e12 if peak_flops else None
     for nproc in nprocs:
         for sharding in shardings:
             if setup["global"] % (setup["micro"] * nproc):
@@ -277,7 +308,13 @@ def main() -> int:
                     + a.shardtune_set}
             hf_fsdp = nproc > 1 and sharding == "full_shard"
             runs = {"shardtune": [], "hf": []}
+            results.append((nproc, sharding, runs))
             for repeat in range(a.repeats):
+                # a pair starts only if a pair as long as the longest so far still ends within the budget
+                if a.budget_s and time.perf_counter() - began + sum(walls.values()) > a.budget_s:
+                    print(f"  --budget-s {a.budget_s:g} reached: pair #{repeat} of {nproc} rank(s) {sharding} "
+                          "not run", flush=True)
+                    break
                 for side in ("shardtune", "hf"):
                     t0 = time.perf_counter()
                     r = run_side(side, {**spec, "repeat": repeat, "hf_fsdp": hf_fsdp}, a.workdir)
@@ -286,6 +323,7 @@ def main() -> int:
                         r = run_side(side, {**spec, "repeat": repeat, "hf_fsdp": False}, a.workdir)
                         r["note"] = f"FSDP failed ({note}); ran DDP"
                     runs[side].append(r)
+                    walls[side] = max(walls[side], time.perf_counter() - t0)
                     raw.append([nproc, sharding, side, repeat, f"{r.get('tokens_per_s', 0):.0f}",
                                 f"{r.get('peak_bytes', 0) / C.MB:.0f}", f"{time.perf_counter() - t0:.0f}",
                                 f"{r.get('load', 0):.1f}", f"{r.get('cpu_util', 0):.2f}",
@@ -293,26 +331,43 @@ def main() -> int:
                     print(f"  {nproc} rank(s) {sharding:10s} {side:9s} #{repeat}: "
                           f"{r.get('tokens_per_s', 0):8.0f} tok/s  peak {r.get('peak_bytes', 0) / C.MB:7.0f} MB  "
                           f"({time.perf_counter() - t0:.0f}s wall) {r.get('error', '')}", flush=True)
-            results.append((nproc, sharding, runs))
+                    if a.json:  # what ran so far survives a kill
+                        write_json(a.json, name, setup, device, *table(results, setup, fpt, peak), raw)
 
+    headers, rows, notes = table(results, setup, fpt, peak)
+    memory = "CUDA max_memory_allocated" if device == "cuda" else "peak RSS (ru_maxrss), max over ranks and repeats"
+    print(f"\n## Results (median tokens/s over repeats; memory = {memory})\n")
+    print(C.markdown_table(headers, rows))
+    if notes:
+        print("\nNotes:\n" + "\n".join(notes))
+    print("\n## Runs in the order they ran\n")
+    print(C.markdown_table(RAW_HEADERS, raw))
+    if a.json:
+        write_json(a.json, name, setup, device, headers, rows, notes, raw)
+    return 0
+
+
+RAW_HEADERS = ["ranks", "sharding", "side", "repeat", "tok/s", "peak MB", "wall s", "load avg before",
+               "CPU s/wall s per rank", "mode / error"]
+
+
+def table(results: list, setup: dict, fpt: float | None, peak: float | None) -> tuple[list, list, list]:
+    """The results table: one row per (ranks, sharding), medians over the pairs that ran."""
     target = setup["target"]
-    fpt = C.flops_per_token(setup["model"], assets["tokenizer"], setup["seq_len"]) if a.gpu else None
-    peak = None
-    if a.gpu:  # shardtune's table of device peaks (TFLOP/s), or --peak-tflops
-        from shardtune.telemetry import device_peak_flops
-
-        peak_flops = device_peak_flops(torch.device("cuda", 0), "bf16", a.peak_tflops)
-        peak = peak_flops / 1e12 if peak_flops else None
     headers = ["ranks", "sharding", "HF mode", "shardtune tok/s", "HF tok/s", f"ratio (target ≥ {target}×)",
                "shardtune peak MB", "HF peak MB", "peak ratio", "loss step 1 / last (st | HF)", "same blocks"]
     if fpt and peak:
         headers += [f"shardtune MFU (target ≥ {setup['mfu_target']:.0%})", "HF MFU"]
     rows, notes = [], []
     for nproc, sharding, runs in results:
-        st, hf = runs["shardtune"], runs["hf"]
+        st, hf = runs["shardtune"], runs["hf"][:len(runs["shardtune"])]
+        st = st[:len(hf)]  # whole pairs only
         if any("error" in r for r in st + hf):
             err = next(r["error"] for r in st + hf if "error" in r)
             rows.append([nproc, sharding, "error", "", "", "", "", "", "", err, ""])
+            continue
+        if not st:
+            rows.append([nproc, sharding, "not run (--budget-s)", *[""] * (len(headers) - 3)])
             continue
         st_tps = statistics.median(r["tokens_per_s"] for r in st)
         hf_tps = statistics.median(r["tokens_per_s"] for r in hf)
@@ -329,16 +384,13 @@ def main() -> int:
             row += [f"{mfu[0]:.1%} {'✅' if mfu[0] >= setup['mfu_target'] else '❌'}", f"{mfu[1]:.1%}"]
         rows.append(row)
         notes += [f"- {nproc} ranks {sharding}: {r['note']}" for r in hf[:1] if r.get("note")]
-    memory = "CUDA max_memory_allocated" if a.gpu else "peak RSS (ru_maxrss), max over ranks and repeats"
-    print(f"\n## Results (median tokens/s over repeats; memory = {memory})\n")
-    print(C.markdown_table(headers, rows))
-    if notes:
-        print("\nNotes:\n" + "\n".join(dict.fromkeys(notes)))
-    print("\n## Runs in the order they ran\n")
-    print(C.markdown_table(["ranks", "sharding", "side", "repeat", "tok/s", "peak MB", "wall s",
-                                   "load avg before", "CPU s/wall s per rank", "mode / error"], raw))
-    return 0
+    return headers, rows, list(dict.fromkeys(notes))
 
+
+def write_json(path: Path, name: str, setup: dict, device: str, headers, rows, notes, raw) -> None:
+    path.write_text(json.dumps({"setup": name, "device": device, "config": setup,
+                                "results": [dict(zip(headers, row)) for row in rows], "notes": notes,
+                                "runs": [dict(zip(RAW_HEADERS, row)) for row in raw]}, indent=1))
 
 if __name__ == "__main__":
     sys.exit(main())
