@@ -25,6 +25,12 @@ def default_workdir() -> Path:
     return Path(os.environ.get("SHARDTUNE_BENCH_DIR", "/tmp/shardtune-bench"))
 
 
+def args_only() -> bool:
+    """`ARGS_ONLY=1 bash bench/gpu/run.sh`: each benchmark parses its command line and stops there,
+    so a suite's command lines are checked in seconds, before a GPU's minutes are spent on them."""
+    return bool(os.environ.get("SHARDTUNE_BENCH_ARGS_ONLY"))
+
+
 def quickstart_assets(vocab_size: int = 2048) -> dict:
     """The offline docstring corpus + BPE tokenizer (built once, then reused from the cache)."""
     from shardtune.quickstart import build_quickstart_assets, default_cache_dir
@@ -49,13 +55,16 @@ def threads_per_rank(nproc: int) -> int:
     return max(1, (os.cpu_count() or 1) // nproc)
 
 
+def torchrun_env(nproc: int, env: dict | None = None) -> dict:
+    """The environment of a benchmark's ranks: their share of the cores, offline, unbuffered."""
+    return {**os.environ, "OMP_NUM_THREADS": str(threads_per_rank(nproc)), "PYTHONUNBUFFERED": "1",
+            "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **(env or {})}
+
+
 def torchrun(script: Path, nproc: int, args: list[str], timeout: int = 900, env: dict | None = None):
     """Start `nproc` ranks of `script` with torch's launcher; returns the CompletedProcess."""
     cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script), *args]
-    full_env = {**os.environ, "OMP_NUM_THREADS": str(threads_per_rank(nproc)), "PYTHONUNBUFFERED": "1",
-                "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-                **(env or {})}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=torchrun_env(nproc, env))
 
 
 def last_error_line(proc) -> str:

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import tiny_model  # noqa: E402
+from _common import args_only, tiny_model  # noqa: E402
 
 SHAPES = {
     "gpt2-small": {"model_type": "gpt2", "n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257,
@@ -137,6 +137,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.worker:
         worker(json.loads(args.worker[0]), Path(args.worker[1]))
+        return 0
+    if args_only():
         return 0
     import torch
 

@@ -24,7 +24,16 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import MB, PYTHON, default_workdir, machine_line, markdown_table, overrides_from, quickstart_assets  # noqa: E402
+from _common import (  # noqa: E402
+    MB,
+    PYTHON,
+    args_only,
+    default_workdir,
+    machine_line,
+    markdown_table,
+    overrides_from,
+    quickstart_assets,
+)
 
 MODEL = {"model_type": "gpt2", "n_layer": 2, "n_embd": 128, "n_head": 4, "n_positions": 256, "vocab_size": 2048}
 # Flat means: RSS grows by at most this much from the end of warm-up to the end (and its fitted
@@ -178,6 +187,8 @@ def main() -> int:
     p.add_argument("--summarise", action="store_true", help="only print the table and verdict of the soak "
                    "already in --workdir (its samples.json)")
     args = p.parse_args()
+    if args_only():
+        return 0
     if args.summarise:
         samples = json.loads((args.workdir / "samples.json").read_text())
         return report(samples, None, "(not rerun)", args)

@@ -58,6 +58,16 @@ SETUPS["cpu-vocab2048"] = {**SETUPS["cpu"], "micro": 8, "global": 16, "steps": 2
 SETUPS["cpu-bf16"] = {**SETUPS["cpu"], "precision": "bf16"}
 
 
+def resolve_setup(name: str, steps: int | None, global_batch: int | None, rehearse: bool) -> dict:
+    """A setup with the command line's steps and global batch; rehearsing, shrunk (REHEARSAL)."""
+    setup = dict(SETUPS[name])
+    setup["steps"] = steps or setup["steps"]
+    setup["global"] = global_batch or setup["global"]
+    if rehearse:
+        setup.update(REHEARSAL, model=C.tiny_model(setup["model"]), steps=min(setup["steps"], REHEARSAL["steps"]))
+    return setup
+
+
 def shardtune_overrides(setup: dict, tokenizer: str, data_dir: str, out: Path, nproc: int, sharding: str) -> list[str]:
     tree = {"model": {"config": setup["model"], "tokenizer": tokenizer},
             "data": {"path": data_dir, "seq_len": setup["seq_len"]},
@@ -255,7 +265,10 @@ def main() -> int:
         spec = json.loads(Path(a.spec).read_text())
         (worker_shardtune if a.worker == "shardtune" else worker_hf)(spec)
         return 0
+    if C.args_only():
+        return 0
 
+    began = time.perf_counter()  # --budget-s counts the set-up too
     import torch
 
     a.gpu = a.gpu or a.setup.startswith("gpu")
@@ -264,11 +277,8 @@ def main() -> int:
         print("error: --gpu needs a CUDA GPU and torch.cuda.is_available() is False here; "
               "run without --gpu for the CPU benchmark (or add --rehearse for its code path on CPU)", file=sys.stderr)
         return 2
-    setup = dict(SETUPS[name])
-    setup["steps"] = a.steps or setup["steps"]
-    setup["global"] = a.global_batch or setup["global"]
+    setup = resolve_setup(name, a.steps, a.global_batch, a.rehearse)
     if a.rehearse:
-        setup.update(REHEARSAL, model=C.tiny_model(setup["model"]), steps=min(setup["steps"], REHEARSAL["steps"]))
         a.skip = min(a.skip, setup["steps"] - 2)
     device = "cuda" if a.gpu and not a.rehearse else "cpu"
     gpus = torch.cuda.device_count() if device == "cuda" else 0
@@ -288,7 +298,7 @@ def main() -> int:
           f"AdamW lr {setup.get('lr', TRAIN['lr'])} cosine warmup {TRAIN['warmup_steps']} | "
           f"{n_blocks} packed blocks in the corpus | {a.repeats} alternating pair(s) per row\n", flush=True)
 
-    results, raw, began, walls = [], [], time.perf_counter(), {"shardtune": 0.0, "hf": 0.0}
+    results, raw, walls = [], [], {"shardtune": 0.0, "hf": 0.0}
     fpt = C.flops_per_token(setup["model"], assets["tokenizer"], setup["seq_len"]) if a.gpu else None
     peak = None
     if a.gpu:  # shardtune's table of device peaks (TFLOP/s), or --peak-tflops

@@ -1,43 +1,203 @@
 #!/usr/bin/env bash
 # The GPU suite in one command, on a machine with one CUDA GPU, its own PyTorch and no network:
-#   bash bench/gpu/run.sh RESULTS_DIR
-# 1. installs shardtune without touching the machine's torch (--no-deps, no build isolation) and
-#    the wheels bench/gpu/wheels.sh brought into .whl/ (datasets, bitsandbytes, ...);
-# 2. runs the CUDA tests (tests/test_cuda.py: bf16/fp16 through the CLI, the chunked loss's CUDA
-#    layout, QLoRA, checkpointing/compile/offload, NCCL under torchrun, NVML telemetry + report);
-# 3. runs the GPU benchmarks it has time for (shardtune vs HF Trainer, bf16 ~1B Llama; the
-#    planner's predictions against torch.cuda.max_memory_allocated/reserved where it exists).
-# 4. with SOAK_MINUTES=N, also the soak (bench/soak.py --device cuda): N minutes more.
-# Everything it measures lands in RESULTS_DIR (logs, JUnit XML, JSON, PNGs). About 9 minutes.
+#   bash bench/gpu/run.sh RESULTS_DIR [BRING_BACK_DIR]
+#   bash bench/gpu/run.sh --rehearse RESULTS_DIR      (or REHEARSE=1): every stage on CPU, tiny sizes
+#
+# Stages, in order; each has a time cap, and the whole suite a budget (BUDGET_S, default 540 s =
+# 9 minutes, so it ends inside a 10-minute call): a stage gets min(its cap, what is left), a stage
+# with under 30 s left is skipped, and every stage writes its own files whatever the later ones do.
+#   setup        install shardtune without touching the machine's torch (--no-deps, no build
+#                isolation; PYTHONPATH=src if that fails) + the wheels bench/gpu/wheels.sh put in
+#                .whl/; env.txt (GPU, driver, versions), a list of missing modules. ~20 s
+#   tests  210 s tests/test_cuda.py (-m cuda): bf16/fp16 through the CLI with eval/generate/export,
+#                the chunked loss's CUDA layout, QLoRA, checkpointing/compile/offload, NCCL under
+#                torchrun, NVML telemetry and the report's PNGs. cuda-tests.xml, tests/ (JSON
+#                records, PNGs). ~150 s: ~12 short CLI runs of tiny models, one torch.compile
+#   bench-llama 120 s, bench-opt 120 s   bench/vs_hf_trainer.py --gpu, Llama ~1B and OPT-1.3B
+#                shapes, seq 2048, bf16, random init, full_shard on 1 GPU against HF Trainer,
+#                shardtune/HF alternating, as many pairs as the cap allows (REPEATS, default 2).
+#                vs_hf_{llama,opt}.{md,json}. Estimate per run: ~25 s set-up (imports, random
+#                init of 1-1.3B parameters on the CPU, copy to the GPU) + BENCH_STEPS (8) steps of
+#                BENCH_GLOBAL (8) x 2048 tokens at 10-20k tokens/s (0.8-1.6 s each) = 35-40 s, a
+#                pair ~80 s: one pair (A B) fits the cap; A B A B needs a call of its own (below).
+#   profile 90 s bench/profile_step.py: the Llama setup, global batch 8, 3 untraced + 3 traced
+#                steps (log.profile_steps): profile/{trace.json.gz, ops.txt, metrics.jsonl,
+#                train.log}, profile.md. ~50 s; the trace ~2-5 MB compressed
+#   plan   90 s  bench/plan_accuracy.py --gpu --rows PLAN_ROWS (3): the planner's predictions
+#                against max_memory_allocated/reserved. plan_accuracy.md. ~25 s a row
+#   soak         only with SOAK_MINUTES=N: bench/soak.py --device cuda, N minutes more (the
+#                budget grows by N minutes + 2). soak.md
+# STAGES="tests bench-llama ..." runs only those (setup always runs). After every stage the
+# folder gets summary.md (bench/gpu/summarize.py), stages.tsv and results.tar.gz (everything
+# but itself; without the trace if that would pass 15 MiB), and BRING_BACK_DIR, if given, a
+# copy of exactly three files: summary.md, suite.log, results.tar.gz.
+#
+# On the device tool (at most 8 files of 16 MiB come back from $OUT): name $OUT as BRING_BACK_DIR,
+# and the stages done before a kill still come back; carry .whl (git-ignored) for the wheels:
+#   1st call (~9 min):  bash bench/gpu/run.sh /tmp/gpu "$OUT"
+#   2nd call (~6 min):  STAGES="bench-llama bench-opt" BUDGET_S=500 CAP_BENCH=240 REPEATS=2 \
+#                         bash bench/gpu/run.sh /tmp/gpu-ab "$OUT"        (A B A B for both models)
+#   3rd, if time:       STAGES=plan PLAN_ROWS=6 CAP_PLAN=400 bash bench/gpu/run.sh /tmp/gpu-plan "$OUT"
+# Knobs: PYTHON, BUDGET_S, REPEATS, BENCH_STEPS, BENCH_GLOBAL, PLAN_ROWS, SOAK_MINUTES, CAP_<STAGE>.
+# The CPU rehearsal (no install; .venv/bin/python) takes about 4 minutes on 2 cores (BENCHMARKS.md).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-results=${1:?usage: bash bench/gpu/run.sh RESULTS_DIR}
-mkdir -p "$results"
-exec > >(tee "$results/suite.log") 2>&1
-python=${PYTHON:-python3}
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
-$python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))"
-
-site=/tmp/shardtune-site
-if compgen -G ".whl/*.whl" > /dev/null; then
-  $python -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl/*.whl || exit 1
-  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+rehearse=${REHEARSE:-0}
+positional=()
+for arg in "$@"; do
+  case $arg in
+    --rehearse) rehearse=1 ;;
+    -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    -*) echo "unknown option $arg; usage: bash bench/gpu/run.sh [--rehearse] RESULTS_DIR [BRING_BACK_DIR]" >&2; exit 2 ;;
+    *) positional+=("$arg") ;;
+  esac
+done
+results=${positional[0]:-}
+bring=${positional[1]:-}
+if [ -z "$results" ]; then
+  echo "usage: bash bench/gpu/run.sh [--rehearse] RESULTS_DIR [BRING_BACK_DIR]" >&2
+  exit 2
 fi
-$python -m pip install -q --no-deps --no-build-isolation -e . || exit 1
-$python -m pip list 2>/dev/null | grep -iE '^(torch|transformers|peft|datasets|bitsandbytes|accelerate) ' \
-  > "$results/versions.txt"
+mkdir -p "$results" && results=$(cd "$results" && pwd)
+if [ -n "$bring" ]; then mkdir -p "$bring" && bring=$(cd "$bring" && pwd); fi
+rm -f "$results/stages.tsv" "$results/suite.log"
+if [ "$rehearse" = 1 ]; then default_python=.venv/bin/python; else default_python=python3; fi
+[ -x "$default_python" ] || default_python=python3
+python=${PYTHON:-$default_python}
+started=$(date +%s)
+budget=$(( ${BUDGET_S:-540} + ${SOAK_MINUTES:-0} * 60 + (${SOAK_MINUTES:-0} > 0 ? 120 : 0) ))
+deadline=$(( started + budget ))
+reserve=15  # for the last summary and tarball
+stages=${STAGES:-tests bench-llama bench-opt profile plan${SOAK_MINUTES:+ soak}}
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export SHARDTUNE_BENCH_DIR=${SHARDTUNE_BENCH_DIR:-/tmp/shardtune-bench}
+rh=()  # what a script adds to rehearse
+if [ "$rehearse" = 1 ]; then rh=(--rehearse); export SHARDTUNE_TEST_DEVICE=cpu; fi
+collect=()  # ARGS_ONLY=1: every stage's command line is parsed by its script, nothing runs (seconds)
+if [ -n "${ARGS_ONLY:-}" ]; then collect=(--collect-only); export SHARDTUNE_BENCH_ARGS_ONLY=1; fi
 
-export SHARDTUNE_GPU_RESULTS="$results" PYTHONUNBUFFERED=1
+say() { echo "$*" | tee -a "$results/suite.log"; }
+wanted() { [[ " $stages " == *" $1 "* ]]; }
+time_for() {  # time_for CAP: seconds a stage may take now
+  local left=$(( deadline - $(date +%s) - reserve ))
+  echo $(( $1 < left ? $1 : left ))
+}
+
+pack() {  # summary.md, results.tar.gz and the copies in BRING_BACK_DIR
+  $python bench/gpu/summarize.py "$results" > "$results/summary.md.tmp" 2>> "$results/suite.log" \
+    && mv "$results/summary.md.tmp" "$results/summary.md"
+  local tarball=$results/results.tar.gz
+  tar -czf "$tarball.tmp" -C "$results" --exclude=./results.tar.gz --exclude=./results.tar.gz.tmp . 2>/dev/null
+  if [ "$(stat -c %s "$tarball.tmp")" -gt $((15 * 1024 * 1024)) ]; then  # too big to come back: drop the traces
+    tar -czf "$tarball.tmp" -C "$results" --exclude=./results.tar.gz --exclude=./results.tar.gz.tmp \
+      --exclude='*.json.gz' . 2>/dev/null
+    say "  results.tar.gz leaves out the Chrome traces (over 15 MiB with them); they stay in $results"
+  fi
+  mv "$tarball.tmp" "$tarball"
+  if [ -n "$bring" ]; then cp "$results/summary.md" "$results/suite.log" "$tarball" "$bring/"; fi
+}
+
+leftovers() {  # GPU processes of this suite still alive after a stage (a killed stage's ranks)
+  command -v nvidia-smi > /dev/null || return 0
+  local pid
+  for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do
+    if tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null | grep -qE 'shardtune|bench/'; then
+      say "  stopping leftover GPU process $pid: $(tr '\0' ' ' < "/proc/$pid/cmdline" | cut -c1-120)"
+      kill "$pid" 2>/dev/null; sleep 5; kill -9 "$pid" 2>/dev/null
+    fi
+  done
+}
+
+stage() {  # stage NAME SECONDS OUTFILE COMMAND...: COMMAND's output to RESULTS/OUTFILE, at most SECONDS
+  local name=$1 limit=$2 out=$3
+  shift 3
+  wanted "$name" || return 0
+  if [ "$limit" -lt 30 ]; then
+    say "stage $name: skipped, the budget is spent"
+    printf '%s\tskipped (budget)\t0\t%s\n' "$name" "$out" >> "$results/stages.tsv"
+    pack
+    return 0
+  fi
+  say "stage $name: up to ${limit}s -> $out ($(date +%H:%M:%S))"
+  local t0
+  t0=$(date +%s)
+  timeout -k 20 "$limit" "$@" > "$results/$out" 2>&1
+  local rc=$?
+  [ $rc = 124 ] && echo "(stopped by run.sh after ${limit}s)" >> "$results/$out"
+  printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$(( $(date +%s) - t0 ))" "$out" >> "$results/stages.tsv"
+  say "stage $name: exit $rc after $(( $(date +%s) - t0 ))s; last lines:"
+  tail -n 4 "$results/$out" | cut -c1-200 | sed 's/^/    /' | tee -a "$results/suite.log"
+  [ $rc = 0 ] || status=1
+  leftovers
+  if [ $rc = 124 ] || [ $rc = 137 ]; then  # a run stopped by SIGTERM saves a checkpoint: scratch, GBs at 1B
+    find "$SHARDTUNE_BENCH_DIR" -maxdepth 4 -type d -name checkpoints -prune -exec rm -rf {} + 2>/dev/null
+  fi
+  pack
+}
+
+# ---------------------------------------------------------------------------- setup
 status=0
-timeout 240 $python -m pytest -q -m cuda tests/test_cuda.py --junitxml "$results/cuda-tests.xml" || status=1
-timeout 150 $python bench/vs_hf_trainer.py --gpu --repeats 1 --sharding full_shard --steps 12 \
-  > "$results/vs_hf_trainer.md" || status=1
-if [ -f bench/plan_accuracy.py ]; then
-  timeout 120 $python bench/plan_accuracy.py --gpu --rows 3 > "$results/plan_accuracy.md" || status=1
+say "GPU suite$([ "$rehearse" = 1 ] && echo ' (CPU rehearsal)'): stages '$stages', budget ${budget}s, results in $results"
+if [ "$rehearse" != 1 ] && [ -z "${ARGS_ONLY:-}" ]; then
+  site=/tmp/shardtune-site
+  if compgen -G ".whl/*.whl" > /dev/null; then
+    $python -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl/*.whl 2>&1 \
+      | tail -3 | tee -a "$results/suite.log"
+    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+  fi
+  if ! $python -m pip install -q --no-deps --no-build-isolation -e . >> "$results/suite.log" 2>&1; then
+    say "pip install -e . failed (above); using PYTHONPATH=src"
+    export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+  fi
 fi
-if [ "${SOAK_MINUTES:-0}" != 0 ]; then  # optional: RSS and CUDA memory flat over a long run (bench/soak.py)
-  timeout $((SOAK_MINUTES * 60 + 300)) $python bench/soak.py --device cuda --minutes "$SOAK_MINUTES" \
-    --warmup-minutes 1 --bucket-minutes 1 --checkpoint-minutes 1 --eval-minutes 0.5 > "$results/soak.md" || status=1
+{
+  echo "date $(date -u '+%Y-%m-%d %H:%M UTC'), host $(hostname), $(nproc) CPUs, git $(git rev-parse --short HEAD 2>/dev/null)"
+  if command -v nvidia-smi > /dev/null; then
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
+  else
+    echo "no nvidia-smi"
+  fi
+  $python -c "import sys, torch; print('python', sys.version.split()[0], '| torch', torch.__version__, '| cuda',
+torch.version.cuda, '|', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA device')" 2>&1
+  $python - <<'EOF' 2>&1
+import importlib
+found, missing = [], []
+for name in ("shardtune", "transformers", "datasets", "peft", "accelerate", "bitsandbytes", "pynvml", "tensorboard"):
+    try:
+        module = importlib.import_module(name)
+        found.append(f"{name} {getattr(module, '__version__', '')}".strip())
+    except Exception as exc:  # noqa: BLE001 - any import failure is worth one line
+        missing.append(f"{name} ({type(exc).__name__})")
+print("found:", ", ".join(found))
+print("missing:", ", ".join(missing) or "none")
+EOF
+} > "$results/env.txt"
+tee -a "$results/suite.log" < "$results/env.txt"
+
+# ---------------------------------------------------------------------------- stages
+export SHARDTUNE_GPU_RESULTS=$results/tests
+stage tests "$(time_for "${CAP_TESTS:-210}")" cuda-tests.log \
+  $python -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda.py --junitxml "$results/cuda-tests.xml" "${collect[@]}"
+bench_args=(--repeats "${REPEATS:-2}" --sharding full_shard --nproc 1 --steps "${BENCH_STEPS:-8}"
+            --global-batch "${BENCH_GLOBAL:-8}")
+[ "$rehearse" = 1 ] && bench_args+=(--peak-tflops 1)  # the MFU columns, against a nominal peak
+for model in llama opt; do
+  setup=gpu; [ $model = opt ] && setup=gpu-opt
+  limit=$(time_for "${CAP_BENCH:-120}")
+  stage "bench-$model" "$limit" "vs_hf_$model.md" $python bench/vs_hf_trainer.py --setup $setup "${bench_args[@]}" \
+    --budget-s $(( limit - 10 )) --json "$results/vs_hf_$model.json" "${rh[@]}"
+done
+stage profile "$(time_for "${CAP_PROFILE:-90}")" profile.md \
+  $python bench/profile_step.py --setup gpu --global-batch 8 --out "$results/profile" "${rh[@]}"
+stage plan "$(time_for "${CAP_PLAN:-90}")" plan_accuracy.md \
+  $python bench/plan_accuracy.py --gpu --rows "${PLAN_ROWS:-3}" "${rh[@]}"
+if [ -n "${SOAK_MINUTES:-}" ]; then
+  m=$SOAK_MINUTES
+  if [ "$rehearse" = 1 ]; then soak_args=(--device cpu --sample-s 2); else soak_args=(--device cuda); fi
+  stage soak "$(time_for $(( m * 60 + 120 )))" soak.md $python bench/soak.py "${soak_args[@]}" --minutes "$m" \
+    --warmup-minutes "$(echo "$m" | awk '{print $1 / 3}')" --bucket-minutes "$(echo "$m" | awk '{print $1 / 4}')" \
+    --checkpoint-minutes "$(echo "$m" | awk '{print $1 / 2}')" --eval-minutes "$(echo "$m" | awk '{print $1 / 4}')"
 fi
-echo "GPU suite finished with status $status; results in $results"
+say "GPU suite finished with status $status after $(( $(date +%s) - started ))s; results in $results"
+pack
 exit $status
