@@ -105,7 +105,10 @@ def worker_shardtune(spec: dict) -> None:
     record = {"peak_bytes": peak, "rss_setup": rss_setup, "sums": sums, "mode": f"FSDP2 {spec['sharding']}",
               "cpu_util": util}
     if trainer.dist.is_main:
-        record["step_seconds"] = [r.get("step_time_s") or spec["tokens_per_step"] / r["tokens_per_s"] for r in rows]
+        # the loop reads a step's numbers once the next one is queued and the last two together, so the
+        # last record's time is not a step's (on CPU ~0): leaving it out, the others span whole steps
+        record["step_seconds"] = [r.get("step_time_s") or spec["tokens_per_step"] / r["tokens_per_s"]
+                                  for r in rows][:-1]
         record["losses"] = [r["loss"] for r in rows]
     C.write_rank_json(Path(spec["out"]), "shardtune", record)
     trainer.close()

@@ -145,8 +145,8 @@ if [ "$rehearse" != 1 ] && [ -z "${ARGS_ONLY:-}" ]; then
       | tail -3 | tee -a "$results/suite.log"
     export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
   fi
-  if ! $python -m pip install -q --no-deps --no-build-isolation -e . >> "$results/suite.log" 2>&1; then
-    say "pip install -e . failed (above); using PYTHONPATH=src"
+  if ! $python -m pip install -q --no-deps --no-build-isolation -e . > "$results/install.log" 2>&1; then
+    say "pip install -e . failed (install.log; e.g. setuptools < 68 and no network); using PYTHONPATH=src"
     export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
   fi
 fi
