@@ -105,10 +105,9 @@ def worker_shardtune(spec: dict) -> None:
     record = {"peak_bytes": peak, "rss_setup": rss_setup, "sums": sums, "mode": f"FSDP2 {spec['sharding']}",
               "cpu_util": util}
     if trainer.dist.is_main:
-        # the loop reads a step's numbers once the next one is queued and the last two together, so the
-        # last record's time is not a step's (on CPU ~0): leaving it out, the others span whole steps
+        # each record's step_time_s is timed by telemetry.StepClock: when the step's work was done
         record["step_seconds"] = [r.get("step_time_s") or spec["tokens_per_step"] / r["tokens_per_s"]
-                                  for r in rows][:-1]
+                                  for r in rows]
         record["losses"] = [r["loss"] for r in rows]
     C.write_rank_json(Path(spec["out"]), "shardtune", record)
     trainer.close()

@@ -136,3 +136,25 @@ def test_the_loop_reads_a_step_once_the_next_is_queued(assets, tmp_path, monkeyp
     train_mod.run(load_config(None, overrides, defaults={}), overwrite=True)
     assert events == ["queued 1", "queued 2", "read 1", "queued 3", "read 2", "read 3",
                       "queued 4", "queued 5", "read 4", "read 5"]
+
+
+def test_step_times_are_the_steps_own_though_read_late(assets, tmp_path, monkeypatch):
+    """Read one step late, a record still times its own steps: the meter takes the StepClock
+    mark queued behind each step, not the host's clock at reading (which, on a CPU, would
+    include the next step and leave the last record at ~0). A fake clock ticks once a step."""
+    import json
+
+    import shardtune.telemetry as telemetry
+    from shardtune.config import load_config
+    from shardtune.train import run
+
+    ticks = iter(range(1000))
+    monkeypatch.setattr(telemetry.StepClock, "mark", lambda self: float(next(ticks)))
+    overrides = tiny_overrides(assets, tmp_path, **{"train.max_steps": 7, "log.every_steps": 2,
+                                                    "checkpoint.every_steps": 3, "eval.every_steps": 4,
+                                                    "save_final": "false"})
+    run(load_config(None, overrides, defaults={}), overwrite=True)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    timed = [(r["step"], r["step_time_s"]) for r in rows if "step_time_s" in r]
+    assert timed == [(2, 1.0), (4, 1.0), (6, 1.0), (7, 1.0)]
+    assert [r["tokens_per_s"] for r in rows if "tokens_per_s" in r] == [8 * 64] * 4  # 8 x 64 tokens a tick

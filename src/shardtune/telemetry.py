@@ -33,31 +33,56 @@ class MetricsLog:
             self._file.close()
 
 
+class StepClock:
+    """When a step's work is done. On a GPU, a CUDA event queued behind the step: the host reads
+    a step's numbers one step late, so its own clock would say when the next step was queued;
+    once those numbers are read the event is complete and costs no wait. On a CPU every op is
+    done when it returns, so the host's clock is the step's."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start, end) -> float:
+        return start.elapsed_time(end) / 1000 if self.cuda else end - start
+
+
 class StepMeter:
     """Speed between two log lines: tokens/s (global and per device), step time, the share of
-    it spent assembling batches, and MFU when the device's peak is known."""
+    it spent assembling batches, and MFU when the device's peak is known. Steps are timed by
+    StepClock marks taken when each step's work was queued."""
 
-    def __init__(self, world_size: int, flops_per_token: float, peak_flops: float | None):
+    def __init__(self, world_size: int, flops_per_token: float, peak_flops: float | None, clock: StepClock):
         self.world_size, self.flops_per_token, self.peak_flops = world_size, flops_per_token, peak_flops
+        self.clock = clock
+        self._start = clock.mark()
         self._reset()
 
     def _reset(self) -> None:
-        self._t = time.perf_counter()
         self._steps = self._tokens = 0
         self._data_s = 0.0
 
-    def add(self, global_tokens: float, data_seconds: float) -> None:
+    def add(self, global_tokens: float, data_seconds: float, done) -> None:
+        """A step that was read: its tokens, the loop's wait for its batches, its StepClock mark."""
         self._steps += 1
         self._tokens += global_tokens
         self._data_s += data_seconds
+        self._end = done
 
     def report(self) -> dict:
-        elapsed = max(time.perf_counter() - self._t, 1e-9)
+        elapsed = max(self.clock.seconds(self._start, self._end), 1e-9)
         rate = self._tokens / elapsed
         out = {"tokens_per_s": rate, "tokens_per_s_per_device": rate / self.world_size,
                "step_time_s": elapsed / max(self._steps, 1), "data_wait_share": min(1.0, self._data_s / elapsed)}
         if self.peak_flops:
             out["mfu"] = rate * self.flops_per_token / (self.peak_flops * self.world_size)
+        self._start = self._end
         self._reset()
         return out
 

@@ -28,6 +28,7 @@ from .telemetry import (
     LiveMemory,
     MetricsLog,
     Progress,
+    StepClock,
     StepMeter,
     StepProfiler,
     device_peak_flops,
@@ -68,6 +69,7 @@ class QueuedStep:
     lr: float
     data_seconds: float  # the loop's wait for this step's batches
     numbers: torch.Tensor  # step.queue_numbers: still on the device
+    done: object  # telemetry.StepClock mark queued behind the step
 
 
 class Trainer:
@@ -248,8 +250,9 @@ class Trainer:
         from .optim import lr_at, set_lr
 
         cfg, dist, plan, state = self.cfg, self.dist, self.plan, self.state
+        clock = StepClock(dist.device)
         meter = StepMeter(dist.world_size, self.flops_per_token,
-                          device_peak_flops(dist.device, cfg.precision, cfg.log.peak_tflops))
+                          device_peak_flops(dist.device, cfg.precision, cfg.log.peak_tflops), clock)
         live = LiveMemory(self.model, self.optimizer, dist.device, cfg.log.live_memory)
         first_tokens = state.tokens_seen
         labels_vary = "labels" in self.train_ds.column_names
@@ -266,7 +269,8 @@ class Trainer:
             state.step = step = state.step + 1
             # the global loss, tokens and whether any rank was asked to stop (all ranks stop at the
             # same step): one small all-reduce, queued behind the step
-            queued.append(QueuedStep(step, lr, data_seconds, queue_numbers(out, preemption.requested, dist.device)))
+            numbers = queue_numbers(out, preemption.requested, dist.device)
+            queued.append(QueuedStep(step, lr, data_seconds, numbers, clock.mark()))
             last = step == self.total_steps
             eval_now = bool(self.val_batches) and (last or (cfg.eval.every_steps and step % cfg.eval.every_steps == 0))
             save_now = self.ckpt.due(step, plan.steps_per_epoch)
@@ -304,7 +308,7 @@ class Trainer:
         cfg, step = self.cfg, queued.step
         numbers = read_numbers(queued.numbers)
         self.state.tokens_seen += numbers.input_tokens
-        meter.add(numbers.input_tokens, queued.data_seconds)
+        meter.add(numbers.input_tokens, queued.data_seconds, queued.done)
         epoch = step / self.plan.steps_per_epoch
         loss, grad_norm = numbers.loss, numbers.grad_norm
         if not math.isfinite(loss) or (self.scaler is None and not math.isfinite(grad_norm)):
