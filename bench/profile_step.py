@@ -23,6 +23,19 @@ import _common as C  # noqa: E402
 TABLE_ROWS = 15  # operators shown in the summary (ops.txt keeps 40)
 
 
+# the calls by which the host waits for the device: a value read (.item(), bool(tensor)), a sync
+WAITS = ("aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def host_waits(trace: Path) -> dict[str, int]:
+    """How often each of WAITS occurs in a Chrome trace (of the traced steps only)."""
+    import gzip
+
+    events = json.loads(gzip.decompress(trace.read_bytes())).get("traceEvents", [])
+    counts = {name: sum(1 for e in events if e.get("name") == name and e.get("ph") == "X") for name in WAITS}
+    return {name: n for name, n in counts.items() if n}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--setup", choices=sorted(SETUPS), default="gpu", help="vs_hf_trainer.py's setup (default gpu)")
@@ -76,6 +89,10 @@ def main() -> int:
         print(f"the run wrote no profile; see {log}")
         return 1
     print(f"trace: {trace.name}, {trace.stat().st_size / C.MB:.1f} MiB (ui.perfetto.dev or chrome://tracing)\n")
+    waits = host_waits(trace)
+    print("host waits for the device in the traced steps, per step: "
+          + (", ".join(f"{name} {n / a.steps:g}" for name, n in waits.items()) or "none")
+          + ("" if cuda else " (on a CPU, kernels reading their own scalars count too: read this on a GPU)") + "\n")
     print("```\n" + "\n".join(table.read_text().splitlines()[:TABLE_ROWS + 4]) + "\n```")
     return 0
 

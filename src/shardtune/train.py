@@ -264,13 +264,13 @@ class Trainer:
             with live.track():
                 out = train_step(self.model, self.optimizer, self.scaler, batches, cfg, dist, labels_vary,
                                  sync_each=self.built.sync_grads_each_micro_step)
-            self.profiler.step()
             del batches
             state.step = step = state.step + 1
             # the global loss, tokens and whether any rank was asked to stop (all ranks stop at the
             # same step): one small all-reduce, queued behind the step
             numbers = queue_numbers(out, preemption.requested, dist.device)
             queued.append(QueuedStep(step, lr, data_seconds, numbers, clock.mark()))
+            self.profiler.step()  # after the mark: writing the trace is no step's time
             last = step == self.total_steps
             eval_now = bool(self.val_batches) and (last or (cfg.eval.every_steps and step % cfg.eval.every_steps == 0))
             save_now = self.ckpt.due(step, plan.steps_per_epoch)
