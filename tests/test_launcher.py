@@ -4,6 +4,7 @@ launcher on `kill -9`. Three launches, ~15 s each on 2 cores."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -28,6 +29,24 @@ def launch(recipe: str, out: Path, datasets_cache, *extra: str) -> subprocess.Po
                              "eval.at_start=false", f"output_dir={out}", "--nproc", "2", *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=out.parent,
                             env=subprocess_env(datasets_cache))
+
+
+@contextlib.contextmanager
+def launched(recipe: str, out: Path, datasets_cache, *extra: str):
+    """A 2-rank run in the background; killed on the way out, whatever the test saw."""
+    proc = launch(recipe, out, datasets_cache, *extra)
+    try:
+        yield proc
+    finally:
+        proc.kill()
+
+
+def ctrl_c(proc: subprocess.Popen, times: int = 1) -> str:
+    """Ctrl-C `times` times, 50 ms apart; the launcher's output once it has exited."""
+    for _ in range(times):
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.05)
+    return proc.communicate(timeout=120)[0]
 
 
 def wait_for(condition, timeout: float, proc: subprocess.Popen) -> None:
@@ -64,8 +83,7 @@ def test_nproc2_lock_then_ctrl_c_checkpoints(recipe, tmp_path, datasets_cache):
     (not "pass resume=auto"); then Ctrl-C: the ranks save a checkpoint, exit 75, and the
     launcher names that checkpoint."""
     out = tmp_path / "run"
-    proc = launch(recipe, out, datasets_cache)
-    try:
+    with launched(recipe, out, datasets_cache) as proc:
         wait_for(training(out), 180, proc)
         second = subprocess.run([sys.executable, "-m", "shardtune", "train", recipe, "resume=auto", f"output_dir={out}",
                                  "--nproc", "2"], capture_output=True, text=True, timeout=120,
@@ -73,10 +91,7 @@ def test_nproc2_lock_then_ctrl_c_checkpoints(recipe, tmp_path, datasets_cache):
         assert second.returncode == EXIT_USAGE, second.stderr
         line = one_error_line(second.stderr)
         assert "in use by a live run" in line and f"pid {proc.pid} on " in line and "resume=auto" not in line
-        proc.send_signal(signal.SIGINT)
-        output, _ = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
+        output = ctrl_c(proc)
     assert proc.returncode == EXIT_PREEMPTED, output
     step = int((out / "PREEMPTED").read_text())
     ckpt = out / "checkpoints" / f"step-{step:06d}"
@@ -89,16 +104,10 @@ def test_nproc2_ctrl_c_twice_stops_at_once(recipe, tmp_path, datasets_cache):
     """Ctrl-C twice on a 2-rank run: both ranks stop at once, without a new checkpoint; exit 130
     with the line naming the last good one; no rank is left and the folder is free."""
     out = tmp_path / "run"
-    proc = launch(recipe, out, datasets_cache, "checkpoint.every_steps=2")
-    try:
+    with launched(recipe, out, datasets_cache, "checkpoint.every_steps=2") as proc:
         wait_for(lambda: (out / "checkpoints" / "latest").is_file(), 180, proc)
         ranks = children(proc.pid)
-        proc.send_signal(signal.SIGINT)
-        time.sleep(0.05)
-        proc.send_signal(signal.SIGINT)
-        output, _ = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
+        output = ctrl_c(proc, times=2)
     assert proc.returncode == EXIT_INTERRUPTED, output
     assert "Ctrl-C again: stopping the ranks now, without a checkpoint" in output
     last = (out / "checkpoints" / "latest").read_text().strip()
@@ -109,13 +118,9 @@ def test_nproc2_ctrl_c_twice_stops_at_once(recipe, tmp_path, datasets_cache):
 
 def test_nproc2_ctrl_c_before_training_claims_no_checkpoint(recipe, tmp_path, datasets_cache):
     out = tmp_path / "run"
-    proc = launch(recipe, out, datasets_cache)
-    try:
+    with launched(recipe, out, datasets_cache) as proc:
         wait_for(lambda: len(children(proc.pid)) == 2, 60, proc)
-        proc.send_signal(signal.SIGINT)
-        output, _ = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
+        output = ctrl_c(proc)
     assert proc.returncode == EXIT_INTERRUPTED, output
     assert "SIGINT: the ranks stopped without writing a checkpoint; this run has no checkpoint; exit 130" in output
     assert "saved" not in output and not (out / "checkpoints").exists()
