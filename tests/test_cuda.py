@@ -41,6 +41,34 @@ def cuda_run(assets, out: Path, arch: str = "gpt2", **extra) -> list[float]:
     return losses(out)
 
 
+def test_the_step_never_waits_for_the_host(assets, tmp_path, monkeypatch):
+    """bf16 OPT (transformers' OPT reads nothing on the host either) on CUDA: two steps and their
+    numbers under torch.cuda.set_sync_debug_mode("error"), which raises at any synchronisation,
+    with its stack; then a NaN step is skipped by the fused kernel on the device."""
+    from test_host_sync import check_a_nonfinite_update_is_skipped, make_trainer, step
+
+    from shardtune.step import queue_numbers, read_numbers
+
+    trainer = make_trainer(assets, tmp_path, arch="opt", device=DEVICE, precision="bf16")
+    prefetcher = trainer.prefetcher()
+    try:
+        batches = [prefetcher.take(s)[0] for s in (0, 1)]
+        if CUDA:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            numbers = [queue_numbers(step(trainer, b), 0, trainer.dist.device) for b in batches]
+        finally:
+            if CUDA:
+                torch.cuda.set_sync_debug_mode("default")
+        assert all(torch.isfinite(torch.tensor(read_numbers(n).loss)) for n in numbers)
+        prefetcher.close()
+        check_a_nonfinite_update_is_skipped(trainer, monkeypatch)
+    finally:
+        prefetcher.close()
+        trainer.close()
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_chunked_loss_on_cuda_equals_full_logits(dtype, tol):
     """Tokens-first layout (the CUDA default) against transformers' own loss; peak memory of both."""

@@ -10,7 +10,8 @@
 #                isolation; PYTHONPATH=src if that fails) + the wheels bench/gpu/wheels.sh put in
 #                .whl/; env.txt (GPU, driver, versions), a list of missing modules. ~20 s
 #   tests  210 s tests/test_cuda.py (-m cuda): bf16/fp16 through the CLI with eval/generate/export,
-#                the chunked loss's CUDA layout, QLoRA, checkpointing/compile/offload, NCCL under
+#                the chunked loss's CUDA layout, QLoRA, checkpointing/compile/offload, the step
+#                under set_sync_debug_mode("error") and its NaN skip on the device, NCCL under
 #                torchrun, NVML telemetry and the report's PNGs. cuda-tests.xml, tests/ (JSON
 #                records, PNGs). ~150 s: ~12 short CLI runs of tiny models, one torch.compile
 #   bench-llama 120 s, bench-opt 120 s   bench/vs_hf_trainer.py --gpu, Llama ~1B and OPT-1.3B
