@@ -38,7 +38,7 @@ SETUPS = {
                       "num_attention_heads": 32, "num_key_value_heads": 32, "intermediate_size": 5632,
                       "vocab_size": 32000, "max_position_embeddings": 2048},
             "seq_len": 2048, "micro": 4, "global": 32, "steps": 30, "precision": "bf16", "lr": 3e-4,
-            "nproc": None, "sharding": ["full_shard", "no_shard"], "target": 1.5, "mfu_target": 0.5},
+            "nproc": None, "sharding": ["full_shard", "no_shard"], "target": 1.3, "mfu_target": 0.5},
 }
 # OPT-1.3B (a reference system's model): its public config (facebook/opt-1.3b), random init, the
 # GPU setup's batch and sequence. ~1.3B parameters, 9.0 GFLOP per token at seq 2048.
