@@ -11,6 +11,7 @@ import pytest
 from conftest import TINY, run_cli
 from shardtune.config import check_world, load_config
 from shardtune.memtrace import trace_step
+from shardtune.plan import gpu_memory
 
 
 def tiny_cfg(arch: str, *extra: str):
@@ -33,6 +34,11 @@ def test_fake_trace_of_a_step_on_four_ranks(arch):
     assert phase[1] in ("forward", "backward", "after backward", "optimizer")
     assert peak["activations"] > 0 and trace.peak_bytes() > sum(trace.steady.values())
     assert trace.params["total"] == whole.params["total"] > 0
+    # Full gradients accumulated across micro-batches (one rank: reduced once per step) are their
+    # own category, apart from the sharded ones: CPU offload moves the latter to the host, not them.
+    assert max(p.get("gathered_grads", 0) for p in whole.phases.values()) > 0
+    on_gpu = gpu_memory(whole, offload=True, world_size=1)["by_category"]
+    assert not {"sharded_params", "gradients", "optimizer_state"} & set(on_gpu) and on_gpu["gathered_grads"] > 0
 
 
 def test_prediction_matches_a_real_cpu_step():

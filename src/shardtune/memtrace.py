@@ -28,12 +28,14 @@ from .config import RunConfig
 
 # FSDPMemTracker's categories -> the planner's
 CATEGORY = {"Sharded Param": "sharded_params", "Unsharded Param": "gathered_params", "Buffer": "buffers",
-            "Sharded Grad": "gradients", "Unsharded Grad": "gradients", "OptState": "optimizer_state",
+            "Sharded Grad": "gradients", "Unsharded Grad": "gathered_grads", "OptState": "optimizer_state",
             "Activation": "activations", "Inputs": "activations", "Temp": "temporaries",
             "All Gather": "communication", "Reduce Scatter": "communication"}
-CATEGORIES = ("sharded_params", "gathered_params", "gradients", "optimizer_state", "activations", "temporaries",
-              "communication", "buffers")
-# what CPU offload keeps in host memory instead of on the GPU
+CATEGORIES = ("sharded_params", "gathered_params", "gradients", "gathered_grads", "optimizer_state", "activations",
+              "temporaries", "communication", "buffers")
+# What CPU offload keeps in host memory instead of on the GPU: the sharded states. Gathered
+# parameters and the full gradients backward computes stay on the GPU, as do (not traced: a
+# CPU trace copies nothing) each unit's shard on its way in and its gradient shard on its way out.
 OFFLOADED = ("sharded_params", "gradients", "optimizer_state")
 
 

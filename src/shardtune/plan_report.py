@@ -15,7 +15,8 @@ from .hardware import GIB, gpu_by_name, overhead, parse_size
 from .plan import Estimate, Target, confirm, largest_micro_batch, resolve_hf_config, search
 
 ROWS = [("sharded_params", "sharded parameters"), ("gathered_params", "gathered parameters"),
-        ("gradients", "gradients"), ("optimizer_state", "optimizer state"), ("activations", "activations"),
+        ("gradients", "sharded gradients"), ("gathered_grads", "unsharded gradients"),
+        ("optimizer_state", "optimizer state"), ("activations", "activations"),
         ("temporaries", "temporaries"), ("communication", "communication buffers"), ("buffers", "model buffers")]
 
 
