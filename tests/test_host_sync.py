@@ -20,13 +20,12 @@ READS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2"
 
 
 class HostReads(TorchDispatchMode):
-    """Records, for every op that makes the host wait for the device, the innermost frame
-    outside torch: ours when it lies in src/shardtune."""
+    """Records every op that makes the host wait for the device whose innermost frame outside
+    torch lies in src/shardtune (others, transformers' own checks, are not ours to count)."""
 
     def __init__(self):
         super().__init__()
         self.ours: list[str] = []
-        self.theirs = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
@@ -37,8 +36,6 @@ class HostReads(TorchDispatchMode):
                           if "/torch/" not in f.filename and f.filename != __file__)
             if caller.filename.startswith(SRC):
                 self.ours.append(f"{name} at {Path(caller.filename).name}:{caller.lineno}")
-            else:
-                self.theirs += 1
         return func(*args, **(kwargs or {}))
 
 

@@ -82,10 +82,11 @@ def load_documents(cfg: DataConfig):
         return datasets.load_dataset(cfg.path, cfg.name)
     except UserError:
         raise
-    except datasets.exceptions.DatasetGenerationError as exc:  # e.g. a malformed JSON line, or no room
-        raise no_room_for_data(exc) or UserError(f"could not read dataset {cfg.path!r} "
-                                                 f"({first_line(exc.__cause__ or exc)}); fix the file "
-                                                 "or point data.path elsewhere") from None
+    except datasets.exceptions.DatasetGenerationError as exc:  # e.g. a malformed JSON line
+        if no_room(exc, 0, None):
+            raise  # not the file's fault: prepare() tells a full disk
+        raise UserError(f"could not read dataset {cfg.path!r} ({first_line(exc.__cause__ or exc)}); fix the file "
+                        "or point data.path elsewhere") from None
     except (FileNotFoundError, ConnectionError, ValueError) as exc:
         target = f"dataset:{cfg.path}" + (f":{cfg.name}" if cfg.name else "")
         raise UserError(f"could not load dataset {cfg.path!r} ({first_line(exc)}); check data.path/data.name "
@@ -168,21 +169,13 @@ def prepare(cfg: DataConfig, tokenizer, seed: int):
     with a `length` column (see `lengths`), unless data.packing."""
     try:
         return _prepare(cfg, tokenizer, seed)
-    except Exception as exc:
-        if (full := no_room_for_data(exc)) is None:
+    except Exception as exc:  # no room for the `datasets` cache or the packed blocks beside it: one line
+        if (why := no_room(exc, 0, None)) is None:
             raise
-        raise full from None
+        import datasets
 
-
-def no_room_for_data(exc: BaseException) -> UserError | None:
-    """A failure to write the tokenized data (the `datasets` cache and the packed blocks beside
-    it) for want of room, told as one line; None for any other failure."""
-    import datasets
-
-    if (why := no_room(exc, 0, None)) is None:
-        return None
-    return UserError(f"{why} while caching the data under {datasets.config.HF_DATASETS_CACHE}; free space "
-                     "there, or point HF_DATASETS_CACHE (or HF_HOME) at a disk with room, and run again")
+        raise UserError(f"{why} while caching the data under {datasets.config.HF_DATASETS_CACHE}; free space "
+                        "there, or point HF_DATASETS_CACHE (or HF_HOME) at a disk with room, and run again") from None
 
 
 def _prepare(cfg: DataConfig, tokenizer, seed: int):

@@ -4,9 +4,10 @@ end of the allocation, and requeues itself to resume.
 
 How the pieces meet: `--signal=USR1@LEAD` makes Slurm send SIGUSR1 to every job step LEAD
 seconds before the time limit; torchrun is told to handle SIGUSR1 and to pass it on to its
-workers (waiting up to --shutdown_timeout for them); each worker finishes the steps under way, all write
-one checkpoint, and rank 0 leaves a PREEMPTED marker in the output folder. The script sees the
-marker and requeues the job, which starts again with `resume=auto`.
+workers (waiting up to --shutdown_timeout for them, where its torch has that option); each
+worker finishes the steps under way, all write one checkpoint, and rank 0 leaves a PREEMPTED
+marker in the output folder. The script sees the marker and requeues the job, which starts
+again with `resume=auto`.
 """
 
 from __future__ import annotations

@@ -69,7 +69,7 @@ class QueuedStep:
     lr: float
     data_seconds: float  # the loop's wait for this step's batches
     numbers: torch.Tensor  # step.queue_numbers: still on the device
-    done: object  # telemetry.StepClock mark queued behind the step
+    done: float | torch.cuda.Event  # telemetry.StepClock mark queued behind the step
 
 
 class Trainer:
@@ -209,11 +209,11 @@ class Trainer:
         start, first_step = time.perf_counter(), self.state.step
         preemption = Preemption()
         prefetcher = self.prefetcher()
-        self.profiler = StepProfiler(cfg.log.profile_steps, self.state.step, self.total_steps, dist, self.out)
+        profiler = StepProfiler(cfg.log.profile_steps, self.state.step, self.total_steps, dist, self.out)
         try:
-            results["tokens"] = self._loop(log, trackers, progress, gpu, results, preemption, prefetcher)
+            results["tokens"] = self._loop(log, trackers, progress, gpu, results, preemption, prefetcher, profiler)
         finally:
-            self.profiler.close()
+            profiler.close()
             prefetcher.close()
             preemption.restore()
             progress.close()
@@ -243,7 +243,7 @@ class Trainer:
 
         return data_lib.Prefetcher(assemble, self.dist.device, self.state.step, self.total_steps)
 
-    def _loop(self, log, trackers, progress, gpu, results: dict, preemption, prefetcher) -> float:
+    def _loop(self, log, trackers, progress, gpu, results: dict, preemption, prefetcher, profiler) -> float:
         """Steps until done or preempted; returns the number of tokens trained on. The host reads
         a step's numbers one step late, once the next step's work is queued, so the device never
         waits for the host; evaluation, checkpoints, a stop and the last step read them at once."""
@@ -270,7 +270,7 @@ class Trainer:
             # same step): one small all-reduce, queued behind the step
             numbers = queue_numbers(out, preemption.requested, dist.device)
             queued.append(QueuedStep(step, lr, data_seconds, numbers, clock.mark()))
-            self.profiler.step()  # after the mark: writing the trace is no step's time
+            profiler.step()  # after the mark: writing the trace is no step's time
             last = step == self.total_steps
             eval_now = bool(self.val_batches) and (last or (cfg.eval.every_steps and step % cfg.eval.every_steps == 0))
             save_now = self.ckpt.due(step, plan.steps_per_epoch)
