@@ -33,7 +33,7 @@ def args_only() -> bool:
 
 def quickstart_assets(vocab_size: int = 2048) -> dict:
     """The offline docstring corpus + BPE tokenizer (built once, then reused from the cache)."""
-    from shardtune.quickstart import build_quickstart_assets, default_cache_dir
+    from shardtune.data.quickstart import build_quickstart_assets, default_cache_dir
 
     return build_quickstart_assets(default_cache_dir(), vocab_size=vocab_size)
 
@@ -151,10 +151,10 @@ def weighted_sums(ids):
 
 def flops_per_token(model_config: dict, tokenizer: str, seq_len: int) -> float:
     """shardtune's own count (telemetry.flops_per_token over the matmul weights), all trainable."""
-    from shardtune.config import ModelConfig
-    from shardtune.model import build_meta_model, load_hf_config
-    from shardtune.telemetry import flops_per_token as count
-    from shardtune.telemetry import matmul_params
+    from shardtune.config.schema import ModelConfig
+    from shardtune.model.hf import build_meta_model, load_hf_config
+    from shardtune.telemetry.metrics import flops_per_token as count
+    from shardtune.telemetry.metrics import matmul_params
 
     hf = load_hf_config(ModelConfig(config=model_config, tokenizer=tokenizer))
     return count(matmul_params(build_meta_model(hf))[0], hf, seq_len)

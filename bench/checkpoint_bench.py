@@ -33,15 +33,15 @@ def main() -> None:
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
-    from shardtune.build import ModelSpec, build_model
-    from shardtune.checkpoint import Checkpointer, ModelOptimizerState
-    from shardtune.config import CheckpointConfig, ModelConfig, TrainConfig
-    from shardtune.launch import init_distributed
-    from shardtune.model import load_hf_config, load_source_model
-    from shardtune.optim import build_optimizer
-    from shardtune.parallel import build_mesh
-    from shardtune.quickstart import build_quickstart_assets
-    from shardtune.train import TrainState
+    from shardtune.checkpoint.dcp import Checkpointer, ModelOptimizerState
+    from shardtune.config.schema import CheckpointConfig, ModelConfig, TrainConfig
+    from shardtune.data.quickstart import build_quickstart_assets
+    from shardtune.distributed.fsdp import build_mesh
+    from shardtune.launch.local import init_distributed
+    from shardtune.model.build import ModelSpec, build_model
+    from shardtune.model.hf import load_hf_config, load_source_model
+    from shardtune.train.optim import build_optimizer
+    from shardtune.train.trainer import TrainState
 
     # No Trainer: the model, the optimizer and the checkpointer's explicit state objects.
     d = init_distributed("cpu")
@@ -98,7 +98,7 @@ def main() -> None:
     result["load_s"] = statistics.median(loads)
 
     if d.is_main:
-        from shardtune.export import export_checkpoint
+        from shardtune.checkpoint.export import export_checkpoint
 
         folder = scratch / "export"
         shutil.rmtree(folder, ignore_errors=True)

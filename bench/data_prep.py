@@ -7,7 +7,7 @@ each in a fresh process with a fresh `datasets` cache:
 
 - `tokenizer`: the quickstart tokenizer's `tokenizer(texts)` over the corpus in chunks of 1000
   documents, timing only the calls (wall and CPU seconds, all threads): the bound;
-- `prepare` (cold): `shardtune.data.prepare` as `shardtune train` calls it (read the jsonl, hold
+- `prepare` (cold): `shardtune.data.pipeline.prepare` as `shardtune train` calls it (read the jsonl, hold
   out 5 %, tokenize, pack seq_len 512), with `--num-proc` workers; peak RSS covers its workers,
   CPU seconds its threads and workers;
 - `prepare` (warm): the same again, on the cache the cold run left;
@@ -58,8 +58,8 @@ if mode == "tokenizer":  # wall and CPU seconds (all threads) inside the tokeniz
     flush()
     out = {"seconds": encode, "cpu_seconds": encode_cpu, "tokens": tokens}
 else:
-    from shardtune.config import DataConfig
-    from shardtune.data import prepare
+    from shardtune.config.schema import DataConfig
+    from shardtune.data.pipeline import prepare
     cfg = DataConfig(path=corpus, seq_len=512, num_proc=int(num_proc) or None)
     train, val = prepare(cfg, tok, seed=42)
     out = {"seconds": time.perf_counter() - t0, "blocks": len(train) + (len(val) if val is not None else 0)}

@@ -1,6 +1,6 @@
 """Per-rank memory of shardtune: no_shard vs full_shard on 1, 2 and 4 CPU ranks.
 
-For each layout, torchrun starts N ranks of this file; each builds `shardtune.train.Trainer`,
+For each layout, torchrun starts N ranks of this file; each builds `shardtune.train.trainer.Trainer`,
 trains 2 steps with fit(), runs one more forward/backward so the gradients exist, then
 writes the bytes of parameters, gradients and optimizer state it holds (local shards of the
 DTensors) and its peak RSS. The driver prints them next to the ideal total / N.
@@ -47,12 +47,12 @@ def worker(spec: dict) -> None:
     import torch.distributed.fsdp  # noqa: F401  (the baseline below includes the libraries)
     import transformers  # noqa: F401
 
-    from shardtune import data as data_lib
-    from shardtune.config import load_config
-    from shardtune.model import count_params
-    from shardtune.step import token_loss
-    from shardtune.telemetry import state_bytes
-    from shardtune.train import Trainer
+    from shardtune.config.schema import load_config
+    from shardtune.data import pipeline as data_lib
+    from shardtune.model.hf import count_params
+    from shardtune.telemetry.metrics import state_bytes
+    from shardtune.train.step import token_loss
+    from shardtune.train.trainer import Trainer
 
     baseline = C.current_rss_bytes()  # after importing torch, transformers and shardtune
     trainer = Trainer(load_config(None, spec["overrides"]), overwrite=True)

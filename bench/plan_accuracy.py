@@ -68,7 +68,7 @@ GPU_ROWS = [
 
 def run_config(shape: str, ranks: int, sharding: str, ac: bool, lora: bool, mb: int, seq: int, device: str,
                precision: str, target: str, tiny: bool):
-    from shardtune.config import load_config
+    from shardtune.config.schema import load_config
 
     model = tiny_model(SHAPES[shape]) if tiny else SHAPES[shape]
     return load_config(None, [f"model.config={json.dumps(model)}", "data.path=unused",
@@ -83,9 +83,9 @@ def worker(spec: dict, out: Path) -> None:
     import torch
     import torch.distributed as dist
 
-    from shardtune.launch import init_distributed
-    from shardtune.memtrace import measure_step
-    from shardtune.model import load_hf_config
+    from shardtune.launch.local import init_distributed
+    from shardtune.model.hf import load_hf_config
+    from shardtune.plan.trace import measure_step
 
     cfg = run_config(**spec)
     d = init_distributed(spec["device"])
@@ -111,9 +111,9 @@ def measure(spec: dict, workdir: Path) -> dict:
 
 
 def predict(spec: dict) -> dict:
-    from shardtune.memtrace import trace_step
-    from shardtune.model import load_hf_config
-    from shardtune.plan import gpu_memory
+    from shardtune.model.hf import load_hf_config
+    from shardtune.plan.search import gpu_memory
+    from shardtune.plan.trace import trace_step
 
     cfg = run_config(**spec)
     hf_config = load_hf_config(cfg.model)

@@ -84,8 +84,8 @@ def shardtune_overrides(setup: dict, tokenizer: str, data_dir: str, out: Path, n
 
 def worker_shardtune(spec: dict) -> None:
 
-    from shardtune.config import load_config
-    from shardtune.train import Trainer
+    from shardtune.config.schema import load_config
+    from shardtune.train.trainer import Trainer
 
     trainer = Trainer(load_config(None, spec["overrides"]), overwrite=True)
     plan, ds = trainer.plan, trainer.train_ds
@@ -118,10 +118,10 @@ def worker_hf(spec: dict) -> None:
     import torch
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    from shardtune.config import load_config
-    from shardtune.model import load_hf_config, load_source_model, load_tokenizer
-    from shardtune.optim import lr_factor
-    from shardtune.parallel import detect_block_class
+    from shardtune.config.schema import load_config
+    from shardtune.distributed.fsdp import detect_block_class
+    from shardtune.model.hf import load_hf_config, load_source_model, load_tokenizer
+    from shardtune.train.optim import lr_factor
 
     cfg = load_config(None, spec["overrides"])
     t = cfg.train
@@ -206,9 +206,9 @@ def build_blocks(overrides: list[str], steps: int, path: Path) -> int:
     """The packed blocks shardtune will train on, in the order it consumes them; returns the count."""
     import torch
 
-    from shardtune import data as data_lib
-    from shardtune.config import load_config
-    from shardtune.model import load_tokenizer
+    from shardtune.config.schema import load_config
+    from shardtune.data import pipeline as data_lib
+    from shardtune.model.hf import load_tokenizer
 
     cfg = load_config(None, overrides)
     t = cfg.train
@@ -304,7 +304,7 @@ def main() -> int:
     fpt = C.flops_per_token(setup["model"], assets["tokenizer"], setup["seq_len"]) if a.gpu else None
     peak = None
     if a.gpu:  # shardtune's table of device peaks (TFLOP/s), or --peak-tflops
-        from shardtune.telemetry import device_peak_flops
+        from shardtune.telemetry.metrics import device_peak_flops
 
         peak_flops = device_peak_flops(torch.device(device, 0), "bf16", a.peak_tflops)
         peak = peak_flops / 1e12 if peak_flops else None

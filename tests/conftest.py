@@ -26,7 +26,7 @@ TINY = {
 
 @pytest.fixture(scope="session")
 def assets(tmp_path_factory):
-    from shardtune.quickstart import build_quickstart_assets
+    from shardtune.data.quickstart import build_quickstart_assets
 
     return build_quickstart_assets(tmp_path_factory.mktemp("assets"), vocab_size=300, max_docs=400)
 

@@ -10,20 +10,20 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from shardtune.config import load_config
-from shardtune.launch import init_distributed
-from shardtune.train import Trainer
+from shardtune.config.schema import load_config
+from shardtune.launch.local import init_distributed
+from shardtune.train.trainer import Trainer
 
 
 def check_loading(folder: str) -> float:
     """Max |difference| between a 2-rank sharded load of `folder` and a plain from_pretrained."""
     from transformers import AutoModelForCausalLM
 
-    from shardtune.build import ModelSpec, build_model
-    from shardtune.config import FSDPConfig, ModelConfig
-    from shardtune.export import gather_full_state_dict
-    from shardtune.model import load_hf_config, load_source_model
-    from shardtune.parallel import build_mesh
+    from shardtune.checkpoint.export import gather_full_state_dict
+    from shardtune.config.schema import FSDPConfig, ModelConfig
+    from shardtune.distributed.fsdp import build_mesh
+    from shardtune.model.build import ModelSpec, build_model
+    from shardtune.model.hf import load_hf_config, load_source_model
 
     model_cfg = ModelConfig(name_or_path=folder)
     d = init_distributed("cpu")

@@ -3,7 +3,7 @@
 import re
 from pathlib import Path
 
-from shardtune.config import reference_lines
+from shardtune.config.schema import reference_lines
 
 readme = Path(__file__).resolve().parents[1] / "README.md"
 text = readme.read_text()

@@ -9,7 +9,7 @@
 #   setup        install shardtune without touching the machine's torch (--no-deps, no build
 #                isolation; PYTHONPATH=src if that fails) + the wheels bench/gpu/wheels.sh put in
 #                .whl/; env.txt (GPU, driver, versions), a list of missing modules. ~20 s
-#   tests  210 s tests/test_cuda.py (-m cuda): bf16/fp16 through the CLI with eval/generate/export,
+#   tests  210 s tests/e2e/test_cuda.py (-m cuda): bf16/fp16 through the CLI with eval/generate/export,
 #                the chunked loss's CUDA layout, QLoRA, checkpointing/compile/offload, the step
 #                under set_sync_debug_mode("error") and its NaN skip on the device, NCCL under
 #                torchrun, NVML telemetry and the report's PNGs. cuda-tests.xml, tests/ (JSON
@@ -178,7 +178,7 @@ tee -a "$results/suite.log" < "$results/env.txt"
 # ---------------------------------------------------------------------------- stages
 export SHARDTUNE_GPU_RESULTS=$results/tests
 stage tests "$(time_for "${CAP_TESTS:-210}")" cuda-tests.log \
-  $python -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda.py --junitxml "$results/cuda-tests.xml" "${collect[@]}"
+  $python -m pytest -q -p no:cacheprovider -m cuda tests/e2e/test_cuda.py --junitxml "$results/cuda-tests.xml" "${collect[@]}"
 bench_args=(--repeats "${REPEATS:-2}" --sharding full_shard --nproc 1 --steps "${BENCH_STEPS:-8}"
             --global-batch "${BENCH_GLOBAL:-8}")
 [ "$rehearse" = 1 ] && bench_args+=(--peak-tflops 1)  # the MFU columns, against a nominal peak

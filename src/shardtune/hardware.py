@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .errors import UserError
+from shardtune.errors import UserError
 
 GIB = 1024 ** 3
 

@@ -1,0 +1,366 @@
+"""Sharded, atomic, resumable checkpoints with torch.distributed.checkpoint (DCP).
+
+Layout of OUTPUT_DIR/checkpoints/:
+
+    step-000120/             one complete checkpoint, named by optimizer step
+      .metadata, *.distcp    DCP: model + optimizer; every rank writes only its own shards
+      rng-rank00000.pt       that rank's RNG states (python, numpy, torch, cuda)
+      config.json tokenizer/ the HF model config and tokenizer: export/eval/generate need nothing else
+      meta.json              step, world size, the state objects (train_state, scaler), data position, run config
+    latest                   name of the newest complete checkpoint (replaced atomically)
+    .tmp-step-000130/        a save in progress, or one killed mid-way (ignored, removed on restart)
+
+A checkpoint is written under `.tmp-<name>` and renamed into place only once every rank's
+files and meta.json are there, so a process killed mid-save leaves the previous one usable.
+DCP reshards on load, so a checkpoint of N ranks resumes on M ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+import warnings
+from pathlib import Path
+
+from shardtune.config.schema import CheckpointConfig, RunConfig
+from shardtune.diskspace import free_bytes, human_size, no_room, tensor_bytes
+from shardtune.errors import UserError, first_line
+
+FORMAT = 2  # 2: named state objects in meta.json (train_state, scaler); the LR is a function of the step
+NAME = re.compile(r"^step-(\d+)$")
+# Changing these breaks resume: the weights' shapes, or what "step N" means in the data order.
+# Whole sections are compared, so a key added to one later is covered without a change here.
+RESUME_KEYS = ("model.name_or_path", "model.config", "model.tokenizer", "data", "train.global_batch_size",
+               "train.seed", "peft", "freeze")
+MAY_CHANGE = {"data.num_proc", "peft.dropout"}  # inside those sections, but harmless
+
+
+# ----------------------------------------------------------------------------- finding
+
+
+def step_of(path: Path) -> int:
+    m = NAME.match(path.name)
+    return int(m.group(1)) if m else -1
+
+
+def is_complete(path: Path) -> bool:
+    return (path / "meta.json").is_file() and (path / ".metadata").is_file()
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints under `root`, oldest first."""
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if step_of(p) >= 0 and is_complete(p)), key=step_of)
+
+
+def find_latest(root: Path) -> Path | None:
+    """`latest` if it names a complete checkpoint, else the complete one with the highest step."""
+    try:
+        named = root / (root / "latest").read_text().strip()
+        if named.name and is_complete(named):
+            return named
+    except OSError:
+        pass
+    found = complete_checkpoints(root)
+    return found[-1] if found else None
+
+
+def read_meta(path: Path) -> dict:
+    """meta.json of a checkpoint, or a one-line UserError saying what is wrong with it."""
+    if not path.exists():
+        raise UserError(f"checkpoint {str(path)!r} not found; give a checkpoint folder "
+                        "(OUTPUT_DIR/checkpoints/step-N) or a run's output_dir")
+    if not (path / "meta.json").is_file() or not (path / ".metadata").is_file():
+        raise UserError(f"{str(path)!r} is not a complete shardtune checkpoint (meta.json or .metadata missing: "
+                        "an interrupted save?); use another checkpoint of the run")
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+        meta["step"], meta["config"]  # noqa: B018 - the keys everything below relies on
+    except (ValueError, KeyError, TypeError):
+        raise UserError(f"checkpoint {str(path)!r} is corrupt (unreadable meta.json); use another checkpoint") from None
+    if meta.get("format", 0) > FORMAT:
+        raise UserError(f"checkpoint {str(path)!r} was written by a newer shardtune "
+                        f"({meta.get('shardtune_version')}); upgrade shardtune")
+    if meta.get("format", 1) == 1:  # progress was kept at the top level (and a scheduler, now derived)
+        meta.setdefault("train_state", {"step": meta["step"], "tokens_seen": meta.get("tokens_seen", 0.0)})
+    return meta
+
+
+def resolve_checkpoint(spec: str | Path) -> Path:
+    """A checkpoint folder, or the newest complete checkpoint of a run folder."""
+    path = Path(spec).expanduser()
+    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    if root.is_dir() and not (path / "meta.json").exists() and (root != path or path.name == "checkpoints"):
+        latest = find_latest(root)
+        if latest is None:
+            raise UserError(f"{str(root)!r} holds no complete checkpoint; give another checkpoint or start over")
+        return latest
+    read_meta(path)
+    return path
+
+
+def check_compatible(saved: dict, now: dict, path: Path) -> None:
+    """Refuse a resume whose config changes what the checkpoint holds; anything else may change."""
+    def get(tree, key):
+        for part in key.split("."):
+            tree = tree.get(part) if isinstance(tree, dict) else None
+        return tree
+
+    def short(value) -> str:
+        text = repr(value)
+        return text if len(text) <= 60 else text[:57] + "..."
+
+    changed, defaults = [], RunConfig().to_dict()
+    for key in RESUME_KEYS:
+        old, new = get(saved, key), get(now, key)
+        if isinstance(old, dict) and isinstance(new, dict):  # name the changed sub-keys only
+            # a key added to the config after the checkpoint was written had its default then
+            old = {**(get(defaults, key) or {}), **old}
+            changed += [f"{key}.{k} {short(old.get(k))} -> {short(new.get(k))}"
+                        for k in sorted(old.keys() | new.keys())
+                        if old.get(k) != new.get(k) and f"{key}.{k}" not in MAY_CHANGE]
+        elif old != new:
+            changed.append(f"{key} {short(old)} -> {short(new)}")
+    if changed:
+        raise UserError(f"cannot resume from {str(path)!r}: {'; '.join(changed)} changed; resume with the "
+                        "checkpoint's values (lr, max_steps, eval and log settings may change) or use a new output_dir")
+
+
+# ----------------------------------------------------------------------------- RNG
+
+
+def rng_state() -> dict:
+    import random
+
+    import numpy as np
+    import torch
+
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
+             "numpy": [kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, gauss]}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    import random
+
+    import numpy as np
+    import torch
+
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+# ----------------------------------------------------------------------------- save and load
+
+
+class ModelOptimizerState:
+    """The sharded model and its optimizer as one state object for DCP (every rank writes and
+    reads only its shards). On load the optimizer's moments and step counts come from the
+    checkpoint, its hyperparameters from the current config (they may change on resume)."""
+
+    def __init__(self, model, optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_state_dict(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        fresh = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        for group, hyper in zip(self.optimizer.param_groups, fresh, strict=True):
+            group.update(hyper)
+
+
+class Checkpointer:
+    """Saves and restores explicit state objects; it knows nothing of the trainer.
+
+    - `tensors`: a state object whose state_dict holds the (sharded) tensors, written with DCP;
+    - `states`: small named state objects (training progress, gradient scaler) whose state_dicts
+      are JSON, kept in meta.json by rank 0;
+    - `describe(step)`: rank 0, at save time: what else meta.json records (the run config, the
+      data position) for resume checks and people, not loaded back;
+    - `write_extras(folder)`: rank 0, at commit: files beside the shards (HF config, tokenizer).
+    Each rank's RNG states are saved too. At most one save is in flight.
+    """
+
+    def __init__(self, root: Path, cfg: CheckpointConfig, tensors, states: dict, describe=None, write_extras=None):
+        import torch.distributed as dist
+
+        self.root, self.cfg = Path(root), cfg
+        self.tensors, self.states = tensors, states
+        self.describe = describe or (lambda step: {})
+        self.write_extras = write_extras or (lambda folder: None)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.pending = None  # (future or None, tmp folder, meta)
+        self.size = 0  # bytes of the last save, all ranks (for a full disk's message)
+        self.rng = None  # this rank's RNG states from the checkpoint we resumed on the same world size
+        # The async writer runs collectives from a thread: it needs a group of its own, or its
+        # messages would interleave with the training step's.
+        self.pg = dist.new_group(backend="gloo") if cfg.async_save else None
+
+    def due(self, step: int, steps_per_epoch: int) -> bool:
+        c = self.cfg
+        return bool(c.every_steps and step % c.every_steps == 0) or (c.at_epoch_end and step % steps_per_epoch == 0)
+
+    def save(self, step: int) -> Path:
+        """Collective. Returns the folder the checkpoint will have once committed."""
+        import torch
+        import torch.distributed.checkpoint as dcp
+
+        self.wait()
+        name = f"step-{step:06d}"
+        tmp = self.root / f".tmp-{name}"
+        try:
+            tmp.mkdir(parents=True, exist_ok=True)
+            torch.save(rng_state(), tmp / f"rng-rank{self.rank:05d}.pt")
+            meta = self._meta(step)  # now: an async save is written while training moves on
+            tensors = self.tensors.state_dict()
+            self.size = tensor_bytes(tensors) * self.world_size  # FSDP shards evenly
+            if self.pg is not None:
+                future = dcp.async_save(tensors, checkpoint_id=tmp, process_group=self.pg)
+                self.pending = (future, tmp, meta)
+            else:
+                dcp.save(tensors, checkpoint_id=tmp)
+                self.pending = (None, tmp, meta)
+                self._commit()
+        except BaseException as exc:  # noqa: B036 - DCP's CheckpointException is a BaseException
+            self._failed(exc, tmp)
+        return self.root / name
+
+    def _meta(self, step: int) -> dict:
+        from shardtune import __version__
+
+        return {"format": FORMAT, "shardtune_version": __version__, "step": step, "world_size": self.world_size,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                **{name: state.state_dict() for name, state in self.states.items()}, **self.describe(step)}
+
+    def poll(self) -> None:
+        """Commit a finished async save; cheap, call once per step."""
+        if self.pending is not None and self.pending[0] is not None and self.pending[0].done():
+            self._commit()
+
+    def wait(self) -> None:
+        if self.pending is not None:
+            self._commit()
+
+    def _commit(self) -> None:
+        tmp = self.pending[1]
+        try:
+            self._write_rest(*self.pending)
+        except BaseException as exc:  # noqa: B036
+            self._failed(exc, tmp)
+
+    def _failed(self, exc: BaseException, tmp: Path) -> None:
+        """A save that ran out of room: its partial folder goes, `latest` stays, one line."""
+        self.pending = None
+        if isinstance(exc, (UserError, KeyboardInterrupt, SystemExit)):
+            raise exc
+        need, free = self.size, free_bytes(self.root)
+        reason = no_room(exc, need, free)
+        if reason is None:
+            raise exc
+        shutil.rmtree(tmp, ignore_errors=True)
+        (self.root / ".latest.tmp").unlink(missing_ok=True)  # `_write_atomic`'s, if `latest` was being replaced
+        good = find_latest(self.root)
+        raise UserError(f"{reason} while saving {tmp.name.removeprefix('.tmp-')} in {self.root}: a checkpoint needs "
+                        f"about {human_size(need)}, {human_size(free)} is free; the partial save was removed, "
+                        f"{f'the last good checkpoint is {good}' if good else 'no checkpoint was written'}; "
+                        f"{'raise the limit, ' if 'ulimit' in reason else 'free space, lower checkpoint.keep_last, '}"
+                        "or use an output_dir with more room") from None
+
+    def _write_rest(self, future, tmp: Path, meta: dict) -> None:
+        self.pending = None
+        if future is not None:
+            future.result()  # every rank's shards are written once the coordinator's future is done
+        if self.rank != 0:
+            return
+        self.write_extras(tmp)
+        _write_atomic(tmp / "meta.json", json.dumps(meta, indent=1) + "\n")  # last: marks it complete
+        final = self.root / tmp.name.removeprefix(".tmp-")
+        trash = self.root / f".old-{final.name}"
+        if final.exists():  # resumed from an older checkpoint: this step is written again
+            os.rename(final, trash)
+        os.rename(tmp, final)
+        _write_atomic(self.root / "latest", final.name + "\n")
+        shutil.rmtree(trash, ignore_errors=True)
+        keep = self.cfg.keep_last
+        for old in complete_checkpoints(self.root)[:-keep] if keep else []:
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def load(self, path: str | Path) -> dict:
+        """Collective: restore the tensors and the states from `path`; returns its meta.json.
+        This rank's RNG states are kept for `restore_rng` when the world size is the same."""
+        import torch
+
+        path = Path(path)
+        meta = read_meta(path)
+        tensors = self.tensors.state_dict()
+        dcp_load(tensors, path, no_dist=False)
+        self.tensors.load_state_dict(tensors)
+        for name, state in self.states.items():
+            if meta.get(name) is not None:
+                state.load_state_dict(meta[name])
+        if meta["world_size"] == self.world_size:
+            self.rng = torch.load(path / f"rng-rank{self.rank:05d}.pt", weights_only=True)
+        return meta
+
+    def restore_rng(self, reseed: int | None) -> None:
+        """Call where a fresh run seeds its training RNG: the saved streams of this rank, or,
+        when the checkpoint came from another world size, a fresh seed `reseed`."""
+        import torch
+
+        if self.rng is not None:
+            set_rng_state(self.rng)
+        elif reseed is not None:
+            torch.manual_seed(reseed)
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        self.wait()
+        if self.pg is not None:
+            dist.destroy_process_group(self.pg)
+            self.pg = None
+
+
+def dcp_load(state: dict, path: Path, no_dist: bool) -> None:
+    """dcp.load in place, with a damaged or mismatched checkpoint as a one-line UserError."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, checkpoint_id=path, no_dist=no_dist)
+    except (CheckpointException, Exception) as exc:  # CheckpointException is a BaseException
+        cause = next(iter((getattr(exc, "failures", None) or {}).values()), exc)  # rank -> (exception, traceback)
+        cause = cause[0] if isinstance(cause, tuple) else cause
+        raise UserError(f"checkpoint {str(path)!r} could not be loaded ({type(cause).__name__}: "
+                        f"{first_line(cause, 160, last=True)}); it is damaged or from "
+                        "another model: use another checkpoint") from None
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

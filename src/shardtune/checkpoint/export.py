@@ -1,0 +1,150 @@
+"""Plain Hugging Face folders out of a sharded model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from shardtune.errors import UserError, first_line
+
+
+def gather_full_state_dict(model) -> dict:
+    """Full (unsharded) weights on rank 0's CPU; other ranks get {} and never hold a full copy."""
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def save_hf_folder(state_dict: dict, hf_config, tokenizer, out: Path, max_shard_size: str = "2GB") -> None:
+    """Write config, safetensors weights (sharded above max_shard_size), generation config and
+    tokenizer, loadable by `AutoModelForCausalLM.from_pretrained(out)` unchanged."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+    with torch.device("meta"):
+        shell = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    shell.load_state_dict(state_dict, assign=True, strict=False)
+    shell.tie_weights()
+    missing = [n for n, p in shell.named_parameters() if p.is_meta]
+    if missing:
+        raise RuntimeError(f"export is missing weights: {missing[:5]}")
+    out.mkdir(parents=True, exist_ok=True)
+    if shell.generation_config is None:
+        shell.generation_config = GenerationConfig.from_model_config(hf_config)
+    shell.save_pretrained(out, max_shard_size=max_shard_size, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+
+
+def export_checkpoint(spec: str, out: Path, max_shard_size: str = "2GB") -> Path:
+    """`shardtune export`: a sharded checkpoint (or a run folder's newest) -> plain HF folder.
+    One process, one copy of the weights; no process group and no optimizer state."""
+    from transformers.utils import logging as hf_logging
+
+    from shardtune.checkpoint.dcp import resolve_checkpoint
+    from shardtune.checkpoint.loading import load_plain_model
+
+    hf_logging.set_verbosity_error()
+    path = resolve_checkpoint(spec)
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"export folder {str(out)!r} is not empty; choose a new folder")
+    model, tokenizer, meta = load_plain_model(path)
+    if getattr(model, "peft_config", None):  # a LoRA run's checkpoint: the adapter, as in final/
+        from shardtune.config.schema import ModelConfig
+
+        known = {k: v for k, v in meta["config"].get("model", {}).items() if k in ModelConfig.__dataclass_fields__}
+        save_adapter_folder(model.state_dict(), model, ModelConfig(**known), model.config, tokenizer, out)
+    else:
+        save_hf_folder(model.state_dict(), model.config, tokenizer, out, max_shard_size)
+    print(f"exported {path} (step {meta['step']}) to {out}", flush=True)
+    return out
+
+
+def push_to_hub(folder: Path, repo: str, private: bool = False) -> None:
+    """Upload an exported folder; any hub failure (no network, no token) is one line."""
+    try:
+        from huggingface_hub import HfApi
+
+        api = HfApi()
+        api.create_repo(repo, private=private, exist_ok=True)
+        api.upload_folder(folder_path=str(folder), repo_id=repo, commit_message="Upload with shardtune export")
+    except Exception as exc:  # the hub raises many kinds; the user needs the first line of any
+        raise UserError(f"could not push to the hub repo {repo!r} ({type(exc).__name__}: {first_line(exc)}); check the "
+                        f"network and `hf auth login`; the export itself is in {folder}") from None
+    print(f"pushed {folder} to https://huggingface.co/{repo}", flush=True)
+
+
+def save_adapter_folder(state_dict: dict, peft_model, model_cfg, hf_config, tokenizer, out: Path,
+                        quantized: bool = False) -> None:
+    """LoRA run: the adapter in peft's format (`PeftModel.from_pretrained` loads it). A base that
+    is not a hub model (a local folder or a random init) is saved beside it, in out/base, and the
+    adapter config points there, so the pair loads on any machine that has the folder."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    adapter = get_peft_model_state_dict(peft_model, state_dict=state_dict)
+    save_file({k: v.contiguous() for k, v in adapter.items()}, str(out / "adapter_model.safetensors"),
+              metadata={"format": "pt"})
+    config = peft_model.peft_config["default"]
+    pretrained = model_cfg.name_or_path and not model_cfg.random_init
+    if pretrained and (not Path(model_cfg.name_or_path).exists() or quantized):
+        # a hub id, or (QLoRA) the local folder the 4-bit base was quantized from
+        local = Path(model_cfg.name_or_path)
+        config.base_model_name_or_path = str(local.resolve()) if local.exists() else model_cfg.name_or_path
+    else:
+        prefix, lora = "base_model.model.", (".lora_A.", ".lora_B.", ".lora_dropout.")
+        base = {k[len(prefix):].replace(".base_layer.", "."): v for k, v in state_dict.items()
+                if k.startswith(prefix) and not any(tag in k for tag in lora)}
+        save_hf_folder(base, hf_config, tokenizer, out / "base")
+        config.base_model_name_or_path = str((out / "base").resolve())
+    config.save_pretrained(str(out))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+
+
+def merge_adapter_folder(adapter: Path, out: Path, max_shard_size: str = "2GB") -> Path:
+    """`shardtune export ADAPTER OUT --merge`: base + LoRA folded into plain weights, in the
+    base's own dtype. The base is the one the adapter config names; if that folder is gone (the
+    run folder was moved or copied to another machine), the copy in ADAPTER/base is used."""
+    import json
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from shardtune.model.hf import _hub_hint
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    if not (adapter / "adapter_config.json").is_file() and (adapter / "final" / "adapter_config.json").is_file():
+        adapter = adapter / "final"  # a run folder: its final adapter
+    if not (adapter / "adapter_config.json").is_file():
+        raise UserError(f"{str(adapter)!r} is not a LoRA adapter folder (no adapter_config.json); "
+                        "--merge takes the final/ folder of a peft.method=lora run")
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"export folder {str(out)!r} is not empty; choose a new folder")
+    base = json.loads((adapter / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    beside = adapter / "base"
+    if (not base or not Path(base).is_dir()) and (beside / "config.json").is_file():
+        base = str(beside)
+    if not base:
+        raise UserError(f"{str(adapter / 'adapter_config.json')!r} names no base model "
+                        "(base_model_name_or_path); set it to the hub id or folder the adapter was trained on")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(base, dtype="auto")
+    except OSError:
+        raise UserError(f"base model {base!r} of the adapter not found; {_hub_hint(base)}") from None
+    model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
+    model.save_pretrained(out, max_shard_size=max_shard_size, safe_serialization=True)
+    for source in (adapter, base):
+        try:
+            AutoTokenizer.from_pretrained(str(source)).save_pretrained(out)
+            break
+        except (OSError, ValueError):
+            continue
+    print(f"merged the adapter {adapter} into {base}; wrote {out}", flush=True)
+    return out

@@ -1,0 +1,95 @@
+"""A trained model in this process alone, without a process group: from an HF folder or hub id,
+a LoRA adapter folder, a run folder, or a sharded checkpoint (read shard by shard, no optimizer).
+`eval`, `generate` and `export` load through here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from shardtune.checkpoint.dcp import dcp_load, read_meta, resolve_checkpoint
+from shardtune.errors import UserError
+
+
+def resolve_model(spec: str) -> tuple[str, Path | str]:
+    """("checkpoint", folder) or ("hf", folder or hub id). A run folder means its final/
+    export if it has one, else its newest checkpoint."""
+    path = Path(spec).expanduser()
+    if (path / "final" / "config.json").is_file():
+        return "hf", path / "final"
+    for folder in (path, path / "final"):  # a LoRA run's final/: adapter (+ base)
+        if (folder / "adapter_config.json").is_file():
+            return "adapter", folder
+    if (path / "meta.json").exists() or (path / ".metadata").exists() or (path / "checkpoints").is_dir() \
+            or path.name == "checkpoints":
+        return "checkpoint", resolve_checkpoint(path)
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise UserError(f"{spec!r} is neither a model folder (config.json) nor a shardtune checkpoint or run folder")
+    return "hf", spec
+
+
+def load_model(spec: str, device: str = "cpu", weights: bool = True):
+    """(model or None, tokenizer, hf_config, run config or None) in this process. Without
+    `weights` only the small parts are read; a checkpoint brings the config of its run."""
+    kind, where = resolve_model(spec)
+    if kind == "checkpoint":
+        from shardtune.config.schema import load_config
+
+        run_cfg = load_config(None, None, defaults=read_meta(where)["config"])
+        if weights:
+            model, tokenizer, _ = load_plain_model(where, device)
+            return model, tokenizer, model.config, run_cfg
+        from transformers import AutoConfig, AutoTokenizer
+
+        trust = run_cfg.model.trust_remote_code
+        return (None, AutoTokenizer.from_pretrained(where / "tokenizer", trust_remote_code=trust),
+                AutoConfig.from_pretrained(where, trust_remote_code=trust), run_cfg)
+
+    if kind == "adapter":  # evaluate/generate with the adapter folded into its base
+        import json
+
+        from transformers import AutoConfig, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(where)
+        if not weights:
+            base = json.loads((where / "adapter_config.json").read_text())["base_model_name_or_path"]
+            return None, tokenizer, AutoConfig.from_pretrained(base), None
+        from peft import AutoPeftModelForCausalLM
+
+        model = AutoPeftModelForCausalLM.from_pretrained(str(where)).merge_and_unload()
+        return model.to(torch.device(device)).eval(), tokenizer, model.config, None
+
+    from shardtune.config.schema import ModelConfig
+    from shardtune.model.hf import load_hf_config, load_source_model, load_tokenizer
+
+    mc = ModelConfig(name_or_path=str(where))
+    tokenizer, hf_config = load_tokenizer(mc), load_hf_config(mc)
+    if not weights:
+        return None, tokenizer, hf_config, None
+    model = load_source_model(mc, hf_config, seed=0).to(torch.device(device))
+    return model.eval(), tokenizer, hf_config, None
+
+
+def load_plain_model(path: Path, device: str = "cpu"):
+    """(model, tokenizer, meta) from a checkpoint, in this process alone: one copy of the
+    weights in memory, read shard by shard from the DCP files; the optimizer is never read."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.initialization import no_init_weights
+
+    meta = read_meta(path)
+    trust = bool(meta["config"].get("model", {}).get("trust_remote_code"))
+    hf_config = AutoConfig.from_pretrained(path, trust_remote_code=trust)
+    tokenizer = AutoTokenizer.from_pretrained(path / "tokenizer", trust_remote_code=trust)
+    with no_init_weights(), torch.device(device):  # real buffers (e.g. rotary), parameters left empty
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, trust_remote_code=trust)
+    peft_cfg = meta["config"].get("peft", {})
+    if peft_cfg.get("method") == "lora":  # the checkpoint holds the adapter-wrapped names
+        from shardtune.config.schema import PeftConfig
+        from shardtune.model.adapters import add_lora
+
+        model = add_lora(model, PeftConfig(**peft_cfg), hf_config.model_type)
+    dcp_load({"model": model.state_dict()}, path, no_dist=True)
+    model.tie_weights()
+    model.eval()
+    return model, tokenizer, meta

@@ -1,0 +1,221 @@
+"""The output folder of a run: its default name, one live run at a time (an exclusive lock held
+for the run's lifetime), refusing to clobber an earlier run, and getting it ready for a fresh
+start or a resume (which checkpoint, stale partial saves, trimmed metrics)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import time
+from pathlib import Path
+
+from shardtune.checkpoint.dcp import check_compatible, find_latest, read_meta, resolve_checkpoint
+from shardtune.errors import UserError
+from shardtune.launch.local import LAUNCHER_ENV
+from shardtune.launch.signals import PREEMPTED_MARKER
+
+RUN_FILES = ("config.yaml", "metrics.jsonl", PREEMPTED_MARKER)
+RUN_DIRS = ("final", "checkpoints", "profile")
+LOCK_FILE = ".shardtune.lock"  # "pid P on HOST since TIME" of the live run; removed when it ends
+
+
+def default_output_dir(recipe: str | None) -> str:
+    return str(Path("runs") / f"{recipe or 'run'}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def holds_run(out: Path) -> bool:
+    return any((out / name).exists() for name in RUN_FILES + RUN_DIRS)
+
+
+def claim_output_dir(out: Path, overwrite: bool, check_only: bool = False, resuming: bool = False) -> None:
+    """Refuse a folder that already holds a run unless `overwrite` (or `resuming` it); then remove
+    only the run's own files (never anything else the user keeps there). `check_only` changes nothing."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"output_dir {str(out)!r} is a file; choose another output_dir")
+    if resuming:
+        overwrite = False  # a resumed run keeps its files
+    elif holds_run(out):
+        if not overwrite and (out / "checkpoints").is_dir():
+            raise UserError(f"output_dir {str(out)!r} holds checkpoints of an earlier run; pass resume=auto "
+                            "to continue it, or --overwrite to start over")
+        if not overwrite:
+            raise UserError(f"output_dir {str(out)!r} already holds a run; choose another output_dir "
+                            "or pass --overwrite to replace it")
+        for name in RUN_FILES:
+            (out / name).unlink(missing_ok=True)
+        for name in RUN_DIRS:
+            shutil.rmtree(out / name, ignore_errors=True)
+    if not check_only:
+        out.mkdir(parents=True, exist_ok=True)
+
+
+def prepare_run_dir(cfg, overwrite: bool, check_only: bool = False) -> str | None:
+    """Rank 0, before anything is built: the checkpoint to resume from (or None), with the
+    output folder claimed. Conflicts and bad checkpoints are UserErrors here, not later."""
+    out = Path(cfg.output_dir)
+    ckpt = None
+    if cfg.resume is not None and overwrite:
+        raise UserError(f"resume={cfg.resume} continues a run and --overwrite deletes it; drop one of them")
+    hold_run_dir(out)  # before looking inside: another live run's folder is refused as such
+    if cfg.resume == "auto":
+        ckpt = find_latest(out / "checkpoints")
+        if ckpt is None and (out / "final").is_dir():
+            raise UserError(f"resume=auto: output_dir {str(out)!r} holds a finished run and no checkpoint; "
+                            "pass --overwrite (without resume) to start over")
+    elif cfg.resume:
+        ckpt = resolve_checkpoint(cfg.resume)
+        inside = out.resolve() in ckpt.resolve().parents
+        if not inside and holds_run(out):
+            raise UserError(f"output_dir {str(out)!r} holds another run; resume {str(ckpt)!r} into a new output_dir")
+    step = read_meta(ckpt)["step"] if ckpt is not None else 0
+    if ckpt is not None:
+        check_compatible(read_meta(ckpt)["config"], cfg.to_dict(), ckpt)
+    # resume=auto with nothing to resume starts from scratch, so a requeue script works from its first launch.
+    claim_output_dir(out, overwrite or (cfg.resume == "auto" and ckpt is None), check_only,
+                     resuming=ckpt is not None)
+    if check_only:
+        return str(ckpt) if ckpt else None
+    root = out / "checkpoints"
+    for stale in [*root.glob(".tmp-*"), *root.glob(".old-*")] if root.is_dir() else []:
+        shutil.rmtree(stale, ignore_errors=True)  # saves cut short by a kill
+    if ckpt is not None:
+        trim_metrics(out / "metrics.jsonl", step)
+        print(f"resuming from {ckpt} (step {step})", flush=True)
+    elif cfg.resume == "auto":
+        print(f"resume=auto: no checkpoint in {out / 'checkpoints'}; starting from step 0", flush=True)
+    return str(ckpt) if ckpt else None
+
+
+def trim_metrics(path: Path, step: int) -> None:
+    """Drop records of steps after `step`: the resumed run writes them again."""
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                keep.append(line)
+        except ValueError:  # a line cut short by a kill
+            continue
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------- the lock
+
+_held: dict[Path, RunLock] = {}
+
+
+def hold_run_dir(out: Path) -> None:
+    """Create `out` if needed and take this process's exclusive lock on it until
+    `release_run_dir` (or the process's end, even by kill -9). Refused with one line naming the
+    live run that holds it, unless that is this process or the launcher that started it."""
+    key = Path(os.path.abspath(out))
+    if key not in _held:
+        lock = RunLock(key)
+        lock.acquire()
+        _held[key] = lock
+
+
+def release_run_dir(out: Path | str | None) -> None:
+    if out is not None:
+        lock = _held.pop(Path(os.path.abspath(out)), None)
+        if lock is not None:
+            lock.release()
+
+
+class RunLock:
+    """fcntl.flock on OUT/.shardtune.lock. The file is removed on release; a lock taken on a file
+    that another process removed meanwhile is retried on the new file."""
+
+    def __init__(self, out: Path):
+        self.out, self.path = out, out / LOCK_FILE
+        self.fd: int | None = None
+        self.created: Path | None = None  # the outermost folder made for the run
+
+    def acquire(self) -> None:
+        import fcntl
+
+        self.created = make_output_dir(self.out)
+        try:
+            while True:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    holder = os.read(fd, 200).decode(errors="replace").strip() or "another process"
+                    os.close(fd)
+                    if holder.startswith(f"pid {os.environ.get(LAUNCHER_ENV, '-')} ") and \
+                            os.environ.get(LAUNCHER_ENV) == str(os.getppid()):
+                        return  # the launcher that started this rank holds it for the run
+                    raise UserError(f"output_dir {str(self.out)!r} is in use by a live run ({holder}); wait for it "
+                                    "to finish or stop it, or choose another output_dir") from None
+                if _same_file(fd, self.path):
+                    break
+                os.close(fd)  # its holder removed it as we opened it: lock the new one
+        except OSError as exc:
+            self._remove_created()
+            raise UserError(f"output_dir {str(self.out)!r} is not writable ({exc.strerror}); "
+                            "choose another output_dir") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+                 .encode())
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            try:
+                self.path.unlink(missing_ok=True)  # while still locked: the next run makes a new file
+            except OSError:
+                pass
+            os.close(self.fd)
+            self.fd = None
+        self._remove_created()
+
+    def _remove_created(self) -> None:
+        """Folders made for a run that never wrote anything go again."""
+        if self.created is None:
+            return
+        folder = self.out
+        while True:
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+            if folder == self.created:
+                break
+            folder = folder.parent
+        self.created = None
+
+
+def make_output_dir(out: Path) -> Path | None:
+    """Create `out` (and its parents); returns the outermost folder created, None if it existed.
+    A folder that cannot be made is a one-line UserError now, before anything is built."""
+    if out.is_dir():
+        return None
+    if out.exists():
+        raise UserError(f"output_dir {str(out)!r} is a file; choose another output_dir")
+    first = out
+    while not first.parent.exists() and first.parent != first:
+        first = first.parent
+    if not first.parent.is_dir():
+        raise UserError(f"output_dir {str(out)!r} cannot be created: {str(first.parent)!r} is a file, not a folder; "
+                        "choose another output_dir")
+    try:
+        out.mkdir(parents=True)
+    except FileExistsError:  # made by a concurrent run; the lock decides who may use it
+        return None
+    except OSError as exc:
+        raise UserError(f"output_dir {str(out)!r} cannot be created ({exc.strerror}: "
+                        f"{exc.filename or out}); choose another output_dir") from None
+    return first
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        return os.fstat(fd).st_ino == os.stat(path).st_ino
+    except FileNotFoundError:
+        return False

@@ -1,0 +1,1 @@
+"""The command line: main plus one module per command. Imports nothing heavy at the top."""

@@ -1,0 +1,1 @@
+"""Recipes: the typed schema, loading with key=value overrides, config-only validation."""

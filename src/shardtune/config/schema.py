@@ -1,0 +1,374 @@
+"""Run configuration: small dataclasses per component, YAML recipes and `key=value` overrides.
+
+A recipe is plain data. `load_config` merges the recipe with dotted overrides, checks every
+key and type (unknown keys get a "did you mean" suggestion), and returns a `RunConfig`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from shardtune.config.validation import validate
+from shardtune.errors import UserError, first_line
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str | None = None  # hub id or local folder; None = random init from `config`
+    config: dict = field(default_factory=dict)  # overrides of the model config (or the whole config)
+    random_init: bool = False  # build from the config with fresh weights instead of loading them
+    tokenizer: str | None = None  # defaults to name_or_path
+    trust_remote_code: bool = False  # run the model repository's own code (only if you trust it)
+
+
+@dataclass
+class DataConfig:
+    path: str | None = None  # hub dataset id, local file, or local folder of files
+    name: str | None = None  # hub dataset config name (e.g. wikitext-2-raw-v1)
+    split: str = "train"  # the split to train on
+    val_split: str | None = None  # default: the dataset's own validation split, else carved out
+    val_size: float = 0.05  # fraction (<1) or count (>=1) of documents held out when carving
+    text_field: str = "text"  # text: the column holding documents (a list column is joined with list_sep)
+    seq_len: int = 512  # tokens per packed block; the default cutoff_len of instruct/chat
+    start_idx: int | None = None  # slice of the training documents, before packing
+    end_idx: int | None = None  # end of that slice (exclusive)
+    num_proc: int | None = None  # tokenizer worker processes (default: one, with the tokenizer's own threads)
+    format: Literal["text", "instruct", "chat"] = "text"  # text: packed documents; instruct: prompt + response; chat: messages
+    template: str | None = None  # columns as text, e.g. "Quote: {quote}\nAuthor: {author}" (text: the document; instruct: the prompt)
+    list_sep: str = " "  # joins list-valued columns, e.g. chess moves ["e4","e5"] -> "e4 e5"
+    instruction_field: str = "instruction"  # instruct: column with the task
+    input_field: str = "input"  # instruct: column with optional context (may be absent)
+    output_field: str = "output"  # instruct: column with the response (gets the loss)
+    messages_field: str = "messages"  # chat: column with a list of {role, content} messages
+    chat_template: str | None = None  # chat: Jinja template to use instead of the tokenizer's own (saved with the model)
+    train_on_inputs: bool = False  # instruct/chat: also train on prompt / non-assistant tokens
+    cutoff_len: int | None = None  # instruct/chat: longest example in tokens, longer ones truncated (default seq_len)
+    packing: bool = False  # instruct/chat: concatenate examples into seq_len blocks instead of padding each
+    group_by_length: bool = False  # padded batches: put examples of similar length together (less padding)
+    document_mask: bool | None = None  # attention and positions restart per document (default: packed instruct/chat)
+    padding_free: bool = False  # unpacked instruct/chat: a micro-batch's examples in one row, no padding
+
+    @property
+    def masks_documents(self) -> bool:
+        """Whether batches carry restarting positions and a document mask (data.document_mask resolved)."""
+        if self.padding_free:
+            return True
+        if self.document_mask is None:
+            return self.format != "text" and self.packing
+        return self.document_mask and (self.format == "text" or self.packing)
+
+    @property
+    def example_cutoff(self) -> int:
+        """instruct/chat: the longest example in tokens."""
+        return self.cutoff_len or self.seq_len
+
+
+@dataclass
+class FSDPConfig:
+    sharding: Literal["full_shard", "shard_grad_op", "hybrid_shard", "no_shard"] = "full_shard"  # see the FSDP1 map in the README
+    wrap: Literal["block", "size"] = "block"  # FSDP units: one per decoder block, or by parameter count
+    min_num_params: int = 100_000_000  # wrap="size": a unit per subtree with at least this many
+    block_class: str | None = None  # override the detected decoder-block class name
+    replicate_size: int | None = None  # hybrid_shard: number of replicas (default: nodes)
+    shard_size: int | None = None  # hybrid_shard: ranks per shard group (default: ranks per node)
+    cpu_offload: bool = False  # keep sharded parameters, gradients and optimizer state in host memory
+    forward_prefetch: int = 0  # explicitly prefetch the next N blocks' all-gather in forward
+    backward_prefetch: int = 1  # ... in backward (1 = FSDP2's default implicit prefetch)
+
+
+@dataclass
+class TrainConfig:
+    micro_batch_size: int = 8  # sequences per rank per forward/backward
+    global_batch_size: int = 32  # sequences per optimizer step, over all ranks
+    lr: float = 3e-4  # peak learning rate
+    min_lr_ratio: float = 0.1  # cosine/linear decay ends at lr * min_lr_ratio
+    lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"  # decay after warmup
+    warmup_steps: int = 0  # linear warmup from lr/warmup_steps to lr
+    weight_decay: float = 0.0  # AdamW decay of matrices (never of biases and norms)
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
+    eps: float = 1e-8  # AdamW epsilon
+    max_grad_norm: float = 1.0  # 0 disables clipping
+    max_steps: int = 0  # > 0 wins over epochs
+    epochs: float = 1.0  # used when max_steps is 0; fractions allowed
+    seed: int = 42  # weights init, data order, LoRA init, dropout
+
+
+@dataclass
+class EvalConfig:
+    every_steps: int = 0  # 0: only before and after training
+    max_batches: int = 0  # evaluate the first N x micro_batch_size sequences (any world size); 0: all
+    micro_batch_size: int | None = None  # default: train.micro_batch_size
+    at_start: bool = True  # evaluate before the first step (the baseline)
+
+
+@dataclass
+class LogConfig:
+    every_steps: int = 10  # a metrics.jsonl record (and tracker point) every N optimizer steps
+    progress: bool = True  # progress bar on rank 0
+    trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = field(default_factory=list)  # beside metrics.jsonl
+    project: str = "shardtune"  # W&B project / MLflow experiment
+    peak_tflops: float | None = None  # device peak for MFU (default: table of common GPUs by name)
+    live_memory: int = 0  # track the peak bytes of live tensors over the first N steps (MemTracker; those steps run slower)
+    profile_steps: list[int] | None = None  # [first, last]: torch.profiler trace of those optimizer steps into OUT/profile/ (Chrome trace + operator table)
+
+
+@dataclass
+class PeftConfig:
+    method: Literal["none", "lora"] = "none"  # lora: train low-rank adapters, base frozen (peft)
+    r: int = 8  # LoRA rank
+    alpha: int = 16  # LoRA scaling numerator (scale = alpha / r)
+    dropout: float = 0.05  # dropout on the adapter input
+    target_modules: list[str] | None = None  # default: gpt2 c_attn; opt/llama/mistral q_proj, v_proj
+    quantize: Literal["none", "4bit"] = "none"  # 4bit: QLoRA on an NF4 base (CUDA + bitsandbytes)
+
+
+@dataclass
+class FreezeConfig:
+    trainable_blocks: int | None = None  # train only the top N decoder blocks (and the final norm)
+    head_only: bool = False  # train only the output head
+    embeddings: bool = False  # freeze the input (and position) embeddings
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 0  # save a sharded checkpoint every N optimizer steps (0: never)
+    at_epoch_end: bool = False  # also save when an epoch of the training data ends
+    keep_last: int = 2  # complete checkpoints kept in output_dir/checkpoints (0: keep all)
+    async_save: bool = False  # YAML key `async` works too: train on while the files are written
+
+    KEY_ALIASES: typing.ClassVar[dict] = {"async": "async_save"}  # `async` is a Python keyword
+
+
+@dataclass
+class RunConfig:
+    output_dir: str | None = None  # default runs/<recipe>-<time>
+    save_final: bool = True  # write final/ (a plain HF folder) at the end; sweep trials turn it off
+    precision: Literal["bf16", "fp16", "fp32"] = "fp32"  # compute dtype; master weights and reductions stay fp32
+    activation_checkpointing: bool = False  # recompute each block's activations in backward (less memory)
+    compile: bool = False  # torch.compile each decoder block before sharding
+    loss_chunk_tokens: int | None = None  # LM head + loss in chunks of N tokens (no full logits); default ~24 MB CPU, 64 MB CUDA; 0: off
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when present, else CPU (gloo)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
+    freeze: FreezeConfig = field(default_factory=FreezeConfig)
+    resume: str | None = None  # auto: newest checkpoint in output_dir; or a checkpoint/run folder
+    on_nan: Literal["stop", "skip"] = "stop"  # non-finite loss: stop, or skip that step's update
+    recipe: str | None = None  # name of the recipe the run came from (set by the loader)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ----------------------------------------------------------------------------- parsing
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`train.lr=3e-5` -> ("train.lr", 3e-05). Values are parsed as YAML scalars/lists."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise UserError(f"override {text!r} is not key=value; write it like train.lr=3e-5")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else None
+    except yaml.YAMLError:
+        value = raw
+    if not isinstance(value, (str, type(None))) and not isinstance(value, (bool, int, float)):
+        value = Override(raw, value)  # `data.template=Q: {q}` reads as YAML but is meant as text
+    return key.strip(), value
+
+
+class Override(str):
+    """Command-line text that YAML read as a list/mapping: string-typed keys take the text."""
+
+    def __new__(cls, raw: str, parsed):
+        obj = super().__new__(cls, raw)
+        obj.parsed = parsed
+        return obj
+
+
+def set_dotted(tree: dict, key: str, value: Any) -> None:
+    node = tree
+    parts = key.split(".")
+    for part in parts[:-1]:
+        child = node.get(part)
+        if isinstance(child, Override) and isinstance(child.parsed, dict):
+            child = node[part] = child.parsed
+        if not isinstance(child, dict):
+            child = node[part] = {}
+        node = child
+    node[parts[-1]] = value
+
+
+def load_config(recipe: str | Path | None, overrides: list[str] | None = None,
+                defaults: dict | None = None) -> RunConfig:
+    """Recipe YAML (or `defaults` when there is none) + dotted overrides -> checked RunConfig."""
+    tree: dict = dict(defaults or {})
+    name = None
+    if recipe is not None:
+        path = Path(recipe)
+        if path.is_dir():
+            raise UserError(f"recipe {str(path)!r} is a folder; give the path to a YAML file (see recipes/)")
+        if not path.is_file():
+            raise UserError(f"recipe {str(path)!r} not found; give the path to a YAML file (see recipes/)")
+        try:
+            loaded = yaml.safe_load(_recipe_text(path)) or {}
+        except yaml.YAMLError as exc:
+            raise UserError(f"recipe {str(path)!r} is not valid YAML ({first_line(exc)}); fix the file") from None
+        if not isinstance(loaded, dict):
+            raise UserError(f"recipe {str(path)!r} must be a mapping of keys to values")
+        tree = loaded
+        name = path.stem
+    for text in overrides or []:
+        key, value = parse_override(text)
+        set_dotted(tree, key, value)
+    cfg = _build(RunConfig, tree, prefix="")
+    if cfg.recipe is None:
+        cfg.recipe = name or "quickstart"
+    validate(cfg)
+    return cfg
+
+
+def _recipe_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"recipe {str(path)!r} is not a text file (byte {exc.start} is not UTF-8); give a YAML "
+                        "recipe") from None
+    except OSError as exc:
+        raise UserError(f"recipe {str(path)!r} cannot be read ({exc.strerror}); check its permissions") from None
+
+
+def _build(cls, data: Any, prefix: str):
+    if not isinstance(data, dict):
+        raise UserError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {data!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in data.items():
+        key = getattr(cls, "KEY_ALIASES", {}).get(key, key)
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=1)
+            hint = f"; did you mean {prefix}{close[0]}?" if close else f"; valid keys: {', '.join(fields)}"
+            raise UserError(f"unknown config key '{prefix}{key}'{hint}")
+        kwargs[key] = _coerce(hints[key], value, f"{prefix}{key}")
+    return cls(**kwargs)
+
+
+def _coerce(tp, value: Any, key: str):
+    if isinstance(value, Override):
+        wants_text = tp is str or str in typing.get_args(tp)
+        value = str(value) if wants_text else value.parsed
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, prefix=key + ".")
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(arg, value, key)
+            except UserError as exc:
+                errors.append(exc)
+        raise errors[0]
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+            hint = f"did you mean {close[0]}? " if close else ""
+            raise UserError(f"{key}={value!r} is not a valid choice; {hint}choose one of: {', '.join(choices)}")
+        return value
+    if origin is list:
+        (inner,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            example = "[3,5]" if inner is int else "[0.9,0.95]"
+            raise UserError(f"{key} must be a list, got {value!r}; write it like {key}={example}")
+        return [_coerce(inner, v, key) for v in value]
+    if tp is dict:
+        if not isinstance(value, dict):
+            raise UserError(f"{key} must be a mapping, got {value!r}")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise UserError(f"{key} must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise UserError(f"{key} must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads "3e-5" (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise UserError(f"{key} must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise UserError(f"{key} must be a string, got {value!r}")
+        return str(value)
+    raise TypeError(f"unsupported config type {tp} for {key}")
+
+
+def check_world(cfg: RunConfig, world_size: int) -> int:
+    """Gradient-accumulation steps for this world size, or a UserError if the batch does not divide."""
+    t = cfg.train
+    per_step = t.micro_batch_size * world_size
+    if t.global_batch_size % per_step:
+        raise UserError(
+            f"train.global_batch_size={t.global_batch_size} is not divisible by micro_batch_size "
+            f"x ranks = {t.micro_batch_size} x {world_size}; change the batch sizes or the number of ranks")
+    return t.global_batch_size // per_step
+
+
+def dump_yaml(cfg: RunConfig) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
+def reference_lines() -> list[str]:
+    """`section.key (type = default)  comment` for every key, read from the dataclasses above."""
+    import inspect
+    import re
+
+    lines = []
+
+    def walk(cls, prefix: str) -> None:
+        comments = {}
+        for line in inspect.getsource(cls).splitlines():
+            m = re.match(r"\s+(\w+):.*?#\s*(.*)$", line)
+            if m:
+                comments[m.group(1)] = m.group(2)
+        for f in dataclasses.fields(cls):
+            if f.name == "recipe":
+                continue
+            sub = typing.get_type_hints(cls)[f.name]
+            if dataclasses.is_dataclass(sub):
+                walk(sub, prefix + f.name + ".")
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            type_name = str(f.type).replace("typing.", "").replace("Literal", "one of ")
+            text = f"  {prefix}{f.name} ({type_name} = {default!r})"
+            lines.append(text + (f"  {comments[f.name]}" if f.name in comments else ""))
+
+    walk(RunConfig, "")
+    return lines

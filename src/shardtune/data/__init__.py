@@ -1,0 +1,1 @@
+"""Documents to token blocks: files, formats, packing, document masks, the quickstart corpus."""

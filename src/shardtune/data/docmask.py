@@ -1,0 +1,89 @@
+"""Document masking: rows that hold several documents (packed blocks, padding-free batches)
+keep every document to itself. Positions restart at 0 at every document, and attention
+stays inside it, through the model's own packed-sequence support in transformers:
+
+- most models hand `position_ids` to `create_causal_mask`, which sees the restarts and builds
+  a block-causal mask (sdpa, eager) — nothing more to do;
+- OPT computes its mask without them, so the block-causal mask is built with the same
+  transformers function and passed in as a 4-D mask;
+- flash-attention (CUDA) gets the cumulative document lengths and runs its varlen kernel.
+
+Architectures and attention implementations not verified here are refused up front.
+"""
+
+from __future__ import annotations
+
+from shardtune.config.schema import DataConfig
+from shardtune.data.formats import IGNORE_INDEX
+from shardtune.errors import UserError
+
+# model_type -> how its forward learns about the documents; each is covered by the
+# logits test (a document inside a packed row == the document alone).
+SUPPORTED = {"gpt2": "position_ids", "llama": "position_ids", "mistral": "position_ids", "qwen2": "position_ids",
+             "gpt_neox": "position_ids", "opt": "mask_4d"}
+FLASH = ("flash_attention_2", "flash_attention_3")
+ATTENTION = (None, "sdpa", "eager", *FLASH)  # None: transformers' default (sdpa where the model has it)
+
+
+def check(cfg: DataConfig, hf_config) -> None:
+    """Refuse document masking where it would silently not happen (before any data work)."""
+    if not cfg.masks_documents:
+        return
+    key = "data.padding_free" if cfg.padding_free else "data.document_mask"
+    fix = "set data.padding_free=false" if cfg.padding_free else "set data.document_mask=false"
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in SUPPORTED:
+        raise UserError(f"{key} needs a model whose attention can be kept inside each document; model type "
+                        f"{model_type!r} is not one ({', '.join(sorted(SUPPORTED))} are); {fix}")
+    attn = getattr(hf_config, "_attn_implementation", None)
+    if attn not in ATTENTION:
+        raise UserError(f"{key} works with attention implementations {', '.join(a for a in ATTENTION if a)}, "
+                        f"not {attn!r}; pick one of them in model.config, or {fix}")
+
+
+def positions(starts, length: int):
+    """int64 numpy position ids of a row of `length` tokens whose documents begin at `starts`
+    (sorted offsets; 0 is implied): 0, 1, 2, ... restarting at every start."""
+    import numpy as np
+
+    starts = np.union1d([0], np.asarray(starts, dtype=np.int64))
+    index = np.arange(length, dtype=np.int64)
+    return index - starts[np.searchsorted(starts, index, side="right") - 1]
+
+
+def flatten(input_ids: list, labels: list):
+    """Padding-free layout of one micro-batch: (1, total) input_ids, labels and position_ids
+    with the examples end to end. An example's first token gets no label, so no example is
+    asked to predict the next one: the loss is the padded batch's."""
+    import torch
+
+    lengths = [len(x) for x in input_ids]
+    ids = torch.cat(list(input_ids))[None]
+    labs = torch.cat(list(labels))[None].clone()
+    starts = torch.tensor([0] + lengths[:-1]).cumsum(0)
+    labs[0, starts] = IGNORE_INDEX
+    pos = torch.from_numpy(positions(starts[1:].numpy(), ids.size(1)))[None]
+    return ids, labs, pos
+
+
+def model_inputs(model, batch) -> dict:
+    """Keyword arguments of the model's forward for a collated batch."""
+    inputs = dict(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), use_cache=False)
+    if "position_ids" not in batch:
+        return inputs
+    position_ids = batch["position_ids"]
+    config = model.config
+    inputs["position_ids"] = position_ids
+    if config._attn_implementation in FLASH:
+        from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
+
+        (cu_q, cu_k), (max_q, max_k) = prepare_fa_kwargs_from_position_ids(position_ids)
+        # the varlen kernel wants the longest document as a number: one host sync per micro-batch
+        inputs.update(cu_seq_lens_q=cu_q, cu_seq_lens_k=cu_k, max_length_q=int(max_q), max_length_k=int(max_k))
+    elif SUPPORTED.get(config.model_type) == "mask_4d":
+        import torch
+        from transformers.masking_utils import create_causal_mask
+
+        shape_only = torch.empty(*position_ids.shape, 0, device=position_ids.device)  # size, dtype and device
+        inputs["attention_mask"] = create_causal_mask(config, shape_only, None, None, position_ids=position_ids)
+    return inputs

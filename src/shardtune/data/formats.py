@@ -1,0 +1,239 @@
+"""Dataset formats: turn rows of any shape into token ids (and loss labels).
+
+- text:     one document per row, from `data.text_field` or a `data.template` over several
+            columns; list-valued columns are joined into one line. Packed later by data.pack.
+- instruct: an alpaca-style prompt (instruction [+ input]) followed by the response and EOS;
+            prompt tokens get no loss unless `data.train_on_inputs`.
+- chat:     a list of {role, content} messages rendered with the tokenizer's chat template;
+            only what the assistant would generate (its turns, with the template's end-of-turn
+            marker) gets loss.
+
+Everything here is called inside `datasets.map`, so it must be picklable and deterministic.
+Problems a user can fix are raised as one-line UserErrors.
+"""
+
+from __future__ import annotations
+
+from shardtune.config.schema import DataConfig
+from shardtune.config.validation import template_columns
+from shardtune.errors import UserError, first_line
+
+IGNORE_INDEX = -100
+
+# Our own wording of the usual alpaca layout; the ### headers are kept because models tuned on
+# alpaca-style data recognise them.
+PROMPT_WITH_INPUT = (
+    "Below is a task to carry out, written as an instruction, together with input that gives it "
+    "more context. Write a reply that fulfils the task.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n")
+PROMPT_NO_INPUT = (
+    "Below is a task to carry out, written as an instruction. Write a reply that fulfils the task.\n\n"
+    "### Instruction:\n{instruction}\n\n### Response:\n")
+
+
+# ----------------------------------------------------------------------------- column templates
+
+
+def as_text(value, sep: str = " "):
+    """A cell as template input: None -> "", lists joined (chess moves -> "e4 e5 Nf3")."""
+    if value is None:
+        return ""
+    if isinstance(value, (list, tuple)):
+        return sep.join(str(as_text(v, sep)) for v in value)
+    return value
+
+
+def check_columns(wanted: list[str], columns: list[str], what: str, key: str) -> None:
+    missing = [c for c in wanted if c not in columns]
+    if missing:
+        raise UserError(f"{what} has no column {missing[0]!r}, which {key} names; set {key} to use "
+                        f"its columns: {', '.join(columns)}")
+
+
+def fill(template: str, row: dict, sep: str = " ") -> str:
+    return template.format_map({k: as_text(v, sep) for k, v in row.items()})
+
+
+def _rows(batch: dict) -> list[dict]:
+    """A batched `datasets.map` input as one dict per row."""
+    keys = list(batch)
+    return [dict(zip(keys, values)) for values in zip(*(batch[k] for k in keys))]
+
+
+def render_text(docs, cfg: DataConfig, what: str):
+    """(docs, field) where docs[field] is one plain string per document, for packing.
+    Plain string columns pass through untouched (no extra map, no extra cache)."""
+    import datasets
+
+    if cfg.template is None:
+        check_columns([cfg.text_field], docs.column_names, what, "data.text_field")
+        feature = docs.features[cfg.text_field]
+        if isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string"):
+            return docs, cfg.text_field
+        template = "{" + cfg.text_field + "}"
+    else:
+        template = cfg.template
+        check_columns(template_columns(template), docs.column_names, what, "data.template")
+
+    def render(batch):
+        return {"text": [str(fill(template, row, cfg.list_sep)) for row in _rows(batch)]}
+
+    docs = docs.map(render, batched=True, remove_columns=docs.column_names, num_proc=cfg.num_proc,
+                    desc="render")
+    return docs, "text"
+
+
+# ----------------------------------------------------------------------------- instruct
+
+
+def _leading_bos(tokenizer) -> list[int]:
+    """[bos] if this tokenizer puts BOS before text by itself (llama-style), else []. Done by
+    hand so that a tokenizer that also appends EOS does not end the prompt with one."""
+    bos = tokenizer.bos_token_id
+    ids = tokenizer("a", add_special_tokens=True)["input_ids"]
+    return [bos] if bos is not None and ids and ids[0] == bos and len(ids) > 1 else []
+
+
+def instruct_fn(cfg: DataConfig, tokenizer, columns: list[str], what: str):
+    """Batched map function: rows -> {input_ids, labels, length}."""
+    needed = [(cfg.output_field, "data.output_field")]
+    if cfg.template is not None:
+        check_columns(template_columns(cfg.template), columns, what, "data.template")
+    else:
+        needed.insert(0, (cfg.instruction_field, "data.instruction_field"))
+        if cfg.input_field != DataConfig.input_field:  # the default `input` column may be absent (no inputs)
+            needed.append((cfg.input_field, "data.input_field"))
+    for col, key in needed:
+        if col not in columns:
+            raise UserError(f"data.format=instruct needs a column {col!r} but {what} has only: "
+                            f"{', '.join(columns)}; set {key} to the right column")
+    bos, eos = _leading_bos(tokenizer), tokenizer.eos_token_id
+    cutoff, sep = cfg.example_cutoff, cfg.list_sep
+    has_input = cfg.input_field in columns
+
+    def prompt(row: dict) -> str:
+        if cfg.template is not None:
+            return str(fill(cfg.template, row, sep))
+        text_in = str(as_text(row[cfg.input_field], sep)).strip() if has_input else ""
+        base = PROMPT_WITH_INPUT if text_in else PROMPT_NO_INPUT
+        return base.format(instruction=str(as_text(row[cfg.instruction_field], sep)).strip(), input=text_in)
+
+    def build(batch):
+        rows = _rows(batch)
+        prompts = tokenizer([prompt(r) for r in rows], add_special_tokens=False)["input_ids"]
+        answers = tokenizer([str(as_text(r[cfg.output_field], sep)) for r in rows],
+                            add_special_tokens=False)["input_ids"]
+        out = {"input_ids": [], "labels": [], "length": []}
+        for p, a in zip(prompts, answers):
+            p, a = bos + p, a + [eos]
+            ids = (p + a)[:cutoff]
+            labels = ids if cfg.train_on_inputs else ([IGNORE_INDEX] * len(p) + a)[:cutoff]
+            out["input_ids"].append(ids)
+            out["labels"].append(list(labels))
+            out["length"].append(len(ids))
+        return out
+
+    return build
+
+
+# ----------------------------------------------------------------------------- chat
+
+
+def check_chat_template(cfg: DataConfig, tokenizer) -> None:
+    """Install data.chat_template on the tokenizer (so final/ ships the template it was trained
+    with), or fail if there is none at all."""
+    if cfg.chat_template:
+        tokenizer.chat_template = cfg.chat_template
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError("data.format=chat but the tokenizer has no chat template; use a chat model's "
+                        "tokenizer, set data.chat_template=<jinja template>, or use data.format=instruct")
+
+
+def _messages(value, index: int, field: str) -> list[dict]:
+    """Messages of one row, checked; keys that arrow filled with None for other rows dropped."""
+    ok = isinstance(value, list) and value and all(isinstance(m, dict) and "role" in m for m in value)
+    if not ok:
+        raise UserError(f"row {index} of data.messages_field={field!r} is not a list of {{role, content}} "
+                        f"messages (got {str(value)[:80]!r}); fix the data or set data.messages_field")
+    return [{k: v for k, v in m.items() if v is not None} for m in value]
+
+
+def assistant_spans(messages: list[dict], render) -> tuple[str, list[tuple[int, int]]]:
+    """(full text, character spans that get loss). A span runs from the end of the generation
+    prompt before an assistant turn to the end of that turn as the template renders it, found
+    by rendering prefixes; templates whose prefixes are not stable (some rewrite earlier turns)
+    fall back to finding the message content itself."""
+    full = render(messages, False)
+    spans, cursor = [], 0
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        try:
+            before, through = render(messages[:i], True), render(messages[:i + 1], False)
+            start, end = len(before), len(through)
+            stable = full.startswith(through) and full.startswith(before) and cursor <= start < end
+        except Exception:  # e.g. a template that refuses a conversation ending on a user turn
+            stable = False
+        if not stable:
+            content = m.get("content")
+            start = full.find(content, cursor) if isinstance(content, str) and content else -1
+            if start < 0:
+                raise UserError("the chat template does not render assistant messages verbatim, so their "
+                                "tokens cannot be found; set data.chat_template to a simpler template")
+            end = start + len(content)
+        end = start + len(full[start:end].rstrip())  # the newline after an end-of-turn token is not generated
+        spans.append((start, end))
+        cursor = end
+    return full, spans
+
+
+def _label_spans(text: str, spans, tokenizer) -> tuple[list[int], list[int]]:
+    """Token ids of `text` and labels that keep only tokens overlapping a span (a token like
+    " an" that starts just before the reply is still one the model has to generate)."""
+    if getattr(tokenizer, "is_fast", False):
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = enc["input_ids"]
+        inside = [any(a < e and max(b, a + 1) > s for s, e in spans) for a, b in enc["offset_mapping"]]
+        return ids, [t if keep else IGNORE_INDEX for t, keep in zip(ids, inside)]
+    # Slow tokenizers have no offsets: tokenize the pieces between span edges separately.
+    edges = sorted({0, len(text), *(x for span in spans for x in span)})
+    ids, labels = [], []
+    for a, b in zip(edges, edges[1:]):
+        part = tokenizer(text[a:b], add_special_tokens=False)["input_ids"]
+        keep = any(s <= a < e for s, e in spans)
+        ids += part
+        labels += part if keep else [IGNORE_INDEX] * len(part)
+    return ids, labels
+
+
+def chat_fn(cfg: DataConfig, tokenizer, columns: list[str], what: str):
+    """Batched map function (with_indices): rows -> {input_ids, labels, length}."""
+    field = cfg.messages_field
+    if field not in columns:
+        raise UserError(f"data.format=chat needs a column {field!r} of messages but {what} has only: "
+                        f"{', '.join(columns)}; set data.messages_field")
+    check_chat_template(cfg, tokenizer)
+    cutoff = cfg.example_cutoff
+
+    def render(messages, generation_prompt):
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+    def build(batch, indices):
+        out = {"input_ids": [], "labels": [], "length": []}
+        for value, index in zip(batch[field], indices):
+            messages = _messages(value, index, field)
+            try:
+                text, spans = assistant_spans(messages, render)
+            except UserError:
+                raise
+            except Exception as exc:  # jinja errors raised by the template itself
+                raise UserError(f"the chat template failed on row {index} ({first_line(exc, 160)}); fix the row "
+                                "or set data.chat_template") from None
+            ids, labels = _label_spans(text, spans, tokenizer)
+            ids, labels = ids[:cutoff], (ids if cfg.train_on_inputs else labels)[:cutoff]
+            out["input_ids"].append(ids)
+            out["labels"].append(list(labels))
+            out["length"].append(len(ids))
+        return out
+
+    return build

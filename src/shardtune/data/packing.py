@@ -1,0 +1,315 @@
+"""Out-of-core packing: token ids streamed once into flat files on disk, blocks read from them.
+
+Documents are tokenized a chunk at a time (in this process, where a fast tokenizer uses every
+core itself, or in `data.num_proc` worker processes) and appended to one flat file of token
+ids, beside the offset where every document starts. Block i is ids[i*seq_len:(i+1)*seq_len] of
+that file (one positioned read), so memory does not grow with the corpus and the blocks are
+exactly those of concatenating everything and cutting (the tail is dropped). The files sit beside the
+dataset's own cache under a key of the documents, the tokenizer and the settings (not seq_len:
+one tokenization serves every block size), so a second run and the other ranks open them at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections import deque
+from pathlib import Path
+
+from shardtune.data import docmask
+from shardtune.data.formats import IGNORE_INDEX
+
+CHUNK_DOCS = 1000  # documents per tokenizer call: bounds memory whatever the corpus size
+FORMAT_VERSION = 1  # bump when the files' layout or content changes
+
+
+# ----------------------------------------------------------------------------- the blocks
+
+
+class PackedBlocks:
+    """`seq_len` blocks over a folder of flat arrays, read like a torch-formatted dataset:
+    `blocks[i]` is {input_ids[, labels][, position_ids]} of one block, `blocks[list or slice]`
+    the same stacked. With `document_mask`, positions restart at every document and a
+    document's first token gets no label (nothing is predicted across a document boundary).
+    A block is one positioned read of the files (no memory map: an epoch over a corpus larger
+    than memory leaves no pages counted in the resident set)."""
+
+    def __init__(self, folder: Path, seq_len: int, document_mask: bool = False, owned: bool = False):
+        import weakref
+
+        import numpy as np
+
+        self.folder, self.seq_len, self.document_mask = Path(folder), seq_len, document_mask
+        meta = json.loads((self.folder / "meta.json").read_text())
+        self.num_tokens = meta["num_tokens"]
+        self.dtypes = {"input_ids": np.dtype(meta["dtype"])}
+        if meta["labels"]:
+            self.dtypes["labels"] = np.dtype(np.int32)
+        self.fds = {name: os.open(self.folder / f"{name}.bin", os.O_RDONLY) for name in self.dtypes}
+        starts = self.folder / "doc_starts.bin"  # searched, not read whole: mapped
+        self.doc_starts = np.memmap(starts, np.int64, "r") if starts.stat().st_size else np.empty(0, np.int64)
+        weakref.finalize(self, _close, list(self.fds.values()), str(self.folder) if owned else None)
+
+    @property
+    def column_names(self) -> list[str]:
+        names = ["input_ids"]
+        if "labels" in self.dtypes or self.document_mask:
+            names.append("labels")
+        return names + (["position_ids"] if self.document_mask else [])
+
+    def __len__(self) -> int:
+        return self.num_tokens // self.seq_len
+
+    def with_format(self, *args, **kwargs) -> PackedBlocks:
+        return self  # always torch tensors
+
+    def block(self, i: int) -> dict:
+        """Numpy arrays of block i."""
+        import numpy as np
+
+        if not 0 <= i < len(self):
+            raise IndexError(f"block {i} of {len(self)}")
+        start, end = i * self.seq_len, (i + 1) * self.seq_len
+        out = {"input_ids": self._read("input_ids", start)}
+        labels = self._read("labels", start) if "labels" in self.dtypes else None
+        if self.document_mask:
+            inside = self.doc_starts[np.searchsorted(self.doc_starts, start, side="right"):
+                                     np.searchsorted(self.doc_starts, end, side="left")] - start
+            out["position_ids"] = docmask.positions(inside, self.seq_len)
+            labels = out["input_ids"].copy() if labels is None else labels
+            labels[inside] = IGNORE_INDEX
+        if labels is not None:
+            out["labels"] = labels
+        return out
+
+    def __getitem__(self, key):
+        import numpy as np
+        import torch
+
+        if isinstance(key, (int, np.integer)):
+            return {k: torch.from_numpy(v) for k, v in self.block(int(key)).items()}
+        indices = range(len(self))[key] if isinstance(key, slice) else [int(i) for i in key]
+        if not indices:
+            return {"input_ids": torch.empty((0, self.seq_len), dtype=torch.int64)}
+        rows = [self.block(i) for i in indices]
+        return {k: torch.from_numpy(np.stack([r[k] for r in rows])) for k in rows[0]}
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    def _read(self, name: str, start: int):
+        """int64 numpy array of the seq_len values of file `name` from token `start` on."""
+        import numpy as np
+
+        dtype = self.dtypes[name]
+        data = os.pread(self.fds[name], self.seq_len * dtype.itemsize, start * dtype.itemsize)
+        return np.frombuffer(data, dtype=dtype).astype(np.int64)
+
+
+def _close(fds: list[int], folder: str | None) -> None:
+    for fd in fds:
+        os.close(fd)
+    if folder is not None:  # a temporary folder (data without a cache of its own) goes with its blocks
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+class _Writer:
+    """Appends chunks of ids (and labels) and document lengths to flat files in `folder`."""
+
+    def __init__(self, folder: Path, dtype: str, labels: bool):
+        self.folder, self.dtype, self.num_tokens = folder, dtype, 0
+        self.ids = open(folder / "input_ids.bin", "wb")
+        self.labels = open(folder / "labels.bin", "wb") if labels else None
+        self.starts = open(folder / "doc_starts.bin", "wb")
+
+    def add(self, ids, lengths, labels=None) -> None:
+        import numpy as np
+
+        self.starts.write((np.cumsum(lengths) - lengths + self.num_tokens).astype(np.int64).tobytes())
+        self.ids.write(ids.astype(self.dtype, copy=False).tobytes())
+        if self.labels is not None:
+            self.labels.write(labels.astype(np.int32, copy=False).tobytes())
+        self.num_tokens += len(ids)
+
+    def close(self) -> None:
+        for f in (self.ids, self.labels, self.starts):
+            if f is not None:
+                f.close()
+        meta = {"num_tokens": self.num_tokens, "dtype": self.dtype, "labels": self.labels is not None,
+                "version": FORMAT_VERSION}
+        (self.folder / "meta.json").write_text(json.dumps(meta))
+
+
+def _cached(dataset, key_parts: tuple, fill, labels: bool, dtype: str) -> tuple[Path, bool]:
+    """(folder, owned): the finished folder for this key, written by `fill(writer)` unless an
+    earlier run (or rank) already did. Written under a temporary name and renamed when whole."""
+    from datasets.fingerprint import Hasher
+
+    key = Hasher.hash((FORMAT_VERSION, dataset._fingerprint, *key_parts))
+    parent = Path(dataset.cache_files[0]["filename"]).parent if dataset.cache_files else None
+    folder = parent / f"shardtune-tokens-{key}" if parent is not None else None
+    if folder is not None and (folder / "meta.json").is_file():
+        return folder, False
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f"shardtune-tokens-{key}.tmp-", dir=parent))
+    except OSError:  # a read-only dataset cache: keep the tokens for this process only
+        folder, tmp = None, Path(tempfile.mkdtemp(prefix="shardtune-tokens-"))
+    try:
+        writer = _Writer(tmp, dtype, labels)
+        fill(writer)
+        writer.close()
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if folder is None:
+        return tmp, True
+    try:
+        os.rename(tmp, folder)
+    except OSError:  # another process finished the same folder first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder, False
+
+
+# ----------------------------------------------------------------------------- text
+
+
+def token_dtype(tokenizer) -> str:
+    return "uint16" if max(len(tokenizer), tokenizer.vocab_size) <= 1 << 16 else "uint32"
+
+
+def encode(texts: list, tokenizer, eos: int, dtype: str):
+    """(flat ids, document lengths) of the non-blank `texts`, each followed by EOS."""
+    from itertools import chain
+
+    import numpy as np
+
+    texts = [t for t in texts if t and t.strip()]  # blank documents (wikitext's empty lines) would add only EOS
+    if not texts:
+        return np.empty(0, dtype=dtype), np.empty(0, dtype=np.int64)
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    lengths = np.fromiter((len(x) + 1 for x in ids), dtype=np.int64, count=len(ids))
+    out = np.empty(int(lengths.sum()), dtype=dtype)
+    eos_at = np.cumsum(lengths) - 1
+    body = np.ones(len(out), dtype=bool)
+    body[eos_at] = False
+    out[body] = np.fromiter(chain.from_iterable(ids), dtype=dtype, count=len(out) - len(ids))
+    out[eos_at] = eos
+    return out, lengths
+
+
+class _ReadPages:
+    """Keeps the pages of memory-mapped dataset files that were read out of this process's
+    resident set: `datasets` reads its arrow files through a memory map, and every page of the
+    corpus read once would otherwise stay counted in RSS (reclaimable, but RSS would grow with the
+    corpus). `release()` asks Linux to page them out (MADV_PAGEOUT, a hint: nothing changes for
+    the program; elsewhere, or on kernels before 5.4, it does nothing)."""
+
+    MADV_PAGEOUT = 21
+
+    def __init__(self, paths: list[str]):
+        self.ranges, self.madvise = [], None
+        wanted = {os.path.realpath(p) for p in paths}
+        try:
+            with open("/proc/self/maps") as f:
+                for line in f:
+                    fields = line.split(None, 5)
+                    if len(fields) == 6 and fields[5].strip() in wanted:
+                        start, end = (int(x, 16) for x in fields[0].split("-"))
+                        self.ranges.append((start, end - start))
+            import ctypes
+
+            self.madvise = ctypes.CDLL(None, use_errno=True).madvise
+            self.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        except (OSError, AttributeError):
+            self.ranges = []
+
+    def release(self) -> None:
+        for start, length in self.ranges:
+            if self.madvise(start, length, self.MADV_PAGEOUT) != 0:
+                self.ranges = []  # not supported here: stop asking
+                return
+
+
+_WORKER: dict = {}
+
+
+def _worker_init(docs, field: str, tokenizer, eos: int, dtype: str, in_worker: bool = True) -> None:
+    if in_worker:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the worker processes are the parallelism
+    _WORKER.update(docs=docs.with_format("arrow"), field=field, tokenizer=tokenizer, eos=eos, dtype=dtype,
+                   pages=_ReadPages([f["filename"] for f in docs.cache_files]))
+
+
+def _worker_encode(start: int):
+    w = _WORKER
+    texts = w["docs"][start:start + CHUNK_DOCS].column(w["field"]).to_pylist()
+    w["pages"].release()
+    return encode(texts, w["tokenizer"], w["eos"], w["dtype"])
+
+
+def _encoded_chunks(docs, field: str, tokenizer, num_proc: int | None, dtype: str):
+    """(ids, lengths) of every chunk of documents, in order."""
+    eos = tokenizer.eos_token_id
+    starts = range(0, len(docs), CHUNK_DOCS)
+    if not num_proc or num_proc <= 1:
+        _worker_init(docs, field, tokenizer, eos, dtype, in_worker=False)  # the tokenizer's own threads
+        try:
+            yield from map(_worker_encode, starts)
+        finally:
+            _WORKER.clear()
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    # spawn: forking a process whose tokenizer already runs threads can deadlock
+    with ProcessPoolExecutor(num_proc, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init,
+                             initargs=(docs, field, tokenizer, eos, dtype)) as pool:
+        pending: deque = deque()
+        for start in starts:  # a bounded window of chunks in flight keeps memory flat
+            pending.append(pool.submit(_worker_encode, start))
+            if len(pending) >= 4 * num_proc:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+
+
+def pack_text(docs, tokenizer, field: str, seq_len: int, num_proc: int | None = None,
+              document_mask: bool = False) -> PackedBlocks:
+    """Tokenize docs[field], join the documents with EOS and cut into `seq_len` blocks."""
+    dtype = token_dtype(tokenizer)
+
+    def fill(writer: _Writer) -> None:
+        for ids, lengths in _encoded_chunks(docs, field, tokenizer, num_proc, dtype):
+            writer.add(ids, lengths)
+
+    folder, owned = _cached(docs, ("text", field, tokenizer.eos_token_id, tokenizer), fill, False, dtype)
+    return PackedBlocks(folder, seq_len, document_mask, owned)
+
+
+# ----------------------------------------------------------------------------- token rows
+
+
+def pack_rows(rows, seq_len: int, dtype: str, document_mask: bool = False) -> PackedBlocks:
+    """Concatenate rows of `input_ids` (and `labels`, if any: instruct/chat examples), one
+    document each, and cut into `seq_len` blocks. Reads arrow batches: no Python lists."""
+    import pyarrow.compute as pc
+
+    has_labels = "labels" in rows.column_names
+
+    def fill(writer: _Writer) -> None:
+        table, pages = rows.with_format("arrow"), _ReadPages([f["filename"] for f in rows.cache_files])
+        for start in range(0, len(rows), CHUNK_DOCS):
+            chunk = table[start:start + CHUNK_DOCS]
+            ids = pc.list_flatten(chunk.column("input_ids")).to_numpy()
+            lengths = pc.list_value_length(chunk.column("input_ids")).to_numpy().astype("int64")
+            labels = pc.list_flatten(chunk.column("labels")).to_numpy() if has_labels else None
+            writer.add(ids, lengths, labels)
+            pages.release()
+
+    folder, owned = _cached(rows, ("rows",), fill, has_labels, dtype)
+    return PackedBlocks(folder, seq_len, document_mask, owned)

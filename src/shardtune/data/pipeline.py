@@ -1,0 +1,360 @@
+"""Data: load documents (local files or the HF hub), tokenize once (cached by `datasets`),
+pack text into fixed-length blocks (instruct/chat examples stay one per row, see formats.py),
+and decide which samples each rank trains on at each step.
+
+The global order of an epoch is a seeded permutation of all packed blocks; optimizer step s
+takes the next `global_batch_size` blocks of it, and rank r's micro-batch m inside that step
+is a fixed slice of them. The split depends only on (seed, epoch, step, rank, world size), so
+any world size trains on exactly the same global batches.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from shardtune.config.schema import DataConfig
+from shardtune.data import docmask, formats
+from shardtune.data.formats import IGNORE_INDEX
+from shardtune.diskspace import no_room
+from shardtune.errors import UserError, first_line
+
+BUILDERS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".csv": "csv",
+            ".parquet": "parquet"}
+VAL_NAMES = ("validation", "valid", "val", "dev")
+
+
+# ----------------------------------------------------------------------------- documents
+
+
+def _is_blank(path: Path) -> bool:
+    """True for a file with nothing but whitespace (reads only until the first real byte)."""
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 16):
+            if chunk.strip():
+                return False
+    return True
+
+
+def _local_files(path: Path) -> dict[str, list[str]]:
+    """Files of a local dataset, by split. A folder's `train*`/`validation*` files are splits."""
+    if path.is_file():
+        files = [path]
+    else:
+        files = sorted(p for p in path.iterdir() if p.suffix in BUILDERS and not p.name.startswith("."))
+        if not files:
+            raise UserError(f"data.path={str(path)!r} holds no {'/'.join(sorted(BUILDERS))} files; "
+                            "point it at a data file or a folder of them")
+    blank = [p for p in files if _is_blank(p)]
+    if blank:
+        raise UserError(f"data file {str(blank[0])!r} is empty (no documents); add documents to it "
+                        "or point data.path elsewhere")
+    suffixes = {p.suffix for p in files}
+    if len({BUILDERS[s] for s in suffixes if s in BUILDERS}) != 1 or not suffixes <= BUILDERS.keys():
+        raise UserError(f"data.path={str(path)!r} mixes or has unsupported file types ({', '.join(sorted(suffixes))}); "
+                        f"use one of {', '.join(sorted(BUILDERS))}")
+    splits: dict[str, list[str]] = {}
+    for p in files:
+        stem = p.stem.lower()
+        split = next((s for s in ("train", *VAL_NAMES, "test") if stem.startswith(s)), "train")
+        splits.setdefault("validation" if split in VAL_NAMES else split, []).append(str(p))
+    if "train" not in splits:
+        splits = {"train": [f for group in splits.values() for f in group]}
+    return splits
+
+
+def load_documents(cfg: DataConfig):
+    """DatasetDict-like {split: Dataset} of raw documents."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    path = Path(cfg.path).expanduser()
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors are retold as one UserError
+    try:
+        if path.exists():
+            files = _local_files(path)
+            builder = BUILDERS[Path(next(iter(files.values()))[0]).suffix]
+            return datasets.load_dataset(builder, data_files=files)
+        if cfg.path.startswith((".", "/", "~")) or Path(cfg.path).suffix in BUILDERS:
+            raise UserError(f"data file {cfg.path!r} not found; check data.path")
+        return datasets.load_dataset(cfg.path, cfg.name)
+    except UserError:
+        raise
+    except datasets.exceptions.DatasetGenerationError as exc:  # e.g. a malformed JSON line
+        if no_room(exc, 0, None):
+            raise  # not the file's fault: prepare() tells a full disk
+        raise UserError(f"could not read dataset {cfg.path!r} ({first_line(exc.__cause__ or exc)}); fix the file "
+                        "or point data.path elsewhere") from None
+    except (FileNotFoundError, ConnectionError, ValueError) as exc:
+        target = f"dataset:{cfg.path}" + (f":{cfg.name}" if cfg.name else "")
+        raise UserError(f"could not load dataset {cfg.path!r} ({first_line(exc)}); check data.path/data.name "
+                        f"(no network? run `shardtune download {target}` where there is)") from None
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+
+
+def split_documents(cfg: DataConfig, splits, seed: int):
+    """(train, validation) documents: the dataset's own validation split if it has one, else a
+    seeded hold-out of `val_size` training documents; then `start_idx:end_idx` of the rest."""
+    if cfg.split not in splits:
+        raise UserError(f"dataset {cfg.path!r} has no split {cfg.split!r}; choose data.split from "
+                        f"{', '.join(splits)}")
+    train = splits[cfg.split]
+    val_name = cfg.val_split or next((s for s in VAL_NAMES if s in splits and s != cfg.split), None)
+    if cfg.val_split and cfg.val_split not in splits:
+        raise UserError(f"dataset {cfg.path!r} has no split {cfg.val_split!r}; choose data.val_split from "
+                        f"{', '.join(splits)}")
+    if val_name is not None:
+        val = splits[val_name]
+    else:
+        n = len(train)
+        k = int(cfg.val_size) if cfg.val_size >= 1 else int(round(n * cfg.val_size))
+        k = min(k, n - 1) if n > 1 else 0
+        import numpy as np
+
+        held = np.random.default_rng(seed).permutation(n)[:k]
+        held_set = set(held.tolist())
+        val = train.select(sorted(held_set))
+        train = train.select([i for i in range(n) if i not in held_set])
+    start = cfg.start_idx or 0
+    end = len(train) if cfg.end_idx is None else min(cfg.end_idx, len(train))
+    if start or end < len(train):
+        train = train.select(range(start, end))
+    return train, val
+
+
+# ----------------------------------------------------------------------------- tokens
+
+
+def pack(docs, tokenizer, field: str, seq_len: int, num_proc: int | None = None, document_mask: bool = False):
+    """Tokenize, join documents with EOS, and cut into `seq_len` blocks (the tail is dropped),
+    out of core (packing.py)."""
+    from shardtune.data.packing import pack_text
+
+    return pack_text(docs, tokenizer, field, seq_len, num_proc, document_mask)
+
+
+def tokenize_split(docs, cfg: DataConfig, tokenizer, what: str, required: bool = False):
+    """Token rows of one split in cfg.format: packed text blocks, or one example per row with
+    `labels` (IGNORE_INDEX where there is no loss) and `length`. `required`: an instruct/chat
+    split left with no example is a UserError."""
+    if cfg.format == "text":
+        docs, field = formats.render_text(docs, cfg, what)
+        return pack(docs, tokenizer, field, cfg.seq_len, cfg.num_proc, cfg.masks_documents)
+    make = formats.instruct_fn if cfg.format == "instruct" else formats.chat_fn
+    build = make(cfg, tokenizer, docs.column_names, what)
+    rows = docs.map(build, batched=True, with_indices=cfg.format == "chat", remove_columns=docs.column_names,
+                    num_proc=cfg.num_proc, desc=f"tokenize {cfg.format}")
+    # Rows whose loss tokens were all cut off (or that had none) would only cost compute;
+    # position 0 is never predicted, hence [1:].
+    rows = rows.filter(lambda batch: [any(t != IGNORE_INDEX for t in lab[1:]) for lab in batch["labels"]],
+                       batched=True, num_proc=cfg.num_proc, desc="drop rows without loss")
+    if required and len(rows) == 0:
+        raise UserError(f"no example of {what} keeps a response (or assistant) token within data.cutoff_len="
+                        f"{cfg.example_cutoff}; raise data.cutoff_len/data.seq_len or check the data")
+    if cfg.train_on_inputs:
+        rows = rows.remove_columns("labels")  # labels == input_ids
+    if cfg.packing:
+        from shardtune.data.packing import pack_rows, token_dtype
+
+        return pack_rows(rows, cfg.seq_len, token_dtype(tokenizer), cfg.masks_documents)
+    return rows
+
+
+def prepare(cfg: DataConfig, tokenizer, seed: int):
+    """(train, val) torch datasets with `input_ids` (and `labels` where some tokens get no loss).
+    text: packed blocks of seq_len; instruct/chat: one example per row, at most cutoff_len long,
+    with a `length` column (see `lengths`), unless data.packing."""
+    try:
+        return _prepare(cfg, tokenizer, seed)
+    except Exception as exc:  # no room for the `datasets` cache or the packed blocks beside it: one line
+        if (why := no_room(exc, 0, None)) is None:
+            raise
+        import datasets
+
+        raise UserError(f"{why} while caching the data under {datasets.config.HF_DATASETS_CACHE}; free space "
+                        "there, or point HF_DATASETS_CACHE (or HF_HOME) at a disk with room, and run again") from None
+
+
+def _prepare(cfg: DataConfig, tokenizer, seed: int):
+    splits = load_documents(cfg)
+    train_docs, val_docs = split_documents(cfg, splits, seed)
+    if len(train_docs) == 0:
+        raise UserError(f"dataset {cfg.path!r} has no training documents (after start_idx/end_idx); "
+                        "check data.path and the slice")
+    train = tokenize_split(train_docs, cfg, tokenizer, f"dataset {cfg.path!r}", required=True)
+    if len(train) == 0:
+        raise UserError(f"dataset {cfg.path!r} has fewer tokens than one sequence of data.seq_len={cfg.seq_len}; "
+                        "add data or lower data.seq_len")
+    val = None
+    if len(val_docs):
+        val = tokenize_split(val_docs, cfg, tokenizer, f"the validation split of {cfg.path!r}")
+        val = val if len(val) else None
+    return train.with_format("torch"), (val.with_format("torch") if val is not None else None)
+
+
+def lengths(ds) -> list[int] | None:
+    """Per-sample token counts for BatchPlan(lengths=...), or None for packed (equal) blocks."""
+    if "length" not in ds.column_names:
+        return None
+    return ds.with_format("numpy", columns=["length"])[:]["length"].tolist()
+
+
+# ----------------------------------------------------------------------------- batches
+
+
+class BatchPlan:
+    """Which samples rank `rank` uses for every micro-step of every optimizer step.
+
+    With `lengths` (group_by_length), each epoch's shuffled order is cut into mega-chunks of
+    GROUP_BATCHES global batches, each chunk is sorted longest first, and then the global
+    batches are shuffled: micro-batches hold similar lengths (little padding) while the
+    order of batches stays random. Like the plain order, it depends on (seed, epoch) only."""
+
+    GROUP_BATCHES = 50
+
+    def __init__(self, num_samples: int, global_batch: int, micro_batch: int, world_size: int,
+                 rank: int, seed: int, lengths=None):
+        self.num_samples, self.global_batch, self.micro_batch = num_samples, global_batch, micro_batch
+        self.world_size, self.rank, self.seed = world_size, rank, seed
+        if lengths is not None and len(lengths) != num_samples:
+            raise ValueError(f"{len(lengths)} lengths for {num_samples} samples")
+        self.lengths = lengths
+        self.accum = global_batch // (micro_batch * world_size)
+        self.steps_per_epoch = num_samples // global_batch
+        if self.steps_per_epoch == 0:
+            raise UserError(f"the training split has {num_samples} sequences, fewer than "
+                            f"train.global_batch_size={global_batch}; lower the batch size or data.seq_len")
+        self._epoch, self._order = -1, None
+
+    def order(self, epoch: int):
+        if epoch != self._epoch:
+            gen = torch.Generator().manual_seed(self.seed + epoch)
+            order = torch.randperm(self.num_samples, generator=gen)
+            if self.lengths is not None:
+                order = self._grouped(order, gen)
+            self._epoch, self._order = epoch, order
+        return self._order
+
+    def _grouped(self, order, gen):
+        lengths = torch.as_tensor(self.lengths)[order]
+        chunk = self.GROUP_BATCHES * self.global_batch
+        parts = []
+        for start in range(0, self.num_samples, chunk):
+            by_len = torch.sort(lengths[start:start + chunk], descending=True, stable=True).indices
+            parts.append(order[start:start + chunk][by_len])
+        order = torch.cat(parts)
+        usable = self.steps_per_epoch * self.global_batch
+        batches = order[:usable].view(self.steps_per_epoch, self.global_batch)
+        shuffled = batches[torch.randperm(self.steps_per_epoch, generator=gen)].reshape(-1)
+        return torch.cat([shuffled, order[usable:]])  # the tail is not trained on this epoch
+
+    def micro_batches(self, epoch: int, step_in_epoch: int) -> list[list[int]]:
+        """`accum` lists of `micro_batch` sample indices for this rank at this step."""
+        order = self.order(epoch)
+        base = step_in_epoch * self.global_batch
+        out = []
+        for m in range(self.accum):
+            start = base + (m * self.world_size + self.rank) * self.micro_batch
+            out.append(order[start:start + self.micro_batch].tolist())
+        return out
+
+
+def eval_batches(num_samples: int, micro_batch: int, world_size: int, rank: int,
+                 max_batches: int = 0) -> list[list[int]]:
+    """Validation blocks for this rank in fixed order. Every rank gets the same number of
+    batches (FSDP needs every rank in every forward); missing places are -1 (masked).
+    `max_batches` caps the sequences at max_batches x micro_batch, the same set for any world size."""
+    if max_batches:
+        num_samples = min(num_samples, max_batches * micro_batch)
+    per_round = micro_batch * world_size
+    rounds = -(-num_samples // per_round)
+    batches = []
+    for r in range(rounds):
+        start = r * per_round + rank * micro_batch
+        batches.append([i if i < num_samples else -1 for i in range(start, start + micro_batch)])
+    return batches
+
+
+def collate(ds, indices: list[int], device, pad_id: int = 0, padding_free: bool = False):
+    """{input_ids, labels[, attention_mask][, position_ids]} tensors for these samples; index -1
+    is a row with no loss. Packed blocks are stacked (document-masked ones bring their
+    position_ids). Rows of different lengths are right-padded with `pad_id` (labels with
+    IGNORE_INDEX) to the longest, with an `attention_mask` (1 = real token) — or, with
+    `padding_free`, laid end to end in one row with restarting position_ids."""
+
+    real = [i if i >= 0 else 0 for i in indices]
+    blank = [pos for pos, i in enumerate(indices) if i < 0]
+    rows = ds[real]
+    input_ids, labels = rows["input_ids"], rows.get("labels")
+    batch = {}
+    if isinstance(input_ids, torch.Tensor):  # equal lengths: stacked already
+        labels = (labels if labels is not None else input_ids).clone()
+        labels[blank] = IGNORE_INDEX
+        if "position_ids" in rows:
+            batch["position_ids"] = rows["position_ids"]
+    else:
+        labels = [torch.full_like(ids, IGNORE_INDEX) if pos in blank else lab
+                  for pos, (ids, lab) in enumerate(zip(input_ids, labels if labels is not None else input_ids))]
+        if padding_free:
+            input_ids, labels, batch["position_ids"] = docmask.flatten(input_ids, labels)
+        else:
+            input_ids, labels, batch["attention_mask"] = _pad(input_ids, labels, pad_id)
+    batch.update(input_ids=input_ids, labels=labels)
+    return to_device(batch, device)
+
+
+def to_device(batch: dict, device) -> dict:
+    """A CPU batch on `device`; page-locked first on CUDA, so the copy is asynchronous."""
+    if device.type == "cpu":
+        return batch
+    return {k: (v if v.is_pinned() else v.pin_memory()).to(device, non_blocking=True) for k, v in batch.items()}
+
+
+class Prefetcher:
+    """The next step's micro-batches are assembled (dataset reads, padding, page-locking) in a
+    background thread while the current step computes, so batch assembly is off the critical
+    path; `take(step)` hands them over and says how long the loop waited for them."""
+
+    def __init__(self, assemble, device, first_step: int, end_step: int):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.assemble, self.device, self.end = assemble, device, end_step
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batches")
+        self.pending = self._submit(first_step)
+
+    def _submit(self, step: int):
+        if step >= self.end:
+            return None
+        pin = self.device.type == "cuda"
+        return step, self.pool.submit(lambda: [b if not pin else {k: v.pin_memory() for k, v in b.items()}
+                                               for b in self.assemble(step)])
+
+    def take(self, step: int) -> tuple[list[dict], float]:
+        """(this step's micro-batches on the device, seconds waited for them)."""
+        import time
+
+        queued, future = self.pending
+        assert queued == step, f"prefetched step {queued}, asked for {step}"
+        start = time.perf_counter()
+        batches = future.result()
+        waited = time.perf_counter() - start
+        self.pending = self._submit(step + 1)
+        return [to_device(b, self.device) for b in batches], waited
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _pad(input_ids: list, labels: list, pad_id: int):
+    """Rows right-padded to the longest: (input_ids, labels, attention_mask)."""
+
+    width = max(len(x) for x in input_ids)
+    padded = torch.full((len(input_ids), width), pad_id, dtype=input_ids[0].dtype)
+    padded_labels = torch.full((len(input_ids), width), IGNORE_INDEX, dtype=input_ids[0].dtype)
+    mask = torch.zeros((len(input_ids), width), dtype=torch.long)
+    for pos, (ids, lab) in enumerate(zip(input_ids, labels)):
+        padded[pos, :len(ids)], padded_labels[pos, :len(ids)], mask[pos, :len(ids)] = ids, lab, 1
+    return padded, padded_labels, mask

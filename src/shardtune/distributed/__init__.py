@@ -1,0 +1,1 @@
+"""The process group, collectives and FSDP2 application. Launches no process."""

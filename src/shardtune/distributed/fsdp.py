@@ -1,0 +1,164 @@
+"""FSDP2: the device mesh and the one function that applies parallelism, in a fixed order:
+activation checkpointing -> compile -> fully_shard per unit -> fully_shard on the root.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from shardtune.config.schema import FSDPConfig
+from shardtune.errors import UserError
+from shardtune.launch.local import Dist
+
+
+def detect_block_class(model, override: str | None = None) -> type:
+    """The decoder-block class that becomes one FSDP unit (GPT2Block, OPTDecoderLayer, ...)."""
+    classes = {type(m).__name__: type(m) for m in model.modules()}
+    if override:
+        if override not in classes:
+            candidates = sorted(n for n in classes if "Block" in n or "Layer" in n)
+            raise UserError(f"fsdp.block_class={override!r} is not a module of this model; "
+                            f"candidates: {', '.join(candidates) or 'none'}")
+        return classes[override]
+    for name in getattr(model, "_no_split_modules", None) or []:
+        if name in classes:
+            return classes[name]
+    # Fallback: the class of the longest ModuleList (the stack of decoder layers).
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    if not lists:
+        raise UserError("could not find the decoder blocks of this model; set fsdp.block_class=<class name>")
+    return type(max(lists, key=len)[0])
+
+
+def build_mesh(fsdp: FSDPConfig, dist: Dist):
+    """1-D mesh for full_shard/shard_grad_op; 2-D (replicate, shard) for hybrid_shard and no_shard."""
+
+    world = dist.world_size
+    sharding = fsdp.sharding
+    if sharding in ("full_shard", "shard_grad_op"):
+        return init_device_mesh(dist.device.type, (world,), mesh_dim_names=("shard",))
+    if sharding == "no_shard":  # pure data parallel: replicate everywhere, shard groups of one
+        replicate, shard = world, 1
+    else:
+        shard = fsdp.shard_size or (world // fsdp.replicate_size if fsdp.replicate_size else dist.local_world_size)
+        replicate = fsdp.replicate_size or (world // shard if shard else 0)
+        if shard < 1 or replicate * shard != world:
+            raise UserError(f"hybrid_shard needs replicate_size x shard_size = world size {world}, got "
+                            f"{replicate} x {shard}; set fsdp.shard_size to a divisor of {world}")
+    return init_device_mesh(dist.device.type, (replicate, shard), mesh_dim_names=("replicate", "shard"))
+
+
+def mixed_precision(precision: str):
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[precision]
+    # Compute in low precision, keep fp32 master weights, reduce gradients in fp32.
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+
+
+def reshard_after_forward(sharding: str, shard_group_size: int) -> bool:
+    """The sharding policy, decided here only: free gathered parameters after forward (and keep
+    gradients sharded between micro-batches) for full_shard and hybrid_shard, where a shard
+    group has several ranks. With one rank in the group there is nothing to free, and
+    re-gathering would only copy (10 % of a 1-rank step on CPU)."""
+    return sharding in ("full_shard", "hybrid_shard") and shard_group_size > 1
+
+
+def apply_parallelism(model, spec, block_cls: type, mesh, device) -> tuple[list, bool]:
+    """Shard `model` in place as `spec` (build.ModelSpec) says. Returns the FSDP units (in
+    forward order) below the root, and whether they are resharded after forward."""
+
+    fsdp = spec.fsdp
+    blocks = [m for m in model.modules() if isinstance(m, block_cls)]
+
+    if spec.activation_checkpointing:
+        if not getattr(model, "supports_gradient_checkpointing", False):
+            raise UserError(f"{type(model).__name__} does not support activation checkpointing; "
+                            "set activation_checkpointing=false")
+        # transformers' per-layer checkpointing keeps parameter names unchanged. Newer 5.x name it
+        # activation_checkpointing_enable; 5.17 (on the GPU machines) has only the deprecated name.
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+
+    if spec.compile:
+        for block in blocks:
+            block.compile()  # in place: parameter names unchanged
+
+    kwargs = dict(
+        mesh=mesh,
+        mp_policy=mixed_precision(spec.precision),
+        # pinned host memory needs CUDA; on CPU, pinning fails
+        offload_policy=CPUOffloadPolicy(pin_memory=device.type == "cuda") if fsdp.cpu_offload
+        else OffloadPolicy(),
+    )
+    reshard = reshard_after_forward(fsdp.sharding, mesh.size(mesh.ndim - 1))
+    units = blocks if fsdp.wrap == "block" else _size_based_units(model, fsdp.min_num_params)
+    for unit in units:
+        # the last unit's backward comes right after its forward: freeing it would only re-gather it
+        fully_shard(unit, reshard_after_forward=reshard and unit is not units[-1], **kwargs)
+    if fsdp.wrap == "block":
+        _shard_embeddings(model, reshard, kwargs)
+    # The root keeps what is left (final norm, ...); it is needed again right at the start of backward.
+    fully_shard(model, reshard_after_forward=False, **kwargs)
+    _set_prefetch(units, fsdp.forward_prefetch, fsdp.backward_prefetch)
+    return units, reshard
+
+
+def _shard_embeddings(model, reshard: bool, kwargs: dict) -> None:
+    """Input embeddings and LM head as units of their own: left in the root they would stay
+    unsharded on every rank from forward to the end of backward (GPT-2's are 30 % of it). A tied
+    pair shares one weight, so it must be one unit; it is freed after backward."""
+
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if emb is None or any(isinstance(p, DTensor) for p in emb.parameters()):
+        return
+    if head is not None and head.weight is emb.weight:
+        # Gathered from the first forward op to the last anyway, and the head opens backward:
+        # resharding after forward would only gather the largest unit again at once.
+        fully_shard([emb, head], reshard_after_forward=False, **kwargs)
+        return
+    fully_shard(emb, reshard_after_forward=reshard, **kwargs)
+    if head is not None and not any(isinstance(p, DTensor) for p in head.parameters()):
+        fully_shard(head, reshard_after_forward=False, **kwargs)  # backward starts with it
+
+
+def _size_based_units(model, min_num_params: int) -> list:
+    """Post-order walk: a subtree becomes a unit once it holds >= min_num_params not yet in a unit.
+    Containers without a forward (ModuleList/ModuleDict) and subtrees holding a tied parameter
+    (e.g. input embeddings shared with the LM head: both must live in one unit) pass it up."""
+    from collections import Counter
+
+
+    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    tied = {pid for pid, n in uses.items() if n > 1}
+    units = []
+
+    def visit(module) -> int:
+        pending = sum(p.numel() for p in module.parameters(recurse=False))
+        for child in module.children():
+            pending += visit(child)
+        eligible = not isinstance(module, (nn.ModuleList, nn.ModuleDict)) and \
+            not any(id(p) in tied for p in module.parameters())
+        if module is not model and eligible and pending >= min_num_params:
+            units.append(module)
+            return 0
+        return pending
+
+    visit(model)
+    return units
+
+
+def _set_prefetch(units: list, forward: int, backward: int) -> None:
+    """FSDP2 prefetches one unit ahead implicitly; these settings make it explicit or deeper."""
+    if forward > 0:
+        for i, unit in enumerate(units[:-1]):
+            unit.set_modules_to_forward_prefetch(units[i + 1:i + 1 + forward])
+    if backward != 1:
+        for i, unit in enumerate(units[1:], start=1):
+            unit.set_modules_to_backward_prefetch(units[max(0, i - backward):i][::-1] if backward else [])

@@ -1,0 +1,1 @@
+"""Starting ranks: the local elastic launcher, signals, Slurm scripts, cache downloads."""

@@ -1,0 +1,98 @@
+"""`shardtune download`: fill the Hugging Face cache on a machine with network (a login node),
+so compute nodes without it can train with HF_HUB_OFFLINE=1.
+
+Models (and tokenizers) go to the hub cache ($HF_HOME/hub) as `from_pretrained` reads them
+offline. Datasets are loaded once with `datasets.load_dataset`, which leaves them prepared in
+the datasets cache ($HF_HOME/datasets): that, not the raw hub files, is what `load_dataset`
+finds when it runs offline. `--cache-dir DIR` stands for $HF_HOME: set HF_HOME=DIR on the
+compute nodes.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from shardtune.errors import UserError, first_line
+
+# Weights in formats shardtune never reads: skipped so a 7B download is not three 7B downloads.
+IGNORE = ["*.h5", "*.msgpack", "*.ot", "*.onnx", "*.onnx_data", "onnx/*", "coreml/*", "*.tflite", "*.mlmodel",
+          "*.gguf", "original/*"]
+PYTORCH_BINARIES = ["*.bin", "*.pt", "*.pth"]  # skipped where the repo has safetensors
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def _is_local(path: str) -> bool:
+    """A data.path / model name that data.py or transformers would read from disk, not the hub."""
+    from shardtune.data.pipeline import BUILDERS
+
+    return Path(path).expanduser().exists() or path.startswith((".", "/", "~")) or Path(path).suffix in BUILDERS
+
+
+def targets_from_recipe(recipe: str, overrides: list[str] | None = None) -> list[tuple[str, str, str | None]]:
+    """(kind, repo id, dataset config name) for the model, tokenizer and dataset of a recipe, in
+    that order, without duplicates; local folders and files are left out."""
+    from shardtune.config.schema import load_config
+
+    cfg = load_config(recipe, overrides)
+    found: list[tuple[str, str, str | None]] = []
+    for name in (cfg.model.name_or_path, cfg.model.tokenizer):
+        if name and not _is_local(name) and ("model", name, None) not in found:
+            found.append(("model", name, None))
+    if cfg.data.path and not _is_local(cfg.data.path):
+        found.append(("dataset", cfg.data.path, cfg.data.name))
+    return found
+
+
+def download(targets: list[tuple[str, str, str | None]], cache_dir: str | None = None) -> list[str]:
+    """Download each target into the cache; returns where each one is."""
+    if env_flag("HF_HUB_OFFLINE"):
+        raise UserError("HF_HUB_OFFLINE=1 is set, so nothing can be downloaded; run `shardtune download` "
+                        "without it on a machine with network (e.g. a login node)")
+    if env_flag("HF_DATASETS_OFFLINE") and any(kind == "dataset" for kind, _, _ in targets):
+        raise UserError("HF_DATASETS_OFFLINE=1 is set, so no dataset can be downloaded; unset it on a "
+                        "machine with network")
+    root = Path(cache_dir).expanduser() if cache_dir else None
+    paths = []
+    for kind, repo, config_name in targets:
+        if kind == "model":
+            paths.append(_download_model(repo, str(root / "hub") if root else None))
+        elif kind == "dataset":
+            paths.append(_download_dataset(repo, config_name, str(root / "datasets") if root else None))
+        else:
+            raise UserError(f"download target kind {kind!r} is unknown; use model:ID or dataset:ID")
+    return paths
+
+
+def _download_model(repo: str, cache_dir: str | None) -> str:
+    from huggingface_hub import HfApi, snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
+
+    try:
+        files = HfApi().list_repo_files(repo)
+        ignore = IGNORE + (PYTORCH_BINARIES if any(f.endswith(".safetensors") for f in files) else [])
+        return snapshot_download(repo_id=repo, cache_dir=cache_dir, ignore_patterns=ignore)
+    except RepositoryNotFoundError:  # also a gated repo without access
+        raise UserError(f"model {repo!r} not found on the Hugging Face hub (or it is gated); check the name, "
+                        "and for gated models accept the license on the hub and `hf auth login`") from None
+    except (HfHubHTTPError, OSError, ValueError) as exc:
+        raise UserError(f"could not download model {repo!r} ({first_line(exc)}); check the network "
+                        "and the name") from None
+
+
+def _download_dataset(repo: str, config_name: str | None, cache_dir: str | None) -> str:
+    import datasets
+
+    datasets.disable_progress_bars()
+    label = repo + (f" ({config_name})" if config_name else "")
+    try:
+        loaded = datasets.load_dataset(repo, config_name, cache_dir=cache_dir)
+    except Exception as exc:  # datasets raises many kinds (not found, no config name, network)
+        raise UserError(f"could not download dataset {label!r} ({type(exc).__name__}: {first_line(exc)}); "
+                        "check the name and the network (a dataset with several configs needs "
+                        "dataset:ID:CONFIG or data.name in the recipe)") from None
+    files = [f["filename"] for split in loaded.values() for f in split.cache_files]
+    return str(Path(files[0]).parent) if files else (cache_dir or datasets.config.HF_DATASETS_CACHE)

@@ -1,0 +1,103 @@
+"""Stopping a run on request: SIGTERM or SIGUSR1 (what Slurm sends before it kills a job), and
+Ctrl-C (SIGINT).
+
+The handler only raises a flag. Once per step every rank adds its flag into the step's
+all-reduce, so all ranks see the request at the same step, finish it, write a checkpoint
+together and exit with EXIT_PREEMPTED. `resume=auto` then continues from that checkpoint.
+
+Ctrl-C is a request too: the first one stops the run like SIGTERM, with a checkpoint; a second
+one stops it at once, without one (KeyboardInterrupt in a lone process; in a rank of several
+the default action, since a rank may be waiting in a collective that Python cannot interrupt).
+Every message about a stop says whether a checkpoint was written and which one is the last good one.
+
+EXIT_PREEMPTED = 75 (EX_TEMPFAIL, "temporary failure, try again"): a requeue script can
+treat 75 as "requeue me", e.g. `[ $? -eq 75 ] && scontrol requeue $SLURM_JOB_ID`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from shardtune.launch.local import LAUNCHER_ENV, launched_by_agent
+
+EXIT_PREEMPTED = 75
+EXIT_INTERRUPTED = 128 + signal.SIGINT  # the shell's code for a process stopped by Ctrl-C
+# left in the output folder by a preempted run, for job scripts that cannot see the ranks' exit code
+PREEMPTED_MARKER = "PREEMPTED"
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+
+class Preemption:
+    """While installed, the signals above set `requested` instead of killing the process."""
+
+    def __init__(self):
+        self.requested = 0
+        self.signum: int | None = None
+        self._old: dict = {}
+        if threading.current_thread() is threading.main_thread():  # Python only allows it there
+            for sig in SIGNALS:
+                self._old[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if signum == signal.SIGINT:
+            lone = not launched_by_agent()
+            # The second Ctrl-C: at once. A lone process unwinds (the CLI says what is left);
+            # a rank dies by the default action (its launcher says it).
+            signal.signal(signal.SIGINT, signal.default_int_handler if lone else signal.SIG_DFL)
+            if os.environ.get("RANK", "0") == "0" and LAUNCHER_ENV not in os.environ:
+                os.write(sys.stderr.fileno(), b"Ctrl-C: finishing the steps under way and saving a checkpoint; "
+                                              b"Ctrl-C again stops at once, without one\n")
+        if not self.requested:
+            self.requested, self.signum = 1, signum
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum else "a preemption request"
+
+    def restore(self) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old = {}
+
+
+def last_good(out: Path | str | None) -> str:
+    """Where a resume would continue from, as the end of a sentence."""
+    from shardtune.checkpoint.dcp import find_latest
+
+    good = find_latest(Path(out) / "checkpoints") if out else None
+    return f"the last good checkpoint is {good} (resume=auto continues from it)" if good else \
+        "this run has no checkpoint"
+
+
+def interrupted_line(out: Path | str | None) -> str:
+    return f"interrupted (Ctrl-C): stopped at once, without a checkpoint; {last_good(out)}"
+
+
+def marker_stamp(out: Path) -> float | None:
+    """The PREEMPTED marker's mtime (None: absent); a launcher notes it before starting ranks."""
+    try:
+        return (out / PREEMPTED_MARKER).stat().st_mtime_ns
+    except OSError:
+        return None
+
+
+def stop_report(signum: int, out: Path, stamp_before: float | None) -> tuple[int, str]:
+    """What a launcher whose ranks were stopped by signal `signum` exits with and says: 75 and
+    the checkpoint only when the ranks wrote one (a PREEMPTED marker that changed since the launch)."""
+    name = signal.Signals(signum).name
+    step = None
+    if marker_stamp(out) not in (None, stamp_before):
+        try:
+            step = int((out / PREEMPTED_MARKER).read_text().strip())
+        except (OSError, ValueError):
+            pass
+    if step is not None:
+        folder = out / "checkpoints" / f"step-{step:06d}"
+        return EXIT_PREEMPTED, (f"{name}: the ranks saved {folder} and stopped; exit {EXIT_PREEMPTED} "
+                                "(resume=auto continues)")
+    code = 128 + signum
+    return code, f"{name}: the ranks stopped without writing a checkpoint; {last_good(out)}; exit {code}"

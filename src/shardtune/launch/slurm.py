@@ -1,0 +1,70 @@
+"""`shardtune slurm RECIPE --nodes N --gpus-per-node G`: an sbatch script that runs the recipe
+with srun + torchrun (c10d rendezvous on the first node), checkpoints when Slurm warns of the
+end of the allocation, and requeues itself to resume.
+
+How the pieces meet: `--signal=USR1@LEAD` makes Slurm send SIGUSR1 to every job step LEAD
+seconds before the time limit; torchrun is told to handle SIGUSR1 and to pass it on to its
+workers (waiting up to --shutdown_timeout for them, where its torch has that option); each
+worker finishes the steps under way, all write one checkpoint, and rank 0 leaves a PREEMPTED
+marker in the output folder. The script sees the marker and requeues the job, which starts
+again with `resume=auto`.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+from shardtune.errors import UserError
+from shardtune.launch.signals import EXIT_PREEMPTED, PREEMPTED_MARKER
+
+
+def sbatch_script(recipe: str, output_dir: str, nodes: int, gpus_per_node: int, *, overrides: list[str],
+                  job_name: str | None = None, time: str = "24:00:00", partition: str | None = None,
+                  account: str | None = None, cpus_per_gpu: int = 8, signal_lead_s: int = 300,
+                  port: int = 29500, offline: bool = True) -> str:
+    if nodes < 1 or gpus_per_node < 1:
+        raise UserError(f"--nodes and --gpus-per-node must be at least 1, got {nodes} and {gpus_per_node}")
+    job_name = job_name or Path(recipe).stem
+    out = shlex.quote(output_dir)
+    train_args = " ".join(shlex.quote(a) for a in [recipe, *overrides, f"output_dir={output_dir}", "resume=auto"])
+    optional = "".join(f"#SBATCH --{key}={value}\n" for key, value in
+                       (("partition", partition), ("account", account)) if value)
+    offline_env = ("export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1  "
+                   "# compute nodes: use the cache filled by `shardtune download`\n") if offline else ""
+    return f"""#!/bin/bash
+#SBATCH --job-name={job_name}
+#SBATCH --nodes={nodes}
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node={gpus_per_node}
+#SBATCH --cpus-per-task={cpus_per_gpu * gpus_per_node}
+#SBATCH --time={time}
+#SBATCH --signal=USR1@{signal_lead_s}
+#SBATCH --requeue
+#SBATCH --open-mode=append
+#SBATCH --output={job_name}-%j.log
+{optional}
+# Written by `shardtune slurm`. One torchrun agent per node, {gpus_per_node} rank(s) each.
+set -uo pipefail
+{offline_env}export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-8}}
+head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+rm -f {out}/{PREEMPTED_MARKER}
+
+# How long torchrun waits for the ranks' checkpoint after the signal; torchrun of torch 2.11
+# and older has no such option and waits a fixed 30 s.
+grace=$(torchrun --help 2>&1 | grep -q -e --shutdown_timeout && echo --shutdown_timeout={max(30, signal_lead_s - 30)})
+# srun does not pass --cpus-per-task on to the step by itself (Slurm >= 22.05): say it again.
+srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" torchrun \\
+  --nnodes="$SLURM_NNODES" --nproc_per_node={gpus_per_node} \\
+  --rdzv_backend=c10d --rdzv_endpoint="$head_node:{port}" --rdzv_id="$SLURM_JOB_ID" \\
+  --signals_to_handle=SIGTERM,SIGINT,SIGUSR1 $grace \\
+  -m shardtune train {train_args}
+status=$?
+
+if [ -f {out}/{PREEMPTED_MARKER} ] || [ "$status" -eq {EXIT_PREEMPTED} ]; then
+  echo "preempted: checkpoint written; requeueing job $SLURM_JOB_ID to resume"
+  scontrol requeue "$SLURM_JOB_ID"
+  exit 0
+fi
+exit $status
+"""

@@ -1,0 +1,1 @@
+"""Hugging Face models: loading, adapters, the chunked loss, the one build path."""

@@ -1,0 +1,80 @@
+"""The one way a model is built for a command: train, eval, plan and sweep all call
+`build_model`, so what they run (and what the planner traces) is the same model.
+
+The sequence: the model's structure on the meta device -> LoRA / freezing -> the chunked head
+loss -> parallelism (parallel.apply_parallelism) -> weights, read on rank 0 only and handed out
+shard by shard. Without a weight source the parameters stay on meta, for the caller to give
+storage (the planner does so under fake tensors).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+from shardtune.config.schema import FreezeConfig, FSDPConfig, PeftConfig, RunConfig
+
+
+@dataclass
+class ModelSpec:
+    """Everything that decides the structure of the sharded model and nothing else."""
+
+    hf_config: Any  # transformers PretrainedConfig
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    precision: str = "fp32"
+    activation_checkpointing: bool = False
+    compile: bool = False
+    loss_chunk_tokens: int | None = None
+    peft: PeftConfig = field(default_factory=PeftConfig)
+    freeze: FreezeConfig = field(default_factory=FreezeConfig)
+    trust_remote_code: bool = False
+
+    @classmethod
+    def of_run(cls, cfg: RunConfig, hf_config) -> ModelSpec:
+        return cls(hf_config, fsdp=cfg.fsdp, precision=cfg.precision,
+                   activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile,
+                   loss_chunk_tokens=cfg.loss_chunk_tokens, peft=cfg.peft, freeze=cfg.freeze,
+                   trust_remote_code=cfg.model.trust_remote_code)
+
+
+@dataclass
+class BuiltModel:
+    """The model and what the training step needs to know about how it is sharded."""
+
+    model: Any  # nn.Module, its parameters DTensors (FSDP2) unless it is a QLoRA model
+    block_cls: type | None  # the decoder-block class (one FSDP unit each with fsdp.wrap=block)
+    units: list  # the FSDP units below the root, in forward order
+    reshard_after_forward: bool  # parallel.reshard_after_forward: the one sharding policy
+
+    @property
+    def sync_grads_each_micro_step(self) -> bool:
+        """Reduce-scatter gradients after every micro-batch where parameters are resharded
+        (gradients stay sharded too: memory), else once per step (no traffic per micro-batch)."""
+        return self.reshard_after_forward
+
+
+def build_model(spec: ModelSpec, mesh, device, source: Callable[[], Any] | None = None,
+                seed: int = 0) -> BuiltModel:
+    """The sharded model of `spec` on `mesh`. `source` returns the full-weight plain model; it
+    is called on rank 0 only (collective: every rank calls build_model with a source or none)."""
+
+    from shardtune.distributed.fsdp import apply_parallelism, detect_block_class
+    from shardtune.model import loss as loss_lib
+    from shardtune.model.adapters import adapt
+    from shardtune.model.hf import build_meta_model, materialize
+
+    model = build_meta_model(spec.hf_config, spec.trust_remote_code)
+    block_cls = detect_block_class(model, spec.fsdp.block_class)
+    model = adapt(model, spec.peft, spec.freeze, block_cls)
+    loss_lib.install(model, spec.loss_chunk_tokens)  # before sharding: it checks the head's class
+    units, reshard = apply_parallelism(model, spec, block_cls, mesh, device)
+    if source is not None:
+        is_main = dist.get_rank() == 0
+        # rank 0's copy gets the same adapters (seeded) so that the names match the skeleton's
+        full = adapt(source(), spec.peft, spec.freeze, block_cls, seed) if is_main else None
+        materialize(model, full, device, is_main)
+        del full
+    return BuiltModel(model, block_cls, units, reshard)

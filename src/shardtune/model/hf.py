@@ -1,0 +1,239 @@
+"""Model and tokenizer: where they come from, how big a sequence they take, and how the
+weights reach every rank without N full copies in host memory.
+
+Every rank builds the model skeleton on the meta device; only rank 0 reads (or randomly
+initialises) the full weights, which are then broadcast shard by shard after `fully_shard`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+from shardtune.config.schema import ModelConfig
+from shardtune.errors import UserError, first_line
+
+# The JSON files a model or tokenizer folder may hold; each is checked before a library reads it.
+MODEL_JSON = ("config.json", "generation_config.json", "model.safetensors.index.json")
+TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json")
+
+
+def _hub_hint(name: str) -> str:
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in {"1", "ON", "YES", "TRUE"}:
+        return (f"HF_HUB_OFFLINE=1 and {name!r} is not in the local cache ($HF_HOME); run "
+                f"`shardtune download {name}` where there is network, or give a local folder")
+    return f"check the name, or give a local folder (no network? run `shardtune download {name}` where there is)"
+
+
+def load_hf_config(cfg: ModelConfig, local_files_only: bool = False):
+    """The transformers config of the model, with `model.config` overrides applied
+    (`local_files_only`: a local folder or the Hugging Face cache, never the network)."""
+    from transformers import AutoConfig
+
+    overrides = dict(cfg.config)
+    if cfg.name_or_path is None:
+        model_type = overrides.pop("model_type", None)
+        if model_type is None:
+            raise UserError("model.config needs model_type (e.g. model.config.model_type=gpt2) "
+                            "when model.name_or_path is not set")
+        try:
+            return AutoConfig.for_model(model_type, **overrides)
+        except ValueError as exc:
+            raise UserError(f"model.config.model_type={model_type!r} is unknown to transformers ({exc})") from None
+    folder = Path(cfg.name_or_path)
+    if folder.is_dir():  # checked whole now, on every rank, so none starts building on a broken folder
+        check_model_folder(folder, weights=not cfg.random_init)
+    try:
+        hf_config = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code,
+                                               local_files_only=local_files_only)
+    except OSError as exc:
+        if folder.is_dir():
+            raise UserError(f"model folder {cfg.name_or_path!r} could not be read ({first_line(exc)}); "
+                            "give a Hugging Face model folder (config.json and weights)") from None
+        raise UserError(f"model {cfg.name_or_path!r} not found; {_hub_hint(cfg.name_or_path)}") from None
+    except ValueError as exc:
+        if "trust_remote_code" in str(exc):
+            raise UserError(f"model {cfg.name_or_path!r} needs custom code; set model.trust_remote_code=true "
+                            "if you trust it") from None
+        raise
+    for key, value in overrides.items():
+        if not hasattr(hf_config, key):
+            raise UserError(f"model.config.{key} is not a field of {type(hf_config).__name__}; check the name")
+        setattr(hf_config, key, value)
+    return hf_config
+
+
+def match_tokenizer(hf_config, tokenizer, cfg: ModelConfig) -> None:
+    """A model built from a config alone (no weights) takes its vocabulary and special tokens
+    from the tokenizer, unless model.config names a vocab_size."""
+    if cfg.name_or_path is not None:
+        return
+    if "vocab_size" not in cfg.config:
+        hf_config.vocab_size = len(tokenizer)
+    hf_config.bos_token_id = tokenizer.bos_token_id
+    hf_config.eos_token_id = tokenizer.eos_token_id
+    hf_config.pad_token_id = tokenizer.pad_token_id
+
+
+def check_json_files(folder: Path, names: tuple[str, ...]) -> None:
+    """Each of these files the folder holds must be readable JSON: one line naming the one that is not."""
+    for name in names:
+        path = folder / name
+        if not path.is_file():
+            continue
+        try:
+            json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise UserError(f"{str(path)!r} is damaged (not valid JSON: {first_line(exc, 100)}); re-download "
+                            "or re-export the folder") from None
+        except OSError as exc:
+            raise UserError(f"{str(path)!r} cannot be read ({exc.strerror}); fix its permissions") from None
+
+
+def check_model_folder(folder: Path, weights: bool = True) -> None:
+    """A local model folder: config.json present and readable, and (when its weights will be read)
+    every weight file present and complete (safetensors headers cover the files)."""
+    if not (folder / "config.json").is_file():
+        raise UserError(f"model folder {str(folder)!r} has no config.json; give a Hugging Face model folder "
+                        "(config.json and weights)")
+    check_json_files(folder, MODEL_JSON)
+    if weights:
+        for path in weight_files(folder):
+            check_safetensors(path)
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The weight files a load of this folder reads (a sharded index names them)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
+        missing = [n for n in names if not (folder / n).is_file()]
+        if missing:
+            raise UserError(f"model folder {str(folder)!r} lacks {missing[0]} (named in {index.name}"
+                            f"{f' with {len(missing) - 1} more' if len(missing) > 1 else ''}); "
+                            "re-download or re-export the model")
+        return [folder / n for n in names]
+    if (folder / "model.safetensors").is_file():
+        return [folder / "model.safetensors"]
+    if any(folder.glob("*.safetensors")) or any(folder.glob("pytorch_model*.bin")):
+        return []  # other layouts: the loader's own errors apply
+    raise UserError(f"model folder {str(folder)!r} has no weights (model.safetensors or pytorch_model.bin); "
+                    "add them, or set model.random_init=true to train it from fresh weights")
+
+
+def check_safetensors(path: Path) -> None:
+    """Reads only the header: a truncated or damaged file is refused before anything is built."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt"):
+            pass
+    except Exception as exc:  # SafetensorError, or OSError for an unreadable file
+        raise UserError(f"weights file {str(path)!r} is truncated or damaged ({first_line(exc, 100)}); "
+                        "re-download or re-export the model") from None
+
+
+def max_positions(hf_config) -> int | None:
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(hf_config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_seq_len(hf_config, seq_len: int) -> None:
+    limit = max_positions(hf_config)
+    if limit is not None and seq_len > limit:
+        raise UserError(f"data.seq_len={seq_len} is above the model's maximum of {limit} positions; "
+                        f"set data.seq_len={limit} or less")
+
+
+def load_tokenizer(cfg: ModelConfig):
+    from transformers import AutoTokenizer
+
+    source = cfg.tokenizer or cfg.name_or_path
+    if source is None:
+        raise UserError("a random-init model needs a tokenizer: set model.tokenizer=<hub id or folder>")
+    local = Path(source).is_dir()
+    if local:
+        check_json_files(Path(source), TOKENIZER_JSON)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
+    except OSError as exc:
+        if local:
+            raise UserError(f"tokenizer folder {source!r} could not be read ({first_line(exc)}); give a folder "
+                            "with tokenizer.json or the tokenizer's vocabulary files") from None
+        raise UserError(f"tokenizer {source!r} not found; {_hub_hint(source)}") from None
+    except Exception as exc:  # the tokenizers library's parse errors are plain Exceptions
+        if not local:
+            raise
+        raise UserError(f"tokenizer folder {source!r} is damaged ({type(exc).__name__}: {first_line(exc)}); "
+                        "re-download or re-save the tokenizer") from None
+    if tokenizer.eos_token_id is None:
+        raise UserError(f"tokenizer {source!r} has no end-of-sequence token; pick a tokenizer that has one")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def build_meta_model(hf_config, trust_remote_code: bool = False):
+    """The model's structure with no storage: cheap on every rank."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32,
+                                                trust_remote_code=trust_remote_code)
+
+
+def load_source_model(cfg: ModelConfig, hf_config, seed: int):
+    """The full weights, in fp32 on CPU. Called on rank 0 only."""
+    from transformers import AutoModelForCausalLM
+
+    if cfg.name_or_path is None or cfg.random_init:
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32,
+                                                trust_remote_code=cfg.trust_remote_code)
+    try:
+        return AutoModelForCausalLM.from_pretrained(cfg.name_or_path, config=hf_config, dtype=torch.float32,
+                                                    trust_remote_code=cfg.trust_remote_code)
+    except (OSError, RuntimeError, ValueError) as exc:
+        if not Path(cfg.name_or_path).is_dir():
+            raise
+        raise UserError(f"the weights of model folder {cfg.name_or_path!r} could not be loaded "
+                        f"({type(exc).__name__}: {first_line(exc, 160)}); re-download or re-export the model") from None
+
+
+def materialize(model, source, device, is_main: bool) -> None:
+    """Give the sharded meta `model` real storage on `device` and fill it from rank 0's `source`.
+
+    Parameters travel with DCP's broadcast-from-rank-0 (each rank keeps only its shard);
+    buffers (e.g. rotary frequencies, not in the state dict) are broadcast whole.
+    """
+
+    model.to_empty(device=device)
+    full = source.state_dict() if is_main else {}
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    source_buffers = dict(source.named_buffers()) if is_main else {}
+    for name, buf in model.named_buffers():
+        if is_main:
+            buf.copy_(source_buffers[name].to(device))
+        if dist.get_world_size() > 1:
+            dist.broadcast(buf, src=0)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    del full
+
+
+def count_params(model) -> tuple[int, int]:
+    """(total, trainable) parameter counts of the unsharded model."""
+    total = trainable = 0
+    for p in model.parameters():
+        n = p.numel()  # DTensor.numel() is the global size
+        total += n
+        trainable += n if p.requires_grad else 0
+    return total, trainable

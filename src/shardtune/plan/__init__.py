@@ -1,0 +1,1 @@
+"""Predict memory and speed before the run by tracing one step under fake tensors."""

@@ -1,0 +1,211 @@
+"""`shardtune plan`'s command: read the request, run the search (plan.py), print the answer —
+the winner's per-rank breakdown and command line, why the others were dropped, and when nothing
+fits, what would (more GPUs, LoRA, QLoRA, a shorter sequence), with numbers."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shlex
+import sys
+
+from shardtune.config.schema import RunConfig
+from shardtune.errors import UserError
+from shardtune.hardware import GIB, gpu_by_name, overhead, parse_size
+from shardtune.plan.search import Estimate, Target, confirm, largest_micro_batch, resolve_hf_config, search
+
+ROWS = [("sharded_params", "sharded parameters"), ("gathered_params", "gathered parameters"),
+        ("gradients", "sharded gradients"), ("gathered_grads", "unsharded gradients"),
+        ("optimizer_state", "optimizer state"), ("activations", "activations"),
+        ("temporaries", "temporaries"), ("communication", "communication buffers"), ("buffers", "model buffers")]
+
+
+def target_from_args(args) -> Target:
+    if args.gpus is None or args.gpus < 1:
+        raise UserError(f"--gpus must be at least 1, got {args.gpus}; give the GPUs per node, e.g. --gpus 4")
+    if args.nodes < 1:
+        raise UserError(f"--nodes must be at least 1, got {args.nodes}")
+    if not args.gpu and not args.gpu_mem:
+        raise UserError("say which GPU: --gpu NAME (e.g. --gpu A100-80GB) or --gpu-mem SIZE (e.g. --gpu-mem 16GiB)")
+    gpu = gpu_by_name(args.gpu) if args.gpu else None
+    memory = parse_size(args.gpu_mem, "--gpu-mem") if args.gpu_mem else gpu.memory_bytes
+    host = parse_size(args.host_mem, "--host-mem") if args.host_mem else None
+    for name in ("bandwidth", "inter_node_bandwidth", "peak_tflops"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if not 0 <= args.margin < 1:
+        raise UserError(f"--margin is a share of GPU memory kept free, in [0, 1); got {args.margin}")
+    target = Target(args.gpus, args.nodes, memory, gpu, args.peak_tflops, args.bandwidth, host_bytes=host,
+                    margin=args.margin)
+    if args.inter_node_bandwidth:
+        target.inter_node_gbs = args.inter_node_bandwidth
+    return target
+
+
+def run_plan(args, cfg: RunConfig, recipe: str | None, overrides: list[str]) -> int:
+    from shardtune.model.hf import check_seq_len
+
+    target = target_from_args(args)
+    hf_config, source = resolve_hf_config(cfg)
+    check_seq_len(hf_config, cfg.data.seq_len)
+    say = (lambda text: print(text, file=sys.stderr, flush=True)) if args.json else \
+        (lambda text: print(text, flush=True))
+    say(f"model config: {source}")
+    ranked = search(cfg, hf_config, target, say)
+    best = confirm([e for e in ranked if e.fits], cfg, hf_config, target)
+    ranked = [e for e in ranked if e is not best and not _same(e, best)]
+    answer = {"target": _target_json(target), "model_config_source": source,
+              "best": _json(best, cfg, target, recipe, overrides) if best else None,
+              "others": [_json(e, cfg, target, recipe, overrides) for e in ranked]}
+    if best is None:
+        answer["what_would_fit"] = what_would_fit(cfg, hf_config, target, ranked)
+    else:
+        answer["best"]["largest_micro_batch"] = largest_micro_batch(best, cfg, hf_config, target)
+    if args.json:
+        print(json.dumps(answer, indent=1))
+    else:
+        print(render(answer))
+    return 0
+
+
+def _same(e: Estimate, best: Estimate | None) -> bool:
+    return best is not None and e.candidate == best.candidate
+
+
+def command_line(est: Estimate, cfg: RunConfig, target: Target, recipe: str | None, overrides: list[str]) -> str:
+    """`shardtune train RECIPE key=value ...` for this candidate, keeping the user's overrides."""
+    c = est.candidate
+    changes = {"precision": c.precision, "activation_checkpointing": c.activation_checkpointing,
+               "fsdp.sharding": c.sharding, "fsdp.cpu_offload": c.cpu_offload, "train.micro_batch_size": c.micro_batch}
+    current = {"precision": cfg.precision, "activation_checkpointing": cfg.activation_checkpointing,
+               "fsdp.sharding": cfg.fsdp.sharding, "fsdp.cpu_offload": cfg.fsdp.cpu_offload,
+               "train.micro_batch_size": cfg.train.micro_batch_size}
+    if c.sharding == "hybrid_shard":
+        changes.update({"fsdp.shard_size": target.gpus_per_node, "fsdp.replicate_size": target.nodes})
+    keys = {o.split("=", 1)[0] for o in overrides}
+    words = [o for o in overrides if o.split("=", 1)[0] not in changes] + \
+        [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in changes.items()
+         if v != current.get(k) or k in keys]
+    head = ["shardtune", "train", *([recipe] if recipe else [])]
+    if target.nodes == 1:
+        return shlex.join([*head, *words, "--nproc", str(target.gpus_per_node)])
+    return shlex.join(["torchrun", "--nnodes", str(target.nodes), "--nproc_per_node", str(target.gpus_per_node),
+                       "--rdzv_backend", "c10d", "--rdzv_endpoint", "$HEAD:29500", "-m", *head[0:1],
+                       *head[1:], *words])
+
+
+def _json(est: Estimate, cfg, target, recipe, overrides) -> dict:
+    out = {"candidate": vars(est.candidate).copy(), "fits": est.fits, "why_not": est.why_not or None,
+           "accumulation": est.accumulation, "traced_whole": est.exact}
+    if est.memory:
+        out["gpu_bytes"] = {k: v for k, v in est.memory.items() if k != "phase"}
+        out["peak_phase"] = " / ".join(str(p) for p in est.memory["phase"])
+        out["host_bytes"] = est.host
+        out["step_seconds"], out["tokens_per_s"] = est.step_seconds, est.tokens_per_s
+    if est.fits:
+        out["command"] = command_line(est, cfg, target, recipe, overrides)
+    return out
+
+
+def _target_json(t: Target) -> dict:
+    return {"gpus_per_node": t.gpus_per_node, "nodes": t.nodes, "gpu": t.gpu.name if t.gpu else None,
+            "gpu_memory_bytes": t.memory_bytes, "margin": t.margin, "link_gbs": t.link_gbs(),
+            "host_memory_bytes": t.host_bytes}
+
+
+def render(answer: dict) -> str:
+    t, lines = answer["target"], []
+    gpu = t["gpu"] or "GPU"
+    lines.append(f"{t['nodes']} node(s) x {t['gpus_per_node']} x {gpu} ({t['gpu_memory_bytes'] / GIB:.1f} GiB each), "
+                 f"keeping {100 * t['margin']:.0f} % free")
+    best = answer["best"]
+    if best:
+        c, g, h = best["candidate"], best["gpu_bytes"], best["host_bytes"]
+        lines += ["", f"best: {_label(c)} (accumulation {best['accumulation']}), "
+                      f"predicted {best['tokens_per_s']:,.0f} tokens/s, {best['step_seconds']:.2f} s/step",
+                  f"per rank, at the peak ({best['peak_phase']}), traced whole:"]
+        lines += [f"  {name:<24}{g['by_category'].get(key, 0) / GIB:8.2f} GiB" for key, name in ROWS]
+        lines += [f"  {'peak allocated':<24}{g['allocated'] / GIB:8.2f} GiB  (+ cuBLAS workspace)",
+                  f"  {'peak reserved':<24}{g['reserved'] / GIB:8.2f} GiB  (+ allocator fragmentation)",
+                  f"  {'fixed overhead':<24}{g['fixed_overhead'] / GIB:8.2f} GiB  (CUDA context, NCCL buffers)",
+                  f"  {'total':<24}{g['total'] / GIB:8.2f} GiB",
+                  f"host RAM per node: rank-0 load {h['rank0_load'] / GIB:.1f} GiB, export {h['export'] / GIB:.1f} "
+                  f"GiB, CPU offload {h['cpu_offload'] / GIB:.1f} GiB",
+                  f"largest micro-batch per GPU that fits this layout: {best['largest_micro_batch']} (global batch "
+                  "kept here; a larger one needs train.global_batch_size to be a multiple of it x GPUs)",
+                  "run it:", f"  {best['command']}"]
+    else:
+        lines += ["", "nothing fits."]
+        for text in answer.get("what_would_fit", []):
+            lines.append(f"  - {text}")
+    if answer["others"]:
+        lines += ["", "other layouts (largest micro-batch that fits, or why dropped):"]
+        shown = set()
+        # per layout: the fastest that fits, else the smallest micro-batch's shortfall
+        for e in sorted(answer["others"], key=lambda e: (not e["fits"], e["candidate"]["micro_batch"] if not e["fits"]
+                                                          else -e.get("tokens_per_s", 0))):
+            c = e["candidate"]
+            layout = (c["sharding"], c["precision"], c["activation_checkpointing"], c["cpu_offload"])
+            if layout in shown:
+                continue
+            shown.add(layout)
+            if e["fits"]:
+                lines.append(f"  fits, slower: {_label(c)}: {e['tokens_per_s']:,.0f} tokens/s")
+            else:
+                lines.append(f"  dropped: {_label(c)}: {e['why_not']}")
+    lines.append("(the CUDA overheads are public defaults, not yet calibrated on a GPU: see hardware.CUDA_OVERHEADS)")
+    return "\n".join(lines)
+
+
+def _label(c: dict) -> str:
+    return (f"{c['sharding']}, {c['precision']}, checkpointing {'on' if c['activation_checkpointing'] else 'off'}, "
+            f"offload {'on' if c['cpu_offload'] else 'off'}, micro-batch {c['micro_batch']}")
+
+
+def what_would_fit(cfg: RunConfig, hf_config, target: Target, ranked: list[Estimate]) -> list[str]:
+    """When nothing fits: the smallest change that would, each with its predicted memory."""
+    from shardtune.plan.search import screen
+
+    budget = target.memory_bytes * (1 - target.margin)
+    tried = [e for e in ranked if e.memory and e.candidate.micro_batch == min(x.candidate.micro_batch
+                                                                               for x in ranked if x.memory)]
+    out = []
+    lean = min(tried, key=lambda e: e.memory["total"]) if tried else None
+    if lean is not None:
+        # sharded states shrink with the number of ranks; the rest does not
+        cats = lean.memory["by_category"]
+        sharded = sum(cats.get(k, 0) for k in ("sharded_params", "gradients", "optimizer_state"))
+        grow = 1 + overhead("fragmentation")  # reserved per allocated byte
+        fixed = lean.memory["total"] - sharded * grow
+        for world in range(target.world + 1, 1025):
+            if fixed + sharded * grow * target.world / world <= budget:
+                out.append(f"more GPUs: {world} of them ({_label(vars(lean.candidate))}) need about "
+                           f"{(fixed + sharded * grow * target.world / world) / GIB:.1f} GiB each")
+                break
+    if cfg.peft.method != "lora":
+        lora = copy.deepcopy(cfg)
+        lora.peft.method, lora.activation_checkpointing = "lora", True
+        lora.freeze = type(cfg.freeze)()
+        lora.train.micro_batch_size = 1
+        from shardtune.plan.search import Candidate, estimate, layout_cfg
+
+        layout = layout_cfg(lora, "full_shard", True, lora.precision, target)
+        trace = screen(layout, hf_config, target)[1]
+        est = estimate(trace, hf_config, Candidate("full_shard", True, False, lora.precision, 1), layout, target)
+        out.append(f"LoRA (peft.method=lora activation_checkpointing=true train.micro_batch_size=1): "
+                   f"{est.memory['total'] / GIB:.1f} GiB per rank ({'fits' if est.fits else 'does not fit'})")
+        base = trace.params["total"] - trace.params["trainable"]
+        qlora = est.memory["total"] - est.memory["by_category"].get("sharded_params", 0) * target.world \
+            - est.memory["by_category"].get("gathered_params", 0) + int(0.53 * base)
+        out.append(f"QLoRA (peft.quantize=4bit, one GPU): about {max(qlora, 0) / GIB:.1f} GiB (estimated, not traced: "
+                   "bitsandbytes needs CUDA)")
+    if lean is not None:
+        acts = sum(lean.memory["by_category"].get(k, 0) for k in ("activations", "temporaries"))
+        seq = cfg.data.seq_len
+        while seq > 64 and lean.memory["total"] - acts * (1 - seq / cfg.data.seq_len) > budget:
+            seq //= 2
+        if seq < cfg.data.seq_len and lean.memory["total"] - acts * (1 - seq / cfg.data.seq_len) <= budget:
+            out.append(f"a shorter sequence: data.seq_len={seq} needs about "
+                       f"{(lean.memory['total'] - acts * (1 - seq / cfg.data.seq_len)) / GIB:.1f} GiB "
+                       f"({_label(vars(lean.candidate))})")
+    return out

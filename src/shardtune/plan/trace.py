@@ -1,0 +1,342 @@
+"""One training step traced under fake tensors: the memory one rank would hold, by category and
+by phase of the step, without allocating any of it.
+
+The step is the one `train` runs: the same model class built on meta, LoRA/freezing, the chunked
+loss, `apply_parallelism`, the optimizer, gradient scaler and `step.train_step`, on rank 0 of a
+fake process group of the requested world size (torch's "fake" backend: collectives return at
+once). Tensors are `FakeTensor`s (shapes, no storage); torch's `FSDPMemTracker` counts every
+storage created and freed and files it under FSDP's categories. The peak is kept per phase of
+the step (micro-step x forward/backward/after backward/optimizer x before/inside/after the
+decoder blocks): each such peak grows linearly with the number of decoder blocks, which lets the
+planner trace a 3- and a 4-block copy of a deep model and extrapolate (`extrapolate`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from shardtune.config.schema import RunConfig
+
+# FSDPMemTracker's categories -> the planner's
+CATEGORY = {"Sharded Param": "sharded_params", "Unsharded Param": "gathered_params", "Buffer": "buffers",
+            "Sharded Grad": "gradients", "Unsharded Grad": "gathered_grads", "OptState": "optimizer_state",
+            "Activation": "activations", "Inputs": "activations", "Temp": "temporaries",
+            "All Gather": "communication", "Reduce Scatter": "communication"}
+CATEGORIES = ("sharded_params", "gathered_params", "gradients", "gathered_grads", "optimizer_state", "activations",
+              "temporaries", "communication", "buffers")
+# What CPU offload keeps in host memory instead of on the GPU: the sharded states. Gathered
+# parameters and the full gradients backward computes stay on the GPU, as do (not traced: a
+# CPU trace copies nothing) each unit's shard on its way in and its gradient shard on its way out.
+OFFLOADED = ("sharded_params", "gradients", "optimizer_state")
+
+
+@dataclass
+class StepTrace:
+    """Bytes by category at the peak of each phase of one optimizer step, for `layers` blocks."""
+    phases: dict[tuple, dict[str, int]]
+    layers: int
+    steady: dict[str, int] = field(default_factory=dict)  # held between steps (params, optimizer state)
+    params: dict[str, int] = field(default_factory=dict)  # total, trainable, matmul, matmul_trainable (unsharded)
+
+    def peak(self, leave_out: tuple[str, ...] = ()) -> tuple[tuple, dict[str, int]]:
+        """(phase, bytes by category) of the largest phase, not counting `leave_out` categories."""
+        def total(item):
+            return sum(v for k, v in item[1].items() if k not in leave_out)
+        return max(self.phases.items(), key=total)
+
+    def peak_bytes(self, leave_out: tuple[str, ...] = ()) -> int:
+        _, cats = self.peak(leave_out)
+        return sum(v for k, v in cats.items() if k not in leave_out)
+
+
+def extrapolate(traces: dict[tuple[int, int], StepTrace], layers: int, micro_batch: int) -> StepTrace:
+    """The trace at (`layers`, `micro_batch`) from traces at two depths x two micro-batch sizes
+    (keys (layers, micro_batch)). Each phase's peak is bilinear in depth and micro-batch size
+    (activations grow with both, states with depth only); phases are keyed by position (first,
+    middle, last block, ...), so a key means the same place at every depth. Per category only
+    the states (parameters, gradients, optimizer state) are extrapolated: the moment of a phase's
+    peak can differ between the small copies, so its transient categories are split as in the
+    deeper copy."""
+    (l0, m0), (l1, m1) = min(traces), max(traces)
+    x = (layers - l0) / (l1 - l0) if l1 != l0 else 0.0
+    y = (micro_batch - m0) / (m1 - m0)
+
+    def blend(value) -> float:
+        return (value((l0, m0)) * (1 - x) * (1 - y) + value((l1, m0)) * x * (1 - y) + value((l0, m1)) * (1 - x) * y
+                + value((l1, m1)) * x * y)
+
+    def phase(key) -> dict[str, int]:
+        cats = {c: max(0, round(blend(lambda lm, c=c: traces[lm].phases[key].get(c, 0)))) for c in OFFLOADED}
+        total = blend(lambda lm: sum(traces[lm].phases[key].values()))
+        deep = {c: (1 - y) * traces[(l1, m0)].phases[key].get(c, 0) + y * traces[(l1, m1)].phases[key].get(c, 0)
+                for c in CATEGORIES if c not in OFFLOADED}
+        rest, share = max(0.0, total - sum(cats.values())), sum(deep.values()) or 1.0
+        return {**cats, **{c: round(rest * v / share) for c, v in deep.items()}}
+
+    keys = set.intersection(*(set(t.phases) for t in traces.values()))
+    steady = {c: max(0, round(blend(lambda lm, c=c: traces[lm].steady.get(c, 0)))) for c in CATEGORIES}
+    params = {n: round(blend(lambda lm, n=n: traces[lm].params[n])) for n in traces[(l0, m0)].params}
+    return StepTrace({key: phase(key) for key in keys}, layers, steady, params)
+
+
+def layer_count(hf_config) -> int:
+    return hf_config.num_hidden_layers  # transformers maps n_layer/num_layers onto this name
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int, local_world_size: int):
+    """Rank 0 of a fake process group of `world_size` ranks in this process."""
+
+    from shardtune.launch.local import Dist
+
+    if dist.is_initialized():
+        raise RuntimeError("a memory trace needs a process without a process group (it makes a fake one)")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield Dist(rank=0, world_size=world_size, local_world_size=local_world_size,
+                   device=torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()
+
+
+def trace_step(cfg: RunConfig, hf_config, world_size: int, local_world_size: int | None = None,
+               layers: int | None = None, target: str = "cpu") -> StepTrace:
+    """Trace one optimizer step of `cfg` on rank 0 of `world_size` ranks (`layers` decoder
+    blocks instead of the model's own, for extrapolation). It runs on CPU whatever the target;
+    for target "cuda" the step makes the choices a GPU run makes: the loss chunk sized for CUDA
+    and attention through the flash / memory-efficient kernels (no seq x seq scores held)."""
+
+    from shardtune.config.schema import check_world
+    from shardtune.distributed.fsdp import build_mesh
+    from shardtune.model import loss as loss_lib
+    from shardtune.model.build import ModelSpec, build_model
+    from shardtune.model.hf import count_params
+    from shardtune.telemetry.metrics import matmul_params
+    from shardtune.train.optim import build_grad_scaler, build_optimizer
+    from shardtune.train.step import train_step
+
+    hf_config = copy.deepcopy(hf_config)
+    if target == "cuda" and cfg.loss_chunk_tokens is None:
+        cfg = copy.deepcopy(cfg)
+        cfg.loss_chunk_tokens = loss_lib.chunk_tokens(None, hf_config.vocab_size, "cuda")
+    if layers is not None:
+        hf_config.num_hidden_layers = layers
+    accum = check_world(cfg, world_size)
+    with fake_world(world_size, local_world_size or world_size) as dist:
+        built = build_model(ModelSpec.of_run(cfg, hf_config), build_mesh(cfg.fsdp, dist), dist.device)
+        model = built.model
+        total, trainable = count_params(model)
+        params = dict(zip(("total", "trainable", "matmul", "matmul_trainable"),
+                          (total, trainable, *matmul_params(model)), strict=True))
+        blocks = [f"{type(model).__name__}.{name}" for name, m in model.named_modules()
+                  if isinstance(m, built.block_cls)]
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model.to_empty(device=dist.device)
+            if hasattr(model, "tie_weights"):
+                model.tie_weights()
+            model.train()
+            optimizer = build_optimizer(model, cfg.train, dist.device, cfg.precision)
+            _create_optimizer_state(model, optimizer)
+            scaler = build_grad_scaler(cfg.precision, dist.device)
+            tracker = PhaseTracker(model, optimizer, blocks)
+            # two micro-steps show what accumulation holds across them (unsharded gradients)
+            micro = [[0] * cfg.train.micro_batch_size for _ in range(min(accum, 2))]
+            attention = _cuda_attention() if target == "cuda" else contextlib.nullcontext()
+            with tracker, AnswerScalars(), _dtensor_meta_outside_trace(), attention:
+                handle = model.register_forward_pre_hook(tracker.next_micro_step, prepend=True)
+                try:
+                    batches, labels_vary = _shape_only_batches(cfg, micro, dist.device)
+                    train_step(model, optimizer, scaler, batches, cfg, dist, labels_vary,
+                               sync_each=built.sync_grads_each_micro_step)
+                finally:
+                    handle.remove()
+            steady = tracker.current()
+    return StepTrace(tracker.peaks, layer_count(hf_config), steady, params)
+
+
+def measure_step(cfg: RunConfig, hf_config, dist) -> int:
+    """Peak bytes of live tensors during one steady training step of `cfg`, really run on this
+    rank of the current process group (what `trace_step` predicts): a first step creates the
+    optimizer state, the second is measured with torch's MemTracker (every storage allocated and
+    freed, not the process RSS, which the C allocator inflates). Collective."""
+
+    from shardtune.config.schema import check_world
+    from shardtune.distributed.fsdp import build_mesh
+    from shardtune.model.build import ModelSpec, build_model
+    from shardtune.model.hf import load_source_model
+    from shardtune.telemetry.metrics import LiveMemory
+    from shardtune.train.optim import build_grad_scaler, build_optimizer
+    from shardtune.train.step import train_step
+
+    accum = check_world(cfg, dist.world_size)
+    built = build_model(ModelSpec.of_run(cfg, hf_config), build_mesh(cfg.fsdp, dist), dist.device,
+                        source=lambda: load_source_model(cfg.model, hf_config, cfg.train.seed), seed=cfg.train.seed)
+    model = built.model.train()
+    optimizer = build_optimizer(model, cfg.train, dist.device, cfg.precision)
+    scaler = build_grad_scaler(cfg.precision, dist.device)
+    micro = [[0] * cfg.train.micro_batch_size for _ in range(accum)]
+    batches, labels_vary = _shape_only_batches(cfg, micro, dist.device)
+    train_step(model, optimizer, scaler, batches, cfg, dist, labels_vary, sync_each=built.sync_grads_each_micro_step)
+    live = LiveMemory(model, optimizer, dist.device, steps=1)  # the trainer's own live-bytes tracker
+    if dist.device.type == "cuda":  # torch.cuda.max_memory_* then cover the measured step only
+        torch.cuda.reset_peak_memory_stats(dist.device)
+    with live.track():  # the batches are made inside, as in the traced step
+        batches, labels_vary = _shape_only_batches(cfg, micro, dist.device)
+        train_step(model, optimizer, scaler, batches, cfg, dist, labels_vary,
+                   sync_each=built.sync_grads_each_micro_step)
+    return live.peak or 0
+
+
+def _create_optimizer_state(model, optimizer) -> None:
+    """AdamW creates its state on its first step; make it now, so the traced step is a steady one."""
+
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _shape_only_batches(cfg: RunConfig, micro: list[list[int]], device) -> tuple[list[dict], bool]:
+    """(micro-batches of the recipe's shape, whether its labels vary), made as training makes
+    them (data.collate)."""
+    from shardtune.data.pipeline import collate
+
+    data = _ShapeOnlyData(cfg)
+    return [collate(data, indices, device, 0, cfg.data.padding_free) for indices in micro], \
+        "labels" in data.column_names
+
+
+class _ShapeOnlyData:
+    """Stands in for the tokenized dataset: rows of zeros of the recipe's shape. Packed text and
+    packed instruct/chat give equal rows (with position_ids where documents are masked); padded
+    instruct/chat give full-length rows that go through collate's padding (or padding-free) path,
+    as in training."""
+
+    def __init__(self, cfg: RunConfig):
+        d = cfg.data
+        self.padded = d.format != "text" and not d.packing
+        self.seq = d.example_cutoff if self.padded else d.seq_len
+        self.column_names = ["input_ids"] if d.format == "text" else ["input_ids", "labels"]
+        self.positions = d.masks_documents and not self.padded
+
+    def __getitem__(self, indices):
+        if self.padded:
+            rows = [torch.zeros(self.seq, dtype=torch.long) for _ in indices]
+            return {"input_ids": rows, "labels": rows}
+        ids = torch.zeros((len(indices), self.seq), dtype=torch.long)
+        rows = {"input_ids": ids, **({"labels": ids} if "labels" in self.column_names else {})}
+        if self.positions:  # document-masked packing: positions restart per document
+            rows["position_ids"] = torch.arange(self.seq).expand(len(indices), -1).contiguous()
+        return rows
+
+
+class AnswerScalars(TorchDispatchMode):
+    """A fake tensor has no value unless fake mode knows it as a constant (the optimizer's
+    step count). Where the step reads an unknown one (is the gradient norm finite? did the
+    scaler find an inf? how many tokens?) answer "finite", "none found", 0: the path a
+    healthy step takes. A single random number (a scalar draw) is a known 0.5, so a branch on it
+    is decided by its threshold: transformers 5.17's OPT draws one per layer for LayerDrop even
+    at layerdrop=0 (5.23 checks the rate first), and an unknown draw would skip every layer."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten.rand.default and not list(args[0]):
+            dtype = kwargs.get("dtype") or torch.get_default_dtype()
+            return torch.tensor(0.5, dtype=dtype, device=kwargs.get("device"))
+        if func is torch.ops.aten._local_scalar_dense.default:
+            try:
+                return func(*args, **kwargs)
+            except DataDependentOutputException:
+                return True if args[0].dtype == torch.bool else 0
+        return func(*args, **kwargs)
+
+
+def _dtensor_meta_outside_trace():
+    """DTensor derives output shapes by running each op on global-shaped fake tensors in the
+    active fake mode, which is ours: the tracker would count those (4x the optimizer state on 4
+    ranks). A fresh fake mode for that propagation keeps it out of the count."""
+    from unittest import mock
+
+    return mock.patch("torch.distributed.tensor._sharding_prop.detect_fake_mode", lambda *args: None)
+
+
+def _cuda_attention():
+    """Route scaled_dot_product_attention to the kernels CUDA picks: flash attention for fp16/bf16
+    without a mask, memory-efficient attention otherwise (a boolean mask becomes an additive bias
+    of the query's dtype, as on CUDA). Both keep O(seq) state per head, unlike CPU's math path."""
+    from unittest import mock
+
+
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if key.size(-3) != query.size(-3):  # grouped-query attention: one K/V head per group
+            groups = query.size(-3) // key.size(-3)
+            key, value = key.repeat_interleave(groups, -3), value.repeat_interleave(groups, -3)
+        if attn_mask is None and query.dtype in (torch.float16, torch.bfloat16) and query.size(-1) <= 256:
+            return torch.ops.aten._scaled_dot_product_flash_attention(
+                query, key, value, dropout_p, is_causal, False, scale=scale)[0]
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype).masked_fill_(~attn_mask, float("-inf"))
+        return torch.ops.aten._scaled_dot_product_efficient_attention(
+            query, key, value, attn_mask, query.requires_grad, dropout_p, is_causal, scale=scale)[0]
+
+    return mock.patch("torch.nn.functional.scaled_dot_product_attention", sdpa)
+
+
+class PhaseTracker(FSDPMemTracker):
+    """FSDPMemTracker with a peak per phase of the step instead of per module (whose
+    bookkeeping grows with the square of the number of modules)."""
+
+    def __init__(self, model, optimizer, block_names: list[str]):
+        super().__init__(model, optimizer)
+        self.block_index = {name: j for j, name in enumerate(block_names)}
+        self.peaks: dict[tuple, dict[str, int]] = {}
+        self.micro = -1
+        self.seen_blocks: set[str] = set()
+        self.backward_seen = False
+
+    def next_micro_step(self, *args) -> None:
+        self.reset_mod_stats()  # the base class refuses a second root forward otherwise
+        self.micro += 1
+        self.seen_blocks.clear()
+        self.backward_seen = False
+
+    def phase(self) -> tuple:
+        if self._in_opt:
+            return (self.micro, "optimizer", "")
+        if self._mod_tracker.is_bw:
+            self.backward_seen = True
+            direction = "backward"
+        else:
+            direction = "after backward" if self.backward_seen else "forward"
+        active = self._mod_tracker.parents & self.block_index.keys()
+        if active:
+            self.seen_blocks.add(direction)
+            j = self.block_index[next(iter(active))]
+            return (self.micro, direction, "first block" if j == 0 else "last block" if j == len(self.block_index) - 1
+                    else "middle blocks")
+        return (self.micro, direction, "after blocks" if direction in self.seen_blocks else "before blocks")
+
+    def current(self) -> dict[str, int]:
+        out = dict.fromkeys(CATEGORIES, 0)
+        for snap in self._curr_mem_snap.values():
+            for reftype, value in snap.items():
+                if reftype in CATEGORY:  # str enums: "Sharded Param", ...; skips "Total"
+                    out[CATEGORY[reftype]] += value
+        return out
+
+    def _update_peak_stats(self, peak_state) -> None:
+        total = sum(snap["Total"] for snap in self._curr_mem_snap.values())
+        key = self.phase()
+        best = self.peaks.get(key)
+        if best is None or total > sum(best.values()):
+            self.peaks[key] = self.current()

@@ -1,0 +1,1 @@
+"""Short real runs over a grid of settings."""

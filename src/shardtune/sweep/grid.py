@@ -1,0 +1,350 @@
+"""`shardtune sweep`: a grid of short real `train` runs (sharding, wrapping, prefetch, precision,
+activation checkpointing, ...), each in its own process, with the recipe's global batch kept;
+optionally the largest micro-batch per rank that fits; a csv, a markdown table and plots.
+
+Every trial is exactly what a user would run (`python -m shardtune train RECIPE ...`); its record
+comes from its metrics.jsonl and exit status, so a crash or an out-of-memory in one trial is data,
+not the end of the sweep. The state is kept in OUT/sweep.json, rewritten after every trial, so a
+rerun of the same command continues where an interrupted one stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import os
+import re
+from pathlib import Path
+
+from shardtune.errors import UserError, first_line
+from shardtune.hardware import GIB
+from shardtune.sweep.report import describe, method_label, summarize_point, write_outputs
+from shardtune.sweep.trial import LIVE_STEPS, run_trial
+
+VERDICTS = {"ok": "fits", "oom": "too_big", "over_limit": "too_big"}  # a trial's status, for the search
+TRIAL_SETTINGS = ["save_final=false", "checkpoint.every_steps=0", "checkpoint.at_epoch_end=false", "resume=null",
+                  "log.every_steps=1", "log.progress=false", "log.trackers=[]"]
+
+
+@dataclasses.dataclass
+class Sweep:
+    """What the command asked for; its `spec()` must match for a rerun to continue a sweep."""
+    recipe: str | None
+    overrides: list[str]
+    grid: list[tuple[str, list[str]]]
+    steps: int = 5
+    eval_steps: int | None = None
+    max_batch: bool = False
+    nproc: int = 1
+    mem_limit: int | None = None  # bytes per rank: the cap on a CPU trial's data segment, the budget on a GPU
+    out: Path = Path("runs/sweep")
+    defaults: dict | None = None  # the quickstart's settings when there is no recipe
+    device: str = "cpu"  # where the trials run: "cpu" or "cuda"
+
+    def spec(self) -> dict:
+        return {"recipe": self.recipe, "overrides": self.overrides, "grid": [[k, v] for k, v in self.grid],
+                "steps": self.steps, "eval_steps": self.eval_steps, "max_batch": self.max_batch,
+                "nproc": self.nproc, "mem_limit": self.mem_limit}
+
+    def points(self) -> list[dict[str, str]]:
+        keys = [k for k, _ in self.grid]
+        return [dict(zip(keys, values)) for values in itertools.product(*(v for _, v in self.grid))]
+
+    def trial_overrides(self, point: dict, micro_batch: int | None) -> list[str]:
+        """The overrides of one trial, in the order they win: the user's, the grid point's, the sweep's."""
+        words = [*self.overrides, *(f"{k}={v}" for k, v in point.items()), *TRIAL_SETTINGS,
+                 f"train.max_steps={max(self.steps, self.eval_steps or 0)}", "eval.at_start=false"]
+        if micro_batch is not None:
+            words.append(f"train.micro_batch_size={micro_batch}")
+        # without --eval-steps only the end-of-run evaluation is left: one batch, not the whole split
+        words += [f"eval.every_steps={self.eval_steps}"] if self.eval_steps else ["eval.every_steps=0",
+                                                                                  "eval.max_batches=1"]
+        if self.device == "cpu":
+            words.append(f"log.live_memory={LIVE_STEPS}")
+        return words
+
+    def config(self, point: dict, micro_batch: int | None = None):
+        from shardtune.config.schema import load_config
+
+        return load_config(self.recipe, self.trial_overrides(point, micro_batch), self.defaults)
+
+
+# ----------------------------------------------------------------------------- input
+
+
+def split_values(text: str) -> list[str]:
+    """`a,b,[0.9,0.95]` -> ["a", "b", "[0.9,0.95]"]: commas inside brackets, braces or quotes stay."""
+    values, depth, quote, current = [], 0, None, ""
+    for ch in text:
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "[{":
+            depth += 1
+        elif ch in "]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            values.append(current.strip())
+            current = ""
+            continue
+        current += ch
+    values.append(current.strip())
+    return values
+
+
+def parse_grid(texts: list[str]) -> list[tuple[str, list[str]]]:
+    grid = []
+    for text in texts:
+        key, sep, raw = text.partition("=")
+        key = key.strip()
+        values = split_values(raw) if raw.strip() else []
+        if not sep or not key or not values or "" in values:
+            raise UserError(f"--grid {text!r} is not KEY=V1,V2,...; write it like "
+                            "--grid fsdp.sharding=full_shard,no_shard")
+        if key in ("output_dir", "resume"):
+            raise UserError(f"--grid {key} is set by the sweep for each trial; sweep other keys")
+        if key in dict(grid):
+            raise UserError(f"--grid {key} is given twice; list all its values in one --grid {key}=V1,V2,...")
+        if len(set(values)) < len(values):
+            raise UserError(f"--grid {key} repeats a value ({raw}); list each value once")
+        grid.append((key, values))
+    return grid
+
+
+def check(sweep: Sweep) -> None:
+    """Everything that can be refused before a trial starts: every grid point must load as a
+    valid config whose batch sizes divide over the ranks."""
+    from shardtune.config.schema import check_world
+
+    if sweep.steps < 1:
+        raise UserError(f"--steps must be at least 1, got {sweep.steps}")
+    if sweep.eval_steps is not None and sweep.eval_steps < 1:
+        raise UserError(f"--eval-steps must be at least 1, got {sweep.eval_steps}")
+    if sweep.nproc < 1:
+        raise UserError(f"--nproc must be at least 1, got {sweep.nproc}")
+    if not sweep.grid and not sweep.max_batch:
+        raise UserError("nothing to sweep; give --grid KEY=V1,V2,... (and/or --max-batch)")
+    for word in sweep.overrides:
+        if word.partition("=")[0].strip() in ("output_dir", "resume"):
+            raise UserError(f"{word!r}: the sweep sets output_dir and resume for each trial; use --out for the sweep")
+    if sweep.max_batch and "train.micro_batch_size" in dict(sweep.grid):
+        raise UserError("--max-batch searches train.micro_batch_size itself; drop it from --grid")
+    sweep.config({})  # the recipe and overrides alone: their errors are not the grid's
+    for point in sweep.points():
+        where = " ".join(f"{k}={v}" for k, v in point.items())
+        try:
+            cfg = sweep.config(point)
+            if sweep.max_batch:
+                if not micro_batch_candidates(cfg, sweep.nproc):
+                    raise UserError(f"train.global_batch_size={cfg.train.global_batch_size} is not divisible by "
+                                    f"--nproc {sweep.nproc}; change one of them")
+            else:
+                check_world(cfg, sweep.nproc)
+        except UserError as exc:
+            raise UserError(f"--grid {where}: {exc}") from None
+
+
+def micro_batch_candidates(cfg, nproc: int) -> list[int]:
+    """Micro-batches that keep the global batch: the divisors of global batch / ranks."""
+    per_rank, rest = divmod(cfg.train.global_batch_size, nproc)
+    return [] if rest else [m for m in range(1, per_rank + 1) if per_rank % m == 0]
+
+
+# ----------------------------------------------------------------------------- max batch
+
+
+def search_max_batch(candidates: list[int], seed: int, attempt, reseed=None) -> tuple[int | None, str]:
+    """Largest candidate for which `attempt(mb)` says "fits", probing few: the seed (an index),
+    then one step up or down, doubling the step while every answer agrees, then bisecting between
+    the largest fit and the smallest misfit. "broken" (a crash that is not memory) ends the search.
+    `reseed()`, asked once after the first trial, may name a better next index (the prediction
+    against what that trial measured). Returns (largest fitting micro-batch or None, why)."""
+    lo, hi = -1, len(candidates)  # largest index known to fit, smallest known not to
+    index, stride = seed, 1
+    while True:
+        verdict = attempt(candidates[index])
+        if verdict == "broken":
+            return (candidates[lo] if lo >= 0 else None), "broken"
+        if verdict == "fits":
+            lo = index
+        else:
+            hi = index
+        if hi - lo <= 1:
+            break
+        better, reseed = (reseed() if reseed else None), None
+        if better is not None and lo < better < hi:
+            index = better
+        elif hi == len(candidates):  # nothing has failed yet: climb
+            index, stride = min(lo + stride, hi - 1), stride * 2
+        elif lo < 0:  # nothing has fitted yet: descend
+            index, stride = max(hi - stride, 0), stride * 2
+        else:
+            index = (lo + hi) // 2
+    if lo < 0:
+        return None, "none fits"
+    return candidates[lo], "all fit" if lo == len(candidates) - 1 else "boundary"
+
+
+def seed_index(candidates: list[int], start: int, budget: int | None, predict=None) -> int:
+    """Where the search starts: the largest micro-batch whose predicted peak fits the budget
+    (bisection: predictions grow with the micro-batch), else the recipe's own micro-batch."""
+    if predict is None or budget is None or predict(candidates[0]) is None:
+        return max([i for i, mb in enumerate(candidates) if mb <= start] or [0])
+    lo, hi = -1, len(candidates)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if predict(candidates[mid]) <= budget else (lo, mid)
+    return max(lo, 0)
+
+
+class Predictions:
+    """`shardtune plan`'s predicted peak bytes of live tensors per rank for a trial's config,
+    each a fake-tensor trace of one step (seconds), so cached. None where the planner cannot
+    predict (it says why once)."""
+
+    def __init__(self, sweep: Sweep):
+        self.sweep, self.cache, self.warned = sweep, {}, set()
+
+    def __call__(self, point: dict, micro_batch: int | None) -> int | None:
+        key = (tuple(point.items()), micro_batch)
+        if key not in self.cache:
+            from transformers.utils import logging as hf_logging
+
+            from shardtune.plan.search import predict_peak_bytes
+
+            hf_logging.set_verbosity_error()  # config warnings belong to the trials' own output
+            try:
+                self.cache[key] = predict_peak_bytes(self.sweep.config(point, micro_batch), self.sweep.nproc)
+            except Exception as exc:  # noqa: BLE001  a config the planner cannot build: its trial will say why
+                self.cache[key] = None
+                if key[0] not in self.warned:
+                    self.warned.add(key[0])
+                    print(f"  no memory prediction for {method_label(point)}: "
+                          f"{type(exc).__name__}: {first_line(exc)}", flush=True)
+        return self.cache[key]
+
+
+def tensor_budget(limit: int | None, device: str, records: list[dict]) -> int | None:
+    """What of a rank's memory limit its tensors may use. A CPU cap also holds the interpreter and
+    libraries: what finished trials held beyond their tensors (RSS - live peak), else about what
+    this process holds, having loaded the same libraries to predict."""
+    if limit is None or device != "cpu":
+        return limit
+    import resource
+
+    measured = [(r["mem_rss_gib"] - r["mem_live_gib"]) * GIB for r in records
+                if r["status"] == "ok" and r.get("mem_rss_gib") and r.get("mem_live_gib")]
+    return limit - int(max(measured) if measured else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+
+
+# ----------------------------------------------------------------------------- the sweep
+
+
+def slug(point: dict) -> str:
+    text = "_".join(f"{k}-{v}" for k, v in point.items()) or "recipe"
+    return re.sub(r"[^A-Za-z0-9_.-]+", "", text.replace("=", "-").replace(",", "-"))[:150]
+
+
+class State:
+    """OUT/sweep.json: the sweep's spec and every finished trial, replaced atomically after each."""
+
+    def __init__(self, sweep: Sweep):
+        self.path = sweep.out / "sweep.json"
+        self.spec = sweep.spec()
+        self.trials: dict[str, dict] = {}
+        if self.path.is_file():
+            saved = json.loads(self.path.read_text())
+            changed = [k for k in self.spec if saved["spec"].get(k) != self.spec[k]]
+            if changed:
+                raise UserError(f"{str(sweep.out)!r} holds a sweep with another {', '.join(changed)}; rerun that "
+                                "sweep's own command to continue it, or give this one another --out")
+            self.trials = saved["trials"]
+
+    def add(self, record: dict) -> None:
+        self.trials[record["name"]] = record
+        tmp = self.path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps({"spec": self.spec, "trials": self.trials}, indent=1))
+        os.replace(tmp, self.path)
+
+
+def run_sweep(sweep: Sweep) -> Path:
+    """Validate everything, then run (or take from OUT/sweep.json) each trial; write the outputs."""
+    from shardtune.launch.local import check_nproc, resolve_device
+
+    check(sweep)
+    device = sweep.config({}).device
+    check_nproc(sweep.nproc, device)
+    sweep.device = resolve_device(device).type
+    if sweep.out.exists() and not sweep.out.is_dir():
+        raise UserError(f"--out {str(sweep.out)!r} is a file; choose a folder")
+    sweep.out.mkdir(parents=True, exist_ok=True)
+    state = State(sweep)
+    limit = memory_limit(sweep)
+    cap = limit if sweep.device == "cpu" else None  # a GPU's own memory is the real limit there
+    points = sweep.points()
+    print(f"sweep: {len(points)} grid point(s){', max-batch search' if sweep.max_batch else ''} on "
+          f"{sweep.nproc} {sweep.device} rank(s), {sweep.steps} steps each -> {sweep.out}"
+          + (f" ({len(state.trials)} trial(s) already done)" if state.trials else ""), flush=True)
+    predict = Predictions(sweep)
+    summaries = []
+
+    def trial(point: dict, micro_batch: int | None) -> dict:
+        name = slug(point) + (f"-mb{micro_batch}" if micro_batch is not None else "")
+        if name not in state.trials:
+            cfg = sweep.config(point, micro_batch)
+            predicted = predict(point, micro_batch)
+            record = run_trial(sweep, point, name, cap, micro_batch)
+            record.update(micro_batch=cfg.train.micro_batch_size, predicted_gib=predicted and predicted / GIB,
+                          accumulation=cfg.train.global_batch_size // (cfg.train.micro_batch_size * sweep.nproc))
+            state.add(record)
+            print(f"  {describe(record)}", flush=True)
+        return state.trials[name]
+
+    try:
+        for point in points:
+            if sweep.max_batch:
+                summaries.append(max_batch_of(sweep, point, trial, predict, limit, list(state.trials.values())))
+            else:
+                summaries.append(summarize_point(point, [trial(point, None)], None, ""))
+    finally:  # also after an interrupt: what is done is written
+        write_outputs(sweep, list(state.trials.values()), summaries, limit)
+    return sweep.out / "sweep.md"
+
+
+def max_batch_of(sweep: Sweep, point: dict, trial, predict, limit: int | None, records_so_far: list[dict]) -> dict:
+    """The largest micro-batch of one grid point that fits, searched with real trials from the
+    prediction's seed; its table row."""
+    cfg = sweep.config(point)
+    candidates = micro_batch_candidates(cfg, sweep.nproc)
+    predict(point, candidates[0])  # first: it loads the libraries the budget's estimate counts
+    budget = tensor_budget(limit, sweep.device, records_so_far)
+    seed = seed_index(candidates, cfg.train.micro_batch_size, budget, lambda mb: predict(point, mb))
+    records = []
+
+    def attempt(micro_batch: int) -> str:
+        records.append(trial(point, micro_batch))
+        return VERDICTS.get(records[-1]["status"], "broken")
+
+    def reseed() -> int:  # the first trial measured what the process holds beside its tensors
+        return seed_index(candidates, cfg.train.micro_batch_size,
+                          tensor_budget(limit, sweep.device, records_so_far + records),
+                          lambda mb: predict(point, mb))
+
+    best, why = search_max_batch(candidates, seed, attempt, reseed)
+    return summarize_point(point, records, best, why)
+
+
+def memory_limit(sweep: Sweep) -> int | None:
+    """Bytes per rank: --mem-limit, else the GPU's memory; on CPU without --mem-limit, the
+    machine's memory over the ranks (the cap that keeps a max-batch search from swapping)."""
+    if sweep.mem_limit:
+        return sweep.mem_limit
+    if sweep.device == "cuda":
+        import torch
+
+        return torch.cuda.get_device_properties(0).total_memory
+    if sweep.max_batch:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // sweep.nproc
+    return None

@@ -1,0 +1,1 @@
+"""Metrics, trackers and reports."""

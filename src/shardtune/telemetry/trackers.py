@@ -1,0 +1,90 @@
+"""Experiment trackers beside the always-on metrics.jsonl: TensorBoard, W&B, MLflow.
+
+Only rank 0 logs. W&B honours WANDB_MODE (offline works without network); MLflow writes to
+MLFLOW_TRACKING_URI, or to a local file store in the run folder when that is unset.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple
+
+from shardtune.errors import UserError
+
+EXTRAS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+
+
+def _require(module: str, tracker: str):
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise UserError(f"log.trackers includes {tracker} but {module!r} is not installed; "
+                        f"pip install 'shardtune[{EXTRAS[tracker]}]'") from None
+
+
+def flatten(tree: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value if isinstance(value, (int, float, str, bool)) else str(value)
+    return flat
+
+
+class Sink(NamedTuple):
+    log: Callable[[dict, int], object]  # (scalars, step)
+    close: Callable[[], object]
+
+
+class Trackers:
+    """Fan-out of scalar metrics to the configured trackers."""
+
+    def __init__(self, names: list[str], out: Path, config: dict, project: str, run_name: str,
+                 enabled: bool = True):
+        self.sinks = []
+        if not enabled:
+            return
+        hparams = flatten(config)
+        for name in names:
+            if name == "tensorboard":
+                _require("tensorboard", name)
+                from torch.utils.tensorboard import SummaryWriter
+
+                writer = SummaryWriter(log_dir=str(out / "tensorboard"))
+                writer.add_text("config", "\n".join(f"    {k}: {v}" for k, v in hparams.items()))
+                def add_scalars(scalars: dict, step: int, w=writer) -> None:
+                    for key, value in scalars.items():
+                        w.add_scalar(key, value, step)
+
+                self.sinks.append(Sink(add_scalars, writer.close))
+            elif name == "wandb":
+                wandb = _require("wandb", name)
+                run = wandb.init(project=project, name=run_name, dir=str(out), config=hparams,
+                                 mode=os.environ.get("WANDB_MODE", "online"))
+                self.sinks.append(Sink(lambda scalars, step, r=run: r.log(scalars, step=step), run.finish))
+            elif name == "mlflow":
+                mlflow = _require("mlflow", name)
+                if "MLFLOW_TRACKING_URI" not in os.environ:
+                    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # local files: no server needed
+                    mlflow.set_tracking_uri((out / "mlruns").resolve().as_uri())
+                mlflow.set_experiment(project)
+                mlflow.start_run(run_name=run_name)
+                mlflow.log_params({k[:250]: str(v)[:500] for k, v in hparams.items()})
+                self.sinks.append(Sink(lambda scalars, step, m=mlflow: m.log_metrics(scalars, step=step),
+                                       mlflow.end_run))
+
+    def log(self, metrics: dict, step: int) -> None:
+        scalars = {k: float(v) for k, v in metrics.items()
+                   if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        for sink in self.sinks:
+            sink.log(scalars, step)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []

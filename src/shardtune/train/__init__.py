@@ -1,0 +1,1 @@
+"""The trainer, the math of one step, the optimizer and evaluation."""

@@ -1,0 +1,133 @@
+"""The math of one optimizer step and of evaluation: token losses, gradient accumulation,
+clipping and the update. Everything a rank computes between two log lines is here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from shardtune.config.schema import RunConfig
+from shardtune.data import docmask
+from shardtune.data import pipeline as data_lib
+from shardtune.launch.local import Dist, all_sum, all_sum_on_device, stack_on_device
+from shardtune.model import loss as loss_lib
+from shardtune.telemetry.metrics import perplexity
+
+
+def token_loss(model, batch, accuracy: bool = False):
+    """(sum of next-token losses, number of predicted tokens, number correct or None) of one
+    micro-batch. With the chunked head loss installed (loss.install) the logits never exist in
+    full; otherwise they do, and the argmax for accuracy costs one more pass (evaluation only)."""
+
+    # position t predicts token t+1; padding the labels (not slicing the logits) avoids a copy
+    labels = F.pad(batch["labels"][:, 1:], (0, 1), value=data_lib.IGNORE_INDEX)
+    mask = labels != data_lib.IGNORE_INDEX
+    inputs = docmask.model_inputs(model, batch)
+    if loss_lib.is_installed(model):
+        with loss_lib.head_labels(model, labels, accuracy):
+            out = model(**inputs).logits  # the head returned the loss (and the number correct)
+        return (out[0], mask.sum(), out[1]) if accuracy else (out, mask.sum(), None)
+    logits = model(**inputs).logits
+    flat = logits.reshape(-1, logits.size(-1)).float()
+    loss_sum = F.cross_entropy(flat, labels.reshape(-1), ignore_index=data_lib.IGNORE_INDEX, reduction="sum")
+    correct = ((logits.argmax(-1) == labels) & mask).sum() if accuracy else None
+    return loss_sum, mask.sum(), correct
+
+
+def evaluate(model, ds, batches, device, pad_id: int = 0, padding_free: bool = False) -> dict:
+    """Token-weighted validation loss, perplexity and next-token accuracy over all ranks."""
+
+    model.eval()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    count = torch.zeros((), dtype=torch.float64, device=device)
+    correct = torch.zeros((), dtype=torch.float64, device=device)
+    with torch.no_grad():
+        for indices in batches:
+            s, n, c = token_loss(model, data_lib.collate(ds, indices, device, pad_id, padding_free), accuracy=True)
+            loss_sum += s
+            count += n
+            correct += c
+    model.train()
+    loss_sum, count, correct = all_sum(loss_sum, count, correct, device=device)
+    loss = loss_sum / max(count, 1)
+    return {"eval_loss": loss, "eval_ppl": perplexity(loss), "eval_acc": correct / max(count, 1)}
+
+
+@dataclass
+class StepResult:
+    loss_sum: torch.Tensor  # noqa: F821  this rank's summed token loss (device tensor, no sync)
+    loss_tokens: torch.Tensor | float  # noqa: F821  tokens with a loss in the whole global batch
+    input_tokens: torch.Tensor | int  # noqa: F821  tokens this rank fed the model (padding excluded)
+    grad_norm: torch.Tensor  # noqa: F821
+
+
+@dataclass
+class StepNumbers:
+    """What the host reads of one optimizer step, the same on every rank."""
+
+    loss: float  # mean token loss of the global batch
+    input_tokens: float  # tokens all ranks fed the model
+    stop: bool  # a rank was asked to stop (signals.Preemption)
+    grad_norm: float
+
+
+def queue_numbers(out: StepResult, stop_requested: int, device) -> torch.Tensor:
+    """A step's numbers in one device tensor, for `read_numbers` to take later: one small
+    all-reduce (loss, input tokens, stop requests) is queued, and nothing waits for it."""
+    summed = all_sum_on_device(out.loss_sum, out.input_tokens, stop_requested, device=device)
+    return torch.cat([summed, stack_on_device(out.loss_tokens, out.grad_norm, device=device)])
+
+
+def read_numbers(numbers: torch.Tensor) -> StepNumbers:
+    """The host's copy of `queue_numbers`' tensor: waits for that step's work to finish."""
+    loss_sum, tokens, stop, loss_tokens, grad_norm = numbers.tolist()
+    return StepNumbers(loss_sum / max(loss_tokens, 1.0), tokens, stop > 0, grad_norm)
+
+
+def train_step(model, optimizer, scaler, batches: list[dict], cfg: RunConfig, dist: Dist,
+               labels_vary: bool = False, sync_each: bool = False) -> StepResult:
+    """One optimizer step over this rank's micro-batches (data.Prefetcher assembled them). The
+    loss is normalised by the tokens of the whole global batch, so the gradient is the same
+    whatever the world size and accumulation. `labels_vary`: the dataset has its own labels
+    (some tokens get no loss), so the tokens with a loss are counted; `sync_each`: reduce
+    gradients after every micro-batch (BuiltModel's policy)."""
+
+    input_tokens = sum(b["attention_mask"].sum() if "attention_mask" in b else b["input_ids"].numel()
+                       for b in batches)
+    if labels_vary or any(set(b) != {"input_ids", "labels"} for b in batches):
+        # counted and summed over ranks on the device: no host synchronisation before the forward
+        global_tokens = sum((b["labels"][:, 1:] != data_lib.IGNORE_INDEX).sum() for b in batches).double()
+        if dist.world_size > 1:
+            torch.distributed.all_reduce(global_tokens)
+        scale = dist.world_size / global_tokens.clamp(min=1.0)
+    else:  # packed blocks: every position but the first is predicted; no need to ask the others
+        global_tokens = float(cfg.train.global_batch_size * (batches[0]["input_ids"].size(1) - 1))
+        scale = dist.world_size / max(global_tokens, 1.0)
+    # FSDP averages gradients over ranks; `scale` brings the result back to a sum over all tokens.
+    loss_sum = torch.zeros((), device=dist.device)
+    for i, batch in enumerate(batches):
+        if hasattr(model, "set_requires_gradient_sync"):  # FSDP; a QLoRA model is not sharded
+            model.set_requires_gradient_sync(sync_each or i == len(batches) - 1)
+        s, _, _ = token_loss(model, batch)
+        loss = s * scale
+        (scaler.scale(loss) if scaler else loss).backward()
+        loss_sum += s.detach()
+    if scaler:
+        scaler.unscale_(optimizer)
+    max_norm = cfg.train.max_grad_norm if cfg.train.max_grad_norm > 0 else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_norm)
+    if hasattr(grad_norm, "full_tensor"):
+        grad_norm = grad_norm.full_tensor()
+    # A NaN/inf update would poison every weight: it is skipped here, and fit() decides what next.
+    if scaler:
+        scaler.step(optimizer)  # skips non-finite steps itself; asks the host (foreach kernels, see optim.py)
+        scaler.update()
+    elif optimizer.defaults.get("fused"):  # the fused kernel skips the update on the device: no host sync
+        optimizer.found_inf = (~torch.isfinite(grad_norm)).float()
+        optimizer.step()
+    elif torch.isfinite(grad_norm):  # other kernels cannot: ask the host
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(loss_sum, global_tokens, input_tokens, grad_norm)

@@ -1,0 +1,392 @@
+"""The training loop, top to bottom: set up, then step / log / evaluate, then export."""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed
+
+from shardtune.checkpoint.rundir import default_output_dir
+from shardtune.config.schema import RunConfig, check_world, dump_yaml
+from shardtune.data import docmask
+from shardtune.data import pipeline as data_lib
+from shardtune.distributed.fsdp import build_mesh
+from shardtune.errors import UserError
+from shardtune.launch.local import broadcast_value, init_distributed, rank0_first
+from shardtune.launch.signals import PREEMPTED_MARKER
+from shardtune.model.adapters import check_quantize, load_qlora_model
+from shardtune.model.build import BuiltModel, ModelSpec, build_model
+from shardtune.model.hf import (
+    check_seq_len,
+    count_params,
+    load_hf_config,
+    load_source_model,
+    load_tokenizer,
+    match_tokenizer,
+)
+from shardtune.train.step import evaluate, queue_numbers, read_numbers, train_step
+
+from .telemetry import (
+    GPUSampler,
+    LiveMemory,
+    MetricsLog,
+    Progress,
+    StepClock,
+    StepMeter,
+    StepProfiler,
+    device_peak_flops,
+    flops_per_token,
+    matmul_params,
+    memory_stats,
+)
+
+
+def seed_everything(seed: int) -> None:
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+@dataclass
+class TrainState:
+    """Where training stands, beyond weights and optimizer: the step (the learning rate and the
+    data order are functions of it) and the tokens trained on. Saved in every checkpoint."""
+
+    step: int = 0
+    tokens_seen: float = 0.0
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "tokens_seen": self.tokens_seen}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.tokens_seen = int(state["step"]), float(state.get("tokens_seen", 0.0))
+
+
+@dataclass
+class QueuedStep:
+    """An optimizer step whose work is queued on the device, and what the host will read of it."""
+
+    step: int
+    lr: float
+    data_seconds: float  # the loop's wait for this step's batches
+    numbers: torch.Tensor  # step.queue_numbers: still on the device
+    done: float | torch.cuda.Event  # telemetry.StepClock mark queued behind the step
+
+
+class Trainer:
+    """One rank's view of a run: `Trainer(cfg)` sets everything up, `fit()` trains and
+    evaluates, `export()` writes final/, `close()` leaves the process group."""
+
+    def __init__(self, cfg: RunConfig, overwrite: bool = False):
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()  # its padding/attention-mask advice does not apply to packed blocks
+        from huggingface_hub.utils import logging as hub_logging
+
+        hub_logging.set_verbosity_error()  # no retry chatter: a hub failure ends in one UserError line
+        self.cfg = cfg
+        self.owns_group = not torch.distributed.is_initialized()
+        self.dist = dist = init_distributed(cfg.device)
+        check_quantize(cfg.peft, dist.device)  # the machine's part of the QLoRA checks (config.validate did the rest)
+        cfg.output_dir = broadcast_value(dist, cfg.output_dir or default_output_dir(cfg.recipe))
+        self.out = out = Path(cfg.output_dir)
+        from shardtune.checkpoint.dcp import Checkpointer
+        from shardtune.checkpoint.rundir import prepare_run_dir
+        from shardtune.diskspace import checkpoint_bytes, space_warning
+
+        # Check the folder now, but change it (overwrite, trim, clean) only once all input is valid.
+        resume_from = broadcast_value(dist, rank0_first(
+            dist, lambda: prepare_run_dir(cfg, overwrite, check_only=True) if dist.is_main else None))
+
+        # ---- model config, tokenizer and data (rank 0 tokenizes first; the others hit the cache)
+        self.tokenizer = tokenizer = load_tokenizer(cfg.model)
+        self.hf_config = hf_config = load_hf_config(cfg.model)
+        match_tokenizer(hf_config, tokenizer, cfg.model)
+        if len(tokenizer) > hf_config.vocab_size:
+            raise UserError(f"the tokenizer has {len(tokenizer)} tokens but the model only {hf_config.vocab_size}; "
+                            "use the model's own tokenizer or set model.config.vocab_size")
+        check_seq_len(hf_config, cfg.data.seq_len)
+        docmask.check(cfg.data, hf_config)
+        self.accum = check_world(cfg, dist.world_size)
+        self.train_ds, self.val_ds = rank0_first(dist, lambda: data_lib.prepare(cfg.data, tokenizer, cfg.train.seed))
+        t = cfg.train
+        self.plan = data_lib.BatchPlan(len(self.train_ds), t.global_batch_size, t.micro_batch_size,
+                                       dist.world_size, dist.rank, t.seed,
+                                       lengths=data_lib.lengths(self.train_ds) if cfg.data.group_by_length else None)
+        self.total_steps = t.max_steps if t.max_steps > 0 else max(1, int(t.epochs * self.plan.steps_per_epoch))
+        eval_mb = cfg.eval.micro_batch_size or t.micro_batch_size
+        self.val_batches = data_lib.eval_batches(len(self.val_ds), eval_mb, dist.world_size, dist.rank,
+                                                 cfg.eval.max_batches) if self.val_ds is not None else []
+
+        self.built = self._build_model()
+        self.model = model = self.built.model
+        total, trainable = count_params(model)
+        matmul, matmul_trainable = matmul_params(model)
+        self.flops_per_token = flops_per_token(matmul, hf_config, cfg.data.seq_len, matmul_trainable)
+        self.say(f"model: {type(model).__name__.removeprefix('FSDP')} {total:,} params "
+                 f"({trainable:,} trainable, {100 * trainable / max(total, 1):.3g}%) | "
+                 f"{dist.world_size} rank(s) on {dist.device.type} | {cfg.fsdp.sharding} | {cfg.precision} | "
+                 f"accumulation {self.accum} | {self.total_steps} steps")
+
+        from shardtune.checkpoint.dcp import ModelOptimizerState
+        from shardtune.train.optim import build_grad_scaler, build_optimizer
+
+        self.optimizer = build_optimizer(model, t, dist.device, cfg.precision)
+        self.scaler = build_grad_scaler(cfg.precision, dist.device)
+        self.state = TrainState()
+        rank0_first(dist, lambda: prepare_run_dir(cfg, overwrite) if dist.is_main else None)
+        self.ckpt = Checkpointer(out / "checkpoints", cfg.checkpoint, ModelOptimizerState(model, self.optimizer),
+                                 {"train_state": self.state, **({"scaler": self.scaler} if self.scaler else {})},
+                                 describe=self.describe, write_extras=self.write_checkpoint_extras)
+        if note := space_warning(out / "checkpoints", cfg.checkpoint, checkpoint_bytes(model, dist.world_size),
+                                 self.total_steps, self.plan.steps_per_epoch):
+            self.say(note)
+        if resume_from:
+            meta = self.ckpt.load(resume_from)
+            if meta["world_size"] != dist.world_size:
+                self.say(f"checkpoint written by {meta['world_size']} rank(s), resuming on {dist.world_size}: "
+                         "model, optimizer and data order carry over; RNG streams (dropout) are re-seeded from "
+                         "seed+step+rank")
+        if dist.is_main:
+            (out / "config.yaml").write_text(dump_yaml(cfg))
+            (out / PREEMPTED_MARKER).unlink(missing_ok=True)
+
+    def _build_model(self) -> BuiltModel:
+        """Skeleton on meta everywhere, sharded, then filled from rank 0's single copy."""
+        cfg, dist, seed = self.cfg, self.dist, self.cfg.train.seed
+        seed_everything(seed)
+        if cfg.peft.quantize == "4bit":  # QLoRA: one GPU, the base quantized on load, not sharded
+            from shardtune.model import loss as loss_lib
+
+            model = load_qlora_model(cfg, self.hf_config, dist.device, dist.world_size, seed)
+            loss_lib.install(model, cfg.loss_chunk_tokens)
+            return BuiltModel(model.train(), None, [], reshard_after_forward=False)
+        built = build_model(ModelSpec.of_run(cfg, self.hf_config), build_mesh(cfg.fsdp, dist), dist.device,
+                            source=lambda: load_source_model(cfg.model, self.hf_config, seed), seed=seed)
+        built.model.train()
+        return built
+
+    def describe(self, step: int) -> dict:
+        """What a checkpoint records beside the state objects: the run config (a resume checks
+        it) and the position in the seeded data order (data.BatchPlan), for people."""
+        spe, gb, d = self.plan.steps_per_epoch, self.cfg.train.global_batch_size, self.cfg.data
+        epoch, in_epoch = divmod(step, spe)
+        return {"epoch": step / spe, "config": self.cfg.to_dict(),
+                "data": {"start_idx": d.start_idx, "end_idx": d.end_idx, "sequences_per_epoch": self.plan.num_samples,
+                         "epoch": epoch, "samples_into_epoch": in_epoch * gb, "samples_consumed": step * gb}}
+
+    def write_checkpoint_extras(self, folder: Path) -> None:
+        """The HF config and tokenizer beside the shards: export/eval/generate need nothing else."""
+        self.hf_config.save_pretrained(folder)
+        self.tokenizer.save_pretrained(folder / "tokenizer")
+
+    def say(self, text: str) -> None:
+        if self.dist.is_main:
+            print(text, flush=True)
+
+    def evaluate(self) -> dict:
+        return evaluate(self.model, self.val_ds, self.val_batches, self.dist.device, self.tokenizer.pad_token_id or 0,
+                        self.cfg.data.padding_free)
+
+    def fit(self) -> dict:
+        from shardtune.launch.signals import Preemption
+        from shardtune.telemetry.trackers import Trackers
+
+        cfg, dist, t = self.cfg, self.dist, self.cfg.train
+        log = MetricsLog(self.out / "metrics.jsonl", dist.is_main)
+        trackers = Trackers(cfg.log.trackers, self.out, cfg.to_dict(), cfg.log.project, self.out.name, dist.is_main)
+        torch.manual_seed(t.seed + dist.rank)  # dropout: different masks per rank, reproducible per run
+        self.ckpt.restore_rng(reseed=t.seed + 1_000_003 * self.state.step + dist.rank if self.state.step else None)
+        results: dict = {}
+        if self.val_batches and cfg.eval.at_start and self.state.step == 0:
+            results["first"] = self.evaluate()
+            record = {"step": 0, "epoch": 0.0, **results["first"]}
+            log.write(record)
+            trackers.log(record, 0)
+            self.say(f"step 0: validation loss {results['first']['eval_loss']:.4f}, "
+                     f"perplexity {results['first']['eval_ppl']:.2f}")
+        progress = Progress(self.total_steps, self.state.step, dist.is_main, cfg.log.progress)
+        gpu = GPUSampler(dist.device)
+        start, first_step = time.perf_counter(), self.state.step
+        preemption = Preemption()
+        prefetcher = self.prefetcher()
+        profiler = StepProfiler(cfg.log.profile_steps, self.state.step, self.total_steps, dist, self.out)
+        try:
+            results["tokens"] = self._loop(log, trackers, progress, gpu, results, preemption, prefetcher, profiler)
+        finally:
+            profiler.close()
+            prefetcher.close()
+            preemption.restore()
+            progress.close()
+            log.close()
+            trackers.close()
+            gpu.close()
+            self.ckpt.wait()
+        elapsed = time.perf_counter() - start
+        results["train_seconds"] = elapsed
+        results["tokens_per_s"] = results["tokens"] / max(elapsed, 1e-9)
+        if "first" in results and "last" in results:
+            self.say(f"validation perplexity: {results['first']['eval_ppl']:.2f} before -> "
+                     f"{results['last']['eval_ppl']:.2f} after training")
+        self.say(f"trained {self.state.step - first_step} steps in {elapsed:.1f}s "
+                 f"({results['tokens_per_s']:.0f} tokens/s)")
+        return results
+
+    def prefetcher(self) -> data_lib.Prefetcher:
+        """This rank's micro-batches of every step from the current one on, one step ahead."""
+
+        plan, cpu, pad_id = self.plan, torch.device("cpu"), self.tokenizer.pad_token_id or 0
+
+        def assemble(step: int) -> list[dict]:
+            epoch, in_epoch = divmod(step, plan.steps_per_epoch)
+            return [data_lib.collate(self.train_ds, indices, cpu, pad_id, self.cfg.data.padding_free)
+                    for indices in plan.micro_batches(epoch, in_epoch)]
+
+        return data_lib.Prefetcher(assemble, self.dist.device, self.state.step, self.total_steps)
+
+    def _loop(self, log, trackers, progress, gpu, results: dict, preemption, prefetcher, profiler) -> float:
+        """Steps until done or preempted; returns the number of tokens trained on. The host reads
+        a step's numbers one step late, once the next step's work is queued, so the device never
+        waits for the host; evaluation, checkpoints, a stop and the last step read them at once."""
+        from shardtune.train.optim import lr_at, set_lr
+
+        cfg, dist, plan, state = self.cfg, self.dist, self.plan, self.state
+        clock = StepClock(dist.device)
+        meter = StepMeter(dist.world_size, self.flops_per_token,
+                          device_peak_flops(dist.device, cfg.precision, cfg.log.peak_tflops), clock)
+        live = LiveMemory(self.model, self.optimizer, dist.device, cfg.log.live_memory)
+        first_tokens = state.tokens_seen
+        labels_vary = "labels" in self.train_ds.column_names
+        queued: list[QueuedStep] = []
+        while state.step < self.total_steps:
+            lr = lr_at(state.step, self.total_steps, cfg.train)
+            set_lr(self.optimizer, lr)
+            batches, data_seconds = prefetcher.take(state.step)
+            with live.track():
+                out = train_step(self.model, self.optimizer, self.scaler, batches, cfg, dist, labels_vary,
+                                 sync_each=self.built.sync_grads_each_micro_step)
+            del batches
+            state.step = step = state.step + 1
+            # the global loss, tokens and whether any rank was asked to stop (all ranks stop at the
+            # same step): one small all-reduce, queued behind the step
+            numbers = queue_numbers(out, preemption.requested, dist.device)
+            queued.append(QueuedStep(step, lr, data_seconds, numbers, clock.mark()))
+            profiler.step()  # after the mark: writing the trace is no step's time
+            last = step == self.total_steps
+            eval_now = bool(self.val_batches) and (last or (cfg.eval.every_steps and step % cfg.eval.every_steps == 0))
+            save_now = self.ckpt.due(step, plan.steps_per_epoch)
+            records, stop = [], False
+            while queued and (len(queued) > 1 or last or eval_now or save_now or stop):
+                record, asked = self._read(queued.pop(0), meter, live, gpu, progress)
+                records.append(record)
+                stop = stop or asked
+            if eval_now:
+                results["last"] = self.evaluate()
+                records[-1] = {"step": step, "epoch": step / plan.steps_per_epoch, **records[-1], **results["last"]}
+                progress.write(f"step {step}: validation loss {results['last']['eval_loss']:.4f}, "
+                               f"perplexity {results['last']['eval_ppl']:.2f}")
+            for record in filter(None, records):
+                log.write(record)
+                trackers.log(record, record["step"])
+            progress.update(1)
+            self.ckpt.poll()
+            if stop and not last:
+                folder = self.ckpt.save(step)
+                self.ckpt.wait()
+                results["preempted"] = True
+                if dist.is_main:  # for job scripts that cannot see the ranks' exit code (torchrun)
+                    (self.out / PREEMPTED_MARKER).write_text(f"{step}\n")
+                progress.write(f"step {step}: got {preemption.name}; checkpoint saved to {folder}; "
+                               "exiting for a requeue (resume=auto continues)")
+                break
+            if save_now:
+                self.ckpt.save(step)
+        return state.tokens_seen - first_tokens
+
+    def _read(self, queued: QueuedStep, meter, live, gpu, progress) -> tuple[dict, bool]:
+        """The host's look at a queued step (it waits for that step to finish): tokens seen, the
+        metrics record when one is due (else {}), and whether any rank was asked to stop."""
+        cfg, step = self.cfg, queued.step
+        numbers = read_numbers(queued.numbers)
+        self.state.tokens_seen += numbers.input_tokens
+        meter.add(numbers.input_tokens, queued.data_seconds, queued.done)
+        epoch = step / self.plan.steps_per_epoch
+        loss, grad_norm = numbers.loss, numbers.grad_norm
+        if not math.isfinite(loss) or (self.scaler is None and not math.isfinite(grad_norm)):
+            self.nonfinite(step, loss, grad_norm)
+            return {"step": step, "epoch": epoch, "loss": None, "skipped": True}, numbers.stop
+        if step % cfg.log.every_steps and step != self.total_steps:
+            return {}, numbers.stop
+        record = {"step": step, "epoch": epoch, "loss": loss, "lr": queued.lr, "grad_norm": grad_norm,
+                  "tokens_seen": self.state.tokens_seen, **meter.report(), **memory_stats(self.dist.device),
+                  **live.read(), **gpu.read()}
+        if self.scaler:
+            record["loss_scale"] = float(self.scaler.get_scale())
+        progress.update(0, loss=loss, tok_s=record["tokens_per_s"])
+        return record, numbers.stop
+
+    def nonfinite(self, step: int, loss: float, grad_norm: float) -> None:
+        """A NaN/inf loss or gradient: the update was not applied (train_step); stop or go on."""
+        what = f"loss {loss} / gradient norm {grad_norm} at step {step}"
+        if self.cfg.on_nan == "skip":
+            self.say(f"warning: {what}; skipped that update (on_nan=skip)")
+            return
+        self.ckpt.wait()
+        from shardtune.checkpoint.dcp import find_latest
+
+        good = find_latest(self.out / "checkpoints")
+        where = f"the last good checkpoint is {good}" if good else "no checkpoint was written"
+        raise UserError(f"{what}; stopped without applying it (on_nan=stop), {where}; lower train.lr "
+                        "or set on_nan=skip")
+
+    def export(self, folder: Path | None = None) -> Path:
+        """Plain HF folder, gathered to rank 0's CPU only."""
+        from shardtune.checkpoint.export import gather_full_state_dict, save_hf_folder
+
+        folder = folder or self.out / "final"
+        full = gather_full_state_dict(self.model)
+        if self.dist.is_main and self.cfg.peft.method == "lora":
+            from shardtune.checkpoint.export import save_adapter_folder
+
+            save_adapter_folder(full, self.model, self.cfg.model, self.hf_config, self.tokenizer, folder,
+                                quantized=self.cfg.peft.quantize != "none")
+        elif self.dist.is_main:
+            save_hf_folder(full, self.hf_config, self.tokenizer, folder)
+        del full
+        self.say(f"model saved to {folder}")
+        return folder
+
+    def close(self) -> None:
+        self.ckpt.close()
+        torch.distributed.barrier()
+        if self.owns_group:
+            torch.distributed.destroy_process_group()
+
+
+def run(cfg: RunConfig, overwrite: bool = False) -> dict:
+    """Train as one rank of the job: set up, fit, export final/, leave."""
+
+    from shardtune.checkpoint.rundir import release_run_dir
+
+    owns_group = not torch.distributed.is_initialized()
+    try:
+        try:
+            trainer = Trainer(cfg, overwrite)
+        except BaseException:
+            if owns_group and torch.distributed.is_initialized():  # leave no group behind a failed set-up
+                torch.distributed.destroy_process_group()
+            raise
+        results = trainer.fit()
+        if cfg.save_final and not results.get("preempted"):  # a preempted run is finished by its resume
+            trainer.export()
+        trainer.close()
+        return results
+    finally:
+        release_run_dir(cfg.output_dir)  # the output folder's lock (rank 0's, taken by prepare_run_dir)

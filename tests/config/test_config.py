@@ -1,0 +1,113 @@
+"""Recipes and overrides."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from shardtune.config.schema import load_config, parse_override, reference_lines
+from shardtune.errors import UserError
+
+RECIPES = sorted((Path(__file__).resolve().parents[2] / "recipes").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])
+def test_every_recipe_loads(recipe):
+    cfg = load_config(recipe)
+    assert cfg.recipe == recipe.stem
+    assert cfg.model.name_or_path or cfg.model.config
+
+
+def test_overrides_are_dotted_and_typed(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: {name_or_path: m}\ndata: {path: d}\ntrain: {lr: 0.1}\n")
+    cfg = load_config(recipe, ["train.lr=3e-5", "fsdp.sharding=hybrid_shard", "train.betas=[0.9,0.99]",
+                               "model.config.n_layer=4", "data.end_idx=100", "compile=true"])
+    assert cfg.train.lr == 3e-5 and cfg.fsdp.sharding == "hybrid_shard"
+    assert cfg.train.betas == [0.9, 0.99] and cfg.model.config == {"n_layer": 4}
+    assert cfg.data.end_idx == 100 and cfg.compile is True
+    assert cfg.model.name_or_path == "m"  # untouched keys keep the recipe's values
+
+
+def test_parse_override_needs_key_and_value():
+    assert parse_override("a.b=") == ("a.b", None)
+    with pytest.raises(UserError):
+        parse_override("nokey")
+
+
+def test_reference_lists_every_key_with_its_comment():
+    text = "\n".join(reference_lines())
+    for key in ("fsdp.sharding", "fsdp.min_num_params", "train.global_batch_size", "data.start_idx",
+                "eval.every_steps", "log.every_steps", "precision", "output_dir"):
+        assert f"  {key} (" in text, key
+    assert "hub id or local folder" in text  # the field's own comment travels into --help
+
+
+def test_text_keys_take_override_text_that_yaml_would_read_as_a_mapping(tmp_path):
+    cfg = load_config(None, ["model.config={model_type: gpt2}", "data.path=x",
+                             "data.template=Quote: {quote} by {author}", "model.config.n_layer=3"])
+    assert cfg.data.template == "Quote: {quote} by {author}"
+    assert cfg.model.config == {"model_type": "gpt2", "n_layer": 3}
+
+
+def test_readme_documents_every_config_key():
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    missing = [line.split()[0] for line in reference_lines() if line.strip().split()[0] not in readme]
+    assert not missing, f"README config reference lacks {missing}"
+
+
+@pytest.mark.parametrize("override, key", [
+    ("eval.every_steps=-1", "eval.every_steps"), ("fsdp.forward_prefetch=-2", "fsdp.forward_prefetch"),
+    ("train.max_grad_norm=-1", "train.max_grad_norm"), ("log.peak_tflops=0", "log.peak_tflops"),
+    ("checkpoint.keep_last=-1", "checkpoint.keep_last"), ("data.val_size=-0.1", "data.val_size"),
+    ("loss_chunk_tokens=-5", "loss_chunk_tokens"),
+])
+def test_out_of_range_numbers_are_refused_with_the_key(override, key):
+    with pytest.raises(UserError, match=key):
+        load_config(None, ["model.config={model_type: gpt2}", "data.path=x", override])
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("train.lr=.nan", "train.lr=nan is not a finite number"), ("train.lr=.inf", "train.lr=inf"),
+    ("train.betas=[0.9,.nan]", "train.betas=nan"), ("train.epochs=-.inf", "train.epochs=-inf"),
+    ("train.betas=[0.9,1.0]", "train.betas must be two numbers in [0, 1)"),
+    ("train.betas=[-0.1,0.9]", "train.betas must be two numbers in [0, 1)"),
+    ("train.eps=-1e-8", "train.eps must be at least 0"),
+    ("train.min_lr_ratio=1.5", "train.min_lr_ratio=1.5"), ("train.max_steps=-3", "train.max_steps"),
+    ("data.seq_len=1", "data.seq_len must be at least 2"),  # nothing to predict: loss 0, perplexity 1
+    ("peft.dropout=1.0", "peft.dropout"),
+    ("log.peak_tflops=.inf", "log.peak_tflops=inf"),
+])
+def test_values_the_libraries_would_reject_or_that_mean_nothing_are_refused(override, needle):
+    with pytest.raises(UserError, match=re.escape(needle)):
+        load_config(None, ["model.config={model_type: gpt2}", "data.path=x", "peft.method=lora", override])
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["peft.method=lora", "peft.r=0"], "peft.r >= 1"),
+    (["peft.method=lora", "peft.alpha=0"], "peft.alpha > 0"),
+    (["peft.quantize=4bit"], "set peft.method=lora"),
+    (["peft.method=lora", "peft.quantize=4bit", "device=cuda"], "quantizes pretrained weights"),
+    (["peft.method=lora", "peft.quantize=4bit", "model.name_or_path=m", "device=cpu"], "needs a CUDA GPU"),
+    (["freeze.head_only=true", "freeze.trainable_blocks=1"], "exclude each other"),
+    (["peft.method=lora", "freeze.embeddings=true"], "does not combine"),
+    (["data.format=chat", "data.cutoff_len=1"], "between 2 and data.seq_len"),
+    (["data.template=Q: {0}"], "positional field"),
+    (["data.template=Q: {q"], "not a valid template"),
+])
+def test_adapter_and_format_checks_need_only_the_config(overrides, needle):
+    with pytest.raises(UserError, match=re.escape(needle)):
+        load_config(None, ["model.config={model_type: gpt2}", "data.path=x", *overrides])
+
+
+def test_a_config_error_is_reported_before_any_data_is_read(tmp_path, capsys):
+    """peft.r=0 with a dataset that does not exist: the config's error, not the data's, and at once."""
+    from shardtune.cli.main import main
+
+    code = main(["train", "model.config={model_type: gpt2}", f"data.path={tmp_path / 'missing.jsonl'}",
+                 "peft.method=lora", "peft.r=0", f"output_dir={tmp_path / 'out'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "peft.r >= 1" in err and "missing" not in err, err
+    assert not (tmp_path / "out").exists()

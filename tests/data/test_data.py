@@ -1,0 +1,151 @@
+"""Packing, splitting, slicing, and which blocks each rank sees."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from shardtune.config.schema import DataConfig
+from shardtune.data import pipeline as D
+from shardtune.errors import UserError
+
+
+@pytest.fixture(scope="module")
+def tokenizer(assets):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(assets["tokenizer"])
+
+
+def write_jsonl(path, texts, field="text"):
+    path.write_text("".join(json.dumps({field: t}) + "\n" for t in texts))
+    return path
+
+
+def test_pack_joins_documents_with_eos_and_cuts_fixed_blocks(tmp_path, tokenizer):
+    import datasets
+
+    texts = [f"document number {i} says hello world" for i in range(30)]
+    docs = datasets.Dataset.from_dict({"text": texts})
+    packed = D.pack(docs, tokenizer, "text", seq_len=16)
+    stream = []
+    for t in texts:
+        stream += tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    assert len(packed) == len(stream) // 16
+    assert packed[:]["input_ids"].shape == (len(packed), 16)
+    assert packed[:]["input_ids"].flatten().tolist() == stream[:len(packed) * 16]
+
+
+def test_own_validation_split_is_used(tmp_path, tokenizer):
+    write_jsonl(tmp_path / "train.jsonl", [f"train doc {i} " * 5 for i in range(50)])
+    write_jsonl(tmp_path / "validation.jsonl", [f"val doc {i} " * 5 for i in range(7)])
+    cfg = DataConfig(path=str(tmp_path), seq_len=8)
+    train, val = D.split_documents(cfg, D.load_documents(cfg), seed=0)
+    assert len(train) == 50 and len(val) == 7
+    assert val[0]["text"].startswith("val doc 0")
+
+
+def test_holdout_is_seeded_disjoint_and_slicing_applies_to_the_rest(tmp_path):
+    write_jsonl(tmp_path / "all.jsonl", [f"doc {i}" for i in range(100)])
+    cfg = DataConfig(path=str(tmp_path / "all.jsonl"), val_size=0.1, start_idx=10, end_idx=40)
+    splits = D.load_documents(cfg)
+    train, val = D.split_documents(cfg, splits, seed=3)
+    train2, val2 = D.split_documents(cfg, splits, seed=3)
+    assert len(val) == 10 and len(train) == 30
+    assert val["text"] == val2["text"] and train["text"] == train2["text"]
+    assert not set(train["text"]) & set(val["text"])
+    rest = [t for t in splits["train"]["text"] if t not in set(val["text"])]
+    assert train["text"] == rest[10:40]
+    # val_size as a count
+    cfg_count = DataConfig(path=str(tmp_path / "all.jsonl"), val_size=5)
+    assert len(D.split_documents(cfg_count, splits, seed=3)[1]) == 5
+
+
+def test_prepare_returns_packed_torch_datasets(tmp_path, tokenizer, assets):
+    cfg = DataConfig(path=assets["train"].rsplit("/", 1)[0], seq_len=32)
+    train, val = D.prepare(cfg, tokenizer, seed=0)
+    assert train[0]["input_ids"].shape == (32,) and val is not None and len(val) > 0
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_ranks_see_distinct_parts_of_the_same_global_batches(world):
+    n, global_batch, micro = 100, 8, 2
+    reference = D.BatchPlan(n, global_batch, micro, 1, 0, seed=7)
+    for epoch, step in [(0, 0), (0, 5), (1, 3)]:
+        expected = [i for mb in reference.micro_batches(epoch, step) for i in mb]
+        per_rank = [D.BatchPlan(n, global_batch, micro, world, r, seed=7).micro_batches(epoch, step)
+                    for r in range(world)]
+        seen = [i for rank in per_rank for mb in rank for i in mb]
+        assert len(seen) == len(set(seen)) == global_batch  # distinct across ranks
+        assert sorted(seen) == sorted(expected)  # the same global batch whatever the world size
+        assert all(len(mb) == micro and len(rank) == global_batch // (micro * world)
+                   for rank in per_rank for mb in rank)
+    plan = D.BatchPlan(n, global_batch, micro, 1, 0, seed=7)
+    assert plan.order(0).tolist() != plan.order(1).tolist()  # reshuffled every epoch
+    assert plan.steps_per_epoch == n // global_batch
+
+
+def test_eval_batches_cover_everything_once_with_equal_counts_per_rank():
+    n, micro, world = 11, 2, 3
+    per_rank = [D.eval_batches(n, micro, world, r) for r in range(world)]
+    assert len({len(b) for b in per_rank}) == 1
+    real = sorted(i for b in per_rank for mb in b for i in mb if i >= 0)
+    assert real == list(range(n))
+    capped = [D.eval_batches(n, micro, world, r, max_batches=4) for r in range(world)]
+    assert sorted(i for b in capped for mb in b for i in mb if i >= 0) == list(range(8))
+    assert [i for mb in D.eval_batches(n, micro, 1, 0, max_batches=4) for i in mb] == list(range(8))
+
+
+def test_collate_masks_padding_rows(tokenizer, assets):
+    import torch
+
+    cfg = DataConfig(path=assets["train"].rsplit("/", 1)[0], seq_len=16)
+    train, _ = D.prepare(cfg, tokenizer, seed=0)
+    batch = D.collate(train, [0, -1], torch.device("cpu"))
+    assert torch.equal(batch["labels"][0], batch["input_ids"][0])
+    assert (batch["labels"][1] == D.IGNORE_INDEX).all()
+
+
+def test_too_few_sequences_for_one_global_batch_is_a_user_error():
+    with pytest.raises(UserError, match="global_batch_size"):
+        D.BatchPlan(3, 8, 2, 1, 0, seed=0)
+
+
+def test_blank_documents_add_no_tokens(tokenizer):
+    import datasets
+
+    with_blanks = datasets.Dataset.from_dict({"text": ["alpha beta", "", "   ", "gamma delta"] * 20})
+    without = datasets.Dataset.from_dict({"text": ["alpha beta", "gamma delta"] * 20})
+    a = D.pack(with_blanks, tokenizer, "text", seq_len=8)[:]["input_ids"]
+    b = D.pack(without, tokenizer, "text", seq_len=8)[:]["input_ids"]
+    assert a.tolist() == b.tolist()
+
+
+def test_the_prefetcher_hands_over_each_step_in_order_across_epochs():
+    """Assembled one step ahead in a thread, each step's micro-batches are exactly those of
+    the plan, from a resumed step on, over an epoch boundary, and never out of order."""
+    import datasets
+    import torch
+
+    ds = datasets.Dataset.from_dict({"input_ids": [[i] * 4 for i in range(12)]}).with_format("torch")
+    plan = D.BatchPlan(12, global_batch=4, micro_batch=2, world_size=1, rank=0, seed=3)
+    cpu = torch.device("cpu")
+
+    def assemble(step):
+        return [D.collate(ds, mb, cpu) for mb in plan.micro_batches(*divmod(step, plan.steps_per_epoch))]
+
+    prefetcher = D.Prefetcher(assemble, cpu, first_step=2, end_step=7)  # 3 steps an epoch
+    try:
+        for step in range(2, 7):
+            got, waited = prefetcher.take(step)
+            want = assemble(step)
+            assert waited >= 0 and len(got) == len(want) == 2
+            assert all(torch.equal(g[k], w[k]) for g, w in zip(got, want, strict=True) for k in w)
+        assert prefetcher.pending is None  # nothing assembled past the end
+    finally:
+        prefetcher.close()
+    prefetcher = D.Prefetcher(assemble, cpu, first_step=0, end_step=3)
+    with pytest.raises(AssertionError, match="prefetched step 0, asked for 1"):
+        prefetcher.take(1)
+    prefetcher.close()

@@ -1,0 +1,326 @@
+"""Dataset formats (text templates, instruct, chat), padded batches and group_by_length.
+
+Fixtures use the column names of the real datasets: yahma/alpaca-cleaned (instruction, input,
+output), Abirate/english_quotes (quote, author, tags), amazingvince/lc0-test80-games (a list
+column `moves`), HuggingFaceH4/ultrachat_200k (prompt, prompt_id, messages).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from conftest import TINY, losses, tiny_overrides
+from shardtune.config.schema import DataConfig, load_config
+from shardtune.data import formats as F
+from shardtune.data import pipeline as D
+from shardtune.errors import UserError
+
+IGNORE = D.IGNORE_INDEX
+# A small ChatML-like template; <|endoftext|> is the quickstart tokenizer's EOS.
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|endoftext|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+ALPACA = [
+    {"instruction": "Give three tips for staying healthy.", "input": "",
+     "output": "Eat well, sleep enough and move every day."},
+    {"instruction": "Add the two numbers.", "input": "2 and 3", "output": "5"},
+    {"instruction": "Name a primary color.", "input": "", "output": "Blue."},
+    {"instruction": "Translate to French.", "input": "good morning", "output": "bonjour"},
+]
+QUOTES = [
+    {"quote": "Be yourself; everyone else is already taken.", "author": "Oscar Wilde",
+     "tags": ["be-yourself", "inspirational"]},
+    {"quote": "So many books, so little time.", "author": "Frank Zappa", "tags": ["books", "humor"]},
+]
+CHESS = [
+    {"moves": ["e4", "e5", "Nf3", "Nc6"], "pgn": "1. e4 e5 2. Nf3 Nc6", "result": "1-0", "date": "2023.01.01"},
+    {"moves": ["d4", "d5"], "pgn": "1. d4 d5", "result": "1/2-1/2", "date": "2023.01.02"},
+]
+
+
+def chat_row(i: int, turns: int = 2) -> dict:
+    messages = [{"role": "system", "content": "Answer briefly."}]
+    for t in range(turns):
+        messages += [{"role": "user", "content": f"question {i}.{t}?"},
+                     {"role": "assistant", "content": f"answer {i}.{t}"}]
+    return {"prompt": messages[1]["content"], "prompt_id": f"id{i}", "messages": messages}
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def dataset(rows):
+    import datasets
+
+    return datasets.Dataset.from_list(rows)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(assets):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(assets["tokenizer"])
+
+
+@pytest.fixture
+def chat_tokenizer(assets):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(assets["tokenizer"])
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def kept(tokenizer, labels) -> str:
+    return tokenizer.decode([t for t in labels if t != IGNORE])
+
+
+# ----------------------------------------------------------------------------- text templates
+
+
+def test_template_renders_quote_columns_and_joins_list_columns(tokenizer):
+    cfg = DataConfig(path="x", template="Quote: {quote}\nAuthor: {author}\nTags: {tags}", list_sep=", ")
+    docs, field = F.render_text(dataset(QUOTES), cfg, "quotes")
+    assert docs[0][field] == ("Quote: Be yourself; everyone else is already taken.\nAuthor: Oscar Wilde\n"
+                              "Tags: be-yourself, inspirational")
+    # a plain string text_field passes through untouched
+    same, field = F.render_text(dataset(QUOTES), DataConfig(path="x", text_field="quote"), "quotes")
+    assert field == "quote" and same[1]["quote"] == QUOTES[1]["quote"]
+
+
+def test_list_valued_text_field_becomes_one_line_of_moves(tmp_path, tokenizer):
+    docs, field = F.render_text(dataset(CHESS), DataConfig(path="x", text_field="moves"), "games")
+    assert docs[field] == ["e4 e5 Nf3 Nc6", "d4 d5"]
+    docs, field = F.render_text(dataset(CHESS), DataConfig(path="x", template="{result} {moves}"), "games")
+    assert docs[field][1] == "1/2-1/2 d4 d5"
+    # and through prepare: packed blocks of exactly those tokens
+    write_jsonl(tmp_path / "games.jsonl", CHESS * 40)
+    cfg = DataConfig(path=str(tmp_path / "games.jsonl"), text_field="moves", seq_len=8, val_size=0)
+    train, _ = D.prepare(cfg, tokenizer, seed=0)
+    assert train[:]["input_ids"].shape[1] == 8 and "labels" not in train.column_names
+    eos = tokenizer.eos_token
+    assert tokenizer.decode(train[:]["input_ids"].flatten()).startswith(f"e4 e5 Nf3 Nc6{eos}d4 d5{eos}")
+
+
+@pytest.mark.parametrize("template, words", [
+    ("Quote: {quote}\nBy: {writer}", ["no column 'writer'", "data.template", "quote, author, tags"]),
+    ("{} by {author}", ["positional", "name a column"]),
+    ("{quote", ["not a valid template", "{{ }}"]),
+])
+def test_bad_templates_are_one_line_user_errors(template, words):
+    with pytest.raises(UserError) as err:
+        F.render_text(dataset(QUOTES), DataConfig(path="x", template=template), "dataset 'quotes'")
+    assert "\n" not in str(err.value) and all(w in str(err.value) for w in words), str(err.value)
+
+
+# ----------------------------------------------------------------------------- instruct
+
+
+def instruct_rows(rows, tokenizer, **kw):
+    ds = dataset(rows)
+    cfg = DataConfig(path="x", format="instruct", seq_len=kw.pop("seq_len", 512), **kw)
+    return ds.map(F.instruct_fn(cfg, tokenizer, ds.column_names, "alpaca"), batched=True,
+                  remove_columns=ds.column_names)
+
+
+def test_instruct_masks_the_prompt_and_ends_the_response_with_eos(tokenizer):
+    rows = instruct_rows(ALPACA, tokenizer)
+    eos = tokenizer.eos_token
+    for src, row in zip(ALPACA, rows, strict=True):
+        text = tokenizer.decode(row["input_ids"])
+        assert ("### Input:\n" + src["input"] in text) == bool(src["input"])  # the template without input
+        assert text.endswith("### Response:\n" + src["output"] + eos)
+        assert kept(tokenizer, row["labels"]) == src["output"] + eos
+        n_prompt = len(row["labels"]) - len(tokenizer(src["output"])["input_ids"]) - 1
+        assert row["labels"][:n_prompt] == [IGNORE] * n_prompt and row["length"] == len(row["input_ids"])
+    full = instruct_rows(ALPACA[:1], tokenizer, train_on_inputs=True)[0]
+    assert full["labels"] == full["input_ids"]
+
+
+def test_instruct_field_names_and_prompt_template_are_configurable(tokenizer):
+    qa = [{"question": "Capital of France?", "answer": "Paris"}]
+    with pytest.raises(UserError, match="needs a column 'instruction'.*question, answer.*data.instruction_field"):
+        instruct_rows(qa, tokenizer)
+    row = instruct_rows(qa, tokenizer, instruction_field="question", output_field="answer")[0]
+    assert "Capital of France?" in tokenizer.decode(row["input_ids"])
+    row = instruct_rows(qa, tokenizer, template="Q: {question}\nA: ", output_field="answer")[0]
+    assert tokenizer.decode(row["input_ids"]) == "Q: Capital of France?\nA: Paris" + tokenizer.eos_token
+    with pytest.raises(UserError, match="needs a column 'output'.*data.output_field"):
+        instruct_rows([{"instruction": "x", "response": "y"}], tokenizer)
+    with pytest.raises(UserError, match="needs a column 'context'.*data.input_field"):  # a named input must exist
+        instruct_rows(ALPACA, tokenizer, input_field="context")
+
+
+def test_instruct_prepare_truncates_to_cutoff_len_and_drops_examples_with_no_response(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "alpaca.jsonl", ALPACA * 10)
+    prompt_len = len(tokenizer(F.PROMPT_NO_INPUT.format(instruction=ALPACA[0]["instruction"]))["input_ids"])
+    cutoff = prompt_len + 3  # long enough for the no-input prompts only
+    cfg = DataConfig(path=str(path), format="instruct", seq_len=256, cutoff_len=cutoff, val_size=4)
+    train, val = D.prepare(cfg, tokenizer, seed=0)
+    assert len(val) + len(train) < 40 and len(train) > 0  # the examples with an input were dropped
+    assert max(D.lengths(train)) <= cutoff and set(train.column_names) == {"input_ids", "labels", "length"}
+    assert all((row["labels"][1:] != IGNORE).any() for row in train)
+    with pytest.raises(UserError, match="cutoff_len"):
+        D.prepare(DataConfig(path=str(path), format="instruct", seq_len=256, cutoff_len=8), tokenizer, seed=0)
+    with pytest.raises(UserError, match="between 2 and data.seq_len=64"):  # refused with the config, before data
+        load_config(None, ["model.config={model_type: gpt2}", f"data.path={path}", "data.format=instruct",
+                           "data.seq_len=64", "data.cutoff_len=100"])
+
+
+def test_instruct_tokenizes_the_same_with_worker_processes(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "alpaca.jsonl", ALPACA * 5)
+    one, _ = D.prepare(DataConfig(path=str(path), format="instruct", val_size=0.25), tokenizer, seed=1)
+    two, _ = D.prepare(DataConfig(path=str(path), format="instruct", val_size=0.25, num_proc=2), tokenizer, seed=1)
+    assert len(one) == 15 and one.with_format(None)[:] == two.with_format(None)[:]
+
+
+def test_instruct_packing_keeps_labels_aligned(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "alpaca.jsonl", ALPACA * 10)
+    cfg = DataConfig(path=str(path), format="instruct", seq_len=256, packing=True, val_size=0)
+    train, _ = D.prepare(cfg, tokenizer, seed=0)
+    assert train[:]["input_ids"].shape == train[:]["labels"].shape and train[:]["input_ids"].shape[1] == 256
+    real = train[:]["labels"] != IGNORE
+    assert (train[:]["labels"][real] == train[:]["input_ids"][real]).all() and 0 < real.float().mean() < 1
+
+
+# ----------------------------------------------------------------------------- chat
+
+
+def chat_rows(rows, tokenizer, **kw):
+    ds = dataset(rows)
+    cfg = DataConfig(path="x", format="chat", seq_len=512, **kw)
+    return ds.map(F.chat_fn(cfg, tokenizer, ds.column_names, "ultrachat"), batched=True, with_indices=True,
+                  remove_columns=ds.column_names)
+
+
+def test_chat_loss_is_on_assistant_turns_only(chat_tokenizer):
+    rows = chat_rows([chat_row(0, turns=2), chat_row(1, turns=1)], chat_tokenizer)
+    eos = chat_tokenizer.eos_token
+    row = rows[0]
+    text = chat_tokenizer.decode(row["input_ids"])
+    assert text == chat_tokenizer.apply_chat_template(chat_row(0)["messages"], tokenize=False)  # nothing added
+    assert kept(chat_tokenizer, row["labels"]) == f"answer 0.0{eos}answer 0.1{eos}"
+    # the masked tokens are exactly everything else
+    masked = chat_tokenizer.decode([t for t, lab in zip(row["input_ids"], row["labels"], strict=True) if lab == IGNORE])
+    assert "question 0.1?" in masked and "answer" not in masked and "<|assistant|>" in masked
+    assert kept(chat_tokenizer, rows[1]["labels"]) == f"answer 1.0{eos}"
+    everything = chat_rows([chat_row(0)], chat_tokenizer, train_on_inputs=True)[0]
+    assert everything["labels"] == everything["input_ids"]
+
+
+def test_chat_template_that_rewrites_history_falls_back_to_the_message_text(chat_tokenizer):
+    # Marks the final message, so a prefix render is not a prefix of the full render.
+    chat_tokenizer.chat_template = ("{% for m in messages %}{% if loop.last %}[final]{% endif %}"
+                                    "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                                    "{% if add_generation_prompt %}assistant: {% endif %}")
+    row = chat_rows([chat_row(3)], chat_tokenizer)[0]
+    assert kept(chat_tokenizer, row["labels"]).split() == ["answer", "3.0", "answer", "3.1"]
+
+
+def test_chat_errors(chat_tokenizer, tokenizer):
+    with pytest.raises(UserError, match="no chat template.*data.chat_template"):
+        chat_rows([chat_row(0)], tokenizer)
+    with pytest.raises(UserError, match="needs a column 'messages'.*data.messages_field"):
+        chat_rows(ALPACA, chat_tokenizer)
+    bad = [{"prompt": "x", "prompt_id": "y", "messages": "just text"}]
+    with pytest.raises(UserError, match="row 0 .*not a list of"):
+        chat_rows(bad, chat_tokenizer)
+
+
+def test_chat_template_from_config_is_installed_and_used(tmp_path, assets):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(assets["tokenizer"])  # no template of its own
+    path = write_jsonl(tmp_path / "train.jsonl", [chat_row(i) for i in range(12)])
+    cfg = DataConfig(path=str(path), format="chat", seq_len=128, chat_template=CHAT_TEMPLATE, val_size=2)
+    train, val = D.prepare(cfg, tok, seed=0)
+    assert tok.chat_template == CHAT_TEMPLATE and len(train) == 10 and len(val) == 2
+    assert kept(tok, train[0]["labels"]).startswith("answer ")
+
+
+# ----------------------------------------------------------------------------- batches
+
+
+def test_collate_pads_variable_rows_and_masks_padding(tokenizer):
+    import datasets
+    import torch
+
+    ds = datasets.Dataset.from_dict({"input_ids": [[5, 6, 7, 8], [9, 10], [11, 12]],
+                                     "labels": [[IGNORE, IGNORE, 7, 8], [IGNORE, 10], [11, 12]]}
+                                    ).with_format("torch")
+    b = D.collate(ds, [0, 1, -1], torch.device("cpu"), pad_id=99)
+    assert b["input_ids"].tolist() == [[5, 6, 7, 8], [9, 10, 99, 99], [5, 6, 7, 8]]
+    assert b["labels"].tolist() == [[IGNORE, IGNORE, 7, 8], [IGNORE, 10, IGNORE, IGNORE], [IGNORE] * 4]
+    assert b["attention_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 1]]
+    same = D.collate(ds, [1, 2], torch.device("cpu"), pad_id=99)  # nothing to pad: no mask
+    assert set(same) == {"input_ids", "labels"} and same["labels"].tolist() == [[IGNORE, 10], [11, 12]]
+    no_labels = D.collate(ds.remove_columns("labels"), [0, 1], torch.device("cpu"))
+    assert no_labels["labels"].tolist() == [[5, 6, 7, 8], [9, 10, IGNORE, IGNORE]]
+
+
+def test_group_by_length_batches_similar_lengths_the_same_for_every_world_size():
+    import random
+
+    n, global_batch, micro = 1000, 8, 2
+    lengths = [random.Random(i).randint(5, 500) for i in range(n)]
+
+    def padding(plan, epoch):
+        total = 0
+        for step in range(plan.steps_per_epoch):
+            for mb in plan.micro_batches(epoch, step):
+                total += sum(max(lengths[i] for i in mb) - lengths[i] for i in mb)
+        return total
+
+    grouped = D.BatchPlan(n, global_batch, micro, 1, 0, seed=3, lengths=lengths)
+    plain = D.BatchPlan(n, global_batch, micro, 1, 0, seed=3)
+    assert padding(grouped, 0) < padding(plain, 0) / 5
+    order = grouped.order(0).tolist()
+    assert sorted(order) == list(range(n))  # a permutation
+    assert order == D.BatchPlan(n, global_batch, micro, 1, 0, seed=3, lengths=lengths).order(0).tolist()
+    assert order != grouped.order(1).tolist()
+    first_batch_lengths = [lengths[i] for i in order[:global_batch]]
+    assert first_batch_lengths == sorted(first_batch_lengths, reverse=True)
+    starts = [lengths[order[s * global_batch]] for s in range(grouped.steps_per_epoch)]
+    assert starts != sorted(starts, reverse=True)  # batches are shuffled, not longest first overall
+    for world in (2, 4):
+        for epoch, step in [(0, 0), (0, 17), (1, 60)]:
+            want = sorted(i for mb in grouped.micro_batches(epoch, step) for i in mb)
+            got = sorted(i for r in range(world) for mb in
+                         D.BatchPlan(n, global_batch, micro, world, r, seed=3, lengths=lengths)
+                         .micro_batches(epoch, step) for i in mb)
+            assert got == want
+
+
+def test_padded_instruct_batches_keep_every_loss_token(tmp_path, tokenizer):
+    import torch
+
+    path = write_jsonl(tmp_path / "alpaca.jsonl", ALPACA * 4)
+    train, _ = D.prepare(DataConfig(path=str(path), format="instruct", val_size=0), tokenizer, seed=0)
+    (mb,) = D.BatchPlan(len(train), 16, 16, 1, 0, seed=0).micro_batches(0, 0)
+    batch = D.collate(train, mb, torch.device("cpu"), pad_id=tokenizer.pad_token_id)
+    assert int((batch["labels"] != IGNORE).sum()) == sum(int((train[i]["labels"] != IGNORE).sum()) for i in mb)
+    assert batch["attention_mask"].sum(1).tolist() == [len(train[i]["input_ids"]) for i in mb]
+    assert (batch["input_ids"][batch["attention_mask"] == 0] == tokenizer.pad_token_id).all()
+    # grouped by length, these four distinct examples (x4) need no padding at all
+    grouped = D.BatchPlan(len(train), 16, 4, 1, 0, seed=0, lengths=D.lengths(train))
+    assert not any("attention_mask" in D.collate(train, mb, torch.device("cpu")) for mb in grouped.micro_batches(0, 0))
+
+
+def test_instruct_run_trains_three_steps(assets, tmp_path):
+    from shardtune.config.schema import load_config
+    from shardtune.train.trainer import run
+
+    path = write_jsonl(tmp_path / "alpaca.jsonl", ALPACA * 12)
+    model = json.dumps({**TINY["gpt2"], "n_positions": 256})
+    overrides = tiny_overrides(assets, tmp_path / "run", **{
+        "model.config": model, "data.format": "instruct", "data.path": str(path), "data.seq_len": 256,
+        "data.group_by_length": "true", "train.max_steps": 3, "data.val_size": 8})
+    results = run(load_config(None, overrides, defaults={}), overwrite=True)
+    got = losses(tmp_path / "run")
+    assert len(got) == 3 and all(math.isfinite(x) for x in got)
+    assert math.isfinite(results["last"]["eval_loss"]) and (tmp_path / "run" / "final").is_dir()

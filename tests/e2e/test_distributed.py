@@ -1,0 +1,135 @@
+"""The proof FSDP is right: sharded runs compute the same per-step losses as one process.
+
+Multi-process launches are slow on 2 cores, so each launch runs several jobs (dist_harness.py).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, child_env, losses, run_cli, tiny_overrides
+
+pytestmark = pytest.mark.multiproc
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def baseline(assets, tmp_path_factory):
+    """Single-process reference run (accumulation 4), in this process."""
+    from shardtune.config.schema import load_config
+    from shardtune.train.trainer import run
+
+    out = tmp_path_factory.mktemp("baseline")
+    run(load_config(None, tiny_overrides(assets, out), defaults={}), overwrite=True)
+    return losses(out)
+
+
+LORA = {"peft.method": "lora", "peft.dropout": 0.0}
+
+
+@pytest.fixture(scope="module")
+def lora_baseline(assets, tmp_path_factory):
+    """Single-process LoRA reference run, in this process."""
+    from shardtune.config.schema import load_config
+    from shardtune.train.trainer import run
+
+    out = tmp_path_factory.mktemp("lora_baseline")
+    run(load_config(None, tiny_overrides(assets, out, **LORA), defaults={}), overwrite=True)
+    return losses(out)
+
+
+DOCMASK = {"data.document_mask": "true"}
+
+
+@pytest.fixture(scope="module")
+def docmask_baseline(assets, tmp_path_factory):
+    """Single-process reference run of document-masked packed blocks, in this process."""
+    from shardtune.config.schema import load_config
+    from shardtune.train.trainer import run
+
+    out = tmp_path_factory.mktemp("docmask_baseline")
+    run(load_config(None, tiny_overrides(assets, out, **DOCMASK), defaults={}), overwrite=True)
+    return losses(out)
+
+
+def torchrun(nproc: int, script_args: list[str], nnodes: int = 1, timeout: int = 400):
+    env = child_env()
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
+    if nnodes == 1:
+        cmd.append("--standalone")
+        return subprocess.run(cmd + script_args, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd += [f"--nnodes={nnodes}", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=st"]
+    agents = [subprocess.Popen(cmd + [f"--node_rank={i}", *script_args], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT) for i in range(nnodes)]
+    outs = [a.communicate(timeout=timeout)[0] for a in agents]
+    return [(a.returncode, o) for a, o in zip(agents, outs, strict=True)]
+
+
+def test_two_ranks_match_one_process_for_every_sharding(assets, baseline, lora_baseline, docmask_baseline, tmp_path):
+    """full_shard (accumulation 2 and 1, activation checkpointing), shard_grad_op and no_shard
+    on 2 ranks, with full logits and with many loss chunks (the baseline's loss is one chunk),
+    and document-masked packing;
+    a locally saved GPT-2 and Llama load on 2 ranks exactly; final/ round-trips."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from conftest import TINY
+
+    saved = []
+    for arch in ("gpt2", "llama"):
+        cfg = dict(TINY[arch])
+        config = AutoConfig.for_model(cfg.pop("model_type"), vocab_size=300, **cfg)
+        folder = tmp_path / f"saved-{arch}"
+        AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+        saved.append(str(folder))
+    jobs = {
+        "full_shard": {},
+        "full_shard_ac": {"activation_checkpointing": "true"},
+        "shard_grad_op": {"fsdp.sharding": "shard_grad_op"},
+        "no_shard": {"fsdp.sharding": "no_shard", "loss_chunk_tokens": 0},  # full logits
+        "no_accum": {"train.micro_batch_size": 4, "loss_chunk_tokens": 24},  # 11 loss chunks per micro-batch
+        "size_wrap": {"fsdp.wrap": "size", "fsdp.min_num_params": 20000, "fsdp.forward_prefetch": 1},
+        "lora": LORA,
+        "docmask": DOCMASK,
+    }
+    spec = {"result": str(tmp_path / "result.json"), "load": saved, "export": True,
+            "jobs": [tiny_overrides(assets, tmp_path / name, **extra) for name, extra in jobs.items()]}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    proc = torchrun(2, ["tests/dist_harness.py", str(tmp_path / "spec.json")])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert all(diff == 0.0 for diff in result["loading"].values()), result["loading"]
+    assert result["export_logit_diff"] < 1e-5
+    assert len(baseline) == 6
+    for name in jobs:
+        got, want = losses(tmp_path / name), {"lora": lora_baseline, "docmask": docmask_baseline}.get(name, baseline)
+        assert len(got) == len(want)
+        assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < TOL, (name, got, want)
+
+
+def test_two_nodes_hybrid_shard_matches_one_process(assets, baseline, tmp_path):
+    """Two torchrun agents (--nnodes 2, c10d rendezvous on 127.0.0.1), 2 ranks each, running the
+    real CLI with hybrid_shard: replicate across the 2 'nodes', shard within each (2 x 2)."""
+    args = ["-m", "shardtune", "train", *tiny_overrides(assets, tmp_path / "hsdp", **{"fsdp.sharding": "hybrid_shard"})]
+    results = torchrun(2, args, nnodes=2)
+    for code, output in results:
+        assert code == 0, output[-4000:]
+    assert "hybrid_shard" in "".join(o for _, o in results)
+    got = losses(tmp_path / "hsdp")
+    assert max(abs(a - b) for a, b in zip(got, baseline, strict=True)) < TOL, (got, baseline)
+    assert (tmp_path / "hsdp" / "final" / "model.safetensors").exists()
+
+
+def test_cli_nproc_two_runs_the_elastic_launcher(assets, baseline, tmp_path):
+    proc = run_cli(["train", *tiny_overrides(assets, tmp_path / "cli"), "--nproc", "2"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "2 rank(s)" in proc.stdout
+    got = losses(tmp_path / "cli")
+    assert max(abs(a - b) for a, b in zip(got, baseline, strict=True)) < TOL

@@ -1,0 +1,184 @@
+"""`shardtune export`, `eval` and `generate` on a tiny trained run: the export loads with plain
+`from_pretrained` and gives the same logits; eval's numbers equal a hand computation with plain
+transformers (on 1 and 2 ranks); generate matches `model.generate`."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from test_checkpoint import ck_assets, cli, config, one_line_error, one_thread, release_group, spawn  # noqa: F401
+
+from shardtune.cli.main import build_parser, main
+
+SEQ = 64
+PROBE = torch.arange(48).reshape(3, 16) % 250
+
+
+@pytest.fixture(scope="module")
+def trained(ck_assets, tmp_path_factory):  # noqa: F811
+    """A 6-step run with final/ and checkpoints/step-000006 (same weights), plus a random-init
+    HF folder to compare against."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from shardtune.train.trainer import run
+
+    torch.set_num_threads(1)
+    out = tmp_path_factory.mktemp("trained")
+    run(config(ck_assets, out, **{"train.max_steps": 6, "checkpoint.every_steps": 6}))
+    release_group()
+    base = out.parent / "base-model"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoModelForCausalLM.from_pretrained(out / "final").config).save_pretrained(base)
+    AutoTokenizer.from_pretrained(out / "final").save_pretrained(base)
+    return out
+
+
+def logits(folder) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    with torch.no_grad():
+        return AutoModelForCausalLM.from_pretrained(folder).eval()(input_ids=PROBE).logits
+
+
+def hand_metrics(folder: Path, jsonl: str) -> dict:
+    """Pack the documents like training does (text + EOS, concatenated, cut into blocks) and
+    score them with plain transformers: the mean loss over equal blocks is token-weighted."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    ids = []
+    for line in Path(jsonl).read_text().splitlines():
+        ids += tok(json.loads(line)["text"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    n = len(ids) // SEQ
+    blocks = torch.tensor(ids[:n * SEQ]).view(n, SEQ)
+    with torch.no_grad():
+        out = model(input_ids=blocks, labels=blocks)
+    acc = (out.logits[:, :-1].argmax(-1) == blocks[:, 1:]).double().mean().item()
+    return {"eval_loss": out.loss.item(), "eval_ppl": math.exp(out.loss.item()), "eval_acc": acc, "sequences": n}
+
+
+def run_eval(*argv: str) -> dict:
+    from shardtune.train.evaluate import run_eval as run
+
+    return run(build_parser().parse_args(["eval", *argv]))
+
+
+def assert_metrics(got: dict, want: dict, tol: float = 1e-5) -> None:
+    assert got["sequences"] == want["sequences"]
+    assert abs(got["eval_loss"] - want["eval_loss"]) <= tol, (got, want)
+    assert abs(got["eval_ppl"] - want["eval_ppl"]) <= tol * want["eval_ppl"], (got, want)
+    assert abs(got["eval_acc"] - want["eval_acc"]) <= 1e-9, (got, want)
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def test_export_round_trip(trained, tmp_path, capsys):
+    out = tmp_path / "hf"
+    code, err = cli(["export", str(trained), str(out), "--max-shard-size", "100KB"], capsys)
+    assert code == 0, err
+    names = {p.name for p in out.iterdir()}
+    assert {"config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json"} <= names
+    assert len([n for n in names if n.endswith(".safetensors")]) > 1  # split above the size limit
+    assert torch.equal(logits(out), logits(trained / "final"))  # the checkpoint = the in-memory weights
+
+    from transformers import AutoTokenizer
+
+    text = "def f(x):\n    return x"
+    exported, final = (AutoTokenizer.from_pretrained(folder) for folder in (out, trained / "final"))
+    assert exported(text).input_ids == final(text).input_ids
+
+    one_line_error(*cli(["export", str(trained), str(out)], capsys), "not empty")
+    hub = tmp_path / "hub"
+    one_line_error(*cli(["export", str(trained / "checkpoints" / "step-000006"), str(hub),
+                         "--push-to-hub", "nobody/shardtune-test"], capsys), "could not push", str(hub))
+    assert (hub / "config.json").is_file()  # the export itself is kept
+
+
+# ----------------------------------------------------------------------------- eval
+
+
+def test_eval_equals_hand_computation(trained, ck_assets):  # noqa: F811
+    want = hand_metrics(trained / "final", ck_assets["validation"])
+    final = run_eval(str(trained / "final"), "--data", ck_assets["validation"], "--seq-len", str(SEQ))
+    assert_metrics(final["model"], want)
+    # A checkpoint, with no --data: the validation split of its run, which is the same file.
+    assert_metrics(run_eval(str(trained / "checkpoints" / "step-000006"))["model"], want)
+
+
+def test_eval_compare_side_by_side(trained, capsys):
+    base = trained.parent / "base-model"
+    results = run_eval(str(trained / "checkpoints"), "--compare", str(base), "--max-batches", "2")
+    assert results["base"]["eval_loss"] > results["model"]["eval_loss"]  # training helped
+    table = capsys.readouterr().out
+    header = next(line for line in table.splitlines() if "fine-tuned" in line)
+    assert header.split() == ["base", "fine-tuned"]
+    assert re.search(r"^perplexity\s+[\d.]+\s+[\d.]+$", table, re.M), table
+    assert main(["eval", str(trained / "checkpoints"), "--compare", str(base), "--max-batches", "2"]) == 0
+    assert capsys.readouterr().out.strip() == table.strip()  # the CLI prints the same table
+
+
+@pytest.mark.multiproc
+def test_eval_two_ranks_equals_one(trained, ck_assets):  # noqa: F811
+    want = hand_metrics(trained / "final", ck_assets["validation"])
+    proc = spawn(["-m", "shardtune", "eval", str(trained / "final"), "--data", ck_assets["validation"],
+                  "--seq-len", str(SEQ), "--micro-batch-size", "3", "--nproc", "2", "--device", "cpu"])
+    output, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, output
+    rows = {line.split()[0]: line.split()[1] for line in output.splitlines()
+            if line.split() and line.split()[0] in ("loss", "perplexity", "accuracy", "sequences")}
+    assert int(rows["sequences"]) == want["sequences"]  # uneven split over ranks: padding rows are masked
+    assert abs(float(rows["loss"]) - want["eval_loss"]) <= 1e-4  # printed with 4 decimals
+    assert abs(float(rows["accuracy"]) - want["eval_acc"]) <= 1e-4
+
+
+def test_eval_bad_input(trained, tmp_path, capsys):
+    one_line_error(*cli(["eval", str(trained / "final")], capsys), "--data")
+    one_line_error(*cli(["eval", str(tmp_path / "nothing-here")], capsys), "not found")
+    (tmp_path / "empty").mkdir()
+    one_line_error(*cli(["eval", str(tmp_path / "empty")], capsys), "neither a model folder")
+
+
+# ----------------------------------------------------------------------------- generate
+
+
+def test_generate_matches_transformers(trained, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from shardtune.checkpoint.loading import load_model
+    from shardtune.train.evaluate import generate
+
+    prompt = "Return the"
+    tok = AutoTokenizer.from_pretrained(trained / "final")
+    model = AutoModelForCausalLM.from_pretrained(trained / "final").eval()
+    ids = tok(prompt, return_tensors="pt").input_ids
+    want = tok.decode(model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                                     pad_token_id=tok.eos_token_id)[0, ids.shape[1]:], skip_special_tokens=True)
+    ckpt_model, ckpt_tok, _, _ = load_model(str(trained / "checkpoints" / "step-000006"))
+    assert generate(ckpt_model, ckpt_tok, [prompt], max_new_tokens=8, temperature=0) == [want]
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Return the\n\nThe value\n")
+    capsys.readouterr()
+    assert main(["generate", str(trained), "--prompts-file", str(prompts), "--max-new-tokens", "8",
+                 "--temperature", "0", "--device", "cpu"]) == 0
+    printed = capsys.readouterr().out
+    assert f"=== prompt 1 ===\n{prompt}{want}\n" in printed and "=== prompt 2 ===\nThe value" in printed
+    sampled = [generate(model, tok, ["The value"], max_new_tokens=8, temperature=1.0, top_p=0.9, seed=3)
+               for _ in range(2)]
+    assert sampled[0] == sampled[1]  # the seed makes sampling reproducible
+
+
+def test_generate_prints_and_bad_input(trained, capsys):
+    code = main(["generate", str(trained / "final"), "--prompt", "Return the", "--prompt", "The",
+                 "--max-new-tokens", "4", "--temperature", "0", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert code == 0 and "=== prompt 2 ===" in out and "Return the" in out
+    one_line_error(*cli(["generate", str(trained / "final")], capsys), "--prompt")
+    one_line_error(*cli(["generate", str(trained / "final"), "--prompt", "x", "--top-p", "0"], capsys), "--top-p")

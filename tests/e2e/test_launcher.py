@@ -1,0 +1,148 @@
+"""The launcher of `--nproc 2`, as a user runs it (the real CLI): one live run per output
+folder, Ctrl-C that checkpoints and says so only when it is true, and ranks that die with their
+launcher on `kill -9`. Three launches, ~15 s each on 2 cores."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_errors import _isolated, datasets_cache, one_error_line, qs_assets, recipe, subprocess_env  # noqa: F401
+
+from shardtune.checkpoint.dcp import read_meta
+from shardtune.checkpoint.rundir import LOCK_FILE, hold_run_dir, release_run_dir
+from shardtune.errors import EXIT_USAGE
+from shardtune.launch.signals import EXIT_INTERRUPTED, EXIT_PREEMPTED
+
+pytestmark = pytest.mark.multiproc
+
+
+
+def launch(recipe: str, out: Path, datasets_cache, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "shardtune", "train", recipe, "device=cpu", "train.max_steps=400",
+                             "eval.at_start=false", f"output_dir={out}", "--nproc", "2", *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=out.parent,
+                            env=subprocess_env(datasets_cache))
+
+
+@contextlib.contextmanager
+def launched(recipe: str, out: Path, datasets_cache, *extra: str):
+    """A 2-rank run in the background; killed on the way out, whatever the test saw."""
+    proc = launch(recipe, out, datasets_cache, *extra)
+    try:
+        yield proc
+    finally:
+        proc.kill()
+
+
+def ctrl_c(proc: subprocess.Popen, times: int = 1) -> str:
+    """Ctrl-C `times` times, 50 ms apart; the launcher's output once it has exited."""
+    for _ in range(times):
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.05)
+    return proc.communicate(timeout=120)[0]
+
+
+def wait_for(condition, timeout: float, proc: subprocess.Popen) -> None:
+    deadline = time.time() + timeout
+    while not condition():
+        assert proc.poll() is None, proc.communicate()[0]
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def training(out: Path):
+    metrics = out / "metrics.jsonl"
+    return lambda: metrics.is_file() and '"loss"' in metrics.read_text()
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            found += [int(p) for p in f.read().split()]
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_nproc2_lock_then_ctrl_c_checkpoints(recipe, tmp_path, datasets_cache):
+    """While a 2-rank run trains, a second run on its folder is refused naming the live run
+    (not "pass resume=auto"); then Ctrl-C: the ranks save a checkpoint, exit 75, and the
+    launcher names that checkpoint."""
+    out = tmp_path / "run"
+    with launched(recipe, out, datasets_cache) as proc:
+        wait_for(training(out), 180, proc)
+        second = subprocess.run([sys.executable, "-m", "shardtune", "train", recipe, "resume=auto", f"output_dir={out}",
+                                 "--nproc", "2"], capture_output=True, text=True, timeout=120,
+                                env=subprocess_env(datasets_cache))
+        assert second.returncode == EXIT_USAGE, second.stderr
+        line = one_error_line(second.stderr)
+        assert "in use by a live run" in line and f"pid {proc.pid} on " in line and "resume=auto" not in line
+        output = ctrl_c(proc)
+    assert proc.returncode == EXIT_PREEMPTED, output
+    step = int((out / "PREEMPTED").read_text())
+    ckpt = out / "checkpoints" / f"step-{step:06d}"
+    assert f"SIGINT: the ranks saved {ckpt} and stopped; exit 75" in output
+    assert read_meta(ckpt)["world_size"] == 2
+    assert not (out / LOCK_FILE).exists()
+
+
+def test_nproc2_ctrl_c_twice_stops_at_once(recipe, tmp_path, datasets_cache):
+    """Ctrl-C twice on a 2-rank run: both ranks stop at once, without a new checkpoint; exit 130
+    with the line naming the last good one; no rank is left and the folder is free."""
+    out = tmp_path / "run"
+    with launched(recipe, out, datasets_cache, "checkpoint.every_steps=2") as proc:
+        wait_for(lambda: (out / "checkpoints" / "latest").is_file(), 180, proc)
+        ranks = children(proc.pid)
+        output = ctrl_c(proc, times=2)
+    assert proc.returncode == EXIT_INTERRUPTED, output
+    assert "Ctrl-C again: stopping the ranks now, without a checkpoint" in output
+    last = (out / "checkpoints" / "latest").read_text().strip()
+    assert f"the last good checkpoint is {out / 'checkpoints' / last}" in output.splitlines()[-1], output
+    assert "Traceback" not in output and not (out / "PREEMPTED").exists()
+    assert not any(alive(pid) for pid in ranks) and not (out / LOCK_FILE).exists()
+
+
+def test_nproc2_ctrl_c_before_training_claims_no_checkpoint(recipe, tmp_path, datasets_cache):
+    out = tmp_path / "run"
+    with launched(recipe, out, datasets_cache) as proc:
+        wait_for(lambda: len(children(proc.pid)) == 2, 60, proc)
+        output = ctrl_c(proc)
+    assert proc.returncode == EXIT_INTERRUPTED, output
+    assert "SIGINT: the ranks stopped without writing a checkpoint; this run has no checkpoint; exit 130" in output
+    assert "saved" not in output and not (out / "checkpoints").exists()
+
+
+def test_nproc2_ranks_die_with_their_launcher(recipe, tmp_path, datasets_cache):
+    """kill -9 of `shardtune train --nproc 2`: both ranks are gone within seconds, and the
+    folder is free for the next run (the lock went with the launcher)."""
+    out = tmp_path / "run"
+    proc = launch(recipe, out, datasets_cache)
+    try:
+        wait_for(training(out), 180, proc)
+        ranks = children(proc.pid)
+        assert len(ranks) == 2 and all(alive(pid) for pid in ranks)
+        proc.kill()
+        proc.wait(timeout=30)
+        deadline = time.time() + 10
+        while any(alive(pid) for pid in ranks) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not any(alive(pid) for pid in ranks), "ranks outlived their launcher"
+    finally:
+        proc.kill()
+        proc.communicate()
+    hold_run_dir(out)
+    release_run_dir(out)

@@ -1,0 +1,184 @@
+"""Offline clusters: `shardtune download` (what a recipe needs, refused when offline), the
+one-line error for a model or dataset missing from the cache, and `shardtune slurm`'s script."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+import pytest
+
+from conftest import ROOT, run_cli, tiny_overrides
+
+
+def _one_line_error(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+# ----------------------------------------------------------------------------- slurm
+
+
+def test_slurm_script_runs_torchrun_under_srun_and_requeues_on_preemption(tmp_path, capsys):
+    from shardtune.cli.main import main
+
+    script = tmp_path / "job.sbatch"
+    code = main(["slurm", "recipes/llama2-7b-alpaca-lora.yaml", "--nodes", "2", "--gpus-per-node", "4",
+                 "--partition", "gpu", "--account", "proj1", "--time", "02:00:00", "--output-dir", "runs/alpaca",
+                 "train.lr=5e-5", "-o", str(script)])
+    assert code == 0, capsys.readouterr().err
+    assert f"sbatch {script}" in capsys.readouterr().out
+    text = script.read_text()
+    assert text.startswith("#!/bin/bash\n")
+    subprocess.run(["bash", "-n", str(script)], check=True)
+
+    sbatch = dict(re.findall(r"^#SBATCH --([\w-]+)(?:=(.*))?$", text, flags=re.M))
+    assert sbatch["nodes"] == "2" and sbatch["gpus-per-node"] == "4" and sbatch["ntasks-per-node"] == "1"
+    assert sbatch["partition"] == "gpu" and sbatch["account"] == "proj1" and sbatch["time"] == "02:00:00"
+    assert sbatch["signal"].startswith("USR1@") and "requeue" in sbatch  # warning before the limit, requeueable
+
+    launch = re.search(r"^srun .*?-m shardtune train .*$", text, flags=re.M | re.S).group(0)
+    assert "torchrun" in launch and "--nproc_per_node=4" in launch and '--nnodes="$SLURM_NNODES"' in launch
+    assert "--rdzv_backend=c10d" in launch and '--rdzv_endpoint="$head_node:' in launch
+    handled = re.search(r"--signals_to_handle=(\S+)", launch).group(1).split(",")
+    assert "SIGUSR1" in handled and "SIGTERM" in handled
+    assert "recipes/llama2-7b-alpaca-lora.yaml train.lr=5e-5 output_dir=runs/alpaca resume=auto" in launch
+    assert "HF_HUB_OFFLINE=1" in text  # compute nodes read the cache `shardtune download` filled
+    assert '[ -f runs/alpaca/PREEMPTED ] || [ "$status" -eq 75 ]' in text
+    assert 'scontrol requeue "$SLURM_JOB_ID"' in text
+    assert text.index("srun ") < text.index("scontrol requeue")
+
+
+def test_slurm_script_marker_check_and_requeue_work_in_bash(tmp_path):
+    """Run the script's tail with fake srun/scontrol: the marker (or exit 75) leads to a requeue."""
+    from shardtune.launch.slurm import sbatch_script
+
+    out = tmp_path / "run dir"
+    text = sbatch_script("recipes/gpt2-wikitext2.yaml", str(out), 1, 2, overrides=[], offline=False)
+    assert "HF_HUB_OFFLINE" not in text
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text('#!/bin/bash\n[ "$1" = requeue ] && echo "REQUEUED $2" || echo node1\n')
+    for status, marker, requeued, grace in [(0, False, False, True), (1, False, False, False),
+                                            (75, False, True, True), (1, True, True, False)]:
+        out.mkdir(exist_ok=True)
+        write = f'mkdir -p "{out}"; echo 3 > "{out}/PREEMPTED"; ' if marker else ""
+        (bin_dir / "srun").write_text(f'#!/bin/bash\necho "$@" > "{tmp_path}/srun-args"\n{write}exit {status}\n')
+        # torchrun of torch >= 2.12 has --shutdown_timeout; 2.11's does not
+        option = "--shutdown_timeout SHUTDOWN_TIMEOUT" if grace else "--signals_to_handle SIGNALS"
+        (bin_dir / "torchrun").write_text(f"#!/bin/bash\necho 'usage: torchrun {option}'\n")
+        for f in bin_dir.iterdir():
+            f.chmod(0o755)
+        env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "42", "SLURM_NNODES": "1",
+               "SLURM_JOB_NODELIST": "node1", "SLURM_CPUS_PER_TASK": "16"}
+        proc = subprocess.run(["bash", "-c", text], capture_output=True, text=True, env=env, cwd=tmp_path)
+        assert ("REQUEUED 42" in proc.stdout) == requeued, (status, marker, proc.stdout, proc.stderr)
+        assert proc.returncode == (0 if requeued else status), (status, marker, proc.returncode)
+        assert ("--shutdown_timeout=270" in (tmp_path / "srun-args").read_text()) == grace
+
+
+def test_slurm_refuses_bad_input_in_one_line(capsys):
+    from shardtune.cli.main import main
+
+    assert main(["slurm", "recipes/gpt2-wikitext2.yaml", "--nodes", "0", "--gpus-per-node", "4"]) == 2
+    assert "--nodes" in _one_line_error(capsys.readouterr().err)
+    assert main(["slurm", "recipes/gpt2-wikitext2.yaml", "--nodes", "1", "--gpus-per-node", "4", "train.lr=x"]) == 2
+    assert "train.lr" in _one_line_error(capsys.readouterr().err)
+
+
+# ----------------------------------------------------------------------------- download
+
+
+@pytest.mark.parametrize("recipe,expected", [
+    ("gpt2-wikitext2", [("model", "openai-community/gpt2", None),
+                        ("dataset", "Salesforce/wikitext", "wikitext-2-raw-v1")]),
+    ("gpt2-large-wikitext103", [("model", "openai-community/gpt2-large", None),
+                                ("dataset", "Salesforce/wikitext", "wikitext-103-raw-v1")]),
+    ("opt-1.3b-arxiv", [("model", "facebook/opt-1.3b", None), ("dataset", "CShorten/ML-ArXiv-Papers", None)]),
+    ("llama2-7b-alpaca-lora", [("model", "meta-llama/Llama-2-7b-hf", None),
+                               ("dataset", "yahma/alpaca-cleaned", None)]),
+    ("codellama-7b-chess", [("model", "codellama/CodeLlama-7b-hf", None),
+                            ("dataset", "angeluriot/chess_games", None)]),
+])
+def test_download_targets_of_a_recipe(recipe, expected):
+    from shardtune.launch.download import targets_from_recipe
+
+    assert targets_from_recipe(str(ROOT / "recipes" / f"{recipe}.yaml")) == expected
+
+
+def test_download_targets_skip_local_paths_and_repeat_nothing(assets, tmp_path):
+    from shardtune.launch.download import targets_from_recipe
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model:\n  name_or_path: {tmp_path}\n  tokenizer: org/tok\ndata:\n  path: {assets['train']}\n")
+    assert targets_from_recipe(str(recipe)) == [("model", "org/tok", None)]
+    recipe.write_text("model:\n  name_or_path: org/m\n  tokenizer: org/m\ndata:\n  path: ./data/train.jsonl\n")
+    assert targets_from_recipe(str(recipe)) == [("model", "org/m", None)]
+
+
+def test_download_is_refused_when_offline(monkeypatch, capsys):
+    from shardtune.cli.main import main
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["download", "openai-community/gpt2", "dataset:Salesforce/wikitext:wikitext-2-raw-v1"]) == 2
+    assert "HF_HUB_OFFLINE" in _one_line_error(capsys.readouterr().err)
+    assert main(["download", "recipes/gpt2-wikitext2.yaml"]) == 2
+    assert "HF_HUB_OFFLINE" in _one_line_error(capsys.readouterr().err)
+    assert main(["download", "model:a:b"]) == 2
+    assert "model:a:b" in _one_line_error(capsys.readouterr().err)
+
+
+def test_download_passes_dataset_configs_and_an_hf_home_cache(monkeypatch, tmp_path, capsys):
+    """What reaches the hub clients, with them replaced (no network here)."""
+    import shardtune.launch.download as dl
+    from shardtune.cli.main import main
+
+    calls = []
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(dl, "_download_model", lambda repo, cache: calls.append(("model", repo, cache)) or "m")
+    monkeypatch.setattr(dl, "_download_dataset",
+                        lambda repo, name, cache: calls.append(("dataset", repo, name, cache)) or "d")
+    assert main(["download", "recipes/gpt2-wikitext2.yaml", "openai-community/gpt2", "dataset:org/d:cfg",
+                 "--cache-dir", str(tmp_path)]) == 0
+    assert calls == [("model", "openai-community/gpt2", str(tmp_path / "hub")),
+                     ("dataset", "Salesforce/wikitext", "wikitext-2-raw-v1", str(tmp_path / "datasets")),
+                     ("dataset", "org/d", "cfg", str(tmp_path / "datasets"))]
+    assert f"HF_HOME={tmp_path}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("missing, names, command", [
+    ({"model.name_or_path": "some-org/not-cached", "model.tokenizer": "null"},
+     "some-org/not-cached", "shardtune download some-org/not-cached"),
+    ({"data.path": "some-org/not-cached-data", "data.name": "cfg1"},
+     "some-org/not-cached-data", "shardtune download dataset:some-org/not-cached-data:cfg1"),
+], ids=["model", "dataset"])
+def test_missing_offline_names_it_and_shardtune_download(assets, tmp_path, missing, names, command):
+    env = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "empty-cache")}
+    proc = run_cli(["train", *tiny_overrides(assets, tmp_path / "run", **missing)], env=env)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    line = _one_line_error(proc.stderr)
+    assert names in line and command in line
+
+
+def test_srun_without_torchrun_maps_slurm_variables(monkeypatch):
+    """Under `srun` alone, shardtune reads rank and world from Slurm's variables."""
+    import os
+
+    from shardtune.launch.local import _adopt_slurm_env, launched_by_agent
+
+    torch_keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    # a private copy of the environment: what _adopt_slurm_env sets must not leak into other tests
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k not in torch_keys})
+    monkeypatch.setenv("SLURM_PROCID", "5")
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "4(x2)")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu-node-7")
+    monkeypatch.setenv("SLURM_JOB_ID", "1234")
+    monkeypatch.setenv("PATH", "/nonexistent")  # no scontrol here: the first host is taken from the list
+    assert launched_by_agent()
+    _adopt_slurm_env()
+    assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == ("5", "8", "1")
+    assert os.environ["LOCAL_WORLD_SIZE"] == "4" and os.environ["MASTER_ADDR"] == "gpu-node-7"
+    assert os.environ["MASTER_PORT"] == str(29500 + 1234 % 1000)

@@ -1,0 +1,108 @@
+"""The one build (build.build_model) and the one sharding policy (parallel.reshard_after_forward)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import TINY
+from shardtune.config.schema import FSDPConfig, PeftConfig
+from shardtune.distributed.fsdp import build_mesh, reshard_after_forward
+from shardtune.launch.local import init_distributed
+from shardtune.model.build import ModelSpec, build_model
+
+
+@pytest.mark.parametrize("sharding,group,expected", [
+    ("full_shard", 4, True), ("hybrid_shard", 2, True),
+    ("full_shard", 1, False), ("hybrid_shard", 1, False),  # a shard group of one: nothing to free
+    ("shard_grad_op", 4, False), ("no_shard", 1, False)])
+def test_one_policy_decides_resharding_and_gradient_sync(sharding, group, expected):
+    assert reshard_after_forward(sharding, group) is expected
+
+
+@pytest.fixture
+def one_rank():
+    d = init_distributed("cpu")
+    yield d
+    dist.destroy_process_group()
+
+
+def hf_config(arch: str):
+    from transformers import AutoConfig
+
+    cfg = dict(TINY[arch])
+    return AutoConfig.for_model(cfg.pop("model_type"), vocab_size=300, **cfg)
+
+
+@pytest.mark.parametrize("arch,block", [("gpt2", "GPT2Block"), ("opt", "OPTDecoderLayer"),
+                                        ("llama", "LlamaDecoderLayer")])
+def test_without_a_source_the_sharded_skeleton_stays_on_meta(one_rank, arch, block):
+    spec = ModelSpec(hf_config(arch))
+    built = build_model(spec, build_mesh(spec.fsdp, one_rank), one_rank.device)
+    assert built.block_cls.__name__ == block and len(built.units) == 2
+    assert all(p.is_meta for p in built.model.parameters())
+    assert not built.sync_grads_each_micro_step  # one rank: gradients reduced once per step
+    assert built.model.config._attn_implementation == "sdpa"  # fused attention kernels on CUDA
+
+
+def test_a_source_fills_the_weights_and_adapters_match(one_rank):
+    from transformers import AutoModelForCausalLM
+
+    spec = ModelSpec(hf_config("gpt2"), peft=PeftConfig(method="lora"), fsdp=FSDPConfig(sharding="no_shard"))
+    torch.manual_seed(0)
+    plain = AutoModelForCausalLM.from_config(spec.hf_config)
+    reference = {k: v.clone() for k, v in plain.state_dict().items()}
+    built = build_model(spec, build_mesh(spec.fsdp, one_rank), one_rank.device, source=lambda: plain, seed=3)
+    state = {k.removeprefix("base_model.model.").replace(".base_layer.", "."): v.full_tensor()
+             for k, v in built.model.state_dict().items() if "lora_" not in k}
+    assert set(reference) <= set(state)
+    assert all(torch.equal(state[k], v) for k, v in reference.items())
+    trainable = {n for n, p in built.model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+
+
+def test_a_checkpoint_saves_and_loads_explicit_state_without_a_trainer(one_rank, tmp_path):
+    """The checkpointer takes state objects (torchtitan's `states={...}`): no Trainer needed."""
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.checkpoint.dcp import Checkpointer, ModelOptimizerState, read_meta
+    from shardtune.config.schema import CheckpointConfig, TrainConfig
+    from shardtune.train.optim import build_optimizer
+    from shardtune.train.trainer import TrainState
+
+    spec = ModelSpec(hf_config("llama"))
+    model = build_model(spec, build_mesh(spec.fsdp, one_rank), one_rank.device,
+                        source=lambda: AutoModelForCausalLM.from_config(spec.hf_config)).model
+    optimizer = build_optimizer(model, TrainConfig(lr=1e-2), one_rank.device)
+
+    def step():
+        model(input_ids=torch.arange(16).reshape(2, 8)).logits.float().pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()
+    progress = TrainState(step=1, tokens_seen=16.0)
+    ckpt = Checkpointer(tmp_path, CheckpointConfig(), ModelOptimizerState(model, optimizer),
+                        {"train_state": progress}, describe=lambda s: {"config": {"note": s}})
+    folder = ckpt.save(1)
+    saved = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+    step()  # moves the weights and the optimizer state on
+    progress.step, progress.tokens_seen = 2, 32.0
+    assert read_meta(folder)["train_state"] == {"step": 1, "tokens_seen": 16.0}
+    assert read_meta(folder)["config"] == {"note": 1}
+    ckpt.load(folder)
+    assert (progress.step, progress.tokens_seen) == (1, 16.0)
+    assert all(torch.equal(p.full_tensor(), saved[n]) for n, p in model.named_parameters())
+    ckpt.close()
+
+
+def test_a_format_1_checkpoint_reads_its_progress(tmp_path):
+    import json
+
+    from shardtune.checkpoint.dcp import read_meta
+
+    (tmp_path / ".metadata").write_text("")
+    (tmp_path / "meta.json").write_text(json.dumps({"format": 1, "step": 7, "tokens_seen": 99.0, "config": {},
+                                                    "scheduler": {"last_epoch": 7}, "world_size": 1}))
+    assert read_meta(tmp_path)["train_state"] == {"step": 7, "tokens_seen": 99.0}

@@ -1,0 +1,309 @@
+"""LoRA (peft), QLoRA refusal without a GPU, layer freezing, and the adapter's final/ folder:
+loadable by peft as it is, and `shardtune export --merge` folds it into a plain model."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import TINY, losses, run_cli, tiny_overrides
+
+LORA = {"peft.method": "lora", "peft.dropout": 0.0, "train.lr": 1e-2}
+PROBE_LEN = 16
+
+
+def _probe():
+    import torch
+
+    return (torch.arange(2 * PROBE_LEN).reshape(2, PROBE_LEN) * 7) % 250
+
+
+def _full_state(model) -> dict:
+    from shardtune.checkpoint.export import gather_full_state_dict
+
+    return {k: v.detach().clone() for k, v in gather_full_state_dict(model).items()}
+
+
+@pytest.fixture(scope="module")
+def lora_run(assets, tmp_path_factory):
+    """A 3-step GPT-2 LoRA run through Trainer: its stdout, weights before/after, logits, final/."""
+    import contextlib
+    import io
+
+    import torch
+
+    from shardtune.config.schema import load_config
+    from shardtune.train.trainer import Trainer
+
+    out = tmp_path_factory.mktemp("lora")
+    cfg = load_config(None, tiny_overrides(assets, out, **LORA, **{"train.max_steps": 3, "eval.max_batches": 1,
+                                                                   "checkpoint.every_steps": 3}),
+                      defaults={})
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        trainer = Trainer(cfg, overwrite=True)
+        before = _full_state(trainer.model)
+        trainer.fit()
+        after = _full_state(trainer.model)
+        trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+        trainer.model.eval()
+        with torch.no_grad():
+            logits = trainer.model(input_ids=_probe()).logits.detach().clone()
+        final = trainer.export()
+        trainer.close()
+    return {"out": out, "final": final, "stdout": printed.getvalue(), "before": before, "after": after,
+            "trainable": trainable, "logits": logits}
+
+
+def test_lora_trains_only_the_adapters_and_prints_the_trainable_share(lora_run):
+    line = next(line for line in lora_run["stdout"].splitlines() if "trainable" in line)
+    share = float(re.search(r"trainable, ([0-9.]+)%", line).group(1))
+    assert "PeftModel" in line and 0 < share < 10, line
+    assert lora_run["trainable"] and all("lora_" in n for n in lora_run["trainable"])
+    assert any("c_attn" in n for n in lora_run["trainable"])  # GPT-2's default target
+    before, after = lora_run["before"], lora_run["after"]
+    import torch
+
+    for name in before:
+        changed = not torch.equal(before[name], after[name])
+        if "lora_" in name:
+            assert changed, f"adapter {name} did not train"
+        else:
+            assert not changed, f"frozen base weight {name} changed"
+    assert len(losses(lora_run["out"])) == 3
+
+
+def test_adapter_folder_loads_with_peft_and_merges_to_a_plain_model(lora_run, tmp_path):
+    import torch
+    from peft import AutoPeftModelForCausalLM, PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.cli.main import main
+
+    final = Path(lora_run["final"])
+    assert (final / "adapter_model.safetensors").is_file() and (final / "base" / "config.json").is_file()
+    config = json.loads((final / "adapter_config.json").read_text())
+    assert Path(config["base_model_name_or_path"]) == (final / "base").resolve()
+    assert config["target_modules"] == ["c_attn"] or set(config["target_modules"]) == {"c_attn"}
+
+    probe = _probe()
+    pair = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(final / "base"), final).eval()
+    auto = AutoPeftModelForCausalLM.from_pretrained(final).eval()
+    with torch.no_grad():
+        pair_logits, auto_logits = pair(input_ids=probe).logits, auto(input_ids=probe).logits
+    assert (pair_logits - lora_run["logits"]).abs().max() < 1e-5  # what was trained is what was saved
+    assert (auto_logits - pair_logits).abs().max() < 1e-6
+
+    merged_dir = tmp_path / "merged"
+    assert main(["export", str(final), str(merged_dir), "--merge"]) == 0
+    assert not list(merged_dir.glob("adapter_*"))
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir).eval()
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+    with torch.no_grad():
+        assert (merged(input_ids=probe).logits - pair_logits).abs().max() < 1e-5
+    assert (merged_dir / "tokenizer.json").is_file()
+
+
+def test_merge_finds_the_base_beside_a_moved_adapter_and_refuses_bad_folders(lora_run, tmp_path, capsys):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.cli.main import main
+
+    moved = tmp_path / "copied-final"
+    shutil.copytree(lora_run["final"], moved)
+    cfg_path = moved / "adapter_config.json"
+    config = json.loads(cfg_path.read_text())
+    config["base_model_name_or_path"] = str(tmp_path / "gone" / "base")  # as on another machine
+    cfg_path.write_text(json.dumps(config))
+    assert main(["export", str(moved), str(tmp_path / "m"), "--merge"]) == 0
+    pair = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(moved / "base"), moved).eval()
+    with torch.no_grad():
+        diff = (AutoModelForCausalLM.from_pretrained(tmp_path / "m")(input_ids=_probe()).logits
+                - pair(input_ids=_probe()).logits).abs().max()
+    assert diff < 1e-5
+    capsys.readouterr()
+
+    # a run folder stands for its final/; a full (non-LoRA) folder and a used target are refused
+    assert main(["export", str(lora_run["out"]), str(tmp_path / "m2"), "--merge"]) == 0
+    for args in ([str(moved / "base"), str(tmp_path / "m3")], [str(moved), str(tmp_path / "m")]):
+        capsys.readouterr()
+        assert main(["export", *args, "--merge"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
+
+
+def test_hub_base_adapter_points_at_the_hub_id_and_saves_no_base(tmp_path):
+    """A hub base is not copied: adapter_config.json names it, as peft's own save would."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from shardtune.checkpoint.export import save_adapter_folder
+    from shardtune.config.schema import ModelConfig, PeftConfig
+    from shardtune.model.adapters import add_lora
+
+    cfg = dict(TINY["llama"])
+    hf_config = AutoConfig.for_model(cfg.pop("model_type"), vocab_size=300, **cfg)
+    model = add_lora(AutoModelForCausalLM.from_config(hf_config), PeftConfig(method="lora"), "llama", seed=0)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p)
+    save_adapter_folder(model.state_dict(), model, ModelConfig(name_or_path="meta-llama/Llama-2-7b-hf"),
+                        hf_config, None, tmp_path / "final")
+    config = json.loads((tmp_path / "final" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == "meta-llama/Llama-2-7b-hf"
+    assert set(config["target_modules"]) == {"q_proj", "v_proj"}
+    assert not (tmp_path / "final" / "base").exists()
+    from safetensors.torch import load_file
+
+    saved = load_file(tmp_path / "final" / "adapter_model.safetensors")
+    assert saved and all("lora_" in k and k.startswith("base_model.model.") for k in saved)
+    assert all(".default." not in k for k in saved)  # peft's on-disk names carry no adapter name
+
+
+@pytest.mark.parametrize("arch,targets", [("gpt2", {"c_attn"}), ("opt", {"q_proj", "v_proj"}),
+                                          ("llama", {"q_proj", "v_proj"})])
+def test_default_lora_targets_per_architecture(arch, targets):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from shardtune.config.schema import PeftConfig
+    from shardtune.model.adapters import add_lora
+
+    cfg = dict(TINY[arch])
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), vocab_size=300, **cfg))
+    wrapped = add_lora(model, PeftConfig(method="lora", r=4), arch, seed=0)
+    adapted = {n.rsplit(".lora_A", 1)[0].rsplit(".", 1)[-1] for n, _ in wrapped.named_parameters() if "lora_A" in n}
+    assert adapted == targets
+    assert all(("lora_" in n) == p.requires_grad for n, p in wrapped.named_parameters())
+
+
+def test_qlora_without_a_gpu_is_refused_in_one_line(assets, tmp_path):
+    proc = run_cli(["train", *tiny_overrides(assets, tmp_path / "q", **{"peft.method": "lora",
+                                                                        "peft.quantize": "4bit", "device": "cpu"})])
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "4bit" in lines[0] and "CUDA" in lines[0], proc.stderr
+
+
+@pytest.mark.parametrize("extra,needle", [
+    ({"peft.method": "lora", "peft.target_modules": "[q_proj]"}, "q_proj"),
+    ({"peft.method": "lora", "peft.target_modules": "[attn]"}, "GPT2Attention"),
+    ({"peft.method": "lora", "peft.r": 0}, "peft.r"),
+    ({"peft.method": "lora", "freeze.trainable_blocks": 1}, "freeze"),
+    ({"freeze.trainable_blocks": 5}, "0..2"),
+    ({"freeze.trainable_blocks": -1}, "freeze.trainable_blocks must be at least 0"),
+    ({"freeze.head_only": "true", "freeze.trainable_blocks": 1}, "head_only"),
+])
+def test_bad_peft_and_freeze_settings_are_one_line_errors(assets, tmp_path, capsys, extra, needle):
+    from shardtune.cli.main import main
+
+    code = main(["train", *tiny_overrides(assets, tmp_path / "bad", **extra)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1 and needle in err, err
+
+
+FREEZES = {
+    "full": {},
+    "top_block": {"freeze.trainable_blocks": 1},
+    "head_only": {"freeze.head_only": "true"},
+    "embeddings": {"freeze.embeddings": "true"},
+}
+
+
+@pytest.fixture(scope="module")
+def freeze_runs(assets, tmp_path_factory):
+    """2 optimizer steps of tiny Llama (untied head) for each freeze setting, through Trainer."""
+    import contextlib
+    import io
+
+    from shardtune.config.schema import load_config
+    from shardtune.telemetry.metrics import state_bytes
+    from shardtune.train.trainer import Trainer
+
+    results = {}
+    for name, extra in FREEZES.items():
+        out = tmp_path_factory.mktemp(f"freeze-{name}")
+        overrides = tiny_overrides(assets, out, "llama", **extra, **{"train.max_steps": 2, "eval.max_batches": 1})
+        with contextlib.redirect_stdout(io.StringIO()):
+            trainer = Trainer(load_config(None, overrides, defaults={}), overwrite=True)
+            params = dict(trainer.model.named_parameters())
+            with_grad: list[set] = []
+            # just before each update: which parameters got a gradient
+            trainer.optimizer.register_step_pre_hook(
+                lambda *_, seen=with_grad, params=params: seen.append(
+                    {n for n, p in params.items() if p.grad is not None}))
+            before = _full_state(trainer.model)
+            trainer.fit()
+            after = _full_state(trainer.model)
+            results[name] = {
+                "state_bytes": state_bytes(trainer.model, trainer.optimizer)["optim_bytes"],
+                "trainable": {n for n, p in params.items() if p.requires_grad},
+                "numel": {n: p.numel() for n, p in params.items()},
+                "with_grad": with_grad, "before": before, "after": after,
+            }
+            trainer.close()
+    return results
+
+
+@pytest.mark.parametrize("name", list(FREEZES))
+def test_frozen_parameters_get_no_gradient_no_state_and_do_not_move(freeze_runs, name):
+    import torch
+
+    run = freeze_runs[name]
+    trainable, frozen = run["trainable"], set(run["numel"]) - run["trainable"]
+    assert len(run["with_grad"]) == 2 and all(seen == trainable for seen in run["with_grad"])
+    for n in run["numel"]:
+        moved = not torch.equal(run["before"][n], run["after"][n])
+        assert moved == (n in trainable), (name, n, moved)
+    # AdamW keeps exp_avg and exp_avg_sq (fp32) for the trainable parameters only
+    assert run["state_bytes"] == 8 * sum(run["numel"][n] for n in trainable)
+    if name == "full":
+        assert not frozen
+    elif name == "top_block":
+        assert trainable == {n for n in run["numel"] if n.startswith("model.layers.1.")} | {"model.norm.weight"}
+    elif name == "head_only":
+        assert trainable == {"lm_head.weight"}
+    else:
+        assert frozen == {"model.embed_tokens.weight"}
+
+
+def test_freezing_saves_optimizer_memory(freeze_runs):
+    full = freeze_runs["full"]["state_bytes"]
+    for name in ("top_block", "head_only", "embeddings"):
+        saved = full - freeze_runs[name]["state_bytes"]
+        frozen = set(freeze_runs[name]["numel"]) - freeze_runs[name]["trainable"]
+        assert saved == 8 * sum(freeze_runs[name]["numel"][n] for n in frozen) > 0, name
+    assert freeze_runs["head_only"]["state_bytes"] < freeze_runs["top_block"]["state_bytes"] < full
+
+
+def test_lora_checkpoint_exports_the_same_adapter_as_final(lora_run, tmp_path):
+    """A LoRA run's sharded checkpoint exports to an adapter folder with final/'s logits."""
+    import torch
+    from peft import AutoPeftModelForCausalLM
+
+    from shardtune.checkpoint.export import export_checkpoint
+
+    out = export_checkpoint(str(lora_run["out"] / "checkpoints" / "step-000003"), tmp_path / "exported")
+    assert (out / "adapter_config.json").is_file()
+    a = AutoPeftModelForCausalLM.from_pretrained(str(out)).eval()
+    b = AutoPeftModelForCausalLM.from_pretrained(str(lora_run["final"])).eval()
+    with torch.no_grad():
+        assert (a(input_ids=_probe()).logits - b(input_ids=_probe()).logits).abs().max() < 1e-5
+
+
+def test_eval_and_generate_take_a_lora_run(lora_run, assets, capsys):
+    """`shardtune eval` / `generate` on a LoRA run's adapter folder (base folded in)."""
+    from shardtune.cli.main import main
+
+    assert main(["eval", str(lora_run["final"]), "--data", assets["validation"], "--seq-len", "64",
+                 "--max-batches", "2"]) == 0
+    assert "perplexity" in capsys.readouterr().out
+    assert main(["generate", str(lora_run["out"]), "--prompt", "def", "--max-new-tokens", "4",
+                 "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.strip()

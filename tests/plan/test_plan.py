@@ -1,0 +1,98 @@
+"""shardtune plan: the fake-tensor trace of a training step, its agreement with a real step,
+the search's command line, and the one-line errors."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+
+from conftest import TINY, run_cli
+from shardtune.config.schema import check_world, load_config
+from shardtune.plan.search import gpu_memory
+from shardtune.plan.trace import trace_step
+
+
+def tiny_cfg(arch: str, *extra: str):
+    return load_config(None, [f"model.config={json.dumps(TINY[arch])}", "data.path=unused", "data.seq_len=64",
+                              "train.micro_batch_size=2", "train.global_batch_size=16", "device=cpu", *extra])
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "opt", "llama"])
+def test_fake_trace_of_a_step_on_four_ranks(arch):
+    from shardtune.model.hf import load_hf_config
+
+    cfg = tiny_cfg(arch)
+    hf_config = load_hf_config(cfg.model)
+    trace = trace_step(cfg, hf_config, world_size=4)
+    whole = trace_step(cfg, hf_config, world_size=1)
+    # fp32 AdamW: two states per trainable parameter; each rank holds a quarter (FSDP pads shards)
+    assert trace.steady["optimizer_state"] == pytest.approx(2 * trace.steady["sharded_params"], rel=0.01)
+    assert trace.steady["sharded_params"] == pytest.approx(whole.steady["sharded_params"] / 4, rel=0.05)
+    phase, peak = trace.peak()
+    assert phase[1] in ("forward", "backward", "after backward", "optimizer")
+    assert peak["activations"] > 0 and trace.peak_bytes() > sum(trace.steady.values())
+    assert trace.params["total"] == whole.params["total"] > 0
+    # Full gradients accumulated across micro-batches (one rank: reduced once per step) are their
+    # own category, apart from the sharded ones: CPU offload moves the latter to the host, not them.
+    assert max(p.get("gathered_grads", 0) for p in whole.phases.values()) > 0
+    on_gpu = gpu_memory(whole, offload=True, world_size=1)["by_category"]
+    assert not {"sharded_params", "gradients", "optimizer_state"} & set(on_gpu) and on_gpu["gathered_grads"] > 0
+
+
+def test_prediction_matches_a_real_cpu_step():
+    """The traced peak against the peak of live tensors of the same step really run (loose bound;
+    bench/plan_accuracy.py holds the real comparison)."""
+    import torch.distributed as dist
+
+    from shardtune.launch.local import init_distributed
+    from shardtune.model.hf import load_hf_config
+    from shardtune.plan.trace import measure_step
+
+    cfg = tiny_cfg("llama", "peft.method=lora", "activation_checkpointing=true", "train.global_batch_size=4")
+    hf_config = load_hf_config(cfg.model)
+    predicted = trace_step(cfg, hf_config, world_size=1).peak_bytes()
+    d = init_distributed("cpu")
+    try:
+        measured = measure_step(cfg, hf_config, d)
+    finally:
+        dist.destroy_process_group()
+    assert measured > 0
+    assert abs(predicted - measured) / measured < 0.15
+
+
+def test_plan_prints_a_command_line_that_loads(tmp_path):
+    recipe = tmp_path / "tiny.yaml"
+    recipe.write_text(f"model:\n  config: {json.dumps(TINY['gpt2'])}\ndata:\n  path: unused\n  seq_len: 64\n"
+                      "train:\n  micro_batch_size: 1\n  global_batch_size: 8\n")
+    proc = run_cli(["plan", str(recipe), "--gpus", "2", "--gpu", "T4", "--json"], timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    answer = json.loads(proc.stdout)
+    best = answer["best"]
+    assert best["fits"] and best["traced_whole"] and answer["model_config_source"].startswith("model.config")
+    assert best["gpu_bytes"]["total"] < answer["target"]["gpu_memory_bytes"]
+    words = shlex.split(best["command"])
+    assert words[:3] == ["shardtune", "train", str(recipe)] and words[-2:] == ["--nproc", "2"]
+    cfg = load_config(words[2], words[3:-2])
+    assert cfg.train.micro_batch_size == best["candidate"]["micro_batch"]
+    assert cfg.precision == "fp16"  # a T4 has no bf16
+    assert check_world(cfg, 2) == best["accumulation"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--gpus", "4", "--gpu", "B300"], "unknown GPU 'B300'; known: H200, H100"),
+    (["--gpus", "0", "--gpu", "T4"], "--gpus must be at least 1"),
+    (["--gpus", "4", "--gpu-mem", "lots"], "--gpu-mem 'lots' is not a memory size"),
+    (["--gpus", "4"], "say which GPU"),
+    (["--gpus", "4", "--gpu", "T4", "model.name_or_path=nobody/no-such-model"], "is not available offline"),
+    (["--gpus", "4", "--gpu", "T4", "train.lr_schedual=cosine"], "did you mean train.lr_schedule"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, message, monkeypatch, capsys):
+    from shardtune.cli.main import main
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    recipe = ["recipes/gpt2-wikitext2.yaml"]
+    code = main(["plan", *recipe, *args])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and message in err and len(err.splitlines()) == 1, err

@@ -1,0 +1,183 @@
+"""shardtune sweep: a 2x2 grid of real trials and its outputs, resuming, the max-batch search
+under a real memory cap (with a crashing grid point beside it), and bad input."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import TINY, child_env, run_cli, tiny_overrides
+from shardtune.cli.main import main
+from shardtune.config.schema import dump_yaml, load_config
+from shardtune.sweep.grid import search_max_batch, seed_index
+from shardtune.sweep.report import _size
+from shardtune.sweep.trial import CAPPED_ENV
+
+PNG = b"\x89PNG\r\n\x1a\n"
+GRID = ["--grid", "fsdp.sharding=full_shard,no_shard", "--grid", "activation_checkpointing=false,true"]
+
+
+def write_recipe(assets, folder, **extra):
+    overrides = [w for w in tiny_overrides(assets, folder / "unused", **extra) if not w.startswith("output_dir=")]
+    path = folder / "recipe.yaml"
+    path.write_text(dump_yaml(load_config(None, overrides, defaults={})))
+    return path
+
+
+def rows(out):
+    with open(out / "sweep.csv") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.fixture(scope="module")
+def grid_sweep(assets, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("sweep")
+    model = {**TINY["gpt2"], "vocab_size": 300}  # the tokenizer's size, which the planner reads from here
+    recipe = write_recipe(assets, folder, **{"model.config": json.dumps(model)})
+    out = folder / "out"
+    result = run_cli(["sweep", str(recipe), *GRID, "--steps", "2", "--eval-steps", "2", "--out", str(out)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    return recipe, out
+
+
+def test_a_grid_of_real_trials_writes_csv_table_and_plots(grid_sweep):
+    _, out = grid_sweep
+    table = rows(out)
+    assert [(r["fsdp.sharding"], r["activation_checkpointing"]) for r in table] == [
+        ("full_shard", "false"), ("full_shard", "true"), ("no_shard", "false"), ("no_shard", "true")]
+    for r in table:
+        assert r["status"] == "ok" and r["micro_batch"] == "2" and r["accumulation"] == "4"  # global 8 kept
+        assert float(r["tokens_per_s"]) > 0 and float(r["step_time_s"]) > 0 and float(r["eval_ppl"]) > 1
+        # live tensors are a small part of the process (libraries), and the planner predicted them
+        assert 0 < float(r["mem_live_gib"]) < float(r["mem_rss_gib"])
+        assert 0.5 < float(r["predicted_gib"]) / float(r["mem_live_gib"]) < 2
+        assert not (out / "trials" / r["name"] / "final").exists()  # trials keep no model
+    by_ac = {r["activation_checkpointing"]: float(r["mem_live_gib"]) for r in table if r["fsdp.sharding"] == "no_shard"}
+    assert by_ac["true"] < by_ac["false"]  # recomputation holds fewer activations
+    md = (out / "sweep.md").read_text()
+    assert "| method | micro-batch | accumulation | tokens/s | step time | peak memory |" in md
+    assert "| sharding=no_shard, activation_checkpointing=true | 2 | 4 |" in md and "perplexity" in md
+    for stem in ("throughput", "memory", "predicted_vs_measured"):
+        assert (out / f"{stem}.png").read_bytes()[:8] == PNG and f"({stem}.png)" in md
+
+
+def test_a_rerun_skips_finished_trials_and_reruns_the_interrupted_one(grid_sweep):
+    recipe, out = grid_sweep
+    state = json.loads((out / "sweep.json").read_text())
+    names = list(state["trials"])
+    interrupted = names[1]
+    del state["trials"][interrupted]  # as if the sweep had stopped during that trial
+    (out / "sweep.json").write_text(json.dumps(state))
+    kept = {n: (out / "trials" / n / "metrics.jsonl").stat().st_mtime_ns for n in names if n != interrupted}
+    result = run_cli(["sweep", str(recipe), *GRID, "--steps", "2", "--eval-steps", "2", "--out", str(out)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "(3 trial(s) already done)" in result.stdout
+    ran = [line.split(":")[0].strip() for line in result.stdout.splitlines() if line.startswith("  ")]
+    assert ran == [interrupted]
+    assert {n: (out / "trials" / n / "metrics.jsonl").stat().st_mtime_ns for n in kept} == kept
+    assert len(rows(out)) == 4 and all(r["status"] == "ok" for r in rows(out))
+
+
+def test_a_rerun_with_another_grid_is_refused(grid_sweep, capsys):
+    recipe, out = grid_sweep
+    before = (out / "sweep.json").read_text()
+    code = main(["sweep", str(recipe), "--grid", "fsdp.sharding=full_shard", "--steps", "2", "--eval-steps", "2",
+                 "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "holds a sweep with another grid" in err
+    assert (out / "sweep.json").read_text() == before
+
+
+def libraries_mib() -> int:
+    """The data segment of a process that loaded what a trial loads, before any tensor: the cap
+    holds it too. torch's CUDA builds (2.11+cu130 on the GPU machine) map ~550 MiB more there
+    than the CPU build, even on a CPU."""
+    code = ("import datasets, shardtune.train.trainer\n"
+            "print([line.split()[1] for line in open('/proc/self/status') if line.startswith('VmData')][0])")
+    probe = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env=child_env(**CAPPED_ENV))
+    return int(probe.stdout) // 1024
+
+
+def test_max_batch_search_finds_the_boundary_under_a_real_memory_cap(assets, tmp_path):
+    """A 4-layer GPT-2 whose activations dominate: under a cap on each trial's data segment of
+    630 MiB above the libraries' (about 950 MiB in all with torch's CPU build), the largest
+    micro-batch that runs is found in few trials, the next one up fails with a real out-of-memory,
+    and a grid point that crashes for another reason is recorded as such while the other completes."""
+    model = {"model_type": "gpt2", "n_layer": 4, "n_embd": 256, "n_head": 4, "n_positions": 128, "vocab_size": 300}
+    recipe = write_recipe(assets, tmp_path, **{"model.config": json.dumps(model), "data.seq_len": 128,
+                                                "train.global_batch_size": 32, "train.micro_batch_size": 16})
+    out = tmp_path / "out"
+    cap = libraries_mib() + 630
+    result = run_cli(["sweep", str(recipe), "--grid", "model.config.n_head=4,3", "--max-batch", "--mem-limit",
+                      f"{cap}MiB", "--steps", "2", "--out", str(out)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    trials = {(r["model.config.n_head"], int(r["micro_batch"])): r for r in rows(out)}
+    fits = [mb for (heads, mb), r in trials.items() if heads == "4" and r["status"] == "ok"]
+    too_big = [mb for (heads, mb), r in trials.items() if heads == "4" and r["status"] == "oom"]
+    assert fits and too_big and len(fits) + len(too_big) <= 3  # seeded by the planner: few trials
+    best = max(fits)
+    assert 1 < best < 32 and min(too_big) == 2 * best  # candidates are the divisors of 32: a real boundary
+    assert "allocate memory" in trials[("4", 2 * best)]["note"]
+    crashed = [r for (heads, _), r in trials.items() if heads == "3"]
+    assert len(crashed) == 1 and crashed[0]["status"] == "failed" and "ValueError" in crashed[0]["note"]
+    md = (out / "sweep.md").read_text()
+    assert f"| n_head=4 | {best} |" in md and f"mb {2 * best}: oom" in md
+    assert f"limit {_size(cap / 1024)} per rank" in md
+    assert "stopped: a trial crashed (not memory)" in md
+
+
+def test_the_search_probes_few_micro_batches():
+    candidates = [1, 2, 4, 8, 16, 32, 64, 128]
+
+    def search(seed, largest_fit, broken=()):
+        tried = []
+
+        def attempt(mb):
+            tried.append(mb)
+            return "broken" if mb in broken else "fits" if mb <= largest_fit else "too_big"
+
+        return search_max_batch(candidates, seed, attempt), tried
+
+    assert search(3, 8) == ((8, "boundary"), [8, 16])  # a good seed: the seed, one step up
+    assert search(5, 8) == ((8, "boundary"), [32, 16, 4, 8])  # too high: one step down, then two, then bisect
+    assert search(0, 64) == ((64, "boundary"), [1, 2, 8, 128, 32, 64])  # climbs 1, 2, 4 steps, then bisects
+    assert search(6, 128) == ((128, "all fit"), [64, 128])
+    assert search(2, 0) == ((None, "none fits"), [4, 2, 1])
+    assert search(2, 64, broken={8}) == ((4, "broken"), [4, 8])
+    # a seed that was too careful: the first trial's measurement moves the next one straight up
+    assert search_max_batch(candidates, 2, lambda mb: "fits" if mb <= 16 else "too_big", lambda: 4) == (16, "boundary")
+    tried = []
+    search_max_batch(candidates, 2, lambda mb: tried.append(mb) or ("fits" if mb <= 16 else "too_big"), lambda: 4)
+    assert tried == [4, 16, 32]
+    # the seed: the largest candidate whose prediction fits; without one, the recipe's micro-batch
+    assert seed_index(candidates, 16, 1000, lambda mb: 100 * mb) == 3
+    assert seed_index(candidates, 16, None, lambda mb: 100 * mb) == 4
+    assert seed_index(candidates, 16, 50, lambda mb: 100 * mb) == 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--grid", "fsdp.shardng=full_shard,no_shard"], "unknown config key 'fsdp.shardng'; did you mean fsdp.sharding"),
+    (["--grid", "fsdp.sharding=full_shard,sideways"], "fsdp.sharding='sideways' is not a valid choice"),
+    (["--grid", "fsdp.sharding="], "is not KEY=V1,V2"),
+    (["--grid", "precision=bf16", "--grid", "precision=fp32"], "precision is given twice"),
+    ([], "nothing to sweep"),
+    (["--grid", "precision=bf16,fp32", "--steps", "0"], "--steps must be at least 1"),
+    (["--grid", "train.micro_batch_size=2,3"], "train.micro_batch_size=3"),
+    (["--grid", "precision=bf16", "--nproc", "3"], "not divisible by micro_batch_size x ranks = 2 x 3"),
+    (["--grid", "output_dir=a,b"], "set by the sweep"),
+    (["--max-batch", "--grid", "train.micro_batch_size=1,2"], "drop it from --grid"),
+    (["--grid", "precision=bf16", "--mem-limit", "lots"], "is not a memory size"),
+])
+def test_bad_input_is_one_line_exit_2_before_any_trial(assets, tmp_path, capsys, args, message):
+    recipe = write_recipe(assets, tmp_path)
+    out = tmp_path / "out"
+    code = main(["sweep", str(recipe), *args, "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1
+    assert message in err
+    assert not out.exists()

@@ -1,0 +1,154 @@
+"""MFU arithmetic, trackers in their offline modes, and the report's plots."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import sys
+
+import pytest
+
+from shardtune.errors import UserError
+from shardtune.telemetry.metrics import device_peak_flops, flops_per_token, memory_stats
+from shardtune.telemetry.report import write_report
+from shardtune.telemetry.trackers import Trackers
+
+
+def test_flops_per_token_is_six_n_plus_attention():
+    from transformers import GPT2Config
+
+    cfg = GPT2Config(n_layer=12, n_embd=768, n_head=12)
+    assert flops_per_token(124_000_000, cfg, 1024) == 6 * 124e6 + 12 * 12 * 768 * 1024
+
+
+def test_peak_flops_unknown_on_cpu_unless_overridden():
+    import torch
+
+    cpu = torch.device("cpu")
+    assert device_peak_flops(cpu, "bf16") is None
+    assert device_peak_flops(cpu, "fp32", override_tflops=2.0) == 2e12
+    assert memory_stats(cpu)["mem_rss_peak_gib"] > 0
+
+
+def test_trackers_write_offline(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    config = {"train": {"lr": 0.1, "betas": [0.9, 0.95]}, "precision": "fp32"}
+    t = Trackers(["tensorboard", "wandb", "mlflow"], tmp_path, config, "shardtune-test", "run1")
+    for step in (1, 2):
+        t.log({"step": step, "loss": 3.0 / step, "skipped": True, "note": "x"}, step)
+    t.close()
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert list((tmp_path / "wandb").glob("offline-run-*"))
+    metric_files = list((tmp_path / "mlruns").rglob("metrics/loss"))
+    assert metric_files and len(metric_files[0].read_text().splitlines()) == 2
+    params = list((tmp_path / "mlruns").rglob("params/train.lr"))
+    assert params and params[0].read_text().strip() == "0.1"
+
+
+def test_missing_tracker_package_is_a_one_line_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import fails
+    with pytest.raises(UserError, match=r"pip install 'shardtune\[wandb\]'"):
+        Trackers(["wandb"], tmp_path, {}, "p", "r")
+
+
+def _fake_run(folder, scale):
+    folder.mkdir()
+    rows = [{"step": 0, "eval_loss": 5.0, "eval_ppl": 148.4}]
+    rows += [{"step": s, "loss": scale * 5 / s, "tokens_per_s": 1000.0 * s, "mem_rss_peak_gib": 1.5,
+              "mfu": 0.1} for s in range(1, 11)]
+    rows += [{"step": 10, "eval_loss": 2.0, "eval_ppl": 7.39}]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
+def test_report_overlays_runs_and_summarizes(tmp_path):
+    runs = [_fake_run(tmp_path / "a", 1.0), _fake_run(tmp_path / "b", 0.5)]
+    report = write_report(runs, tmp_path / "report")
+    text = report.read_text()
+    assert "| a |" in text and "| b |" in text and "148.4" in text and "7.39" in text
+    for stem in ("loss", "perplexity", "throughput", "memory", "mfu"):
+        png = tmp_path / "report" / f"{stem}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"({stem}.png)" in text
+    assert not (tmp_path / "report" / "gpu.png").exists()  # nothing recorded, nothing drawn
+
+
+def test_report_refuses_a_folder_without_metrics(tmp_path):
+    with pytest.raises(UserError, match="metrics.jsonl"):
+        write_report([tmp_path], tmp_path / "out")
+
+
+def test_a_run_records_speed_memory_mfu_and_feeds_trackers_and_report(assets, tmp_path, monkeypatch):
+    """End to end: metrics.jsonl holds the telemetry, TensorBoard gets the same points, and
+    `shardtune report` draws the run."""
+    from conftest import tiny_overrides
+    from shardtune.cli.main import main
+    from shardtune.config.schema import load_config
+    from shardtune.train.trainer import run
+
+    out = tmp_path / "run"
+    run(load_config(None, tiny_overrides(assets, out, **{"train.max_steps": 4, "log.every_steps": 2,
+                                                          "log.peak_tflops": 0.5, "log.live_memory": 1,
+                                                          "log.trackers": "[tensorboard]",
+                                                          "log.profile_steps": "[2,3]"}), defaults={}))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    logged = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in logged] == [2, 4]
+    for r in logged:
+        assert r["tokens_per_s"] > 0 and r["tokens_per_s_per_device"] == r["tokens_per_s"]
+        assert 0 <= r["data_wait_share"] < 1 and r["step_time_s"] > 0
+        assert 0 < r["mfu"] < 1 and r["mem_rss_peak_gib"] > 0
+    assert logged[-1]["tokens_seen"] == 4 * 8 * 64
+    # live tensors of step 1 (log.live_memory=1): a small part of the process, none tracked later
+    assert 0 < logged[0]["mem_live_peak_gib"] < logged[0]["mem_rss_peak_gib"] and "mem_live_peak_gib" not in logged[1]
+    events = list((out / "tensorboard").glob("events.out.tfevents.*"))
+    assert events
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(events[0]))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("loss")] == [2, 4]
+    assert main(["report", str(out)]) == 0
+    assert (out / "report" / "loss.png").is_file() and (out / "report" / "throughput.png").is_file()
+    # log.profile_steps=[2,3]: a Chrome trace of exactly those two steps and the operator table
+    trace = json.loads(gzip.open(out / "profile" / "trace.json.gz").read())
+    names = {e.get("name", "") for e in trace["traceEvents"]}
+    assert sorted(n for n in names if n.startswith("ProfilerStep#")) == ["ProfilerStep#1", "ProfilerStep#2"]
+    assert "aten::mm" in names or "aten::addmm" in names
+    table = (out / "profile" / "ops.txt").read_text()
+    assert table.startswith("optimizer steps 2-3") and "aten::" in table and "Self CPU" in table
+
+
+class _Rank:
+    def __init__(self, rank: int, world_size: int):
+        import torch
+
+        self.rank, self.world_size, self.is_main, self.device = rank, world_size, rank == 0, torch.device("cpu")
+
+
+@pytest.mark.parametrize("steps, done, total, rank, written", [
+    ([3, 9], 0, 4, 0, "trace.json.gz"),  # the window ends with the run: its steps 3-4
+    ([2, 3], 2, 6, 1, "trace-rank1.json.gz"),  # resumed at step 2: steps 3 only; per-rank names
+    ([5, 6], 0, 4, 0, None),  # beyond the run: nothing, and a warning
+])
+def test_step_profiler_window(tmp_path, capsys, steps, done, total, rank, written):
+    import torch
+
+    from shardtune.telemetry.metrics import StepProfiler
+
+    prof = StepProfiler(steps, done, total, _Rank(rank, 2 if rank else 1), tmp_path)
+    x = torch.ones(8, 8)
+    for _ in range(done, total):
+        x = torch.mm(x, x) / 8
+        prof.step()
+    prof.close()
+    files = sorted(p.name for p in (tmp_path / "profile").glob("*")) if written else []
+    assert files == ([] if written is None else sorted([written, written.replace("trace", "ops")[:-8] + ".txt"]))
+    if written is None:
+        assert not (tmp_path / "profile").exists() and "nothing profiled" in capsys.readouterr().out
+        return
+    events = json.loads(gzip.open(tmp_path / "profile" / written).read())["traceEvents"]
+    mms = [e for e in events if e.get("name") == "aten::mm"]
+    first, last = max(steps[0], done + 1), min(steps[1], total)
+    assert len(mms) == last - first + 1

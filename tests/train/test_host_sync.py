@@ -1,0 +1,166 @@
+"""The step never waits for the device: no host synchronisation from shardtune's code between
+a step's first forward and its update, and a non-finite update skipped on the device leaves
+weights and optimizer state exactly as they were."""
+
+from __future__ import annotations
+
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from conftest import tiny_overrides
+
+SRC = str(Path(__file__).resolve().parents[2] / "src" / "shardtune")
+# ops whose result the host must read (.item(), bool(tensor), float(tensor)) or whose output
+# shape depends on the data: on CUDA each waits for everything queued before it
+READS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "unique_consecutive"}
+
+
+class HostReads(TorchDispatchMode):
+    """Records every op that makes the host wait for the device whose innermost frame outside
+    torch lies in src/shardtune (others, transformers' own checks, are not ours to count)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ours: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        bool_index = name == "index" and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
+                                             for i in args[1] if i is not None)
+        if name in READS or bool_index:
+            caller = next(f for f in reversed(traceback.extract_stack()[:-1])
+                          if "/torch/" not in f.filename and f.filename != __file__)
+            if caller.filename.startswith(SRC):
+                self.ours.append(f"{name} at {Path(caller.filename).name}:{caller.lineno}")
+        return func(*args, **(kwargs or {}))
+
+
+def make_trainer(assets, out, arch: str = "llama", **extra):
+    """An in-process one-rank Trainer of a tiny model (tests/test_cuda.py makes one on CUDA)."""
+    from shardtune.config.schema import load_config
+    from shardtune.train.trainer import Trainer
+
+    return Trainer(load_config(None, tiny_overrides(assets, out, arch=arch, **extra), defaults={}), overwrite=True)
+
+
+@pytest.fixture
+def trainer(assets, tmp_path):
+    torch.set_num_threads(1)
+    t = make_trainer(assets, tmp_path, **{"data.format": "text"})
+    yield t
+    t.close()
+
+
+def step(trainer, batches):
+    from shardtune.train.step import train_step
+
+    return train_step(trainer.model, trainer.optimizer, trainer.scaler, batches, trainer.cfg, trainer.dist,
+                      labels_vary=True, sync_each=trainer.built.sync_grads_each_micro_step)
+
+
+def test_a_step_and_its_numbers_ask_the_host_nothing(trainer):
+    from shardtune.train.step import queue_numbers, read_numbers
+
+    prefetcher = trainer.prefetcher()
+    try:
+        with HostReads() as reads:
+            # labels_vary: the tokens with a loss are counted and summed over ranks on the device
+            numbers = [queue_numbers(step(trainer, prefetcher.take(s)[0]), 0, trainer.dist.device) for s in (0, 1)]
+    finally:
+        prefetcher.close()
+    assert reads.ours == []  # transformers' own checks (padding warning, packed sequences) are not ours
+    first = read_numbers(numbers[0])
+    assert torch.isfinite(torch.tensor([first.loss, first.grad_norm])).all() and first.input_tokens > 0
+    assert not first.stop
+
+
+def optimizer_state(optimizer) -> list[torch.Tensor]:
+    return [v.full_tensor().clone() if hasattr(v, "full_tensor") else v.clone()
+            for s in optimizer.state.values() for v in s.values()]
+
+
+def test_a_nonfinite_update_is_skipped_on_the_device(trainer, monkeypatch):
+    check_a_nonfinite_update_is_skipped(trainer, monkeypatch)
+
+
+def check_a_nonfinite_update_is_skipped(trainer, monkeypatch) -> None:
+    """A NaN step leaves weights, moments and step counts bit-identical; the next one applies."""
+    import shardtune.train.step as step_mod
+
+    assert trainer.optimizer.defaults["fused"]  # the device-side skip; other kernels ask the host
+    prefetcher = trainer.prefetcher()
+    try:
+        step(trainer, prefetcher.take(0)[0])  # optimizer state exists from here on
+        weights = {n: p.full_tensor().clone() for n, p in trainer.model.named_parameters()}
+        state = optimizer_state(trainer.optimizer)
+        real = step_mod.token_loss
+
+        def poisoned(*args, **kw):
+            loss, *rest = real(*args, **kw)
+            return (loss * float("nan"), *rest)
+
+        monkeypatch.setattr(step_mod, "token_loss", poisoned)
+        out = step(trainer, prefetcher.take(1)[0])
+        monkeypatch.setattr(step_mod, "token_loss", real)
+        assert not torch.isfinite(out.grad_norm)
+        assert all(torch.equal(p.full_tensor(), weights[n]) for n, p in trainer.model.named_parameters())
+        after = optimizer_state(trainer.optimizer)
+        assert all(torch.equal(a, b) for a, b in zip(after, state, strict=True))  # moments, step counts
+        out = step(trainer, prefetcher.take(2)[0])  # and the next finite step applies again
+        assert torch.isfinite(out.grad_norm)
+        assert any(not torch.equal(p.full_tensor(), weights[n]) for n, p in trainer.model.named_parameters())
+    finally:
+        prefetcher.close()
+
+
+def test_the_loop_reads_a_step_once_the_next_is_queued(assets, tmp_path, monkeypatch):
+    """Step N's numbers are read after step N+1's work is queued; a checkpoint step and the
+    last step are read at once (a checkpoint records the exact tokens seen)."""
+    import shardtune.train.trainer as train_mod
+    from shardtune.config.schema import load_config
+    from shardtune.train.step import read_numbers, train_step
+
+    events: list[str] = []
+
+    def queued_step(*args, **kw):
+        out = train_step(*args, **kw)
+        events.append(f"queued {sum(e.startswith('queued') for e in events) + 1}")
+        return out
+
+    def read(numbers):
+        events.append(f"read {sum(e.startswith('read') for e in events) + 1}")
+        return read_numbers(numbers)
+
+    monkeypatch.setattr(train_mod, "train_step", queued_step)
+    monkeypatch.setattr(train_mod, "read_numbers", read)
+    overrides = tiny_overrides(assets, tmp_path, **{"train.max_steps": 5, "checkpoint.every_steps": 3,
+                                                    "eval.at_start": "false", "save_final": "false"})
+    train_mod.run(load_config(None, overrides, defaults={}), overwrite=True)
+    assert events == ["queued 1", "queued 2", "read 1", "queued 3", "read 2", "read 3",
+                      "queued 4", "queued 5", "read 4", "read 5"]
+
+
+def test_step_times_are_the_steps_own_though_read_late(assets, tmp_path, monkeypatch):
+    """Read one step late, a record still times its own steps: the meter takes the StepClock
+    mark queued behind each step, not the host's clock at reading (which, on a CPU, would
+    include the next step and leave the last record at ~0). A fake clock ticks once a step."""
+    import json
+
+    import shardtune.telemetry.metrics as telemetry
+    from shardtune.config.schema import load_config
+    from shardtune.train.trainer import run
+
+    ticks = iter(range(1000))
+    monkeypatch.setattr(telemetry.StepClock, "mark", lambda self: float(next(ticks)))
+    overrides = tiny_overrides(assets, tmp_path, **{"train.max_steps": 7, "log.every_steps": 2,
+                                                    "checkpoint.every_steps": 3, "eval.every_steps": 4,
+                                                    "save_final": "false"})
+    run(load_config(None, overrides, defaults={}), overwrite=True)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    timed = [(r["step"], r["step_time_s"]) for r in rows if "step_time_s" in r]
+    assert timed == [(2, 1.0), (4, 1.0), (6, 1.0), (7, 1.0)]
+    assert [r["tokens_per_s"] for r in rows if "tokens_per_s" in r] == [8 * 64] * 4  # 8 x 64 tokens a tick

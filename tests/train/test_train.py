@@ -1,0 +1,127 @@
+"""Single-process training runs (in this process): architectures, precisions, outputs."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import yaml
+
+from conftest import losses, run_cli, tiny_overrides
+from shardtune.config.schema import TrainConfig, load_config
+from shardtune.train.optim import lr_factor
+
+
+def train(assets, out, **extra) -> list[float]:
+    from shardtune.train.trainer import run
+
+    run(load_config(None, tiny_overrides(assets, out, **extra), defaults={}), overwrite=True)
+    return losses(out)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "opt", "llama"])
+def test_each_architecture_trains_and_its_loss_falls(assets, tmp_path, arch):
+    got = train(assets, tmp_path, arch=arch, **{"train.max_steps": 10, "train.lr": 3e-3})
+    assert len(got) == 10 and all(math.isfinite(x) for x in got)
+    assert sum(got[-3:]) / 3 < got[0] - 0.1, got
+
+
+@pytest.mark.parametrize("extra", [
+    {"precision": "bf16"},
+    {"precision": "fp16"},
+    {"fsdp.cpu_offload": "true", "activation_checkpointing": "true"},
+], ids=["bf16", "fp16-scaler", "offload+ac"])
+def test_precisions_and_offload_train_on_cpu(assets, tmp_path, extra):
+    got = train(assets, tmp_path, **{"train.max_steps": 6, "train.lr": 3e-3, **extra})
+    assert all(math.isfinite(x) for x in got) and got[-1] < got[0]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    if extra.get("precision") == "fp16":
+        assert all(r["loss_scale"] > 0 for r in rows if "loss" in r)
+
+
+def test_run_folder_holds_resolved_config_metrics_and_hf_export(assets, tmp_path):
+    train(assets, tmp_path, **{"train.max_steps": 4, "log.every_steps": 2})
+    cfg = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert cfg["train"]["max_steps"] == 4 and cfg["fsdp"]["sharding"] == "full_shard"
+    again = load_config(tmp_path / "config.yaml")  # the resolved config is a valid recipe
+    assert again.data.seq_len == 64
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    first, *logged = rows
+    assert first["step"] == 0 and "eval_loss" in first and "eval_ppl" in first
+    assert [r["step"] for r in logged] == [2, 4]
+    for key in ("epoch", "loss", "lr", "grad_norm", "tokens_seen", "tokens_per_s", "eval_loss", "eval_ppl"):
+        assert key in logged[-1], key
+    assert logged[-1]["tokens_seen"] == 4 * 8 * 64
+    assert math.isclose(logged[-1]["eval_ppl"], math.exp(logged[-1]["eval_loss"]))
+    final = tmp_path / "final"
+    assert (final / "config.json").exists() and (final / "model.safetensors").exists()
+    assert (final / "tokenizer.json").exists() and (final / "generation_config.json").exists()
+
+
+def test_loss_is_the_token_mean_a_plain_forward_computes(assets, tmp_path):
+    """The first logged loss equals transformers' own mean token loss on the same global batch."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.config.schema import load_config as load
+    from shardtune.data.pipeline import BatchPlan, prepare
+    from shardtune.model.hf import load_hf_config, load_source_model, load_tokenizer
+
+    cfg = load(None, tiny_overrides(assets, tmp_path, **{"train.max_steps": 1}), defaults={})
+    got = train(assets, tmp_path, **{"train.max_steps": 1})[0]
+    tok = load_tokenizer(cfg.model)
+    hf_config = load_hf_config(cfg.model)
+    hf_config.vocab_size = len(tok)
+    model = load_source_model(cfg.model, hf_config, cfg.train.seed)
+    assert isinstance(model, AutoModelForCausalLM._model_mapping[type(hf_config)])
+    train_ds, _ = prepare(cfg.data, tok, cfg.train.seed)
+    plan = BatchPlan(len(train_ds), 8, 8, 1, 0, cfg.train.seed)
+    ids = train_ds[plan.micro_batches(0, 0)[0]]["input_ids"]
+    with torch.no_grad():
+        expected = model(input_ids=ids, labels=ids).loss.item()
+    assert abs(got - expected) < 1e-5
+
+
+def test_lr_schedule_warms_up_then_decays_to_the_floor():
+    cfg = TrainConfig(lr=1.0, warmup_steps=10, lr_schedule="cosine", min_lr_ratio=0.1)
+    assert lr_factor(0, 100, cfg) == pytest.approx(0.1)
+    assert lr_factor(9, 100, cfg) == pytest.approx(1.0)
+    assert lr_factor(10, 100, cfg) == pytest.approx(1.0)
+    assert lr_factor(55, 100, cfg) == pytest.approx(0.55)
+    assert lr_factor(100, 100, cfg) == pytest.approx(0.1)
+    cfg.lr_schedule = "linear"
+    assert lr_factor(55, 100, cfg) == pytest.approx(0.55)
+    cfg.lr_schedule = "constant"
+    assert lr_factor(80, 100, cfg) == 1.0
+
+
+def test_no_weight_decay_on_biases_and_norms():
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from shardtune.train.optim import build_optimizer
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=16))
+    opt = build_optimizer(model, TrainConfig(weight_decay=0.1), torch.device("cpu"))
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert all("ln" in names[id(p)] or "bias" in names[id(p)] for p in no_decay["params"])
+    assert all(p.ndim == 2 for p in decay["params"])
+
+
+def test_quickstart_runs_offline_and_halves_perplexity(tmp_path):
+    """`shardtune train` with no recipe (shortened): builds its own corpus and tokenizer offline."""
+    proc = run_cli(["train", "train.max_steps=60", "eval.every_steps=0", f"output_dir={tmp_path / 'qs'}"],
+                   env={"SHARDTUNE_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("validation perplexity"))
+    before, after = (float(w) for w in line.replace("->", " ").split() if w.replace(".", "").isdigit())
+    assert after <= before / 2, line
+
+
+def test_compile_per_block_matches_eager(assets, tmp_path):
+    eager = train(assets, tmp_path / "eager", **{"train.max_steps": 3})
+    compiled = train(assets, tmp_path / "compiled", **{"train.max_steps": 3, "compile": "true"})
+    assert max(abs(a - b) for a, b in zip(eager, compiled, strict=True)) < 1e-4, (eager, compiled)
