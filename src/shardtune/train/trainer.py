@@ -29,9 +29,7 @@ from shardtune.model.hf import (
     load_tokenizer,
     match_tokenizer,
 )
-from shardtune.train.step import evaluate, queue_numbers, read_numbers, train_step
-
-from .telemetry import (
+from shardtune.telemetry.metrics import (
     GPUSampler,
     LiveMemory,
     MetricsLog,
@@ -44,6 +42,7 @@ from .telemetry import (
     matmul_params,
     memory_stats,
 )
+from shardtune.train.step import evaluate, queue_numbers, read_numbers, train_step
 
 
 def seed_everything(seed: int) -> None:
