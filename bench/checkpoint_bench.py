@@ -37,7 +37,7 @@ def main() -> None:
     from shardtune.config.schema import CheckpointConfig, ModelConfig, TrainConfig
     from shardtune.data.quickstart import build_quickstart_assets
     from shardtune.distributed.fsdp import build_mesh
-    from shardtune.launch.local import init_distributed
+    from shardtune.distributed.process_group import init_distributed
     from shardtune.model.build import ModelSpec, build_model
     from shardtune.model.hf import load_hf_config, load_source_model
     from shardtune.train.optim import build_optimizer

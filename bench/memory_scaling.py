@@ -47,7 +47,7 @@ def worker(spec: dict) -> None:
     import torch.distributed.fsdp  # noqa: F401  (the baseline below includes the libraries)
     import transformers  # noqa: F401
 
-    from shardtune.config.schema import load_config
+    from shardtune.config.load import load_config
     from shardtune.data import pipeline as data_lib
     from shardtune.model.hf import count_params
     from shardtune.telemetry.metrics import state_bytes

@@ -68,7 +68,7 @@ GPU_ROWS = [
 
 def run_config(shape: str, ranks: int, sharding: str, ac: bool, lora: bool, mb: int, seq: int, device: str,
                precision: str, target: str, tiny: bool):
-    from shardtune.config.schema import load_config
+    from shardtune.config.load import load_config
 
     model = tiny_model(SHAPES[shape]) if tiny else SHAPES[shape]
     return load_config(None, [f"model.config={json.dumps(model)}", "data.path=unused",
@@ -83,7 +83,7 @@ def worker(spec: dict, out: Path) -> None:
     import torch
     import torch.distributed as dist
 
-    from shardtune.launch.local import init_distributed
+    from shardtune.distributed.process_group import init_distributed
     from shardtune.model.hf import load_hf_config
     from shardtune.plan.trace import measure_step
 

@@ -84,7 +84,7 @@ def shardtune_overrides(setup: dict, tokenizer: str, data_dir: str, out: Path, n
 
 def worker_shardtune(spec: dict) -> None:
 
-    from shardtune.config.schema import load_config
+    from shardtune.config.load import load_config
     from shardtune.train.trainer import Trainer
 
     trainer = Trainer(load_config(None, spec["overrides"]), overwrite=True)
@@ -118,7 +118,7 @@ def worker_hf(spec: dict) -> None:
     import torch
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    from shardtune.config.schema import load_config
+    from shardtune.config.load import load_config
     from shardtune.distributed.fsdp import detect_block_class
     from shardtune.model.hf import load_hf_config, load_source_model, load_tokenizer
     from shardtune.train.optim import lr_factor
@@ -206,7 +206,7 @@ def build_blocks(overrides: list[str], steps: int, path: Path) -> int:
     """The packed blocks shardtune will train on, in the order it consumes them; returns the count."""
     import torch
 
-    from shardtune.config.schema import load_config
+    from shardtune.config.load import load_config
     from shardtune.data import pipeline as data_lib
     from shardtune.model.hf import load_tokenizer
 

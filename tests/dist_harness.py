@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from shardtune.config.schema import load_config
-from shardtune.launch.local import init_distributed
+from shardtune.config.load import load_config
+from shardtune.distributed.process_group import init_distributed
 from shardtune.train.trainer import Trainer
 
 

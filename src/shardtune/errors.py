@@ -1,6 +1,14 @@
-"""The one exception type that means "the user asked for something we can't do"."""
+"""The one exception type that means "the user asked for something we can't do", and the exit
+codes every command and rank ends with."""
 
-EXIT_USAGE = 2
+import signal
+
+EXIT_USAGE = 2  # bad input: one line on stderr, nothing written destroyed
+# A run stopped on request (SIGTERM, SIGUSR1, one Ctrl-C) after writing a checkpoint. 75 is
+# EX_TEMPFAIL, "temporary failure, try again": a requeue script can treat it as "requeue me",
+# e.g. `[ $? -eq 75 ] && scontrol requeue $SLURM_JOB_ID`.
+EXIT_PREEMPTED = 75
+EXIT_INTERRUPTED = 128 + signal.SIGINT  # the shell's code for a process stopped by Ctrl-C
 
 
 class UserError(Exception):

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from shardtune.config.schema import load_config, parse_override, reference_lines
+from shardtune.config.load import load_config, parse_override
+from shardtune.config.schema import reference_lines
 from shardtune.errors import UserError
 
 RECIPES = sorted((Path(__file__).resolve().parents[2] / "recipes").glob("*.yaml"))

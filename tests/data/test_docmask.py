@@ -141,7 +141,7 @@ def test_padding_free_training_matches_padded_training(assets, tmp_path, monkeyp
     """Alpaca-shaped examples of spread lengths: the same losses, step by step, and evaluation."""
     import random
 
-    from shardtune.config.schema import load_config
+    from shardtune.config.load import load_config
     from shardtune.train.trainer import run
 
     rng = random.Random(0)

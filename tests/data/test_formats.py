@@ -13,7 +13,8 @@ import math
 import pytest
 
 from conftest import TINY, losses, tiny_overrides
-from shardtune.config.schema import DataConfig, load_config
+from shardtune.config.load import load_config
+from shardtune.config.schema import DataConfig
 from shardtune.data import formats as F
 from shardtune.data import pipeline as D
 from shardtune.errors import UserError
@@ -312,7 +313,7 @@ def test_padded_instruct_batches_keep_every_loss_token(tmp_path, tokenizer):
 
 
 def test_instruct_run_trains_three_steps(assets, tmp_path):
-    from shardtune.config.schema import load_config
+    from shardtune.config.load import load_config
     from shardtune.train.trainer import run
 
     path = write_jsonl(tmp_path / "alpaca.jsonl", ALPACA * 12)

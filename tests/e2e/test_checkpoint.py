@@ -23,8 +23,7 @@ import torch
 from conftest import child_env
 from shardtune.checkpoint.dcp import check_compatible, find_latest, read_meta
 from shardtune.cli.main import main
-from shardtune.errors import UserError
-from shardtune.launch.signals import EXIT_PREEMPTED
+from shardtune.errors import EXIT_PREEMPTED, UserError
 
 ROOT = Path(__file__).resolve().parents[2]
 GPT2 = {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 2, "n_positions": 128,
@@ -84,7 +83,7 @@ def overrides(assets: dict, out: Path, **extra) -> list[str]:
 
 
 def config(assets: dict, out: Path, **extra):
-    from shardtune.config.schema import load_config
+    from shardtune.config.load import load_config
 
     recipe, *rest = overrides(assets, out, **extra)
     return load_config(recipe, rest)
@@ -376,7 +375,7 @@ def test_keys_added_to_the_config_later_resume_at_their_default(reference):
 
 
 def test_async_key_alias():
-    from shardtune.config.schema import load_config
+    from shardtune.config.load import load_config
 
     base = ["model.config={model_type: gpt2}", "data.path=x"]
     assert load_config(None, [*base, "checkpoint.async=true"]).checkpoint.async_save is True

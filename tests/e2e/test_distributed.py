@@ -21,7 +21,7 @@ TOL = 1e-5
 @pytest.fixture(scope="module")
 def baseline(assets, tmp_path_factory):
     """Single-process reference run (accumulation 4), in this process."""
-    from shardtune.config.schema import load_config
+    from shardtune.config.load import load_config
     from shardtune.train.trainer import run
 
     out = tmp_path_factory.mktemp("baseline")
@@ -35,7 +35,7 @@ LORA = {"peft.method": "lora", "peft.dropout": 0.0}
 @pytest.fixture(scope="module")
 def lora_baseline(assets, tmp_path_factory):
     """Single-process LoRA reference run, in this process."""
-    from shardtune.config.schema import load_config
+    from shardtune.config.load import load_config
     from shardtune.train.trainer import run
 
     out = tmp_path_factory.mktemp("lora_baseline")
@@ -49,7 +49,7 @@ DOCMASK = {"data.document_mask": "true"}
 @pytest.fixture(scope="module")
 def docmask_baseline(assets, tmp_path_factory):
     """Single-process reference run of document-masked packed blocks, in this process."""
-    from shardtune.config.schema import load_config
+    from shardtune.config.load import load_config
     from shardtune.train.trainer import run
 
     out = tmp_path_factory.mktemp("docmask_baseline")

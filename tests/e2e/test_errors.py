@@ -23,8 +23,8 @@ import yaml
 from conftest import AGENT_VARS, child_env
 from shardtune.cli.main import main
 from shardtune.data.quickstart import build_quickstart_assets
+from shardtune.distributed.process_group import check_nproc
 from shardtune.errors import EXIT_USAGE, UserError
-from shardtune.launch.local import check_nproc
 
 TINY_GPT2 = {"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2, "n_positions": 64}
 

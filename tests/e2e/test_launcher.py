@@ -17,8 +17,7 @@ from test_errors import _isolated, datasets_cache, one_error_line, qs_assets, re
 
 from shardtune.checkpoint.dcp import read_meta
 from shardtune.checkpoint.rundir import LOCK_FILE, hold_run_dir, release_run_dir
-from shardtune.errors import EXIT_USAGE
-from shardtune.launch.signals import EXIT_INTERRUPTED, EXIT_PREEMPTED
+from shardtune.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_USAGE
 
 pytestmark = pytest.mark.multiproc
 

@@ -68,7 +68,7 @@ def datasets_dir(assets, tmp_path_factory) -> dict[str, str]:
 
 def smoke_overrides(recipe: str, arch: str, data_path: str, tokenizer: str, out: Path) -> list[str]:
     """Swap the model and the data, shrink the run; leave the recipe's own settings alone."""
-    from shardtune.config.schema import load_config
+    from shardtune.config.load import load_config
 
     cfg = load_config(RECIPES / f"{recipe}.yaml")
     tiny = dict(TINY[arch])
@@ -93,7 +93,7 @@ def smoke_overrides(recipe: str, arch: str, data_path: str, tokenizer: str, out:
 
 
 def test_every_reference_recipe_exists_with_real_hub_ids_and_a_header():
-    from shardtune.config.schema import load_config
+    from shardtune.config.load import load_config
 
     assert sorted(p.stem for p in RECIPES.glob("*.yaml")) == sorted(EXPECTED)
     for name, (model, _, dataset, _) in EXPECTED.items():
@@ -111,7 +111,7 @@ def test_every_reference_recipe_exists_with_real_hub_ids_and_a_header():
 
 
 def test_recipes_say_what_the_reference_systems_use():
-    from shardtune.config.schema import load_config
+    from shardtune.config.load import load_config
 
     opt = load_config(RECIPES / "opt-1.3b-arxiv.yaml")
     assert (opt.precision, opt.fsdp.sharding, opt.train.max_grad_norm) == ("fp16", "full_shard", 1.0)
@@ -137,7 +137,7 @@ def test_recipes_say_what_the_reference_systems_use():
 
 @pytest.mark.parametrize("recipe", sorted(EXPECTED))
 def test_recipe_runs_offline_with_a_tiny_stand_in(recipe, assets, datasets_dir, tmp_path, capsys):
-    from shardtune.config.schema import load_config
+    from shardtune.config.load import load_config
     from shardtune.train.trainer import run
 
     _, arch, _, kind = EXPECTED[recipe]

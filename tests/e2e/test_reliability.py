@@ -27,7 +27,7 @@ from shardtune.checkpoint.rundir import LOCK_FILE, hold_run_dir, release_run_dir
 from shardtune.cli.main import main
 from shardtune.config.schema import CheckpointConfig
 from shardtune.diskspace import space_warning
-from shardtune.launch.signals import EXIT_INTERRUPTED, EXIT_PREEMPTED
+from shardtune.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 
 @pytest.fixture(scope="session")

@@ -165,7 +165,7 @@ def test_srun_without_torchrun_maps_slurm_variables(monkeypatch):
     """Under `srun` alone, shardtune reads rank and world from Slurm's variables."""
     import os
 
-    from shardtune.launch.local import _adopt_slurm_env, launched_by_agent
+    from shardtune.distributed.process_group import _adopt_slurm_env, launched_by_agent
 
     torch_keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     # a private copy of the environment: what _adopt_slurm_env sets must not leak into other tests

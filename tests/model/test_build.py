@@ -9,7 +9,7 @@ import torch.distributed as dist
 from conftest import TINY
 from shardtune.config.schema import FSDPConfig, PeftConfig
 from shardtune.distributed.fsdp import build_mesh, reshard_after_forward
-from shardtune.launch.local import init_distributed
+from shardtune.distributed.process_group import init_distributed
 from shardtune.model.build import ModelSpec, build_model
 
 

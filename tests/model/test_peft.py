@@ -36,7 +36,7 @@ def lora_run(assets, tmp_path_factory):
 
     import torch
 
-    from shardtune.config.schema import load_config
+    from shardtune.config.load import load_config
     from shardtune.train.trainer import Trainer
 
     out = tmp_path_factory.mktemp("lora")
@@ -222,7 +222,7 @@ def freeze_runs(assets, tmp_path_factory):
     import contextlib
     import io
 
-    from shardtune.config.schema import load_config
+    from shardtune.config.load import load_config
     from shardtune.telemetry.metrics import state_bytes
     from shardtune.train.trainer import Trainer
 

@@ -9,7 +9,7 @@ import shlex
 import pytest
 
 from conftest import TINY, run_cli
-from shardtune.config.schema import check_world, load_config
+from shardtune.config.load import check_world, load_config
 from shardtune.plan.search import gpu_memory
 from shardtune.plan.trace import trace_step
 
@@ -46,7 +46,7 @@ def test_prediction_matches_a_real_cpu_step():
     bench/plan_accuracy.py holds the real comparison)."""
     import torch.distributed as dist
 
-    from shardtune.launch.local import init_distributed
+    from shardtune.distributed.process_group import init_distributed
     from shardtune.model.hf import load_hf_config
     from shardtune.plan.trace import measure_step
 

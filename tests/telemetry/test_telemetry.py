@@ -84,7 +84,7 @@ def test_a_run_records_speed_memory_mfu_and_feeds_trackers_and_report(assets, tm
     `shardtune report` draws the run."""
     from conftest import tiny_overrides
     from shardtune.cli.main import main
-    from shardtune.config.schema import load_config
+    from shardtune.config.load import load_config
     from shardtune.train.trainer import run
 
     out = tmp_path / "run"

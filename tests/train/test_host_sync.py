@@ -41,7 +41,7 @@ class HostReads(TorchDispatchMode):
 
 def make_trainer(assets, out, arch: str = "llama", **extra):
     """An in-process one-rank Trainer of a tiny model (tests/test_cuda.py makes one on CUDA)."""
-    from shardtune.config.schema import load_config
+    from shardtune.config.load import load_config
     from shardtune.train.trainer import Trainer
 
     return Trainer(load_config(None, tiny_overrides(assets, out, arch=arch, **extra), defaults={}), overwrite=True)
@@ -121,7 +121,7 @@ def test_the_loop_reads_a_step_once_the_next_is_queued(assets, tmp_path, monkeyp
     """Step N's numbers are read after step N+1's work is queued; a checkpoint step and the
     last step are read at once (a checkpoint records the exact tokens seen)."""
     import shardtune.train.trainer as train_mod
-    from shardtune.config.schema import load_config
+    from shardtune.config.load import load_config
     from shardtune.train.step import read_numbers, train_step
 
     events: list[str] = []
@@ -151,7 +151,7 @@ def test_step_times_are_the_steps_own_though_read_late(assets, tmp_path, monkeyp
     import json
 
     import shardtune.telemetry.metrics as telemetry
-    from shardtune.config.schema import load_config
+    from shardtune.config.load import load_config
     from shardtune.train.trainer import run
 
     ticks = iter(range(1000))

@@ -9,7 +9,8 @@ import pytest
 import yaml
 
 from conftest import losses, run_cli, tiny_overrides
-from shardtune.config.schema import TrainConfig, load_config
+from shardtune.config.load import load_config
+from shardtune.config.schema import TrainConfig
 from shardtune.train.optim import lr_factor
 
 
@@ -64,7 +65,7 @@ def test_loss_is_the_token_mean_a_plain_forward_computes(assets, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from shardtune.config.schema import load_config as load
+    from shardtune.config.load import load_config as load
     from shardtune.data.pipeline import BatchPlan, prepare
     from shardtune.model.hf import load_hf_config, load_source_model, load_tokenizer
 

@@ -34,7 +34,7 @@ def load_model(spec: str, device: str = "cpu", weights: bool = True):
     `weights` only the small parts are read; a checkpoint brings the config of its run."""
     kind, where = resolve_model(spec)
     if kind == "checkpoint":
-        from shardtune.config.schema import load_config
+        from shardtune.config.load import load_config
 
         run_cfg = load_config(None, None, defaults=read_meta(where)["config"])
         if weights:

@@ -12,10 +12,11 @@ import time
 from pathlib import Path
 
 from shardtune.checkpoint.dcp import check_compatible, find_latest, read_meta, resolve_checkpoint
+from shardtune.distributed.process_group import LAUNCHER_ENV
 from shardtune.errors import UserError
-from shardtune.launch.local import LAUNCHER_ENV
-from shardtune.launch.signals import PREEMPTED_MARKER
 
+# left in the output folder by a preempted run, for job scripts that cannot see the ranks' exit code
+PREEMPTED_MARKER = "PREEMPTED"
 RUN_FILES = ("config.yaml", "metrics.jsonl", PREEMPTED_MARKER)
 RUN_DIRS = ("final", "checkpoints", "profile")
 LOCK_FILE = ".shardtune.lock"  # "pid P on HOST since TIME" of the live run; removed when it ends

@@ -217,7 +217,7 @@ def quickstart_defaults(overrides: list[str] = ()) -> tuple[dict, str]:
     training settings and seq_len sized for it), the data (the docstring corpus), and the run's
     shape (eval and log cadence). Naming a model (model.name_or_path) drops the model part;
     naming data (data.path) drops the data part. The assets are built only when used."""
-    from shardtune.config.schema import parse_override, set_dotted
+    from shardtune.config.load import parse_override, set_dotted
 
     named: dict = {}
     for text in overrides:

@@ -11,8 +11,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor
 
 from shardtune.config.schema import FSDPConfig
+from shardtune.distributed.process_group import Dist
 from shardtune.errors import UserError
-from shardtune.launch.local import Dist
 
 
 def detect_block_class(model, override: str | None = None) -> type:

@@ -35,7 +35,7 @@ def _is_local(path: str) -> bool:
 def targets_from_recipe(recipe: str, overrides: list[str] | None = None) -> list[tuple[str, str, str | None]]:
     """(kind, repo id, dataset config name) for the model, tokenizer and dataset of a recipe, in
     that order, without duplicates; local folders and files are left out."""
-    from shardtune.config.schema import load_config
+    from shardtune.config.load import load_config
 
     cfg = load_config(recipe, overrides)
     found: list[tuple[str, str, str | None]] = []

@@ -1,9 +1,6 @@
-"""Processes: start N local workers, or join the group torchrun / Slurm already started.
+"""`--nproc N`: start N local ranks of the same command with torch's elastic launcher.
 
-One command covers every layout:
-- plain `shardtune train ...`      -> world of 1 (still a process group, so one code path);
-- `shardtune train ... --nproc N`  -> torch's elastic launcher starts N copies of the same command;
-- under `torchrun` or `srun`       -> the environment names rank and world; we join.
+Joining the process group (here, under `torchrun` or under `srun`) is `shardtune.distributed.process_group`.
 """
 
 from __future__ import annotations
@@ -11,100 +8,13 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import subprocess
 import sys
 import uuid
-from dataclasses import dataclass
 
-from shardtune.errors import EXIT_USAGE, UserError
+from shardtune.distributed.process_group import LAUNCHER_ENV
+from shardtune.errors import EXIT_PREEMPTED, EXIT_USAGE
 
-# Set by `launch_local` for its workers: the pid of the launcher that started them.
-LAUNCHER_ENV = "SHARDTUNE_LAUNCHER_PID"
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-@dataclass
-class Dist:
-    rank: int
-    world_size: int
-    local_world_size: int  # ranks on this node: hybrid_shard's default shard group
-    device: torch.device  # noqa: F821
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
-def launched_by_agent() -> bool:
-    """True inside a torchrun/elastic worker or an srun task."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ or "SLURM_PROCID" in os.environ
-
-
-def _adopt_slurm_env() -> None:
-    """srun without torchrun: translate Slurm's variables into torch.distributed's."""
-    if "RANK" in os.environ or "SLURM_PROCID" not in os.environ:
-        return
-    env = os.environ
-    env["RANK"] = env["SLURM_PROCID"]
-    env["WORLD_SIZE"] = env.get("SLURM_NTASKS", "1")
-    env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
-    env["LOCAL_WORLD_SIZE"] = env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0]
-    if "MASTER_ADDR" not in env:
-        nodes = env.get("SLURM_JOB_NODELIST", "127.0.0.1")
-        try:  # first host of the allocation
-            out = subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True,
-                                 text=True, check=True).stdout.split()
-            env["MASTER_ADDR"] = out[0]
-        except (OSError, subprocess.CalledProcessError, IndexError):
-            env["MASTER_ADDR"] = nodes.split(",")[0]
-    env.setdefault("MASTER_PORT", str(29500 + int(env.get("SLURM_JOB_ID", "0")) % 1000))
-
-
-def resolve_device(requested: str) -> torch.device:  # noqa: F821
-    import torch
-
-    if requested == "cuda" and not torch.cuda.is_available():
-        raise UserError("device=cuda but no CUDA GPU is visible; use device=cpu or run on a GPU machine")
-    if requested == "cpu" or not torch.cuda.is_available():
-        return torch.device("cpu")
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-
-
-def check_nproc(nproc: int, requested_device: str) -> None:
-    if nproc < 1:
-        raise UserError(f"--nproc must be at least 1, got {nproc}")
-    if requested_device == "cpu":
-        return
-    import torch
-
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if gpus and nproc > gpus:
-        raise UserError(f"--nproc {nproc} asks for more ranks than the {gpus} CUDA GPU(s) present; "
-                        f"use --nproc {gpus} or fewer (or device=cpu)")
-    if requested_device == "cuda" and not gpus:
-        raise UserError("device=cuda but no CUDA GPU is visible; use device=cpu or run on a GPU machine")
-
-
-def init_distributed(requested_device: str) -> Dist:
-    """Join (or create, for a lone process) the default process group."""
-    import torch
-    import torch.distributed as dist
-
-    _adopt_slurm_env()
-    device = resolve_device(requested_device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
-    if not dist.is_initialized():
-        if launched_by_agent():
-            dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
-        else:  # a lone process: a private in-memory store, no ports
-            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
-    world = dist.get_world_size()
-    return Dist(rank=dist.get_rank(), world_size=world,
-                local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", str(world))),
-                device=device)
-
 
 def launch_local(nproc: int, worker_argv: list[str],
                  interrupt_note: str = "Ctrl-C: stopping the ranks; Ctrl-C again stops them at once") -> int:
@@ -155,8 +65,6 @@ def launch_local(nproc: int, worker_argv: list[str],
         codes = {failure.exitcode for failure in exc.failures.values()}
         if EXIT_USAGE in codes:
             return EXIT_USAGE
-        from shardtune.launch.signals import EXIT_PREEMPTED
-
         if codes == {EXIT_PREEMPTED}:
             return EXIT_PREEMPTED
         print(f"error: {len(exc.failures)} worker(s) failed (exit codes {sorted(codes)}); "
@@ -206,57 +114,3 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def rank0_first(dist: Dist, fn):
-    """Run `fn` on rank 0, then on the others (e.g. to fill a cache once). A UserError on
-    rank 0 is re-raised on every rank instead of leaving the others waiting forever."""
-    import torch.distributed as tdist
-
-    result, error = None, None
-    if dist.is_main:
-        try:
-            result = fn()
-        except UserError as exc:
-            error = str(exc)
-    if dist.world_size > 1:
-        box = [error]
-        tdist.broadcast_object_list(box, src=0)
-        error = box[0]
-    if error is not None:
-        raise UserError(error)
-    return result if dist.is_main else fn()
-
-
-def broadcast_value(dist: Dist, value):
-    """Rank 0's `value` on every rank."""
-    if dist.world_size == 1:
-        return value
-    import torch.distributed as tdist
-
-    box = [value]
-    tdist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def all_sum(*values, device) -> list[float]:
-    """The element-wise sum of `values` over all ranks, as floats (one all-reduce; a host sync)."""
-    return all_sum_on_device(*values, device=device).tolist()
-
-
-def all_sum_on_device(*values, device):
-    """The element-wise sum of `values` over all ranks as one float64 tensor on `device`: the
-    all-reduce is queued, nothing waits for it until the tensor is read."""
-    import torch.distributed as dist
-
-    t = stack_on_device(*values, device=device)
-    if dist.get_world_size() > 1:
-        dist.all_reduce(t)
-    return t
-
-
-def stack_on_device(*values, device):
-    """Numbers and 0-d tensors as one float64 tensor on `device`. Python numbers are filled in
-    there: a copy from host memory could wait for the device's queue."""
-    import torch
-
-    return torch.stack([v.to(device, torch.float64) if isinstance(v, torch.Tensor)
-                        else torch.full((), float(v), dtype=torch.float64, device=device) for v in values])

@@ -9,9 +9,6 @@ Ctrl-C is a request too: the first one stops the run like SIGTERM, with a checkp
 one stops it at once, without one (KeyboardInterrupt in a lone process; in a rank of several
 the default action, since a rank may be waiting in a collective that Python cannot interrupt).
 Every message about a stop says whether a checkpoint was written and which one is the last good one.
-
-EXIT_PREEMPTED = 75 (EX_TEMPFAIL, "temporary failure, try again"): a requeue script can
-treat 75 as "requeue me", e.g. `[ $? -eq 75 ] && scontrol requeue $SLURM_JOB_ID`.
 """
 
 from __future__ import annotations
@@ -22,12 +19,10 @@ import sys
 import threading
 from pathlib import Path
 
-from shardtune.launch.local import LAUNCHER_ENV, launched_by_agent
+from shardtune.checkpoint.rundir import PREEMPTED_MARKER
+from shardtune.distributed.process_group import LAUNCHER_ENV, launched_by_agent
+from shardtune.errors import EXIT_PREEMPTED
 
-EXIT_PREEMPTED = 75
-EXIT_INTERRUPTED = 128 + signal.SIGINT  # the shell's code for a process stopped by Ctrl-C
-# left in the output folder by a preempted run, for job scripts that cannot see the ranks' exit code
-PREEMPTED_MARKER = "PREEMPTED"
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 

@@ -15,8 +15,9 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
+from shardtune.checkpoint.rundir import PREEMPTED_MARKER
 from shardtune.errors import UserError
-from shardtune.launch.signals import EXIT_PREEMPTED, PREEMPTED_MARKER
+from shardtune.launch.signals import EXIT_PREEMPTED
 
 
 def sbatch_script(recipe: str, output_dir: str, nodes: int, gpus_per_node: int, *, overrides: list[str],

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from shardtune.config.schema import ModelConfig, RunConfig, check_world
+from shardtune.config.load import check_world
+from shardtune.config.schema import ModelConfig, RunConfig
 from shardtune.errors import UserError
 from shardtune.hardware import GIB, GPU, HOST_FACTS, overhead
 from shardtune.plan.trace import OFFLOADED, StepTrace

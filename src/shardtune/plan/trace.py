@@ -96,7 +96,7 @@ def layer_count(hf_config) -> int:
 def fake_world(world_size: int, local_world_size: int):
     """Rank 0 of a fake process group of `world_size` ranks in this process."""
 
-    from shardtune.launch.local import Dist
+    from shardtune.distributed.process_group import Dist
 
     if dist.is_initialized():
         raise RuntimeError("a memory trace needs a process without a process group (it makes a fake one)")
@@ -115,7 +115,7 @@ def trace_step(cfg: RunConfig, hf_config, world_size: int, local_world_size: int
     for target "cuda" the step makes the choices a GPU run makes: the loss chunk sized for CUDA
     and attention through the flash / memory-efficient kernels (no seq x seq scores held)."""
 
-    from shardtune.config.schema import check_world
+    from shardtune.config.load import check_world
     from shardtune.distributed.fsdp import build_mesh
     from shardtune.model import loss as loss_lib
     from shardtune.model.build import ModelSpec, build_model
@@ -169,7 +169,7 @@ def measure_step(cfg: RunConfig, hf_config, dist) -> int:
     optimizer state, the second is measured with torch's MemTracker (every storage allocated and
     freed, not the process RSS, which the C allocator inflates). Collective."""
 
-    from shardtune.config.schema import check_world
+    from shardtune.config.load import check_world
     from shardtune.distributed.fsdp import build_mesh
     from shardtune.model.build import ModelSpec, build_model
     from shardtune.model.hf import load_source_model

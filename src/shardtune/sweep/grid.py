@@ -65,7 +65,7 @@ class Sweep:
         return words
 
     def config(self, point: dict, micro_batch: int | None = None):
-        from shardtune.config.schema import load_config
+        from shardtune.config.load import load_config
 
         return load_config(self.recipe, self.trial_overrides(point, micro_batch), self.defaults)
 
@@ -116,7 +116,7 @@ def parse_grid(texts: list[str]) -> list[tuple[str, list[str]]]:
 def check(sweep: Sweep) -> None:
     """Everything that can be refused before a trial starts: every grid point must load as a
     valid config whose batch sizes divide over the ranks."""
-    from shardtune.config.schema import check_world
+    from shardtune.config.load import check_world
 
     if sweep.steps < 1:
         raise UserError(f"--steps must be at least 1, got {sweep.steps}")
@@ -271,7 +271,7 @@ class State:
 
 def run_sweep(sweep: Sweep) -> Path:
     """Validate everything, then run (or take from OUT/sweep.json) each trial; write the outputs."""
-    from shardtune.launch.local import check_nproc, resolve_device
+    from shardtune.distributed.process_group import check_nproc, resolve_device
 
     check(sweep)
     device = sweep.config({}).device

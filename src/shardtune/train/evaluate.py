@@ -56,8 +56,8 @@ def eval_one(spec: str, args, dist, data_cfg) -> dict:
     """Metrics of one model over all ranks (collective), on the data that `data_cfg` (the run
     config of the evaluated checkpoint, or None) and args select."""
     from shardtune.data import pipeline as data_lib
+    from shardtune.distributed.collectives import rank0_first
     from shardtune.distributed.fsdp import build_mesh
-    from shardtune.launch.local import rank0_first
     from shardtune.model.build import ModelSpec, build_model
     from shardtune.model.hf import check_seq_len
     from shardtune.train.step import evaluate
@@ -76,7 +76,7 @@ def eval_one(spec: str, args, dist, data_cfg) -> dict:
     metrics = evaluate(model, ds, batches, dist.device)
     metrics["sequences"] = sum(1 for b in batches for i in b if i >= 0)
     if dist.world_size > 1:
-        from shardtune.launch.local import all_sum
+        from shardtune.distributed.collectives import all_sum
 
         (metrics["sequences"],) = all_sum(metrics["sequences"], device=dist.device)
     metrics["sequences"] = int(metrics["sequences"])
@@ -87,7 +87,7 @@ def run_eval(args) -> dict:
     """{"model": metrics[, "base": metrics]}; prints a table on rank 0."""
     from transformers.utils import logging as hf_logging
 
-    from shardtune.launch.local import init_distributed
+    from shardtune.distributed.process_group import init_distributed
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
@@ -159,7 +159,7 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int = 64, tem
 def run_generate(args) -> list[str]:
     from transformers.utils import logging as hf_logging
 
-    from shardtune.launch.local import resolve_device
+    from shardtune.distributed.process_group import resolve_device
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from shardtune.config.schema import RunConfig
 from shardtune.data import docmask
 from shardtune.data import pipeline as data_lib
-from shardtune.launch.local import Dist, all_sum, all_sum_on_device, stack_on_device
+from shardtune.distributed.collectives import all_sum, all_sum_on_device, stack_on_device
+from shardtune.distributed.process_group import Dist
 from shardtune.model import loss as loss_lib
 from shardtune.telemetry.metrics import perplexity
 

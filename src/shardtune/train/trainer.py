@@ -11,14 +11,15 @@ from pathlib import Path
 import torch
 import torch.distributed
 
-from shardtune.checkpoint.rundir import default_output_dir
-from shardtune.config.schema import RunConfig, check_world, dump_yaml
+from shardtune.checkpoint.rundir import PREEMPTED_MARKER, default_output_dir
+from shardtune.config.load import check_world, dump_yaml
+from shardtune.config.schema import RunConfig
 from shardtune.data import docmask
 from shardtune.data import pipeline as data_lib
+from shardtune.distributed.collectives import broadcast_value, rank0_first
 from shardtune.distributed.fsdp import build_mesh
+from shardtune.distributed.process_group import init_distributed
 from shardtune.errors import UserError
-from shardtune.launch.local import broadcast_value, init_distributed, rank0_first
-from shardtune.launch.signals import PREEMPTED_MARKER
 from shardtune.model.adapters import check_quantize, load_qlora_model
 from shardtune.model.build import BuiltModel, ModelSpec, build_model
 from shardtune.model.hf import (

@@ -1,0 +1,29 @@
+"""What several commands share: the config reference in `--help`, and a recipe named by path or name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+TRAIN_EPILOG = """\
+overrides are dotted config keys, e.g. train.lr=3e-5 fsdp.sharding=shard_grad_op data.seq_len=1024.
+Without a recipe, runs the offline quickstart (tiny GPT-2, stdlib-docstring corpus, no download).
+
+config keys (type = default):
+"""
+
+
+def config_reference() -> str:
+    from shardtune.config.schema import reference_lines
+
+    return "\n".join(reference_lines())
+
+
+def split_recipe(recipe: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:
+    """argparse sees `train key=value` as a recipe; put it back among the overrides."""
+    if recipe is not None and "=" in recipe and not Path(recipe).exists():
+        return None, [recipe, *overrides]
+    if recipe is not None and not Path(recipe).exists():
+        named = Path("recipes") / f"{recipe}.yaml"
+        if named.is_file():
+            return str(named), overrides
+    return recipe, overrides

@@ -1,0 +1,30 @@
+"""`shardtune export`: a plain Hugging Face folder from a sharded checkpoint, or a LoRA adapter merged into its base."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("export", help="write a plain Hugging Face folder from a sharded checkpoint")
+    p.add_argument("checkpoint", help="checkpoint folder (OUTPUT_DIR/checkpoints/step-N), or a run's "
+                        "output_dir for its newest checkpoint")
+    p.add_argument("out", help="new folder for the model (safetensors, config, tokenizer)")
+    p.add_argument("--max-shard-size", default="2GB", help="split weights into files of at most this "
+                        "size (default: 2GB)")
+    p.add_argument("--push-to-hub", metavar="REPO", help="then upload the folder to this hub repo")
+    p.add_argument("--private", action="store_true", help="create the hub repo as private")
+    p.add_argument("--merge", action="store_true", help="CHECKPOINT is the final/ adapter folder of a "
+                        "LoRA run: fold the adapter into the base and write a plain model")
+
+
+def run(args) -> int:
+    from shardtune.checkpoint.export import export_checkpoint, merge_adapter_folder, push_to_hub
+
+    if args.merge:
+        out = merge_adapter_folder(Path(args.checkpoint), Path(args.out), args.max_shard_size)
+    else:
+        out = export_checkpoint(args.checkpoint, Path(args.out), args.max_shard_size)
+    if args.push_to_hub:
+        push_to_hub(out, args.push_to_hub, args.private)
+    return 0

@@ -1,0 +1,21 @@
+"""`shardtune report`: PNG plots and a markdown summary of one or more runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("report", help="PNG plots and a markdown summary of one or more runs")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="output folders of runs (overlaid)")
+    p.add_argument("--out", help="folder for the plots and report.md (default: RUN_DIR/report, or "
+                     "./report-compare for several runs)")
+
+
+def run(args) -> int:
+    from shardtune.telemetry.report import write_report
+
+    runs = [Path(r) for r in args.runs]
+    out = Path(args.out) if args.out else (runs[0] / "report" if len(runs) == 1 else Path("report-compare"))
+    print(f"report written to {write_report(runs, out)}")
+    return 0

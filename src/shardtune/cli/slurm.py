@@ -1,0 +1,46 @@
+"""`shardtune slurm`: an sbatch script (srun + torchrun, checkpoint on Slurm's warning signal, requeue)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from shardtune.cli.common import split_recipe
+from shardtune.errors import UserError
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("slurm", help="write an sbatch script: srun + torchrun, checkpoint on preemption, requeue")
+    p.add_argument("recipe", help="recipe YAML")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for the job")
+    p.add_argument("--nodes", type=int, required=True)
+    p.add_argument("--gpus-per-node", type=int, required=True)
+    p.add_argument("--output-dir", help="the run's output_dir (default: the recipe's, else runs/<recipe>)")
+    p.add_argument("--time", default="24:00:00", help="time limit (default 24:00:00)")
+    p.add_argument("--partition")
+    p.add_argument("--account")
+    p.add_argument("--job-name")
+    p.add_argument("--signal-lead", type=int, default=300, help="seconds before the limit at which Slurm "
+                    "sends SIGUSR1 to checkpoint (default 300)")
+    p.add_argument("--online", action="store_true", help="let compute nodes use the network (default: "
+                    "HF_HUB_OFFLINE=1, models and data from `shardtune download`)")
+    p.add_argument("-o", "--out", help="write the script here (default: print it)")
+
+
+def run(args) -> int:
+    from shardtune.config.load import load_config
+    from shardtune.launch.slurm import sbatch_script
+
+    recipe, _ = split_recipe(args.recipe, [])  # a path, or a name in ./recipes
+    if recipe is None or "=" in args.recipe:
+        raise UserError(f"shardtune slurm needs a recipe YAML first, got {args.recipe!r}")
+    cfg = load_config(recipe, args.overrides)  # refuse a bad recipe now, not on the cluster
+    out = args.output_dir or cfg.output_dir or f"runs/{cfg.recipe}"
+    text = sbatch_script(recipe, out, args.nodes, args.gpus_per_node, overrides=args.overrides,
+                         job_name=args.job_name, time=args.time, partition=args.partition, account=args.account,
+                         signal_lead_s=args.signal_lead, offline=not args.online)
+    if args.out:
+        Path(args.out).write_text(text)
+        print(f"wrote {args.out}; submit it with: sbatch {args.out}")
+    else:
+        print(text, end="")
+    return 0

@@ -1,0 +1,94 @@
+"""`shardtune train`: fine-tune in this process, as a rank of torchrun/srun, or as the parent of `--nproc N` ranks."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from shardtune.cli.common import TRAIN_EPILOG, config_reference, split_recipe
+from shardtune.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, UserError
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("train", help="fine-tune a model (1 process, --nproc N ranks, or under torchrun/srun)",
+                           formatter_class=argparse.RawDescriptionHelpFormatter,
+                           epilog=TRAIN_EPILOG + config_reference())
+    p.add_argument("recipe", nargs="?", help="recipe YAML (a path, or a name in ./recipes); "
+                       "omit for the quickstart")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    p.add_argument("--nproc", type=int, default=None, metavar="N",
+                       help="start N local ranks with torch's elastic launcher (default: 1, or "
+                            "whatever torchrun/srun started)")
+    p.add_argument("--overwrite", action="store_true",
+                       help="replace the run already in output_dir")
+
+
+def run(args) -> int:
+    from shardtune.config.load import load_config
+    from shardtune.distributed.process_group import check_nproc, launched_by_agent
+
+    recipe, overrides = split_recipe(args.recipe, args.overrides)
+    defaults, used = None, None
+    if recipe is None:
+        from shardtune.data.quickstart import quickstart_defaults
+
+        defaults, used = quickstart_defaults(overrides)
+    cfg = load_config(recipe, overrides, defaults)
+    nproc = 1 if args.nproc is None else args.nproc
+    if launched_by_agent() or nproc == 1:
+        if args.nproc and launched_by_agent() and args.nproc != int(os.environ.get("LOCAL_WORLD_SIZE", nproc)):
+            raise UserError("--nproc conflicts with the ranks torchrun/srun started; drop --nproc")
+        from shardtune.distributed.process_group import LAUNCHER_ENV
+        from shardtune.launch.signals import interrupted_line
+        from shardtune.train.trainer import run
+
+        if used and os.environ.get("RANK", "0") == "0" and LAUNCHER_ENV not in os.environ:  # else: the launcher's
+            print(used, flush=True)
+        try:
+            results = run(cfg, overwrite=args.overwrite)
+        except KeyboardInterrupt:  # a second Ctrl-C, or one before training started
+            if os.environ.get("RANK", "0") == "0":
+                print(interrupted_line(cfg.output_dir), file=sys.stderr, flush=True)
+            return EXIT_INTERRUPTED
+        return EXIT_PREEMPTED if results.get("preempted") else 0
+    # Parent of N local ranks: check what can be checked before starting anything, and hold the
+    # output folder for the run's lifetime (the ranks it starts share the hold).
+    from shardtune.checkpoint.rundir import default_output_dir, prepare_run_dir, release_run_dir
+
+    check_nproc(nproc, cfg.device)
+    out = cfg.output_dir = cfg.output_dir or default_output_dir(cfg.recipe)
+    if used:
+        print(used, flush=True)
+    try:
+        prepare_run_dir(cfg, args.overwrite, check_only=True)
+        worker = ["train", *([recipe] if recipe else []), *overrides, f"output_dir={out}"]
+        if args.overwrite:
+            worker.append("--overwrite")
+        return _launch_preemptible(nproc, worker, Path(out))
+    finally:
+        release_run_dir(out)
+
+
+def _launch_preemptible(nproc: int, worker: list[str], out: Path) -> int:
+    """The elastic agent passes SIGTERM on to the ranks (which checkpoint and exit) but not
+    SIGUSR1, so turn SIGUSR1 into SIGTERM here. A stopped run ends with EXIT_PREEMPTED only when
+    the ranks wrote a checkpoint, and says which; otherwise with 128 + the signal."""
+    import signal
+
+    from shardtune.launch.local import launch_local
+    from shardtune.launch.signals import marker_stamp, stop_report
+
+    stamp = marker_stamp(out)
+    previous = signal.signal(signal.SIGUSR1, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
+    try:
+        code = launch_local(nproc, worker, interrupt_note="Ctrl-C: the ranks stop after the steps under way, with a "
+                            "checkpoint once training has started; Ctrl-C again stops them at once")
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    if code <= 128:
+        return code
+    code, line = stop_report(code - 128, out, stamp)
+    print(line, file=sys.stderr)
+    return code

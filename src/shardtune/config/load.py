@@ -1,0 +1,190 @@
+"""Recipes to `RunConfig`: a YAML recipe plus dotted `key=value` overrides.
+
+A recipe is plain data. `load_config` merges the recipe with the overrides, checks every key
+and type (unknown keys get a "did you mean" suggestion), validates what needs only the config
+(`shardtune.config.validation`) and returns a `RunConfig`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from shardtune.config.schema import RunConfig
+from shardtune.config.validation import validate
+from shardtune.errors import UserError, first_line
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`train.lr=3e-5` -> ("train.lr", 3e-05). Values are parsed as YAML scalars/lists."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise UserError(f"override {text!r} is not key=value; write it like train.lr=3e-5")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else None
+    except yaml.YAMLError:
+        value = raw
+    if not isinstance(value, (str, type(None))) and not isinstance(value, (bool, int, float)):
+        value = Override(raw, value)  # `data.template=Q: {q}` reads as YAML but is meant as text
+    return key.strip(), value
+
+
+class Override(str):
+    """Command-line text that YAML read as a list/mapping: string-typed keys take the text."""
+
+    def __new__(cls, raw: str, parsed):
+        obj = super().__new__(cls, raw)
+        obj.parsed = parsed
+        return obj
+
+
+def set_dotted(tree: dict, key: str, value: Any) -> None:
+    node = tree
+    parts = key.split(".")
+    for part in parts[:-1]:
+        child = node.get(part)
+        if isinstance(child, Override) and isinstance(child.parsed, dict):
+            child = node[part] = child.parsed
+        if not isinstance(child, dict):
+            child = node[part] = {}
+        node = child
+    node[parts[-1]] = value
+
+
+def load_config(recipe: str | Path | None, overrides: list[str] | None = None,
+                defaults: dict | None = None) -> RunConfig:
+    """Recipe YAML (or `defaults` when there is none) + dotted overrides -> checked RunConfig."""
+    tree: dict = dict(defaults or {})
+    name = None
+    if recipe is not None:
+        path = Path(recipe)
+        if path.is_dir():
+            raise UserError(f"recipe {str(path)!r} is a folder; give the path to a YAML file (see recipes/)")
+        if not path.is_file():
+            raise UserError(f"recipe {str(path)!r} not found; give the path to a YAML file (see recipes/)")
+        try:
+            loaded = yaml.safe_load(_recipe_text(path)) or {}
+        except yaml.YAMLError as exc:
+            raise UserError(f"recipe {str(path)!r} is not valid YAML ({first_line(exc)}); fix the file") from None
+        if not isinstance(loaded, dict):
+            raise UserError(f"recipe {str(path)!r} must be a mapping of keys to values")
+        tree = loaded
+        name = path.stem
+    for text in overrides or []:
+        key, value = parse_override(text)
+        set_dotted(tree, key, value)
+    cfg = _build(RunConfig, tree, prefix="")
+    if cfg.recipe is None:
+        cfg.recipe = name or "quickstart"
+    validate(cfg)
+    return cfg
+
+
+def _recipe_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"recipe {str(path)!r} is not a text file (byte {exc.start} is not UTF-8); give a YAML "
+                        "recipe") from None
+    except OSError as exc:
+        raise UserError(f"recipe {str(path)!r} cannot be read ({exc.strerror}); check its permissions") from None
+
+
+def _build(cls, data: Any, prefix: str):
+    if not isinstance(data, dict):
+        raise UserError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {data!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in data.items():
+        key = getattr(cls, "KEY_ALIASES", {}).get(key, key)
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=1)
+            hint = f"; did you mean {prefix}{close[0]}?" if close else f"; valid keys: {', '.join(fields)}"
+            raise UserError(f"unknown config key '{prefix}{key}'{hint}")
+        kwargs[key] = _coerce(hints[key], value, f"{prefix}{key}")
+    return cls(**kwargs)
+
+
+def _coerce(tp, value: Any, key: str):
+    if isinstance(value, Override):
+        wants_text = tp is str or str in typing.get_args(tp)
+        value = str(value) if wants_text else value.parsed
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, prefix=key + ".")
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(arg, value, key)
+            except UserError as exc:
+                errors.append(exc)
+        raise errors[0]
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+            hint = f"did you mean {close[0]}? " if close else ""
+            raise UserError(f"{key}={value!r} is not a valid choice; {hint}choose one of: {', '.join(choices)}")
+        return value
+    if origin is list:
+        (inner,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            example = "[3,5]" if inner is int else "[0.9,0.95]"
+            raise UserError(f"{key} must be a list, got {value!r}; write it like {key}={example}")
+        return [_coerce(inner, v, key) for v in value]
+    if tp is dict:
+        if not isinstance(value, dict):
+            raise UserError(f"{key} must be a mapping, got {value!r}")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise UserError(f"{key} must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise UserError(f"{key} must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads "3e-5" (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise UserError(f"{key} must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise UserError(f"{key} must be a string, got {value!r}")
+        return str(value)
+    raise TypeError(f"unsupported config type {tp} for {key}")
+
+
+def check_world(cfg: RunConfig, world_size: int) -> int:
+    """Gradient-accumulation steps for this world size, or a UserError if the batch does not divide."""
+    t = cfg.train
+    per_step = t.micro_batch_size * world_size
+    if t.global_batch_size % per_step:
+        raise UserError(
+            f"train.global_batch_size={t.global_batch_size} is not divisible by micro_batch_size "
+            f"x ranks = {t.micro_batch_size} x {world_size}; change the batch sizes or the number of ranks")
+    return t.global_batch_size // per_step
+
+
+def dump_yaml(cfg: RunConfig) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

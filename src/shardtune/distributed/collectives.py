@@ -1,0 +1,62 @@
+"""Collectives over the default process group: sums, broadcasts, rank-0-first."""
+
+from __future__ import annotations
+
+from shardtune.distributed.process_group import Dist
+from shardtune.errors import UserError
+
+
+def rank0_first(dist: Dist, fn):
+    """Run `fn` on rank 0, then on the others (e.g. to fill a cache once). A UserError on
+    rank 0 is re-raised on every rank instead of leaving the others waiting forever."""
+    import torch.distributed as tdist
+
+    result, error = None, None
+    if dist.is_main:
+        try:
+            result = fn()
+        except UserError as exc:
+            error = str(exc)
+    if dist.world_size > 1:
+        box = [error]
+        tdist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error is not None:
+        raise UserError(error)
+    return result if dist.is_main else fn()
+
+
+def broadcast_value(dist: Dist, value):
+    """Rank 0's `value` on every rank."""
+    if dist.world_size == 1:
+        return value
+    import torch.distributed as tdist
+
+    box = [value]
+    tdist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def all_sum(*values, device) -> list[float]:
+    """The element-wise sum of `values` over all ranks, as floats (one all-reduce; a host sync)."""
+    return all_sum_on_device(*values, device=device).tolist()
+
+
+def all_sum_on_device(*values, device):
+    """The element-wise sum of `values` over all ranks as one float64 tensor on `device`: the
+    all-reduce is queued, nothing waits for it until the tensor is read."""
+    import torch.distributed as dist
+
+    t = stack_on_device(*values, device=device)
+    if dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t
+
+
+def stack_on_device(*values, device):
+    """Numbers and 0-d tensors as one float64 tensor on `device`. Python numbers are filled in
+    there: a copy from host memory could wait for the device's queue."""
+    import torch
+
+    return torch.stack([v.to(device, torch.float64) if isinstance(v, torch.Tensor)
+                        else torch.full((), float(v), dtype=torch.float64, device=device) for v in values])
