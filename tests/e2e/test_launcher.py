@@ -1,10 +1,11 @@
 """The launcher of `--nproc 2`, as a user runs it (the real CLI): one live run per output
 folder, Ctrl-C that checkpoints and says so only when it is true, and ranks that die with their
-launcher on `kill -9`. Three launches, ~15 s each on 2 cores."""
+launcher on `kill -9`. Five launches, ~15 s each on 2 cores."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -23,17 +24,19 @@ pytestmark = pytest.mark.multiproc
 
 
 
-def launch(recipe: str, out: Path, datasets_cache, *extra: str) -> subprocess.Popen:
+def launch(recipe: str, out: Path, datasets_cache, *extra: str, sigint=signal.SIG_DFL) -> subprocess.Popen:
+    """`sigint`: the launcher's SIGINT disposition at its start, whatever pytest's is (SIG_IGN
+    under `nohup` or `&`): SIG_DFL as from a terminal, or SIG_IGN."""
     return subprocess.Popen([sys.executable, "-m", "shardtune", "train", recipe, "device=cpu", "train.max_steps=400",
                              "eval.at_start=false", f"output_dir={out}", "--nproc", "2", *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=out.parent,
-                            env=subprocess_env(datasets_cache))
+                            env=subprocess_env(datasets_cache), preexec_fn=lambda: signal.signal(signal.SIGINT, sigint))
 
 
 @contextlib.contextmanager
-def launched(recipe: str, out: Path, datasets_cache, *extra: str):
+def launched(recipe: str, out: Path, datasets_cache, *extra: str, sigint=signal.SIG_DFL):
     """A 2-rank run in the background; killed on the way out, whatever the test saw."""
-    proc = launch(recipe, out, datasets_cache, *extra)
+    proc = launch(recipe, out, datasets_cache, *extra, sigint=sigint)
     try:
         yield proc
     finally:
@@ -97,6 +100,19 @@ def test_nproc2_lock_then_ctrl_c_checkpoints(recipe, tmp_path, datasets_cache):
     assert f"SIGINT: the ranks saved {ckpt} and stopped; exit 75" in output
     assert read_meta(ckpt)["world_size"] == 2
     assert not (out / LOCK_FILE).exists()
+
+
+def test_nproc2_started_with_sigint_ignored_trains_to_the_end(recipe, tmp_path, datasets_cache):
+    """Started under `nohup` or `&` (SIGINT ignored): Ctrl-C reaches neither the launcher nor the
+    ranks, which train to the end and write final/; the launcher claims nothing else."""
+    out = tmp_path / "run"
+    with launched(recipe, out, datasets_cache, "train.max_steps=12", sigint=signal.SIG_IGN) as proc:
+        wait_for(training(out), 180, proc)
+        output = ctrl_c(proc, times=2)
+    assert proc.returncode == 0, output
+    assert "Ctrl-C" not in output and "SIGINT" not in output and "checkpoint" not in output, output
+    assert (out / "final" / "config.json").is_file() and not (out / "PREEMPTED").exists()
+    assert json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 12
 
 
 def test_nproc2_ctrl_c_twice_stops_at_once(recipe, tmp_path, datasets_cache):
