@@ -29,9 +29,12 @@ def run(args) -> int:
     recipe, overrides = split_recipe(args.recipe, args.overrides)
     defaults = None
     if recipe is None:
+        import sys
+
         from shardtune.data.quickstart import quickstart_defaults
 
-        defaults = quickstart_defaults()
+        defaults, used = quickstart_defaults(overrides)
+        print(used, file=sys.stderr, flush=True)  # stdout is the answer (--json)
     cfg = load_config(recipe, overrides, defaults)
     return run_plan(plan_request(args), cfg, recipe, overrides)
 
