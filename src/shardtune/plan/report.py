@@ -1,4 +1,4 @@
-"""`shardtune plan`'s command: read the request, run the search (plan.py), print the answer —
+"""`shardtune plan`'s command: read the request, run the search (plan/search.py), print the answer —
 the winner's per-rank breakdown and command line, why the others were dropped, and when nothing
 fits, what would (more GPUs, LoRA, QLoRA, a shorter sequence), with numbers."""
 
