@@ -55,6 +55,9 @@ def check(root: Path) -> list[str]:
     modules = set(files)
     top = root.name
     problems, graph = [], {m: {} for m in files}
+    packages = {m.split(".")[1] for m, path in files.items() if path.parent != root}
+    problems += [f"{root.name}/{name}/ is a package with no place in LAYERS; add it where it belongs"
+                 for name in sorted(packages - set(RANK))]
     for module, path in files.items():
         where = path.relative_to(root.parent.parent)
         for line, target in imports(path, modules):
@@ -121,7 +124,7 @@ def test_shardtune_follows_the_layering_rule():
     assert not problems, "\n".join(problems)
 
 
-def test_the_check_finds_an_upward_import_a_cycle_and_a_relative_import(tmp_path):
+def test_the_check_finds_upward_and_relative_imports_cycles_and_unplaced_packages(tmp_path):
     root = tmp_path / "src" / "pkg"
     for name, text in {
         "__init__.py": "",
@@ -132,6 +135,7 @@ def test_the_check_finds_an_upward_import_a_cycle_and_a_relative_import(tmp_path
         "train/step.py": "from pkg.train.optim import lr\nfrom pkg.errors import E\n",
         "train/optim.py": "from pkg.config import schema\nimport pkg.train.step\n",
         "train/rel.py": "from . import step\n",
+        "publish/__init__.py": "",
     }.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(text)
@@ -141,4 +145,5 @@ def test_the_check_finds_an_upward_import_a_cycle_and_a_relative_import(tmp_path
     assert "import cycle: src/pkg/train/optim.py:2 imports pkg.train.step; " \
            "src/pkg/train/step.py:1 imports pkg.train.optim" in problems, problems
     assert any(p.startswith("src/pkg/train/rel.py:1: relative import") for p in problems), problems
-    assert len(problems) == 3, problems
+    assert "pkg/publish/ is a package with no place in LAYERS; add it where it belongs" in problems
+    assert len(problems) == 4, problems

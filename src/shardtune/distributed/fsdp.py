@@ -17,7 +17,9 @@ from shardtune.families import family
 
 
 def detect_block_class(model, override: str | None = None) -> type:
-    """The decoder-block class that becomes one FSDP unit (GPT2Block, OPTDecoderLayer, ...)."""
+    """The decoder-block class that becomes one FSDP unit (GPT2Block, OPTDecoderLayer, ...): the
+    override, else the family's (families.py), else transformers' `_no_split_modules`, else the
+    class of the longest ModuleList."""
     classes = {type(m).__name__: type(m) for m in model.modules()}
     if override:
         if override not in classes:
