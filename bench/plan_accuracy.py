@@ -1,7 +1,7 @@
 """How right is `shardtune plan`? The predicted per-rank peak against the peak of the same
 training step really run.
 
-CPU (default): the traced peak (memtrace.trace_step, fake tensors, fake process group) against
+CPU (default): the traced peak (plan.trace.trace_step, fake tensors, fake process group) against
 the peak of live tensor bytes of rank 0 in a real run of N ranks (torch's MemTracker over the
 second of two steps; not RSS). Rows: a GPT-2-small shape and a ~100M Llama shape, 1/2/4 ranks,
 full_shard and no_shard, activation checkpointing on and off, LoRA, micro-batch 1/4/8.

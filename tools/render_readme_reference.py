@@ -1,4 +1,4 @@
-"""Rewrite README.md's config reference block from the dataclasses (run after changing config.py)."""
+"""Rewrite README.md's config reference block from the dataclasses (run after changing config/schema.py)."""
 
 import re
 from pathlib import Path

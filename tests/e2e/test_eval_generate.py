@@ -64,9 +64,27 @@ def hand_metrics(folder: Path, jsonl: str) -> dict:
 
 
 def run_eval(*argv: str) -> dict:
+    from shardtune.cli.eval import request
     from shardtune.train.evaluate import run_eval as run
 
-    return run(build_parser().parse_args(["eval", *argv]))
+    return run(request(build_parser().parse_args(["eval", *argv])))
+
+
+def test_the_cli_builds_the_typed_requests_with_the_library_defaults():
+    """eval, generate and plan hand the library a dataclass, never the argparse Namespace; a flag's
+    default and the field's default agree, so a library caller gets what the CLI gets."""
+    from shardtune.cli import eval as eval_cli
+    from shardtune.cli import generate as generate_cli
+    from shardtune.cli.plan import plan_request
+    from shardtune.plan.report import PlanRequest
+    from shardtune.train.evaluate import EvalRequest, GenerateRequest
+
+    parser = build_parser()
+    assert eval_cli.request(parser.parse_args(["eval", "m"])) == EvalRequest("m")
+    assert generate_cli.request(parser.parse_args(["generate", "m"])) == GenerateRequest("m")
+    assert generate_cli.request(parser.parse_args(["generate", "m", "--prompt", "a", "--prompt", "b"])).prompts == \
+        ["a", "b"]
+    assert plan_request(parser.parse_args(["plan", "--gpus", "2"])) == PlanRequest(2)
 
 
 def assert_metrics(got: dict, want: dict, tol: float = 1e-5) -> None:

@@ -1,6 +1,7 @@
 """The launcher of `--nproc 2`, as a user runs it (the real CLI): one live run per output
 folder, Ctrl-C that checkpoints and says so only when it is true, and ranks that die with their
-launcher on `kill -9`. Three launches, ~15 s each on 2 cores."""
+launcher on `kill -9` (started with SIGINT ignored, it ignores Ctrl-C). Four launches, ~15 s each
+on 2 cores."""
 
 from __future__ import annotations
 
@@ -23,17 +24,19 @@ pytestmark = pytest.mark.multiproc
 
 
 
-def launch(recipe: str, out: Path, datasets_cache, *extra: str) -> subprocess.Popen:
+def launch(recipe: str, out: Path, datasets_cache, *extra: str, sigint=signal.SIG_DFL) -> subprocess.Popen:
+    """`sigint`: the launcher's SIGINT disposition at its start, whatever pytest's is (SIG_IGN
+    under `nohup` or `&`): SIG_DFL as from a terminal, or SIG_IGN."""
     return subprocess.Popen([sys.executable, "-m", "shardtune", "train", recipe, "device=cpu", "train.max_steps=400",
                              "eval.at_start=false", f"output_dir={out}", "--nproc", "2", *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=out.parent,
-                            env=subprocess_env(datasets_cache))
+                            env=subprocess_env(datasets_cache), preexec_fn=lambda: signal.signal(signal.SIGINT, sigint))
 
 
 @contextlib.contextmanager
-def launched(recipe: str, out: Path, datasets_cache, *extra: str):
+def launched(recipe: str, out: Path, datasets_cache, *extra: str, sigint=signal.SIG_DFL):
     """A 2-rank run in the background; killed on the way out, whatever the test saw."""
-    proc = launch(recipe, out, datasets_cache, *extra)
+    proc = launch(recipe, out, datasets_cache, *extra, sigint=sigint)
     try:
         yield proc
     finally:
@@ -125,15 +128,22 @@ def test_nproc2_ctrl_c_before_training_claims_no_checkpoint(recipe, tmp_path, da
     assert "saved" not in output and not (out / "checkpoints").exists()
 
 
-def test_nproc2_ranks_die_with_their_launcher(recipe, tmp_path, datasets_cache):
-    """kill -9 of `shardtune train --nproc 2`: both ranks are gone within seconds, and the
-    folder is free for the next run (the lock went with the launcher)."""
+def test_nproc2_ignores_ctrl_c_when_started_so_and_ranks_die_with_their_launcher(recipe, tmp_path, datasets_cache):
+    """Started under `nohup` or `&` (SIGINT ignored): Ctrl-C twice reaches neither the launcher
+    nor the ranks, which train on. Then kill -9 of the launcher: both ranks are gone within
+    seconds, and the folder is free for the next run (the lock went with the launcher)."""
     out = tmp_path / "run"
-    proc = launch(recipe, out, datasets_cache)
+    proc = launch(recipe, out, datasets_cache, sigint=signal.SIG_IGN)
     try:
         wait_for(training(out), 180, proc)
         ranks = children(proc.pid)
         assert len(ranks) == 2 and all(alive(pid) for pid in ranks)
+        for _ in range(2):
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.05)
+        steps = len((out / "metrics.jsonl").read_text().splitlines())
+        wait_for(lambda: len((out / "metrics.jsonl").read_text().splitlines()) > steps + 1, 60, proc)
+        assert all(alive(pid) for pid in ranks) and not (out / "PREEMPTED").exists()
         proc.kill()
         proc.wait(timeout=30)
         deadline = time.time() + 10
@@ -142,6 +152,7 @@ def test_nproc2_ranks_die_with_their_launcher(recipe, tmp_path, datasets_cache):
         assert not any(alive(pid) for pid in ranks), "ranks outlived their launcher"
     finally:
         proc.kill()
-        proc.communicate()
+        output = proc.communicate()[0]
+    assert "Ctrl-C" not in output and "SIGINT" not in output, output
     hold_run_dir(out)
     release_run_dir(out)

@@ -254,10 +254,28 @@ def interrupt_at(monkeypatch, step: int, times: int) -> None:
     monkeypatch.setattr(train_mod, "train_step", step_then_sigint)
 
 
-def test_ctrl_c_once_checkpoints(capfd, monkeypatch, recipe, tmp_path):
+@pytest.fixture(params=["handled", "ignored"])
+def sigint(request):
+    """Run the test as from a terminal (Python's KeyboardInterrupt handler) and as under `nohup`
+    or `&` (SIGINT ignored, which a run keeps: launch/signals.py), whatever pytest started with."""
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN if request.param == "ignored" else signal.default_int_handler)
+    yield request.param
+    signal.signal(signal.SIGINT, before)
+
+
+def assert_ignored_ctrl_c_trains_to_the_end(rc: int, err: str, out: Path) -> None:
+    assert rc == 0, err
+    assert "Ctrl-C" not in err and not (out / "PREEMPTED").exists()
+    assert (out / "final" / "config.json").is_file()
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+
+
+def test_ctrl_c_once_checkpoints(capfd, monkeypatch, recipe, tmp_path, sigint):
     interrupt_at(monkeypatch, 2, times=1)
     out = tmp_path / "run"
     rc, stdout, err = run_main(capfd, ["train", recipe, "train.max_steps=5", f"output_dir={out}"])
+    if sigint == "ignored":
+        return assert_ignored_ctrl_c_trains_to_the_end(rc, err, out)
     assert rc == EXIT_PREEMPTED, err
     assert "Ctrl-C: finishing the steps under way and saving a checkpoint" in err
     # during step 2: the ranks agree on it with step 2's numbers, read once step 3 is queued
@@ -267,11 +285,13 @@ def test_ctrl_c_once_checkpoints(capfd, monkeypatch, recipe, tmp_path):
     assert not (out / LOCK_FILE).exists()
 
 
-def test_ctrl_c_twice_stops_at_once(capfd, monkeypatch, recipe, tmp_path):
+def test_ctrl_c_twice_stops_at_once(capfd, monkeypatch, recipe, tmp_path, sigint):
     interrupt_at(monkeypatch, 3, times=2)
     out = tmp_path / "run"
     rc, _, err = run_main(capfd, ["train", recipe, "train.max_steps=5", "checkpoint.every_steps=1",
                                   f"output_dir={out}"])
+    if sigint == "ignored":
+        return assert_ignored_ctrl_c_trains_to_the_end(rc, err, out)
     assert rc == EXIT_INTERRUPTED
     assert "Traceback" not in err
     last = err.strip().splitlines()[-1]

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import re
 import subprocess
+import sys
 
 import pytest
 
-from conftest import ROOT, run_cli, tiny_overrides
+from conftest import ROOT, child_env, run_cli, tiny_overrides
 
 
 def _one_line_error(err: str) -> str:
@@ -182,3 +183,28 @@ def test_srun_without_torchrun_maps_slurm_variables(monkeypatch):
     assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == ("5", "8", "1")
     assert os.environ["LOCAL_WORLD_SIZE"] == "4" and os.environ["MASTER_ADDR"] == "gpu-node-7"
     assert os.environ["MASTER_PORT"] == str(29500 + 1234 % 1000)
+
+
+def test_slurm_script_command_starts_shardtune_train(tmp_path):
+    """The script's own command line, run with stand-ins for srun and torchrun that start the real
+    `python -m shardtune` it names (as torchrun's workers do): shardtune parses the recipe and the
+    overrides (a misspelt key here) and reaches the config check: its one line, exit 2."""
+    from shardtune.launch.slurm import sbatch_script
+
+    recipe = tmp_path / "job.yaml"
+    recipe.write_text(f"model:\n  name_or_path: gpt2\ndata:\n  path: {tmp_path / 'missing.jsonl'}\n")
+    text = sbatch_script(str(recipe), str(tmp_path / "out"), 1, 2, overrides=["train.lrr=5e-5"], offline=True)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/bash\necho node1\n")
+    (bin_dir / "srun").write_text('#!/bin/bash\nwhile [ "$1" != torchrun ]; do shift; done\nexec "$@"\n')
+    (bin_dir / "torchrun").write_text(f'#!/bin/bash\n[ "$1" = --help ] && exit 0\nwhile [ "$1" != -m ]; do shift; '
+                                      f'done\nexec {sys.executable} "$@"\n')
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env = child_env(PATH=f"{bin_dir}:/usr/bin:/bin", SLURM_JOB_ID="42", SLURM_NNODES="1",
+                    SLURM_JOB_NODELIST="node1", SLURM_CPUS_PER_TASK="16")
+    proc = subprocess.run(["bash", "-c", text], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    line = _one_line_error(proc.stderr)
+    assert "train.lrr" in line and "did you mean train.lr?" in line, line

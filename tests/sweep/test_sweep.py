@@ -181,3 +181,12 @@ def test_bad_input_is_one_line_exit_2_before_any_trial(assets, tmp_path, capsys,
     assert code == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1
     assert message in err
     assert not out.exists()
+
+
+def test_without_a_recipe_the_sweep_uses_the_quickstart(tmp_path, capsys):
+    """No recipe: the quickstart's defaults (as train and plan take them), then the grid's checks."""
+    out = tmp_path / "out"
+    code = main(["sweep", "--grid", "fsdp.shardng=full_shard,no_shard", "--out", str(out)])
+    captured = capsys.readouterr()
+    assert code == 2 and "quickstart defaults" in captured.out, captured
+    assert "unknown config key 'fsdp.shardng'; did you mean fsdp.sharding" in captured.err and not out.exists()

@@ -40,5 +40,14 @@ def run(args) -> int:
         return launch_local(args.nproc, without_nproc(args.argv))
     from shardtune.train.evaluate import run_eval
 
-    run_eval(args)
+    run_eval(request(args))
     return 0
+
+
+def request(args):
+    """The parsed flags as the library's typed request."""
+    from shardtune.train.evaluate import EvalRequest
+
+    return EvalRequest(model=args.model, data=args.data, data_name=args.data_name, split=args.split,
+                       text_field=args.text_field, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
+                       max_batches=args.max_batches, compare=args.compare, device=args.device)

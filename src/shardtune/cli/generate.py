@@ -18,5 +18,14 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from shardtune.train.evaluate import run_generate
 
-    run_generate(args)
+    run_generate(request(args))
     return 0
+
+
+def request(args):
+    """The parsed flags as the library's typed request."""
+    from shardtune.train.evaluate import GenerateRequest
+
+    return GenerateRequest(model=args.model, prompts=args.prompt or [], prompts_file=args.prompts_file,
+                           max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                           seed=args.seed, device=args.device)

@@ -29,8 +29,20 @@ def run(args) -> int:
     recipe, overrides = split_recipe(args.recipe, args.overrides)
     defaults = None
     if recipe is None:
+        import sys
+
         from shardtune.data.quickstart import quickstart_defaults
 
-        defaults = quickstart_defaults()
+        defaults, used = quickstart_defaults(overrides)
+        print(used, file=sys.stderr, flush=True)  # stdout is the answer (--json)
     cfg = load_config(recipe, overrides, defaults)
-    return run_plan(args, cfg, recipe, overrides)
+    return run_plan(plan_request(args), cfg, recipe, overrides)
+
+
+def plan_request(args):
+    """The parsed flags as the library's typed request."""
+    from shardtune.plan.report import PlanRequest
+
+    return PlanRequest(gpus=args.gpus, nodes=args.nodes, gpu=args.gpu, gpu_mem=args.gpu_mem, host_mem=args.host_mem,
+                       peak_tflops=args.peak_tflops, bandwidth=args.bandwidth,
+                       inter_node_bandwidth=args.inter_node_bandwidth, margin=args.margin, json=args.json)

@@ -35,7 +35,8 @@ def run(args) -> int:
     if recipe is None:
         from shardtune.data.quickstart import quickstart_defaults
 
-        defaults = quickstart_defaults()
+        defaults, used = quickstart_defaults(overrides)
+        print(used, flush=True)
     sweep = Sweep(recipe, overrides, parse_grid(args.grid), steps=args.steps, eval_steps=args.eval_steps,
                   max_batch=args.max_batch, nproc=args.nproc,
                   mem_limit=parse_size(args.mem_limit, "--mem-limit") if args.mem_limit else None, defaults=defaults)

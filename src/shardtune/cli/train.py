@@ -76,11 +76,12 @@ def _launch_preemptible(nproc: int, worker: list[str], out: Path) -> int:
     SIGUSR1, so turn SIGUSR1 into SIGTERM here. A stopped run ends with EXIT_PREEMPTED only when
     the ranks wrote a checkpoint, and says which; otherwise with 128 + the signal."""
     import signal
+    import time
 
     from shardtune.launch.local import launch_local
     from shardtune.launch.signals import marker_stamp, stop_report
 
-    stamp = marker_stamp(out)
+    stamp, launched_ns = marker_stamp(out), time.time_ns()
     previous = signal.signal(signal.SIGUSR1, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
     try:
         code = launch_local(nproc, worker, interrupt_note="Ctrl-C: the ranks stop after the steps under way, with a "
@@ -89,6 +90,6 @@ def _launch_preemptible(nproc: int, worker: list[str], out: Path) -> int:
         signal.signal(signal.SIGUSR1, previous)
     if code <= 128:
         return code
-    code, line = stop_report(code - 128, out, stamp)
+    code, line = stop_report(code - 128, out, stamp, launched_ns)
     print(line, file=sys.stderr)
     return code

@@ -16,11 +16,8 @@ from __future__ import annotations
 from shardtune.config.schema import DataConfig
 from shardtune.data.formats import IGNORE_INDEX
 from shardtune.errors import UserError
+from shardtune.families import family, with_document_mask
 
-# model_type -> how its forward learns about the documents; each is covered by the
-# logits test (a document inside a packed row == the document alone).
-SUPPORTED = {"gpt2": "position_ids", "llama": "position_ids", "mistral": "position_ids", "qwen2": "position_ids",
-             "gpt_neox": "position_ids", "opt": "mask_4d"}
 FLASH = ("flash_attention_2", "flash_attention_3")
 ATTENTION = (None, "sdpa", "eager", *FLASH)  # None: transformers' default (sdpa where the model has it)
 
@@ -32,13 +29,20 @@ def check(cfg: DataConfig, hf_config) -> None:
     key = "data.padding_free" if cfg.padding_free else "data.document_mask"
     fix = "set data.padding_free=false" if cfg.padding_free else "set data.document_mask=false"
     model_type = getattr(hf_config, "model_type", None)
-    if model_type not in SUPPORTED:
+    if document_mask(model_type) is None:
         raise UserError(f"{key} needs a model whose attention can be kept inside each document; model type "
-                        f"{model_type!r} is not one ({', '.join(sorted(SUPPORTED))} are); {fix}")
+                        f"{model_type!r} is not one ({', '.join(with_document_mask())} are); {fix}")
     attn = getattr(hf_config, "_attn_implementation", None)
     if attn not in ATTENTION:
         raise UserError(f"{key} works with attention implementations {', '.join(a for a in ATTENTION if a)}, "
                         f"not {attn!r}; pick one of them in model.config, or {fix}")
+
+
+def document_mask(model_type: str | None) -> str | None:
+    """How this model type's forward learns about the documents (families.Family.document_mask);
+    each verified type is covered by the logits test (a document inside a packed row == alone)."""
+    known = family(model_type)
+    return known.document_mask if known else None
 
 
 def positions(starts, length: int):
@@ -80,7 +84,7 @@ def model_inputs(model, batch) -> dict:
         (cu_q, cu_k), (max_q, max_k) = prepare_fa_kwargs_from_position_ids(position_ids)
         # the varlen kernel wants the longest document as a number: one host sync per micro-batch
         inputs.update(cu_seq_lens_q=cu_q, cu_seq_lens_k=cu_k, max_length_q=int(max_q), max_length_k=int(max_k))
-    elif SUPPORTED.get(config.model_type) == "mask_4d":
+    elif document_mask(config.model_type) == "mask_4d":
         import torch
         from transformers.masking_utils import create_causal_mask
 

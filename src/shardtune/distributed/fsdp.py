@@ -13,10 +13,13 @@ from torch.distributed.tensor import DTensor
 from shardtune.config.schema import FSDPConfig
 from shardtune.distributed.process_group import Dist
 from shardtune.errors import UserError
+from shardtune.families import family
 
 
 def detect_block_class(model, override: str | None = None) -> type:
-    """The decoder-block class that becomes one FSDP unit (GPT2Block, OPTDecoderLayer, ...)."""
+    """The decoder-block class that becomes one FSDP unit (GPT2Block, OPTDecoderLayer, ...): the
+    override, else the family's (families.py), else transformers' `_no_split_modules`, else the
+    class of the longest ModuleList."""
     classes = {type(m).__name__: type(m) for m in model.modules()}
     if override:
         if override not in classes:
@@ -24,6 +27,9 @@ def detect_block_class(model, override: str | None = None) -> type:
             raise UserError(f"fsdp.block_class={override!r} is not a module of this model; "
                             f"candidates: {', '.join(candidates) or 'none'}")
         return classes[override]
+    known = family(getattr(getattr(model, "config", None), "model_type", None))
+    if known and known.block in classes:
+        return classes[known.block]
     for name in getattr(model, "_no_split_modules", None) or []:
         if name in classes:
             return classes[name]

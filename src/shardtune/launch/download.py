@@ -26,7 +26,7 @@ def env_flag(name: str) -> bool:
 
 
 def _is_local(path: str) -> bool:
-    """A data.path / model name that data.py or transformers would read from disk, not the hub."""
+    """A data.path / model name that data/pipeline.py or transformers would read from disk, not the hub."""
     from shardtune.data.pipeline import BUILDERS
 
     return Path(path).expanduser().exists() or path.startswith((".", "/", "~")) or Path(path).suffix in BUILDERS

@@ -13,6 +13,7 @@ import uuid
 
 from shardtune.distributed.process_group import LAUNCHER_ENV
 from shardtune.errors import EXIT_PREEMPTED, EXIT_USAGE
+from shardtune.launch.signals import sigint_ignored
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -23,7 +24,8 @@ def launch_local(nproc: int, worker_argv: list[str],
 
     SIGTERM (and SIGHUP, SIGQUIT) go to the ranks through the agent, which waits for them. So does
     the first Ctrl-C (SIGINT), after `interrupt_note`; a second Ctrl-C is passed on again, and
-    the ranks stop at once. The workers die with this process (`die_with_launcher`)."""
+    the ranks stop at once; started with SIGINT ignored, it ignores it (launch/signals.py). The
+    workers die with this process (`die_with_launcher`)."""
     import logging
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -56,7 +58,8 @@ def launch_local(nproc: int, worker_argv: list[str],
             except OSError:
                 pass
 
-    previous = signal.signal(signal.SIGINT, on_sigint)
+    # started with Ctrl-C ignored (nohup, `&`): the launcher ignores it, like the ranks that inherit it
+    previous = signal.getsignal(signal.SIGINT) if sigint_ignored() else signal.signal(signal.SIGINT, on_sigint)
     try:
         elastic_launch(config, entrypoint=sys.executable)("-m", "shardtune", *worker_argv)
     except SignalException as exc:  # the ranks were stopped by the agent and have exited

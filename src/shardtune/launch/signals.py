@@ -9,6 +9,10 @@ Ctrl-C is a request too: the first one stops the run like SIGTERM, with a checkp
 one stops it at once, without one (KeyboardInterrupt in a lone process; in a rank of several
 the default action, since a rank may be waiting in a collective that Python cannot interrupt).
 Every message about a stop says whether a checkpoint was written and which one is the last good one.
+
+A process started with SIGINT ignored (`nohup`, `cmd &` in a script) keeps ignoring it, launcher
+and ranks alike (the ranks inherit the ignored disposition), like any Unix program started that
+way: Ctrl-C never reaches such a run, and SIGTERM still stops it with a checkpoint.
 """
 
 from __future__ import annotations
@@ -26,8 +30,14 @@ from shardtune.errors import EXIT_PREEMPTED
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
+def sigint_ignored() -> bool:
+    """This process was started with Ctrl-C ignored, and so ignores it (see the module's docstring)."""
+    return signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+
+
 class Preemption:
-    """While installed, the signals above set `requested` instead of killing the process."""
+    """While installed, the signals above set `requested` instead of killing the process; an
+    ignored SIGINT stays ignored. `restore()` puts back the handlers the process had."""
 
     def __init__(self):
         self.requested = 0
@@ -35,14 +45,18 @@ class Preemption:
         self._old: dict = {}
         if threading.current_thread() is threading.main_thread():  # Python only allows it there
             for sig in SIGNALS:
-                self._old[sig] = signal.signal(sig, self._handle)
+                if sig != signal.SIGINT or not sigint_ignored():
+                    self._old[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame) -> None:
         if signum == signal.SIGINT:
+            # The second Ctrl-C: at once. A lone process gets its own handler back (Python's
+            # KeyboardInterrupt: it unwinds and the CLI says what is left); a rank dies by the
+            # default action (its launcher says it): it may be inside a collective.
+            old = self._old.get(signal.SIGINT)
             lone = not launched_by_agent()
-            # The second Ctrl-C: at once. A lone process unwinds (the CLI says what is left);
-            # a rank dies by the default action (its launcher says it).
-            signal.signal(signal.SIGINT, signal.default_int_handler if lone else signal.SIG_DFL)
+            signal.signal(signal.SIGINT, (old if old is not None else signal.default_int_handler) if lone
+                          else signal.SIG_DFL)
             if os.environ.get("RANK", "0") == "0" and LAUNCHER_ENV not in os.environ:
                 os.write(sys.stderr.fileno(), b"Ctrl-C: finishing the steps under way and saving a checkpoint; "
                                               b"Ctrl-C again stops at once, without one\n")
@@ -80,9 +94,18 @@ def marker_stamp(out: Path) -> float | None:
         return None
 
 
-def stop_report(signum: int, out: Path, stamp_before: float | None) -> tuple[int, str]:
-    """What a launcher whose ranks were stopped by signal `signum` exits with and says: 75 and
-    the checkpoint only when the ranks wrote one (a PREEMPTED marker that changed since the launch)."""
+def written_since(folder: Path, since_ns: int) -> bool:
+    """Whether any file in `folder` was written at or after `since_ns` (time.time_ns())."""
+    try:
+        return any(p.stat().st_mtime_ns >= since_ns for p in folder.rglob("*") if p.is_file())
+    except OSError:
+        return False
+
+
+def stop_report(signum: int, out: Path, stamp_before: float | None, launched_ns: int) -> tuple[int, str]:
+    """What a launcher whose ranks were stopped by signal `signum` exits with and says, from what
+    is on disk: 75 and the checkpoint only when the ranks wrote one (a PREEMPTED marker that
+    changed since the launch at `launched_ns`), and final/ when they wrote into it."""
     name = signal.Signals(signum).name
     step = None
     if marker_stamp(out) not in (None, stamp_before):
@@ -95,4 +118,6 @@ def stop_report(signum: int, out: Path, stamp_before: float | None) -> tuple[int
         return EXIT_PREEMPTED, (f"{name}: the ranks saved {folder} and stopped; exit {EXIT_PREEMPTED} "
                                 "(resume=auto continues)")
     code = 128 + signum
-    return code, f"{name}: the ranks stopped without writing a checkpoint; {last_good(out)}; exit {code}"
+    final = out / "final"
+    after = f", after writing into {final} (training had ended)" if written_since(final, launched_ns) else ""
+    return code, f"{name}: the ranks stopped without writing a checkpoint{after}; {last_good(out)}; exit {code}"

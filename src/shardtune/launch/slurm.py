@@ -16,8 +16,7 @@ import shlex
 from pathlib import Path
 
 from shardtune.checkpoint.rundir import PREEMPTED_MARKER
-from shardtune.errors import UserError
-from shardtune.launch.signals import EXIT_PREEMPTED
+from shardtune.errors import EXIT_PREEMPTED, UserError
 
 
 def sbatch_script(recipe: str, output_dir: str, nodes: int, gpus_per_node: int, *, overrides: list[str],

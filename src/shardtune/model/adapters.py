@@ -12,20 +12,7 @@ import torch.nn as nn
 
 from shardtune.config.schema import FreezeConfig, PeftConfig
 from shardtune.errors import UserError
-
-# Where LoRA goes when peft.target_modules is not given: the attention projections.
-DEFAULT_TARGETS = {
-    "gpt2": ["c_attn"],
-    "opt": ["q_proj", "v_proj"],
-    "llama": ["q_proj", "v_proj"],
-    "mistral": ["q_proj", "v_proj"],
-    "mixtral": ["q_proj", "v_proj"],
-    "qwen2": ["q_proj", "v_proj"],
-    "gemma": ["q_proj", "v_proj"],
-    "phi3": ["qkv_proj"],
-    "gpt_neox": ["query_key_value"],
-    "falcon": ["query_key_value"],
-}
+from shardtune.families import family
 
 
 def check_quantize(cfg: PeftConfig, device) -> None:
@@ -70,7 +57,8 @@ def add_lora(model, cfg: PeftConfig, model_type: str, seed: int | None = None):
     """Wrap `model` with LoRA adapters (a PeftModel); the base weights are frozen by peft."""
     from peft import LoraConfig, get_peft_model
 
-    targets = cfg.target_modules or DEFAULT_TARGETS.get(model_type)
+    known = family(model_type)
+    targets = cfg.target_modules or (list(known.lora_targets) if known else None)
     if not targets:
         raise UserError(f"no default LoRA target modules for model_type {model_type!r}; "
                         "set peft.target_modules=[...] (names of linear layers)")

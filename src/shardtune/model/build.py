@@ -2,7 +2,7 @@
 `build_model`, so what they run (and what the planner traces) is the same model.
 
 The sequence: the model's structure on the meta device -> LoRA / freezing -> the chunked head
-loss -> parallelism (parallel.apply_parallelism) -> weights, read on rank 0 only and handed out
+loss -> parallelism (distributed.fsdp.apply_parallelism) -> weights, read on rank 0 only and handed out
 shard by shard. Without a weight source the parameters stay on meta, for the caller to give
 storage (the planner does so under fake tensors).
 """
@@ -47,7 +47,7 @@ class BuiltModel:
     model: Any  # nn.Module, its parameters DTensors (FSDP2) unless it is a QLoRA model
     block_cls: type | None  # the decoder-block class (one FSDP unit each with fsdp.wrap=block)
     units: list  # the FSDP units below the root, in forward order
-    reshard_after_forward: bool  # parallel.reshard_after_forward: the one sharding policy
+    reshard_after_forward: bool  # distributed.fsdp.reshard_after_forward: the one sharding policy
 
     @property
     def sync_grads_each_micro_step(self) -> bool:

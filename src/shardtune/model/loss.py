@@ -18,11 +18,8 @@ import torch
 import torch.nn as nn
 
 from shardtune.data.formats import IGNORE_INDEX
+from shardtune.families import family
 
-# model types whose causal-LM forward applies the head and nothing else to the logits
-# (no soft-capping or scaling), so a loss computed inside the head is the model's loss
-# (checked in transformers 5's modeling files); others keep the plain logits + cross-entropy
-PLAIN_HEAD_TYPES = {"gpt2", "opt", "llama", "mistral", "qwen2", "qwen3", "gpt_neox"}
 # default chunk, in bytes of fp32 logits: on CPU small enough to stay in a typical L3 cache
 # (passes over logits run ~4x faster there); on GPUs large enough for full-speed GEMMs
 CHUNK_BYTES = {"cpu": 24 * 2 ** 20, "cuda": 64 * 2 ** 20}
@@ -129,8 +126,8 @@ def install(model, setting: int | None) -> bool:
     if is_installed(model):
         return True
     head = model.get_output_embeddings()
-    model_type = getattr(model.config, "model_type", None)
-    if setting == 0 or type(head) is not nn.Linear or head.bias is not None or model_type not in PLAIN_HEAD_TYPES:
+    known = family(getattr(model.config, "model_type", None))  # Family.plain_head: nothing after the head
+    if setting == 0 or type(head) is not nn.Linear or head.bias is not None or not (known and known.plain_head):
         return False
     # an instance attribute: FSDP's hooks still wrap the call; parameter names are unchanged
     head.forward = functools.partial(_head_forward, head, head.forward, setting)

@@ -1,4 +1,4 @@
-"""`shardtune plan`'s command: read the request, run the search (plan.py), print the answer —
+"""`shardtune plan`'s command: read the request, run the search (plan/search.py), print the answer —
 the winner's per-rank breakdown and command line, why the others were dropped, and when nothing
 fits, what would (more GPUs, LoRA, QLoRA, a shorter sequence), with numbers."""
 
@@ -8,6 +8,7 @@ import copy
 import json
 import shlex
 import sys
+from dataclasses import dataclass
 
 from shardtune.config.schema import RunConfig
 from shardtune.errors import UserError
@@ -20,35 +21,50 @@ ROWS = [("sharded_params", "sharded parameters"), ("gathered_params", "gathered 
         ("temporaries", "temporaries"), ("communication", "communication buffers"), ("buffers", "model buffers")]
 
 
-def target_from_args(args) -> Target:
-    if args.gpus is None or args.gpus < 1:
-        raise UserError(f"--gpus must be at least 1, got {args.gpus}; give the GPUs per node, e.g. --gpus 4")
-    if args.nodes < 1:
-        raise UserError(f"--nodes must be at least 1, got {args.nodes}")
-    if not args.gpu and not args.gpu_mem:
+@dataclass
+class PlanRequest:
+    """The machine to plan for and how to answer (cli/plan.py builds it from the flags)."""
+    gpus: int | None  # per node
+    nodes: int = 1
+    gpu: str | None = None  # a name in hardware.GPUS; or give gpu_mem
+    gpu_mem: str | None = None  # e.g. "16GiB"; overrides the GPU's
+    host_mem: str | None = None  # host RAM per node
+    peak_tflops: float | None = None
+    bandwidth: float | None = None  # GB/s per GPU inside a node
+    inter_node_bandwidth: float | None = None  # GB/s per GPU between nodes
+    margin: float = 0.05  # share of GPU memory kept free
+    json: bool = False  # machine-readable answer on stdout, progress on stderr
+
+
+def target_from_request(req: PlanRequest) -> Target:
+    if req.gpus is None or req.gpus < 1:
+        raise UserError(f"--gpus must be at least 1, got {req.gpus}; give the GPUs per node, e.g. --gpus 4")
+    if req.nodes < 1:
+        raise UserError(f"--nodes must be at least 1, got {req.nodes}")
+    if not req.gpu and not req.gpu_mem:
         raise UserError("say which GPU: --gpu NAME (e.g. --gpu A100-80GB) or --gpu-mem SIZE (e.g. --gpu-mem 16GiB)")
-    gpu = gpu_by_name(args.gpu) if args.gpu else None
-    memory = parse_size(args.gpu_mem, "--gpu-mem") if args.gpu_mem else gpu.memory_bytes
-    host = parse_size(args.host_mem, "--host-mem") if args.host_mem else None
+    gpu = gpu_by_name(req.gpu) if req.gpu else None
+    memory = parse_size(req.gpu_mem, "--gpu-mem") if req.gpu_mem else gpu.memory_bytes
+    host = parse_size(req.host_mem, "--host-mem") if req.host_mem else None
     for name in ("bandwidth", "inter_node_bandwidth", "peak_tflops"):
-        if getattr(args, name) is not None and getattr(args, name) <= 0:
-            raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if not 0 <= args.margin < 1:
-        raise UserError(f"--margin is a share of GPU memory kept free, in [0, 1); got {args.margin}")
-    target = Target(args.gpus, args.nodes, memory, gpu, args.peak_tflops, args.bandwidth, host_bytes=host,
-                    margin=args.margin)
-    if args.inter_node_bandwidth:
-        target.inter_node_gbs = args.inter_node_bandwidth
+        if getattr(req, name) is not None and getattr(req, name) <= 0:
+            raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(req, name)}")
+    if not 0 <= req.margin < 1:
+        raise UserError(f"--margin is a share of GPU memory kept free, in [0, 1); got {req.margin}")
+    target = Target(req.gpus, req.nodes, memory, gpu, req.peak_tflops, req.bandwidth, host_bytes=host,
+                    margin=req.margin)
+    if req.inter_node_bandwidth:
+        target.inter_node_gbs = req.inter_node_bandwidth
     return target
 
 
-def run_plan(args, cfg: RunConfig, recipe: str | None, overrides: list[str]) -> int:
+def run_plan(req: PlanRequest, cfg: RunConfig, recipe: str | None, overrides: list[str]) -> int:
     from shardtune.model.hf import check_seq_len
 
-    target = target_from_args(args)
+    target = target_from_request(req)
     hf_config, source = resolve_hf_config(cfg)
     check_seq_len(hf_config, cfg.data.seq_len)
-    say = (lambda text: print(text, file=sys.stderr, flush=True)) if args.json else \
+    say = (lambda text: print(text, file=sys.stderr, flush=True)) if req.json else \
         (lambda text: print(text, flush=True))
     say(f"model config: {source}")
     ranked = search(cfg, hf_config, target, say)
@@ -61,7 +77,7 @@ def run_plan(args, cfg: RunConfig, recipe: str | None, overrides: list[str]) -> 
         answer["what_would_fit"] = what_would_fit(cfg, hf_config, target, ranked)
     else:
         answer["best"]["largest_micro_batch"] = largest_micro_batch(best, cfg, hf_config, target)
-    if args.json:
+    if req.json:
         print(json.dumps(answer, indent=1))
     else:
         print(render(answer))

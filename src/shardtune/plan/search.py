@@ -1,6 +1,6 @@
 """`shardtune plan`: each rank's memory before the run, and the fastest configuration that fits.
 
-Memory comes from a traced training step (memtrace.py): the truth for everything a trace can
+Memory comes from a traced training step (plan/trace.py): the truth for everything a trace can
 see. A GPU adds what it cannot (hardware.CUDA_OVERHEADS). The search traces every candidate
 layout (sharding x activation checkpointing x CPU offload x precision) on a 3- and a 4-block copy
 of the model at micro-batches 1 and 2, extrapolates to the model's depth and to each

@@ -8,6 +8,7 @@ perplexity and next-token accuracy. generate runs in one process.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -19,29 +20,44 @@ from shardtune.errors import UserError
 # ----------------------------------------------------------------------------- eval
 
 
-def eval_blocks(args, run_cfg, tokenizer):
+@dataclass
+class EvalRequest:
+    """What `shardtune eval` evaluates, and on which data (cli/eval.py builds it from the flags)."""
+    model: str  # HF folder or hub id, run folder, or checkpoint folder
+    data: str | None = None  # dataset; None: the checkpoint's validation split
+    data_name: str | None = None
+    split: str | None = None
+    text_field: str = "text"
+    seq_len: int | None = None
+    micro_batch_size: int = 8
+    max_batches: int = 0  # 0: all
+    compare: str | None = None  # a base model evaluated on the same data
+    device: str = "auto"
+
+
+def eval_blocks(req: EvalRequest, run_cfg, tokenizer):
     """Packed blocks to evaluate on: --data's split, else the validation split the run of
     `run_cfg` (the evaluated checkpoint's) used, tokenized with `tokenizer`."""
     from shardtune.config.schema import DataConfig
     from shardtune.data import pipeline as data_lib
 
-    if args.data is None:
+    if req.data is None:
         if run_cfg is None:
-            raise UserError(f"{args.model!r} is not a shardtune checkpoint, so it has no dataset; pass --data PATH")
+            raise UserError(f"{req.model!r} is not a shardtune checkpoint, so it has no dataset; pass --data PATH")
         d = run_cfg.data
-        if args.seq_len:
-            d.seq_len = args.seq_len
-        if args.split is None:
+        if req.seq_len:
+            d.seq_len = req.seq_len
+        if req.split is None:
             _, val = data_lib.prepare(d, tokenizer, run_cfg.train.seed)
             if val is None:
                 raise UserError("the run had no validation split; pass --data PATH [--split NAME]")
             return val
         cfg = d
     else:
-        cfg = DataConfig(path=args.data, name=args.data_name, text_field=args.text_field,
-                         seq_len=args.seq_len or (run_cfg.data.seq_len if run_cfg else 512))
+        cfg = DataConfig(path=req.data, name=req.data_name, text_field=req.text_field,
+                         seq_len=req.seq_len or (run_cfg.data.seq_len if run_cfg else 512))
     splits = data_lib.load_documents(cfg)
-    split = args.split or next((s for s in ("validation", "test") if s in splits), "train")
+    split = req.split or next((s for s in ("validation", "test") if s in splits), "train")
     if split not in splits:
         raise UserError(f"dataset {cfg.path!r} has no split {split!r}; choose --split from {', '.join(splits)}")
     # the run's format (instruct, chat, template) when it is the run's data; packed text otherwise
@@ -52,9 +68,9 @@ def eval_blocks(args, run_cfg, tokenizer):
     return blocks.with_format("torch")
 
 
-def eval_one(spec: str, args, dist, data_cfg) -> dict:
+def eval_one(spec: str, req: EvalRequest, dist, data_cfg) -> dict:
     """Metrics of one model over all ranks (collective), on the data that `data_cfg` (the run
-    config of the evaluated checkpoint, or None) and args select."""
+    config of the evaluated checkpoint, or None) and `req` select."""
     from shardtune.data import pipeline as data_lib
     from shardtune.distributed.collectives import rank0_first
     from shardtune.distributed.fsdp import build_mesh
@@ -64,7 +80,7 @@ def eval_one(spec: str, args, dist, data_cfg) -> dict:
 
     # Rank 0 alone reads the full weights; the other ranks only the config and tokenizer.
     source, tokenizer, hf_config, run_cfg = rank0_first(dist, lambda: load_model(spec, weights=dist.is_main))
-    ds = rank0_first(dist, lambda: eval_blocks(args, data_cfg, tokenizer))
+    ds = rank0_first(dist, lambda: eval_blocks(req, data_cfg, tokenizer))
     check_seq_len(hf_config, len(ds[0]["input_ids"]))
     # fp32, full_shard: evaluation needs none of the run's training settings
     layout = ModelSpec(hf_config, loss_chunk_tokens=run_cfg.loss_chunk_tokens if run_cfg else None,
@@ -72,7 +88,7 @@ def eval_one(spec: str, args, dist, data_cfg) -> dict:
     held = [source]  # popped by build_model: rank 0's full copy is freed once it is handed out
     del source
     model = build_model(layout, build_mesh(layout.fsdp, dist), dist.device, source=held.pop).model
-    batches = data_lib.eval_batches(len(ds), args.micro_batch_size, dist.world_size, dist.rank, args.max_batches)
+    batches = data_lib.eval_batches(len(ds), req.micro_batch_size, dist.world_size, dist.rank, req.max_batches)
     metrics = evaluate(model, ds, batches, dist.device)
     metrics["sequences"] = sum(1 for b in batches for i in b if i >= 0)
     if dist.world_size > 1:
@@ -83,7 +99,7 @@ def eval_one(spec: str, args, dist, data_cfg) -> dict:
     return metrics
 
 
-def run_eval(args) -> dict:
+def run_eval(req: EvalRequest) -> dict:
     """{"model": metrics[, "base": metrics]}; prints a table on rank 0."""
     from transformers.utils import logging as hf_logging
 
@@ -91,23 +107,23 @@ def run_eval(args) -> dict:
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    data_cfg = load_model(args.model, weights=False)[3]  # --compare BASE is evaluated on the same data
+    data_cfg = load_model(req.model, weights=False)[3]  # --compare BASE is evaluated on the same data
     owns = not tdist.is_initialized()
-    dist = init_distributed(args.device)
+    dist = init_distributed(req.device)
     try:
-        results = {"model": eval_one(args.model, args, dist, data_cfg)}
-        if args.compare:
-            results["base"] = eval_one(args.compare, args, dist, data_cfg)
+        results = {"model": eval_one(req.model, req, dist, data_cfg)}
+        if req.compare:
+            results["base"] = eval_one(req.compare, req, dist, data_cfg)
     finally:
         if owns:
             tdist.destroy_process_group()
     if dist.is_main:
-        print(format_table(results, args), flush=True)
+        print(format_table(results, req), flush=True)
     return results
 
 
-def format_table(results: dict, args) -> str:
-    cols = [("base", args.compare), ("model", args.model)] if "base" in results else [("model", args.model)]
+def format_table(results: dict, req: EvalRequest) -> str:
+    cols = [("base", req.compare), ("model", req.model)] if "base" in results else [("model", req.model)]
     names = ["base" if k == "base" else ("fine-tuned" if "base" in results else "model") for k, _ in cols]
     rows = [("loss", "eval_loss", "{:.4f}"), ("perplexity", "eval_ppl", "{:.3f}"),
             ("accuracy", "eval_acc", "{:.4f}"), ("sequences", "sequences", "{:d}")]
@@ -121,13 +137,26 @@ def format_table(results: dict, args) -> str:
 # ----------------------------------------------------------------------------- generate
 
 
-def read_prompts(args) -> list[str]:
-    prompts = list(args.prompt or [])
-    if args.prompts_file:
+@dataclass
+class GenerateRequest:
+    """What `shardtune generate` runs (cli/generate.py builds it from the flags)."""
+    model: str  # HF folder or hub id, run folder, or checkpoint folder
+    prompts: list[str] = field(default_factory=list)
+    prompts_file: str | None = None  # one prompt per line, after `prompts`
+    max_new_tokens: int = 64
+    temperature: float = 0.7  # 0: greedy
+    top_p: float = 0.9
+    seed: int = 0
+    device: str = "auto"
+
+
+def read_prompts(req: GenerateRequest) -> list[str]:
+    prompts = list(req.prompts)
+    if req.prompts_file:
         try:
-            text = Path(args.prompts_file).read_text(encoding="utf-8")
+            text = Path(req.prompts_file).read_text(encoding="utf-8")
         except OSError as exc:
-            raise UserError(f"cannot read --prompts-file {args.prompts_file!r} ({exc.strerror})") from None
+            raise UserError(f"cannot read --prompts-file {req.prompts_file!r} ({exc.strerror})") from None
         prompts += [line for line in text.splitlines() if line.strip()]
     if not prompts:
         raise UserError("no prompt given; pass --prompt TEXT or --prompts-file FILE (one prompt per line)")
@@ -156,16 +185,16 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int = 64, tem
     return outputs
 
 
-def run_generate(args) -> list[str]:
+def run_generate(req: GenerateRequest) -> list[str]:
     from transformers.utils import logging as hf_logging
 
     from shardtune.distributed.process_group import resolve_device
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    prompts = read_prompts(args)
-    model, tokenizer, _, _ = load_model(args.model, str(resolve_device(args.device)))
-    texts = generate(model, tokenizer, prompts, args.max_new_tokens, args.temperature, args.top_p, args.seed)
+    prompts = read_prompts(req)
+    model, tokenizer, _, _ = load_model(req.model, str(resolve_device(req.device)))
+    texts = generate(model, tokenizer, prompts, req.max_new_tokens, req.temperature, req.top_p, req.seed)
     for i, (prompt, text) in enumerate(zip(prompts, texts)):
         if len(prompts) > 1:
             print(f"=== prompt {i + 1} ===")

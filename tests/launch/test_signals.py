@@ -1,0 +1,68 @@
+"""launch/signals.py in one process: the handlers a run installs go back to the ones the process
+had (an ignored SIGINT stays ignored), and a launcher's stop report says what is on disk."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from shardtune.errors import EXIT_PREEMPTED
+from shardtune.launch.signals import Preemption, marker_stamp, stop_report
+
+
+@pytest.fixture
+def keep_sigint():
+    before = signal.getsignal(signal.SIGINT)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
+def test_ctrl_c_requests_a_stop_then_the_handler_the_process_had_comes_back(keep_sigint, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)  # a lone process
+    monkeypatch.delenv("SLURM_PROCID", raising=False)
+    seen = []
+
+    def mine(signum, frame):
+        seen.append(signum)
+
+    signal.signal(signal.SIGINT, mine)
+    term = signal.getsignal(signal.SIGTERM)
+    preemption = Preemption()
+    os.kill(os.getpid(), signal.SIGINT)
+    assert preemption.requested == 1 and preemption.name == "SIGINT" and not seen
+    assert signal.getsignal(signal.SIGINT) is mine  # the second Ctrl-C: the process's own handler
+    os.kill(os.getpid(), signal.SIGINT)
+    assert seen == [signal.SIGINT]
+    preemption.restore()
+    assert signal.getsignal(signal.SIGINT) is mine and signal.getsignal(signal.SIGTERM) is term
+
+
+def test_an_ignored_ctrl_c_stays_ignored(keep_sigint):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    preemption = Preemption()
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    os.kill(os.getpid(), signal.SIGINT)
+    assert preemption.requested == 0
+    preemption.restore()
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+
+
+def test_stop_report_says_what_is_on_disk(tmp_path):
+    out = tmp_path / "run"
+    (out / "final").mkdir(parents=True)
+    (out / "final" / "config.json").write_text("{}")  # an earlier launch's
+    time.sleep(0.01)
+    stamp, launched = marker_stamp(out), time.time_ns()
+    code, line = stop_report(signal.SIGINT, out, stamp, launched)
+    assert (code, line) == (130, "SIGINT: the ranks stopped without writing a checkpoint; this run has no "
+                                 "checkpoint; exit 130")
+    time.sleep(0.05)  # file times come from a coarser clock (one tick, a few ms, behind)
+    (out / "final" / "model.safetensors").write_text("")  # written by this launch's ranks
+    code, line = stop_report(signal.SIGTERM, out, stamp, launched)
+    assert code == 143 and f"after writing into {out / 'final'} (training had ended)" in line, line
+    (out / "PREEMPTED").write_text("7\n")
+    code, line = stop_report(signal.SIGTERM, out, stamp, launched)
+    assert code == EXIT_PREEMPTED and f"saved {out / 'checkpoints' / 'step-000007'}" in line, line
