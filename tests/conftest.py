@@ -71,3 +71,66 @@ def child_env(**extra: str) -> dict:
 def run_cli(args: list[str], timeout: int = 300, env: dict | None = None, **kw) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "shardtune", *args], capture_output=True, text=True,
                           timeout=timeout, env=child_env(**(env or {})), cwd=kw.pop("cwd", ROOT), **kw)
+
+
+# In-process training helpers shared by tests/train, tests/model and tests/e2e/test_cuda.py.
+
+def train_tiny(assets, out, **extra) -> list[float]:
+    """Per-step losses of an in-process run of a tiny model (quickstart defaults dropped)."""
+    from shardtune.config.load import load_config
+    from shardtune.train.trainer import run
+
+    run(load_config(None, tiny_overrides(assets, out, **extra), defaults={}), overwrite=True)
+    return losses(out)
+
+
+def make_trainer(assets, out, arch: str = "llama", **extra):
+    """An in-process one-rank Trainer of a tiny model (tests/e2e/test_cuda.py makes one on CUDA)."""
+    from shardtune.config.load import load_config
+    from shardtune.train.trainer import Trainer
+
+    return Trainer(load_config(None, tiny_overrides(assets, out, arch=arch, **extra), defaults={}), overwrite=True)
+
+
+def step(trainer, batches):
+    from shardtune.train.step import train_step
+
+    return train_step(trainer.model, trainer.optimizer, trainer.scaler, batches, trainer.cfg, trainer.dist,
+                      labels_vary=True, sync_each=trainer.built.sync_grads_each_micro_step)
+
+
+def optimizer_state(optimizer) -> list:
+    return [v.full_tensor().clone() if hasattr(v, "full_tensor") else v.clone()
+            for s in optimizer.state.values() for v in s.values()]
+
+
+def check_a_nonfinite_update_is_skipped(trainer, monkeypatch) -> None:
+    """A NaN step leaves weights, moments and step counts bit-identical; the next one applies."""
+    import torch
+
+    import shardtune.train.step as step_mod
+
+    assert trainer.optimizer.defaults["fused"]  # the device-side skip; other kernels ask the host
+    prefetcher = trainer.prefetcher()
+    try:
+        step(trainer, prefetcher.take(0)[0])  # optimizer state exists from here on
+        weights = {n: p.full_tensor().clone() for n, p in trainer.model.named_parameters()}
+        state = optimizer_state(trainer.optimizer)
+        real = step_mod.token_loss
+
+        def poisoned(*args, **kw):
+            loss, *rest = real(*args, **kw)
+            return (loss * float("nan"), *rest)
+
+        monkeypatch.setattr(step_mod, "token_loss", poisoned)
+        out = step(trainer, prefetcher.take(1)[0])
+        monkeypatch.setattr(step_mod, "token_loss", real)
+        assert not torch.isfinite(out.grad_norm)
+        assert all(torch.equal(p.full_tensor(), weights[n]) for n, p in trainer.model.named_parameters())
+        after = optimizer_state(trainer.optimizer)
+        assert all(torch.equal(a, b) for a, b in zip(after, state, strict=True))  # moments, step counts
+        out = step(trainer, prefetcher.take(2)[0])  # and the next finite step applies again
+        assert torch.isfinite(out.grad_norm)
+        assert any(not torch.equal(p.full_tensor(), weights[n]) for n, p in trainer.model.named_parameters())
+    finally:
+        prefetcher.close()

@@ -147,3 +147,16 @@ def test_the_check_finds_upward_and_relative_imports_cycles_and_unplaced_package
     assert any(p.startswith("src/pkg/train/rel.py:1: relative import") for p in problems), problems
     assert "pkg/publish/ is a package with no place in LAYERS; add it where it belongs" in problems
     assert len(problems) == 4, problems
+
+
+def test_each_test_file_imports_only_helpers_it_can_reach_alone():
+    """A test module may import another test module only from its own folder (pytest puts the
+    file's folder and tests/ on the path); helpers shared across folders live in conftest.py."""
+    tests = ROOT / "tests"
+    problems = []
+    for path in sorted(tests.rglob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            name = node.module if isinstance(node, ast.ImportFrom) else None
+            if name and name.startswith("test_") and not (path.parent / f"{name}.py").is_file():
+                problems.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {name} from another folder")
+    assert not problems, "\n".join(problems)

@@ -45,8 +45,7 @@ def test_the_step_never_waits_for_the_host(assets, tmp_path, monkeypatch):
     """bf16 OPT (transformers' OPT reads nothing on the host either) on CUDA: two steps and their
     numbers under torch.cuda.set_sync_debug_mode("error"), which raises at any synchronisation,
     with its stack; then a NaN step is skipped by the fused kernel on the device."""
-    from test_host_sync import check_a_nonfinite_update_is_skipped, make_trainer, step
-
+    from conftest import check_a_nonfinite_update_is_skipped, make_trainer, step
     from shardtune.train.step import queue_numbers, read_numbers
 
     trainer = make_trainer(assets, tmp_path, arch="opt", device=DEVICE, precision="bf16")

@@ -158,7 +158,7 @@ def test_default_chunk_fits_the_device():
 
 
 def test_training_with_and_without_chunks_is_the_same_run(assets, tmp_path):
-    from test_train import train
+    from conftest import train_tiny as train
 
     chunked = train(assets, tmp_path / "chunked", **{"train.max_steps": 4, "loss_chunk_tokens": 50})
     plain = train(assets, tmp_path / "plain", **{"train.max_steps": 4, "loss_chunk_tokens": 0})

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import tiny_overrides
+from conftest import check_a_nonfinite_update_is_skipped, make_trainer, step, tiny_overrides
 
 SRC = str(Path(__file__).resolve().parents[2] / "src" / "shardtune")
 # ops whose result the host must read (.item(), bool(tensor), float(tensor)) or whose output
@@ -39,27 +39,12 @@ class HostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def make_trainer(assets, out, arch: str = "llama", **extra):
-    """An in-process one-rank Trainer of a tiny model (tests/test_cuda.py makes one on CUDA)."""
-    from shardtune.config.load import load_config
-    from shardtune.train.trainer import Trainer
-
-    return Trainer(load_config(None, tiny_overrides(assets, out, arch=arch, **extra), defaults={}), overwrite=True)
-
-
 @pytest.fixture
 def trainer(assets, tmp_path):
     torch.set_num_threads(1)
     t = make_trainer(assets, tmp_path, **{"data.format": "text"})
     yield t
     t.close()
-
-
-def step(trainer, batches):
-    from shardtune.train.step import train_step
-
-    return train_step(trainer.model, trainer.optimizer, trainer.scaler, batches, trainer.cfg, trainer.dist,
-                      labels_vary=True, sync_each=trainer.built.sync_grads_each_micro_step)
 
 
 def test_a_step_and_its_numbers_ask_the_host_nothing(trainer):
@@ -78,43 +63,8 @@ def test_a_step_and_its_numbers_ask_the_host_nothing(trainer):
     assert not first.stop
 
 
-def optimizer_state(optimizer) -> list[torch.Tensor]:
-    return [v.full_tensor().clone() if hasattr(v, "full_tensor") else v.clone()
-            for s in optimizer.state.values() for v in s.values()]
-
-
 def test_a_nonfinite_update_is_skipped_on_the_device(trainer, monkeypatch):
     check_a_nonfinite_update_is_skipped(trainer, monkeypatch)
-
-
-def check_a_nonfinite_update_is_skipped(trainer, monkeypatch) -> None:
-    """A NaN step leaves weights, moments and step counts bit-identical; the next one applies."""
-    import shardtune.train.step as step_mod
-
-    assert trainer.optimizer.defaults["fused"]  # the device-side skip; other kernels ask the host
-    prefetcher = trainer.prefetcher()
-    try:
-        step(trainer, prefetcher.take(0)[0])  # optimizer state exists from here on
-        weights = {n: p.full_tensor().clone() for n, p in trainer.model.named_parameters()}
-        state = optimizer_state(trainer.optimizer)
-        real = step_mod.token_loss
-
-        def poisoned(*args, **kw):
-            loss, *rest = real(*args, **kw)
-            return (loss * float("nan"), *rest)
-
-        monkeypatch.setattr(step_mod, "token_loss", poisoned)
-        out = step(trainer, prefetcher.take(1)[0])
-        monkeypatch.setattr(step_mod, "token_loss", real)
-        assert not torch.isfinite(out.grad_norm)
-        assert all(torch.equal(p.full_tensor(), weights[n]) for n, p in trainer.model.named_parameters())
-        after = optimizer_state(trainer.optimizer)
-        assert all(torch.equal(a, b) for a, b in zip(after, state, strict=True))  # moments, step counts
-        out = step(trainer, prefetcher.take(2)[0])  # and the next finite step applies again
-        assert torch.isfinite(out.grad_norm)
-        assert any(not torch.equal(p.full_tensor(), weights[n]) for n, p in trainer.model.named_parameters())
-    finally:
-        prefetcher.close()
 
 
 def test_the_loop_reads_a_step_once_the_next_is_queued(assets, tmp_path, monkeypatch):

@@ -8,17 +8,11 @@ import math
 import pytest
 import yaml
 
-from conftest import losses, run_cli, tiny_overrides
+from conftest import run_cli, tiny_overrides
+from conftest import train_tiny as train
 from shardtune.config.load import load_config
 from shardtune.config.schema import TrainConfig
 from shardtune.train.optim import lr_factor
-
-
-def train(assets, out, **extra) -> list[float]:
-    from shardtune.train.trainer import run
-
-    run(load_config(None, tiny_overrides(assets, out, **extra), defaults={}), overwrite=True)
-    return losses(out)
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "opt", "llama"])
