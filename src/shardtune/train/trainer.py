@@ -349,16 +349,19 @@ class Trainer:
     def export(self, folder: Path | None = None) -> Path:
         """Plain HF folder, gathered to rank 0's CPU only."""
         from shardtune.checkpoint.export import gather_full_state_dict, save_hf_folder
+        from shardtune.fsio import atomic_dir
 
         folder = folder or self.out / "final"
         full = gather_full_state_dict(self.model)
-        if self.dist.is_main and self.cfg.peft.method == "lora":
-            from shardtune.checkpoint.export import save_adapter_folder
+        if self.dist.is_main:
+            with atomic_dir(folder, replace=True) as tmp:  # final/ appears only once complete
+                if self.cfg.peft.method == "lora":
+                    from shardtune.checkpoint.export import save_adapter_folder
 
-            save_adapter_folder(full, self.model, self.cfg.model, self.hf_config, self.tokenizer, folder,
-                                quantized=self.cfg.peft.quantize != "none")
-        elif self.dist.is_main:
-            save_hf_folder(full, self.hf_config, self.tokenizer, folder)
+                    save_adapter_folder(full, self.model, self.cfg.model, self.hf_config, self.tokenizer, tmp,
+                                        quantized=self.cfg.peft.quantize != "none", final=folder)
+                else:
+                    save_hf_folder(full, self.hf_config, self.tokenizer, tmp)
         del full
         self.say(f"model saved to {folder}")
         return folder
