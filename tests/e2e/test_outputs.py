@@ -207,7 +207,8 @@ def test_sweep_out_refuses_a_run_folder(capfd, earlier_run, recipe, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(earlier_run, run)
     before = tree(run)
-    fails(capfd, ["sweep", recipe, "--grid", "train.lr=1e-3,2e-3", "--out", str(run), "--steps", "1"], "--out", "not a sweep's", "checkpoints")
+    fails(capfd, ["sweep", recipe, "--grid", "train.lr=1e-3,2e-3", "--out", str(run), "--steps", "1"],
+          "--out", "not a sweep's", "checkpoints")
     assert tree(run) == before
 
 
