@@ -88,6 +88,7 @@ def run_eval(args) -> dict:
     from transformers.utils import logging as hf_logging
 
     from shardtune.distributed.process_group import init_distributed
+    from shardtune.launch.local import mark_completed
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
@@ -98,11 +99,13 @@ def run_eval(args) -> dict:
         results = {"model": eval_one(args.model, args, dist, data_cfg)}
         if args.compare:
             results["base"] = eval_one(args.compare, args, dist, data_cfg)
+        if dist.is_main:
+            print(format_table(results, args), flush=True)
+        tdist.barrier()  # the end in a fixed order, as a training run's (Trainer.close)
+        mark_completed(0)
     finally:
         if owns:
             tdist.destroy_process_group()
-    if dist.is_main:
-        print(format_table(results, args), flush=True)
     return results
 
 
