@@ -14,7 +14,7 @@ from pathlib import Path
 from shardtune.checkpoint.dcp import check_compatible, find_latest, read_meta, resolve_checkpoint, why_no_checkpoint
 from shardtune.distributed.process_group import LAUNCHER_ENV
 from shardtune.errors import UserError
-from shardtune.fsio import write_text_atomic
+from shardtune.fsio import PARTIAL, write_text_atomic
 
 # left in the output folder by a preempted run, for job scripts that cannot see the ranks' exit code
 PREEMPTED_MARKER = "PREEMPTED"
@@ -94,6 +94,8 @@ def prepare_run_dir(cfg, overwrite: bool, check_only: bool = False) -> str | Non
     root = out / "checkpoints"
     for stale in [*root.glob(".tmp-*"), *root.glob(".old-*")] if root.is_dir() else []:
         shutil.rmtree(stale, ignore_errors=True)  # saves cut short by a kill
+    for stale in out.glob(f".final{PARTIAL}*"):
+        shutil.rmtree(stale, ignore_errors=True)  # a final/ cut short by a kill
     if ckpt is not None:
         trim_metrics(out / "metrics.jsonl", step)
         print(f"resuming from {ckpt} (step {step})", flush=True)
