@@ -93,6 +93,12 @@ def _never_saved(run: Path, tmp: Path) -> None:  # killed before its first check
     shutil.rmtree(run / "final")
 
 
+def _first_save_cut_short(run: Path, tmp: Path) -> None:  # killed during its first checkpoint
+    _latest_gone(run, tmp)
+    (run / "checkpoints" / "latest").unlink()
+    (run / "checkpoints" / ".tmp-step-000001").mkdir()
+
+
 BREAKAGES = {  # how a checkpoint can be unusable -> words the refusal must hold
     "latest-names-a-gone-folder": (_latest_gone, "names step-000002, which is gone"),
     "checkpoints-a-dangling-link": (_dangling_link, "unmounted-disk"),
@@ -100,6 +106,7 @@ BREAKAGES = {  # how a checkpoint can be unusable -> words the refusal must hold
     "every-step-incomplete": (_all_incomplete, "2 step folder(s) incomplete"),
     "meta-json-unreadable": (_meta_unreadable, "unreadable meta.json in step-000001, step-000002"),
     "no-checkpoint-yet": (_never_saved, "there is no checkpoints/ folder"),
+    "first-save-cut-short": (_first_save_cut_short, "1 save(s) cut short"),
 }
 
 

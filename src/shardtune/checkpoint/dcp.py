@@ -102,6 +102,8 @@ def why_no_checkpoint(root: Path) -> str:
         notes.append(f"unreadable meta.json in {', '.join(sorted(broken))}")
     if len(broken) < len(steps):
         notes.append(f"{len(steps) - len(broken)} step folder(s) incomplete (meta.json or .metadata missing)")
+    if cut := len(list(root.glob(".tmp-step-*"))):
+        notes.append(f"{cut} save(s) cut short")
     return "; ".join(notes) or f"{root} holds no step-N checkpoint folder"
 
 
