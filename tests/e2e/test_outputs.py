@@ -19,6 +19,7 @@ from test_errors import _isolated, datasets_cache, fails, qs_assets, recipe, sna
 from test_reliability import tmpfs
 
 from shardtune.checkpoint.dcp import find_latest, why_no_checkpoint
+from shardtune.checkpoint.rundir import claim_output_dir
 from shardtune.cli.main import main
 from shardtune.fsio import atomic_dir, fs_failure_line
 
@@ -134,17 +135,16 @@ def test_latest_gone_falls_back_to_an_older_checkpoint(earlier_run, tmp_path):
     assert "unreadable meta.json in step-000001" in why_no_checkpoint(run / "checkpoints")
 
 
-def test_overwrite_removes_a_dangling_link_not_its_target(capfd, earlier_run, recipe, tmp_path):
+def test_overwrite_removes_a_link_not_its_target(earlier_run, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(earlier_run, run)
+    (run / "notes.txt").write_text("mine\n")
     elsewhere = tmp_path / "elsewhere"
     (run / "checkpoints").rename(elsewhere)
     (run / "checkpoints").symlink_to(elsewhere)
     kept = tree(elsewhere)
-    assert main(["train", recipe, f"output_dir={run}", "--overwrite", "checkpoint.every_steps=1"]) == 0
-    capfd.readouterr()
-    assert not (run / "checkpoints").is_symlink() and find_latest(run / "checkpoints").name == "step-000001"
-    assert tree(elsewhere) == kept
+    claim_output_dir(run, overwrite=True)
+    assert os.listdir(run) == ["notes.txt"] and tree(elsewhere) == kept
 
 
 # ----------------------------------------------------------------------------- export
@@ -186,6 +186,23 @@ def test_atomic_dir_keeps_nothing_of_a_failure(tmp_path):
     with atomic_dir(final, replace=True) as tmp:
         (tmp / "new.png").write_text("new")
     assert os.listdir(final) == ["new.png"] and sorted(os.listdir(tmp_path)) == ["final"]
+
+
+def test_train_failing_in_final_leaves_no_final(capfd, monkeypatch, recipe, tmp_path):  # noqa: F811
+    """final/ fails half-way (config.json written, then the weights do not go): one line naming
+    final/'s file, no final/ (nothing for from_pretrained to take for the model), the checkpoint kept."""
+    import shardtune.checkpoint.export as export_mod
+
+    def half(state_dict, hf_config, tokenizer, out, max_shard_size="2GB"):
+        (out / "config.json").write_text("{}")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(out / "model.safetensors"))
+
+    monkeypatch.setattr(export_mod, "save_hf_folder", half)
+    run = tmp_path / "run"
+    fails(capfd, ["train", recipe, f"output_dir={run}", "checkpoint.every_steps=1"], "disk full while writing",
+          str(run / "final" / "model.safetensors"))
+    assert sorted(os.listdir(run)) == ["checkpoints", "config.yaml", "metrics.jsonl"]
+    assert find_latest(run / "checkpoints").name == "step-000001"
 
 
 # ----------------------------------------------------------------------------- report, sweep, slurm
