@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 
 from shardtune.errors import UserError, first_line
-from shardtune.fsio import refuse_foreign, write_text_atomic
+from shardtune.fsio import make_dir, refuse_foreign, write_text_atomic
 from shardtune.hardware import GIB
 from shardtune.sweep.report import describe, method_label, summarize_point, write_outputs
 from shardtune.sweep.trial import LIVE_STEPS, run_trial
@@ -279,7 +279,7 @@ def run_sweep(sweep: Sweep) -> Path:
     sweep.device = resolve_device(device).type
     # continue a sweep, start one in a new or empty folder; never write into a run's or a user's folder
     refuse_foreign(sweep.out, "--out", "a sweep's", lambda name: name in SWEEP_FILES or name.endswith(".png"))
-    sweep.out.mkdir(parents=True, exist_ok=True)
+    make_dir(sweep.out)
     state = State(sweep)
     limit = memory_limit(sweep)
     cap = limit if sweep.device == "cpu" else None  # a GPU's own memory is the real limit there
