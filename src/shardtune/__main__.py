@@ -1,5 +1,8 @@
 import sys
 
 from shardtune.cli.main import main
+from shardtune.launch.local import leave_rank
 
-sys.exit(main())
+code = main()
+leave_rank(code)  # a rank of a launcher: a deterministic end, not the interpreter's teardown
+sys.exit(code)

@@ -16,23 +16,29 @@ def no_room(exc: BaseException, need: int, free: int | None) -> str | None:
     failure is something else. DCP wraps each rank's failure in its own exception, and
     torch.save's zip writer keeps no errno, so a full disk or a `ulimit -f` below the
     checkpoint's size also count."""
-    found, seen, todo = set(), set(), [exc]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        found |= {code for code, text in NO_SPACE.items()
-                  if (isinstance(e, OSError) and e.errno == code) or text in str(e)}
-        failures = getattr(e, "failures", None)
-        wrapped = [f[0] if isinstance(f, tuple) else f for f in failures.values()] if isinstance(failures, dict) else []
-        todo += [e.__cause__, e.__context__, *wrapped]
+    found = {code for e in causes(exc) for code, text in NO_SPACE.items()
+             if (isinstance(e, OSError) and e.errno == code) or text in str(e)}
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
     if errno.EFBIG in found or limit != resource.RLIM_INFINITY and limit < need:
         return "file size limit reached (ulimit -f)"
     if found or (free is not None and free < need):
         return "disk full"
     return None
+
+
+def causes(exc: BaseException):
+    """`exc` and every exception behind it: causes, contexts, and each rank's failure that DCP
+    wraps in one CheckpointException (its `failures`)."""
+    seen, todo = set(), [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        failures = getattr(e, "failures", None)
+        wrapped = [f[0] if isinstance(f, tuple) else f for f in failures.values()] if isinstance(failures, dict) else []
+        todo += [e.__cause__, e.__context__, *wrapped]
 
 
 def tensor_bytes(tree) -> int:

@@ -210,12 +210,12 @@ def test_kill9_mid_save_then_resume(reference, ck_assets, tmp_path):
     script = (
         "import os, signal, sys\n"
         "import shardtune.checkpoint.dcp as c\n"
-        "real = c._write_atomic\n"
-        "def killed(path, text):\n"
+        "real = c.write_text_atomic\n"
+        "def killed(path, text, sync=False):\n"
         "    if path.name == 'meta.json' and '000006' in str(path):\n"
         "        os.kill(os.getpid(), signal.SIGKILL)  # shards written, not yet committed\n"
-        "    real(path, text)\n"
-        "c._write_atomic = killed\n"
+        "    real(path, text, sync)\n"
+        "c.write_text_atomic = killed\n"
         "from shardtune.cli.main import main\n"
         "sys.exit(main(sys.argv[1:]))\n")
     proc = spawn(["-c", script, "train", *overrides(ck_assets, tmp_path, **{"checkpoint.every_steps": 3})])

@@ -28,6 +28,7 @@ from pathlib import Path
 from shardtune.config.schema import CheckpointConfig, RunConfig
 from shardtune.diskspace import free_bytes, human_size, no_room, tensor_bytes
 from shardtune.errors import UserError, first_line
+from shardtune.fsio import partial_name, write_text_atomic
 
 FORMAT = 2  # 2: named state objects in meta.json (train_state, scaler); the LR is a function of the step
 NAME = re.compile(r"^step-(\d+)$")
@@ -57,16 +58,53 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return sorted((p for p in root.iterdir() if step_of(p) >= 0 and is_complete(p)), key=step_of)
 
 
+def is_usable(path: Path) -> bool:
+    """Complete, and its meta.json reads as a checkpoint's (a resume can start from it)."""
+    if not is_complete(path):
+        return False
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+        return isinstance(meta, dict) and "step" in meta and "config" in meta
+    except (OSError, ValueError):
+        return False
+
+
 def find_latest(root: Path) -> Path | None:
-    """`latest` if it names a complete checkpoint, else the complete one with the highest step."""
+    """`latest` if it names a usable checkpoint, else the usable one with the highest step."""
     try:
         named = root / (root / "latest").read_text().strip()
-        if named.name and is_complete(named):
+        if named.name and is_usable(named):
             return named
-    except OSError:
+    except (OSError, ValueError):
         pass
-    found = complete_checkpoints(root)
+    found = [p for p in complete_checkpoints(root) if is_usable(p)]
     return found[-1] if found else None
+
+
+def why_no_checkpoint(root: Path) -> str:
+    """What `root` (a run's checkpoints folder) holds instead of a usable checkpoint, in words."""
+    if root.is_symlink() and not root.exists():
+        return f"{root} is a link to {os.readlink(root)}, which is not there (a disk not mounted?)"
+    if not root.exists():
+        return f"there is no {root.name}/ folder"
+    if not root.is_dir():
+        return f"{root} is not a folder"
+    notes = []
+    try:
+        named = (root / "latest").read_text().strip()
+        if named and not (root / named).exists():
+            notes.append(f"{root / 'latest'} names {named}, which is gone")
+    except (OSError, ValueError):
+        pass
+    steps = [p for p in root.iterdir() if step_of(p) >= 0]
+    broken = [p.name for p in steps if is_complete(p) and not is_usable(p)]
+    if broken:
+        notes.append(f"unreadable meta.json in {', '.join(sorted(broken))}")
+    if len(broken) < len(steps):
+        notes.append(f"{len(steps) - len(broken)} step folder(s) incomplete (meta.json or .metadata missing)")
+    if cut := len(list(root.glob(".tmp-step-*"))):
+        notes.append(f"{cut} save(s) cut short")
+    return "; ".join(notes) or f"{root} holds no step-N checkpoint folder"
 
 
 def read_meta(path: Path) -> dict:
@@ -276,7 +314,7 @@ class Checkpointer:
         if reason is None:
             raise exc
         shutil.rmtree(tmp, ignore_errors=True)
-        (self.root / ".latest.tmp").unlink(missing_ok=True)  # `_write_atomic`'s, if `latest` was being replaced
+        partial_name(self.root / "latest").unlink(missing_ok=True)  # if `latest` was being replaced
         good = find_latest(self.root)
         raise UserError(f"{reason} while saving {tmp.name.removeprefix('.tmp-')} in {self.root}: a checkpoint needs "
                         f"about {human_size(need)}, {human_size(free)} is free; the partial save was removed, "
@@ -291,13 +329,13 @@ class Checkpointer:
         if self.rank != 0:
             return
         self.write_extras(tmp)
-        _write_atomic(tmp / "meta.json", json.dumps(meta, indent=1) + "\n")  # last: marks it complete
+        write_text_atomic(tmp / "meta.json", json.dumps(meta, indent=1) + "\n", sync=True)  # last: marks it complete
         final = self.root / tmp.name.removeprefix(".tmp-")
         trash = self.root / f".old-{final.name}"
         if final.exists():  # resumed from an older checkpoint: this step is written again
             os.rename(final, trash)
         os.rename(tmp, final)
-        _write_atomic(self.root / "latest", final.name + "\n")
+        write_text_atomic(self.root / "latest", final.name + "\n", sync=True)
         shutil.rmtree(trash, ignore_errors=True)
         keep = self.cfg.keep_last
         for old in complete_checkpoints(self.root)[:-keep] if keep else []:
@@ -355,12 +393,3 @@ def dcp_load(state: dict, path: Path, no_dist: bool) -> None:
         raise UserError(f"checkpoint {str(path)!r} could not be loaded ({type(cause).__name__}: "
                         f"{first_line(cause, 160, last=True)}); it is damaged or from "
                         "another model: use another checkpoint") from None
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

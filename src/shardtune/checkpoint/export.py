@@ -8,6 +8,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from shardtune.errors import UserError, first_line
+from shardtune.fsio import atomic_dir
 
 
 def gather_full_state_dict(model) -> dict:
@@ -52,13 +53,16 @@ def export_checkpoint(spec: str, out: Path, max_shard_size: str = "2GB") -> Path
     if out.exists() and any(out.iterdir()):
         raise UserError(f"export folder {str(out)!r} is not empty; choose a new folder")
     model, tokenizer, meta = load_plain_model(path)
-    if getattr(model, "peft_config", None):  # a LoRA run's checkpoint: the adapter, as in final/
-        from shardtune.config.schema import ModelConfig
+    with atomic_dir(out) as tmp:  # a disk that fills half-way leaves no folder that loads as a model
+        if getattr(model, "peft_config", None):  # a LoRA run's checkpoint: the adapter, as in final/
+            from shardtune.config.schema import ModelConfig
 
-        known = {k: v for k, v in meta["config"].get("model", {}).items() if k in ModelConfig.__dataclass_fields__}
-        save_adapter_folder(model.state_dict(), model, ModelConfig(**known), model.config, tokenizer, out)
-    else:
-        save_hf_folder(model.state_dict(), model.config, tokenizer, out, max_shard_size)
+            known = {k: v for k, v in meta["config"].get("model", {}).items()
+                     if k in ModelConfig.__dataclass_fields__}
+            save_adapter_folder(model.state_dict(), model, ModelConfig(**known), model.config, tokenizer, tmp,
+                                final=out)
+        else:
+            save_hf_folder(model.state_dict(), model.config, tokenizer, tmp, max_shard_size)
     print(f"exported {path} (step {meta['step']}) to {out}", flush=True)
     return out
 
@@ -78,7 +82,7 @@ def push_to_hub(folder: Path, repo: str, private: bool = False) -> None:
 
 
 def save_adapter_folder(state_dict: dict, peft_model, model_cfg, hf_config, tokenizer, out: Path,
-                        quantized: bool = False) -> None:
+                        quantized: bool = False, final: Path | None = None) -> None:
     """LoRA run: the adapter in peft's format (`PeftModel.from_pretrained` loads it). A base that
     is not a hub model (a local folder or a random init) is saved beside it, in out/base, and the
     adapter config points there, so the pair loads on any machine that has the folder."""
@@ -100,7 +104,7 @@ def save_adapter_folder(state_dict: dict, peft_model, model_cfg, hf_config, toke
         base = {k[len(prefix):].replace(".base_layer.", "."): v for k, v in state_dict.items()
                 if k.startswith(prefix) and not any(tag in k for tag in lora)}
         save_hf_folder(base, hf_config, tokenizer, out / "base")
-        config.base_model_name_or_path = str((out / "base").resolve())
+        config.base_model_name_or_path = str(((final or out) / "base").resolve())
     config.save_pretrained(str(out))
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
@@ -139,12 +143,14 @@ def merge_adapter_folder(adapter: Path, out: Path, max_shard_size: str = "2GB") 
     except OSError:
         raise UserError(f"base model {base!r} of the adapter not found; {_hub_hint(base)}") from None
     model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
-    model.save_pretrained(out, max_shard_size=max_shard_size, safe_serialization=True)
-    for source in (adapter, base):
-        try:
-            AutoTokenizer.from_pretrained(str(source)).save_pretrained(out)
+    with atomic_dir(out) as tmp:
+        model.save_pretrained(tmp, max_shard_size=max_shard_size, safe_serialization=True)
+        for source in (adapter, base):
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(str(source))
+            except (OSError, ValueError):
+                continue
+            tokenizer.save_pretrained(tmp)
             break
-        except (OSError, ValueError):
-            continue
     print(f"merged the adapter {adapter} into {base}; wrote {out}", flush=True)
     return out

@@ -11,9 +11,10 @@ import socket
 import time
 from pathlib import Path
 
-from shardtune.checkpoint.dcp import check_compatible, find_latest, read_meta, resolve_checkpoint
+from shardtune.checkpoint.dcp import check_compatible, find_latest, read_meta, resolve_checkpoint, why_no_checkpoint
 from shardtune.distributed.process_group import LAUNCHER_ENV
 from shardtune.errors import UserError
+from shardtune.fsio import PARTIAL, write_text_atomic
 
 # left in the output folder by a preempted run, for job scripts that cannot see the ranks' exit code
 PREEMPTED_MARKER = "PREEMPTED"
@@ -26,8 +27,13 @@ def default_output_dir(recipe: str | None) -> str:
     return str(Path("runs") / f"{recipe or 'run'}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
+def run_traces(out: Path) -> list[str]:
+    """The files and folders of a run in `out` (a dangling link counts: its run is only unmounted)."""
+    return [name for name in RUN_FILES + RUN_DIRS if os.path.lexists(out / name)]
+
+
 def holds_run(out: Path) -> bool:
-    return any((out / name).exists() for name in RUN_FILES + RUN_DIRS)
+    return bool(run_traces(out))
 
 
 def claim_output_dir(out: Path, overwrite: bool, check_only: bool = False, resuming: bool = False) -> None:
@@ -47,7 +53,11 @@ def claim_output_dir(out: Path, overwrite: bool, check_only: bool = False, resum
         for name in RUN_FILES:
             (out / name).unlink(missing_ok=True)
         for name in RUN_DIRS:
-            shutil.rmtree(out / name, ignore_errors=True)
+            path = out / name
+            if path.is_symlink() or path.is_file():
+                path.unlink()  # the link only: never what it points to
+            else:
+                shutil.rmtree(path, ignore_errors=True)
     if not check_only:
         out.mkdir(parents=True, exist_ok=True)
 
@@ -62,9 +72,12 @@ def prepare_run_dir(cfg, overwrite: bool, check_only: bool = False) -> str | Non
     hold_run_dir(out)  # before looking inside: another live run's folder is refused as such
     if cfg.resume == "auto":
         ckpt = find_latest(out / "checkpoints")
-        if ckpt is None and (out / "final").is_dir():
-            raise UserError(f"resume=auto: output_dir {str(out)!r} holds a finished run and no checkpoint; "
-                            "pass --overwrite (without resume) to start over")
+        if ckpt is None and (found := run_traces(out)):
+            # never start over on top of a run: its files are all that is left of it
+            what = "a finished run" if "final" in found else "an earlier run"
+            raise UserError(f"resume=auto: output_dir {str(out)!r} holds {what} ({', '.join(found)}) but no "
+                            f"usable checkpoint: {why_no_checkpoint(out / 'checkpoints')}; nothing was changed; "
+                            "to start over on purpose pass --overwrite (without resume), or choose another output_dir")
     elif cfg.resume:
         ckpt = resolve_checkpoint(cfg.resume)
         inside = out.resolve() in ckpt.resolve().parents
@@ -73,14 +86,16 @@ def prepare_run_dir(cfg, overwrite: bool, check_only: bool = False) -> str | Non
     step = read_meta(ckpt)["step"] if ckpt is not None else 0
     if ckpt is not None:
         check_compatible(read_meta(ckpt)["config"], cfg.to_dict(), ckpt)
-    # resume=auto with nothing to resume starts from scratch, so a requeue script works from its first launch.
-    claim_output_dir(out, overwrite or (cfg.resume == "auto" and ckpt is None), check_only,
+    # resume=auto in a folder without a run starts from scratch, so a requeue script works from its first launch.
+    claim_output_dir(out, overwrite, check_only,
                      resuming=ckpt is not None)
     if check_only:
         return str(ckpt) if ckpt else None
     root = out / "checkpoints"
     for stale in [*root.glob(".tmp-*"), *root.glob(".old-*")] if root.is_dir() else []:
         shutil.rmtree(stale, ignore_errors=True)  # saves cut short by a kill
+    for stale in out.glob(f".final{PARTIAL}*"):
+        shutil.rmtree(stale, ignore_errors=True)  # a final/ cut short by a kill
     if ckpt is not None:
         trim_metrics(out / "metrics.jsonl", step)
         print(f"resuming from {ckpt} (step {step})", flush=True)
@@ -100,9 +115,7 @@ def trim_metrics(path: Path, step: int) -> None:
                 keep.append(line)
         except ValueError:  # a line cut short by a kill
             continue
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(line + "\n" for line in keep))
-    os.replace(tmp, path)
+    write_text_atomic(path, "".join(line + "\n" for line in keep))
 
 
 # ----------------------------------------------------------------------------- the lock

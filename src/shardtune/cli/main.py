@@ -52,15 +52,18 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except OSError as exc:  # a full disk wherever a command writes, told as one line too
-        from shardtune.diskspace import no_room
-
-        if (why := no_room(exc, 0, None)) is None:
-            raise
-        where = exc.filename or getattr(args, "out", None) or f"the output of `shardtune {args.command}`"
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {why} while writing {where}; free space there or write to another disk, and run again",
-                  file=sys.stderr)
-        return EXIT_USAGE
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+    except SystemExit:
+        raise
+    except BaseException as exc:  # noqa: B036 - DCP's CheckpointException is a BaseException
+        # the filesystem failing at any output of any command (a full disk, a path through a
+        # file, no permission, read-only): one line naming the path, here and nowhere else
+        from shardtune.fsio import fs_failure_line
+
+        line = fs_failure_line(exc, getattr(args, "out", None) or f"the output of `shardtune {args.command}`")
+        if line is None:
+            raise
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {line}", file=sys.stderr)
+        return EXIT_USAGE

@@ -7,6 +7,8 @@ from pathlib import Path
 from shardtune.cli.common import split_recipe
 from shardtune.errors import UserError
 
+MARK = "# Written by `shardtune slurm`."  # in every script it writes: only those are replaced
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("slurm", help="write an sbatch script: srun + torchrun, checkpoint on preemption, requeue")
@@ -39,7 +41,13 @@ def run(args) -> int:
                          job_name=args.job_name, time=args.time, partition=args.partition, account=args.account,
                          signal_lead_s=args.signal_lead, offline=not args.online)
     if args.out:
-        Path(args.out).write_text(text)
+        from shardtune.fsio import write_text_atomic
+
+        target = Path(args.out)
+        if target.is_file() and MARK not in target.read_text(errors="replace"):
+            raise UserError(f"-o {args.out!r} exists and is not a script of `shardtune slurm`; nothing was "
+                            "changed; choose another file name")
+        write_text_atomic(target, text)
         print(f"wrote {args.out}; submit it with: sbatch {args.out}")
     else:
         print(text, end="")

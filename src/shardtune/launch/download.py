@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 from shardtune.errors import UserError, first_line
+from shardtune.fsio import make_dir
 
 # Weights in formats shardtune never reads: skipped so a 7B download is not three 7B downloads.
 IGNORE = ["*.h5", "*.msgpack", "*.ot", "*.onnx", "*.onnx_data", "onnx/*", "coreml/*", "*.tflite", "*.mlmodel",
@@ -56,6 +57,8 @@ def download(targets: list[tuple[str, str, str | None]], cache_dir: str | None =
         raise UserError("HF_DATASETS_OFFLINE=1 is set, so no dataset can be downloaded; unset it on a "
                         "machine with network")
     root = Path(cache_dir).expanduser() if cache_dir else None
+    if root is not None:
+        make_dir(root)  # a cache that cannot be written is told now, as itself, not as a network failure
     paths = []
     for kind, repo, config_name in targets:
         if kind == "model":

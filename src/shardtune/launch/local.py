@@ -5,17 +5,25 @@ Joining the process group (here, under `torchrun` or under `srun`) is `shardtune
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import uuid
+from pathlib import Path
 
 from shardtune.distributed.process_group import LAUNCHER_ENV
 from shardtune.errors import EXIT_PREEMPTED, EXIT_USAGE
 from shardtune.launch.signals import sigint_ignored
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+# A folder the launcher makes for each launch: a rank that has passed the run's closing barrier
+# writes rank-N there, holding the exit code it means to end with. A rank that then dies during
+# the interpreter's shutdown (a C++ thread of a library alive at exit) has not failed the run.
+COMPLETED_ENV = "SHARDTUNE_COMPLETED_DIR"
 
 def launch_local(nproc: int, worker_argv: list[str],
                  interrupt_note: str = "Ctrl-C: stopping the ranks; Ctrl-C again stops them at once") -> int:
@@ -60,22 +68,84 @@ def launch_local(nproc: int, worker_argv: list[str],
 
     # started with Ctrl-C ignored (nohup, `&`): the launcher ignores it, like the ranks that inherit it
     previous = signal.getsignal(signal.SIGINT) if sigint_ignored() else signal.signal(signal.SIGINT, on_sigint)
+    completed = Path(tempfile.mkdtemp(prefix="shardtune-completed-"))
+    os.environ[COMPLETED_ENV] = str(completed)
     try:
         elastic_launch(config, entrypoint=sys.executable)("-m", "shardtune", *worker_argv)
     except SignalException as exc:  # the ranks were stopped by the agent and have exited
         return 128 + int(exc.sigval)
     except ChildFailedError as exc:
-        codes = {failure.exitcode for failure in exc.failures.values()}
-        if EXIT_USAGE in codes:
-            return EXIT_USAGE
-        if codes == {EXIT_PREEMPTED}:
-            return EXIT_PREEMPTED
-        print(f"error: {len(exc.failures)} worker(s) failed (exit codes {sorted(codes)}); "
-              f"see their output above", file=sys.stderr)
-        return 1
+        code, line = failed_launch({rank: f.exitcode for rank, f in exc.failures.items()}, read_completed(completed))
+        if line:
+            print(line, file=sys.stderr)
+        return code
     finally:
         signal.signal(signal.SIGINT, previous)
+        os.environ.pop(COMPLETED_ENV, None)
+        shutil.rmtree(completed, ignore_errors=True)
     return 0
+
+
+def failed_launch(codes: dict[int, int], completed: dict[int, int]) -> tuple[int, str]:
+    """The launch's exit code and its line, given the failed ranks' exit codes (negative: the
+    signal) and the codes of the ranks that marked the run completed. A rank marks it only after
+    the closing barrier, so one mark means every rank had finished its work: a rank that died
+    after that (or was killed by the agent because another did) failed nothing."""
+    if completed:
+        code = max(completed.values())  # 75 (preempted, with a checkpoint) over 0
+        deaths = {rank: c for rank, c in codes.items() if c != completed.get(rank, code)}
+        if not deaths:  # every rank ended as it meant to (e.g. 75 after a preemption checkpoint)
+            return code, ""
+        listed = ", ".join(f"rank {rank} ({_exit_words(c)})" for rank, c in sorted(deaths.items()))
+        return code, (f"warning: {listed} ended after the run had completed (during shutdown); "
+                      "the run's results are complete")
+    values = set(codes.values())
+    if EXIT_USAGE in values:
+        return EXIT_USAGE, ""
+    if values == {EXIT_PREEMPTED}:
+        return EXIT_PREEMPTED, ""
+    return 1, f"error: {len(codes)} worker(s) failed (exit codes {sorted(values)}); see their output above"
+
+
+def _exit_words(code: int) -> str:
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+def read_completed(folder: Path) -> dict[int, int]:
+    found = {}
+    for path in folder.glob("rank-*"):
+        try:
+            found[int(path.name.removeprefix("rank-"))] = int(path.read_text())
+        except (OSError, ValueError):
+            continue  # being written as the rank was killed: not a mark
+    return found
+
+
+def mark_completed(code: int) -> None:
+    """A rank of `launch_local`, after the run's closing barrier: tell the launcher the run
+    completed with `code`, whatever happens to this process from here on."""
+    folder = os.environ.get(COMPLETED_ENV)
+    if folder:
+        tmp = Path(folder) / f".rank-{os.environ.get('RANK', '0')}"
+        tmp.write_text(str(code))
+        os.replace(tmp, tmp.with_name(tmp.name[1:]))
+
+
+def leave_rank(code: int) -> None:
+    """A rank of an elastic agent (ours or torchrun) whose command has returned: end now, after
+    Python's exit handlers, without the interpreter's teardown, where a library's C++ thread
+    still alive at exit aborts the process (`terminate called without an active exception`)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def die_with_launcher() -> None:

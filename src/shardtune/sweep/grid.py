@@ -18,11 +18,13 @@ import re
 from pathlib import Path
 
 from shardtune.errors import UserError, first_line
+from shardtune.fsio import make_dir, refuse_foreign, write_text_atomic
 from shardtune.hardware import GIB
 from shardtune.sweep.report import describe, method_label, summarize_point, write_outputs
 from shardtune.sweep.trial import LIVE_STEPS, run_trial
 
 VERDICTS = {"ok": "fits", "oom": "too_big", "over_limit": "too_big"}  # a trial's status, for the search
+SWEEP_FILES = ("sweep.json", "sweep.csv", "sweep.md", "trials")  # with the plots: what a sweep folder holds
 TRIAL_SETTINGS = ["save_final=false", "checkpoint.every_steps=0", "checkpoint.at_epoch_end=false", "resume=null",
                   "log.every_steps=1", "log.progress=false", "log.trackers=[]"]
 
@@ -264,9 +266,7 @@ class State:
 
     def add(self, record: dict) -> None:
         self.trials[record["name"]] = record
-        tmp = self.path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps({"spec": self.spec, "trials": self.trials}, indent=1))
-        os.replace(tmp, self.path)
+        write_text_atomic(self.path, json.dumps({"spec": self.spec, "trials": self.trials}, indent=1))
 
 
 def run_sweep(sweep: Sweep) -> Path:
@@ -277,9 +277,9 @@ def run_sweep(sweep: Sweep) -> Path:
     device = sweep.config({}).device
     check_nproc(sweep.nproc, device)
     sweep.device = resolve_device(device).type
-    if sweep.out.exists() and not sweep.out.is_dir():
-        raise UserError(f"--out {str(sweep.out)!r} is a file; choose a folder")
-    sweep.out.mkdir(parents=True, exist_ok=True)
+    # continue a sweep, start one in a new or empty folder; never write into a run's or a user's folder
+    refuse_foreign(sweep.out, "--out", "a sweep's", lambda name: name in SWEEP_FILES or name.endswith(".png"))
+    make_dir(sweep.out)
     state = State(sweep)
     limit = memory_limit(sweep)
     cap = limit if sweep.device == "cpu" else None  # a GPU's own memory is the real limit there

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
+from shardtune.fsio import write_text_atomic
 from shardtune.hardware import GIB
 from shardtune.telemetry.report import fmt, save_bars, save_plot
 
@@ -150,7 +151,7 @@ def write_outputs(sweep, records: list[dict], summaries: list[dict], limit: int 
     write_csv(sweep.out / "sweep.csv", [k for k, _ in sweep.grid], records)
     images = write_plots(sweep.out, records, points, limit, sweep.device)
     text = markdown(sweep, summaries, limit) + "".join(f"\n![{stem}]({stem}.png)\n" for stem in images)
-    (sweep.out / "sweep.md").write_text(text)
+    write_text_atomic(sweep.out / "sweep.md", text)  # the table a reader opens: never half of one
 
 
 def describe(record: dict) -> str:

@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 
 from shardtune.errors import UserError
+from shardtune.fsio import atomic_dir, refuse_foreign
 
 # (file stem, title, y label, [(metric, line label suffix)], log scale)
 PLOTS = [
@@ -122,7 +123,14 @@ def write_report(runs: list[Path], out: Path) -> Path:
         while name in data:
             name += "'"
         data[name] = read_metrics(run)
-    out.mkdir(parents=True, exist_ok=True)
+    refuse_foreign(out, "report folder", "a report (PNGs and report.md)",
+                   lambda name: name.endswith(".png") or name == "report.md")
+    with atomic_dir(out, replace=True) as tmp:  # an earlier report is replaced whole, or kept whole
+        _write_report(data, tmp)
+    return out / "report.md"
+
+
+def _write_report(data: dict[str, list[dict]], out: Path) -> None:
     images = []
     for stem, title, ylabel, keys, log_scale in PLOTS:
         # One colour per run; train/validation (or allocated/reserved) told apart by line style.
@@ -139,6 +147,4 @@ def write_report(runs: list[Path], out: Path) -> Path:
     table += ["| " + " | ".join(fmt(r[h]) for h in headers) + " |" for r in rows]
     text = ["# shardtune report", "", *table, ""]
     text += [f"![{stem}]({stem}.png)\n" for stem in images]
-    report = out / "report.md"
-    report.write_text("\n".join(text))
-    return report
+    (out / "report.md").write_text("\n".join(text))

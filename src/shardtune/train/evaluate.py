@@ -104,6 +104,7 @@ def run_eval(req: EvalRequest) -> dict:
     from transformers.utils import logging as hf_logging
 
     from shardtune.distributed.process_group import init_distributed
+    from shardtune.launch.local import mark_completed
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
@@ -114,11 +115,13 @@ def run_eval(req: EvalRequest) -> dict:
         results = {"model": eval_one(req.model, req, dist, data_cfg)}
         if req.compare:
             results["base"] = eval_one(req.compare, req, dist, data_cfg)
+        if dist.is_main:
+            print(format_table(results, req), flush=True)
+        tdist.barrier()  # the end in a fixed order, as a training run's (Trainer.close)
+        mark_completed(0)
     finally:
         if owns:
             tdist.destroy_process_group()
-    if dist.is_main:
-        print(format_table(results, req), flush=True)
     return results
 
 

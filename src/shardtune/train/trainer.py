@@ -19,7 +19,7 @@ from shardtune.data import pipeline as data_lib
 from shardtune.distributed.collectives import broadcast_value, rank0_first
 from shardtune.distributed.fsdp import build_mesh
 from shardtune.distributed.process_group import init_distributed
-from shardtune.errors import UserError
+from shardtune.errors import EXIT_PREEMPTED, UserError
 from shardtune.model.adapters import check_quantize, load_qlora_model
 from shardtune.model.build import BuiltModel, ModelSpec, build_model
 from shardtune.model.hf import (
@@ -349,23 +349,31 @@ class Trainer:
     def export(self, folder: Path | None = None) -> Path:
         """Plain HF folder, gathered to rank 0's CPU only."""
         from shardtune.checkpoint.export import gather_full_state_dict, save_hf_folder
+        from shardtune.fsio import atomic_dir
 
         folder = folder or self.out / "final"
         full = gather_full_state_dict(self.model)
-        if self.dist.is_main and self.cfg.peft.method == "lora":
-            from shardtune.checkpoint.export import save_adapter_folder
+        if self.dist.is_main:
+            with atomic_dir(folder, replace=True) as tmp:  # final/ appears only once complete
+                if self.cfg.peft.method == "lora":
+                    from shardtune.checkpoint.export import save_adapter_folder
 
-            save_adapter_folder(full, self.model, self.cfg.model, self.hf_config, self.tokenizer, folder,
-                                quantized=self.cfg.peft.quantize != "none")
-        elif self.dist.is_main:
-            save_hf_folder(full, self.hf_config, self.tokenizer, folder)
+                    save_adapter_folder(full, self.model, self.cfg.model, self.hf_config, self.tokenizer, tmp,
+                                        quantized=self.cfg.peft.quantize != "none", final=folder)
+                else:
+                    save_hf_folder(full, self.hf_config, self.tokenizer, tmp)
         del full
         self.say(f"model saved to {folder}")
         return folder
 
-    def close(self) -> None:
+    def close(self, code: int = 0) -> None:
+        """The end of a run, in a fixed order: the checkpoint writer joined (and its group gone),
+        every rank at one barrier, the launcher told the run completed with `code`, the group left."""
+        from shardtune.launch.local import mark_completed
+
         self.ckpt.close()
         torch.distributed.barrier()
+        mark_completed(code)
         if self.owns_group:
             torch.distributed.destroy_process_group()
 
@@ -386,7 +394,7 @@ def run(cfg: RunConfig, overwrite: bool = False) -> dict:
         results = trainer.fit()
         if cfg.save_final and not results.get("preempted"):  # a preempted run is finished by its resume
             trainer.export()
-        trainer.close()
+        trainer.close(EXIT_PREEMPTED if results.get("preempted") else 0)
         return results
     finally:
         release_run_dir(cfg.output_dir)  # the output folder's lock (rank 0's, taken by prepare_run_dir)

@@ -1,0 +1,120 @@
+"""Writing outputs without ever leaving something that looks finished but is not, and one line
+for any filesystem failure at any output (the CLI's handler calls `fs_failure_line`).
+
+- `atomic_dir(final)`: build a folder under a temporary sibling name, rename it into place when
+  complete; a failure removes the partial folder (a half-written model folder would otherwise
+  load as a model).
+- `write_text_atomic(path, text)`: the same for one file.
+- `refuse_foreign(folder, ...)`: a command replaces only a folder of its own kind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+import shutil
+from pathlib import Path
+
+from shardtune.diskspace import causes, no_room
+from shardtune.errors import UserError
+
+PARTIAL = ".partial-"  # .NAME.partial-PID: a folder or file being written
+# errno -> what the user can do about it (the path is always named)
+FS_ERRORS = {
+    errno.ENOTDIR: "a part of the path is a file, not a folder",
+    errno.EISDIR: "it is a folder, where a file is expected",
+    errno.EACCES: "no permission there",
+    errno.EPERM: "no permission there",
+    errno.EROFS: "that file system is read-only",
+    errno.ENAMETOOLONG: "the name is too long",
+    errno.ELOOP: "the path has a loop of symlinks",
+}
+
+
+def partial_name(final: Path) -> Path:
+    return final.with_name(f".{final.name}{PARTIAL}{os.getpid()}")
+
+
+def published(path: str) -> str:
+    """A path inside a partial folder, told by the name it was to have."""
+    return re.sub(r"\.([^/]+)" + re.escape(PARTIAL) + r"\d+", r"\1", path)
+
+
+def make_dir(folder: Path) -> None:
+    """mkdir -p, with a file in the way told as such (not as "File exists") by the handler."""
+    folder = Path(folder)
+    first = folder
+    while not os.path.lexists(first) and first.parent != first:
+        first = first.parent
+    if os.path.lexists(first) and not first.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(first))
+    folder.mkdir(parents=True, exist_ok=True)
+
+
+@contextlib.contextmanager
+def atomic_dir(final: Path, replace: bool = False):
+    """Yield a fresh temporary sibling of `final` to fill; when the block ends without error it
+    becomes `final` (an empty `final` is replaced; a non-empty one only with `replace`, else it
+    is an error). On any failure the partial folder is removed and nothing else changes."""
+    final = Path(final)
+    make_dir(final.parent)
+    tmp = partial_name(final)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        if replace and final.is_dir() and not final.is_symlink() and any(final.iterdir()):
+            old = final.with_name(f".{final.name}.old-{os.getpid()}")
+            os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)  # over an empty folder, or none
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def write_text_atomic(path: Path, text: str, sync: bool = False) -> None:
+    """`path` holds either its old text or all of `text`, never a part."""
+    path = Path(path)
+    tmp = partial_name(path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            if sync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def refuse_foreign(folder: Path, option: str, kind: str, ours) -> None:
+    """Refuse to write into `folder` when it holds anything `ours(name)` does not claim (another
+    run, a user's files): only a folder of the command's own kind is replaced without asking."""
+    if os.path.lexists(folder) and not folder.is_dir():
+        raise UserError(f"{option} {str(folder)!r} is a file; choose a folder")
+    if not folder.is_dir():
+        return
+    foreign = sorted(p.name for p in folder.iterdir() if not ours(p.name) and PARTIAL not in p.name)
+    if foreign:
+        raise UserError(f"{option} {str(folder)!r} holds files that are not {kind} ({', '.join(foreign[:3])}"
+                        f"{', ...' if len(foreign) > 3 else ''}); nothing was changed; choose a new or empty folder")
+
+
+def fs_failure_line(exc: BaseException, fallback: str) -> str | None:
+    """One line for a failure of the filesystem anywhere in `exc`'s chain (a full disk, a path
+    through a file, no permission, a read-only disk), naming the path; None for anything else."""
+    if (why := no_room(exc, 0, None)) is not None:
+        where = next((e.filename for e in causes(exc) if isinstance(e, OSError) and e.filename), None)
+        return (f"{why} while writing {published(str(where or fallback))}; free space there or write to another "
+                "disk, and run again")
+    for e in causes(exc):
+        if isinstance(e, OSError) and e.errno in FS_ERRORS and e.filename:
+            return (f"cannot write {published(str(e.filename))!r}: {e.strerror} ({FS_ERRORS[e.errno]}); "
+                    "choose another path, or fix the folder's permissions or mount")
+    return None
