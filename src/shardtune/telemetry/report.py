@@ -70,10 +70,12 @@ def fmt(value) -> str:
 
 
 def save_plot(path: Path, title: str, xlabel: str, ylabel: str, lines: list[tuple], log_scale: bool = False,
-              rules: list[tuple[float, str]] = ()) -> None:
+              rules: list[tuple[float, str]] = (), log_x: bool = False) -> None:
     """One PNG: `lines` are (label, colour, line style, xs, ys) — style "none" draws only the
     markers; `rules` are (y, label) horizontal lines such as a memory limit."""
     with _figure(path, title, xlabel, ylabel, log_scale, rules, (7, 4)) as ax:
+        if log_x:
+            ax.set_xscale("log")
         for label, color, style, xs, ys in lines:
             ax.plot(xs, ys, color=color, linestyle=style, marker="o" if len(xs) < 30 else None,
                     markersize=3 if style != "none" else 5, label=label)
@@ -117,20 +119,28 @@ def _figure(path: Path, title: str, xlabel: str, ylabel: str, log_scale: bool, r
 
 
 def write_report(runs: list[Path], out: Path) -> Path:
-    data = {}
+    from shardtune.telemetry.generation_report import read_generation
+
+    data, generations = {}, {}
     for run in runs:
         name = run.resolve().name
-        while name in data:
+        while name in data or name in generations:
             name += "'"
-        data[name] = read_metrics(run)
+        generated = read_generation(run)
+        if generated is not None:
+            generations[name] = generated
+        if generated is None or (run / "metrics.jsonl").is_file():  # a folder of eval --generate alone is fine
+            data[name] = read_metrics(run)
     refuse_foreign(out, "report folder", "a report (PNGs and report.md)",
                    lambda name: name.endswith(".png") or name == "report.md")
     with atomic_dir(out, replace=True) as tmp:  # an earlier report is replaced whole, or kept whole
-        _write_report(data, tmp)
+        _write_report(data, generations, tmp)
     return out / "report.md"
 
 
-def _write_report(data: dict[str, list[dict]], out: Path) -> None:
+def _write_report(data: dict[str, list[dict]], generations: dict[str, dict], out: Path) -> None:
+    from shardtune.telemetry.generation_report import generation_section
+
     images = []
     for stem, title, ylabel, keys, log_scale in PLOTS:
         # One colour per run; train/validation (or allocated/reserved) told apart by line style.
@@ -141,10 +151,13 @@ def _write_report(data: dict[str, list[dict]], out: Path) -> None:
             continue
         save_plot(out / f"{stem}.png", title, "step", ylabel, lines, log_scale)
         images.append(stem)
+    text = ["# shardtune report", ""]
     rows = [summarize(name, metrics) for name, metrics in data.items()]
-    headers = list(rows[0])
-    table = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    table += ["| " + " | ".join(fmt(r[h]) for h in headers) + " |" for r in rows]
-    text = ["# shardtune report", "", *table, ""]
+    if rows:
+        headers = list(rows[0])
+        text += ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+        text += ["| " + " | ".join(fmt(r[h]) for h in headers) + " |" for r in rows] + [""]
     text += [f"![{stem}]({stem}.png)\n" for stem in images]
+    for name, generated in generations.items():
+        text += generation_section(name, generated, out)
     (out / "report.md").write_text("\n".join(text))
