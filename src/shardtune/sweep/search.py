@@ -14,6 +14,7 @@ import warnings
 from pathlib import Path
 
 from shardtune.errors import UserError, first_line
+from shardtune.fsio import make_dir, refuse_foreign
 from shardtune.sweep.grid import Sweep
 from shardtune.sweep.trial import run_trial
 
@@ -22,6 +23,7 @@ SAMPLERS = ("tpe", "random")
 PRUNERS = ("median", "halving", "none")
 OBJECTIVES = {"val_loss": "eval_loss", "eval_loss": "eval_loss", "val_ppl": "eval_ppl", "eval_ppl": "eval_ppl"}
 FINISHED = ("COMPLETE", "PRUNED", "FAIL")  # trial states that count towards --trials
+SEARCH_FILES = ("study.db", "study.db-journal", "search.csv", "search.md", "trials")  # with the plots
 HEARTBEAT_S = 10  # a trial whose worker stopped beating this many x 3 seconds ago is marked failed
 
 
@@ -171,6 +173,9 @@ def open_study(sweep: Sweep, search: Search):
         raise UserError(f"cannot open --storage {url!r} ({first_line(exc, 160)}); give a SQLAlchemy URL such as "
                         "sqlite:///study.db or postgresql://host/db") from None
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    # its warnings through logging's last resort, which writes to the stderr of the moment, not
+    # to the one optuna's own handler kept from when it was made
+    optuna.logging.disable_default_handler()
     name = search.study_name or sweep.out.resolve().name
     study = optuna.create_study(study_name=name, storage=storage, load_if_exists=True, direction="minimize",
                                 sampler=make_sampler(search), pruner=make_pruner(search))
@@ -260,9 +265,9 @@ def run_search(sweep: Sweep, search: Search) -> Path:
     device = sweep.config({}).device
     check_nproc(sweep.nproc, device)
     sweep.device = resolve_device(device).type
-    if sweep.out.exists() and not sweep.out.is_dir():
-        raise UserError(f"--out {str(sweep.out)!r} is a file; choose a folder")
-    sweep.out.mkdir(parents=True, exist_ok=True)
+    # continue a search, start one in a new or empty folder; never write into a run's or a user's folder
+    refuse_foreign(sweep.out, "--out", "a search's", lambda name: name in SEARCH_FILES or name.endswith(".png"))
+    make_dir(sweep.out)
     study = open_study(sweep, search)
     done = finished(study)
     print(f"search: {search.trials} trial(s) of {', '.join(p.key for p in search.space)} ({search.sampler}, "
@@ -276,5 +281,5 @@ def run_search(sweep: Sweep, search: Search) -> Path:
             study.optimize(objective_of(sweep, search, cap), n_trials=search.trials - done, catch=(TrialFailed,),
                            callbacks=[stop], gc_after_trial=False)
     finally:  # also after an interrupt: what is done is written
-        out = write_search_outputs(sweep, search, study)
+        out = write_search_outputs(sweep, search, study, OBJECTIVES[search.objective])
     return out

@@ -6,10 +6,12 @@ against each numeric parameter (the learning-rate vs loss curve)."""
 from __future__ import annotations
 
 import csv
+import io
 import shlex
 from pathlib import Path
 
-from shardtune.telemetry.report import fmt, save_bars, save_plot
+from shardtune.fsio import write_text_atomic
+from shardtune.telemetry.plots import fmt, save_bars, save_plot
 
 
 def trial_rows(study) -> list[dict]:
@@ -30,19 +32,18 @@ def best_command(sweep, best) -> str:
     return " ".join(shlex.quote(w) for w in words)
 
 
-def write_search_outputs(sweep, search, study) -> Path:
-    from shardtune.sweep.search import OBJECTIVES
-
+def write_search_outputs(sweep, search, study, key: str) -> Path:
+    """`key`: the metric the search minimizes (eval_loss, eval_ppl)."""
     out = sweep.out
     rows = trial_rows(study)
     keys = [p.key for p in search.space]
     headers = ["trial", "state", "value", *keys, "last_step", "seconds", "note"]
-    with open(out / "search.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, headers, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
+    table = io.StringIO()
+    writer = csv.DictWriter(table, headers, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(rows)
+    write_text_atomic(out / "search.csv", table.getvalue())
     complete = [t for t in study.get_trials(deepcopy=False) if t.state.name == "COMPLETE"]
-    key = OBJECTIVES[search.objective]
     text = [f"# shardtune search: {key}", ""]
     if complete:
         best = study.best_trial
@@ -54,7 +55,7 @@ def write_search_outputs(sweep, search, study) -> Path:
     text += ["| " + " | ".join(fmt(r.get(h)) if h != "note" else str(r.get(h) or "") for h in headers) + " |"
              for r in rows]
     text += [""] + [f"![{stem}]({stem}.png)\n" for stem in draw(out, search, study, complete, key)]
-    (out / "search.md").write_text("\n".join(text))
+    write_text_atomic(out / "search.md", "\n".join(text))  # the table a reader opens: never half of one
     print("\n".join(text[:6]), flush=True)
     return out / "search.md"
 

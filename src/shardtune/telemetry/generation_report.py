@@ -38,7 +38,7 @@ def cell(text: str, width: int = 120) -> str:
 
 def generation_section(name: str, data: dict, out: Path) -> list[str]:
     """Markdown lines for one run's generation.json; draws OUT/generation-NAME.png."""
-    from shardtune.telemetry.report import fmt, save_bars
+    from shardtune.telemetry.plots import fmt, save_bars
 
     models = data["models"]
     roles = [r for r in ("base", "model") if r in models]

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import time
 from pathlib import Path
 
 from shardtune.checkpoint.loading import load_model
 from shardtune.errors import UserError
+from shardtune.fsio import make_dir, write_text_atomic
 from shardtune.train import textscores
 from shardtune.train.evaluate import generate
 
@@ -202,10 +202,8 @@ def run_quality(req: QualityRequest) -> dict:
     result["examples"] = [{"prompt": e.prompt, "reference": e.reference, **{r: g[i] for r, g in generations.items()}}
                           for i, e in enumerate(prompts)]
     out = Path(req.out) if req.out else default_out(req.model)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    os.replace(tmp, out)
+    make_dir(out.parent)
+    write_text_atomic(out, json.dumps(result, indent=1))
     print(format_scores(result), flush=True)
     print(f"generations and scores written to {out}", flush=True)
     return result
