@@ -111,12 +111,21 @@ def library_logs_to_stderr():
                 if type(h) is logging.StreamHandler]
     saved = [h.stream for h in handlers]
     for h in handlers:
-        h.setStream(sys.stderr)
+        point(h, sys.stderr)
     try:
         yield
     finally:
         for h, stream in zip(handlers, saved, strict=True):
-            h.setStream(stream)
+            point(h, stream)
+
+
+def point(handler: logging.StreamHandler, stream) -> None:
+    """setStream, except that a stream an earlier test's capture has closed is not flushed (a
+    handler made while any test captured stderr holds such a stream)."""
+    if getattr(handler.stream, "closed", False):
+        handler.stream = stream
+    else:
+        handler.setStream(stream)
 
 
 def fails(capfd, argv: list[str], *words: str) -> str:

@@ -27,3 +27,12 @@ def split_recipe(recipe: str | None, overrides: list[str]) -> tuple[str | None, 
         if named.is_file():
             return str(named), overrides
     return recipe, overrides
+
+
+def add_decoding_args(p, temperature: float) -> None:
+    """How `generate` and `eval --generate` decode."""
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default: 64)")
+    p.add_argument("--temperature", type=float, default=temperature,
+                   help=f"0 = greedy (default: {temperature:g})")
+    p.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling mass (default: 0.9)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")

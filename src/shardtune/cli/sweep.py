@@ -1,4 +1,4 @@
-"""`shardtune sweep`: a short real run per grid point; csv, table, plots."""
+"""`shardtune sweep`: a short real run per grid point, or an Optuna search (--search); csv, table, plots."""
 
 from __future__ import annotations
 
@@ -24,6 +24,20 @@ def add_parser(sub) -> None:
                     "each trial process; on a GPU the budget a trial must stay under (default: the GPU's memory)")
     p.add_argument("--out", help="folder for sweep.csv, sweep.md, plots and trials (default: "
                     "runs/sweep-<recipe>); rerunning with the same folder continues the sweep")
+    s = p.add_argument_group("hyperparameter search (--search; instead of --grid)")
+    s.add_argument("--search", action="append", default=[], metavar="KEY=DIST:LOW:HIGH",
+                   help="a config key and its distribution: loguniform, uniform, int, logint (LOW:HIGH) or "
+                   "choice:A,B,C (repeatable), e.g. train.lr=loguniform:1e-5:1e-3")
+    s.add_argument("--trials", type=int, default=20, help="finished trials the study should have (default: 20)")
+    s.add_argument("--objective", default="val_loss", help="what to minimize: val_loss or val_ppl, the last "
+                   "validation value of a trial (default: val_loss); --eval-steps E reports it every E steps to "
+                   "the pruner (default: E = --steps)")
+    s.add_argument("--sampler", default="tpe", help="tpe or random (default: tpe)")
+    s.add_argument("--pruner", default="median", help="median, halving or none (default: median)")
+    s.add_argument("--storage", metavar="URL", help="SQLAlchemy URL of the study's database, shared by several "
+                   "machines (default: sqlite:///OUT/study.db)")
+    s.add_argument("--study-name", help="the study in --storage (default: the name of the --out folder)")
+    s.add_argument("--seed", type=int, default=0, help="sampler seed (default: 0)")
 
 
 def run(args) -> int:
@@ -41,5 +55,17 @@ def run(args) -> int:
                   max_batch=args.max_batch, nproc=args.nproc,
                   mem_limit=parse_size(args.mem_limit, "--mem-limit") if args.mem_limit else None, defaults=defaults)
     sweep.out = Path(args.out or f"runs/sweep-{Path(recipe).stem if recipe else 'quickstart'}")
+    if args.search:
+        from shardtune.errors import UserError
+        from shardtune.sweep.search import Search, parse_space, run_search
+
+        if args.grid or args.max_batch:
+            raise UserError("--search and --grid/--max-batch are two kinds of sweep; run them separately")
+        search = Search(parse_space(args.search), trials=args.trials, objective=args.objective,
+                        sampler=args.sampler, pruner=args.pruner, storage=args.storage, study_name=args.study_name,
+                        seed=args.seed)
+        sweep.eval_steps = sweep.eval_steps or sweep.steps
+        print(f"search summary written to {run_search(sweep, search)}")
+        return 0
     print(f"sweep table written to {run_sweep(sweep)}")
     return 0

@@ -94,6 +94,22 @@ def _leading_bos(tokenizer) -> list[int]:
     return [bos] if bos is not None and ids and ids[0] == bos and len(ids) > 1 else []
 
 
+def instruct_prompt(cfg: DataConfig, row: dict) -> str:
+    """The prompt part of one instruct row: data.template over its columns, else the alpaca layout
+    (with the input section only where the row has a non-empty input)."""
+    sep = cfg.list_sep
+    if cfg.template is not None:
+        return str(fill(cfg.template, row, sep))
+    text_in = str(as_text(row.get(cfg.input_field), sep)).strip()
+    base = PROMPT_WITH_INPUT if text_in else PROMPT_NO_INPUT
+    return base.format(instruction=str(as_text(row[cfg.instruction_field], sep)).strip(), input=text_in)
+
+
+def instruct_prompt_ids(cfg: DataConfig, tokenizer, row: dict) -> list[int]:
+    """The prompt's token ids exactly as training saw them (a llama-style BOS included)."""
+    return _leading_bos(tokenizer) + tokenizer(instruct_prompt(cfg, row), add_special_tokens=False)["input_ids"]
+
+
 def instruct_fn(cfg: DataConfig, tokenizer, columns: list[str], what: str):
     """Batched map function: rows -> {input_ids, labels, length}."""
     needed = [(cfg.output_field, "data.output_field")]
@@ -109,18 +125,10 @@ def instruct_fn(cfg: DataConfig, tokenizer, columns: list[str], what: str):
                             f"{', '.join(columns)}; set {key} to the right column")
     bos, eos = _leading_bos(tokenizer), tokenizer.eos_token_id
     cutoff, sep = cfg.example_cutoff, cfg.list_sep
-    has_input = cfg.input_field in columns
-
-    def prompt(row: dict) -> str:
-        if cfg.template is not None:
-            return str(fill(cfg.template, row, sep))
-        text_in = str(as_text(row[cfg.input_field], sep)).strip() if has_input else ""
-        base = PROMPT_WITH_INPUT if text_in else PROMPT_NO_INPUT
-        return base.format(instruction=str(as_text(row[cfg.instruction_field], sep)).strip(), input=text_in)
 
     def build(batch):
         rows = _rows(batch)
-        prompts = tokenizer([prompt(r) for r in rows], add_special_tokens=False)["input_ids"]
+        prompts = tokenizer([instruct_prompt(cfg, r) for r in rows], add_special_tokens=False)["input_ids"]
         answers = tokenizer([str(as_text(r[cfg.output_field], sep)) for r in rows],
                             add_special_tokens=False)["input_ids"]
         out = {"input_ids": [], "labels": [], "length": []}
@@ -204,6 +212,21 @@ def _label_spans(text: str, spans, tokenizer) -> tuple[list[int], list[int]]:
         ids += part
         labels += part if keep else [IGNORE_INDEX] * len(part)
     return ids, labels
+
+
+def chat_prompt_and_reply(tokenizer, value, index: int, field: str) -> tuple[str, str] | None:
+    """(the conversation up to its last assistant turn, rendered with the generation prompt; that
+    turn's content), or None when the row has no assistant turn."""
+    messages = _messages(value, index, field)
+    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
+    if last is None:
+        return None
+    try:
+        prompt = tokenizer.apply_chat_template(messages[:last], tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # jinja errors raised by the template itself
+        raise UserError(f"the chat template failed on row {index} ({first_line(exc, 160)}); fix the row "
+                        "or set data.chat_template") from None
+    return prompt, str(as_text(messages[last].get("content")))
 
 
 def chat_fn(cfg: DataConfig, tokenizer, columns: list[str], what: str):
