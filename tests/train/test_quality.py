@@ -15,14 +15,7 @@ from shardtune.cli.main import main
 from shardtune.errors import UserError
 from shardtune.train import textscores
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Two cores shared with other tests: more threads only spin (generation is 5x slower with 2)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("single_thread")  # generation is 5x slower with 2 threads here
 
 
 @pytest.fixture(scope="module")
