@@ -27,3 +27,16 @@ def split_recipe(recipe: str | None, overrides: list[str]) -> tuple[str | None, 
         if named.is_file():
             return str(named), overrides
     return recipe, overrides
+
+
+def recipe_and_defaults(recipe: str | None, overrides: list[str]) -> tuple[str | None, list[str], dict | None,
+                                                                           str | None]:
+    """(recipe, overrides, defaults, start-up line) for every command that takes a recipe: without
+    one, the quickstart's defaults (a mapping) and the line saying which of them apply."""
+    recipe, overrides = split_recipe(recipe, overrides)
+    if recipe is not None:
+        return recipe, overrides, None, None
+    from shardtune.data.quickstart import quickstart_defaults
+
+    defaults, used = quickstart_defaults(overrides)
+    return recipe, overrides, defaults, used

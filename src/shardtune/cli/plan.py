@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shardtune.cli.common import split_recipe
+from shardtune.cli.common import recipe_and_defaults
 
 
 def add_parser(sub) -> None:
@@ -26,11 +26,6 @@ def run(args) -> int:
     from shardtune.config.load import load_config
     from shardtune.plan.report import run_plan
 
-    recipe, overrides = split_recipe(args.recipe, args.overrides)
-    defaults = None
-    if recipe is None:
-        from shardtune.data.quickstart import quickstart_defaults
-
-        defaults = quickstart_defaults()
+    recipe, overrides, defaults, _ = recipe_and_defaults(args.recipe, args.overrides)
     cfg = load_config(recipe, overrides, defaults)
     return run_plan(args, cfg, recipe, overrides)

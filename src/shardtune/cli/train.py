@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from shardtune.cli.common import TRAIN_EPILOG, config_reference, split_recipe
+from shardtune.cli.common import TRAIN_EPILOG, config_reference, recipe_and_defaults
 from shardtune.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, UserError
 
 
@@ -29,12 +29,7 @@ def run(args) -> int:
     from shardtune.config.load import load_config
     from shardtune.distributed.process_group import check_nproc, launched_by_agent
 
-    recipe, overrides = split_recipe(args.recipe, args.overrides)
-    defaults, used = None, None
-    if recipe is None:
-        from shardtune.data.quickstart import quickstart_defaults
-
-        defaults, used = quickstart_defaults(overrides)
+    recipe, overrides, defaults, used = recipe_and_defaults(args.recipe, args.overrides)
     cfg = load_config(recipe, overrides, defaults)
     nproc = 1 if args.nproc is None else args.nproc
     if launched_by_agent() or nproc == 1:

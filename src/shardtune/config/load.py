@@ -60,6 +60,8 @@ def set_dotted(tree: dict, key: str, value: Any) -> None:
 def load_config(recipe: str | Path | None, overrides: list[str] | None = None,
                 defaults: dict | None = None) -> RunConfig:
     """Recipe YAML (or `defaults` when there is none) + dotted overrides -> checked RunConfig."""
+    if defaults is not None and not isinstance(defaults, dict):  # a caller's slip, e.g. (defaults, line)
+        raise TypeError(f"load_config's defaults must be a mapping, got {type(defaults).__name__}")
     tree: dict = dict(defaults or {})
     name = None
     if recipe is not None:

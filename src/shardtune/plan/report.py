@@ -164,11 +164,9 @@ def _label(c: dict) -> str:
 
 def what_would_fit(cfg: RunConfig, hf_config, target: Target, ranked: list[Estimate]) -> list[str]:
     """When nothing fits: the smallest change that would, each with its predicted memory."""
-    from shardtune.plan.search import screen
-
     budget = target.memory_bytes * (1 - target.margin)
-    tried = [e for e in ranked if e.memory and e.candidate.micro_batch == min(x.candidate.micro_batch
-                                                                               for x in ranked if x.memory)]
+    smallest = min((x.candidate.micro_batch for x in ranked if x.memory), default=None)  # None: nothing traced
+    tried = [e for e in ranked if e.memory and e.candidate.micro_batch == smallest]
     out = []
     lean = min(tried, key=lambda e: e.memory["total"]) if tried else None
     if lean is not None:
@@ -183,22 +181,7 @@ def what_would_fit(cfg: RunConfig, hf_config, target: Target, ranked: list[Estim
                            f"{(fixed + sharded * grow * target.world / world) / GIB:.1f} GiB each")
                 break
     if cfg.peft.method != "lora":
-        lora = copy.deepcopy(cfg)
-        lora.peft.method, lora.activation_checkpointing = "lora", True
-        lora.freeze = type(cfg.freeze)()
-        lora.train.micro_batch_size = 1
-        from shardtune.plan.search import Candidate, estimate, layout_cfg
-
-        layout = layout_cfg(lora, "full_shard", True, lora.precision, target)
-        trace = screen(layout, hf_config, target)[1]
-        est = estimate(trace, hf_config, Candidate("full_shard", True, False, lora.precision, 1), layout, target)
-        out.append(f"LoRA (peft.method=lora activation_checkpointing=true train.micro_batch_size=1): "
-                   f"{est.memory['total'] / GIB:.1f} GiB per rank ({'fits' if est.fits else 'does not fit'})")
-        base = trace.params["total"] - trace.params["trainable"]
-        qlora = est.memory["total"] - est.memory["by_category"].get("sharded_params", 0) * target.world \
-            - est.memory["by_category"].get("gathered_params", 0) + int(0.53 * base)
-        out.append(f"QLoRA (peft.quantize=4bit, one GPU): about {max(qlora, 0) / GIB:.1f} GiB (estimated, not traced: "
-                   "bitsandbytes needs CUDA)")
+        out += _lora_lines(cfg, hf_config, target)
     if lean is not None:
         acts = sum(lean.memory["by_category"].get(k, 0) for k in ("activations", "temporaries"))
         seq = cfg.data.seq_len
@@ -209,3 +192,26 @@ def what_would_fit(cfg: RunConfig, hf_config, target: Target, ranked: list[Estim
                        f"{(lean.memory['total'] - acts * (1 - seq / cfg.data.seq_len)) / GIB:.1f} GiB "
                        f"({_label(vars(lean.candidate))})")
     return out
+
+
+def _lora_lines(cfg: RunConfig, hf_config, target: Target) -> list[str]:
+    """What LoRA (traced) and QLoRA (estimated: bitsandbytes needs CUDA) would need per rank."""
+    from shardtune.plan.search import Candidate, estimate, layout_cfg, screen, traced
+
+    lora = copy.deepcopy(cfg)
+    lora.peft.method, lora.activation_checkpointing = "lora", True
+    lora.freeze = type(cfg.freeze)()
+    lora.train.micro_batch_size = 1
+    layout = layout_cfg(lora, "full_shard", True, lora.precision, target)
+    at = traced(lambda: screen(layout, hf_config, target))
+    if isinstance(at, str):
+        return [f"LoRA: {at}"]
+    trace = at(1)
+    est = estimate(trace, hf_config, Candidate("full_shard", True, False, lora.precision, 1), layout, target)
+    base = trace.params["total"] - trace.params["trainable"]
+    qlora = est.memory["total"] - est.memory["by_category"].get("sharded_params", 0) * target.world \
+        - est.memory["by_category"].get("gathered_params", 0) + int(0.53 * base)
+    return [f"LoRA (peft.method=lora activation_checkpointing=true train.micro_batch_size=1): "
+            f"{est.memory['total'] / GIB:.1f} GiB per rank ({'fits' if est.fits else 'does not fit'})",
+            f"QLoRA (peft.quantize=4bit, one GPU): about {max(qlora, 0) / GIB:.1f} GiB (estimated, not traced: "
+            "bitsandbytes needs CUDA)"]

@@ -20,7 +20,7 @@ import torch
 
 from shardtune.config.load import check_world
 from shardtune.config.schema import ModelConfig, RunConfig
-from shardtune.errors import UserError
+from shardtune.errors import UserError, first_line
 from shardtune.hardware import GIB, GPU, HOST_FACTS, overhead
 from shardtune.plan.trace import OFFLOADED, StepTrace
 
@@ -300,7 +300,11 @@ def search(cfg: RunConfig, hf_config, target: Target, say=print) -> list[Estimat
                     continue  # fits every micro-batch without recomputation: checkpointing only costs time
                 layout = layout_cfg(cfg, sharding, ac, precision, target)
                 say(f"tracing {sharding}, {precision}, activation checkpointing {'on' if ac else 'off'}")
-                at = screen(layout, hf_config, target)
+                at = traced(lambda layout=layout: screen(layout, hf_config, target))
+                if isinstance(at, str):  # this layout cannot be traced: every candidate of it says why
+                    estimates += [_untraceable(Candidate(sharding, ac, offload, precision, sizes[0]), at)
+                                  for offload in (False, True)]
+                    continue
                 batch = [estimate(at(mb), hf_config, Candidate(sharding, ac, offload, precision, mb), layout, target)
                          for offload in (False, True) for mb in sizes]
                 for e in batch:
@@ -327,6 +331,22 @@ def largest_micro_batch(est: Estimate, cfg: RunConfig, hf_config, target: Target
     return best
 
 
+def traced(make):
+    """`make()`, or, where tracing fails, the failure in one line (the candidate is dropped with it,
+    the search goes on): a model, recipe or torch version the fake trace cannot follow is one
+    candidate's problem, never the planner's crash."""
+    try:
+        return make()
+    except UserError as exc:
+        return f"cannot be traced: {first_line(exc)}"
+    except Exception as exc:  # noqa: BLE001 — any failure inside the traced step
+        return f"cannot be traced: {type(exc).__name__}: {first_line(exc)}"
+
+
+def _untraceable(cand: Candidate, reason: str) -> Estimate:
+    return Estimate(cand, {}, {}, float("inf"), 0.0, 0, False, reason)
+
+
 def _skipped(cand: Candidate, reason: str) -> Estimate:
     return Estimate(cand, {}, {}, float("inf"), 0.0, 0, False, f"not traced: {reason}, which fits nowhere")
 
@@ -351,7 +371,10 @@ def confirm(best: list[Estimate], cfg: RunConfig, hf_config, target: Target) -> 
             return None
         run = est.candidate.apply(layout_cfg(cfg, est.candidate.sharding, est.candidate.activation_checkpointing,
                                              est.candidate.precision, target))
-        full = trace_step(run, hf_config, target.world, target.gpus_per_node, target="cuda")
+        full = traced(lambda run=run: trace_step(run, hf_config, target.world, target.gpus_per_node, target="cuda"))
+        if isinstance(full, str):
+            est.fits, est.why_not = False, f"extrapolated fit, but the full trace {full}"
+            continue
         exact = estimate(full, hf_config, est.candidate, run, target)
         exact.exact, exact.at = True, est.at
         if exact.fits:

@@ -139,6 +139,9 @@ def trace_step(cfg: RunConfig, hf_config, world_size: int, local_world_size: int
                           (total, trainable, *matmul_params(model)), strict=True))
         blocks = [f"{type(model).__name__}.{name}" for name, m in model.named_modules()
                   if isinstance(m, built.block_cls)]
+        # two micro-steps show what accumulation holds across them (unsharded gradients)
+        micro = [[0] * cfg.train.micro_batch_size for _ in range(min(accum, 2))]
+        real_batches, labels_vary = _shape_only_batches(cfg, micro, dist.device)
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device=dist.device)
             if hasattr(model, "tie_weights"):
@@ -148,13 +151,11 @@ def trace_step(cfg: RunConfig, hf_config, world_size: int, local_world_size: int
             _create_optimizer_state(model, optimizer)
             scaler = build_grad_scaler(cfg.precision, dist.device)
             tracker = PhaseTracker(model, optimizer, blocks)
-            # two micro-steps show what accumulation holds across them (unsharded gradients)
-            micro = [[0] * cfg.train.micro_batch_size for _ in range(min(accum, 2))]
             attention = _cuda_attention() if target == "cuda" else contextlib.nullcontext()
             with tracker, AnswerScalars(), _dtensor_meta_outside_trace(), attention:
                 handle = model.register_forward_pre_hook(tracker.next_micro_step, prepend=True)
                 try:
-                    batches, labels_vary = _shape_only_batches(cfg, micro, dist.device)
+                    batches = _faked(real_batches)
                     train_step(model, optimizer, scaler, batches, cfg, dist, labels_vary,
                                sync_each=built.sync_grads_each_micro_step)
                 finally:
@@ -214,6 +215,13 @@ def _shape_only_batches(cfg: RunConfig, micro: list[list[int]], device) -> tuple
     data = _ShapeOnlyData(cfg)
     return [collate(data, indices, device, 0, cfg.data.padding_free) for indices in micro], \
         "labels" in data.column_names
+
+
+def _faked(batches: list[dict]) -> list[dict]:
+    """Fake copies of real micro-batches, made under the tracker so it counts them. The batches
+    themselves are built for real, outside fake mode (a few KB of token ids): the data code may
+    then use anything a real batch does (numpy for padding-free position ids)."""
+    return [{k: v.clone() for k, v in batch.items()} for batch in batches]
 
 
 class _ShapeOnlyData:
