@@ -31,6 +31,9 @@ def run(args) -> int:
 
     recipe, overrides, defaults, used = recipe_and_defaults(args.recipe, args.overrides)
     cfg = load_config(recipe, overrides, defaults)
+    if cfg.train.micro_batch_size == "auto":
+        raise UserError("micro_batch_size=auto needs the planner: not available in this version; "
+                        "set train.micro_batch_size=<N> (shardtune plan suggests one)")
     nproc = 1 if args.nproc is None else args.nproc
     if launched_by_agent() or nproc == 1:
         if args.nproc and launched_by_agent() and args.nproc != int(os.environ.get("LOCAL_WORLD_SIZE", nproc)):

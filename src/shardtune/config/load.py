@@ -110,6 +110,8 @@ def _build(cls, data: Any, prefix: str):
             close = difflib.get_close_matches(key, fields, n=1)
             hint = f"; did you mean {prefix}{close[0]}?" if close else f"; valid keys: {', '.join(fields)}"
             raise UserError(f"unknown config key '{prefix}{key}'{hint}")
+        aliases = getattr(cls, "VALUE_ALIASES", {}).get(key, {})
+        value = next((new for old, new in aliases.items() if value is old), value)
         kwargs[key] = _coerce(hints[key], value, f"{prefix}{key}")
     return cls(**kwargs)
 
@@ -133,6 +135,9 @@ def _coerce(tp, value: Any, key: str):
                 return _coerce(arg, value, key)
             except UserError as exc:
                 errors.append(exc)
+        words = [str(c) for a in args if typing.get_origin(a) is Literal for c in typing.get_args(a)]
+        if words and len(errors) > 1:  # e.g. int | Literal["auto"]: name both forms
+            raise UserError(f"{first_line(errors[0])}, or one of: {', '.join(words)}")
         raise errors[0]
     if origin is Literal:
         choices = typing.get_args(tp)

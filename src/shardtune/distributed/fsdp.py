@@ -73,7 +73,7 @@ def apply_parallelism(model, spec, block_cls: type, mesh, device) -> tuple[list,
     fsdp = spec.fsdp
     blocks = [m for m in model.modules() if isinstance(m, block_cls)]
 
-    if spec.activation_checkpointing:
+    if spec.activation_checkpointing == "full":
         if not getattr(model, "supports_gradient_checkpointing", False):
             raise UserError(f"{type(model).__name__} does not support activation checkpointing; "
                             "set activation_checkpointing=false")

@@ -75,7 +75,7 @@ def _same(e: Estimate, best: Estimate | None) -> bool:
 def command_line(est: Estimate, cfg: RunConfig, target: Target, recipe: str | None, overrides: list[str]) -> str:
     """`shardtune train RECIPE key=value ...` for this candidate, keeping the user's overrides."""
     c = est.candidate
-    changes = {"precision": c.precision, "activation_checkpointing": c.activation_checkpointing,
+    changes = {"precision": c.precision, "activation_checkpointing": "full" if c.activation_checkpointing else "none",
                "fsdp.sharding": c.sharding, "fsdp.cpu_offload": c.cpu_offload, "train.micro_batch_size": c.micro_batch}
     current = {"precision": cfg.precision, "activation_checkpointing": cfg.activation_checkpointing,
                "fsdp.sharding": cfg.fsdp.sharding, "fsdp.cpu_offload": cfg.fsdp.cpu_offload,
@@ -199,7 +199,7 @@ def _lora_lines(cfg: RunConfig, hf_config, target: Target) -> list[str]:
     from shardtune.plan.search import Candidate, estimate, layout_cfg, screen, traced
 
     lora = copy.deepcopy(cfg)
-    lora.peft.method, lora.activation_checkpointing = "lora", True
+    lora.peft.method, lora.activation_checkpointing = "lora", "full"
     lora.freeze = type(cfg.freeze)()
     lora.train.micro_batch_size = 1
     layout = layout_cfg(lora, "full_shard", True, lora.precision, target)
@@ -211,7 +211,7 @@ def _lora_lines(cfg: RunConfig, hf_config, target: Target) -> list[str]:
     base = trace.params["total"] - trace.params["trainable"]
     qlora = est.memory["total"] - est.memory["by_category"].get("sharded_params", 0) * target.world \
         - est.memory["by_category"].get("gathered_params", 0) + int(0.53 * base)
-    return [f"LoRA (peft.method=lora activation_checkpointing=true train.micro_batch_size=1): "
+    return [f"LoRA (peft.method=lora activation_checkpointing=full train.micro_batch_size=1): "
             f"{est.memory['total'] / GIB:.1f} GiB per rank ({'fits' if est.fits else 'does not fit'})",
             f"QLoRA (peft.quantize=4bit, one GPU): about {max(qlora, 0) / GIB:.1f} GiB (estimated, not traced: "
             "bitsandbytes needs CUDA)"]

@@ -145,7 +145,8 @@ class Candidate:
 
     def apply(self, cfg: RunConfig) -> RunConfig:
         out = copy.deepcopy(cfg)
-        out.fsdp.sharding, out.activation_checkpointing = self.sharding, self.activation_checkpointing
+        out.fsdp.sharding = self.sharding
+        out.activation_checkpointing = "full" if self.activation_checkpointing else "none"
         out.fsdp.cpu_offload, out.precision = self.cpu_offload, self.precision
         out.train.micro_batch_size = self.micro_batch
         return out
@@ -355,7 +356,8 @@ def rank(estimates: list[Estimate], cfg: RunConfig) -> list[Estimate]:
     """Fitting first, fastest first; within 1 % of speed, the fewest changes to the recipe, then
     the larger micro-batch (better GEMM efficiency than the model counts), then the least memory."""
     def changes(c: Candidate) -> int:
-        return sum([c.sharding != cfg.fsdp.sharding, c.activation_checkpointing != cfg.activation_checkpointing,
+        checkpointing = cfg.activation_checkpointing != "none"
+        return sum([c.sharding != cfg.fsdp.sharding, c.activation_checkpointing != checkpointing,
                     c.cpu_offload != cfg.fsdp.cpu_offload, c.precision != cfg.precision])
     return sorted(estimates, key=lambda e: (not e.fits, -round(math.log(max(e.tokens_per_s, 1e-9)) / 0.01),
                                             changes(e.candidate), -e.candidate.micro_batch,
