@@ -112,7 +112,7 @@ def measure(spec: dict, workdir: Path) -> dict:
 
 def predict(spec: dict) -> dict:
     from shardtune.model.hf import load_hf_config
-    from shardtune.plan.search import gpu_memory
+    from shardtune.plan.cost import gpu_memory
     from shardtune.plan.trace import trace_step
 
     cfg = run_config(**spec)

@@ -41,7 +41,8 @@ def test_a_candidate_that_cannot_be_traced_is_a_reason(monkeypatch):
     import shardtune.plan.search as search_mod
     import shardtune.plan.trace as trace_mod
     from shardtune.model.hf import load_hf_config
-    from shardtune.plan.search import Target, confirm, search
+    from shardtune.plan.cost import Target
+    from shardtune.plan.search import confirm, search
 
     real = trace_mod.trace_step
     whole = []
@@ -50,7 +51,7 @@ def test_a_candidate_that_cannot_be_traced_is_a_reason(monkeypatch):
         if layers is None:
             whole.append(cfg)
             raise RuntimeError("fake tensors cannot follow this op\nsecond line")
-        if not cfg.activation_checkpointing:
+        if cfg.activation_checkpointing == "none":
             raise NotImplementedError("no fake kernel for aten::mystery")
         return real(cfg, hf_config, world_size, local_world_size, layers, target)
 
@@ -60,7 +61,7 @@ def test_a_candidate_that_cannot_be_traced_is_a_reason(monkeypatch):
     hf_config = load_hf_config(cfg.model)
     target = Target(1, 1, 1 << 30, None)
     ranked = search(cfg, hf_config, target, say=lambda text: None)
-    dropped = [e.why_not for e in ranked if not e.candidate.activation_checkpointing]
+    dropped = [e.why_not for e in ranked if e.candidate.checkpointing == "none"]
     assert dropped and all(w == "cannot be traced: NotImplementedError: no fake kernel for aten::mystery"
                            for w in dropped)
     assert any(e.fits for e in ranked)

@@ -212,7 +212,7 @@ class Predictions:
         if key not in self.cache:
             from transformers.utils import logging as hf_logging
 
-            from shardtune.plan.search import predict_peak_bytes
+            from shardtune.plan.fit import predict_peak_bytes
 
             hf_logging.set_verbosity_error()  # config warnings belong to the trials' own output
             try:
