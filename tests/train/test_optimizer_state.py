@@ -36,9 +36,9 @@ def test_moment_bytes_per_parameter(eager_torchao, state, per_param):
 
 def test_low_precision_states_resume_exactly_and_export_a_plain_model(eager_torchao, assets, tmp_path, capsys):
     import torch.distributed as dist
-    from conftest import losses, tiny_overrides
     from transformers import AutoModelForCausalLM
 
+    from conftest import losses, tiny_overrides
     from shardtune.cli.main import main
     from shardtune.config.load import load_config
     from shardtune.train.trainer import run
