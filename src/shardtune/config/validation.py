@@ -147,6 +147,9 @@ def _validate_memory_savers(cfg) -> None:
         # fp32 compute exists for exact numbers; bf16 reductions would round every gradient anyway
         raise UserError(f"fsdp.reduce_dtype=bf16 needs precision=bf16 (got precision={cfg.precision}); "
                         "set precision=bf16, or keep fsdp.reduce_dtype=fp32")
+    if cfg.activation_offload and cfg.compile:
+        raise UserError("activation_offload does not combine with compile (its hooks would run inside compiled "
+                        "blocks); drop one of them")
     if cfg.peft.quantize != "none" and (cfg.activation_checkpointing in ("selective", "every_n")
                                         or cfg.activation_offload):
         raise UserError("peft.quantize=4bit (QLoRA) supports activation_checkpointing=full or none and no "
