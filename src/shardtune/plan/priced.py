@@ -17,9 +17,6 @@ import functools
 import torch
 from torch import nn
 
-# Tensors smaller than this stay on the device (torchtune's OffloadActivations: min_offload_size)
-MIN_OFFLOAD_BYTES = 1024
-
 
 def state_bytes(model) -> dict[str, int]:
     """{"state_<precision>": bytes of AdamW's moments on this rank} for each precision this
@@ -77,31 +74,29 @@ class _OnHost:
         self.nbytes = t.numel() * t.element_size()  # what a copy to the host moves
 
 
-def _stays(t: torch.Tensor) -> bool:
-    """Parameters (and views of them, as a matmul saves its weight) and small tensors stay."""
-    return isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter) or \
-        t.numel() * t.element_size() < MIN_OFFLOAD_BYTES
-
-
 @contextlib.contextmanager
 def offloaded_activations(tracker):
-    """Saved-tensor hooks that move each saved activation to `tracker`'s host account (its
-    `host_bytes`, `host_peak`) and allocate it again when backward unpacks it. Hooks nest:
-    activation checkpointing's own hooks win inside checkpointed blocks, as in the real run."""
+    """Run `ActivationOffload`'s hooks as on CUDA: what it would move (its own rule: no
+    parameters, nothing under its MIN_BYTES) goes to `tracker`'s host account (`host_bytes`,
+    `host_peak`) and its device tensor is let go; backward's unpack allocates it again. Hooks
+    nest: activation checkpointing's own hooks win inside checkpointed blocks, as in the real run."""
+    from unittest import mock
 
-    def pack(t):
-        if _stays(t):
+    from shardtune.distributed.activation_memory import ActivationOffload
+
+    def pack(self, t):
+        if isinstance(t, nn.Parameter) or t.numel() * t.element_size() < self.MIN_BYTES:
             return t
         handle = _OnHost(t)
         tracker.host_bytes += handle.nbytes
         tracker.host_peak = max(tracker.host_peak, tracker.host_bytes)
         return handle
 
-    def unpack(handle):
+    def unpack(self, handle):
         if not isinstance(handle, _OnHost):
             return handle
         tracker.host_bytes -= handle.nbytes
         return torch.empty_strided(handle.shape, handle.stride, dtype=handle.dtype)
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+    with mock.patch.object(ActivationOffload, "pack", pack), mock.patch.object(ActivationOffload, "unpack", unpack):
         yield

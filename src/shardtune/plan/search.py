@@ -6,8 +6,9 @@ Each traced layout is traced on a 3- and a 4-block copy of the model at two micr
 extrapolated to the model's depth and every micro-batch; the optimizer state precision (fp32,
 bf16, 8-bit, 4-bit) and FSDP's CPU offload are priced from that one trace (`cost.py`). So the
 search stays fast, layouts are traced in the order of the best speed they could reach, and not
-at all once a faster one fits (a bound), or once a layout needing less memory fits nowhere (a
-dominance): the lightest layout is traced first. The winner is traced whole to confirm it.
+at all once one fits that they could not beat by more than 1 % (a bound), or once a layout
+needing less memory fits nowhere (a dominance): the lightest layout is traced first. The
+winner is traced whole to confirm it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,16 @@ from shardtune.config.load import check_world
 from shardtune.config.schema import RunConfig
 from shardtune.errors import UserError, first_line
 from shardtune.hardware import GIB
-from shardtune.plan.cost import CHECKPOINTING, Candidate, Target, gpu_memory, host_memory, setting, step_time
+from shardtune.plan.cost import (
+    CHECKPOINTING,
+    STATE_PRECISIONS,
+    Candidate,
+    Target,
+    gpu_memory,
+    host_memory,
+    setting,
+    step_time,
+)
 from shardtune.plan.trace import StepTrace
 
 SCREEN_DEPTHS = (3, 4)  # blocks in the copies the search traces; the phase peaks are linear beyond 2
@@ -208,9 +218,8 @@ def search(cfg: RunConfig, hf_config, target: Target, say=print) -> list[Estimat
     """Every candidate, best first: the fitting ones by predicted tokens/s, then the others."""
     sizes = micro_batches(cfg, target.world)
     menu = layouts(cfg, target)
-    lightest = next(c for c in menu if c.sharding == "full_shard" and c.checkpointing == "full"
-                    and c.activation_offload and c.reduce_dtype == min(r.reduce_dtype for r in menu)
-                    and c.precision == min((r.precision for r in menu), key=lambda p: p == "fp32"))
+    lightest = min(menu, key=lambda c: (_SHARDING_ORDER[c.sharding], CHECKPOINTING[::-1].index(c.checkpointing),
+                                        not c.activation_offload, c.reduce_dtype != "bf16", c.precision == "fp32"))
     estimates: list[Estimate] = []
     misfits: list[Candidate] = []
     bounds: dict[Candidate, float] = {}
@@ -223,9 +232,9 @@ def search(cfg: RunConfig, hf_config, target: Target, say=print) -> list[Estimat
             estimates.append(_skipped(layout, sizes[0], f"not traced: needs at least the memory of "
                                       f"{_layout_label(heavier)}, which fits nowhere"))
             continue
-        if layout in bounds and bounds[layout] < fastest * (1 - TIE):
+        if layout in bounds and bounds[layout] < fastest * (1 + TIE):  # at best a tie
             estimates.append(_skipped(layout, sizes[-1], f"not traced: at most {bounds[layout]:,.0f} tokens/s if it "
-                                      f"fit, below the {fastest:,.0f} of a layout that fits"))
+                                      f"fit, no faster than the {fastest:,.0f} of a layout that fits"))
             continue
         say(f"tracing {_layout_label(layout)}")
         at = traced(lambda layout=layout: screen(layout_cfg(cfg, layout, target), hf_config, target))
@@ -242,7 +251,9 @@ def search(cfg: RunConfig, hf_config, target: Target, say=print) -> list[Estimat
             misfits.append(layout)
         if not bounds:  # the first trace gives the parameter counts every bound needs
             bounds = {c: best_speed(c, batch[0].trace, hf_config, cfg, target, sizes) for c in order}
-            order.sort(key=lambda c: -bounds[c])
+            # fastest first; among speeds within a tie, the lighter first (the likelier to fit)
+            order.sort(key=lambda c: (-round(math.log(bounds[c]) / TIE), _SHARDING_ORDER[c.sharding],
+                                      not c.activation_offload, c.reduce_dtype != "bf16"))
     return rank(estimates, cfg)
 
 
@@ -272,12 +283,18 @@ def _skipped(layout: Candidate, micro_batch: int, reason: str) -> Estimate:
 
 
 def rank(estimates: list[Estimate], cfg: RunConfig) -> list[Estimate]:
-    """Fitting first, fastest first; within 1 % of speed, the fewest changes to the recipe, then
-    the larger micro-batch (better GEMM efficiency than the model counts), then the least memory."""
+    """Fitting first, fastest first; within 1 % of the fastest, the fewest changes to the recipe,
+    the most precise optimizer state, the fewest activations in host memory, the larger
+    micro-batch (better GEMM efficiency than the model counts), then the least memory."""
     def changes(c: Candidate) -> int:
         return sum(v != setting(cfg, k) for k, v in c.settings().items() if k != "train.micro_batch_size")
-    return sorted(estimates, key=lambda e: (not e.fits, -round(math.log(max(e.tokens_per_s, 1e-9)) / TIE),
-                                            changes(e.candidate), -e.candidate.micro_batch,
+    top = max((e.tokens_per_s for e in estimates if e.fits), default=0.0)
+
+    def speed(e: Estimate) -> float:  # within TIE of the fastest that fits: a tie
+        return top if e.fits and e.tokens_per_s >= top * (1 - TIE) else e.tokens_per_s
+    return sorted(estimates, key=lambda e: (not e.fits, -speed(e), changes(e.candidate),
+                                            STATE_PRECISIONS.index(e.candidate.optimizer_state),
+                                            e.host.get("activation_offload", 0), -e.candidate.micro_batch,
                                             e.memory.get("total", 0)))
 
 
