@@ -126,9 +126,9 @@ def layout_cfg(cfg: RunConfig, layout: Candidate, target: Target) -> RunConfig:
 # ----------------------------------------------------------------------------- tracing
 
 
-def screen(cfg: RunConfig, hf_config, target: Target):
-    """A function micro-batch -> StepTrace of `cfg`, extrapolated from small traced copies (two
-    depths x two micro-batches; the model's own depth where it cannot be extrapolated)."""
+def screen(cfg: RunConfig, hf_config, target: Target, device: str = "cuda"):
+    """A function micro-batch -> StepTrace of `cfg` on `device`, extrapolated from small traced
+    copies (two depths x two micro-batches; the model's own depth where it cannot be extrapolated)."""
     from shardtune.plan import trace as trace_lib
 
     layers = trace_lib.layer_count(hf_config)
@@ -140,7 +140,7 @@ def screen(cfg: RunConfig, hf_config, target: Target):
             small = copy.deepcopy(cfg)
             small.train.micro_batch_size, small.train.global_batch_size = mb, 2 * mb * target.world  # 2 micro-steps
             traces[(depth, mb)] = trace_lib.trace_step(small, hf_config, target.world, target.gpus_per_node, depth,
-                                                       "cuda")
+                                                       device)
     return functools.lru_cache(lambda mb: trace_lib.extrapolate(traces, layers, mb))
 
 
