@@ -251,9 +251,10 @@ def search(cfg: RunConfig, hf_config, target: Target, say=print) -> list[Estimat
             misfits.append(layout)
         if not bounds:  # the first trace gives the parameter counts every bound needs
             bounds = {c: best_speed(c, batch[0].trace, hf_config, cfg, target, sizes) for c in order}
-            # fastest first; among speeds within a tie, the lighter first (the likelier to fit)
-            order.sort(key=lambda c: (-round(math.log(bounds[c]) / TIE), _SHARDING_ORDER[c.sharding],
-                                      not c.activation_offload, c.reduce_dtype != "bf16"))
+            # fastest first; among speeds within a tie, the closest to the recipe (what the ranking
+            # prefers), then the lighter (the likelier to fit)
+            order.sort(key=lambda c: (-round(math.log(bounds[c]) / TIE), changes(c, cfg),
+                                      _SHARDING_ORDER[c.sharding], not c.activation_offload, c.reduce_dtype != "bf16"))
     return rank(estimates, cfg)
 
 
@@ -282,17 +283,20 @@ def _skipped(layout: Candidate, micro_batch: int, reason: str) -> Estimate:
     return Estimate(dataclasses.replace(layout, micro_batch=micro_batch), {}, {}, float("inf"), 0.0, 0, False, reason)
 
 
+def changes(c: Candidate, cfg: RunConfig) -> int:
+    """How many settings of the recipe `c` changes (its micro-batch aside)."""
+    return sum(v != setting(cfg, k) for k, v in c.settings().items() if k != "train.micro_batch_size")
+
+
 def rank(estimates: list[Estimate], cfg: RunConfig) -> list[Estimate]:
     """Fitting first, fastest first; within 1 % of the fastest, the fewest changes to the recipe,
     the most precise optimizer state, the fewest activations in host memory, the larger
     micro-batch (better GEMM efficiency than the model counts), then the least memory."""
-    def changes(c: Candidate) -> int:
-        return sum(v != setting(cfg, k) for k, v in c.settings().items() if k != "train.micro_batch_size")
     top = max((e.tokens_per_s for e in estimates if e.fits), default=0.0)
 
     def speed(e: Estimate) -> float:  # within TIE of the fastest that fits: a tie
         return top if e.fits and e.tokens_per_s >= top * (1 - TIE) else e.tokens_per_s
-    return sorted(estimates, key=lambda e: (not e.fits, -speed(e), changes(e.candidate),
+    return sorted(estimates, key=lambda e: (not e.fits, -speed(e), changes(e.candidate, cfg),
                                             STATE_PRECISIONS.index(e.candidate.optimizer_state),
                                             e.host.get("activation_offload", 0), -e.candidate.micro_batch,
                                             e.memory.get("total", 0)))
