@@ -53,15 +53,6 @@ def test_bad_memory_saver_settings_are_one_line(overrides, needle):
     assert "\n" not in str(err.value)
 
 
-def test_train_refuses_auto_micro_batch_before_any_work(tmp_path, capsys):
-    from shardtune.cli.main import main
-
-    code = main(["train", *BASE, "train.micro_batch_size=auto", f"output_dir={tmp_path / 'out'}"])
-    err = capsys.readouterr().err
-    assert code == 2 and "micro_batch_size=auto needs the planner" in err and "Traceback" not in err
-    assert not (tmp_path / "out").exists()
-
-
 def test_resume_refuses_another_optimizer_state_but_takes_checkpoints_from_before_the_key(tmp_path):
     from shardtune.checkpoint.dcp import check_compatible
 
