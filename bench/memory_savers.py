@@ -4,6 +4,7 @@ time of each activation setting, and the quality of low-precision optimizer stat
     python bench/memory_savers.py states        # GPT-2 small: moment bytes per trainable parameter
     python bench/memory_savers.py activations   # GPT-2 small, seq 512, 1 rank: none/selective/every_n/full/offload
     python bench/memory_savers.py quality       # quickstart, 300 steps: fp32 vs bf16 vs 8bit moments
+    python bench/memory_savers.py activations --micro-batch 8 precision=bf16    # on a GPU (device=auto)
 
 `states` runs torchao's step eagerly (torch.compile -> identity: the bytes do not depend on it);
 `quality` runs the real (compiled) step through `python -m shardtune train`.
@@ -56,16 +57,17 @@ def run_train(out: Path, extra: list[str]) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def activations(work: Path, steps: int) -> str:
+def activations(work: Path, steps: int, micro_batch: int, extra_overrides: list[str]) -> str:
     assets = C.quickstart_assets()
     tree = {"model": {"config": GPT2_SMALL, "tokenizer": assets["tokenizer"]},
             "data": {"path": str(Path(assets["train"]).parent), "seq_len": 512},
-            "train": {"micro_batch_size": 1, "global_batch_size": 1, "max_steps": steps, "lr": 1e-4},
+            "train": {"micro_batch_size": micro_batch, "global_batch_size": micro_batch, "max_steps": steps,
+                      "lr": 1e-4},
             "eval": {"at_start": False, "every_steps": 0, "max_batches": 1}, "save_final": False,
             "log": {"every_steps": 1, "progress": False, "live_memory": 1}}
     rows = []
     for name, extra in ACTIVATIONS.items():
-        records = run_train(work / name.split()[0], [*C.overrides_from(tree), *extra])
+        records = run_train(work / name.split()[0], [*C.overrides_from(tree), *extra, *extra_overrides])
         steps_ = [r for r in records if r.get("loss") is not None]
         peak = max(r.get("mem_live_peak_gib", 0) for r in records)
         later = [r["step_time_s"] for r in steps_[1:] if "step_time_s" in r]  # step 1 runs under MemTracker
@@ -73,10 +75,11 @@ def activations(work: Path, steps: int) -> str:
     return C.markdown_table(["activations", "peak live GiB", "step s", f"loss at step {steps}"], rows)
 
 
-def quality(work: Path, steps: int) -> str:
+def quality(work: Path, steps: int, extra_overrides: list[str]) -> str:
     rows, curves = [], {}
     for state in ("fp32", "bf16", "8bit"):
-        records = run_train(work / f"q-{state}", [f"train.optimizer_state={state}", f"train.max_steps={steps}"])
+        records = run_train(work / f"q-{state}", [f"train.optimizer_state={state}", f"train.max_steps={steps}",
+                                                       *extra_overrides])
         evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
         curves[state] = evals
         rows.append([state, f"{evals[-1][1]:.4f}"])
@@ -93,15 +96,17 @@ def main() -> int:
     p.add_argument("what", choices=["states", "activations", "quality"])
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--work", type=Path, default=None)
+    p.add_argument("--micro-batch", type=int, default=1, help="activations: sequences per step")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="more shardtune overrides, e.g. precision=bf16")
     a = p.parse_args()
     work = a.work or C.default_workdir() / "memory_savers"
     print(C.machine_line())
     if a.what == "states":
         print(states())
     elif a.what == "activations":
-        print(activations(work, a.steps or 3))
+        print(activations(work, a.steps or 3, a.micro_batch, a.overrides))
     else:
-        print(quality(work, a.steps or 300))
+        print(quality(work, a.steps or 300, a.overrides))
     return 0
 
 
