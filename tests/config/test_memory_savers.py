@@ -44,6 +44,7 @@ def test_micro_batch_size_takes_auto_and_names_both_forms_when_wrong():
     (["fsdp.reduce_dtype=fp16"], "fsdp.reduce_dtype='fp16' is not a valid choice"),
     (["fsdp.reduce_dtype=bf16"], "fsdp.reduce_dtype=bf16 needs precision=bf16"),
     (["activation_offload=maybe"], "activation_offload must be true or false"),
+    (["activation_offload=true", "compile=true"], "activation_offload does not combine with compile"),
     (["peft.method=lora", "peft.quantize=4bit", "model.name_or_path=m", "device=cuda",
       "activation_checkpointing=selective"], "supports activation_checkpointing=full or none"),
 ])

@@ -33,7 +33,7 @@ def test_checkpointing_kinds_and_offloading_give_the_same_losses(assets, tmp_pat
         recomputed.clear()
         run(load_config(None, tiny_overrides(assets, tmp_path / name, **quiet, **extra)))
         got = losses(tmp_path / name)
-        assert len(got) == 3 and max(abs(a - b) for a, b in zip(got, ref)) <= 1e-6, (name, got, ref)
+        assert len(got) == 3 and max(abs(a - b) for a, b in zip(got, ref, strict=True)) <= 1e-6, (name, got, ref)
         per_step = len(recomputed) / (3 * 2)  # 2 micro-batches per step, TINY gpt2 has 2 blocks
         assert per_step == {"full": 2, "selective": 2, "every_n": 1}.get(name.split("+")[0], 0), (name, per_step)
         assert all(("context_fn" in kw) == name.startswith("selective") for kw in recomputed), name

@@ -105,3 +105,19 @@ class ActivationOffload:
 
         model.register_forward_pre_hook(enter)
         model.register_forward_hook(leave)
+
+
+def describe_memory_savers(cfg, device_type: str) -> str:
+    """The start-up line's part for the non-default savers, e.g. ' | 8bit AdamW states | checkpointing selective'."""
+    parts = []
+    if cfg.train.optimizer_state != "fp32":
+        parts.append(f"{cfg.train.optimizer_state} AdamW states")
+    if cfg.fsdp.reduce_dtype != "fp32":
+        parts.append(f"{cfg.fsdp.reduce_dtype} gradient reduction")
+    kind = cfg.activation_checkpointing
+    if kind != "none":
+        parts.append(f"checkpointing {kind}" + (f" (every {cfg.activation_checkpointing_every})"
+                                                 if kind == "every_n" else ""))
+    if cfg.activation_offload:
+        parts.append("activation offload" + ("" if device_type == "cuda" else " (CPU: hooks only, nothing moves)"))
+    return "".join(f" | {p}" for p in parts)
