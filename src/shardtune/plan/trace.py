@@ -190,11 +190,13 @@ def trace_step(cfg: RunConfig, hf_config, world_size: int, local_world_size: int
     return StepTrace(tracker.peaks, layer_count(hf_config), steady, params).with_state(state)
 
 
-def measure_step(cfg: RunConfig, hf_config, dist) -> int:
+def measure_step(cfg: RunConfig, hf_config, dist, state_only: bool = False) -> int:
     """Peak bytes of live tensors during one steady training step of `cfg`, really run on this
     rank of the current process group (what `trace_step` predicts): a first step creates the
     optimizer state, the second is measured with torch's MemTracker (every storage allocated and
-    freed, not the process RSS, which the C allocator inflates). Collective."""
+    freed, not the process RSS, which the C allocator inflates). Collective. `state_only`: the
+    bytes of the optimizer state after the first step instead (torchao's compiled step refuses
+    to run under the tracker's dispatch mode, so a low-precision state is measured this way)."""
 
     from shardtune.config.load import check_world
     from shardtune.distributed.fsdp import build_mesh
@@ -213,6 +215,10 @@ def measure_step(cfg: RunConfig, hf_config, dist) -> int:
     micro = [[0] * cfg.train.micro_batch_size for _ in range(accum)]
     batches, labels_vary = _shape_only_batches(cfg, micro, dist.device)
     train_step(model, optimizer, scaler, batches, cfg, dist, labels_vary, sync_each=built.sync_grads_each_micro_step)
+    if state_only:
+        from shardtune.train.optim import optimizer_state_bytes
+
+        return optimizer_state_bytes(optimizer)
     live = LiveMemory(model, optimizer, dist.device, steps=1)  # the trainer's own live-bytes tracker
     if dist.device.type == "cuda":  # torch.cuda.max_memory_* then cover the measured step only
         torch.cuda.reset_peak_memory_stats(dist.device)
