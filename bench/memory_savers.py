@@ -29,6 +29,7 @@ ACTIVATIONS = {"none": [], "selective": ["activation_checkpointing=selective"],
 
 
 def states() -> str:
+    __import__("shardtune")  # first: it quiets torchao's import warnings (transformers imports torchao)
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
