@@ -29,6 +29,7 @@ ACTIVATIONS = {"none": [], "selective": ["activation_checkpointing=selective"],
 
 
 def states() -> str:
+    __import__("shardtune")  # first: it quiets torchao's import warnings (transformers imports torchao)
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -49,7 +50,11 @@ def states() -> str:
     return f"GPT-2 small, {n:,} parameters\n" + C.markdown_table(["optimizer_state", "bytes/param", "MiB"], rows)
 
 
-def run_train(out: Path, extra: list[str]) -> list[dict]:
+def run_train(out: Path, extra: list[str], reuse: bool = False) -> list[dict]:
+    """`shardtune train` into `out`; with `reuse`, a finished run already there is read instead."""
+    if reuse and (out / "metrics.jsonl").is_file() and (out / "final").exists() and \
+            any("eval_loss" in line for line in (out / "metrics.jsonl").read_text().splitlines()[-1:]):
+        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     cmd = [C.PYTHON, "-m", "shardtune", "train", *extra, f"output_dir={out}", "--overwrite"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=C.BENCH_DIR.parent)
     if proc.returncode:
@@ -75,11 +80,11 @@ def activations(work: Path, steps: int, micro_batch: int, extra_overrides: list[
     return C.markdown_table(["activations", "peak live GiB", "step s", f"loss at step {steps}"], rows)
 
 
-def quality(work: Path, steps: int, extra_overrides: list[str]) -> str:
+def quality(work: Path, steps: int, extra_overrides: list[str], reuse: bool) -> str:
     rows, curves = [], {}
     for state in ("fp32", "bf16", "8bit"):
         records = run_train(work / f"q-{state}", [f"train.optimizer_state={state}", f"train.max_steps={steps}",
-                                                       *extra_overrides])
+                                                       *extra_overrides], reuse)
         evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
         curves[state] = evals
         rows.append([state, f"{evals[-1][1]:.4f}"])
@@ -96,6 +101,7 @@ def main() -> int:
     p.add_argument("what", choices=["states", "activations", "quality"])
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--work", type=Path, default=None)
+    p.add_argument("--reuse", action="store_true", help="quality: read runs already finished in --work")
     p.add_argument("--micro-batch", type=int, default=1, help="activations: sequences per step")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="more shardtune overrides, e.g. precision=bf16")
     a = p.parse_args()
@@ -106,7 +112,7 @@ def main() -> int:
     elif a.what == "activations":
         print(activations(work, a.steps or 3, a.micro_batch, a.overrides))
     else:
-        print(quality(work, a.steps or 300, a.overrides))
+        print(quality(work, a.steps or 300, a.overrides, a.reuse))
     return 0
 
 
