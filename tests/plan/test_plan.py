@@ -10,7 +10,7 @@ import pytest
 
 from conftest import TINY, run_cli
 from shardtune.config.load import check_world, load_config
-from shardtune.plan.search import gpu_memory
+from shardtune.plan.cost import gpu_memory
 from shardtune.plan.trace import trace_step
 
 

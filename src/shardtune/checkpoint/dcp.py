@@ -35,7 +35,7 @@ NAME = re.compile(r"^step-(\d+)$")
 # Changing these breaks resume: the weights' shapes, or what "step N" means in the data order.
 # Whole sections are compared, so a key added to one later is covered without a change here.
 RESUME_KEYS = ("model.name_or_path", "model.config", "model.tokenizer", "data", "train.global_batch_size",
-               "train.seed", "peft", "freeze")
+               "train.seed", "train.optimizer_state", "peft", "freeze")
 MAY_CHANGE = {"data.num_proc", "peft.dropout"}  # inside those sections, but harmless
 
 
@@ -161,7 +161,7 @@ def check_compatible(saved: dict, now: dict, path: Path) -> None:
             changed += [f"{key}.{k} {short(old.get(k))} -> {short(new.get(k))}"
                         for k in sorted(old.keys() | new.keys())
                         if old.get(k) != new.get(k) and f"{key}.{k}" not in MAY_CHANGE]
-        elif old != new:
+        elif old != new and not (old is None and new == get(defaults, key)):  # None: saved before the key existed
             changed.append(f"{key} {short(old)} -> {short(new)}")
     if changed:
         raise UserError(f"cannot resume from {str(path)!r}: {'; '.join(changed)} changed; resume with the "

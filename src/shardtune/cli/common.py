@@ -36,3 +36,16 @@ def add_decoding_args(p, temperature: float) -> None:
                    help=f"0 = greedy (default: {temperature:g})")
     p.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling mass (default: 0.9)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+
+
+def recipe_and_defaults(recipe: str | None, overrides: list[str]) -> tuple[str | None, list[str], dict | None,
+                                                                           str | None]:
+    """(recipe, overrides, defaults, start-up line) for every command that takes a recipe: without
+    one, the quickstart's defaults (a mapping) and the line saying which of them apply."""
+    recipe, overrides = split_recipe(recipe, overrides)
+    if recipe is not None:
+        return recipe, overrides, None, None
+    from shardtune.data.quickstart import quickstart_defaults
+
+    defaults, used = quickstart_defaults(overrides)
+    return recipe, overrides, defaults, used

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shardtune.cli.common import split_recipe
+from shardtune.cli.common import recipe_and_defaults
 
 
 def add_parser(sub) -> None:
@@ -26,14 +26,10 @@ def run(args) -> int:
     from shardtune.config.load import load_config
     from shardtune.plan.report import run_plan
 
-    recipe, overrides = split_recipe(args.recipe, args.overrides)
-    defaults = None
-    if recipe is None:
+    recipe, overrides, defaults, used = recipe_and_defaults(args.recipe, args.overrides)
+    if used:
         import sys
 
-        from shardtune.data.quickstart import quickstart_defaults
-
-        defaults, used = quickstart_defaults(overrides)
         print(used, file=sys.stderr, flush=True)  # stdout is the answer (--json)
     cfg = load_config(recipe, overrides, defaults)
     return run_plan(plan_request(args), cfg, recipe, overrides)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shardtune.cli.common import split_recipe
+from shardtune.cli.common import recipe_and_defaults
 
 
 def add_parser(sub) -> None:
@@ -44,12 +44,8 @@ def run(args) -> int:
     from shardtune.hardware import parse_size
     from shardtune.sweep.grid import Sweep, parse_grid, run_sweep
 
-    recipe, overrides = split_recipe(args.recipe, args.overrides)
-    defaults = None
-    if recipe is None:
-        from shardtune.data.quickstart import quickstart_defaults
-
-        defaults, used = quickstart_defaults(overrides)
+    recipe, overrides, defaults, used = recipe_and_defaults(args.recipe, args.overrides)
+    if used:
         print(used, flush=True)
     sweep = Sweep(recipe, overrides, parse_grid(args.grid), steps=args.steps, eval_steps=args.eval_steps,
                   max_batch=args.max_batch, nproc=args.nproc,

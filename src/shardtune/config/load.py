@@ -60,6 +60,8 @@ def set_dotted(tree: dict, key: str, value: Any) -> None:
 def load_config(recipe: str | Path | None, overrides: list[str] | None = None,
                 defaults: dict | None = None) -> RunConfig:
     """Recipe YAML (or `defaults` when there is none) + dotted overrides -> checked RunConfig."""
+    if defaults is not None and not isinstance(defaults, dict):  # a caller's slip, e.g. (defaults, line)
+        raise TypeError(f"load_config's defaults must be a mapping, got {type(defaults).__name__}")
     tree: dict = dict(defaults or {})
     name = None
     if recipe is not None:
@@ -108,6 +110,8 @@ def _build(cls, data: Any, prefix: str):
             close = difflib.get_close_matches(key, fields, n=1)
             hint = f"; did you mean {prefix}{close[0]}?" if close else f"; valid keys: {', '.join(fields)}"
             raise UserError(f"unknown config key '{prefix}{key}'{hint}")
+        aliases = getattr(cls, "VALUE_ALIASES", {}).get(key, {})
+        value = next((new for old, new in aliases.items() if value is old), value)
         kwargs[key] = _coerce(hints[key], value, f"{prefix}{key}")
     return cls(**kwargs)
 
@@ -131,6 +135,9 @@ def _coerce(tp, value: Any, key: str):
                 return _coerce(arg, value, key)
             except UserError as exc:
                 errors.append(exc)
+        words = [str(c) for a in args if typing.get_origin(a) is Literal for c in typing.get_args(a)]
+        if words and len(errors) > 1:  # e.g. int | Literal["auto"]: name both forms
+            raise UserError(f"{first_line(errors[0])}, or one of: {', '.join(words)}")
         raise errors[0]
     if origin is Literal:
         choices = typing.get_args(tp)

@@ -71,11 +71,12 @@ class FSDPConfig:
     cpu_offload: bool = False  # keep sharded parameters, gradients and optimizer state in host memory
     forward_prefetch: int = 0  # explicitly prefetch the next N blocks' all-gather in forward
     backward_prefetch: int = 1  # ... in backward (1 = FSDP2's default implicit prefetch)
+    reduce_dtype: Literal["fp32", "bf16"] = "fp32"  # gradient reduce-scatter/all-reduce and storage dtype; bf16 halves both (needs precision=bf16)
 
 
 @dataclass
 class TrainConfig:
-    micro_batch_size: int = 8  # sequences per rank per forward/backward
+    micro_batch_size: int | Literal["auto"] = 8  # sequences per rank per forward/backward; auto: the planner's largest that fits
     global_batch_size: int = 32  # sequences per optimizer step, over all ranks
     lr: float = 3e-4  # peak learning rate
     min_lr_ratio: float = 0.1  # cosine/linear decay ends at lr * min_lr_ratio
@@ -84,6 +85,7 @@ class TrainConfig:
     weight_decay: float = 0.0  # AdamW decay of matrices (never of biases and norms)
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
     eps: float = 1e-8  # AdamW epsilon
+    optimizer_state: Literal["fp32", "bf16", "8bit", "4bit"] = "fp32"  # AdamW moment precision (bf16/8bit/4bit: torchao; 4bit needs CUDA)
     max_grad_norm: float = 1.0  # 0 disables clipping
     max_steps: int = 0  # > 0 wins over epochs
     epochs: float = 1.0  # used when max_steps is 0; fractions allowed
@@ -141,7 +143,9 @@ class RunConfig:
     output_dir: str | None = None  # default runs/<recipe>-<time>
     save_final: bool = True  # write final/ (a plain HF folder) at the end; sweep trials turn it off
     precision: Literal["bf16", "fp16", "fp32"] = "fp32"  # compute dtype; master weights and reductions stay fp32
-    activation_checkpointing: bool = False  # recompute each block's activations in backward (less memory)
+    activation_checkpointing: Literal["none", "full", "selective", "every_n"] = "none"  # recompute in backward: full = every block; selective = keep matmul outputs, recompute the rest; every_n = every n-th block (true/false = full/none)
+    activation_checkpointing_every: int = 2  # every_n: checkpoint blocks 0, n, 2n, ...
+    activation_offload: bool = False  # move saved activations to pinned host memory in forward, back in backward (CUDA; CPU: same hooks, no move)
     compile: bool = False  # torch.compile each decoder block before sharding
     loss_chunk_tokens: int | None = None  # LM head + loss in chunks of N tokens (no full logits); default ~24 MB CPU, 64 MB CUDA; 0: off
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when present, else CPU (gloo)
@@ -157,6 +161,9 @@ class RunConfig:
     resume: str | None = None  # auto: newest checkpoint in output_dir; or a checkpoint/run folder
     on_nan: Literal["stop", "skip"] = "stop"  # non-finite loss: stop, or skip that step's update
     recipe: str | None = None  # name of the recipe the run came from (set by the loader)
+
+    # values written by earlier versions (recipes, run folders, checkpoints' saved config) that still load
+    VALUE_ALIASES: typing.ClassVar[dict] = {"activation_checkpointing": {True: "full", False: "none"}}
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

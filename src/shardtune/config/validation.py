@@ -61,8 +61,11 @@ def validate(cfg) -> None:
     for key, value in _floats(cfg):  # NaN passes every comparison below: refuse it first
         if not math.isfinite(value):
             raise UserError(f"{key}={value} is not a finite number; give a real value")
+    auto_batch = t.micro_batch_size == "auto"  # the planner picks it (it checks that one divides the batch)
     _at_least([
-        ("train.micro_batch_size", t.micro_batch_size, 1), ("train.global_batch_size", t.global_batch_size, 1),
+        ("train.micro_batch_size", 1 if auto_batch else t.micro_batch_size, 1),
+        ("train.global_batch_size", t.global_batch_size, 1),
+        ("activation_checkpointing_every", cfg.activation_checkpointing_every, 1),
         # a block of one token has nothing to predict: loss 0, perplexity 1, a wrong answer
         ("data.seq_len", d.seq_len, 2), ("log.every_steps", cfg.log.every_steps, 1),
         ("fsdp.min_num_params", f.min_num_params, 1), ("fsdp.forward_prefetch", f.forward_prefetch, 0),
@@ -78,7 +81,7 @@ def validate(cfg) -> None:
                        ("fsdp.shard_size", f.shard_size), ("fsdp.replicate_size", f.replicate_size)]:
         if value is not None and value <= 0:
             raise UserError(f"{key} must be positive (or unset), got {value}")
-    if t.global_batch_size % t.micro_batch_size:
+    if not auto_batch and t.global_batch_size % t.micro_batch_size:
         raise UserError(f"train.global_batch_size={t.global_batch_size} is not a multiple of "
                         f"train.micro_batch_size={t.micro_batch_size}; pick sizes that divide")
     if t.lr <= 0:
@@ -100,6 +103,7 @@ def validate(cfg) -> None:
                         "e.g. log.profile_steps=[3,5] (a few steps: traces grow with every step)")
     _validate_format(d)
     _validate_adapters(cfg)
+    _validate_memory_savers(cfg)
 
 
 def _validate_format(d) -> None:
@@ -135,3 +139,18 @@ def _validate_adapters(cfg) -> None:
         if m.name_or_path is None or m.random_init:
             raise UserError("peft.quantize=4bit quantizes pretrained weights; set model.name_or_path and "
                             "model.random_init=false")
+
+
+def _validate_memory_savers(cfg) -> None:
+    """Reduction dtype, activation checkpointing kinds and offloading: the combinations that cannot work."""
+    if cfg.fsdp.reduce_dtype == "bf16" and cfg.precision != "bf16":
+        # fp32 compute exists for exact numbers; bf16 reductions would round every gradient anyway
+        raise UserError(f"fsdp.reduce_dtype=bf16 needs precision=bf16 (got precision={cfg.precision}); "
+                        "set precision=bf16, or keep fsdp.reduce_dtype=fp32")
+    if cfg.activation_offload and cfg.compile:
+        raise UserError("activation_offload does not combine with compile (its hooks would run inside compiled "
+                        "blocks); drop one of them")
+    if cfg.peft.quantize != "none" and (cfg.activation_checkpointing in ("selective", "every_n")
+                                        or cfg.activation_offload):
+        raise UserError("peft.quantize=4bit (QLoRA) supports activation_checkpointing=full or none and no "
+                        "activation_offload; change those settings")

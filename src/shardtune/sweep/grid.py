@@ -133,12 +133,19 @@ def check(sweep: Sweep) -> None:
             raise UserError(f"{word!r}: the sweep sets output_dir and resume for each trial; use --out for the sweep")
     if sweep.max_batch and "train.micro_batch_size" in dict(sweep.grid):
         raise UserError("--max-batch searches train.micro_batch_size itself; drop it from --grid")
+    if sweep.max_batch and sweep.config({}).train.micro_batch_size == "auto":
+        raise UserError("--max-batch searches train.micro_batch_size itself (with real trials); drop "
+                        "train.micro_batch_size=auto, or drop --max-batch to use the planner's choice")
     sweep.config({})  # the recipe and overrides alone: their errors are not the grid's
     for point in sweep.points():
         where = " ".join(f"{k}={v}" for k, v in point.items())
         try:
             cfg = sweep.config(point)
-            if sweep.max_batch:
+            if cfg.train.micro_batch_size == "auto":
+                from shardtune.plan.fit import auto_micro_batches
+
+                auto_micro_batches(cfg.train.global_batch_size, sweep.nproc)
+            elif sweep.max_batch:
                 if not micro_batch_candidates(cfg, sweep.nproc):
                     raise UserError(f"train.global_batch_size={cfg.train.global_batch_size} is not divisible by "
                                     f"--nproc {sweep.nproc}; change one of them")
@@ -214,7 +221,7 @@ class Predictions:
         if key not in self.cache:
             from transformers.utils import logging as hf_logging
 
-            from shardtune.plan.search import predict_peak_bytes
+            from shardtune.plan.fit import predict_peak_bytes
 
             hf_logging.set_verbosity_error()  # config warnings belong to the trials' own output
             try:
@@ -307,10 +314,25 @@ def run_sweep(sweep: Sweep) -> Path:
             if sweep.max_batch:
                 summaries.append(max_batch_of(sweep, point, trial, predict, limit, list(state.trials.values())))
             else:
-                summaries.append(summarize_point(point, [trial(point, None)], None, ""))
+                micro_batch = auto_micro_batch(sweep, point, limit, list(state.trials.values()))
+                summaries.append(summarize_point(point, [trial(point, micro_batch)], None, ""))
     finally:  # also after an interrupt: what is done is written
         write_outputs(sweep, list(state.trials.values()), summaries, limit)
     return sweep.out / "sweep.md"
+
+
+def auto_micro_batch(sweep: Sweep, point: dict, limit: int | None, records: list[dict]) -> int | None:
+    """A grid point's train.micro_batch_size=auto, resolved here as `train` would (on CPU within
+    --mem-limit where given), so the trial runs and is recorded with its number; else None."""
+    cfg = sweep.config(point)
+    if cfg.train.micro_batch_size != "auto":
+        return None
+    from shardtune.plan.fit import resolve_auto
+
+    budget = tensor_budget(limit, sweep.device, records) if sweep.mem_limit else None
+    micro_batch, line = resolve_auto(cfg, sweep.nproc, sweep.nproc, host_budget=budget)
+    print(f"  {slug(point) or 'recipe'}: {line}", flush=True)
+    return micro_batch
 
 
 def max_batch_of(sweep: Sweep, point: dict, trial, predict, limit: int | None, records_so_far: list[dict]) -> dict:
