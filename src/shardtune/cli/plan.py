@@ -37,6 +37,6 @@ def run(args) -> int:
     if recipe is None:
         from shardtune.data.quickstart import quickstart_defaults
 
-        defaults = quickstart_defaults()
+        defaults, _ = quickstart_defaults(overrides)
     cfg = load_config(recipe, overrides, defaults)
     return run_plan(args, cfg, recipe, overrides)

@@ -36,7 +36,7 @@ def run(args) -> int:
     if recipe is None:
         from shardtune.data.quickstart import quickstart_defaults
 
-        defaults = quickstart_defaults()
+        defaults, _ = quickstart_defaults(overrides)
     sweep = Sweep(recipe, overrides, parse_grid(args.grid), steps=args.steps, eval_steps=args.eval_steps,
                   max_batch=args.max_batch, nproc=args.nproc,
                   mem_limit=parse_size(args.mem_limit, "--mem-limit") if args.mem_limit else None, defaults=defaults)

@@ -97,7 +97,17 @@ def check_values(cfg) -> None:
 
 
 def _check_value(key: str, value) -> None:
-    if isinstance(value, str):
+    if isinstance(value, dict):  # model.config: passed to transformers, which checks little
+        for name, inner in value.items():
+            if isinstance(inner, float) and not math.isfinite(inner):
+                raise UserError(f"{key}.{name}={inner} is not a finite number; give a real value")
+            if isinstance(inner, (dict, list)):
+                _check_value(f"{key}.{name}", inner)
+    elif isinstance(value, list):
+        for inner in value:
+            if isinstance(inner, float) and not math.isfinite(inner):
+                raise UserError(f"{key} holds {inner}, not a finite number; give real values")
+    elif isinstance(value, str):
         if key not in MAY_BE_EMPTY and not value.strip():
             raise UserError(f"{key} is empty; give a value, or leave it out for the default")
         if "\x00" in value:

@@ -32,7 +32,7 @@ SHIPPED_CONFIGS = Path(__file__).parent / "model_configs"
 def resolve_hf_config(cfg: RunConfig):
     """(transformers config, where it came from), without the network: model.config, a local
     folder, the Hugging Face cache, or a config shipped with shardtune for the recipes' models."""
-    from shardtune.model.hf import load_hf_config
+    from shardtune.model.hf import load_hf_config, not_a_folder
 
     m = cfg.model
     if m.name_or_path is None:  # as train builds it: the vocabulary of its tokenizer, where that is at hand
@@ -44,6 +44,7 @@ def resolve_hf_config(cfg: RunConfig):
         except UserError:
             return hf_config, "model.config (tokenizer not at hand: the config's vocabulary)"
         return hf_config, "model.config"
+    not_a_folder(Path(m.name_or_path), "model.name_or_path")
     if Path(m.name_or_path).is_dir():
         return load_hf_config(m), f"local folder {m.name_or_path}"
     try:
