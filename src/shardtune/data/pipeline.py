@@ -37,15 +37,26 @@ def _is_blank(path: Path) -> bool:
     return True
 
 
+def _not_regular(path: Path) -> bool:
+    """A FIFO, device or socket: reading one hangs or never ends."""
+    import stat
+
+    return not stat.S_ISREG(path.stat().st_mode) and not path.is_dir()
+
+
 def _local_files(path: Path) -> dict[str, list[str]]:
     """Files of a local dataset, by split. A folder's `train*`/`validation*` files are splits."""
-    if path.is_file():
+    if path.is_file() or _not_regular(path):
         files = [path]
     else:
         files = sorted(p for p in path.iterdir() if p.suffix in BUILDERS and not p.name.startswith("."))
-        if not files:
-            raise UserError(f"data.path={str(path)!r} holds no {'/'.join(sorted(BUILDERS))} files; "
-                            "point it at a data file or a folder of them")
+    odd = [p for p in files if _not_regular(p)]
+    if odd:
+        raise UserError(f"data file {str(odd[0])!r} is not a regular file (a FIFO, device or socket); point "
+                        "data.path at a file or a folder of files")
+    if not files:
+        raise UserError(f"data.path={str(path)!r} holds no {'/'.join(sorted(BUILDERS))} files; "
+                        "point it at a data file or a folder of them")
     blank = [p for p in files if _is_blank(p)]
     if blank:
         raise UserError(f"data file {str(blank[0])!r} is empty (no documents); add documents to it "
@@ -76,7 +87,10 @@ def load_documents(cfg: DataConfig):
         if path.exists():
             files = _local_files(path)
             builder = BUILDERS[Path(next(iter(files.values()))[0]).suffix]
-            return datasets.load_dataset(builder, data_files=files)
+            # one split at a time: splits whose columns differ are not a load error (a split that
+            # lacks a column the format needs is named when it is tokenized)
+            return datasets.DatasetDict({split: datasets.load_dataset(builder, data_files={split: names})[split]
+                                         for split, names in files.items()})
         if cfg.path.startswith((".", "/", "~")) or Path(cfg.path).suffix in BUILDERS:
             raise UserError(f"data file {cfg.path!r} not found; check data.path")
         return datasets.load_dataset(cfg.path, cfg.name)
@@ -136,10 +150,19 @@ def pack(docs, tokenizer, field: str, seq_len: int, num_proc: int | None = None,
     return pack_text(docs, tokenizer, field, seq_len, num_proc, document_mask)
 
 
+def _warn(line: str) -> None:
+    import os
+    import sys
+
+    if os.environ.get("RANK", "0") == "0":
+        print(line, file=sys.stderr, flush=True)
+
+
 def tokenize_split(docs, cfg: DataConfig, tokenizer, what: str, required: bool = False):
     """Token rows of one split in cfg.format: packed text blocks, or one example per row with
     `labels` (IGNORE_INDEX where there is no loss) and `length`. `required`: an instruct/chat
     split left with no example is a UserError."""
+    formats.check_cells(docs, cfg, what, _warn)
     if cfg.format == "text":
         docs, field = formats.render_text(docs, cfg, what)
         return pack(docs, tokenizer, field, cfg.seq_len, cfg.num_proc, cfg.masks_documents)
