@@ -15,6 +15,7 @@ import torch.distributed as tdist
 
 from shardtune.checkpoint.loading import load_model
 from shardtune.errors import UserError
+from shardtune.model.hf import max_positions
 
 # ----------------------------------------------------------------------------- eval
 
@@ -128,6 +129,9 @@ def read_prompts(args) -> list[str]:
             text = Path(args.prompts_file).read_text(encoding="utf-8")
         except OSError as exc:
             raise UserError(f"cannot read --prompts-file {args.prompts_file!r} ({exc.strerror})") from None
+        except UnicodeDecodeError as exc:
+            raise UserError(f"--prompts-file {args.prompts_file!r} is not UTF-8 text (byte {exc.start}); save it "
+                            "as UTF-8, one prompt per line") from None
         prompts += [line for line in text.splitlines() if line.strip()]
     if not prompts:
         raise UserError("no prompt given; pass --prompt TEXT or --prompts-file FILE (one prompt per line)")
@@ -143,11 +147,18 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int = 64, tem
     torch.manual_seed(seed)
     device = next(model.parameters()).device
     sample = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature > 0 else dict(do_sample=False)
-    outputs = []
-    for prompt in prompts:
+    encoded = []
+    limit = max_positions(model.config)
+    for n, prompt in enumerate(prompts, 1):
         ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
         if ids.shape[1] == 0:  # an empty prompt starts from the beginning-of-text token
             ids = torch.tensor([[tokenizer.bos_token_id or tokenizer.eos_token_id]])
+        if limit is not None and ids.shape[1] + max_new_tokens > limit:
+            raise UserError(f"prompt {n} has {ids.shape[1]} tokens; with --max-new-tokens {max_new_tokens} that is "
+                            f"beyond the model's {limit} positions; shorten the prompt or lower --max-new-tokens")
+        encoded.append(ids)
+    outputs = []
+    for ids in encoded:
         ids = ids.to(device)
         with torch.no_grad():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
