@@ -14,12 +14,17 @@ from shardtune.errors import EXIT_INTERRUPTED, EXIT_USAGE, UserError
 COMMANDS = ("train", "export", "eval", "generate", "report", "slurm", "plan", "sweep", "download")  # --help order
 
 
+def one_line(text: str) -> str:
+    """An error message as one line whatever it quotes (a value with a newline in it stays visible)."""
+    return text.strip().replace("\r", "\\r").replace("\n", "\\n")
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse prints the usage block and then the error; every bad input here is one line,
     exit 2, like a UserError (subparsers inherit this class)."""
 
     def error(self, message: str):
-        text = " ".join(message.split())
+        text = one_line(message)
         self.exit(EXIT_USAGE, f"error: {self.prog}: {text}; see `{self.prog} --help`\n")
 
 
@@ -65,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         return importlib.import_module(f"shardtune.cli.{args.command}").run(args)
     except UserError as exc:
         if os.environ.get("RANK", "0") == "0":
-            print(f"error: {exc}", file=sys.stderr)
+            print(f"error: {one_line(str(exc))}", file=sys.stderr)
         return EXIT_USAGE
     except OSError as exc:  # a full disk wherever a command writes, told as one line too
         from shardtune.diskspace import no_room

@@ -69,7 +69,7 @@ def load_config(recipe: str | Path | None, overrides: list[str] | None = None,
             raise UserError(f"recipe {str(path)!r} is a folder; give the path to a YAML file (see recipes/)")
         if not path.is_file():
             raise UserError(f"recipe {str(path)!r} not found; give the path to a YAML file (see recipes/)")
-        loaded = load_yaml(_recipe_text(path), f"recipe {str(path)!r}") or {}
+        loaded = load_yaml(_recipe_text(path), f"recipe {str(path)!r}", "fix the file") or {}
         if not isinstance(loaded, dict):
             raise UserError(f"recipe {str(path)!r} must be a mapping of keys to values")
         tree = loaded

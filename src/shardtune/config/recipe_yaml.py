@@ -73,14 +73,14 @@ class YAMLSyntaxError(UserError):
     """Text that is not YAML at all (an override value may then be meant as plain text)."""
 
 
-def load_yaml(text: str, what: str):
+def load_yaml(text: str, what: str, fix: str = "fix it"):
     """The YAML `text` as Python values; every problem is one UserError naming `what`."""
     try:
         return yaml.load(text, Loader=StrictLoader)
     except UserError as exc:
         raise UserError(f"{what}: {exc}") from None
     except yaml.YAMLError as exc:
-        raise YAMLSyntaxError(f"{what} is not valid YAML ({where(exc)}); fix it") from None
+        raise YAMLSyntaxError(f"{what} is not valid YAML ({where(exc)}); {fix}") from None
     except (ValueError, RecursionError) as exc:  # an int of more digits than Python converts; nesting too deep
         raise UserError(f"{what} holds a value YAML cannot read ({type(exc).__name__}: "
-                        f"{str(exc).splitlines()[0][:120] if str(exc) else ''}); fix it") from None
+                        f"{str(exc).splitlines()[0][:120] if str(exc) else ''}); {fix}") from None
