@@ -112,3 +112,44 @@ def test_a_config_error_is_reported_before_any_data_is_read(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and "peft.r=0 must be at least 1" in err and "missing" not in err, err
     assert not (tmp_path / "out").exists()
+
+
+BOMB = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{n}: &{n} [{', '.join([f'*{p}'] * 10)}]\n" for p, n in zip("abcdefg", "bcdefgh", strict=True))
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("train:\n  lr: 1\n  lr: 2\n", "key 'lr' is given twice (lines 4 and 5)"),
+    ("train: {lr: 1}\ntrain: {seed: 2}\n", "key 'train' is given twice"),
+    ("train:\n  lr: [1\n", "not valid YAML (line 5, column 1"),
+    (BOMB, "expands to more than 100000 values"),
+    ("train: &t {lr: *t}\n", "refers to a value that contains it"),
+    ("train: {seed: " + "9" * 5000 + "}\n", "holds a value YAML cannot read"),
+    ("train: {seed: 18446744073709551616}\n", "train.seed=18446744073709551616 must be at most 2**63-1"),
+    ("data: {template: '{x:10000000000}'}\n", "width above 10000"),
+    ("1: 2\n", "config key 1 is not a name"),
+])
+def test_recipes_are_read_strictly(tmp_path, text, needle):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: {config: {model_type: gpt2}}\n" + ("data: {path: d}\n" if "data:" not in text else "")
+                      + text.replace("data: {", "data: {path: d, "))
+    with pytest.raises(UserError, match=re.escape(needle)):
+        load_config(recipe)
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("data.path=", "no dataset given"), ("model.tokenizer=' '", "model.tokenizer is empty"),
+    ("train.seed=-1", "train.seed=-1 must be at least 0"), ("train.lr=1" + "0" * 400, "too large to use"),
+    ("train.max_steps=1.0e+300", "a number of about 300 digits must be at most 2**63-1"),
+    ("peft.target_modules=[]", "peft.target_modules=[] is empty"),
+    ("model.config={model_type: gpt2, n_embd: .inf}", "model.config.n_embd=inf is not a finite number"),
+    ("data.num_proc=0", "data.num_proc=0 must be at least 1"),
+    ("output_dir=a\x00b", "output_dir contains a NUL character"),
+])
+def test_every_value_is_checked_by_its_type(override, needle):
+    with pytest.raises(UserError, match=re.escape(needle)):
+        load_config(None, ["model.config={model_type: gpt2}", "data.path=x", override])
+
+
+def test_list_sep_may_be_empty():
+    assert load_config(None, ["model.config={model_type: gpt2}", "data.path=x", "data.list_sep=''"]).data.list_sep == ""

@@ -26,7 +26,7 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_errors import TINY_GPT2, library_logs_to_stderr
+from test_errors import TINY_GPT2, library_logs_to_stderr, qs_assets  # noqa: F401 - a shared fixture
 
 from conftest import AGENT_VARS
 from shardtune.cli.main import main
@@ -67,7 +67,7 @@ VALUES = st.one_of(st.sampled_from(ODD_VALUES), st.integers(-2 ** 70, 2 ** 70).m
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
+def world(tmp_path_factory, qs_assets):
     """The setup, with the environment of a lone offline process run from its folder."""
     root = tmp_path_factory.mktemp("fuzz")
     with pytest.MonkeyPatch.context() as mp:
@@ -79,7 +79,7 @@ def world(tmp_path_factory):
 
         mp.setattr(datasets.config, "HF_DATASETS_CACHE", str(root / "hf-datasets"))
         mp.chdir(root)
-        yield FuzzWorld.build(root)
+        yield FuzzWorld.build(root, qs_assets)
 
 
 @examples(60)
@@ -91,7 +91,7 @@ def test_overrides_of_every_key(world, overrides):
 
 
 OPTIONS = {
-    "eval": ["--seq-len", "--micro-batch-size", "--max-batches", "--nproc", "--text-field", "--split", "--data"],
+    "eval": ["--seq-len", "--micro-batch-size", "--max-batches", "--text-field", "--split", "--data"],
     "generate": ["--max-new-tokens", "--temperature", "--top-p", "--seed", "--prompt", "--prompts-file"],
     "plan": ["--gpus", "--nodes", "--gpu", "--gpu-mem", "--host-mem", "--peak-tflops", "--bandwidth",
              "--inter-node-bandwidth", "--margin"],
@@ -191,12 +191,8 @@ class FuzzWorld:
         self.odd_data = [b"".join(json.dumps(row).encode() + b"\n" for _ in range(40)) for row in rows]
 
     @classmethod
-    def build(cls, root: Path) -> FuzzWorld:
+    def build(cls, root: Path, assets: dict) -> FuzzWorld:
         from transformers import AutoConfig
-
-        from shardtune.data.quickstart import build_quickstart_assets
-
-        assets = build_quickstart_assets(root / "assets", vocab_size=300, max_docs=200)
         data_text = b"".join(Path(assets["train"]).read_bytes().splitlines(keepends=True)[:60])
         tree = {"model": {"tokenizer": assets["tokenizer"], "config": dict(TINY_GPT2)},
                 "data": {"path": assets["train"], "seq_len": 32},

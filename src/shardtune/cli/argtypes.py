@@ -36,6 +36,7 @@ def int_range(least: int = 0, most: int = INT_LIMIT):
 
 positive_int = int_range(1)
 non_negative_int = int_range(0)
+ranks = int_range(1, 1024)  # local ranks: each is a process with its own copy of the libraries
 
 
 def finite_float(least: float | None = None, most: float | None = None, *, above: float | None = None,

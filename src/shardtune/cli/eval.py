@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shardtune.cli.argtypes import int_range, non_negative_int, nonempty_str, positive_int
+from shardtune.cli.argtypes import int_range, non_negative_int, nonempty_str, positive_int, ranks
 
 
 def add_parser(sub) -> None:
@@ -20,7 +20,7 @@ def add_parser(sub) -> None:
                     help="evaluate the first N x micro-batch-size sequences (default: all)")
     p.add_argument("--compare", metavar="BASE", type=nonempty_str,
                    help="also evaluate BASE and print both side by side")
-    p.add_argument("--nproc", type=positive_int, default=None, metavar="N", help="run on N local ranks")
+    p.add_argument("--nproc", type=ranks, default=None, metavar="N", help="run on N local ranks")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shardtune.cli.argtypes import nonempty_str, positive_int, size
+from shardtune.cli.argtypes import nonempty_str, positive_int, ranks, size
 from shardtune.cli.common import split_recipe
 
 
@@ -20,7 +20,7 @@ def add_parser(sub) -> None:
     p.add_argument("--steps", type=positive_int, default=5, help="optimizer steps per trial (default: 5)")
     p.add_argument("--eval-steps", type=positive_int, metavar="E", help="also train E steps and record the validation "
                     "loss and perplexity then")
-    p.add_argument("--nproc", type=positive_int, default=1, metavar="N", help="ranks per trial (default: 1)")
+    p.add_argument("--nproc", type=ranks, default=1, metavar="N", help="ranks per trial (default: 1)")
     p.add_argument("--mem-limit", type=size, metavar="SIZE", help="memory per rank, e.g. 2GiB: on CPU a real cap on "
                     "each trial process; on a GPU the budget a trial must stay under (default: the GPU's memory)")
     p.add_argument("--out", type=nonempty_str, help="folder for sweep.csv, sweep.md, plots and trials (default: "

@@ -10,6 +10,7 @@ any world size trains on exactly the same global batches.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -37,6 +38,23 @@ def _is_blank(path: Path) -> bool:
     return True
 
 
+_BARE_NULL = re.compile(rb"(?m)^[ \t\r]*null[ \t\r]*$")
+
+
+def _bare_null_line(path: Path) -> int | None:
+    """The number of the first line of a JSON file that is a bare `null`, or None. pyarrow's JSON
+    reader (under `datasets`) crashes the process with a segfault on such a record (pyarrow 22)."""
+    number, tail = 1, b""
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            chunk, cut = tail + chunk, (tail + chunk).rfind(b"\n") + 1
+            whole, tail = (chunk[:cut], chunk[cut:]) if cut else (b"", chunk)
+            if m := _BARE_NULL.search(whole):
+                return number + whole.count(b"\n", 0, m.start())
+            number += whole.count(b"\n")
+    return number if _BARE_NULL.fullmatch(tail) else None
+
+
 def _not_regular(path: Path) -> bool:
     """A FIFO, device or socket: reading one hangs or never ends."""
     import stat
@@ -61,6 +79,10 @@ def _local_files(path: Path) -> dict[str, list[str]]:
     if blank:
         raise UserError(f"data file {str(blank[0])!r} is empty (no documents); add documents to it "
                         "or point data.path elsewhere")
+    for p in files:
+        if BUILDERS.get(p.suffix) == "json" and (line := _bare_null_line(p)) is not None:
+            raise UserError(f"data file {str(p)!r} line {line} is `null`, not a JSON record; remove it or make it "
+                            '{"text": ...}')
     suffixes = {p.suffix for p in files}
     if len({BUILDERS[s] for s in suffixes if s in BUILDERS}) != 1 or not suffixes <= BUILDERS.keys():
         raise UserError(f"data.path={str(path)!r} mixes or has unsupported file types ({', '.join(sorted(suffixes))}); "
@@ -158,11 +180,11 @@ def _warn(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
-def tokenize_split(docs, cfg: DataConfig, tokenizer, what: str, required: bool = False):
+def tokenize_split(docs, cfg: DataConfig, tokenizer, what: str, warn=None, required: bool = False):
     """Token rows of one split in cfg.format: packed text blocks, or one example per row with
     `labels` (IGNORE_INDEX where there is no loss) and `length`. `required`: an instruct/chat
     split left with no example is a UserError."""
-    formats.check_cells(docs, cfg, what, _warn)
+    formats.check_cells(docs, cfg, what, warn or _warn)
     if cfg.format == "text":
         docs, field = formats.render_text(docs, cfg, what)
         return pack(docs, tokenizer, field, cfg.seq_len, cfg.num_proc, cfg.masks_documents)
@@ -190,8 +212,9 @@ def prepare(cfg: DataConfig, tokenizer, seed: int):
     """(train, val) torch datasets with `input_ids` (and `labels` where some tokens get no loss).
     text: packed blocks of seq_len; instruct/chat: one example per row, at most cutoff_len long,
     with a `length` column (see `lengths`), unless data.packing."""
+    notes: list[str] = []
     try:
-        return _prepare(cfg, tokenizer, seed)
+        prepared = _prepare(cfg, tokenizer, seed, notes.append)
     except Exception as exc:  # no room for the `datasets` cache or the packed blocks beside it: one line
         if (why := no_room(exc, 0, None)) is None:
             raise
@@ -199,21 +222,24 @@ def prepare(cfg: DataConfig, tokenizer, seed: int):
 
         raise UserError(f"{why} while caching the data under {datasets.config.HF_DATASETS_CACHE}; free space "
                         "there, or point HF_DATASETS_CACHE (or HF_HOME) at a disk with room, and run again") from None
+    for line in notes:  # only once the data is usable: a refusal stays one line
+        _warn(line)
+    return prepared
 
 
-def _prepare(cfg: DataConfig, tokenizer, seed: int):
+def _prepare(cfg: DataConfig, tokenizer, seed: int, warn):
     splits = load_documents(cfg)
     train_docs, val_docs = split_documents(cfg, splits, seed)
     if len(train_docs) == 0:
         raise UserError(f"dataset {cfg.path!r} has no training documents (after start_idx/end_idx); "
                         "check data.path and the slice")
-    train = tokenize_split(train_docs, cfg, tokenizer, f"dataset {cfg.path!r}", required=True)
+    train = tokenize_split(train_docs, cfg, tokenizer, f"dataset {cfg.path!r}", warn, required=True)
     if len(train) == 0:
         raise UserError(f"dataset {cfg.path!r} has fewer tokens than one sequence of data.seq_len={cfg.seq_len}; "
                         "add data or lower data.seq_len")
     val = None
     if len(val_docs):
-        val = tokenize_split(val_docs, cfg, tokenizer, f"the validation split of {cfg.path!r}")
+        val = tokenize_split(val_docs, cfg, tokenizer, f"the validation split of {cfg.path!r}", warn)
         val = val if len(val) else None
     return train.with_format("torch"), (val.with_format("torch") if val is not None else None)
 
