@@ -164,6 +164,22 @@ def test_corrupt_data_files(world, data):
     run_and_check(world, ["train", world.recipe, f"data.path={path}", f"output_dir={world.fresh_path('run')}"])
 
 
+@examples(4)
+@given(name=st.sampled_from(["metrics.jsonl", "sweep.json"]), data=st.data())
+def test_corrupt_run_files(world, name, data):
+    """A run's metrics.jsonl damaged, then `report`; a sweep's sweep.json damaged, then the same sweep
+    again (whole, it has every trial done: only the outputs are rewritten)."""
+    import shutil
+
+    folder = world.fresh_path("run")
+    shutil.copytree(world.sweep_out, folder)
+    (folder / name).write_bytes(data.draw(corruptions((folder / name).read_bytes())))
+    if name == "metrics.jsonl":
+        run_and_check(world, ["report", str(folder), "--out", str(world.fresh_path("report"))])
+    else:
+        run_and_check(world, ["sweep", world.recipe, *world.sweep_args, "--out", str(folder)])
+
+
 def test_the_checks_see_a_traceback(world):
     """The property can fail: an exception that escapes main is reported, not swallowed."""
     with pytest.raises(AssertionError, match="escaped"):
@@ -209,7 +225,26 @@ class FuzzWorld:
                 "train_state": {"step": 1, "tokens_seen": 128.0}}
         world = cls(root, str(recipe), data_text, model_config, json.dumps(meta).encode())
         world.checkpoint = world.make_checkpoint(assets["tokenizer"])
+        world.sweep_out = world.make_sweep_folder()
         return world
+
+    sweep_args = ["--grid", "precision=fp32", "--steps", "1"]
+
+    def make_sweep_folder(self) -> Path:
+        """A finished one-trial sweep's state (sweep.json) and a run's metrics.jsonl, in one folder."""
+        from shardtune.sweep.grid import Sweep, parse_grid
+
+        folder = self.root / "finished-sweep"
+        folder.mkdir()
+        sweep = Sweep(self.recipe, [], parse_grid(self.sweep_args[1:2]), steps=1)
+        record = {"name": "precision-fp32", "point": {"precision": "fp32"}, "micro_batch": 2, "seconds": 3.0,
+                  "exit_code": 0, "status": "ok", "tokens_per_s": 900.0, "step_time_s": 0.1, "accumulation": 2,
+                  "mem_rss_gib": 0.5, "mem_live_gib": 0.01, "predicted_gib": None}
+        (folder / "sweep.json").write_text(json.dumps({"spec": sweep.spec(), "trials": {record["name"]: record}}))
+        rows = [{"step": s, "loss": 5.0 - s / 10, "lr": 1e-3, "tokens_per_s": 900.0, "time": s * 0.1}
+                for s in range(1, 6)]
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return folder
 
     def make_checkpoint(self, tokenizer: str) -> Path:
         """A real one-process DCP checkpoint of the tiny model, as `export` reads it."""

@@ -41,18 +41,32 @@ def _is_blank(path: Path) -> bool:
 _BARE_NULL = re.compile(rb"(?m)^[ \t\r]*null[ \t\r]*$")
 
 
-def _bare_null_line(path: Path) -> int | None:
-    """The number of the first line of a JSON file that is a bare `null`, or None. pyarrow's JSON
-    reader (under `datasets`) crashes the process with a segfault on such a record (pyarrow 22)."""
-    number, tail = 1, b""
+def _check_text_file(path: Path, json_lines: bool) -> None:
+    """One pass over a text data file before `datasets` reads it: every byte must be UTF-8 (pyarrow
+    takes invalid bytes into string columns unchecked, and they fail later, mid-tokenization), and
+    no JSON record may be a bare `null` (pyarrow 22's JSON reader crashes the process on one).
+    Read in whole lines (a newline never splits a UTF-8 character)."""
+    line, offset, carry = 1, 0, b""
     with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            chunk, cut = tail + chunk, (tail + chunk).rfind(b"\n") + 1
-            whole, tail = (chunk[:cut], chunk[cut:]) if cut else (b"", chunk)
-            if m := _BARE_NULL.search(whole):
-                return number + whole.count(b"\n", 0, m.start())
-            number += whole.count(b"\n")
-    return number if _BARE_NULL.fullmatch(tail) else None
+        while True:
+            chunk = f.read(1 << 20)
+            data = carry + chunk
+            cut = data.rfind(b"\n") + 1 if chunk else len(data)
+            whole, carry = data[:cut], data[cut:]
+            try:
+                whole.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                bad_line = line + whole.count(b"\n", 0, exc.start)
+                raise UserError(f"data file {str(path)!r} is not UTF-8 text (line {bad_line}, byte "
+                                f"{offset + exc.start}); "
+                                "re-save it as UTF-8") from None
+            if json_lines and (m := _BARE_NULL.search(whole)):
+                where = line + whole.count(b"\n", 0, m.start())
+                raise UserError(f"data file {str(path)!r} line {where} is `null`, not a JSON record; remove it or "
+                                'write it as {"text": ...}')
+            line, offset = line + whole.count(b"\n"), offset + len(whole)
+            if not chunk:
+                return
 
 
 def _not_regular(path: Path) -> bool:
@@ -80,9 +94,8 @@ def _local_files(path: Path) -> dict[str, list[str]]:
         raise UserError(f"data file {str(blank[0])!r} is empty (no documents); add documents to it "
                         "or point data.path elsewhere")
     for p in files:
-        if BUILDERS.get(p.suffix) == "json" and (line := _bare_null_line(p)) is not None:
-            raise UserError(f"data file {str(p)!r} line {line} is `null`, not a JSON record; remove it or make it "
-                            '{"text": ...}')
+        if BUILDERS.get(p.suffix) in ("json", "text", "csv"):
+            _check_text_file(p, json_lines=BUILDERS[p.suffix] == "json")
     suffixes = {p.suffix for p in files}
     if len({BUILDERS[s] for s in suffixes if s in BUILDERS}) != 1 or not suffixes <= BUILDERS.keys():
         raise UserError(f"data.path={str(path)!r} mixes or has unsupported file types ({', '.join(sorted(suffixes))}); "
