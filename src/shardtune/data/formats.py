@@ -94,7 +94,11 @@ def check_cells(docs, cfg: DataConfig, what: str, warn) -> None:
 
 
 def fill(template: str, row: dict, sep: str = " ") -> str:
-    return template.format_map({k: as_text(v, sep) for k, v in row.items()})
+    try:
+        return template.format_map({k: as_text(v, sep) for k, v in row.items()})
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:  # a spec the cell's type refuses
+        raise UserError(f"data.template={template!r} cannot format a row ({type(exc).__name__}: "
+                        f"{first_line(exc, 100)}); fix the template to suit the column's values") from None
 
 
 def _rows(batch: dict) -> list[dict]:
