@@ -133,7 +133,7 @@ def test_corrupt_recipes(world, data):
     run_and_check(world, ["slurm", str(path), "--nodes", "1", "--gpus-per-node", "1"])
 
 
-@examples(4)
+@examples(8)
 @given(data=st.data())
 def test_corrupt_model_folders(world, data):
     """config.json of a model folder damaged: `plan` reads it (and builds the model on meta) first."""
@@ -143,7 +143,7 @@ def test_corrupt_model_folders(world, data):
                           "--gpus", "1", "--gpu", "T4"])
 
 
-@examples(4)
+@examples(8)
 @given(name=st.sampled_from(["meta.json", "config.json", ".metadata", "tokenizer/tokenizer.json"]), data=st.data())
 def test_corrupt_checkpoints(world, name, data):
     """One file of a real checkpoint damaged, then `export` (a whole one exports in about a second)."""
