@@ -40,7 +40,7 @@ def test_micro_batch_size_takes_auto_and_names_both_forms_when_wrong():
     (["train.optimizer_state=fp8"], "train.optimizer_state='fp8' is not a valid choice"),
     (["activation_checkpointing=partial"], "activation_checkpointing='partial' is not a valid choice"),
     (["activation_checkpointing=every_n", "activation_checkpointing_every=0"],
-     "activation_checkpointing_every must be at least 1"),
+     "activation_checkpointing_every=0 must be at least 1"),
     (["fsdp.reduce_dtype=fp16"], "fsdp.reduce_dtype='fp16' is not a valid choice"),
     (["fsdp.reduce_dtype=bf16"], "fsdp.reduce_dtype=bf16 needs precision=bf16"),
     (["activation_offload=maybe"], "activation_offload must be true or false"),

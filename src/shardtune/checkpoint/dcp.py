@@ -107,6 +107,20 @@ def why_no_checkpoint(root: Path) -> str:
     return "; ".join(notes) or f"{root} holds no step-N checkpoint folder"
 
 
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _meta_shape_ok(meta) -> bool:
+    """The keys and types of meta.json that everything reading it relies on."""
+    if not isinstance(meta, dict) or not _whole(meta.get("step")) or not isinstance(meta.get("config"), dict):
+        return False
+    state, sections = meta.get("train_state"), [meta["config"].get(k, {}) for k in ("model", "peft", "data")]
+    return (_whole(meta.get("format", 1)) and _whole(meta.get("world_size", 1)) and meta.get("world_size") != 0
+            and all(isinstance(s, dict) for s in sections)
+            and (state is None or (isinstance(state, dict) and _whole(state.get("step")))))
+
+
 def read_meta(path: Path) -> dict:
     """meta.json of a checkpoint, or a one-line UserError saying what is wrong with it."""
     if not path.exists():
@@ -116,10 +130,11 @@ def read_meta(path: Path) -> dict:
         raise UserError(f"{str(path)!r} is not a complete shardtune checkpoint (meta.json or .metadata missing: "
                         "an interrupted save?); use another checkpoint of the run")
     try:
-        meta = json.loads((path / "meta.json").read_text())
-        meta["step"], meta["config"]  # noqa: B018 - the keys everything below relies on
-    except (ValueError, KeyError, TypeError):
-        raise UserError(f"checkpoint {str(path)!r} is corrupt (unreadable meta.json); use another checkpoint") from None
+        meta = json.loads((path / "meta.json").read_text(encoding="utf-8"))
+    except (ValueError, RecursionError):
+        meta = None
+    if not _meta_shape_ok(meta):
+        raise UserError(f"checkpoint {str(path)!r} is corrupt (unreadable meta.json); use another checkpoint")
     if meta.get("format", 0) > FORMAT:
         raise UserError(f"checkpoint {str(path)!r} was written by a newer shardtune "
                         f"({meta.get('shardtune_version')}); upgrade shardtune")

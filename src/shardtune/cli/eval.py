@@ -3,22 +3,26 @@ with `--generate N`, what it generates for N prompts, scored against the referen
 
 from __future__ import annotations
 
+from shardtune.cli.argtypes import int_range, non_negative_int, nonempty_str, positive_int, ranks
 from shardtune.cli.common import add_decoding_args
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("eval", help="loss, perplexity and next-token accuracy of a model or checkpoint")
-    p.add_argument("model", help="HF folder or hub id, run folder, or checkpoint folder")
-    p.add_argument("--data", help="dataset (hub id, file or folder); default: the checkpoint's validation split")
-    p.add_argument("--data-name", help="hub dataset config name")
-    p.add_argument("--split", help="split to evaluate (default: validation, else test, else train)")
-    p.add_argument("--text-field", default="text", help="column holding the text (default: text)")
-    p.add_argument("--seq-len", type=int, help="block length (default: the run's data.seq_len, else 512)")
-    p.add_argument("--micro-batch-size", type=int, default=8, help="sequences per rank per forward (default: 8)")
-    p.add_argument("--max-batches", type=int, default=0,
+    p.add_argument("model", type=nonempty_str, help="HF folder or hub id, run folder, or checkpoint folder")
+    p.add_argument("--data", type=nonempty_str,
+                   help="dataset (hub id, file or folder); default: the checkpoint's validation split")
+    p.add_argument("--data-name", type=nonempty_str, help="hub dataset config name")
+    p.add_argument("--split", type=nonempty_str, help="split to evaluate (default: validation, else test, else train)")
+    p.add_argument("--text-field", type=nonempty_str, default="text", help="column holding the text (default: text)")
+    p.add_argument("--seq-len", type=int_range(2), help="block length (default: the run's data.seq_len, else 512)")
+    p.add_argument("--micro-batch-size", type=positive_int, default=8,
+                   help="sequences per rank per forward (default: 8)")
+    p.add_argument("--max-batches", type=non_negative_int, default=0,
                     help="evaluate the first N x micro-batch-size sequences (default: all)")
-    p.add_argument("--compare", metavar="BASE", help="also evaluate BASE and print both side by side")
-    p.add_argument("--nproc", type=int, default=None, metavar="N", help="run on N local ranks")
+    p.add_argument("--compare", metavar="BASE", type=nonempty_str,
+                   help="also evaluate BASE and print both side by side")
+    p.add_argument("--nproc", type=ranks, default=None, metavar="N", help="run on N local ranks")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     g = p.add_argument_group("generation quality (--generate N; one process, instead of loss/perplexity)")
     g.add_argument("--generate", type=int, metavar="N", help="generate for the first N prompts of the split "

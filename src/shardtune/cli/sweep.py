@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from shardtune.cli.argtypes import nonempty_str, positive_int, ranks, size
 from shardtune.cli.common import recipe_and_defaults
 
 
@@ -12,17 +13,17 @@ def add_parser(sub) -> None:
                         "largest micro-batch that fits: csv, table, plots")
     p.add_argument("recipe", nargs="?", help="recipe YAML (omit for the quickstart)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every trial")
-    p.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2,...",
+    p.add_argument("--grid", action="append", type=nonempty_str, default=[], metavar="KEY=V1,V2,...",
                     help="a config key and its values (repeatable: every combination is a trial)")
     p.add_argument("--max-batch", action="store_true", help="per grid point, search the largest micro-batch "
                     "per rank that fits (the global batch stays; accumulation adjusts)")
-    p.add_argument("--steps", type=int, default=5, help="optimizer steps per trial (default: 5)")
-    p.add_argument("--eval-steps", type=int, metavar="E", help="also train E steps and record the validation "
+    p.add_argument("--steps", type=positive_int, default=5, help="optimizer steps per trial (default: 5)")
+    p.add_argument("--eval-steps", type=positive_int, metavar="E", help="also train E steps and record the validation "
                     "loss and perplexity then")
-    p.add_argument("--nproc", type=int, default=1, metavar="N", help="ranks per trial (default: 1)")
-    p.add_argument("--mem-limit", metavar="SIZE", help="memory per rank, e.g. 2GiB: on CPU a real cap on "
+    p.add_argument("--nproc", type=ranks, default=1, metavar="N", help="ranks per trial (default: 1)")
+    p.add_argument("--mem-limit", type=size, metavar="SIZE", help="memory per rank, e.g. 2GiB: on CPU a real cap on "
                     "each trial process; on a GPU the budget a trial must stay under (default: the GPU's memory)")
-    p.add_argument("--out", help="folder for sweep.csv, sweep.md, plots and trials (default: "
+    p.add_argument("--out", type=nonempty_str, help="folder for sweep.csv, sweep.md, plots and trials (default: "
                     "runs/sweep-<recipe>); rerunning with the same folder continues the sweep")
     s = p.add_argument_group("hyperparameter search (--search; instead of --grid)")
     s.add_argument("--search", action="append", default=[], metavar="KEY=DIST:LOW:HIGH",

@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+from shardtune.cli.argtypes import ranks
 from shardtune.cli.common import TRAIN_EPILOG, config_reference, recipe_and_defaults
 from shardtune.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, UserError
 
@@ -18,7 +19,7 @@ def add_parser(sub) -> None:
     p.add_argument("recipe", nargs="?", help="recipe YAML (a path, or a name in ./recipes); "
                        "omit for the quickstart")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
-    p.add_argument("--nproc", type=int, default=None, metavar="N",
+    p.add_argument("--nproc", type=ranks, default=None, metavar="N",
                        help="start N local ranks with torch's elastic launcher (default: 1, or "
                             "whatever torchrun/srun started)")
     p.add_argument("--overwrite", action="store_true",

@@ -4,6 +4,7 @@ are the `--help` reference (`reference_lines`). Loading a recipe is `shardtune.c
 from __future__ import annotations
 
 import dataclasses
+import functools
 import typing
 from dataclasses import dataclass, field
 from typing import Literal
@@ -169,7 +170,8 @@ class RunConfig:
         return dataclasses.asdict(self)
 
 
-def reference_lines() -> list[str]:
+@functools.cache  # parsing the source takes ~0.1 s, and every command's parser shows it
+def reference_lines() -> tuple[str, ...]:
     """`section.key (type = default)  comment` for every key, read from the dataclasses above."""
     import inspect
     import re
@@ -195,4 +197,4 @@ def reference_lines() -> list[str]:
             lines.append(text + (f"  {comments[f.name]}" if f.name in comments else ""))
 
     walk(RunConfig, "")
-    return lines
+    return tuple(lines)

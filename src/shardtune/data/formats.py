@@ -50,8 +50,55 @@ def check_columns(wanted: list[str], columns: list[str], what: str, key: str) ->
                         f"its columns: {', '.join(columns)}")
 
 
+def read_columns(cfg: DataConfig) -> list[tuple[str, str]]:
+    """(column, config key) of the columns whose values the format turns into tokens by itself
+    (a template's columns may hold anything: numbers, null cells)."""
+    if cfg.format == "chat":
+        return [(cfg.messages_field, "data.messages_field")]
+    if cfg.format == "instruct":
+        own = [] if cfg.template is not None else [(cfg.instruction_field, "data.instruction_field")]
+        return [*own, (cfg.output_field, "data.output_field")]
+    return [] if cfg.template is not None else [(cfg.text_field, "data.text_field")]
+
+
+def check_cells(docs, cfg: DataConfig, what: str, warn) -> None:
+    """Refuse a column the format reads that is null or empty in every row, or that holds no text
+    (numbers, records), naming the column and the count; `warn` gets the count when only some
+    rows are empty (those rows train on nothing, or on an empty response)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    for column, key in read_columns(cfg):
+        if column not in docs.column_names or len(docs) == 0:
+            continue  # check_columns names a missing column
+        cells = docs.with_format("arrow")[column]
+        kind = cells.type
+        texts = pa.types.is_string(kind) or pa.types.is_large_string(kind)
+        lists = pa.types.is_list(kind) or pa.types.is_large_list(kind)
+        wants = "lists of {role, content} messages" if cfg.format == "chat" else "text (or lists of text)"
+        if pa.types.is_null(kind):
+            empty = len(cells)
+        elif cfg.format != "chat" and texts:
+            empty = cells.null_count + pc.sum(pc.equal(pc.utf8_trim_whitespace(cells.fill_null("")), "")).as_py()
+        elif lists and (cfg.format == "chat" or pa.types.is_string(kind.value_type)
+                        or pa.types.is_large_string(kind.value_type)):
+            empty = cells.null_count + pc.sum(pc.equal(pc.list_value_length(cells).fill_null(0), 0)).as_py()
+        else:
+            raise UserError(f"column {column!r} of {what} ({key}) holds {kind}, not {wants}; point {key} at the "
+                            "right column, or use data.template to format other columns")
+        if empty == len(docs):
+            raise UserError(f"column {column!r} of {what} ({key}) is null or empty in all {empty} rows; point "
+                            f"{key} at the column that holds the {'messages' if cfg.format == 'chat' else 'text'}")
+        if empty:
+            warn(f"warning: column {column!r} of {what} ({key}) is null or empty in {empty} of {len(docs)} rows")
+
+
 def fill(template: str, row: dict, sep: str = " ") -> str:
-    return template.format_map({k: as_text(v, sep) for k, v in row.items()})
+    try:
+        return template.format_map({k: as_text(v, sep) for k, v in row.items()})
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:  # a spec the cell's type refuses
+        raise UserError(f"data.template={template!r} cannot format a row ({type(exc).__name__}: "
+                        f"{first_line(exc, 100)}); fix the template to suit the column's values") from None
 
 
 def _rows(batch: dict) -> list[dict]:

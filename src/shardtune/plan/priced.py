@@ -30,17 +30,10 @@ def state_bytes(model) -> dict[str, int]:
 def available_states() -> tuple[str, ...]:
     """The optimizer state precisions the planner can price (and train can run): bf16/8bit/4bit
     need torchao (the `lowbit` extra)."""
-    import logging
-
-    pytree = logging.getLogger("torch.utils._pytree")  # torchao's import warns there about torch.compile enums
-    level = pytree.level
-    pytree.setLevel(logging.ERROR)
     try:
-        import torchao.optim  # noqa: F401
+        import torchao.optim  # noqa: F401  (its import warnings are quieted in shardtune/__init__.py)
     except ImportError:
         return ("fp32",)
-    finally:
-        pytree.setLevel(level)
     return ("fp32", "bf16", "8bit", "4bit")
 
 

@@ -263,8 +263,8 @@ class State:
         self.path = sweep.out / "sweep.json"
         self.spec = sweep.spec()
         self.trials: dict[str, dict] = {}
-        if self.path.is_file():
-            saved = json.loads(self.path.read_text())
+        if self.path.exists():
+            saved = read_state(self.path)
             changed = [k for k in self.spec if saved["spec"].get(k) != self.spec[k]]
             if changed:
                 raise UserError(f"{str(sweep.out)!r} holds a sweep with another {', '.join(changed)}; rerun that "
@@ -274,6 +274,33 @@ class State:
     def add(self, record: dict) -> None:
         self.trials[record["name"]] = record
         write_text_atomic(self.path, json.dumps({"spec": self.spec, "trials": self.trials}, indent=1))
+
+
+# What every finished trial's record holds (sweep/trial.py), with the types the report reads.
+RECORD_TYPES = {"name": str, "point": dict, "status": str, "seconds": (int, float)}
+NUMBER_FIELDS = ("micro_batch", "accumulation", "tokens_per_s", "step_time_s", "mfu", "mem_allocated_gib",
+                 "mem_reserved_gib", "mem_live_gib", "mem_rss_gib", "gpu_util", "predicted_gib", "eval_loss",
+                 "eval_ppl")
+
+
+def read_state(path: Path) -> dict:
+    """OUT/sweep.json as written by State.add, or one line saying it is damaged or not a sweep's."""
+    fix = "move it away (or give another --out) and run again"
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise UserError(f"{str(path)!r} cannot be read as a sweep's state ({type(exc).__name__}: "
+                        f"{str(exc).splitlines()[0][:100] if str(exc) else ''}); {fix}") from None
+    if not isinstance(saved, dict) or not all(isinstance(saved.get(k), dict) for k in ("spec", "trials")):
+        raise UserError(f"{str(path)!r} is not a shardtune sweep's state (no spec and trials); {fix}")
+    for name, record in saved["trials"].items():
+        ok = isinstance(record, dict) and record.get("name") == name and all(
+            isinstance(record.get(k), tp) and not isinstance(record.get(k), bool) for k, tp in RECORD_TYPES.items())
+        ok = ok and all(record.get(k) is None or (isinstance(record[k], (int, float))
+                                                  and not isinstance(record[k], bool)) for k in NUMBER_FIELDS)
+        if not ok:
+            raise UserError(f"{str(path)!r} holds a damaged trial record {str(name)[:60]!r}; {fix}")
+    return saved
 
 
 def run_sweep(sweep: Sweep) -> Path:

@@ -27,19 +27,28 @@ def read_metrics(run: Path) -> list[dict]:
     path = run / "metrics.jsonl"
     if not path.is_file():
         raise UserError(f"{str(run)!r} has no metrics.jsonl; give the output_dir of a shardtune run")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{str(path)!r} is not text (byte {exc.start} is not UTF-8); the file is damaged") from None
     rows = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if line.strip():
             try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
+                row = json.loads(line)
+            except (ValueError, RecursionError):
                 raise UserError(f"{str(path)!r} line {n} is not JSON; the file is damaged") from None
+            step = row.get("step", 0) if isinstance(row, dict) else None
+            if not isinstance(step, int) or isinstance(step, bool):
+                raise UserError(f"{str(path)!r} line {n} is not a metrics record (a JSON object with an integer "
+                                "step); the file is damaged or not shardtune's")
+            rows.append(row)
     return rows
 
 
 def series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
-    points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))
-              and r.get(key) is not None and math.isfinite(r[key])]
+    points = [(r.get("step", 0), r[key]) for r in rows if isinstance(r.get(key), (int, float))
+              and not isinstance(r.get(key), bool) and math.isfinite(r[key])]
     return [p[0] for p in points], [p[1] for p in points]
 
 

@@ -16,6 +16,7 @@ import torch.distributed as tdist
 
 from shardtune.checkpoint.loading import load_model
 from shardtune.errors import UserError
+from shardtune.model.hf import max_positions
 
 # ----------------------------------------------------------------------------- eval
 
@@ -161,6 +162,9 @@ def read_prompts(req: GenerateRequest) -> list[str]:
             text = Path(req.prompts_file).read_text(encoding="utf-8")
         except OSError as exc:
             raise UserError(f"cannot read --prompts-file {req.prompts_file!r} ({exc.strerror})") from None
+        except UnicodeDecodeError as exc:
+            raise UserError(f"--prompts-file {req.prompts_file!r} is not UTF-8 text (byte {exc.start}); save it "
+                            "as UTF-8, one prompt per line") from None
         prompts += [line for line in text.splitlines() if line.strip()]
     if not prompts:
         raise UserError("no prompt given; pass --prompt TEXT or --prompts-file FILE (one prompt per line)")
@@ -173,7 +177,6 @@ def generate(model, tokenizer, prompts: list, max_new_tokens: int = 64, temperat
     `model.generate` call, left-padded so every row's new tokens start in the same column;
     temperature 0 decodes greedily. Seeded once: the same call gives the same texts. A prompt
     longer than the model's positions leave room for is cut from the left."""
-    from shardtune.model.hf import max_positions
 
     if temperature < 0 or not 0 < top_p <= 1 or max_new_tokens < 1:
         raise UserError("need --temperature >= 0, 0 < --top-p <= 1 and --max-new-tokens >= 1")
@@ -187,8 +190,8 @@ def generate(model, tokenizer, prompts: list, max_new_tokens: int = 64, temperat
     limit = max_positions(model.config)
     if limit is not None:  # a prompt too long for the model keeps its end, where the answer starts
         if max_new_tokens >= limit:
-            raise UserError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the model's "
-                            f"{limit} positions; lower it")
+            raise UserError(f"--max-new-tokens {max_new_tokens} is beyond the model's {limit} positions (a prompt "
+                            "needs room too); lower it")
         rows = [r[-(limit - max_new_tokens):] for r in rows]
     outputs = []
     for i in range(0, len(rows), max(batch_size, 1)):
