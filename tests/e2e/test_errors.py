@@ -171,6 +171,10 @@ def subprocess_env(datasets_cache) -> dict:
     ("log.profile_steps=3", ["log.profile_steps", "must be a list", "log.profile_steps=[3,5]"]),
     ("log.profile_steps=[5,3]", ["log.profile_steps=[5, 3]", "1 <= first <= last", "log.profile_steps=[3,5]"]),
     ("log.profile_steps=[0,2]", ["log.profile_steps=0", "at least 1"]),
+    ("train.optimizer_state=fp8", ["train.optimizer_state", "fp32, bf16, 8bit, 4bit"]),
+    ("activation_checkpointing=partial", ["activation_checkpointing", "none, full, selective, every_n"]),
+    ("activation_checkpointing_every=0", ["activation_checkpointing_every", "at least 1"]),
+    ("fsdp.reduce_dtype=bf16", ["fsdp.reduce_dtype=bf16 needs precision=bf16"]),
 ])
 def test_bad_config_value(capfd, recipe, out, override, words):
     before = snapshot(out)

@@ -72,7 +72,7 @@ class FSDPConfig:
     cpu_offload: bool = False  # keep sharded parameters, gradients and optimizer state in host memory
     forward_prefetch: int = 0  # explicitly prefetch the next N blocks' all-gather in forward
     backward_prefetch: int = 1  # ... in backward (1 = FSDP2's default implicit prefetch)
-    reduce_dtype: Literal["fp32", "bf16"] = "fp32"  # gradient reduce-scatter/all-reduce and storage dtype; bf16 halves both (needs precision=bf16)
+    reduce_dtype: Literal["fp32", "bf16"] = "fp32"  # dtype gradients are reduce-scattered/all-reduced in; bf16 halves the traffic (needs precision=bf16)
 
 
 @dataclass
@@ -86,7 +86,7 @@ class TrainConfig:
     weight_decay: float = 0.0  # AdamW decay of matrices (never of biases and norms)
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
     eps: float = 1e-8  # AdamW epsilon
-    optimizer_state: Literal["fp32", "bf16", "8bit", "4bit"] = "fp32"  # AdamW moment precision (bf16/8bit/4bit: torchao; 4bit needs CUDA)
+    optimizer_state: Literal["fp32", "bf16", "8bit", "4bit"] = "fp32"  # AdamW moment precision: 8, 4, ~2 or ~1 bytes per parameter (bf16/8bit/4bit: torchao's optimizers)
     max_grad_norm: float = 1.0  # 0 disables clipping
     max_steps: int = 0  # > 0 wins over epochs
     epochs: float = 1.0  # used when max_steps is 0; fractions allowed
