@@ -151,7 +151,7 @@ def trace_step(cfg: RunConfig, hf_config, world_size: int, local_world_size: int
             # two micro-steps show what accumulation holds across them (unsharded gradients)
             micro = [[0] * cfg.train.micro_batch_size for _ in range(min(accum, 2))]
             attention = _cuda_attention() if target == "cuda" else contextlib.nullcontext()
-            with tracker, AnswerScalars(), _dtensor_meta_outside_trace(), attention:
+            with tracker, AnswerScalars(), _dtensor_meta_outside_trace(), _fake_grouped_mm(), attention:
                 handle = model.register_forward_pre_hook(tracker.next_micro_step, prepend=True)
                 try:
                     batches, labels_vary = _shape_only_batches(cfg, micro, dist.device)
@@ -268,6 +268,24 @@ def _dtensor_meta_outside_trace():
     from unittest import mock
 
     return mock.patch("torch.distributed.tensor._sharding_prop.detect_fake_mode", lambda *args: None)
+
+
+def _fake_grouped_mm():
+    """Mixture-of-experts models run their experts through torch's grouped matmul, whose fake
+    (meta) kernel accepts only bf16 although the CPU kernel takes fp32 too. Outside bf16 the trace
+    sends them to transformers' own fallback op: the same shapes, and a fake kernel for any dtype.
+    (No-op on a transformers without `integrations.moe`, whose experts loop in eager PyTorch.)"""
+    from unittest import mock
+
+    try:
+        from transformers.integrations import moe
+    except ImportError:
+        return contextlib.nullcontext()
+    if not hasattr(moe, "_can_use_grouped_mm"):
+        return contextlib.nullcontext()
+    usable = moe._can_use_grouped_mm
+    return mock.patch.object(moe, "_can_use_grouped_mm",
+                             lambda input, weight, offs: weight.dtype == torch.bfloat16 and usable(input, weight, offs))
 
 
 def _cuda_attention():
