@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from archs import ARCHS, arch_config, hf_config
+
 from shardtune.families import FAMILIES
 
 DOCS = (9, 23, 14, 6)  # document lengths of the packed row
@@ -154,8 +154,8 @@ def test_architecture(model_type):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from shardtune.model.adapters import add_lora
     from shardtune.config.schema import PeftConfig
+    from shardtune.model.adapters import add_lora
 
     gen = torch.Generator().manual_seed(1)
     rows = [torch.randint(2, 300, (n,), generator=gen).tolist() for n in DOCS]
