@@ -172,3 +172,15 @@ def test_architecture(model_type):
     wrapped = add_lora(model, PeftConfig(method="lora", r=4), model_type, seed=0)
     adapted = {n.rsplit(".lora_A", 1)[0].rsplit(".", 1)[-1] for n, _ in wrapped.named_parameters() if "lora_A" in n}
     assert adapted == set(targets), (model_type, adapted, targets)
+
+
+def test_readme_architecture_table_is_the_families_table():
+    import importlib.util
+    from pathlib import Path
+
+    tool = Path(__file__).resolve().parents[1] / "tools" / "render_readme_reference.py"
+    spec = importlib.util.spec_from_file_location("render_readme_reference", tool)
+    render = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(render)
+    assert f"{render.TABLE_MARKER}\n{render.architecture_table()}\n" in render.README.read_text(), \
+        "README's architecture table is stale: run tools/render_readme_reference.py"

@@ -2,9 +2,9 @@
 
 Adding an architecture touches this table only (CONTRIBUTING.md, "Adding a model architecture").
 It imports nothing, so the CLI, the config checks and every layer (the FSDP code, document masking,
-adapters, the chunked loss) can read it. `tests/test_families.py` builds a tiny model of every
-family on the meta device and checks each fact against it, so an entry cannot drift from
-transformers' modeling code.
+adapters, the chunked loss) can read it. `tests/test_architectures.py` builds a tiny model of every
+family (tests/archs.py) and checks each fact against it, so an entry cannot drift from
+transformers' modeling code; the README's architecture table is rendered from it.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ FAMILIES = {
     "phimoe": _llama("PhimoeDecoderLayer", _QV, mlp=_MOE_ROUTER),
     "granitemoe": _llama("GraniteMoeDecoderLayer", _QV, plain=False,  # logits / logits_scaling
                          mlp=("block_sparse_moe.router", "block_sparse_moe.experts")),
-    # attention sinks: a packed document's logits differ from its logits alone
+    # builds its masks without the position ids, and its router loss cannot take a 4-D mask: refused
     "gpt_oss": Family("GptOssDecoderLayer", _QV, True, None, _LLAMA_ATTENTION, _MOE_ROUTER),
     "deepseek_v3": Family("DeepseekV3DecoderLayer", ("q_b_proj", "kv_b_proj"), True, _POS,
                           ("self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.kv_a_proj_with_mqa",

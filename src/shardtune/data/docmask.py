@@ -4,7 +4,7 @@ stays inside it, through the model's own packed-sequence support in transformers
 
 - most models hand `position_ids` to `create_causal_mask`, which sees the restarts and builds
   a block-causal mask (sdpa, eager) — nothing more to do;
-- OPT computes its mask without them, so the block-causal mask is built with the same
+- OPT and Falcon compute their masks without them, so the block-causal mask is built with the same
   transformers function and passed in as a 4-D mask;
 - flash-attention (CUDA) gets the cumulative document lengths and runs its varlen kernel.
 
