@@ -31,7 +31,8 @@ def check(cfg: DataConfig, hf_config) -> None:
     model_type = getattr(hf_config, "model_type", None)
     if document_mask(model_type) is None:
         raise UserError(f"{key} needs a model whose attention can be kept inside each document; model type "
-                        f"{model_type!r} is not one ({', '.join(with_document_mask())} are); {fix}")
+                        f"{model_type!r} is not one (README 'Architectures' lists the {len(with_document_mask())} "
+                        f"that are, e.g. llama, qwen3, mistral, gpt2); {fix}")
     attn = getattr(hf_config, "_attn_implementation", None)
     if attn not in ATTENTION:
         raise UserError(f"{key} works with attention implementations {', '.join(a for a in ATTENTION if a)}, "
