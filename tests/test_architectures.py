@@ -171,7 +171,9 @@ def test_architecture(model_type):
     targets = _check_plan_with_default_lora(model_type)
     wrapped = add_lora(model, PeftConfig(method="lora", r=4), model_type, seed=0)
     adapted = {n.rsplit(".lora_A", 1)[0].rsplit(".", 1)[-1] for n, _ in wrapped.named_parameters() if "lora_A" in n}
-    assert adapted == set(targets), (model_type, adapted, targets)
+    # the tiny DeepSeek-V3 has a low-rank query: q_b_proj, no q_proj
+    expected = set(targets) - {"q_proj"} if model_type == "deepseek_v3" else set(targets)
+    assert adapted == expected, (model_type, adapted, targets)
 
 
 def test_readme_architecture_table_is_the_families_table():

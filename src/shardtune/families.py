@@ -96,7 +96,8 @@ FAMILIES = {
                          mlp=("block_sparse_moe.router", "block_sparse_moe.experts")),
     # builds its masks without the position ids, and its router loss cannot take a 4-D mask: refused
     "gpt_oss": Family("GptOssDecoderLayer", _QV, True, None, _LLAMA_ATTENTION, _MOE_ROUTER),
-    "deepseek_v3": Family("DeepseekV3DecoderLayer", ("q_b_proj", "kv_b_proj"), True, _POS,
+    # LoRA on the up-projections of the low-rank query (q_proj without one) and of the keys/values
+    "deepseek_v3": Family("DeepseekV3DecoderLayer", ("q_proj", "q_b_proj", "kv_b_proj"), True, _POS,
                           ("self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.kv_a_proj_with_mqa",
                            "self_attn.kv_b_proj", "self_attn.o_proj"), (*_MOE, "mlp.shared_experts")),
 }

@@ -57,11 +57,13 @@ def add_lora(model, cfg: PeftConfig, model_type: str, seed: int | None = None):
     """Wrap `model` with LoRA adapters (a PeftModel); the base weights are frozen by peft."""
     from peft import LoraConfig, get_peft_model
 
-    targets = cfg.target_modules or default_lora_targets(model_type)
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    # a default may name variants of one projection (DeepSeek-V3's q_proj, or q_b_proj with a
+    # low-rank query): those of this model
+    targets = cfg.target_modules or [t for t in default_lora_targets(model_type) or [] if t in names]
     if not targets:
         raise UserError(f"no default LoRA target modules for model_type {model_type!r}; "
                         "set peft.target_modules=[...] (names of linear layers)")
-    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     missing = [t for t in targets if t not in names]
     if missing:
         raise UserError(f"peft.target_modules {missing} are not modules of this {model_type} model; "
