@@ -73,7 +73,8 @@ def validate(cfg) -> None:
         ("checkpoint.every_steps", c.every_steps, 0), ("checkpoint.keep_last", c.keep_last, 0),
         ("loss_chunk_tokens", cfg.loss_chunk_tokens or 0, 0), ("train.max_steps", t.max_steps, 0),
         ("train.epochs", t.epochs, 0), ("freeze.trainable_blocks", fr.trainable_blocks or 0, 0),
-        ("log.live_memory", cfg.log.live_memory, 0)])
+        ("log.live_memory", cfg.log.live_memory, 0), ("log.watch_every", cfg.log.watch_every, 1),
+        ("publish.retries", cfg.publish.retries, 1), ("publish.wait_s", cfg.publish.wait_s, 0)])
     for key, value in [("eval.micro_batch_size", e.micro_batch_size), ("log.peak_tflops", cfg.log.peak_tflops),
                        ("fsdp.shard_size", f.shard_size), ("fsdp.replicate_size", f.replicate_size)]:
         if value is not None and value <= 0:
@@ -100,6 +101,7 @@ def validate(cfg) -> None:
                         "e.g. log.profile_steps=[3,5] (a few steps: traces grow with every step)")
     _validate_format(d)
     _validate_adapters(cfg)
+    _validate_publish(cfg)
 
 
 def _validate_format(d) -> None:
@@ -135,3 +137,24 @@ def _validate_adapters(cfg) -> None:
         if m.name_or_path is None or m.random_init:
             raise UserError("peft.quantize=4bit quantizes pretrained weights; set model.name_or_path and "
                             "model.random_init=false")
+
+
+# the Hub's rule for a repo id: namespace/name, letters, digits, - _ . (no -- or .., no leading/trailing - or .)
+REPO_ID = re.compile(r"[A-Za-z0-9](?:[\w.-]{0,94}[A-Za-z0-9])?/[A-Za-z0-9](?:[\w.-]{0,94}[A-Za-z0-9])?")
+
+
+def _validate_publish(cfg) -> None:
+    p = cfg.publish
+    if p.wandb_artifacts != "none" and "wandb" not in cfg.log.trackers:
+        raise UserError(f"publish.wandb_artifacts={p.wandb_artifacts} logs to W&B; add log.trackers=[wandb] "
+                        "or set publish.wandb_artifacts=none")
+    if p.hub_repo is None:
+        return
+    if not REPO_ID.fullmatch(p.hub_repo) or "--" in p.hub_repo or ".." in p.hub_repo:
+        raise UserError(f"publish.hub_repo={p.hub_repo!r} is not a Hub repo id; write namespace/name "
+                        "(letters, digits, - _ .), e.g. publish.hub_repo=my-user/opt-arxiv")
+    if not p.revision or p.revision.startswith(("/", "-")) or ".." in p.revision or " " in p.revision:
+        raise UserError(f"publish.revision={p.revision!r} is not a branch name; e.g. publish.revision=main")
+    if p.checkpoints and not (cfg.checkpoint.every_steps or cfg.checkpoint.at_epoch_end):
+        raise UserError("publish.checkpoints uploads each checkpoint, but none are saved; set "
+                        "checkpoint.every_steps=N (or publish.checkpoints=false for the final model only)")

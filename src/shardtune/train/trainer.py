@@ -97,6 +97,9 @@ class Trainer:
         check_quantize(cfg.peft, dist.device)  # the machine's part of the QLoRA checks (config.validate did the rest)
         cfg.output_dir = broadcast_value(dist, cfg.output_dir or default_output_dir(cfg.recipe))
         self.out = out = Path(cfg.output_dir)
+        from shardtune.publish.hub import check_ready
+
+        publishing = check_ready(cfg.publish, self.say)  # a missing Hub token: before anything is built
         from shardtune.checkpoint.dcp import Checkpointer
         from shardtune.checkpoint.rundir import prepare_run_dir
         from shardtune.diskspace import checkpoint_bytes, space_warning
@@ -144,7 +147,16 @@ class Trainer:
         rank0_first(dist, lambda: prepare_run_dir(cfg, overwrite) if dist.is_main else None)
         self.ckpt = Checkpointer(out / "checkpoints", cfg.checkpoint, ModelOptimizerState(model, self.optimizer),
                                  {"train_state": self.state, **({"scaler": self.scaler} if self.scaler else {})},
-                                 describe=self.describe, write_extras=self.write_checkpoint_extras)
+                                 describe=self.describe, write_extras=self.write_checkpoint_extras,
+                                 committed=self.committed)
+        self.publisher = None
+        if publishing and dist.is_main:
+            from shardtune.checkpoint.dcp import complete_checkpoints, step_of
+            from shardtune.publish.hub import HubPublisher
+
+            self.publisher = HubPublisher(cfg.publish, out, self.say)
+            for folder in complete_checkpoints(out / "checkpoints"):  # a resume: what is not uploaded yet
+                self.publisher.checkpoint(folder, step_of(folder))
         if note := space_warning(out / "checkpoints", cfg.checkpoint, checkpoint_bytes(model, dist.world_size),
                                  self.total_steps, self.plan.steps_per_epoch):
             self.say(note)
@@ -186,6 +198,21 @@ class Trainer:
         """The HF config and tokenizer beside the shards: export/eval/generate need nothing else."""
         self.hf_config.save_pretrained(folder)
         self.tokenizer.save_pretrained(folder / "tokenizer")
+
+    def committed(self, folder: Path, step: int) -> None:
+        """Rank 0, a checkpoint complete on disk: publish it (in the background)."""
+        if self.publisher:
+            self.publisher.checkpoint(folder, step)
+
+    def publish_final(self, folder: Path | None, results: dict) -> None:
+        """Rank 0: queue the final model (and its card), then wait for the uploads in flight."""
+        if self.publisher:
+            if folder is not None:
+                from shardtune.publish.card import model_card
+
+                card = model_card(self.cfg.to_dict(), self.state.step, results.get("last"))
+                self.publisher.final(folder, self.state.step, card, dump_yaml(self.cfg))
+            self.publisher.finish(limit=None if folder is not None else 10.0)
 
     def say(self, text: str) -> None:
         if self.dist.is_main:
@@ -392,8 +419,10 @@ def run(cfg: RunConfig, overwrite: bool = False) -> dict:
                 torch.distributed.destroy_process_group()
             raise
         results = trainer.fit()
+        final = None
         if cfg.save_final and not results.get("preempted"):  # a preempted run is finished by its resume
-            trainer.export()
+            final = trainer.export()
+        trainer.publish_final(final, results)
         trainer.close(EXIT_PREEMPTED if results.get("preempted") else 0)
         return results
     finally:
