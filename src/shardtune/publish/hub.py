@@ -68,8 +68,9 @@ class Ledger:
     def __contains__(self, item: str) -> bool:
         return item in self.items
 
-    def add(self, item: str, step: int) -> None:
-        self.items[item] = {"step": step, "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    def add(self, item: str, step: int, **seconds: float) -> None:
+        self.items[item] = {"step": step, "at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                            **{k: round(v, 3) for k, v in seconds.items()}}
         self.all[self.key] = self.items
         self.path.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomic(self.path, json.dumps(self.all, indent=1) + "\n")
@@ -87,7 +88,7 @@ class HubPublisher:
         self.pending = 0  # jobs queued or running
         self.lock = threading.Lock()
         self.uploaded, self.failed, self.skipped = [], [], []
-        self.warned = False
+        self.warned = self.closed = False
         self.ready = False  # the repo (and branch) exist
         self.thread = threading.Thread(target=self._work, name="shardtune-hub", daemon=True)
         self.thread.start()
@@ -118,6 +119,7 @@ class HubPublisher:
                 last_note = time.monotonic()
             time.sleep(0.05)
         self.jobs.put(None)
+        self.closed = True  # an upload that hung and fails later says nothing more
         late = self.pending
         parts = [f"{len(self.uploaded)} uploaded"] + ([f"{len(self.failed)} failed"] if self.failed else []) + \
             ([f"{late} still in flight after {wait:g}s (publish.wait_s)"] if late else [])
@@ -153,6 +155,7 @@ class HubPublisher:
                 self.ledger.items.setdefault(f"checkpoints/{parts[1]}", {"step": None, "seen_in_repo": True})
 
     def _run(self, kind: str, item: str, folder: Path, step: int, extra: dict | None) -> None:
+        t0 = time.perf_counter()
         if item in self.ledger and kind == "checkpoint":
             self.skipped.append(item)
             return
@@ -166,13 +169,16 @@ class HubPublisher:
 
             export = self.staging / folder.name
             write_export(folder, export, replace=True)
+            seconds = {"export_s": time.perf_counter() - t0}
             try:
                 self._upload(export, item, {}, f"checkpoint at step {step} (shardtune)")
             finally:
                 shutil.rmtree(export, ignore_errors=True)
         else:
+            seconds = {}
             self._upload(folder, "", extra or {}, f"final model at step {step} (shardtune)")
-        self.ledger.add(item, step)
+        seconds["upload_s"] = time.perf_counter() - t0 - seconds.get("export_s", 0.0)
+        self.ledger.add(item, step, **seconds)
         self.uploaded.append(item)
 
     def _upload(self, folder: Path, path_in_repo: str, texts: dict, message: str) -> None:
@@ -199,7 +205,7 @@ class HubPublisher:
                 time.sleep(min(2.0 ** attempt, 30.0))
 
     def _warn(self, item: str, exc: BaseException) -> None:
-        if self.warned:
+        if self.warned or self.closed:
             return
         self.warned = True
         self.say(f"warning: could not upload {item} to the Hub repo {self.repo} ({type(exc).__name__}: "
