@@ -56,12 +56,17 @@ PUBLISH = {"publish.hub_repo": "user/tiny", "checkpoint.every_steps": 1, "checkp
            "publish.revision": "dev", "eval.max_batches": 1, "eval.at_start": "false", "train.global_batch_size": 4}
 
 
-def test_checkpoints_final_and_card_uploaded_and_resume_skips_them(assets, tmp_path, hub, capsys):
+def test_checkpoints_final_and_card_uploaded_and_resume_skips_them(assets, tmp_path, hub, capsys, monkeypatch):
     from transformers import AutoModelForCausalLM
 
+    from shardtune.telemetry.trackers import Trackers
+
+    artifacts = []  # what the trainer hands the trackers (W&B's side: test_wandb_artifacts.py)
+    monkeypatch.setattr(Trackers, "artifact", lambda self, folder, step, final: artifacts.append((folder.name, final)))
     store, _ = hub
     out = tmp_path / "run"
     run_tiny(assets, out, **{"train.max_steps": 2, **PUBLISH})
+    assert artifacts == [("step-000001", False), ("step-000002", False), ("final", True)]
     repo = store / "user" / "tiny" / "dev"
     first = commits(store)
     assert [c["paths"][0].split("/")[:2] for c in first[:2]] == [["checkpoints", "step-000001"],

@@ -4,11 +4,10 @@ model are artifacts of the offline run, aliased latest and step-N, by reference 
 from __future__ import annotations
 
 import struct
+import time
 from pathlib import Path
 
 import pytest
-
-from conftest import train_tiny
 
 BLOCK, HEADER = 32768, 7  # the run file is a LevelDB-style log: 32 KiB blocks of records
 
@@ -27,6 +26,8 @@ def offline_records(run_file: Path) -> list:
             pos += left
             continue
         _, length, kind = struct.unpack("<IHB", data[pos:pos + HEADER])
+        if pos + HEADER + length > len(data):  # still being written
+            break
         parts += data[pos + HEADER:pos + HEADER + length]
         pos += HEADER + length
         if kind in (1, 4):
@@ -37,27 +38,43 @@ def offline_records(run_file: Path) -> list:
     return records
 
 
-def test_checkpoints_and_final_are_artifacts_in_the_offline_run(assets, tmp_path, monkeypatch):
-    """Uploaded: W&B stages a copy of every file, sent when the offline run is synced."""
+def test_artifacts_in_the_offline_run(tmp_path, monkeypatch):
+    """Uploaded: W&B stages a copy of every file (sent when the offline run is synced); the
+    aliases are latest and step-N (and final). The trainer's calls: tests/publish/test_hub.py."""
     pytest.importorskip("wandb")
+    from shardtune.telemetry.trackers import Trackers
+
     for var, sub in (("WANDB_DATA_DIR", "data"), ("WANDB_CACHE_DIR", "cache"), ("WANDB_CONFIG_DIR", "config")):
         monkeypatch.setenv(var, str(tmp_path / "wandb-home" / sub))
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    out = tmp_path / "run"
-    train_tiny(assets, out, **{"train.max_steps": 2, "checkpoint.every_steps": 1, "checkpoint.keep_last": 0,
-                               "log.trackers": "[wandb]", "publish.wandb_artifacts": "upload", "eval.max_batches": 1,
-                               "eval.at_start": "false"})
-    (run_file,) = (out / "wandb").glob("offline-run-*/run-*.wandb")
-    arts = [r.artifact for r in offline_records(run_file) if r.WhichOneof("record_type") == "artifact"]
+    folders = []
+    for name in ("step-000001", "step-000002", "final"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(f'{{"name": "{name}"}}')
+        folders.append(tmp_path / name)
+    t = Trackers(["wandb"], tmp_path, {}, "shardtune-test", "run", artifacts="upload")
+    t.artifact(folders[0], 1, final=False)
+    t.artifact(folders[1], 2, final=False)
+    t.artifact(folders[2], 2, final=True)
+    t.close()
+    (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    deadline = time.monotonic() + 30  # W&B's service process may flush the file after finish() returns
+    records = offline_records(run_file)
+    while "exit" not in [r.WhichOneof("record_type") for r in records]:
+        assert time.monotonic() < deadline, "the offline run file never got its exit record"
+        time.sleep(0.1)
+        records = offline_records(run_file)
+    arts = [r.artifact for r in records if r.WhichOneof("record_type") == "artifact"]
     got = [(a.name, a.type, sorted(a.aliases)) for a in arts]
     assert got == [("run-checkpoint", "checkpoint", ["latest", "step-1"]),
                    ("run-checkpoint", "checkpoint", ["latest", "step-2"]),
-                   ("run-model", "model", ["final", "latest", "step-2"])], got
-    final = {e.path: e for e in arts[-1].manifest.contents}
-    assert {"config.json", "model.safetensors"} <= set(final)
-    assert Path(final["model.safetensors"].local_path).read_bytes() == \
-        (out / "final" / "model.safetensors").read_bytes()
+                   ("run-model", "model", ["final", "latest", "step-2"])], \
+        [r.WhichOneof("record_type") for r in records]
+    for art, folder in zip(arts, folders, strict=True):
+        (entry,) = art.manifest.contents
+        assert entry.path == "config.json" and Path(entry.local_path).read_text() == \
+            (folder / "config.json").read_text()
 
 
 def test_by_reference_the_artifact_points_at_the_run_files(tmp_path):
