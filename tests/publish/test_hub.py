@@ -73,7 +73,13 @@ def test_checkpoints_final_and_card_uploaded_and_resume_skips_them(assets, tmp_p
                                                                  ["checkpoints", "step-000002"]]
     assert {"README.md", "shardtune_config.yaml", "config.json", "model.safetensors"} <= set(first[2]["paths"])
     card = (repo / "README.md").read_text()
-    assert "eval_loss" in card and "shardtune train shardtune_config.yaml" in card and "2 optimizer steps" in card
+    assert "eval_loss" in card and "2 optimizer steps" in card
+    command = next(line.split()[2:] for line in card.splitlines() if line.startswith("shardtune train"))
+    from shardtune.config.load import load_config
+
+    again = load_config(str(repo / command[0]), command[1:])  # the card's command reads the uploaded recipe
+    assert again.publish.hub_repo is None and again.output_dir == "runs/reproduce"
+    assert again.train == load_config(str(out / "config.yaml")).train
     # each uploaded checkpoint is a model that loads, and equals the final one at the same step
     ckpt = AutoModelForCausalLM.from_pretrained(repo / "checkpoints" / "step-000002")
     final = AutoModelForCausalLM.from_pretrained(repo)

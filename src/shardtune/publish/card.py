@@ -47,5 +47,5 @@ def model_card(cfg: dict, step: int, evals: dict | None, config_name: str = "sha
               "## Reproduce", "", "The full recipe is in "
               f"[`{config_name}`]({config_name}); with its data and model at the same paths:", "", "```",
               f"pip install shardtune=={__version__}",
-              f"shardtune train {config_name} output_dir=runs/reproduce", "```", ""]
+              f"shardtune train {config_name} output_dir=runs/reproduce publish.hub_repo=null", "```", ""]
     return "\n".join(lines)

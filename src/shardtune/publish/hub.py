@@ -80,7 +80,7 @@ class HubPublisher:
     """Rank 0's upload queue. `checkpoint(folder, step)` and `final(folder, step, card, config)`
     return at once; `finish()` waits (at most publish.wait_s) for what is still in flight."""
 
-    def __init__(self, p, out: Path, say=print):
+    def __init__(self, p, out: Path, say=print, resuming: bool = False):
         self.p, self.repo, self.revision, self.say = p, p.hub_repo, p.revision, say
         self.staging = out / "publish" / "staging"
         self.ledger = Ledger(out / "publish" / "ledger.json", self.repo, self.revision)
@@ -90,6 +90,7 @@ class HubPublisher:
         self.uploaded, self.failed, self.skipped = [], [], []
         self.warned = self.closed = False
         self.ready = False  # the repo (and branch) exist
+        self.resuming = resuming  # a fresh run replaces what an earlier one left in the repo
         self.thread = threading.Thread(target=self._work, name="shardtune-hub", daemon=True)
         self.thread.start()
 
@@ -130,7 +131,8 @@ class HubPublisher:
     # ---- the background thread
 
     def _work(self) -> None:
-        self._read_repo()
+        if self.resuming:
+            self._read_repo()
         while (job := self.jobs.get()) is not None:
             try:
                 self._run(*job)
@@ -142,7 +144,8 @@ class HubPublisher:
                     self.pending -= 1
 
     def _read_repo(self) -> None:
-        """Checkpoints already in the repo count as published (a ledger lost with a run folder)."""
+        """On a resume, the checkpoints already in the repo count as published (a ledger lost
+        with a copied run folder)."""
         try:
             from huggingface_hub import HfApi
 

@@ -158,7 +158,7 @@ class Trainer:
             from shardtune.checkpoint.dcp import complete_checkpoints, step_of
             from shardtune.publish.hub import HubPublisher
 
-            self.publisher = HubPublisher(cfg.publish, out, self.say)
+            self.publisher = HubPublisher(cfg.publish, out, self.say, resuming=bool(resume_from))
             for folder in complete_checkpoints(out / "checkpoints"):  # a resume: what is not uploaded yet
                 self.publisher.checkpoint(folder, step_of(folder))
         if note := space_warning(out / "checkpoints", cfg.checkpoint, checkpoint_bytes(model, dist.world_size),
