@@ -75,6 +75,11 @@ def test_watch_records_reach_metrics_jsonl(assets, tmp_path):
     watched = {r["step"]: r for r in rows if "grad_norm/h.0" in r}
     assert sorted(watched) == [2, 4] and not any("param_norm/h.0" in r for r in rows)
     assert all(r[k] > 0 for r in watched.values() for k in r if k.startswith("grad_norm/"))
+    from shardtune.telemetry.report import write_report
+
+    report = write_report([tmp_path], tmp_path / "report")
+    assert (tmp_path / "report" / "grad_norms.png").stat().st_size > 0 and "grad_norms.png" in report.read_text()
+    assert not (tmp_path / "report" / "param_norms.png").exists()
 
 
 @pytest.mark.parametrize("override, message", [("log.watch=weights", "log.watch"),
