@@ -59,7 +59,7 @@ class Watch:
         self.names, index = block_groups(model, block_cls)
         self.index = torch.tensor(index, dtype=torch.long, device=device)
         self.weight = torch.tensor([1.0 / replicas(p) for p in self.params], dtype=torch.float64, device=device)
-        self.device = device
+        self.device, self.zero = device, torch.zeros(1, device=device)
 
     def due(self, step: int) -> bool:
         return bool(self.kinds) and step % self.every == 0
@@ -68,14 +68,12 @@ class Watch:
         return [f"{kind}_norm/{name}" for kind in self.kinds for name in self.names]
 
     def _squares(self, tensors: list) -> torch.Tensor:
-        """This rank's weighted sum of squares per group (zeros for tensors that are None)."""
-        present = [(i, t.to_local() if hasattr(t, "to_local") else t) for i, t in enumerate(tensors) if t is not None]
+        """This rank's weighted sum of squares per group (a tensor that is None counts 0). No
+        tensor is made from host numbers here: on CUDA that copy would wait for the queue."""
+        local = [self.zero if t is None else (t.to_local() if hasattr(t, "to_local") else t) for t in tensors]
+        norms = torch.stack(torch._foreach_norm(local, 2)).double()
         sums = torch.zeros(len(self.names), dtype=torch.float64, device=self.device)
-        if present:
-            at = torch.tensor([i for i, _ in present], dtype=torch.long, device=self.device)
-            norms = torch.stack(torch._foreach_norm([t for _, t in present], 2)).double()
-            sums.index_add_(0, self.index[at], norms.square() * self.weight[at])
-        return sums
+        return sums.index_add_(0, self.index, norms.square() * self.weight)
 
     def grads(self) -> torch.Tensor:
         return self._squares([p.grad for p in self.params])
