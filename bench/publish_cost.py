@@ -65,7 +65,7 @@ def main() -> None:
         while not port_file.exists():
             time.sleep(0.1)
         env = {**torchrun_env(args.nproc), "HF_ENDPOINT": f"http://127.0.0.1:{port_file.read_text()}",
-               "HF_TOKEN": "bench", "HF_HOME": str(work / "hf-home")}
+               "HF_TOKEN": "bench", "HF_HOME": str(work / "hf-home"), "HF_HUB_OFFLINE": "0"}  # loopback only
         print(time.strftime("%Y-%m-%d"), vars(args))
         results = {}
         for name, publish in (("no publish", {}), ("publish", {"publish": {"hub_repo": "bench/model"}}),

@@ -26,15 +26,22 @@ def start_server(tmp_path: Path, *flags: str):
     return proc, store, f"http://127.0.0.1:{port_file.read_text()}"
 
 
-@pytest.fixture
-def hub(tmp_path, monkeypatch):
-    """(store, endpoint) of a local hub; this process's huggingface_hub talks to it with a token."""
+def point_at(monkeypatch, endpoint: str) -> None:
+    """This process's huggingface_hub talks to `endpoint` with a token (HF_ENDPOINT and
+    HF_HUB_OFFLINE are read once, at import)."""
     import huggingface_hub.constants as constants
 
-    proc, store, endpoint = start_server(tmp_path)
     monkeypatch.setenv("HF_ENDPOINT", endpoint)
-    monkeypatch.setattr(constants, "ENDPOINT", endpoint)  # read once at import; the env var is for children
+    monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setenv("HF_TOKEN", "test-token")
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    """(store, endpoint) of a local hub that this process talks to."""
+    proc, store, endpoint = start_server(tmp_path)
+    point_at(monkeypatch, endpoint)
     yield store, endpoint
     proc.kill()
     proc.wait()
@@ -96,11 +103,8 @@ def test_checkpoints_final_and_card_uploaded_and_resume_skips_them(assets, tmp_p
 
 
 def test_hung_server_leaves_training_unharmed(assets, tmp_path, monkeypatch):
-    import huggingface_hub.constants as constants
-
     proc, store, endpoint = start_server(tmp_path, "--hang-commits")
-    monkeypatch.setattr(constants, "ENDPOINT", endpoint)
-    monkeypatch.setenv("HF_TOKEN", "test-token")
+    point_at(monkeypatch, endpoint)
     try:
         out = tmp_path / "run"
         t0 = time.monotonic()
@@ -115,11 +119,8 @@ def test_hung_server_leaves_training_unharmed(assets, tmp_path, monkeypatch):
 
 def test_rejected_push_is_one_warning_and_training_goes_on(assets, tmp_path, monkeypatch, capsys):
     """Every commit answered 403 (a full quota): one warning, the run and its files complete."""
-    import huggingface_hub.constants as constants
-
     proc, store, endpoint = start_server(tmp_path, "--deny-commits")
-    monkeypatch.setattr(constants, "ENDPOINT", endpoint)
-    monkeypatch.setenv("HF_TOKEN", "test-token")
+    point_at(monkeypatch, endpoint)
     out = tmp_path / "run"
     try:
         run_tiny(assets, out, **{"train.max_steps": 2, "publish.retries": 2, **PUBLISH})
@@ -139,6 +140,7 @@ def test_rejected_push_is_one_warning_and_training_goes_on(assets, tmp_path, mon
     (["publish.hub_repo=user/m"], "none are saved; set checkpoint.every_steps"),
     (["publish.hub_repo=user/m", "checkpoint.every_steps=2"], "needs a Hub token"),
     (["publish.wandb_artifacts=upload"], "add log.trackers=[wandb]"),
+    (["publish.hub_repo=user/m", "publish.checkpoints=false", "HF_HUB_OFFLINE"], "HF_HUB_OFFLINE is set"),
 ])
 def test_bad_publish_input_is_one_line_before_any_model(assets, tmp_path, monkeypatch, capsys, overrides, message):
     import huggingface_hub.constants as constants
@@ -148,6 +150,11 @@ def test_bad_publish_input_is_one_line_before_any_model(assets, tmp_path, monkey
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
     monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
+    offline = "HF_HUB_OFFLINE" in overrides  # read once at import, like HF_ENDPOINT
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", offline)
+    if offline:
+        monkeypatch.setenv("HF_TOKEN", "test-token")
+        overrides = overrides[:-1]
     out = tmp_path / "run"
     assert main(["train", *tiny_overrides(assets, out), *overrides]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -160,6 +167,7 @@ def test_missing_token_with_required_false_trains_without_publishing(assets, tmp
 
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     run_tiny(assets, tmp_path / "run", **{"train.max_steps": 1, "publish.hub_repo": "user/m",
                                          "publish.checkpoints": "false", "publish.required": "false"})
     lines = [x for x in capsys.readouterr().out.splitlines() if "Hub token" in x]

@@ -36,6 +36,14 @@ def check_ready(p, say=print) -> bool:
     (The repo id's form is checked with the config.)"""
     if not p.hub_repo:
         return False
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        if p.required:
+            raise UserError(f"publish.hub_repo={p.hub_repo} needs the network, but HF_HUB_OFFLINE is set; unset it "
+                            "(or publish.required=false to train without publishing)")
+        say(f"warning: HF_HUB_OFFLINE is set; this run does not publish to {p.hub_repo} (publish.required=false)")
+        return False
     if hub_token():
         return True
     if p.required:

@@ -98,9 +98,9 @@ class Trainer:
         check_quantize(cfg.peft, dist.device)  # the machine's part of the QLoRA checks (config.validate did the rest)
         cfg.output_dir = broadcast_value(dist, cfg.output_dir or default_output_dir(cfg.recipe))
         self.out = out = Path(cfg.output_dir)
-        from shardtune.publish.hub import check_ready
+        from shardtune.publish.session import Publishing
 
-        publishing = check_ready(cfg.publish, self.say)  # a missing Hub token: before anything is built
+        hub = Publishing.check(cfg, self.say)  # a missing Hub token: before anything is built
         from shardtune.checkpoint.dcp import Checkpointer
         from shardtune.checkpoint.rundir import prepare_run_dir
         from shardtune.diskspace import checkpoint_bytes, space_warning
@@ -152,15 +152,8 @@ class Trainer:
         self.ckpt = Checkpointer(out / "checkpoints", cfg.checkpoint, ModelOptimizerState(model, self.optimizer),
                                  {"train_state": self.state, **({"scaler": self.scaler} if self.scaler else {})},
                                  describe=self.describe, write_extras=self.write_checkpoint_extras,
-                                 committed=self.committed)
-        self.publisher = self.trackers = None
-        if publishing and dist.is_main:
-            from shardtune.checkpoint.dcp import complete_checkpoints, step_of
-            from shardtune.publish.hub import HubPublisher
-
-            self.publisher = HubPublisher(cfg.publish, out, self.say, resuming=bool(resume_from))
-            for folder in complete_checkpoints(out / "checkpoints"):  # a resume: what is not uploaded yet
-                self.publisher.checkpoint(folder, step_of(folder))
+                                 committed=lambda folder, step: self.publishing.committed(folder, step))
+        self.publishing = Publishing(cfg, out, hub, dist.is_main, self.say, resuming=bool(resume_from))
         if note := space_warning(out / "checkpoints", cfg.checkpoint, checkpoint_bytes(model, dist.world_size),
                                  self.total_steps, self.plan.steps_per_epoch):
             self.say(note)
@@ -203,27 +196,6 @@ class Trainer:
         self.hf_config.save_pretrained(folder)
         self.tokenizer.save_pretrained(folder / "tokenizer")
 
-    def committed(self, folder: Path, step: int) -> None:
-        """Rank 0, a checkpoint complete on disk: publish it (in the background)."""
-        if self.publisher:
-            self.publisher.checkpoint(folder, step)
-        if self.trackers:
-            self.trackers.artifact(folder, step, final=False)
-
-    def publish_final(self, folder: Path | None, results: dict) -> None:
-        """Rank 0: queue the final model (and its card), then wait for the uploads in flight."""
-        if self.trackers:
-            if folder is not None:
-                self.trackers.artifact(folder, self.state.step, final=True)
-            self.trackers.close()
-        if self.publisher:
-            if folder is not None:
-                from shardtune.publish.card import model_card
-
-                card = model_card(self.cfg.to_dict(), self.state.step, results.get("last"))
-                self.publisher.final(folder, self.state.step, card, dump_yaml(self.cfg))
-            self.publisher.finish(limit=None if folder is not None else 10.0)
-
     def say(self, text: str) -> None:
         if self.dist.is_main:
             print(text, flush=True)
@@ -238,8 +210,8 @@ class Trainer:
 
         cfg, dist, t = self.cfg, self.dist, self.cfg.train
         log = MetricsLog(self.out / "metrics.jsonl", dist.is_main)
-        self.trackers = trackers = Trackers(cfg.log.trackers, self.out, cfg.to_dict(), cfg.log.project,
-                                            self.out.name, dist.is_main, cfg.publish.wandb_artifacts)
+        self.publishing.trackers = trackers = Trackers(cfg.log.trackers, self.out, cfg.to_dict(), cfg.log.project,
+                                                       self.out.name, dist.is_main, cfg.publish.wandb_artifacts)
         torch.manual_seed(t.seed + dist.rank)  # dropout: different masks per rank, reproducible per run
         self.ckpt.restore_rng(reseed=t.seed + 1_000_003 * self.state.step + dist.rank if self.state.step else None)
         results: dict = {}
@@ -259,7 +231,7 @@ class Trainer:
         try:
             results["tokens"] = self._loop(log, trackers, progress, gpu, results, preemption, prefetcher, profiler)
         except BaseException:
-            trackers.close()  # else open until the final model is logged (publish_final) or close()
+            trackers.close()  # else open until the final model is logged (publishing.final) or close()
             raise
         finally:
             profiler.close()
@@ -413,8 +385,7 @@ class Trainer:
         every rank at one barrier, the launcher told the run completed with `code`, the group left."""
         from shardtune.launch.local import mark_completed
 
-        if self.trackers:
-            self.trackers.close()
+        self.publishing.close()
         self.ckpt.close()
         torch.distributed.barrier()
         mark_completed(code)
@@ -439,7 +410,7 @@ def run(cfg: RunConfig, overwrite: bool = False) -> dict:
         final = None
         if cfg.save_final and not results.get("preempted"):  # a preempted run is finished by its resume
             final = trainer.export()
-        trainer.publish_final(final, results)
+        trainer.publishing.final(final, trainer.state.step, results)
         trainer.close(EXIT_PREEMPTED if results.get("preempted") else 0)
         return results
     finally:
