@@ -102,19 +102,23 @@ def test_checkpoints_final_and_card_uploaded_and_resume_skips_them(assets, tmp_p
     assert set(ledger) == {f"checkpoints/step-00000{i}" for i in (1, 2, 3)} | {"final"}
 
 
-def test_hung_server_leaves_training_unharmed(assets, tmp_path, monkeypatch):
+def test_hung_server_leaves_training_unharmed(assets, tmp_path, monkeypatch, capsys):
+    """The first checkpoint's commit never returns: the steps after it run all the same (uploads
+    are in the background), and the end waits publish.wait_s, not forever."""
+    from conftest import losses
+
     proc, store, endpoint = start_server(tmp_path, "--hang-commits")
     point_at(monkeypatch, endpoint)
     try:
         out = tmp_path / "run"
         t0 = time.monotonic()
-        run_tiny(assets, out, **{"train.max_steps": 2, "publish.wait_s": 1, "eval.max_batches": 1,
-                                 "publish.hub_repo": "user/tiny", "publish.checkpoints": "false"})
+        run_tiny(assets, out, **{"train.max_steps": 3, "publish.wait_s": 1, **PUBLISH})
         assert time.monotonic() - t0 < 60
-        assert (out / "final" / "config.json").is_file() and commits(store) == []
     finally:
         proc.kill()
         proc.wait()
+    assert len(losses(out)) == 3 and (out / "final" / "config.json").is_file() and commits(store) == []
+    assert "publish: 0 uploaded, 4 still in flight after 1s (publish.wait_s)" in capsys.readouterr().out
 
 
 def test_rejected_push_is_one_warning_and_training_goes_on(assets, tmp_path, monkeypatch, capsys):
