@@ -132,7 +132,9 @@ class HubPublisher:
         late = self.pending
         parts = [f"{len(self.uploaded)} uploaded"] + ([f"{len(self.failed)} failed"] if self.failed else []) + \
             ([f"{late} still in flight after {wait:g}s (publish.wait_s)"] if late else [])
-        self.say(f"publish: {', '.join(parts)} to https://huggingface.co/{self.repo} ({self.revision})"
+        from huggingface_hub import constants
+
+        self.say(f"publish: {', '.join(parts)} to {constants.ENDPOINT}/{self.repo} ({self.revision})"
                  + ("; the local files stay in the run folder (`shardtune export ... --push-to-hub` uploads them "
                     "later)" if self.failed or late else ""))
 
