@@ -24,6 +24,17 @@ TINY = {
 }
 
 
+@pytest.fixture
+def single_thread():
+    """Two cores shared with other ranks and tests: more torch threads only spin."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def assets(tmp_path_factory):
     from shardtune.data.quickstart import build_quickstart_assets

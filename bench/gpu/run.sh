@@ -39,6 +39,11 @@
 #   2nd call (~6 min):  STAGES="bench-llama bench-opt" BUDGET_S=500 CAP_BENCH=240 REPEATS=2 \
 #                         bash bench/gpu/run.sh /tmp/gpu-ab "$OUT"        (A B A B for both models)
 #   3rd, if time:       STAGES=plan PLAN_ROWS=6 CAP_PLAN=400 bash bench/gpu/run.sh /tmp/gpu-plan "$OUT"
+#   issue 20 (not yet run on a GPU; one call, ~8 min): memory savers on CUDA, device=auto
+#     python bench/memory_savers.py activations --micro-batch 8 --steps 6 precision=bf16 > "$OUT/savers_act.md"
+#     python bench/memory_savers.py quality --steps 300 > "$OUT/savers_quality.md"   (compiled torchao step)
+#     python bench/memory_savers.py activations --micro-batch 8 --steps 6 precision=bf16 fsdp.reduce_dtype=bf16 \
+#       train.optimizer_state=8bit > "$OUT/savers_act_8bit.md"
 # Knobs: PYTHON, BUDGET_S, REPEATS, BENCH_STEPS, BENCH_GLOBAL, PLAN_ROWS, SOAK_MINUTES, CAP_<STAGE>.
 # The CPU rehearsal (no install; .venv/bin/python) takes about 4 minutes on 2 cores (BENCHMARKS.md).
 set -uo pipefail

@@ -2,7 +2,7 @@
 # Run where pip reaches the registry: downloads into .whl/ (git-ignored) the wheels that GPU
 # machines without network lack (their image has torch, transformers, peft, accelerate, pyarrow,
 # xxhash, fsspec, huggingface-hub, tensorboard, matplotlib, nvidia-ml-py; not datasets and its
-# own needs, nor bitsandbytes). bench/gpu/run.sh installs them with --no-deps: nothing of the
+# own needs, nor bitsandbytes, torchao). bench/gpu/run.sh installs them with --no-deps: nothing of the
 # machine's own torch is replaced.
 #   bash bench/gpu/wheels.sh [PYTHON_VERSION]   (default 3.12, the GPU image's python)
 set -euo pipefail
@@ -17,7 +17,8 @@ platforms=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --p
            --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64
            --platform any)
 datasets=$(grep '^datasets==' constraints.txt)
-for wheel in "$datasets" dill multiprocess bitsandbytes; do
+torchao=$(grep '^torchao==' constraints.txt)  # train.optimizer_state=bf16/8bit/4bit
+for wheel in "$datasets" dill multiprocess bitsandbytes "$torchao"; do
   $pip download -q --no-deps --only-binary=:all: --python-version "$py" --implementation cp "${platforms[@]}" \
     -d .whl "$wheel"
 done

@@ -22,6 +22,8 @@ class GPU:
     memory_mib: int  # total memory as nvidia-smi reports it
     tflops: tuple[float, float, float]  # dense peak TFLOP/s: (bf16, fp16, fp32); 0 = no such unit
     link_gbs: float  # effective per-GPU collective bandwidth inside a node, GB/s (NVLink, else PCIe)
+    pcie_gbs: float  # effective host <-> GPU copy bandwidth per direction, GB/s (pinned memory)
+    hbm_gbs: float  # memory bandwidth, GB/s (datasheet): what a memory-bound optimizer step streams
 
     @property
     def memory_bytes(self) -> int:
@@ -37,25 +39,28 @@ class GPU:
 # Peaks: the vendors' datasheets, dense (no sparsity), fp32 without TF32. Link bandwidth: the
 # bus bandwidth nccl-tests reaches for large all-reduce (about 75 % of the NVLink/PCIe figure
 # per direction: NVLink3 300 GB/s -> 230, NVLink4 450 -> 360, PCIe 4 x16 32 -> 24, PCIe 3 x16
-# 16 -> 12). `plan --bandwidth` overrides it. Order matters for `match`: the first fragment
+# 16 -> 12). `plan --bandwidth` overrides it. Host copies (`pcie_gbs`): about 80 % of the slot's
+# per-direction figure that CUDA's bandwidthTest reaches with pinned memory (PCIe 5 x16 64 GB/s
+# -> 50, PCIe 4 x16 32 -> 25, PCIe 3 x16 16 -> 12); SXM boards use the host's PCIe link too.
+# `hbm_gbs`: the datasheets' memory bandwidth. Order matters for `match`: the first fragment
 # found in a device name wins ("A10G" before "A10", "A100" before "A10").
 GPUS = [
-    GPU("H200", "H200", 143771, (989.4, 989.4, 66.9), 360.0),
-    GPU("H100", "H100", 81559, (989.4, 989.4, 66.9), 360.0),
-    GPU("H800", "H800", 81559, (989.4, 989.4, 66.9), 160.0),  # SXM; the PCIe card is lower: log.peak_tflops
-    GPU("A100-80GB", "A100-SXM4-80GB", 81920, (312.0, 312.0, 19.5), 230.0),
-    GPU("A100-80GB-PCIe", "A100 80GB PCIe", 81920, (312.0, 312.0, 19.5), 24.0),
-    GPU("A100-40GB", "A100", 40960, (312.0, 312.0, 19.5), 230.0),
-    GPU("L40S", "L40S", 46068, (362.1, 362.1, 91.6), 24.0),
-    GPU("A10G", "A10G", 23028, (70.0, 70.0, 31.2), 24.0),
-    GPU("A10", "A10", 23028, (125.0, 125.0, 31.2), 24.0),
-    GPU("L4", "L4", 23034, (121.0, 121.0, 30.3), 24.0),
-    GPU("RTX-4090", "RTX 4090", 24564, (165.2, 165.2, 82.6), 24.0),
-    GPU("RTX-3090", "RTX 3090", 24576, (71.0, 71.0, 35.6), 24.0),
-    GPU("A6000", "A6000", 49140, (154.8, 154.8, 38.7), 24.0),
-    GPU("V100-32GB", "V100-SXM2-32GB", 32768, (0.0, 125.0, 15.7), 130.0),
-    GPU("V100-16GB", "V100", 16384, (0.0, 125.0, 15.7), 12.0),
-    GPU("T4", "T4", 15360, (0.0, 65.0, 8.1), 12.0),
+    GPU("H200", "H200", 143771, (989.4, 989.4, 66.9), 360.0, 50.0, 4800.0),
+    GPU("H100", "H100", 81559, (989.4, 989.4, 66.9), 360.0, 50.0, 3350.0),
+    GPU("H800", "H800", 81559, (989.4, 989.4, 66.9), 160.0, 50.0, 3350.0),  # SXM; PCIe card lower: log.peak_tflops
+    GPU("A100-80GB", "A100-SXM4-80GB", 81920, (312.0, 312.0, 19.5), 230.0, 25.0, 2039.0),
+    GPU("A100-80GB-PCIe", "A100 80GB PCIe", 81920, (312.0, 312.0, 19.5), 24.0, 25.0, 1935.0),
+    GPU("A100-40GB", "A100", 40960, (312.0, 312.0, 19.5), 230.0, 25.0, 1555.0),
+    GPU("L40S", "L40S", 46068, (362.1, 362.1, 91.6), 24.0, 25.0, 864.0),
+    GPU("A10G", "A10G", 23028, (70.0, 70.0, 31.2), 24.0, 25.0, 600.0),
+    GPU("A10", "A10", 23028, (125.0, 125.0, 31.2), 24.0, 25.0, 600.0),
+    GPU("L4", "L4", 23034, (121.0, 121.0, 30.3), 24.0, 25.0, 300.0),
+    GPU("RTX-4090", "RTX 4090", 24564, (165.2, 165.2, 82.6), 24.0, 25.0, 1008.0),
+    GPU("RTX-3090", "RTX 3090", 24576, (71.0, 71.0, 35.6), 24.0, 25.0, 936.0),
+    GPU("A6000", "A6000", 49140, (154.8, 154.8, 38.7), 24.0, 25.0, 768.0),
+    GPU("V100-32GB", "V100-SXM2-32GB", 32768, (0.0, 125.0, 15.7), 130.0, 12.0, 900.0),
+    GPU("V100-16GB", "V100", 16384, (0.0, 125.0, 15.7), 12.0, 12.0, 900.0),
+    GPU("T4", "T4", 15360, (0.0, 65.0, 8.1), 12.0, 12.0, 320.0),
 ]
 
 
@@ -85,8 +90,8 @@ def parse_size(text: str, what: str, default_unit: str = "gib") -> int:
     """'16GiB', '16 GB', '15360MiB' or a bare number (in `default_unit`) -> bytes."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     unit = m.group(2).lower() if m else ""
-    if not m or unit not in _UNITS or float(m.group(1)) <= 0:
-        raise UserError(f"{what} {text!r} is not a memory size; write it like 16GiB, 80GB or 15360MiB")
+    if not m or unit not in _UNITS or not 0 < float(m.group(1)) * _UNITS[unit or default_unit] < 2 ** 63:
+        raise UserError(f"{what} {str(text)[:40]!r} is not a memory size; write it like 16GiB, 80GB or 15360MiB")
     return int(float(m.group(1)) * _UNITS[unit or default_unit])
 
 

@@ -44,12 +44,8 @@ def ck_assets(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    """Two cores shared with the other ranks/tests: more threads only spin."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+def one_thread(single_thread):
     yield
-    torch.set_num_threads(before)
     release_group()
 
 

@@ -95,7 +95,8 @@ def torchrun(nproc: int, script_args: list[str], nnodes: int = 1, timeout: int =
 
 def test_two_ranks_match_one_process_for_every_sharding(assets, baseline, baseline_dir, lora_baseline, docmask_baseline,
                                                          tmp_path):
-    """full_shard (accumulation 2 and 1, activation checkpointing), shard_grad_op and no_shard
+    """full_shard (accumulation 2 and 1, activation checkpointing full and selective with offloading),
+    shard_grad_op and no_shard
     on 2 ranks, with full logits and with many loss chunks (the baseline's loss is one chunk),
     and document-masked packing;
     a locally saved GPT-2 and Llama load on 2 ranks exactly; final/ round-trips."""
@@ -113,6 +114,7 @@ def test_two_ranks_match_one_process_for_every_sharding(assets, baseline, baseli
     jobs = {
         "full_shard": WATCH,
         "full_shard_ac": {"activation_checkpointing": "true"},
+        "selective_ac_offload": {"activation_checkpointing": "selective", "activation_offload": "true"},
         "shard_grad_op": {"fsdp.sharding": "shard_grad_op"},
         "no_shard": {"fsdp.sharding": "no_shard", "loss_chunk_tokens": 0, **WATCH},  # full logits; replicated
         "no_accum": {"train.micro_batch_size": 4, "loss_chunk_tokens": 24},  # 11 loss chunks per micro-batch

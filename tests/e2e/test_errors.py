@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import subprocess
 import sys
 import textwrap
@@ -111,12 +112,21 @@ def library_logs_to_stderr():
                 if type(h) is logging.StreamHandler]
     saved = [h.stream for h in handlers]
     for h in handlers:
-        h.setStream(sys.stderr)
+        point(h, sys.stderr)
     try:
         yield
     finally:
         for h, stream in zip(handlers, saved, strict=True):
-            h.setStream(stream)
+            point(h, stream)
+
+
+def point(handler: logging.StreamHandler, stream) -> None:
+    """setStream, except that a stream an earlier test's capture has closed is not flushed (a
+    handler made while any test captured stderr holds such a stream)."""
+    if getattr(handler.stream, "closed", False):
+        handler.stream = stream
+    else:
+        handler.setStream(stream)
 
 
 def fails(capfd, argv: list[str], *words: str) -> str:
@@ -160,7 +170,11 @@ def subprocess_env(datasets_cache) -> dict:
     ("train.micro_batch_size=0", ["train.micro_batch_size", "at least 1"]),
     ("log.profile_steps=3", ["log.profile_steps", "must be a list", "log.profile_steps=[3,5]"]),
     ("log.profile_steps=[5,3]", ["log.profile_steps=[5, 3]", "1 <= first <= last", "log.profile_steps=[3,5]"]),
-    ("log.profile_steps=[0,2]", ["log.profile_steps=[0, 2]", "1 <= first <= last"]),
+    ("log.profile_steps=[0,2]", ["log.profile_steps=0", "at least 1"]),
+    ("train.optimizer_state=fp8", ["train.optimizer_state", "fp32, bf16, 8bit, 4bit"]),
+    ("activation_checkpointing=partial", ["activation_checkpointing", "none, full, selective, every_n"]),
+    ("activation_checkpointing_every=0", ["activation_checkpointing_every", "at least 1"]),
+    ("fsdp.reduce_dtype=bf16", ["fsdp.reduce_dtype=bf16 needs precision=bf16"]),
 ])
 def test_bad_config_value(capfd, recipe, out, override, words):
     before = snapshot(out)
@@ -269,7 +283,52 @@ def test_malformed_jsonl(capfd, recipe, out, tmp_path):
     fails(capfd, ["train", recipe, f"data.path={bad}", f"output_dir={out}"], "broken.jsonl", "could not read")
 
 
+@pytest.mark.parametrize("rows, extra, words", [
+    ([{"text": 5}] * 20, [], ["column 'text'", "holds int64", "data.text_field"]),
+    ([{"text": None}] * 20, [], ["null or empty in all"]),
+    ([{"text": " "}] * 20, [], ["null or empty in all"]),
+    ([{"instruction": "say hi", "output": ""}] * 20, ["data.format=instruct"],
+     ["column 'output'", "data.output_field"]),
+    ([{"messages": None}] * 20, ["data.format=chat"], ["column 'messages'", "null or empty in all"]),
+])
+def test_columns_that_hold_no_text(capfd, recipe, out, tmp_path, rows, extra, words):
+    path = write_jsonl(tmp_path / "rows.jsonl", rows)
+    fails(capfd, ["train", recipe, f"data.path={path}", *extra, f"output_dir={out}"], "rows.jsonl", *words)
+
+
+@pytest.mark.parametrize("raw, words", [
+    (b'null\n{"text": "a"}\n', ["line 1 is `null`"]),  # pyarrow's JSON reader would crash the process
+    ('{"text": "a"}\n{"text": "café"}\n'.encode("latin-1"), ["not UTF-8 text", "line 2"]),
+])
+def test_data_file_bytes(capfd, recipe, out, tmp_path, raw, words):
+    (tmp_path / "train.jsonl").write_bytes(raw)
+    fails(capfd, ["train", recipe, f"data.path={tmp_path / 'train.jsonl'}", f"output_dir={out}"], *words)
+
+
+def test_data_path_that_is_a_fifo(capfd, recipe, out, tmp_path):
+    os.mkfifo(tmp_path / "train.txt")
+    fails(capfd, ["train", recipe, f"data.path={tmp_path / 'train.txt'}", f"output_dir={out}"], "not a regular file")
+    fails(capfd, ["train", recipe, f"data.path={tmp_path}", f"output_dir={out}"], "not a regular file")
+
+
 # ----------------------------------------------------------------------------- model
+
+
+@pytest.mark.parametrize("config, words", [
+    ({"model_type": "t5"}, ["no causal-LM head"]),
+    ({**TINY_GPT2, "n_embd": 33}, ["cannot build", "divisible"]),
+    ({**TINY_GPT2, "n_head": 0}, ["cannot build", "ZeroDivisionError"]),
+    ({**TINY_GPT2, "layer_norm_epsilon": float("nan")}, ["model.config.layer_norm_epsilon=nan"]),
+])
+def test_model_config_that_cannot_be_built(capfd, recipe, out, config, words):
+    fails(capfd, ["train", recipe, f"model.config={yaml.safe_dump(config, default_flow_style=True).strip()}",
+                  f"output_dir={out}"], *words)
+
+
+def test_model_path_that_is_a_file(capfd, recipe, out, tmp_path):
+    (tmp_path / "model.bin").write_bytes(b"")
+    fails(capfd, ["train", recipe, f"model.name_or_path={tmp_path / 'model.bin'}", f"output_dir={out}"],
+          "is a file, not a folder")
 
 
 def test_seq_len_above_model_maximum(capfd, recipe, out):
@@ -354,7 +413,8 @@ def test_output_dir_holding_a_run(capfd, recipe, out):
     assert (out / "notes.txt").read_bytes() == before["notes.txt"][0]
     config = yaml.safe_load((out / "config.yaml").read_text())
     assert "old" not in config and config["data"]["seq_len"] == 32
-    assert "9.9" not in (out / "metrics.jsonl").read_text()
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert {"step": 1, "loss": 9.9} not in records  # the planted record (a substring test met "1069.9" tokens/s)
     assert (out / "final").is_dir() and (out / "final" / "model.safetensors").read_bytes() != b"\x00old weights"
 
 

@@ -193,10 +193,15 @@ def test_generate_matches_transformers(trained, tmp_path, capsys):
     assert sampled[0] == sampled[1]  # the seed makes sampling reproducible
 
 
-def test_generate_prints_and_bad_input(trained, capsys):
+def test_generate_prints_and_bad_input(trained, capsys, tmp_path):
     code = main(["generate", str(trained / "final"), "--prompt", "Return the", "--prompt", "The",
                  "--max-new-tokens", "4", "--temperature", "0", "--device", "cpu"])
     out = capsys.readouterr().out
     assert code == 0 and "=== prompt 2 ===" in out and "Return the" in out
     one_line_error(*cli(["generate", str(trained / "final")], capsys), "--prompt")
     one_line_error(*cli(["generate", str(trained / "final"), "--prompt", "x", "--top-p", "0"], capsys), "--top-p")
+    one_line_error(*cli(["generate", str(trained / "final"), "--prompt", "x", "--max-new-tokens", "100000"], capsys),
+                   "beyond the model's", "positions")
+    (tmp_path / "latin1.txt").write_bytes("café\n".encode("latin-1"))
+    one_line_error(*cli(["generate", str(trained / "final"), "--prompts-file", str(tmp_path / "latin1.txt")], capsys),
+                   "not UTF-8")

@@ -129,7 +129,7 @@ def test_recipes_say_what_the_reference_systems_use():
 
     full = load_config(RECIPES / "llama2-7b-fsdp.yaml")
     assert (full.peft.method, full.fsdp.wrap, full.activation_checkpointing, full.precision) == \
-        ("none", "block", True, "bf16")
+        ("none", "block", "full", "bf16")
 
     chess = load_config(RECIPES / "codellama-7b-chess.yaml")
     assert chess.fsdp.wrap == "block" and "{moves_san}" in chess.data.template and chess.data.list_sep == " "

@@ -196,7 +196,7 @@ def test_qlora_without_a_gpu_is_refused_in_one_line(assets, tmp_path):
     ({"peft.method": "lora", "peft.r": 0}, "peft.r"),
     ({"peft.method": "lora", "freeze.trainable_blocks": 1}, "freeze"),
     ({"freeze.trainable_blocks": 5}, "0..2"),
-    ({"freeze.trainable_blocks": -1}, "freeze.trainable_blocks must be at least 0"),
+    ({"freeze.trainable_blocks": -1}, "freeze.trainable_blocks=-1 must be at least 0"),
     ({"freeze.head_only": "true", "freeze.trainable_blocks": 1}, "head_only"),
 ])
 def test_bad_peft_and_freeze_settings_are_one_line_errors(assets, tmp_path, capsys, extra, needle):

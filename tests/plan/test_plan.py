@@ -10,7 +10,7 @@ import pytest
 
 from conftest import TINY, run_cli
 from shardtune.config.load import check_world, load_config
-from shardtune.plan.search import gpu_memory
+from shardtune.plan.cost import gpu_memory
 from shardtune.plan.trace import trace_step
 
 
@@ -82,8 +82,8 @@ def test_plan_prints_a_command_line_that_loads(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--gpus", "4", "--gpu", "B300"], "unknown GPU 'B300'; known: H200, H100"),
-    (["--gpus", "0", "--gpu", "T4"], "--gpus must be at least 1"),
-    (["--gpus", "4", "--gpu-mem", "lots"], "--gpu-mem 'lots' is not a memory size"),
+    (["--gpus", "0", "--gpu", "T4"], "--gpus: must be at least 1"),
+    (["--gpus", "4", "--gpu-mem", "lots"], "--gpu-mem: 'lots' is not a memory size"),
     (["--gpus", "4"], "say which GPU"),
     (["--gpus", "4", "--gpu", "T4", "model.name_or_path=nobody/no-such-model"], "is not available offline"),
     (["--gpus", "4", "--gpu", "T4", "train.lr_schedual=cosine"], "did you mean train.lr_schedule"),

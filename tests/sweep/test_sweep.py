@@ -166,7 +166,7 @@ def test_the_search_probes_few_micro_batches():
     (["--grid", "fsdp.sharding="], "is not KEY=V1,V2"),
     (["--grid", "precision=bf16", "--grid", "precision=fp32"], "precision is given twice"),
     ([], "nothing to sweep"),
-    (["--grid", "precision=bf16,fp32", "--steps", "0"], "--steps must be at least 1"),
+    (["--grid", "precision=bf16,fp32", "--steps", "0"], "--steps: must be at least 1"),
     (["--grid", "train.micro_batch_size=2,3"], "train.micro_batch_size=3"),
     (["--grid", "precision=bf16", "--nproc", "3"], "not divisible by micro_batch_size x ranks = 2 x 3"),
     (["--grid", "output_dir=a,b"], "set by the sweep"),

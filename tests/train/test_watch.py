@@ -83,7 +83,7 @@ def test_watch_records_reach_metrics_jsonl(assets, tmp_path):
 
 
 @pytest.mark.parametrize("override, message", [("log.watch=weights", "log.watch"),
-                                               ("log.watch_every=0", "log.watch_every must be at least 1")])
+                                               ("log.watch_every=0", "log.watch_every=0 must be at least 1")])
 def test_bad_watch_values_are_one_line(assets, tmp_path, capsys, override, message):
     from conftest import tiny_overrides
     from shardtune.cli.main import main

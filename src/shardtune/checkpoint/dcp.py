@@ -35,7 +35,7 @@ NAME = re.compile(r"^step-(\d+)$")
 # Changing these breaks resume: the weights' shapes, or what "step N" means in the data order.
 # Whole sections are compared, so a key added to one later is covered without a change here.
 RESUME_KEYS = ("model.name_or_path", "model.config", "model.tokenizer", "data", "train.global_batch_size",
-               "train.seed", "peft", "freeze")
+               "train.seed", "train.optimizer_state", "peft", "freeze")
 MAY_CHANGE = {"data.num_proc", "peft.dropout"}  # inside those sections, but harmless
 
 
@@ -107,6 +107,20 @@ def why_no_checkpoint(root: Path) -> str:
     return "; ".join(notes) or f"{root} holds no step-N checkpoint folder"
 
 
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _meta_shape_ok(meta) -> bool:
+    """The keys and types of meta.json that everything reading it relies on."""
+    if not isinstance(meta, dict) or not _whole(meta.get("step")) or not isinstance(meta.get("config"), dict):
+        return False
+    state, sections = meta.get("train_state"), [meta["config"].get(k, {}) for k in ("model", "peft", "data")]
+    return (_whole(meta.get("format", 1)) and _whole(meta.get("world_size", 1)) and meta.get("world_size") != 0
+            and all(isinstance(s, dict) for s in sections)
+            and (state is None or (isinstance(state, dict) and _whole(state.get("step")))))
+
+
 def read_meta(path: Path) -> dict:
     """meta.json of a checkpoint, or a one-line UserError saying what is wrong with it."""
     if not path.exists():
@@ -116,10 +130,11 @@ def read_meta(path: Path) -> dict:
         raise UserError(f"{str(path)!r} is not a complete shardtune checkpoint (meta.json or .metadata missing: "
                         "an interrupted save?); use another checkpoint of the run")
     try:
-        meta = json.loads((path / "meta.json").read_text())
-        meta["step"], meta["config"]  # noqa: B018 - the keys everything below relies on
-    except (ValueError, KeyError, TypeError):
-        raise UserError(f"checkpoint {str(path)!r} is corrupt (unreadable meta.json); use another checkpoint") from None
+        meta = json.loads((path / "meta.json").read_text(encoding="utf-8"))
+    except (ValueError, RecursionError):
+        meta = None
+    if not _meta_shape_ok(meta):
+        raise UserError(f"checkpoint {str(path)!r} is corrupt (unreadable meta.json); use another checkpoint")
     if meta.get("format", 0) > FORMAT:
         raise UserError(f"checkpoint {str(path)!r} was written by a newer shardtune "
                         f"({meta.get('shardtune_version')}); upgrade shardtune")
@@ -161,7 +176,7 @@ def check_compatible(saved: dict, now: dict, path: Path) -> None:
             changed += [f"{key}.{k} {short(old.get(k))} -> {short(new.get(k))}"
                         for k in sorted(old.keys() | new.keys())
                         if old.get(k) != new.get(k) and f"{key}.{k}" not in MAY_CHANGE]
-        elif old != new:
+        elif old != new and not (old is None and new == get(defaults, key)):  # None: saved before the key existed
             changed.append(f"{key} {short(old)} -> {short(new)}")
     if changed:
         raise UserError(f"cannot resume from {str(path)!r}: {'; '.join(changed)} changed; resume with the "

@@ -40,11 +40,13 @@ def load_model(spec: str, device: str = "cpu", weights: bool = True):
         if weights:
             model, tokenizer, _ = load_plain_model(where, device)
             return model, tokenizer, model.config, run_cfg
-        from transformers import AutoConfig, AutoTokenizer
+        from shardtune.config.schema import ModelConfig
+        from shardtune.model.hf import load_hf_config, load_tokenizer
 
         trust = run_cfg.model.trust_remote_code
-        return (None, AutoTokenizer.from_pretrained(where / "tokenizer", trust_remote_code=trust),
-                AutoConfig.from_pretrained(where, trust_remote_code=trust), run_cfg)
+        return (None, load_tokenizer(ModelConfig(tokenizer=str(where / "tokenizer"), trust_remote_code=trust)),
+                load_hf_config(ModelConfig(name_or_path=str(where), random_init=True, trust_remote_code=trust)),
+                run_cfg)
 
     if kind == "adapter":  # evaluate/generate with the adapter folded into its base
         import json
@@ -74,13 +76,17 @@ def load_model(spec: str, device: str = "cpu", weights: bool = True):
 def load_plain_model(path: Path, device: str = "cpu"):
     """(model, tokenizer, meta) from a checkpoint, in this process alone: one copy of the
     weights in memory, read shard by shard from the DCP files; the optimizer is never read."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
+
+    from shardtune.config.schema import ModelConfig
+    from shardtune.model.hf import load_hf_config, load_tokenizer
 
     meta = read_meta(path)
     trust = bool(meta["config"].get("model", {}).get("trust_remote_code"))
-    hf_config = AutoConfig.from_pretrained(path, trust_remote_code=trust)
-    tokenizer = AutoTokenizer.from_pretrained(path / "tokenizer", trust_remote_code=trust)
+    # the checks of a model folder (config.json readable and buildable, tokenizer whole): one line each
+    hf_config = load_hf_config(ModelConfig(name_or_path=str(path), random_init=True, trust_remote_code=trust))
+    tokenizer = load_tokenizer(ModelConfig(tokenizer=str(path / "tokenizer"), trust_remote_code=trust))
     with no_init_weights(), torch.device(device):  # real buffers (e.g. rotary), parameters left empty
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, trust_remote_code=trust)
     peft_cfg = meta["config"].get("peft", {})

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from shardtune.cli.argtypes import finite_float, non_negative_int, positive_int
+
 TRAIN_EPILOG = """\
 overrides are dotted config keys, e.g. train.lr=3e-5 fsdp.sharding=shard_grad_op data.seq_len=1024.
 Without a recipe, runs the offline quickstart (tiny GPT-2, stdlib-docstring corpus, no download).
@@ -27,3 +29,27 @@ def split_recipe(recipe: str | None, overrides: list[str]) -> tuple[str | None, 
         if named.is_file():
             return str(named), overrides
     return recipe, overrides
+
+
+def add_decoding_args(p, temperature: float) -> None:
+    """How `generate` and `eval --generate` decode."""
+    p.add_argument("--max-new-tokens", type=positive_int, default=64,
+                   help="tokens to generate per prompt (default: 64)")
+    p.add_argument("--temperature", type=finite_float(0), default=temperature,
+                   help=f"0 = greedy (default: {temperature:g})")
+    p.add_argument("--top-p", type=finite_float(above=0, most=1), default=0.9,
+                   help="nucleus sampling mass (default: 0.9)")
+    p.add_argument("--seed", type=non_negative_int, default=0, help="sampling seed (default: 0)")
+
+
+def recipe_and_defaults(recipe: str | None, overrides: list[str]) -> tuple[str | None, list[str], dict | None,
+                                                                           str | None]:
+    """(recipe, overrides, defaults, start-up line) for every command that takes a recipe: without
+    one, the quickstart's defaults (a mapping) and the line saying which of them apply."""
+    recipe, overrides = split_recipe(recipe, overrides)
+    if recipe is not None:
+        return recipe, overrides, None, None
+    from shardtune.data.quickstart import quickstart_defaults
+
+    defaults, used = quickstart_defaults(overrides)
+    return recipe, overrides, defaults, used

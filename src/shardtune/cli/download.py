@@ -4,14 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from shardtune.cli.argtypes import nonempty_str
 from shardtune.errors import UserError
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("download", help="fill the Hugging Face cache (for compute nodes without network)")
-    p.add_argument("targets", nargs="+", metavar="TARGET", help="a recipe YAML (its model, tokenizer and "
+    p.add_argument("targets", nargs="+", metavar="TARGET", type=nonempty_str,
+                   help="a recipe YAML (its model, tokenizer and "
                     "dataset), or hub ids: model:ID or dataset:ID (a bare ID is a model)")
-    p.add_argument("--cache-dir", help="cache folder (default: the HF cache, $HF_HOME)")
+    p.add_argument("--cache-dir", type=nonempty_str, help="cache folder (default: the HF cache, $HF_HOME)")
 
 
 def run(args) -> int:

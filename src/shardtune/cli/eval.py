@@ -1,22 +1,43 @@
-"""`shardtune eval`: loss, perplexity and next-token accuracy of a model or checkpoint (`--nproc N` ranks)."""
+"""`shardtune eval`: loss, perplexity and next-token accuracy of a model or checkpoint (`--nproc N` ranks);
+with `--generate N`, what it generates for N prompts, scored against the references."""
 
 from __future__ import annotations
+
+from shardtune.cli.argtypes import int_range, non_negative_int, nonempty_str, positive_int, ranks
+from shardtune.cli.common import add_decoding_args
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("eval", help="loss, perplexity and next-token accuracy of a model or checkpoint")
-    p.add_argument("model", help="HF folder or hub id, run folder, or checkpoint folder")
-    p.add_argument("--data", help="dataset (hub id, file or folder); default: the checkpoint's validation split")
-    p.add_argument("--data-name", help="hub dataset config name")
-    p.add_argument("--split", help="split to evaluate (default: validation, else test, else train)")
-    p.add_argument("--text-field", default="text", help="column holding the text (default: text)")
-    p.add_argument("--seq-len", type=int, help="block length (default: the run's data.seq_len, else 512)")
-    p.add_argument("--micro-batch-size", type=int, default=8, help="sequences per rank per forward (default: 8)")
-    p.add_argument("--max-batches", type=int, default=0,
+    p.add_argument("model", type=nonempty_str, help="HF folder or hub id, run folder, or checkpoint folder")
+    p.add_argument("--data", type=nonempty_str,
+                   help="dataset (hub id, file or folder); default: the checkpoint's validation split")
+    p.add_argument("--data-name", type=nonempty_str, help="hub dataset config name")
+    p.add_argument("--split", type=nonempty_str, help="split to evaluate (default: validation, else test, else train)")
+    p.add_argument("--text-field", type=nonempty_str, default="text", help="column holding the text (default: text)")
+    p.add_argument("--seq-len", type=int_range(2), help="block length (default: the run's data.seq_len, else 512)")
+    p.add_argument("--micro-batch-size", type=positive_int, default=8,
+                   help="sequences per rank per forward (default: 8)")
+    p.add_argument("--max-batches", type=non_negative_int, default=0,
                     help="evaluate the first N x micro-batch-size sequences (default: all)")
-    p.add_argument("--compare", metavar="BASE", help="also evaluate BASE and print both side by side")
-    p.add_argument("--nproc", type=int, default=None, metavar="N", help="run on N local ranks")
+    p.add_argument("--compare", metavar="BASE", type=nonempty_str,
+                   help="also evaluate BASE and print both side by side")
+    p.add_argument("--nproc", type=ranks, default=None, metavar="N", help="run on N local ranks")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    g = p.add_argument_group("generation quality (--generate N; one process, instead of loss/perplexity)")
+    g.add_argument("--generate", type=int, metavar="N", help="generate for the first N prompts of the split "
+                   "and score them against the references (ROUGE, BLEU, chrF) and for diversity")
+    g.add_argument("--format", choices=["text", "instruct", "chat"], help="how the split's rows become prompt and "
+                   "reference (default: the run's data.format, else text)")
+    g.add_argument("--prompt-tokens", type=int, default=32, metavar="K",
+                   help="text documents: the first K tokens are the prompt, the next ones the reference (default: 32)")
+    add_decoding_args(g, temperature=0.0)
+    g.add_argument("--metrics", default="rouge,bleu,chrf,diversity",
+                   help="comma-separated: rouge, bleu, chrf, diversity, mauve (default: all but mauve)")
+    g.add_argument("--mauve-featurizer", metavar="MODEL", help="model whose features MAUVE compares (local "
+                   "folder or an already downloaded hub id; MAUVE needs `pip install 'shardtune[mauve]'`)")
+    g.add_argument("--out", help="JSON file for the scores and generations (default: RUN/generation.json for a "
+                   "run, else ./generation.json)")
 
 
 def without_nproc(argv: list[str]) -> list[str]:
@@ -32,6 +53,15 @@ def without_nproc(argv: list[str]) -> list[str]:
 
 
 def run(args) -> int:
+    if args.generate is not None:
+        from shardtune.errors import UserError
+
+        if args.nproc and args.nproc > 1:
+            raise UserError("--generate runs in one process; drop --nproc")
+        from shardtune.train.quality import run_quality
+
+        run_quality(quality_request(args))
+        return 0
     from shardtune.distributed.process_group import check_nproc, launched_by_agent
     from shardtune.launch.local import launch_local
 
@@ -51,3 +81,16 @@ def request(args):
     return EvalRequest(model=args.model, data=args.data, data_name=args.data_name, split=args.split,
                        text_field=args.text_field, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
                        max_batches=args.max_batches, compare=args.compare, device=args.device)
+
+
+def quality_request(args):
+    """The parsed flags of `eval --generate` as the library's typed request."""
+    from shardtune.train.quality import QualityRequest
+
+    return QualityRequest(model=args.model, generate=args.generate, data=args.data, data_name=args.data_name,
+                          split=args.split, text_field=args.text_field, format=args.format,
+                          prompt_tokens=args.prompt_tokens, max_new_tokens=args.max_new_tokens,
+                          temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                          micro_batch_size=args.micro_batch_size, metrics=args.metrics,
+                          mauve_featurizer=args.mauve_featurizer, compare=args.compare, out=args.out,
+                          device=args.device)

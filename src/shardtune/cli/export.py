@@ -4,15 +4,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from shardtune.cli.argtypes import nonempty_str, size
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("export", help="write a plain Hugging Face folder from a sharded checkpoint")
-    p.add_argument("checkpoint", help="checkpoint folder (OUTPUT_DIR/checkpoints/step-N), or a run's "
+    p.add_argument("checkpoint", type=nonempty_str,
+                   help="checkpoint folder (OUTPUT_DIR/checkpoints/step-N), or a run's "
                         "output_dir for its newest checkpoint")
-    p.add_argument("out", help="new folder for the model (safetensors, config, tokenizer)")
-    p.add_argument("--max-shard-size", default="2GB", help="split weights into files of at most this "
+    p.add_argument("out", type=nonempty_str, help="new folder for the model (safetensors, config, tokenizer)")
+    p.add_argument("--max-shard-size", type=size, default="2GB", help="split weights into files of at most this "
                         "size (default: 2GB)")
-    p.add_argument("--push-to-hub", metavar="REPO", help="then upload the folder to this hub repo")
+    p.add_argument("--push-to-hub", metavar="REPO", type=nonempty_str, help="then upload the folder to this hub repo")
     p.add_argument("--private", action="store_true", help="create the hub repo as private")
     p.add_argument("--merge", action="store_true", help="CHECKPOINT is the final/ adapter folder of a "
                         "LoRA run: fold the adapter into the base and write a plain model")

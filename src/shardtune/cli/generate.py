@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+from shardtune.cli.argtypes import nonempty_str, positive_int, regular_file
+from shardtune.cli.common import add_decoding_args
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text from a model or checkpoint")
-    p.add_argument("model", help="HF folder or hub id, run folder, or checkpoint folder")
-    p.add_argument("--prompt", action="append", help="prompt text (repeatable)")
-    p.add_argument("--prompts-file", help="file with one prompt per line")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default: 0.7)")
-    p.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling mass (default: 0.9)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    p.add_argument("model", type=nonempty_str, help="HF folder or hub id, run folder, or checkpoint folder")
+    p.add_argument("--prompt", action="append", type=nonempty_str, help="prompt text (repeatable)")
+    p.add_argument("--prompts-file", type=regular_file, help="file with one prompt per line")
+    add_decoding_args(p, temperature=0.7)
+    p.add_argument("--batch-size", type=positive_int, default=8,
+                   help="prompts per generate call, left-padded (default: 8)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
 
 
@@ -28,4 +30,4 @@ def request(args):
 
     return GenerateRequest(model=args.model, prompts=args.prompt or [], prompts_file=args.prompts_file,
                            max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                           seed=args.seed, device=args.device)
+                           seed=args.seed, batch_size=args.batch_size, device=args.device)

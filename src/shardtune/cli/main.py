@@ -14,10 +14,24 @@ from shardtune.errors import EXIT_INTERRUPTED, EXIT_USAGE, UserError
 COMMANDS = ("train", "export", "eval", "generate", "report", "slurm", "plan", "sweep", "download")  # --help order
 
 
+def one_line(text: str) -> str:
+    """An error message as one line whatever it quotes (a value with a newline in it stays visible)."""
+    return text.strip().replace("\r", "\\r").replace("\n", "\\n")
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse prints the usage block and then the error; every bad input here is one line,
+    exit 2, like a UserError (subparsers inherit this class)."""
+
+    def error(self, message: str):
+        text = one_line(message)
+        self.exit(EXIT_USAGE, f"error: {self.prog}: {text}; see `{self.prog} --help`\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from shardtune import __version__
 
-    parser = argparse.ArgumentParser(prog="shardtune", description="Fine-tune Hugging Face causal LMs "
+    parser = OneLineParser(prog="shardtune", description="Fine-tune Hugging Face causal LMs "
                                      "with PyTorch FSDP2 from one YAML config and one command.",
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="`shardtune train --help` shows the options of train.\n"
@@ -32,12 +46,18 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
-    args, extra = parser.parse_known_args(argv)
+    try:
+        args, extra = parser.parse_known_args(argv)
+    except SystemExit as exc:  # a bad option (one line printed), --help or --version: their exit code
+        return exc.code if isinstance(exc.code, int) else 0
     args.argv = argv
     # key=value words after an option (`--nproc 2 train.lr=1e-3`) land in `extra`; any other
     # word there goes along too, so load_config reports it as an override that is not key=value.
     if extra and (args.command not in ("train", "slurm", "plan", "sweep") or any(w.startswith("-") for w in extra)):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        try:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        except SystemExit as exc:
+            return exc.code
     if extra:
         args.overrides = [*args.overrides, *extra]
     if args.command is None:
@@ -50,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         return importlib.import_module(f"shardtune.cli.{args.command}").run(args)
     except UserError as exc:
         if os.environ.get("RANK", "0") == "0":
-            print(f"error: {exc}", file=sys.stderr)
+            print(f"error: {one_line(str(exc))}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from shardtune.cli.argtypes import int_range, nonempty_str, positive_int, slurm_time
 from shardtune.cli.common import split_recipe
 from shardtune.errors import UserError
 
@@ -12,20 +13,22 @@ MARK = "# Written by `shardtune slurm`."  # in every script it writes: only thos
 
 def add_parser(sub) -> None:
     p = sub.add_parser("slurm", help="write an sbatch script: srun + torchrun, checkpoint on preemption, requeue")
-    p.add_argument("recipe", help="recipe YAML")
+    p.add_argument("recipe", type=nonempty_str, help="recipe YAML")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for the job")
-    p.add_argument("--nodes", type=int, required=True)
-    p.add_argument("--gpus-per-node", type=int, required=True)
-    p.add_argument("--output-dir", help="the run's output_dir (default: the recipe's, else runs/<recipe>)")
-    p.add_argument("--time", default="24:00:00", help="time limit (default 24:00:00)")
-    p.add_argument("--partition")
-    p.add_argument("--account")
-    p.add_argument("--job-name")
-    p.add_argument("--signal-lead", type=int, default=300, help="seconds before the limit at which Slurm "
+    p.add_argument("--nodes", type=positive_int, required=True)
+    p.add_argument("--gpus-per-node", type=positive_int, required=True)
+    p.add_argument("--output-dir", type=nonempty_str,
+                   help="the run's output_dir (default: the recipe's, else runs/<recipe>)")
+    p.add_argument("--time", type=slurm_time, default="24:00:00", help="time limit (default 24:00:00)")
+    p.add_argument("--partition", type=nonempty_str)
+    p.add_argument("--account", type=nonempty_str)
+    p.add_argument("--job-name", type=nonempty_str)
+    p.add_argument("--signal-lead", type=int_range(1, 86400), default=300,
+                   help="seconds before the limit at which Slurm "
                     "sends SIGUSR1 to checkpoint (default 300)")
     p.add_argument("--online", action="store_true", help="let compute nodes use the network (default: "
                     "HF_HUB_OFFLINE=1, models and data from `shardtune download`)")
-    p.add_argument("-o", "--out", help="write the script here (default: print it)")
+    p.add_argument("-o", "--out", type=nonempty_str, help="write the script here (default: print it)")
 
 
 def run(args) -> int:

@@ -7,7 +7,8 @@ import os
 import sys
 from pathlib import Path
 
-from shardtune.cli.common import TRAIN_EPILOG, config_reference, split_recipe
+from shardtune.cli.argtypes import ranks
+from shardtune.cli.common import TRAIN_EPILOG, config_reference, recipe_and_defaults
 from shardtune.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, UserError
 
 
@@ -18,7 +19,7 @@ def add_parser(sub) -> None:
     p.add_argument("recipe", nargs="?", help="recipe YAML (a path, or a name in ./recipes); "
                        "omit for the quickstart")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
-    p.add_argument("--nproc", type=int, default=None, metavar="N",
+    p.add_argument("--nproc", type=ranks, default=None, metavar="N",
                        help="start N local ranks with torch's elastic launcher (default: 1, or "
                             "whatever torchrun/srun started)")
     p.add_argument("--overwrite", action="store_true",
@@ -29,14 +30,11 @@ def run(args) -> int:
     from shardtune.config.load import load_config
     from shardtune.distributed.process_group import check_nproc, launched_by_agent
 
-    recipe, overrides = split_recipe(args.recipe, args.overrides)
-    defaults, used = None, None
-    if recipe is None:
-        from shardtune.data.quickstart import quickstart_defaults
-
-        defaults, used = quickstart_defaults(overrides)
+    recipe, overrides, defaults, used = recipe_and_defaults(args.recipe, args.overrides)
     cfg = load_config(recipe, overrides, defaults)
     nproc = 1 if args.nproc is None else args.nproc
+    if cfg.train.micro_batch_size == "auto":
+        overrides = [*overrides, f"train.micro_batch_size={_resolve_auto(cfg, nproc)}"]  # the ranks take the number
     if launched_by_agent() or nproc == 1:
         if args.nproc and launched_by_agent() and args.nproc != int(os.environ.get("LOCAL_WORLD_SIZE", nproc)):
             raise UserError("--nproc conflicts with the ranks torchrun/srun started; drop --nproc")
@@ -72,6 +70,22 @@ def run(args) -> int:
         return _launch_preemptible(nproc, worker, Path(out))
     finally:
         release_run_dir(out)
+
+
+def _resolve_auto(cfg, nproc: int) -> int:
+    """train.micro_batch_size=auto: the planner's largest micro-batch that fits this device (set in
+    `cfg`, said on rank 0). A global batch the ranks cannot divide is refused before any model is built."""
+    from shardtune.distributed.process_group import launched_by_agent
+    from shardtune.plan.fit import auto_micro_batches, resolve_auto
+
+    world, local = nproc, nproc
+    if launched_by_agent():
+        world, local = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    auto_micro_batches(cfg.train.global_batch_size, world)
+    cfg.train.micro_batch_size, line = resolve_auto(cfg, world, local)
+    if os.environ.get("RANK", "0") == "0":
+        print(line, flush=True)
+    return cfg.train.micro_batch_size
 
 
 def _launch_preemptible(nproc: int, worker: list[str], out: Path) -> int:

@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 import yaml
 
+from shardtune.config.recipe_yaml import YAMLSyntaxError, load_yaml
 from shardtune.config.schema import RunConfig
 from shardtune.config.validation import validate
 from shardtune.errors import UserError, first_line
@@ -27,8 +28,8 @@ def parse_override(text: str) -> tuple[str, Any]:
     if not sep or not key:
         raise UserError(f"override {text!r} is not key=value; write it like train.lr=3e-5")
     try:
-        value = yaml.safe_load(raw) if raw != "" else None
-    except yaml.YAMLError:
+        value = load_yaml(raw, f"the value of {key}") if raw != "" else None
+    except YAMLSyntaxError:
         value = raw
     if not isinstance(value, (str, type(None))) and not isinstance(value, (bool, int, float)):
         value = Override(raw, value)  # `data.template=Q: {q}` reads as YAML but is meant as text
@@ -60,6 +61,8 @@ def set_dotted(tree: dict, key: str, value: Any) -> None:
 def load_config(recipe: str | Path | None, overrides: list[str] | None = None,
                 defaults: dict | None = None) -> RunConfig:
     """Recipe YAML (or `defaults` when there is none) + dotted overrides -> checked RunConfig."""
+    if defaults is not None and not isinstance(defaults, dict):  # a caller's slip, e.g. (defaults, line)
+        raise TypeError(f"load_config's defaults must be a mapping, got {type(defaults).__name__}")
     tree: dict = dict(defaults or {})
     name = None
     if recipe is not None:
@@ -68,10 +71,7 @@ def load_config(recipe: str | Path | None, overrides: list[str] | None = None,
             raise UserError(f"recipe {str(path)!r} is a folder; give the path to a YAML file (see recipes/)")
         if not path.is_file():
             raise UserError(f"recipe {str(path)!r} not found; give the path to a YAML file (see recipes/)")
-        try:
-            loaded = yaml.safe_load(_recipe_text(path)) or {}
-        except yaml.YAMLError as exc:
-            raise UserError(f"recipe {str(path)!r} is not valid YAML ({first_line(exc)}); fix the file") from None
+        loaded = load_yaml(_recipe_text(path), f"recipe {str(path)!r}", "fix the file") or {}
         if not isinstance(loaded, dict):
             raise UserError(f"recipe {str(path)!r} must be a mapping of keys to values")
         tree = loaded
@@ -98,16 +98,21 @@ def _recipe_text(path: Path) -> str:
 
 def _build(cls, data: Any, prefix: str):
     if not isinstance(data, dict):
-        raise UserError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {data!r}")
+        raise UserError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {_short(data)}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for key, value in data.items():
+        if not isinstance(key, str):  # YAML reads `1:` or `true:` as a number or a bool
+            raise UserError(f"config key {prefix}{key!r} is not a name; keys are words like "
+                            f"{prefix}{next(iter(fields))}")
         key = getattr(cls, "KEY_ALIASES", {}).get(key, key)
         if key not in fields:
             close = difflib.get_close_matches(key, fields, n=1)
             hint = f"; did you mean {prefix}{close[0]}?" if close else f"; valid keys: {', '.join(fields)}"
             raise UserError(f"unknown config key '{prefix}{key}'{hint}")
+        aliases = getattr(cls, "VALUE_ALIASES", {}).get(key, {})
+        value = next((new for old, new in aliases.items() if value is old), value)
         kwargs[key] = _coerce(hints[key], value, f"{prefix}{key}")
     return cls(**kwargs)
 
@@ -131,33 +136,36 @@ def _coerce(tp, value: Any, key: str):
                 return _coerce(arg, value, key)
             except UserError as exc:
                 errors.append(exc)
+        words = [str(c) for a in args if typing.get_origin(a) is Literal for c in typing.get_args(a)]
+        if words and len(errors) > 1:  # e.g. int | Literal["auto"]: name both forms
+            raise UserError(f"{first_line(errors[0])}, or one of: {', '.join(words)}")
         raise errors[0]
     if origin is Literal:
         choices = typing.get_args(tp)
         if value not in choices:
             close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
             hint = f"did you mean {close[0]}? " if close else ""
-            raise UserError(f"{key}={value!r} is not a valid choice; {hint}choose one of: {', '.join(choices)}")
+            raise UserError(f"{key}={_short(value)} is not a valid choice; {hint}choose one of: {', '.join(choices)}")
         return value
     if origin is list:
         (inner,) = typing.get_args(tp)
         if not isinstance(value, list):
             example = "[3,5]" if inner is int else "[0.9,0.95]"
-            raise UserError(f"{key} must be a list, got {value!r}; write it like {key}={example}")
+            raise UserError(f"{key} must be a list, got {_short(value)}; write it like {key}={example}")
         return [_coerce(inner, v, key) for v in value]
     if tp is dict:
         if not isinstance(value, dict):
-            raise UserError(f"{key} must be a mapping, got {value!r}")
+            raise UserError(f"{key} must be a mapping, got {_short(value)}")
         return value
     if tp is bool:
         if not isinstance(value, bool):
-            raise UserError(f"{key} must be true or false, got {value!r}")
+            raise UserError(f"{key} must be true or false, got {_short(value)}")
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             if isinstance(value, float) and value.is_integer():
                 return int(value)
-            raise UserError(f"{key} must be an integer, got {value!r}")
+            raise UserError(f"{key} must be an integer, got {_short(value)}")
         return value
     if tp is float:
         if isinstance(value, str):  # YAML 1.1 reads "3e-5" (no dot) as a string
@@ -166,13 +174,24 @@ def _coerce(tp, value: Any, key: str):
             except ValueError:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise UserError(f"{key} must be a number, got {value!r}")
-        return float(value)
+            raise UserError(f"{key} must be a number, got {_short(value)}")
+        try:
+            return float(value)
+        except OverflowError:  # an int beyond float range
+            raise UserError(f"{key} is a number too large to use ({len(str(value))} digits)") from None
     if tp is str:
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-            raise UserError(f"{key} must be a string, got {value!r}")
+            raise UserError(f"{key} must be a string, got {_short(value)}")
         return str(value)
     raise TypeError(f"unsupported config type {tp} for {key}")
+
+
+def _short(value: Any) -> str:
+    """A value as shown in a one-line message: at most 80 characters, whatever its size."""
+    if isinstance(value, int) and value.bit_length() > 256:
+        return f"a number of about {int(value.bit_length() * 0.30103)} digits"
+    text = repr(value) if not isinstance(value, (list, dict)) or len(value) < 50 else f"a {type(value).__name__}"
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def check_world(cfg: RunConfig, world_size: int) -> int:

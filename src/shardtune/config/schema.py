@@ -4,6 +4,7 @@ are the `--help` reference (`reference_lines`). Loading a recipe is `shardtune.c
 from __future__ import annotations
 
 import dataclasses
+import functools
 import typing
 from dataclasses import dataclass, field
 from typing import Literal
@@ -71,11 +72,12 @@ class FSDPConfig:
     cpu_offload: bool = False  # keep sharded parameters, gradients and optimizer state in host memory
     forward_prefetch: int = 0  # explicitly prefetch the next N blocks' all-gather in forward
     backward_prefetch: int = 1  # ... in backward (1 = FSDP2's default implicit prefetch)
+    reduce_dtype: Literal["fp32", "bf16"] = "fp32"  # dtype gradients are reduce-scattered/all-reduced in; bf16 halves the traffic (needs precision=bf16)
 
 
 @dataclass
 class TrainConfig:
-    micro_batch_size: int = 8  # sequences per rank per forward/backward
+    micro_batch_size: int | Literal["auto"] = 8  # sequences per rank per forward/backward; auto: the planner's largest that fits
     global_batch_size: int = 32  # sequences per optimizer step, over all ranks
     lr: float = 3e-4  # peak learning rate
     min_lr_ratio: float = 0.1  # cosine/linear decay ends at lr * min_lr_ratio
@@ -84,6 +86,7 @@ class TrainConfig:
     weight_decay: float = 0.0  # AdamW decay of matrices (never of biases and norms)
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
     eps: float = 1e-8  # AdamW epsilon
+    optimizer_state: Literal["fp32", "bf16", "8bit", "4bit"] = "fp32"  # AdamW moment precision: 8, 4, ~2 or ~1 bytes per parameter (bf16/8bit/4bit: torchao's optimizers)
     max_grad_norm: float = 1.0  # 0 disables clipping
     max_steps: int = 0  # > 0 wins over epochs
     epochs: float = 1.0  # used when max_steps is 0; fractions allowed
@@ -155,7 +158,9 @@ class RunConfig:
     output_dir: str | None = None  # default runs/<recipe>-<time>
     save_final: bool = True  # write final/ (a plain HF folder) at the end; sweep trials turn it off
     precision: Literal["bf16", "fp16", "fp32"] = "fp32"  # compute dtype; master weights and reductions stay fp32
-    activation_checkpointing: bool = False  # recompute each block's activations in backward (less memory)
+    activation_checkpointing: Literal["none", "full", "selective", "every_n"] = "none"  # recompute in backward: full = every block; selective = keep matmul outputs, recompute the rest; every_n = every n-th block (true/false = full/none)
+    activation_checkpointing_every: int = 2  # every_n: checkpoint blocks 0, n, 2n, ...
+    activation_offload: bool = False  # move saved activations to pinned host memory in forward, back in backward (CUDA; CPU: same hooks, no move)
     compile: bool = False  # torch.compile each decoder block before sharding
     loss_chunk_tokens: int | None = None  # LM head + loss in chunks of N tokens (no full logits); default ~24 MB CPU, 64 MB CUDA; 0: off
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when present, else CPU (gloo)
@@ -173,11 +178,15 @@ class RunConfig:
     on_nan: Literal["stop", "skip"] = "stop"  # non-finite loss: stop, or skip that step's update
     recipe: str | None = None  # name of the recipe the run came from (set by the loader)
 
+    # values written by earlier versions (recipes, run folders, checkpoints' saved config) that still load
+    VALUE_ALIASES: typing.ClassVar[dict] = {"activation_checkpointing": {True: "full", False: "none"}}
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
-def reference_lines() -> list[str]:
+@functools.cache  # parsing the source takes ~0.1 s, and every command's parser shows it
+def reference_lines() -> tuple[str, ...]:
     """`section.key (type = default)  comment` for every key, read from the dataclasses above."""
     import inspect
     import re
@@ -203,4 +212,4 @@ def reference_lines() -> list[str]:
             lines.append(text + (f"  {comments[f.name]}" if f.name in comments else ""))
 
     walk(RunConfig, "")
-    return lines
+    return tuple(lines)

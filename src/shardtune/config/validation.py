@@ -11,6 +11,8 @@ import string
 
 from shardtune.errors import UserError
 
+MAX_TEMPLATE_WIDTH = 10_000  # characters a template may pad one column to
+
 
 def template_columns(template: str, key: str = "data.template") -> list[str]:
     """Column names a `str.format` template refers to ({a}, {a[0]}, {a.b} all name column a)."""
@@ -20,9 +22,15 @@ def template_columns(template: str, key: str = "data.template") -> list[str]:
         raise UserError(f"{key}={template!r} is not a valid template ({exc}); name columns in braces "
                         "like {quote} and write literal braces as {{ }}") from None
     names = []
-    for _, field, _, _ in parts:
+    for _, field, spec, conversion in parts:
         if field is None:
             continue
+        if conversion not in (None, "r", "s", "a"):
+            raise UserError(f"{key}={template!r} has the conversion !{conversion}; use !r, !s or !a, or none")
+        # a width or precision like {x:10000000000} would render gigabytes per row
+        if any(int(n) > MAX_TEMPLATE_WIDTH for n in re.findall(r"\d+", spec or "")):
+            raise UserError(f"{key}={template!r} asks for a width above {MAX_TEMPLATE_WIDTH} characters in "
+                            f"{{{field}:{spec}}}; use a smaller width")
         name = re.match(r"[^.\[]*", field).group(0)
         if not name or name.isdigit():
             raise UserError(f"{key}={template!r} has a positional field {{{field}}}; name a column "
@@ -32,61 +40,104 @@ def template_columns(template: str, key: str = "data.template") -> list[str]:
     return names
 
 
-def _floats(node, prefix: str = ""):
-    """(key, value) of every float in the config tree, lists included."""
+INT_LIMIT = 2 ** 63 - 1  # the largest count or seed torch and numpy take (seed + step + rank must fit too)
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """Allowed values of a numeric config key; `above`/`below` are exclusive bounds."""
+    least: float | None = 0
+    most: float | None = None
+    above: float | None = None
+    below: float | None = None
+
+    def refuse(self, value) -> str | None:
+        """Why `value` is out of range, or None."""
+        for bound, ok, word in ((self.least, value >= (self.least or 0), "at least"),
+                                (self.most, value <= (self.most or 0), "at most"),
+                                (self.above, value > (self.above or 0), "above"),
+                                (self.below, value < (self.below or 0), "below")):
+            if bound is not None and not ok:
+                return f"must be {word} {bound}"
+        return None
+
+
+# Every number of the config is finite, 0 or more and (ints) at most INT_LIMIT unless this table
+# says otherwise; a new key gets those bounds by itself and an entry here only when they differ.
+BOUNDS = {
+    "train.micro_batch_size": Range(1), "train.global_batch_size": Range(1), "train.lr": Range(None, above=0),
+    "train.min_lr_ratio": Range(0, 1), "train.betas": Range(0, below=1),
+    # a block of one token has nothing to predict: loss 0, perplexity 1, a wrong answer
+    "data.seq_len": Range(2), "data.cutoff_len": Range(2), "data.num_proc": Range(1, 1024),
+    "activation_checkpointing_every": Range(1),
+    "log.every_steps": Range(1), "log.peak_tflops": Range(None, above=0), "log.profile_steps": Range(1),
+    "fsdp.min_num_params": Range(1), "fsdp.shard_size": Range(1), "fsdp.replicate_size": Range(1),
+    "log.watch_every": Range(1), "publish.retries": Range(1),
+    "eval.micro_batch_size": Range(1), "peft.r": Range(1), "peft.alpha": Range(1), "peft.dropout": Range(0, below=1),
+}
+MAY_BE_EMPTY = {"data.list_sep"}  # text keys where "" means something (join list cells with nothing)
+
+
+def _leaves(node, prefix: str = ""):
+    """(key, value, field) of every config value that is not a section, lists and mappings whole."""
     for f in dataclasses.fields(node):
         value, key = getattr(node, f.name), prefix + f.name
         if dataclasses.is_dataclass(value):
-            yield from _floats(value, key + ".")
-        elif isinstance(value, float):
-            yield key, value
-        elif isinstance(value, list):
-            yield from ((key, v) for v in value if isinstance(v, float))
+            yield from _leaves(value, key + ".")
+        else:
+            yield key, value, f
 
 
-def _at_least(pairs) -> None:
-    for key, value, least in pairs:
-        if value < least:
-            raise UserError(f"{key} must be at least {least}, got {value}")
+def check_values(cfg) -> None:
+    """Range, finiteness and emptiness of every value, by type: one line naming the first bad one."""
+    for key, value, f in _leaves(cfg):
+        items = value if isinstance(value, list) else [value]
+        if isinstance(value, list) and not value and f.default is None:
+            raise UserError(f"{key}=[] is empty; leave {key} unset for the default, or list what you mean")
+        for item in items:
+            _check_value(key, item)
+
+
+def _check_value(key: str, value) -> None:
+    if isinstance(value, dict):  # model.config: passed to transformers, which checks little
+        for name, inner in value.items():
+            if isinstance(inner, float) and not math.isfinite(inner):
+                raise UserError(f"{key}.{name}={inner} is not a finite number; give a real value")
+            if isinstance(inner, (dict, list)):
+                _check_value(f"{key}.{name}", inner)
+    elif isinstance(value, list):
+        for inner in value:
+            if isinstance(inner, float) and not math.isfinite(inner):
+                raise UserError(f"{key} holds {inner}, not a finite number; give real values")
+    elif isinstance(value, str):
+        if key not in MAY_BE_EMPTY and not value.strip():
+            raise UserError(f"{key} is empty; give a value, or leave it out for the default")
+        if "\x00" in value:
+            raise UserError(f"{key} contains a NUL character; give plain text")
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not math.isfinite(value):  # NaN passes every comparison: refuse it first
+            raise UserError(f"{key}={value} is not a finite number; give a real value")
+        rng = BOUNDS.get(key, Range())
+        why = rng.refuse(value) or ("must be at most 2**63-1" if isinstance(value, int) and value > INT_LIMIT
+                                    else None)
+        if why:
+            shown = value if abs(value) < 10 ** 30 else f"a number of about {int(math.log10(abs(value)))} digits"
+            raise UserError(f"{key}={shown} {why}; give a value in range")
 
 
 def validate(cfg) -> None:
     """Every check of a RunConfig that needs only the config."""
-    t, d, f, e, c, fr = cfg.train, cfg.data, cfg.fsdp, cfg.eval, cfg.checkpoint, cfg.freeze
+    t, d = cfg.train, cfg.data
     if cfg.model.name_or_path is None and not cfg.model.config:
         raise UserError("no model given; set model.name_or_path=<hub id or folder> "
                         "(or model.config={model_type: gpt2, ...} for a random-init model)")
     if d.path is None:
         raise UserError("no dataset given; set data.path=<hub id, file or folder>")
-    for key, value in _floats(cfg):  # NaN passes every comparison below: refuse it first
-        if not math.isfinite(value):
-            raise UserError(f"{key}={value} is not a finite number; give a real value")
-    _at_least([
-        ("train.micro_batch_size", t.micro_batch_size, 1), ("train.global_batch_size", t.global_batch_size, 1),
-        # a block of one token has nothing to predict: loss 0, perplexity 1, a wrong answer
-        ("data.seq_len", d.seq_len, 2), ("log.every_steps", cfg.log.every_steps, 1),
-        ("fsdp.min_num_params", f.min_num_params, 1), ("fsdp.forward_prefetch", f.forward_prefetch, 0),
-        ("fsdp.backward_prefetch", f.backward_prefetch, 0), ("train.warmup_steps", t.warmup_steps, 0),
-        ("train.weight_decay", t.weight_decay, 0), ("train.max_grad_norm", t.max_grad_norm, 0),
-        ("train.min_lr_ratio", t.min_lr_ratio, 0), ("train.eps", t.eps, 0), ("eval.every_steps", e.every_steps, 0),
-        ("eval.max_batches", e.max_batches, 0), ("data.val_size", d.val_size, 0),
-        ("checkpoint.every_steps", c.every_steps, 0), ("checkpoint.keep_last", c.keep_last, 0),
-        ("loss_chunk_tokens", cfg.loss_chunk_tokens or 0, 0), ("train.max_steps", t.max_steps, 0),
-        ("train.epochs", t.epochs, 0), ("freeze.trainable_blocks", fr.trainable_blocks or 0, 0),
-        ("log.live_memory", cfg.log.live_memory, 0), ("log.watch_every", cfg.log.watch_every, 1),
-        ("publish.retries", cfg.publish.retries, 1), ("publish.wait_s", cfg.publish.wait_s, 0)])
-    for key, value in [("eval.micro_batch_size", e.micro_batch_size), ("log.peak_tflops", cfg.log.peak_tflops),
-                       ("fsdp.shard_size", f.shard_size), ("fsdp.replicate_size", f.replicate_size)]:
-        if value is not None and value <= 0:
-            raise UserError(f"{key} must be positive (or unset), got {value}")
-    if t.global_batch_size % t.micro_batch_size:
+    check_values(cfg)
+    auto_batch = t.micro_batch_size == "auto"  # the planner picks it (it checks that one divides the batch)
+    if not auto_batch and t.global_batch_size % t.micro_batch_size:
         raise UserError(f"train.global_batch_size={t.global_batch_size} is not a multiple of "
                         f"train.micro_batch_size={t.micro_batch_size}; pick sizes that divide")
-    if t.lr <= 0:
-        raise UserError(f"train.lr must be positive, got {t.lr}")
-    if t.min_lr_ratio > 1:
-        raise UserError(f"train.min_lr_ratio={t.min_lr_ratio} would end the decay above the peak lr; "
-                        "choose 0..1 (the final lr is lr x min_lr_ratio)")
     if t.max_steps == 0 and t.epochs == 0:
         raise UserError("set train.max_steps or train.epochs to a positive number")
     if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
@@ -101,6 +152,7 @@ def validate(cfg) -> None:
                         "e.g. log.profile_steps=[3,5] (a few steps: traces grow with every step)")
     _validate_format(d)
     _validate_adapters(cfg)
+    _validate_memory_savers(cfg)
     _validate_publish(cfg)
 
 
@@ -137,6 +189,21 @@ def _validate_adapters(cfg) -> None:
         if m.name_or_path is None or m.random_init:
             raise UserError("peft.quantize=4bit quantizes pretrained weights; set model.name_or_path and "
                             "model.random_init=false")
+
+
+def _validate_memory_savers(cfg) -> None:
+    """Reduction dtype, activation checkpointing kinds and offloading: the combinations that cannot work."""
+    if cfg.fsdp.reduce_dtype == "bf16" and cfg.precision != "bf16":
+        # fp32 compute exists for exact numbers; bf16 reductions would round every gradient anyway
+        raise UserError(f"fsdp.reduce_dtype=bf16 needs precision=bf16 (got precision={cfg.precision}); "
+                        "set precision=bf16, or keep fsdp.reduce_dtype=fp32")
+    if cfg.activation_offload and cfg.compile:
+        raise UserError("activation_offload does not combine with compile (its hooks would run inside compiled "
+                        "blocks); drop one of them")
+    if cfg.peft.quantize != "none" and (cfg.activation_checkpointing in ("selective", "every_n")
+                                        or cfg.activation_offload):
+        raise UserError("peft.quantize=4bit (QLoRA) supports activation_checkpointing=full or none and no "
+                        "activation_offload; change those settings")
 
 
 # the Hub's rule for a repo id: namespace/name, letters, digits, - _ . (no -- or .., no leading/trailing - or .)

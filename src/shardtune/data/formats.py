@@ -50,8 +50,55 @@ def check_columns(wanted: list[str], columns: list[str], what: str, key: str) ->
                         f"its columns: {', '.join(columns)}")
 
 
+def read_columns(cfg: DataConfig) -> list[tuple[str, str]]:
+    """(column, config key) of the columns whose values the format turns into tokens by itself
+    (a template's columns may hold anything: numbers, null cells)."""
+    if cfg.format == "chat":
+        return [(cfg.messages_field, "data.messages_field")]
+    if cfg.format == "instruct":
+        own = [] if cfg.template is not None else [(cfg.instruction_field, "data.instruction_field")]
+        return [*own, (cfg.output_field, "data.output_field")]
+    return [] if cfg.template is not None else [(cfg.text_field, "data.text_field")]
+
+
+def check_cells(docs, cfg: DataConfig, what: str, warn) -> None:
+    """Refuse a column the format reads that is null or empty in every row, or that holds no text
+    (numbers, records), naming the column and the count; `warn` gets the count when only some
+    rows are empty (those rows train on nothing, or on an empty response)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    for column, key in read_columns(cfg):
+        if column not in docs.column_names or len(docs) == 0:
+            continue  # check_columns names a missing column
+        cells = docs.with_format("arrow")[column]
+        kind = cells.type
+        texts = pa.types.is_string(kind) or pa.types.is_large_string(kind)
+        lists = pa.types.is_list(kind) or pa.types.is_large_list(kind)
+        wants = "lists of {role, content} messages" if cfg.format == "chat" else "text (or lists of text)"
+        if pa.types.is_null(kind):
+            empty = len(cells)
+        elif cfg.format != "chat" and texts:
+            empty = cells.null_count + pc.sum(pc.equal(pc.utf8_trim_whitespace(cells.fill_null("")), "")).as_py()
+        elif lists and (cfg.format == "chat" or pa.types.is_string(kind.value_type)
+                        or pa.types.is_large_string(kind.value_type)):
+            empty = cells.null_count + pc.sum(pc.equal(pc.list_value_length(cells).fill_null(0), 0)).as_py()
+        else:
+            raise UserError(f"column {column!r} of {what} ({key}) holds {kind}, not {wants}; point {key} at the "
+                            "right column, or use data.template to format other columns")
+        if empty == len(docs):
+            raise UserError(f"column {column!r} of {what} ({key}) is null or empty in all {empty} rows; point "
+                            f"{key} at the column that holds the {'messages' if cfg.format == 'chat' else 'text'}")
+        if empty:
+            warn(f"warning: column {column!r} of {what} ({key}) is null or empty in {empty} of {len(docs)} rows")
+
+
 def fill(template: str, row: dict, sep: str = " ") -> str:
-    return template.format_map({k: as_text(v, sep) for k, v in row.items()})
+    try:
+        return template.format_map({k: as_text(v, sep) for k, v in row.items()})
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:  # a spec the cell's type refuses
+        raise UserError(f"data.template={template!r} cannot format a row ({type(exc).__name__}: "
+                        f"{first_line(exc, 100)}); fix the template to suit the column's values") from None
 
 
 def _rows(batch: dict) -> list[dict]:
@@ -94,6 +141,22 @@ def _leading_bos(tokenizer) -> list[int]:
     return [bos] if bos is not None and ids and ids[0] == bos and len(ids) > 1 else []
 
 
+def instruct_prompt(cfg: DataConfig, row: dict) -> str:
+    """The prompt part of one instruct row: data.template over its columns, else the alpaca layout
+    (with the input section only where the row has a non-empty input)."""
+    sep = cfg.list_sep
+    if cfg.template is not None:
+        return str(fill(cfg.template, row, sep))
+    text_in = str(as_text(row.get(cfg.input_field), sep)).strip()
+    base = PROMPT_WITH_INPUT if text_in else PROMPT_NO_INPUT
+    return base.format(instruction=str(as_text(row[cfg.instruction_field], sep)).strip(), input=text_in)
+
+
+def instruct_prompt_ids(cfg: DataConfig, tokenizer, row: dict) -> list[int]:
+    """The prompt's token ids exactly as training saw them (a llama-style BOS included)."""
+    return _leading_bos(tokenizer) + tokenizer(instruct_prompt(cfg, row), add_special_tokens=False)["input_ids"]
+
+
 def instruct_fn(cfg: DataConfig, tokenizer, columns: list[str], what: str):
     """Batched map function: rows -> {input_ids, labels, length}."""
     needed = [(cfg.output_field, "data.output_field")]
@@ -109,18 +172,10 @@ def instruct_fn(cfg: DataConfig, tokenizer, columns: list[str], what: str):
                             f"{', '.join(columns)}; set {key} to the right column")
     bos, eos = _leading_bos(tokenizer), tokenizer.eos_token_id
     cutoff, sep = cfg.example_cutoff, cfg.list_sep
-    has_input = cfg.input_field in columns
-
-    def prompt(row: dict) -> str:
-        if cfg.template is not None:
-            return str(fill(cfg.template, row, sep))
-        text_in = str(as_text(row[cfg.input_field], sep)).strip() if has_input else ""
-        base = PROMPT_WITH_INPUT if text_in else PROMPT_NO_INPUT
-        return base.format(instruction=str(as_text(row[cfg.instruction_field], sep)).strip(), input=text_in)
 
     def build(batch):
         rows = _rows(batch)
-        prompts = tokenizer([prompt(r) for r in rows], add_special_tokens=False)["input_ids"]
+        prompts = tokenizer([instruct_prompt(cfg, r) for r in rows], add_special_tokens=False)["input_ids"]
         answers = tokenizer([str(as_text(r[cfg.output_field], sep)) for r in rows],
                             add_special_tokens=False)["input_ids"]
         out = {"input_ids": [], "labels": [], "length": []}
@@ -204,6 +259,21 @@ def _label_spans(text: str, spans, tokenizer) -> tuple[list[int], list[int]]:
         ids += part
         labels += part if keep else [IGNORE_INDEX] * len(part)
     return ids, labels
+
+
+def chat_prompt_and_reply(tokenizer, value, index: int, field: str) -> tuple[str, str] | None:
+    """(the conversation up to its last assistant turn, rendered with the generation prompt; that
+    turn's content), or None when the row has no assistant turn."""
+    messages = _messages(value, index, field)
+    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
+    if last is None:
+        return None
+    try:
+        prompt = tokenizer.apply_chat_template(messages[:last], tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # jinja errors raised by the template itself
+        raise UserError(f"the chat template failed on row {index} ({first_line(exc, 160)}); fix the row "
+                        "or set data.chat_template") from None
+    return prompt, str(as_text(messages[last].get("content")))
 
 
 def chat_fn(cfg: DataConfig, tokenizer, columns: list[str], what: str):

@@ -16,52 +16,12 @@ import torch
 
 from shardtune.config.schema import DataConfig
 from shardtune.data import docmask, formats
+from shardtune.data.files import BUILDERS, VAL_NAMES, local_files
 from shardtune.data.formats import IGNORE_INDEX
 from shardtune.diskspace import no_room
 from shardtune.errors import UserError, first_line
 
-BUILDERS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".csv": "csv",
-            ".parquet": "parquet"}
-VAL_NAMES = ("validation", "valid", "val", "dev")
-
-
 # ----------------------------------------------------------------------------- documents
-
-
-def _is_blank(path: Path) -> bool:
-    """True for a file with nothing but whitespace (reads only until the first real byte)."""
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 16):
-            if chunk.strip():
-                return False
-    return True
-
-
-def _local_files(path: Path) -> dict[str, list[str]]:
-    """Files of a local dataset, by split. A folder's `train*`/`validation*` files are splits."""
-    if path.is_file():
-        files = [path]
-    else:
-        files = sorted(p for p in path.iterdir() if p.suffix in BUILDERS and not p.name.startswith("."))
-        if not files:
-            raise UserError(f"data.path={str(path)!r} holds no {'/'.join(sorted(BUILDERS))} files; "
-                            "point it at a data file or a folder of them")
-    blank = [p for p in files if _is_blank(p)]
-    if blank:
-        raise UserError(f"data file {str(blank[0])!r} is empty (no documents); add documents to it "
-                        "or point data.path elsewhere")
-    suffixes = {p.suffix for p in files}
-    if len({BUILDERS[s] for s in suffixes if s in BUILDERS}) != 1 or not suffixes <= BUILDERS.keys():
-        raise UserError(f"data.path={str(path)!r} mixes or has unsupported file types ({', '.join(sorted(suffixes))}); "
-                        f"use one of {', '.join(sorted(BUILDERS))}")
-    splits: dict[str, list[str]] = {}
-    for p in files:
-        stem = p.stem.lower()
-        split = next((s for s in ("train", *VAL_NAMES, "test") if stem.startswith(s)), "train")
-        splits.setdefault("validation" if split in VAL_NAMES else split, []).append(str(p))
-    if "train" not in splits:
-        splits = {"train": [f for group in splits.values() for f in group]}
-    return splits
 
 
 def load_documents(cfg: DataConfig):
@@ -74,9 +34,12 @@ def load_documents(cfg: DataConfig):
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors are retold as one UserError
     try:
         if path.exists():
-            files = _local_files(path)
+            files = local_files(path)
             builder = BUILDERS[Path(next(iter(files.values()))[0]).suffix]
-            return datasets.load_dataset(builder, data_files=files)
+            # one split at a time: splits whose columns differ are not a load error (a split that
+            # lacks a column the format needs is named when it is tokenized)
+            return datasets.DatasetDict({split: datasets.load_dataset(builder, data_files={split: names})[split]
+                                         for split, names in files.items()})
         if cfg.path.startswith((".", "/", "~")) or Path(cfg.path).suffix in BUILDERS:
             raise UserError(f"data file {cfg.path!r} not found; check data.path")
         return datasets.load_dataset(cfg.path, cfg.name)
@@ -136,10 +99,19 @@ def pack(docs, tokenizer, field: str, seq_len: int, num_proc: int | None = None,
     return pack_text(docs, tokenizer, field, seq_len, num_proc, document_mask)
 
 
-def tokenize_split(docs, cfg: DataConfig, tokenizer, what: str, required: bool = False):
+def _warn(line: str) -> None:
+    import os
+    import sys
+
+    if os.environ.get("RANK", "0") == "0":
+        print(line, file=sys.stderr, flush=True)
+
+
+def tokenize_split(docs, cfg: DataConfig, tokenizer, what: str, warn=None, required: bool = False):
     """Token rows of one split in cfg.format: packed text blocks, or one example per row with
     `labels` (IGNORE_INDEX where there is no loss) and `length`. `required`: an instruct/chat
     split left with no example is a UserError."""
+    formats.check_cells(docs, cfg, what, warn or _warn)
     if cfg.format == "text":
         docs, field = formats.render_text(docs, cfg, what)
         return pack(docs, tokenizer, field, cfg.seq_len, cfg.num_proc, cfg.masks_documents)
@@ -167,8 +139,9 @@ def prepare(cfg: DataConfig, tokenizer, seed: int):
     """(train, val) torch datasets with `input_ids` (and `labels` where some tokens get no loss).
     text: packed blocks of seq_len; instruct/chat: one example per row, at most cutoff_len long,
     with a `length` column (see `lengths`), unless data.packing."""
+    notes: list[str] = []
     try:
-        return _prepare(cfg, tokenizer, seed)
+        prepared = _prepare(cfg, tokenizer, seed, notes.append)
     except Exception as exc:  # no room for the `datasets` cache or the packed blocks beside it: one line
         if (why := no_room(exc, 0, None)) is None:
             raise
@@ -176,21 +149,24 @@ def prepare(cfg: DataConfig, tokenizer, seed: int):
 
         raise UserError(f"{why} while caching the data under {datasets.config.HF_DATASETS_CACHE}; free space "
                         "there, or point HF_DATASETS_CACHE (or HF_HOME) at a disk with room, and run again") from None
+    for line in notes:  # only once the data is usable: a refusal stays one line
+        _warn(line)
+    return prepared
 
 
-def _prepare(cfg: DataConfig, tokenizer, seed: int):
+def _prepare(cfg: DataConfig, tokenizer, seed: int, warn):
     splits = load_documents(cfg)
     train_docs, val_docs = split_documents(cfg, splits, seed)
     if len(train_docs) == 0:
         raise UserError(f"dataset {cfg.path!r} has no training documents (after start_idx/end_idx); "
                         "check data.path and the slice")
-    train = tokenize_split(train_docs, cfg, tokenizer, f"dataset {cfg.path!r}", required=True)
+    train = tokenize_split(train_docs, cfg, tokenizer, f"dataset {cfg.path!r}", warn, required=True)
     if len(train) == 0:
         raise UserError(f"dataset {cfg.path!r} has fewer tokens than one sequence of data.seq_len={cfg.seq_len}; "
                         "add data or lower data.seq_len")
     val = None
     if len(val_docs):
-        val = tokenize_split(val_docs, cfg, tokenizer, f"the validation split of {cfg.path!r}")
+        val = tokenize_split(val_docs, cfg, tokenizer, f"the validation split of {cfg.path!r}", warn)
         val = val if len(val) else None
     return train.with_format("torch"), (val.with_format("torch") if val is not None else None)
 

@@ -1,5 +1,5 @@
 """FSDP2: the device mesh and the one function that applies parallelism, in a fixed order:
-activation checkpointing -> compile -> fully_shard per unit -> fully_shard on the root.
+activation checkpointing (and offloading) -> compile -> fully_shard per unit -> fully_shard on the root.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor
 
 from shardtune.config.schema import FSDPConfig
+from shardtune.distributed.activation_memory import ActivationOffload, apply_checkpointing
 from shardtune.distributed.process_group import Dist
 from shardtune.errors import UserError
 from shardtune.families import family
@@ -58,10 +59,13 @@ def build_mesh(fsdp: FSDPConfig, dist: Dist):
     return init_device_mesh(dist.device.type, (replicate, shard), mesh_dim_names=("replicate", "shard"))
 
 
-def mixed_precision(precision: str):
+def mixed_precision(precision: str, reduce_dtype: str = "fp32"):
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[precision]
-    # Compute in low precision, keep fp32 master weights, reduce gradients in fp32.
-    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    # Compute in low precision, keep fp32 master weights (and sharded gradients); reduce gradients
+    # in fp32, or in bf16 (fsdp.reduce_dtype: half the traffic and no fp32 copy of the unsharded
+    # gradient; validation allows it with bf16 compute only).
+    reduce = {"fp32": torch.float32, "bf16": torch.bfloat16}[reduce_dtype]
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce)
 
 
 def reshard_after_forward(sharding: str, shard_group_size: int) -> bool:
@@ -79,18 +83,9 @@ def apply_parallelism(model, spec, block_cls: type, mesh, device) -> tuple[list,
     fsdp = spec.fsdp
     blocks = [m for m in model.modules() if isinstance(m, block_cls)]
 
-    if spec.activation_checkpointing:
-        if not getattr(model, "supports_gradient_checkpointing", False):
-            raise UserError(f"{type(model).__name__} does not support activation checkpointing; "
-                            "set activation_checkpointing=false")
-        # transformers' per-layer checkpointing keeps parameter names unchanged. Newer 5.x name it
-        # activation_checkpointing_enable; 5.17 (on the GPU machines) has only the deprecated name.
-        enable = getattr(model, "activation_checkpointing_enable", None)
-        if enable is not None:
-            enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
+    apply_checkpointing(model, blocks, spec.activation_checkpointing, spec.activation_checkpointing_every)
+    if spec.activation_offload:
+        ActivationOffload(device).install(model)
 
     if spec.compile:
         for block in blocks:
@@ -98,7 +93,7 @@ def apply_parallelism(model, spec, block_cls: type, mesh, device) -> tuple[list,
 
     kwargs = dict(
         mesh=mesh,
-        mp_policy=mixed_precision(spec.precision),
+        mp_policy=mixed_precision(spec.precision, fsdp.reduce_dtype),
         # pinned host memory needs CUDA; on CPU, pinning fails
         offload_policy=CPUOffloadPolicy(pin_memory=device.type == "cuda") if fsdp.cpu_offload
         else OffloadPolicy(),

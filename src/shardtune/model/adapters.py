@@ -48,7 +48,7 @@ def load_qlora_model(cfg, hf_config, device, world_size: int, seed: int):
         cfg.model.name_or_path, config=hf_config, quantization_config=quantization_config(cfg.peft),
         dtype=torch.bfloat16, device_map={"": device.index or 0}, trust_remote_code=cfg.model.trust_remote_code)
     # fp32 norms and embeddings-output grads, optional checkpointing: the usual k-bit preparation.
-    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.activation_checkpointing,
+    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.activation_checkpointing == "full",
                                             gradient_checkpointing_kwargs={"use_reentrant": False})
     return add_lora(model, cfg.peft, hf_config.model_type, seed)
 

@@ -25,7 +25,9 @@ class ModelSpec:
     hf_config: Any  # transformers PretrainedConfig
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     precision: str = "fp32"
-    activation_checkpointing: bool = False
+    activation_checkpointing: str = "none"  # none, full, selective, every_n
+    activation_checkpointing_every: int = 2
+    activation_offload: bool = False
     compile: bool = False
     loss_chunk_tokens: int | None = None
     peft: PeftConfig = field(default_factory=PeftConfig)
@@ -35,7 +37,9 @@ class ModelSpec:
     @classmethod
     def of_run(cls, cfg: RunConfig, hf_config) -> ModelSpec:
         return cls(hf_config, fsdp=cfg.fsdp, precision=cfg.precision,
-                   activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile,
+                   activation_checkpointing=cfg.activation_checkpointing,
+                   activation_checkpointing_every=cfg.activation_checkpointing_every,
+                   activation_offload=cfg.activation_offload, compile=cfg.compile,
                    loss_chunk_tokens=cfg.loss_chunk_tokens, peft=cfg.peft, freeze=cfg.freeze,
                    trust_remote_code=cfg.model.trust_remote_code)
 

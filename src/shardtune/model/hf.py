@@ -41,11 +41,22 @@ def load_hf_config(cfg: ModelConfig, local_files_only: bool = False):
         if model_type is None:
             raise UserError("model.config needs model_type (e.g. model.config.model_type=gpt2) "
                             "when model.name_or_path is not set")
+        if not isinstance(model_type, str) or any(not isinstance(k, str) for k in overrides):
+            raise UserError(f"model.config must map field names to values with a model_type name, got "
+                            f"model_type={model_type!r} and keys {list(overrides)[:5]}; check model.config")
         try:
-            return AutoConfig.for_model(model_type, **overrides)
+            hf_config = AutoConfig.for_model(model_type, **overrides)
         except ValueError as exc:
-            raise UserError(f"model.config.model_type={model_type!r} is unknown to transformers ({exc})") from None
+            if "Unrecognized model" in str(exc):
+                raise UserError(f"model.config.model_type={model_type!r} is unknown to transformers "
+                                f"({_reason(exc)})") from None
+            raise UserError(f"model.config is refused by transformers ({_reason(exc)}); check model.config") from None
+        except Exception as exc:  # the config class's own validation (TypeError, strict-dataclass errors)
+            raise UserError(f"model.config is refused by transformers ({_reason(exc)}); check model.config") from None
+        check_buildable(hf_config, cfg.trust_remote_code, "model.config")
+        return hf_config
     folder = Path(cfg.name_or_path)
+    not_a_folder(folder, "model.name_or_path")
     if folder.is_dir():  # checked whole now, on every rank, so none starts building on a broken folder
         check_model_folder(folder, weights=not cfg.random_init)
     try:
@@ -60,12 +71,60 @@ def load_hf_config(cfg: ModelConfig, local_files_only: bool = False):
         if "trust_remote_code" in str(exc):
             raise UserError(f"model {cfg.name_or_path!r} needs custom code; set model.trust_remote_code=true "
                             "if you trust it") from None
-        raise
+        if not folder.is_dir():
+            raise
+        raise UserError(f"{str(folder / 'config.json')!r} is not a config transformers can read ({_reason(exc)}); "
+                        "re-download or re-export the model") from None
+    except Exception as exc:  # a config class's own validation of the file's values
+        if not folder.is_dir():
+            raise
+        raise UserError(f"{str(folder / 'config.json')!r} is refused by transformers ({_reason(exc)}); "
+                        "re-download or re-export the model") from None
     for key, value in overrides.items():
-        if not hasattr(hf_config, key):
+        if not isinstance(key, str) or not hasattr(hf_config, key):
             raise UserError(f"model.config.{key} is not a field of {type(hf_config).__name__}; check the name")
         setattr(hf_config, key, value)
+    check_buildable(hf_config, cfg.trust_remote_code, f"model {cfg.name_or_path!r}"
+                    + (" with model.config" if overrides else ""))
     return hf_config
+
+
+def _reason(exc: BaseException) -> str:
+    """The line of a library error that says what is wrong (strict-dataclass errors put it last)."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    return (lines[-1] if lines[0].endswith(":") else lines[0])[:160]
+
+
+def check_buildable(hf_config, trust_remote_code: bool, what: str) -> None:
+    """Refuse, before any data or weights are read, a config that has no causal-LM head or that
+    transformers cannot build (e.g. a hidden size the attention heads do not divide). The build is
+    of a one-layer copy on the meta device (no memory, milliseconds); only if that fails is the
+    whole config tried, so a config valid at full depth is never refused."""
+    import copy
+
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    remote = trust_remote_code and "AutoModelForCausalLM" in (getattr(hf_config, "auto_map", None) or {})
+    if not remote and type(hf_config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise UserError(f"{what} is a {hf_config.model_type!r} model, which has no causal-LM head in transformers "
+                        "(AutoModelForCausalLM); pick a decoder (causal) language model")
+    shallow = copy.deepcopy(hf_config)
+    try:
+        shallow.num_hidden_layers = 1
+        build_meta_model(shallow, trust_remote_code)
+        return
+    except Exception:
+        pass
+    build_meta_model(hf_config, trust_remote_code, what)
+
+
+def not_a_folder(path: Path, key: str) -> None:
+    """A path that exists but is a file (or FIFO, device) where a model folder or hub id is expected."""
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{key}={str(path)!r} is a file, not a folder; give the model's folder (with config.json) "
+                        "or a hub id")
 
 
 def match_tokenizer(hf_config, tokenizer, cfg: ModelConfig) -> None:
@@ -86,13 +145,22 @@ def check_json_files(folder: Path, names: tuple[str, ...]) -> None:
         path = folder / name
         if not path.is_file():
             continue
-        try:
-            json.loads(path.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, ValueError) as exc:
-            raise UserError(f"{str(path)!r} is damaged (not valid JSON: {first_line(exc, 100)}); re-download "
-                            "or re-export the folder") from None
-        except OSError as exc:
-            raise UserError(f"{str(path)!r} cannot be read ({exc.strerror}); fix its permissions") from None
+        read_json_object(path)
+
+
+def read_json_object(path: Path) -> dict:
+    """A JSON file that must hold an object: one line naming it when it is unreadable, not JSON, or another type."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise UserError(f"{str(path)!r} is damaged (not valid JSON: {first_line(exc, 100)}); re-download "
+                        "or re-export the folder") from None
+    except OSError as exc:
+        raise UserError(f"{str(path)!r} cannot be read ({exc.strerror}); fix its permissions") from None
+    if not isinstance(value, dict):
+        raise UserError(f"{str(path)!r} is damaged (it holds a JSON {type(value).__name__}, not an object); "
+                        "re-download or re-export the folder")
+    return value
 
 
 def check_model_folder(folder: Path, weights: bool = True) -> None:
@@ -111,7 +179,12 @@ def weight_files(folder: Path) -> list[Path]:
     """The weight files a load of this folder reads (a sharded index names them)."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map or not all(
+                isinstance(n, str) and n.strip() for n in weight_map.values()):
+            raise UserError(f"{str(index)!r} is damaged (its weight_map does not map tensor names to weight files "
+                            "of the folder); re-download or re-export the model")
+        names = sorted(set(weight_map.values()))
         missing = [n for n in names if not (folder / n).is_file()]
         if missing:
             raise UserError(f"model folder {str(folder)!r} lacks {missing[0]} (named in {index.name}"
@@ -159,6 +232,7 @@ def load_tokenizer(cfg: ModelConfig):
     source = cfg.tokenizer or cfg.name_or_path
     if source is None:
         raise UserError("a random-init model needs a tokenizer: set model.tokenizer=<hub id or folder>")
+    not_a_folder(Path(source), "model.tokenizer" if cfg.tokenizer else "model.name_or_path")
     local = Path(source).is_dir()
     if local:
         check_json_files(Path(source), TOKENIZER_JSON)
@@ -181,13 +255,17 @@ def load_tokenizer(cfg: ModelConfig):
     return tokenizer
 
 
-def build_meta_model(hf_config, trust_remote_code: bool = False):
+def build_meta_model(hf_config, trust_remote_code: bool = False, what: str = "the model config"):
     """The model's structure with no storage: cheap on every rank."""
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32,
-                                                trust_remote_code=trust_remote_code)
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32,
+                                                    trust_remote_code=trust_remote_code)
+    except Exception as exc:  # its modules' own checks: ValueError, ZeroDivisionError, strict-dataclass errors
+        raise UserError(f"transformers cannot build {what} ({type(exc).__name__}: {_reason(exc)}); "
+                        "fix the config (e.g. hidden size a multiple of the attention heads)") from None
 
 
 def load_source_model(cfg: ModelConfig, hf_config, seed: int):

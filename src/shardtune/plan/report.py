@@ -5,6 +5,7 @@ fits, what would (more GPUs, LoRA, QLoRA, a shorter sequence), with numbers."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import shlex
 import sys
@@ -13,12 +14,15 @@ from dataclasses import dataclass
 from shardtune.config.schema import RunConfig
 from shardtune.errors import UserError
 from shardtune.hardware import GIB, gpu_by_name, overhead, parse_size
-from shardtune.plan.search import Estimate, Target, confirm, largest_micro_batch, resolve_hf_config, search
+from shardtune.plan.cost import Candidate, Target, setting
+from shardtune.plan.fit import resolve_hf_config
+from shardtune.plan.search import Estimate, confirm, largest_micro_batch, search
 
 ROWS = [("sharded_params", "sharded parameters"), ("gathered_params", "gathered parameters"),
         ("gradients", "sharded gradients"), ("gathered_grads", "unsharded gradients"),
         ("optimizer_state", "optimizer state"), ("activations", "activations"),
         ("temporaries", "temporaries"), ("communication", "communication buffers"), ("buffers", "model buffers")]
+# offloaded activations are host memory: the host line shows them
 
 
 @dataclass
@@ -90,18 +94,11 @@ def _same(e: Estimate, best: Estimate | None) -> bool:
 
 def command_line(est: Estimate, cfg: RunConfig, target: Target, recipe: str | None, overrides: list[str]) -> str:
     """`shardtune train RECIPE key=value ...` for this candidate, keeping the user's overrides."""
-    c = est.candidate
-    changes = {"precision": c.precision, "activation_checkpointing": c.activation_checkpointing,
-               "fsdp.sharding": c.sharding, "fsdp.cpu_offload": c.cpu_offload, "train.micro_batch_size": c.micro_batch}
-    current = {"precision": cfg.precision, "activation_checkpointing": cfg.activation_checkpointing,
-               "fsdp.sharding": cfg.fsdp.sharding, "fsdp.cpu_offload": cfg.fsdp.cpu_offload,
-               "train.micro_batch_size": cfg.train.micro_batch_size}
-    if c.sharding == "hybrid_shard":
-        changes.update({"fsdp.shard_size": target.gpus_per_node, "fsdp.replicate_size": target.nodes})
+    changes = est.candidate.settings(target)
     keys = {o.split("=", 1)[0] for o in overrides}
     words = [o for o in overrides if o.split("=", 1)[0] not in changes] + \
         [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in changes.items()
-         if v != current.get(k) or k in keys]
+         if v != setting(cfg, k) or k in keys]
     head = ["shardtune", "train", *([recipe] if recipe else [])]
     if target.nodes == 1:
         return shlex.join([*head, *words, "--nproc", str(target.gpus_per_node)])
@@ -111,13 +108,14 @@ def command_line(est: Estimate, cfg: RunConfig, target: Target, recipe: str | No
 
 
 def _json(est: Estimate, cfg, target, recipe, overrides) -> dict:
-    out = {"candidate": vars(est.candidate).copy(), "fits": est.fits, "why_not": est.why_not or None,
+    out = {"candidate": dataclasses.asdict(est.candidate), "fits": est.fits, "why_not": est.why_not or None,
            "accumulation": est.accumulation, "traced_whole": est.exact}
     if est.memory:
         out["gpu_bytes"] = {k: v for k, v in est.memory.items() if k != "phase"}
         out["peak_phase"] = " / ".join(str(p) for p in est.memory["phase"])
         out["host_bytes"] = est.host
         out["step_seconds"], out["tokens_per_s"] = est.step_seconds, est.tokens_per_s
+        out["seconds_by_part"] = est.seconds
     if est.fits:
         out["command"] = command_line(est, cfg, target, recipe, overrides)
     return out
@@ -126,7 +124,7 @@ def _json(est: Estimate, cfg, target, recipe, overrides) -> dict:
 def _target_json(t: Target) -> dict:
     return {"gpus_per_node": t.gpus_per_node, "nodes": t.nodes, "gpu": t.gpu.name if t.gpu else None,
             "gpu_memory_bytes": t.memory_bytes, "margin": t.margin, "link_gbs": t.link_gbs(),
-            "host_memory_bytes": t.host_bytes}
+            "pcie_gbs": t.pcie_gbs(), "host_memory_bytes": t.host_bytes}
 
 
 def render(answer: dict) -> str:
@@ -136,9 +134,10 @@ def render(answer: dict) -> str:
                  f"keeping {100 * t['margin']:.0f} % free")
     best = answer["best"]
     if best:
-        c, g, h = best["candidate"], best["gpu_bytes"], best["host_bytes"]
+        c, g, h, sec = best["candidate"], best["gpu_bytes"], best["host_bytes"], best["seconds_by_part"]
         lines += ["", f"best: {_label(c)} (accumulation {best['accumulation']}), "
                       f"predicted {best['tokens_per_s']:,.0f} tokens/s, {best['step_seconds']:.2f} s/step",
+                  "  s/step: " + ", ".join(f"{k.replace('_', ' ')} {v:.2f}" for k, v in sec.items() if k != "total"),
                   f"per rank, at the peak ({best['peak_phase']}), traced whole:"]
         lines += [f"  {name:<24}{g['by_category'].get(key, 0) / GIB:8.2f} GiB" for key, name in ROWS]
         lines += [f"  {'peak allocated':<24}{g['allocated'] / GIB:8.2f} GiB  (+ cuBLAS workspace)",
@@ -146,7 +145,8 @@ def render(answer: dict) -> str:
                   f"  {'fixed overhead':<24}{g['fixed_overhead'] / GIB:8.2f} GiB  (CUDA context, NCCL buffers)",
                   f"  {'total':<24}{g['total'] / GIB:8.2f} GiB",
                   f"host RAM per node: rank-0 load {h['rank0_load'] / GIB:.1f} GiB, export {h['export'] / GIB:.1f} "
-                  f"GiB, CPU offload {h['cpu_offload'] / GIB:.1f} GiB",
+                  f"GiB, CPU offload {h['cpu_offload'] / GIB:.1f} GiB, offloaded activations "
+                  f"{h['activation_offload'] / GIB:.1f} GiB",
                   f"largest micro-batch per GPU that fits this layout: {best['largest_micro_batch']} (global batch "
                   "kept here; a larger one needs train.global_batch_size to be a multiple of it x GPUs)",
                   "run it:", f"  {best['command']}"]
@@ -154,37 +154,49 @@ def render(answer: dict) -> str:
         lines += ["", "nothing fits."]
         for text in answer.get("what_would_fit", []):
             lines.append(f"  - {text}")
-    if answer["others"]:
-        lines += ["", "other layouts (largest micro-batch that fits, or why dropped):"]
-        shown = set()
-        # per layout: the fastest that fits, else the smallest micro-batch's shortfall
-        for e in sorted(answer["others"], key=lambda e: (not e["fits"], e["candidate"]["micro_batch"] if not e["fits"]
-                                                          else -e.get("tokens_per_s", 0))):
-            c = e["candidate"]
-            layout = (c["sharding"], c["precision"], c["activation_checkpointing"], c["cpu_offload"])
-            if layout in shown:
-                continue
-            shown.add(layout)
-            if e["fits"]:
-                lines.append(f"  fits, slower: {_label(c)}: {e['tokens_per_s']:,.0f} tokens/s")
-            else:
-                lines.append(f"  dropped: {_label(c)}: {e['why_not']}")
+    lines += _others(answer["others"])
     lines.append("(the CUDA overheads are public defaults, not yet calibrated on a GPU: see hardware.CUDA_OVERHEADS)")
     return "\n".join(lines)
 
 
-def _label(c: dict) -> str:
-    return (f"{c['sharding']}, {c['precision']}, checkpointing {'on' if c['activation_checkpointing'] else 'off'}, "
-            f"offload {'on' if c['cpu_offload'] else 'off'}, micro-batch {c['micro_batch']}")
+def _others(others: list[dict], shown_fitting: int = 10) -> list[str]:
+    """Per traced layout its fastest variant that fits, else the shortfall of its leanest; the
+    layouts not traced, counted by reason."""
+    fitting, dropped, untraced, seen = [], [], {}, set()
+    for e in sorted(others, key=lambda e: (not e["fits"], -e.get("tokens_per_s", 0) if e["fits"]
+                                           else e.get("gpu_bytes", {}).get("total", 0))):
+        c = e["candidate"]
+        layout = tuple(v for k, v in c.items() if k not in ("micro_batch", "optimizer_state", "cpu_offload"))
+        if layout in seen:
+            continue
+        seen.add(layout)
+        if e["fits"]:
+            fitting.append(f"  fits, slower: {_label(c)}: {e['tokens_per_s']:,.0f} tokens/s")
+        elif e["why_not"].startswith("not traced: "):
+            kind = "slower at best than" if "tokens/s if it fit" in e["why_not"] else "heavier than"
+            untraced.setdefault(kind, []).append(e)
+        else:
+            dropped.append(f"  dropped: {_label(c)}: {e['why_not']}")
+    lines = ["", "other layouts (their fastest that fits, or why dropped):"] if others else []
+    lines += fitting[:shown_fitting] + ([f"  ... and {len(fitting) - shown_fitting} more that fit, slower"]
+                                        if len(fitting) > shown_fitting else [])
+    lines += dropped
+    for kind, group in untraced.items():
+        lines.append(f"  not traced: {len(group)} layout(s) {kind} what was found, e.g. "
+                     f"{_label(group[0]['candidate'], batch=False)}: {group[0]['why_not'][len('not traced: '):]}")
+    return lines
+
+
+def _label(c: dict, batch: bool = True) -> str:
+    text = Candidate(**c).label()
+    return text if batch else text.rsplit(", micro-batch", 1)[0]
 
 
 def what_would_fit(cfg: RunConfig, hf_config, target: Target, ranked: list[Estimate]) -> list[str]:
     """When nothing fits: the smallest change that would, each with its predicted memory."""
-    from shardtune.plan.search import screen
-
     budget = target.memory_bytes * (1 - target.margin)
-    tried = [e for e in ranked if e.memory and e.candidate.micro_batch == min(x.candidate.micro_batch
-                                                                               for x in ranked if x.memory)]
+    smallest = min((x.candidate.micro_batch for x in ranked if x.memory), default=None)  # None: nothing traced
+    tried = [e for e in ranked if e.memory and e.candidate.micro_batch == smallest]
     out = []
     lean = min(tried, key=lambda e: e.memory["total"]) if tried else None
     if lean is not None:
@@ -195,26 +207,11 @@ def what_would_fit(cfg: RunConfig, hf_config, target: Target, ranked: list[Estim
         fixed = lean.memory["total"] - sharded * grow
         for world in range(target.world + 1, 1025):
             if fixed + sharded * grow * target.world / world <= budget:
-                out.append(f"more GPUs: {world} of them ({_label(vars(lean.candidate))}) need about "
+                out.append(f"more GPUs: {world} of them ({_label(dataclasses.asdict(lean.candidate))}) need about "
                            f"{(fixed + sharded * grow * target.world / world) / GIB:.1f} GiB each")
                 break
     if cfg.peft.method != "lora":
-        lora = copy.deepcopy(cfg)
-        lora.peft.method, lora.activation_checkpointing = "lora", True
-        lora.freeze = type(cfg.freeze)()
-        lora.train.micro_batch_size = 1
-        from shardtune.plan.search import Candidate, estimate, layout_cfg
-
-        layout = layout_cfg(lora, "full_shard", True, lora.precision, target)
-        trace = screen(layout, hf_config, target)[1]
-        est = estimate(trace, hf_config, Candidate("full_shard", True, False, lora.precision, 1), layout, target)
-        out.append(f"LoRA (peft.method=lora activation_checkpointing=true train.micro_batch_size=1): "
-                   f"{est.memory['total'] / GIB:.1f} GiB per rank ({'fits' if est.fits else 'does not fit'})")
-        base = trace.params["total"] - trace.params["trainable"]
-        qlora = est.memory["total"] - est.memory["by_category"].get("sharded_params", 0) * target.world \
-            - est.memory["by_category"].get("gathered_params", 0) + int(0.53 * base)
-        out.append(f"QLoRA (peft.quantize=4bit, one GPU): about {max(qlora, 0) / GIB:.1f} GiB (estimated, not traced: "
-                   "bitsandbytes needs CUDA)")
+        out += _lora_lines(cfg, hf_config, target)
     if lean is not None:
         acts = sum(lean.memory["by_category"].get(k, 0) for k in ("activations", "temporaries"))
         seq = cfg.data.seq_len
@@ -223,5 +220,28 @@ def what_would_fit(cfg: RunConfig, hf_config, target: Target, ranked: list[Estim
         if seq < cfg.data.seq_len and lean.memory["total"] - acts * (1 - seq / cfg.data.seq_len) <= budget:
             out.append(f"a shorter sequence: data.seq_len={seq} needs about "
                        f"{(lean.memory['total'] - acts * (1 - seq / cfg.data.seq_len)) / GIB:.1f} GiB "
-                       f"({_label(vars(lean.candidate))})")
+                       f"({_label(dataclasses.asdict(lean.candidate))})")
     return out
+
+
+def _lora_lines(cfg: RunConfig, hf_config, target: Target) -> list[str]:
+    """What LoRA (traced) and QLoRA (estimated: bitsandbytes needs CUDA) would need per rank."""
+    from shardtune.plan.search import estimate, screen, traced
+
+    lora = copy.deepcopy(cfg)
+    lora.peft.method = "lora"
+    lora.freeze = type(cfg.freeze)()
+    cand = Candidate("full_shard", lora.precision, 1, "full")
+    layout = cand.apply(lora, target)
+    at = traced(lambda: screen(layout, hf_config, target))
+    if isinstance(at, str):
+        return [f"LoRA: {at}"]
+    trace = at(1)
+    est = estimate(trace, hf_config, cand, layout, target)
+    base = trace.params["total"] - trace.params["trainable"]
+    qlora = est.memory["total"] - est.memory["by_category"].get("sharded_params", 0) * target.world \
+        - est.memory["by_category"].get("gathered_params", 0) + int(0.53 * base)
+    return [f"LoRA (peft.method=lora activation_checkpointing=full train.micro_batch_size=1): "
+            f"{est.memory['total'] / GIB:.1f} GiB per rank ({'fits' if est.fits else 'does not fit'})",
+            f"QLoRA (peft.quantize=4bit, one GPU): about {max(qlora, 0) / GIB:.1f} GiB (estimated, not traced: "
+            "bitsandbytes needs CUDA)"]

@@ -32,7 +32,9 @@ CATEGORY = {"Sharded Param": "sharded_params", "Unsharded Param": "gathered_para
             "Activation": "activations", "Inputs": "activations", "Temp": "temporaries",
             "All Gather": "communication", "Reduce Scatter": "communication"}
 CATEGORIES = ("sharded_params", "gathered_params", "gradients", "gathered_grads", "optimizer_state", "activations",
-              "temporaries", "communication", "buffers")
+              "temporaries", "communication", "buffers", "host_activations")
+# Saved activations that activation offloading keeps in host memory (`OffloadedActivations`).
+HOST_ONLY = ("host_activations",)
 # What CPU offload keeps in host memory instead of on the GPU: the sharded states. Gathered
 # parameters and the full gradients backward computes stay on the GPU, as do (not traced: a
 # CPU trace copies nothing) each unit's shard on its way in and its gradient shard on its way out.
@@ -47,15 +49,28 @@ class StepTrace:
     steady: dict[str, int] = field(default_factory=dict)  # held between steps (params, optimizer state)
     params: dict[str, int] = field(default_factory=dict)  # total, trainable, matmul, matmul_trainable (unsharded)
 
-    def peak(self, leave_out: tuple[str, ...] = ()) -> tuple[tuple, dict[str, int]]:
+    def peak(self, leave_out: tuple[str, ...] = HOST_ONLY) -> tuple[tuple, dict[str, int]]:
         """(phase, bytes by category) of the largest phase, not counting `leave_out` categories."""
         def total(item):
             return sum(v for k, v in item[1].items() if k not in leave_out)
         return max(self.phases.items(), key=total)
 
-    def peak_bytes(self, leave_out: tuple[str, ...] = ()) -> int:
+    def peak_bytes(self, leave_out: tuple[str, ...] = HOST_ONLY) -> int:
         _, cats = self.peak(leave_out)
         return sum(v for k, v in cats.items() if k not in leave_out)
+
+    def with_state(self, state: str) -> StepTrace:
+        """This step with its optimizer state in `state` precision: the traced bytes less those of
+        the precision traced, plus this one's (counted per parameter shard in `trace_step`)."""
+        traced = self.params.get("state_traced", "fp32")
+        if state == traced:
+            return self
+        delta = self.params[f"state_{state}"] - self.params[f"state_{traced}"]
+
+        def swap(cats: dict[str, int]) -> dict[str, int]:
+            return {**cats, "optimizer_state": max(0, cats.get("optimizer_state", 0) + delta)}
+        return StepTrace({k: swap(v) for k, v in self.phases.items()}, self.layers, swap(self.steady),
+                         {**self.params, "state_traced": state})
 
 
 def extrapolate(traces: dict[tuple[int, int], StepTrace], layers: int, micro_batch: int) -> StepTrace:
@@ -75,16 +90,19 @@ def extrapolate(traces: dict[tuple[int, int], StepTrace], layers: int, micro_bat
                 + value((l1, m1)) * x * y)
 
     def phase(key) -> dict[str, int]:
-        cats = {c: max(0, round(blend(lambda lm, c=c: traces[lm].phases[key].get(c, 0)))) for c in OFFLOADED}
-        total = blend(lambda lm: sum(traces[lm].phases[key].values()))
+        cats = {c: max(0, round(blend(lambda lm, c=c: traces[lm].phases[key].get(c, 0))))
+                for c in OFFLOADED + HOST_ONLY}
+        total = blend(lambda lm: sum(v for c, v in traces[lm].phases[key].items() if c not in HOST_ONLY)) \
+            + sum(cats[c] for c in HOST_ONLY)
         deep = {c: (1 - y) * traces[(l1, m0)].phases[key].get(c, 0) + y * traces[(l1, m1)].phases[key].get(c, 0)
-                for c in CATEGORIES if c not in OFFLOADED}
+                for c in CATEGORIES if c not in OFFLOADED + HOST_ONLY}
         rest, share = max(0.0, total - sum(cats.values())), sum(deep.values()) or 1.0
         return {**cats, **{c: round(rest * v / share) for c, v in deep.items()}}
 
     keys = set.intersection(*(set(t.phases) for t in traces.values()))
     steady = {c: max(0, round(blend(lambda lm, c=c: traces[lm].steady.get(c, 0)))) for c in CATEGORIES}
-    params = {n: round(blend(lambda lm, n=n: traces[lm].params[n])) for n in traces[(l0, m0)].params}
+    params = {n: round(blend(lambda lm, n=n: traces[lm].params[n])) if isinstance(v, int) else v
+              for n, v in traces[(l0, m0)].params.items()}
     return StepTrace({key: phase(key) for key in keys}, layers, steady, params)
 
 
@@ -120,13 +138,16 @@ def trace_step(cfg: RunConfig, hf_config, world_size: int, local_world_size: int
     from shardtune.model import loss as loss_lib
     from shardtune.model.build import ModelSpec, build_model
     from shardtune.model.hf import count_params
+    from shardtune.plan.priced import offloaded_activations, state_bytes
     from shardtune.telemetry.metrics import matmul_params
     from shardtune.train.optim import build_grad_scaler, build_optimizer
     from shardtune.train.step import train_step
 
     hf_config = copy.deepcopy(hf_config)
+    state = cfg.train.optimizer_state  # traced as fp32 (torchao's compiled step cannot run on fake tensors)
+    cfg = copy.deepcopy(cfg)
+    cfg.train.optimizer_state = "fp32"
     if target == "cuda" and cfg.loss_chunk_tokens is None:
-        cfg = copy.deepcopy(cfg)
         cfg.loss_chunk_tokens = loss_lib.chunk_tokens(None, hf_config.vocab_size, "cuda")
     if layers is not None:
         hf_config.num_hidden_layers = layers
@@ -137,8 +158,12 @@ def trace_step(cfg: RunConfig, hf_config, world_size: int, local_world_size: int
         total, trainable = count_params(model)
         params = dict(zip(("total", "trainable", "matmul", "matmul_trainable"),
                           (total, trainable, *matmul_params(model)), strict=True))
+        params.update(state_bytes(model))  # state_fp32, state_bf16, ...: this rank's moments per precision
         blocks = [f"{type(model).__name__}.{name}" for name, m in model.named_modules()
                   if isinstance(m, built.block_cls)]
+        # two micro-steps show what accumulation holds across them (unsharded gradients)
+        micro = [[0] * cfg.train.micro_batch_size for _ in range(min(accum, 2))]
+        real_batches, labels_vary = _shape_only_batches(cfg, micro, dist.device)
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device=dist.device)
             if hasattr(model, "tie_weights"):
@@ -148,26 +173,30 @@ def trace_step(cfg: RunConfig, hf_config, world_size: int, local_world_size: int
             _create_optimizer_state(model, optimizer)
             scaler = build_grad_scaler(cfg.precision, dist.device)
             tracker = PhaseTracker(model, optimizer, blocks)
-            # two micro-steps show what accumulation holds across them (unsharded gradients)
-            micro = [[0] * cfg.train.micro_batch_size for _ in range(min(accum, 2))]
             attention = _cuda_attention() if target == "cuda" else contextlib.nullcontext()
-            with tracker, AnswerScalars(), _dtensor_meta_outside_trace(), attention:
+            # a CUDA run's offloaded activations go to the host; on CPU offloading moves nothing
+            offload = offloaded_activations(tracker) if target == "cuda" and cfg.activation_offload \
+                else contextlib.nullcontext()
+            with tracker, AnswerScalars(), _dtensor_meta_outside_trace(), attention, offload:
                 handle = model.register_forward_pre_hook(tracker.next_micro_step, prepend=True)
                 try:
-                    batches, labels_vary = _shape_only_batches(cfg, micro, dist.device)
+                    batches = _faked(real_batches)
                     train_step(model, optimizer, scaler, batches, cfg, dist, labels_vary,
                                sync_each=built.sync_grads_each_micro_step)
                 finally:
                     handle.remove()
             steady = tracker.current()
-    return StepTrace(tracker.peaks, layer_count(hf_config), steady, params)
+    params["offloaded_activations"] = tracker.host_peak
+    return StepTrace(tracker.peaks, layer_count(hf_config), steady, params).with_state(state)
 
 
-def measure_step(cfg: RunConfig, hf_config, dist) -> int:
+def measure_step(cfg: RunConfig, hf_config, dist, state_only: bool = False) -> int:
     """Peak bytes of live tensors during one steady training step of `cfg`, really run on this
     rank of the current process group (what `trace_step` predicts): a first step creates the
     optimizer state, the second is measured with torch's MemTracker (every storage allocated and
-    freed, not the process RSS, which the C allocator inflates). Collective."""
+    freed, not the process RSS, which the C allocator inflates). Collective. `state_only`: the
+    bytes of the optimizer state after the first step instead (torchao's compiled step refuses
+    to run under the tracker's dispatch mode, so a low-precision state is measured this way)."""
 
     from shardtune.config.load import check_world
     from shardtune.distributed.fsdp import build_mesh
@@ -186,6 +215,10 @@ def measure_step(cfg: RunConfig, hf_config, dist) -> int:
     micro = [[0] * cfg.train.micro_batch_size for _ in range(accum)]
     batches, labels_vary = _shape_only_batches(cfg, micro, dist.device)
     train_step(model, optimizer, scaler, batches, cfg, dist, labels_vary, sync_each=built.sync_grads_each_micro_step)
+    if state_only:
+        from shardtune.train.optim import optimizer_state_bytes
+
+        return optimizer_state_bytes(optimizer)
     live = LiveMemory(model, optimizer, dist.device, steps=1)  # the trainer's own live-bytes tracker
     if dist.device.type == "cuda":  # torch.cuda.max_memory_* then cover the measured step only
         torch.cuda.reset_peak_memory_stats(dist.device)
@@ -214,6 +247,13 @@ def _shape_only_batches(cfg: RunConfig, micro: list[list[int]], device) -> tuple
     data = _ShapeOnlyData(cfg)
     return [collate(data, indices, device, 0, cfg.data.padding_free) for indices in micro], \
         "labels" in data.column_names
+
+
+def _faked(batches: list[dict]) -> list[dict]:
+    """Fake copies of real micro-batches, made under the tracker so it counts them. The batches
+    themselves are built for real, outside fake mode (a few KB of token ids): the data code may
+    then use anything a real batch does (numpy for padding-free position ids)."""
+    return [{k: v.clone() for k, v in batch.items()} for batch in batches]
 
 
 class _ShapeOnlyData:
@@ -303,6 +343,8 @@ class PhaseTracker(FSDPMemTracker):
         self.micro = -1
         self.seen_blocks: set[str] = set()
         self.backward_seen = False
+        self.totals: dict[tuple, int] = {}
+        self.host_bytes = self.host_peak = 0  # saved activations moved to host memory (priced.offloaded_activations)
 
     def next_micro_step(self, *args) -> None:
         self.reset_mod_stats()  # the base class refuses a second root forward otherwise
@@ -328,6 +370,7 @@ class PhaseTracker(FSDPMemTracker):
 
     def current(self) -> dict[str, int]:
         out = dict.fromkeys(CATEGORIES, 0)
+        out["host_activations"] = self.host_bytes
         for snap in self._curr_mem_snap.values():
             for reftype, value in snap.items():
                 if reftype in CATEGORY:  # str enums: "Sharded Param", ...; skips "Total"
@@ -335,8 +378,7 @@ class PhaseTracker(FSDPMemTracker):
         return out
 
     def _update_peak_stats(self, peak_state) -> None:
-        total = sum(snap["Total"] for snap in self._curr_mem_snap.values())
+        total = sum(snap["Total"] for snap in self._curr_mem_snap.values())  # what stays on the device
         key = self.phase()
-        best = self.peaks.get(key)
-        if best is None or total > sum(best.values()):
-            self.peaks[key] = self.current()
+        if total > self.totals.get(key, -1):
+            self.totals[key], self.peaks[key] = total, self.current()

@@ -134,12 +134,19 @@ def check(sweep: Sweep) -> None:
             raise UserError(f"{word!r}: the sweep sets output_dir and resume for each trial; use --out for the sweep")
     if sweep.max_batch and "train.micro_batch_size" in dict(sweep.grid):
         raise UserError("--max-batch searches train.micro_batch_size itself; drop it from --grid")
+    if sweep.max_batch and sweep.config({}).train.micro_batch_size == "auto":
+        raise UserError("--max-batch searches train.micro_batch_size itself (with real trials); drop "
+                        "train.micro_batch_size=auto, or drop --max-batch to use the planner's choice")
     sweep.config({})  # the recipe and overrides alone: their errors are not the grid's
     for point in sweep.points():
         where = " ".join(f"{k}={v}" for k, v in point.items())
         try:
             cfg = sweep.config(point)
-            if sweep.max_batch:
+            if cfg.train.micro_batch_size == "auto":
+                from shardtune.plan.fit import auto_micro_batches
+
+                auto_micro_batches(cfg.train.global_batch_size, sweep.nproc)
+            elif sweep.max_batch:
                 if not micro_batch_candidates(cfg, sweep.nproc):
                     raise UserError(f"train.global_batch_size={cfg.train.global_batch_size} is not divisible by "
                                     f"--nproc {sweep.nproc}; change one of them")
@@ -215,7 +222,7 @@ class Predictions:
         if key not in self.cache:
             from transformers.utils import logging as hf_logging
 
-            from shardtune.plan.search import predict_peak_bytes
+            from shardtune.plan.fit import predict_peak_bytes
 
             hf_logging.set_verbosity_error()  # config warnings belong to the trials' own output
             try:
@@ -257,8 +264,8 @@ class State:
         self.path = sweep.out / "sweep.json"
         self.spec = sweep.spec()
         self.trials: dict[str, dict] = {}
-        if self.path.is_file():
-            saved = json.loads(self.path.read_text())
+        if self.path.exists():
+            saved = read_state(self.path)
             changed = [k for k in self.spec if saved["spec"].get(k) != self.spec[k]]
             if changed:
                 raise UserError(f"{str(sweep.out)!r} holds a sweep with another {', '.join(changed)}; rerun that "
@@ -268,6 +275,33 @@ class State:
     def add(self, record: dict) -> None:
         self.trials[record["name"]] = record
         write_text_atomic(self.path, json.dumps({"spec": self.spec, "trials": self.trials}, indent=1))
+
+
+# What every finished trial's record holds (sweep/trial.py), with the types the report reads.
+RECORD_TYPES = {"name": str, "point": dict, "status": str, "seconds": (int, float)}
+NUMBER_FIELDS = ("micro_batch", "accumulation", "tokens_per_s", "step_time_s", "mfu", "mem_allocated_gib",
+                 "mem_reserved_gib", "mem_live_gib", "mem_rss_gib", "gpu_util", "predicted_gib", "eval_loss",
+                 "eval_ppl")
+
+
+def read_state(path: Path) -> dict:
+    """OUT/sweep.json as written by State.add, or one line saying it is damaged or not a sweep's."""
+    fix = "move it away (or give another --out) and run again"
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise UserError(f"{str(path)!r} cannot be read as a sweep's state ({type(exc).__name__}: "
+                        f"{str(exc).splitlines()[0][:100] if str(exc) else ''}); {fix}") from None
+    if not isinstance(saved, dict) or not all(isinstance(saved.get(k), dict) for k in ("spec", "trials")):
+        raise UserError(f"{str(path)!r} is not a shardtune sweep's state (no spec and trials); {fix}")
+    for name, record in saved["trials"].items():
+        ok = isinstance(record, dict) and record.get("name") == name and all(
+            isinstance(record.get(k), tp) and not isinstance(record.get(k), bool) for k, tp in RECORD_TYPES.items())
+        ok = ok and all(record.get(k) is None or (isinstance(record[k], (int, float))
+                                                  and not isinstance(record[k], bool)) for k in NUMBER_FIELDS)
+        if not ok:
+            raise UserError(f"{str(path)!r} holds a damaged trial record {str(name)[:60]!r}; {fix}")
+    return saved
 
 
 def run_sweep(sweep: Sweep) -> Path:
@@ -308,10 +342,25 @@ def run_sweep(sweep: Sweep) -> Path:
             if sweep.max_batch:
                 summaries.append(max_batch_of(sweep, point, trial, predict, limit, list(state.trials.values())))
             else:
-                summaries.append(summarize_point(point, [trial(point, None)], None, ""))
+                micro_batch = auto_micro_batch(sweep, point, limit, list(state.trials.values()))
+                summaries.append(summarize_point(point, [trial(point, micro_batch)], None, ""))
     finally:  # also after an interrupt: what is done is written
         write_outputs(sweep, list(state.trials.values()), summaries, limit)
     return sweep.out / "sweep.md"
+
+
+def auto_micro_batch(sweep: Sweep, point: dict, limit: int | None, records: list[dict]) -> int | None:
+    """A grid point's train.micro_batch_size=auto, resolved here as `train` would (on CPU within
+    --mem-limit where given), so the trial runs and is recorded with its number; else None."""
+    cfg = sweep.config(point)
+    if cfg.train.micro_batch_size != "auto":
+        return None
+    from shardtune.plan.fit import resolve_auto
+
+    budget = tensor_budget(limit, sweep.device, records) if sweep.mem_limit else None
+    micro_batch, line = resolve_auto(cfg, sweep.nproc, sweep.nproc, host_budget=budget)
+    print(f"  {slug(point) or 'recipe'}: {line}", flush=True)
+    return micro_batch
 
 
 def max_batch_of(sweep: Sweep, point: dict, trial, predict, limit: int | None, records_so_far: list[dict]) -> dict:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from shardtune.fsio import write_text_atomic
 from shardtune.hardware import GIB
-from shardtune.telemetry.report import fmt, save_bars, save_plot
+from shardtune.telemetry.plots import fmt, save_bars, save_plot
 
 COLUMNS = ["micro_batch", "accumulation", "status", "tokens_per_s", "step_time_s", "mfu", "mem_allocated_gib",
            "mem_reserved_gib", "mem_live_gib", "mem_rss_gib", "gpu_util", "predicted_gib", "eval_loss", "eval_ppl",

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from shardtune.errors import UserError
 
+POLL_S = 0.5  # how often a watched trial's metrics.jsonl is read
 LIVE_STEPS = 2  # CPU trials count live tensor bytes over their first steps (the peak is in step 2)
 # What a failed trial prints when it ran out of memory: CUDA's allocator, torch's CPU allocator
 # (ENOMEM under the data-segment cap), Python, C++, and threads or libraries that could not be mapped.
@@ -27,9 +28,11 @@ CAPPED_ENV = {"ARROW_DEFAULT_MEMORY_POOL": "system", "MALLOC_MMAP_THRESHOLD_": "
               "MALLOC_TRIM_THRESHOLD_": "131072"}
 
 
-def run_trial(sweep, point: dict, name: str, cap: int | None, micro_batch: int | None = None) -> dict:
+def run_trial(sweep, point: dict, name: str, cap: int | None, micro_batch: int | None = None,
+              watch=None) -> dict:
     """One `shardtune train` process (N ranks with --nproc), its output in OUT/trials/NAME;
-    `cap` bounds the data segment of each of its processes (CPU)."""
+    `cap` bounds the data segment of each of its processes (CPU). `watch(folder)`, asked every
+    POLL_S while the trial runs, may stop it early (returns True): its status is then "pruned"."""
     folder = sweep.out / "trials" / name
     folder.mkdir(parents=True, exist_ok=True)
     argv = [sys.executable, "-m", "shardtune", "train", *([sweep.recipe] if sweep.recipe else []),
@@ -40,12 +43,16 @@ def run_trial(sweep, point: dict, name: str, cap: int | None, micro_batch: int |
         env.update(CAPPED_ENV)
     start = time.perf_counter()
     with open(folder / "stdout.log", "w") as out, open(folder / "stderr.log", "w") as err:
-        code = subprocess.run(argv, stdout=out, stderr=err, env=env,
-                              preexec_fn=(lambda: _cap_data_segment(cap)) if cap else None).returncode
+        proc = subprocess.Popen(argv, stdout=out, stderr=err, env=env,
+                                preexec_fn=(lambda: _cap_data_segment(cap)) if cap else None)
+        code, pruned = _wait(proc, folder, watch)
     record = {"name": name, "point": point, "micro_batch": micro_batch, "seconds": time.perf_counter() - start,
               "exit_code": code}
     stderr = (folder / "stderr.log").read_text(errors="replace")
     record.update(_measurements(folder, sweep))
+    if pruned:
+        record.update(status="pruned", note="stopped early by the pruner")
+        return record
     if code == 0:
         record["status"] = "ok"
         over = sweep.device == "cuda" and sweep.mem_limit and \
@@ -59,6 +66,25 @@ def run_trial(sweep, point: dict, name: str, cap: int | None, micro_batch: int |
         record.update(status="oom" if any(s in stderr.lower() for s in OOM_SIGNS) else "failed",
                       note=failure_line(stderr) or f"exit code {code}")
     return record
+
+
+def _wait(proc: subprocess.Popen, folder: Path, watch) -> tuple[int, bool]:
+    """(exit code, whether `watch` stopped it). A stopped trial is killed: its ranks follow their
+    launcher (die_with_launcher), and a trial has nothing to save. A trial that ended before
+    `watch` saw its last lines is judged on them too (as if it had been watched in time)."""
+    try:
+        while True:
+            try:
+                code = proc.wait(timeout=POLL_S if watch else None)
+                return code, bool(watch is not None and code == 0 and watch(folder))
+            except subprocess.TimeoutExpired:
+                if watch(folder):
+                    proc.kill()
+                    return proc.wait(), True
+    except BaseException:  # an interrupt of the sweep ends its trial too
+        proc.kill()
+        proc.wait()
+        raise
 
 
 def _cap_data_segment(limit: int) -> None:

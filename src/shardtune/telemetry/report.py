@@ -3,13 +3,13 @@ runs' metrics.jsonl, several runs overlaid for comparison."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 from pathlib import Path
 
 from shardtune.errors import UserError
 from shardtune.fsio import atomic_dir, refuse_foreign
+from shardtune.telemetry.plots import fmt, save_plot
 
 # (file stem, title, y label, [(metric, line label suffix)], log scale)
 PLOTS = [
@@ -27,19 +27,28 @@ def read_metrics(run: Path) -> list[dict]:
     path = run / "metrics.jsonl"
     if not path.is_file():
         raise UserError(f"{str(run)!r} has no metrics.jsonl; give the output_dir of a shardtune run")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{str(path)!r} is not text (byte {exc.start} is not UTF-8); the file is damaged") from None
     rows = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if line.strip():
             try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
+                row = json.loads(line)
+            except (ValueError, RecursionError):
                 raise UserError(f"{str(path)!r} line {n} is not JSON; the file is damaged") from None
+            step = row.get("step", 0) if isinstance(row, dict) else None
+            if not isinstance(step, int) or isinstance(step, bool):
+                raise UserError(f"{str(path)!r} line {n} is not a metrics record (a JSON object with an integer "
+                                "step); the file is damaged or not shardtune's")
+            rows.append(row)
     return rows
 
 
 def series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
-    points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))
-              and r.get(key) is not None and math.isfinite(r[key])]
+    points = [(r.get("step", 0), r[key]) for r in rows if isinstance(r.get(key), (int, float))
+              and not isinstance(r.get(key), bool) and math.isfinite(r[key])]
     return [p[0] for p in points], [p[1] for p in points]
 
 
@@ -61,76 +70,29 @@ def summarize(name: str, rows: list[dict]) -> dict:
             "tokens/s": mean("tokens_per_s"), "MFU": mean("mfu"), "peak mem GiB": max(peaks) if peaks else None}
 
 
-def fmt(value) -> str:
-    if value is None:
-        return "–"
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)
-
-
-def save_plot(path: Path, title: str, xlabel: str, ylabel: str, lines: list[tuple], log_scale: bool = False,
-              rules: list[tuple[float, str]] = ()) -> None:
-    """One PNG: `lines` are (label, colour, line style, xs, ys) — style "none" draws only the
-    markers; `rules` are (y, label) horizontal lines such as a memory limit."""
-    with _figure(path, title, xlabel, ylabel, log_scale, rules, (7, 4)) as ax:
-        for label, color, style, xs, ys in lines:
-            ax.plot(xs, ys, color=color, linestyle=style, marker="o" if len(xs) < 30 else None,
-                    markersize=3 if style != "none" else 5, label=label)
-
-
-def save_bars(path: Path, title: str, ylabel: str, categories: list[str], bars: list[tuple], log_scale: bool = False,
-              rules: list[tuple[float, str]] = ()) -> None:
-    """One PNG of grouped bars: a group per category, `bars` are (label, hatch, colours, values)
-    with one colour and value per category (None: no bar)."""
-    width = 0.8 / max(len(bars), 1)
-    with _figure(path, title, "", ylabel, log_scale, rules, (max(7.0, 2.0 * len(categories)), 4.5)) as ax:
-        for j, (label, hatch, colors, values) in enumerate(bars):
-            xs = [i + (j - (len(bars) - 1) / 2) * width for i, v in enumerate(values) if v is not None]
-            ax.bar(xs, [v for v in values if v is not None], width, label=label, hatch=hatch, edgecolor="black",
-                   color=[c for c, v in zip(colors, values) if v is not None])
-        ax.set_xticks(range(len(categories)), categories, fontsize=7)
-
-
-@contextlib.contextmanager
-def _figure(path: Path, title: str, xlabel: str, ylabel: str, log_scale: bool, rules, size):
-    """The report's figure style around what the caller draws on the axes."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=size)
-    try:
-        yield ax
-        for y, label in rules:
-            ax.axhline(y, color="black", linestyle="--", linewidth=1, label=label)
-        ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
-        if log_scale:
-            ax.set_yscale("log")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-    finally:
-        plt.close(fig)
-
-
 def write_report(runs: list[Path], out: Path) -> Path:
-    data = {}
+    from shardtune.telemetry.generation_report import read_generation
+
+    data, generations = {}, {}
     for run in runs:
         name = run.resolve().name
-        while name in data:
+        while name in data or name in generations:
             name += "'"
-        data[name] = read_metrics(run)
+        generated = read_generation(run)
+        if generated is not None:
+            generations[name] = generated
+        if generated is None or (run / "metrics.jsonl").is_file():  # a folder of eval --generate alone is fine
+            data[name] = read_metrics(run)
     refuse_foreign(out, "report folder", "a report (PNGs and report.md)",
                    lambda name: name.endswith(".png") or name == "report.md")
     with atomic_dir(out, replace=True) as tmp:  # an earlier report is replaced whole, or kept whole
-        _write_report(data, tmp)
+        _write_report(data, generations, tmp)
     return out / "report.md"
 
 
-def _write_report(data: dict[str, list[dict]], out: Path) -> None:
+def _write_report(data: dict[str, list[dict]], generations: dict[str, dict], out: Path) -> None:
+    from shardtune.telemetry.generation_report import generation_section
+
     images = []
     for stem, title, ylabel, keys, log_scale in PLOTS:
         # One colour per run; train/validation (or allocated/reserved) told apart by line style.
@@ -150,10 +112,13 @@ def _write_report(data: dict[str, list[dict]], out: Path) -> None:
         if lines:
             save_plot(out / f"{stem}.png", title, "step", "L2 norm", lines, log_scale=True)
             images.append(stem)
+    text = ["# shardtune report", ""]
     rows = [summarize(name, metrics) for name, metrics in data.items()]
-    headers = list(rows[0])
-    table = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    table += ["| " + " | ".join(fmt(r[h]) for h in headers) + " |" for r in rows]
-    text = ["# shardtune report", "", *table, ""]
+    if rows:
+        headers = list(rows[0])
+        text += ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+        text += ["| " + " | ".join(fmt(r[h]) for h in headers) + " |" for r in rows] + [""]
     text += [f"![{stem}]({stem}.png)\n" for stem in images]
+    for name, generated in generations.items():
+        text += generation_section(name, generated, out)
     (out / "report.md").write_text("\n".join(text))

@@ -16,6 +16,7 @@ import torch.distributed as tdist
 
 from shardtune.checkpoint.loading import load_model
 from shardtune.errors import UserError
+from shardtune.model.hf import max_positions
 
 # ----------------------------------------------------------------------------- eval
 
@@ -150,6 +151,7 @@ class GenerateRequest:
     temperature: float = 0.7  # 0: greedy
     top_p: float = 0.9
     seed: int = 0
+    batch_size: int = 8  # prompts per generate call, left-padded
     device: str = "auto"
 
 
@@ -160,31 +162,46 @@ def read_prompts(req: GenerateRequest) -> list[str]:
             text = Path(req.prompts_file).read_text(encoding="utf-8")
         except OSError as exc:
             raise UserError(f"cannot read --prompts-file {req.prompts_file!r} ({exc.strerror})") from None
+        except UnicodeDecodeError as exc:
+            raise UserError(f"--prompts-file {req.prompts_file!r} is not UTF-8 text (byte {exc.start}); save it "
+                            "as UTF-8, one prompt per line") from None
         prompts += [line for line in text.splitlines() if line.strip()]
     if not prompts:
         raise UserError("no prompt given; pass --prompt TEXT or --prompts-file FILE (one prompt per line)")
     return prompts
 
 
-def generate(model, tokenizer, prompts: list[str], max_new_tokens: int = 64, temperature: float = 0.7,
-             top_p: float = 0.9, seed: int = 0) -> list[str]:
-    """The continuation of each prompt; temperature 0 decodes greedily."""
+def generate(model, tokenizer, prompts: list, max_new_tokens: int = 64, temperature: float = 0.7,
+             top_p: float = 0.9, seed: int = 0, batch_size: int = 8) -> list[str]:
+    """The continuation of each prompt (a string, or token ids), `batch_size` prompts per
+    `model.generate` call, left-padded so every row's new tokens start in the same column;
+    temperature 0 decodes greedily. Seeded once: the same call gives the same texts. A prompt
+    longer than the model's positions leave room for is cut from the left."""
 
     if temperature < 0 or not 0 < top_p <= 1 or max_new_tokens < 1:
         raise UserError("need --temperature >= 0, 0 < --top-p <= 1 and --max-new-tokens >= 1")
     torch.manual_seed(seed)
     device = next(model.parameters()).device
     sample = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature > 0 else dict(do_sample=False)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    rows = [list(p) if not isinstance(p, str) else tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
+    rows = [r or [start] for r in rows]  # an empty prompt starts from the beginning-of-text token
+    limit = max_positions(model.config)
+    if limit is not None:  # a prompt too long for the model keeps its end, where the answer starts
+        if max_new_tokens >= limit:
+            raise UserError(f"--max-new-tokens {max_new_tokens} is beyond the model's {limit} positions (a prompt "
+                            "needs room too); lower it")
+        rows = [r[-(limit - max_new_tokens):] for r in rows]
     outputs = []
-    for prompt in prompts:
-        ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
-        if ids.shape[1] == 0:  # an empty prompt starts from the beginning-of-text token
-            ids = torch.tensor([[tokenizer.bos_token_id or tokenizer.eos_token_id]])
-        ids = ids.to(device)
+    for i in range(0, len(rows), max(batch_size, 1)):
+        batch = rows[i:i + batch_size]
+        width = max(map(len, batch))
+        ids = torch.tensor([[pad] * (width - len(r)) + r for r in batch], device=device)
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in batch], device=device)
         with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                 pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id, **sample)
-        outputs.append(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, pad_token_id=pad, **sample)
+        outputs += tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
     return outputs
 
 
@@ -197,7 +214,8 @@ def run_generate(req: GenerateRequest) -> list[str]:
     hf_logging.disable_progress_bar()
     prompts = read_prompts(req)
     model, tokenizer, _, _ = load_model(req.model, str(resolve_device(req.device)))
-    texts = generate(model, tokenizer, prompts, req.max_new_tokens, req.temperature, req.top_p, req.seed)
+    texts = generate(model, tokenizer, prompts, req.max_new_tokens, req.temperature, req.top_p, req.seed,
+                     req.batch_size)
     for i, (prompt, text) in enumerate(zip(prompts, texts)):
         if len(prompts) > 1:
             print(f"=== prompt {i + 1} ===")

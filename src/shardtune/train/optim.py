@@ -1,4 +1,11 @@
-"""AdamW with the usual decay groups, and the learning rate as a function of the step."""
+"""AdamW with the usual decay groups and the configured moment precision, and the learning
+rate as a function of the step.
+
+Low-precision moments (train.optimizer_state) come from torchao's optimizers: 8bit/4bit are its
+block-quantized AdamW8bit/AdamW4bit, bf16 its same fused step over plain bf16 moments. They take
+FSDP2's DTensor shards (the state is a DTensor around torchao's tensor subclass) and save and load
+through DCP like fp32 moments. Their step is torch.compile'd per parameter shape (a C++ compiler
+on CPU); tensors under 4096 values keep fp32 moments, as bitsandbytes does."""
 
 from __future__ import annotations
 
@@ -8,9 +15,11 @@ import torch
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from shardtune.config.schema import TrainConfig
+from shardtune.errors import UserError
 
 
 def build_optimizer(model, cfg: TrainConfig, device, precision: str = "fp32"):
+    """AdamW over the trainable parameters, moments in cfg.optimizer_state precision."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     # Biases and norm weights are the 1-D parameters; decaying them only hurts.
     groups = [
@@ -18,11 +27,52 @@ def build_optimizer(model, cfg: TrainConfig, device, precision: str = "fp32"):
         {"params": [p for p in trainable if p.ndim < 2], "weight_decay": 0.0},
     ]
     groups = [g for g in groups if g["params"]]
+    if cfg.optimizer_state != "fp32":
+        return _low_precision_adamw(groups, cfg)
     # Fused kernels exist for CUDA and CPU (and take DTensor shards); the sharded fp16 grad
     # scaler hands them a found-inf tensor they do not accept, so fp16 uses foreach.
     fused = device.type in ("cuda", "cpu") and precision != "fp16"
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused,
                              foreach=None if fused else True)
+
+
+def _low_precision_adamw(groups: list[dict], cfg: TrainConfig):
+    try:
+        from torchao.optim import AdamW4bit, AdamW8bit
+        from torchao.optim.adam import _AdamBase
+    except ImportError:
+        raise UserError(f"train.optimizer_state={cfg.optimizer_state} needs torchao; pip install "
+                        "'shardtune[lowbit]' (or keep train.optimizer_state=fp32)") from None
+
+    class AdamWBf16States(_AdamBase):
+        """torchao's AdamW step (fp32 math) with bf16 moments: block_size 1 puts every tensor of
+        at least 4096 values into `_subclass_zeros`, here a plain bf16 tensor (round to nearest)."""
+
+        def __init__(self, params, lr, betas, eps, weight_decay):
+            super().__init__(params, lr, betas, eps, weight_decay, False, block_size=1,
+                             bf16_stochastic_round=False, is_adamw=True)
+
+        @staticmethod
+        def _subclass_zeros(p, signed, block_size):
+            return torch.zeros(p.shape, dtype=torch.bfloat16, device=p.device)
+
+    cls = {"bf16": AdamWBf16States, "8bit": AdamW8bit, "4bit": AdamW4bit}[cfg.optimizer_state]
+    return cls(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+
+
+def optimizer_state_bytes(optimizer) -> int:
+    """Bytes of the optimizer's state tensors on this rank (quantized codes and scales included)."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    def nbytes(t) -> int:
+        if isinstance(t, DTensor):
+            t = t.to_local()
+        if is_traceable_wrapper_subclass(t):
+            return sum(nbytes(getattr(t, name)) for name in t.__tensor_flatten__()[0])
+        return t.numel() * t.element_size()
+
+    return sum(nbytes(v) for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v))
 
 
 def build_grad_scaler(precision: str, device):
@@ -56,4 +106,7 @@ def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
 
 def set_lr(optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        if torch.is_tensor(group["lr"]):  # torchao keeps it a tensor (no recompile when it changes)
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr

@@ -16,6 +16,7 @@ from shardtune.config.load import check_world, dump_yaml
 from shardtune.config.schema import RunConfig
 from shardtune.data import docmask
 from shardtune.data import pipeline as data_lib
+from shardtune.distributed.activation_memory import describe_memory_savers
 from shardtune.distributed.collectives import broadcast_value, rank0_first
 from shardtune.distributed.fsdp import build_mesh
 from shardtune.distributed.process_group import init_distributed
@@ -140,7 +141,7 @@ class Trainer:
         self.say(f"model: {type(model).__name__.removeprefix('FSDP')} {total:,} params "
                  f"({trainable:,} trainable, {100 * trainable / max(total, 1):.3g}%) | "
                  f"{dist.world_size} rank(s) on {dist.device.type} | {cfg.fsdp.sharding} | {cfg.precision} | "
-                 f"accumulation {self.accum} | {self.total_steps} steps")
+                 f"accumulation {self.accum} | {self.total_steps} steps{describe_memory_savers(cfg, dist.device.type)}")
 
         from shardtune.checkpoint.dcp import ModelOptimizerState
         from shardtune.train.optim import build_grad_scaler, build_optimizer

@@ -1,0 +1,86 @@
+"""Reading YAML that a user wrote (recipes, `key=value` override values) strictly: a key given
+twice is refused (plain YAML silently keeps the last), a syntax error names its line and
+column, and anchors/aliases may not expand into more than MAX_NODES nodes (an "alias bomb" of a
+few lines would otherwise expand to gigabytes when the config is printed or saved)."""
+
+from __future__ import annotations
+
+import yaml
+
+from shardtune.errors import UserError
+
+MAX_NODES = 100_000  # far above any recipe (the whole schema is ~100 keys), far below a bomb
+
+
+class StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate mapping keys and over-large alias expansions."""
+
+    def construct_document(self, node):
+        _check_expanded_size(node)
+        return super().construct_document(node)
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    earlier = seen.get(key)
+                except TypeError:  # an unhashable key: SafeLoader's own error tells it
+                    continue
+                if earlier is not None:
+                    raise UserError(f"key {key!r} is given twice (lines {earlier} and {key_node.start_mark.line + 1}); "
+                                    "keep one of them")
+                seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
+def _check_expanded_size(root) -> None:
+    """Nodes the document has once every alias is expanded, counted without expanding them."""
+    sizes: dict[int, int | None] = {}
+
+    def size(node) -> int:
+        if id(node) in sizes:
+            if sizes[id(node)] is None:
+                raise UserError(f"an alias at line {node.start_mark.line + 1} refers to a value that contains "
+                                "it (a value inside itself); write the values out")
+            return sizes[id(node)]
+        sizes[id(node)] = None  # in progress
+        children = []
+        if isinstance(node, yaml.SequenceNode):
+            children = node.value
+        elif isinstance(node, yaml.MappingNode):
+            children = [n for pair in node.value for n in pair]
+        total = 1 + sum(size(child) for child in children)
+        sizes[id(node)] = min(total, MAX_NODES + 1)
+        return sizes[id(node)]
+
+    if size(root) > MAX_NODES:
+        raise UserError(f"the YAML expands to more than {MAX_NODES} values through its anchors and aliases "
+                        "(an alias bomb?); write the values out")
+
+
+def where(exc: yaml.YAMLError) -> str:
+    """`line L, column C: problem` of a YAML syntax error (its first line alone names no place)."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).strip().splitlines()[0]
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" if mark else problem
+
+
+class YAMLSyntaxError(UserError):
+    """Text that is not YAML at all (an override value may then be meant as plain text)."""
+
+
+def load_yaml(text: str, what: str, fix: str = "fix it"):
+    """The YAML `text` as Python values; every problem is one UserError naming `what`."""
+    try:
+        return yaml.load(text, Loader=StrictLoader)
+    except UserError as exc:
+        raise UserError(f"{what}: {exc}") from None
+    except yaml.YAMLError as exc:
+        raise YAMLSyntaxError(f"{what} is not valid YAML ({where(exc)}); {fix}") from None
+    except (ValueError, RecursionError) as exc:  # an int of more digits than Python converts; nesting too deep
+        raise UserError(f"{what} holds a value YAML cannot read ({type(exc).__name__}: "
+                        f"{str(exc).splitlines()[0][:120] if str(exc) else ''}); {fix}") from None

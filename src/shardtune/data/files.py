@@ -1,0 +1,94 @@
+"""The files of a local dataset: which are its splits, and that each is a regular, non-empty,
+UTF-8 file that the `datasets` readers can take without crashing. Checked before any is read."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from shardtune.errors import UserError
+
+BUILDERS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".csv": "csv",
+            ".parquet": "parquet"}
+VAL_NAMES = ("validation", "valid", "val", "dev")
+
+
+def _is_blank(path: Path) -> bool:
+    """True for a file with nothing but whitespace (reads only until the first real byte)."""
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 16):
+            if chunk.strip():
+                return False
+    return True
+
+
+_BARE_NULL = re.compile(rb"(?m)^[ \t\r]*null[ \t\r]*$")
+
+
+def _check_text_file(path: Path, json_lines: bool) -> None:
+    """One pass over a text data file before `datasets` reads it: every byte must be UTF-8 (pyarrow
+    takes invalid bytes into string columns unchecked, and they fail later, mid-tokenization), and
+    no JSON record may be a bare `null` (pyarrow 22's JSON reader crashes the process on one).
+    Read in whole lines (a newline never splits a UTF-8 character)."""
+    line, offset, carry = 1, 0, b""
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(1 << 20)
+            data = carry + chunk
+            cut = data.rfind(b"\n") + 1 if chunk else len(data)
+            whole, carry = data[:cut], data[cut:]
+            try:
+                whole.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                bad_line = line + whole.count(b"\n", 0, exc.start)
+                raise UserError(f"data file {str(path)!r} is not UTF-8 text (line {bad_line}, byte "
+                                f"{offset + exc.start}); "
+                                "re-save it as UTF-8") from None
+            if json_lines and (m := _BARE_NULL.search(whole)):
+                where = line + whole.count(b"\n", 0, m.start())
+                raise UserError(f"data file {str(path)!r} line {where} is `null`, not a JSON record; remove it or "
+                                'write it as {"text": ...}')
+            line, offset = line + whole.count(b"\n"), offset + len(whole)
+            if not chunk:
+                return
+
+
+def _not_regular(path: Path) -> bool:
+    """A FIFO, device or socket: reading one hangs or never ends."""
+    import stat
+
+    return not stat.S_ISREG(path.stat().st_mode) and not path.is_dir()
+
+
+def local_files(path: Path) -> dict[str, list[str]]:
+    """Files of a local dataset, by split. A folder's `train*`/`validation*` files are splits."""
+    if path.is_file() or _not_regular(path):
+        files = [path]
+    else:
+        files = sorted(p for p in path.iterdir() if p.suffix in BUILDERS and not p.name.startswith("."))
+    odd = [p for p in files if _not_regular(p)]
+    if odd:
+        raise UserError(f"data file {str(odd[0])!r} is not a regular file (a FIFO, device or socket); point "
+                        "data.path at a file or a folder of files")
+    if not files:
+        raise UserError(f"data.path={str(path)!r} holds no {'/'.join(sorted(BUILDERS))} files; "
+                        "point it at a data file or a folder of them")
+    blank = [p for p in files if _is_blank(p)]
+    if blank:
+        raise UserError(f"data file {str(blank[0])!r} is empty (no documents); add documents to it "
+                        "or point data.path elsewhere")
+    for p in files:
+        if BUILDERS.get(p.suffix) in ("json", "text", "csv"):
+            _check_text_file(p, json_lines=BUILDERS[p.suffix] == "json")
+    suffixes = {p.suffix for p in files}
+    if len({BUILDERS[s] for s in suffixes if s in BUILDERS}) != 1 or not suffixes <= BUILDERS.keys():
+        raise UserError(f"data.path={str(path)!r} mixes or has unsupported file types ({', '.join(sorted(suffixes))}); "
+                        f"use one of {', '.join(sorted(BUILDERS))}")
+    splits: dict[str, list[str]] = {}
+    for p in files:
+        stem = p.stem.lower()
+        split = next((s for s in ("train", *VAL_NAMES, "test") if stem.startswith(s)), "train")
+        splits.setdefault("validation" if split in VAL_NAMES else split, []).append(str(p))
+    if "train" not in splits:
+        splits = {"train": [f for group in splits.values() for f in group]}
+    return splits

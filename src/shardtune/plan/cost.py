@@ -1,0 +1,200 @@
+"""What a candidate costs on the asked-for machine, from a traced step: each GPU's memory (what a
+trace sees, plus what a CUDA process adds), each node's host memory, and the seconds per
+optimizer step (compute with its recomputation, communication, host copies, the optimizer)."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+from shardtune.config.schema import RunConfig
+from shardtune.hardware import GPU, HOST_FACTS, overhead
+from shardtune.plan.trace import HOST_ONLY, OFFLOADED, StepTrace
+
+STATE_PRECISIONS = ("fp32", "bf16", "8bit", "4bit")
+CHECKPOINTING = ("none", "selective", "every_n", "full")
+# Selective checkpointing keeps every matmul (and attention) output and recomputes the cheap
+# ops between them in backward: norms, activations, rotary, residual adds. They are memory-bound;
+# their time is the bytes they stream, about this many passes over the block's hidden states.
+SELECTIVE_PASSES = 12
+# Share of memory bandwidth an optimizer step reaches: torch's fused AdamW streams its tensors
+# once; torchao's low-bit step (torch.compile'd per parameter) adds the block-wise (de)quantization.
+OPTIMIZER_EFFICIENCY = {"fp32": 0.8, "bf16": 0.8, "8bit": 0.5, "4bit": 0.4}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    sharding: str
+    precision: str
+    micro_batch: int
+    checkpointing: str = "none"  # none, selective, every_n, full
+    every: int = 2  # every_n's block interval
+    activation_offload: bool = False
+    reduce_dtype: str = "fp32"
+    optimizer_state: str = "fp32"
+    cpu_offload: bool = False
+
+    def layout(self) -> tuple:
+        """What a trace depends on (the optimizer state and CPU offload are priced from it)."""
+        return (self.sharding, self.precision, self.checkpointing, self.every, self.activation_offload,
+                self.reduce_dtype)
+
+    def settings(self, target: Target | None = None) -> dict:
+        """The config keys this candidate sets, as `train` takes them."""
+        out = {"precision": self.precision, "activation_checkpointing": self.checkpointing,
+               "activation_offload": self.activation_offload, "fsdp.sharding": self.sharding,
+               "fsdp.reduce_dtype": self.reduce_dtype, "fsdp.cpu_offload": self.cpu_offload,
+               "train.optimizer_state": self.optimizer_state, "train.micro_batch_size": self.micro_batch}
+        if self.checkpointing == "every_n":
+            out["activation_checkpointing_every"] = self.every
+        if self.sharding == "hybrid_shard" and target is not None:
+            out.update({"fsdp.shard_size": target.gpus_per_node, "fsdp.replicate_size": target.nodes})
+        return out
+
+    def apply(self, cfg: RunConfig, target: Target | None = None) -> RunConfig:
+        out = copy.deepcopy(cfg)
+        for key, value in self.settings(target).items():
+            path, _, name = key.rpartition(".")
+            setattr(setting(out, path) if path else out, name, value)
+        return out
+
+    def label(self) -> str:
+        ac = f"every {self.every}" if self.checkpointing == "every_n" else self.checkpointing
+        return (f"{self.sharding}, {self.precision}, checkpointing {ac}"
+                f"{', activations to host' if self.activation_offload else ''}"
+                f"{', bf16 reduce' if self.reduce_dtype == 'bf16' else ''}, {self.optimizer_state} optimizer state, "
+                f"offload {'on' if self.cpu_offload else 'off'}, micro-batch {self.micro_batch}")
+
+
+def setting(cfg: RunConfig, dotted: str):
+    """The value (or section) of a dotted config key, e.g. "fsdp.sharding"."""
+    node = cfg
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
+
+
+@dataclass
+class Target:
+    """The machine asked about."""
+    gpus_per_node: int
+    nodes: int
+    memory_bytes: int
+    gpu: GPU | None  # None: only --gpu-mem was given
+    peak_tflops: float | None = None  # overrides the table (needed without --gpu for a speed estimate)
+    bandwidth_gbs: float | None = None  # overrides the GPU's intra-node link
+    inter_node_gbs: float = HOST_FACTS["inter_node_gbs"].value
+    host_bytes: int | None = None
+    margin: float = 0.05  # share of GPU memory kept free
+
+    @property
+    def world(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    def peak_flops(self, precision: str) -> float:
+        if self.peak_tflops:
+            return self.peak_tflops * 1e12
+        if self.gpu is not None:
+            return self.gpu.peak_flops(precision)
+        return {"bf16": 100e12, "fp16": 100e12, "fp32": 15e12}[precision]  # a nominal card: ranks still hold
+
+    def link_gbs(self) -> float:
+        intra = self.bandwidth_gbs or (self.gpu.link_gbs if self.gpu else 24.0)
+        return intra if self.nodes == 1 else min(intra, self.inter_node_gbs)
+
+    def pcie_gbs(self) -> float:
+        return self.gpu.pcie_gbs if self.gpu else HOST_FACTS["pcie_gbs"].value
+
+    def hbm_gbs(self) -> float:
+        return self.gpu.hbm_gbs if self.gpu else 1000.0  # a nominal card: the optimizer is a small term
+
+
+def gpu_memory(trace: StepTrace, offload: bool, world_size: int) -> dict:
+    """One CUDA rank's memory from a trace: the peak of what stays on the GPU, by category, then
+    allocated (+ cuBLAS workspace), reserved (+ fragmentation) and the fixed overhead outside
+    torch's allocator (CUDA context, NCCL buffers), and their sum, what nvidia-smi would show."""
+    leave_out = (OFFLOADED if offload else ()) + HOST_ONLY
+    phase, cats = trace.peak(leave_out)
+    on_gpu = {k: v for k, v in cats.items() if k not in leave_out}
+    allocated = sum(on_gpu.values()) + int(overhead("cublas_workspace"))
+    reserved = int(allocated * (1 + overhead("fragmentation")))
+    nccl = int(overhead("nccl_buffers") * overhead("nccl_channels") * 2) if world_size > 1 else 0
+    fixed = int(overhead("cuda_context")) + nccl
+    return {"phase": phase, "by_category": on_gpu, "allocated": allocated, "reserved": reserved,
+            "fixed_overhead": fixed, "total": reserved + fixed}
+
+
+def host_memory(trace: StepTrace, offload: bool, ranks_per_node: int) -> dict:
+    """Host RAM of one node: rank 0 reads the full fp32 weights once (then hands out shards),
+    export gathers the full fp32 model to rank 0, CPU offload keeps every rank's shards, and
+    activation offloading every rank's saved activations at their peak."""
+    full_fp32 = 4 * trace.params["total"]
+    offloaded = ranks_per_node * sum(trace.steady.get(c, 0) for c in OFFLOADED) if offload else 0
+    activations = ranks_per_node * offloaded_activation_bytes(trace)
+    return {"rank0_load": full_fp32, "export": full_fp32, "cpu_offload": offloaded,
+            "activation_offload": activations, "total": full_fp32 + offloaded + activations}
+
+
+def offloaded_activation_bytes(trace: StepTrace) -> int:
+    """The most saved activations one rank holds in host memory at once (those of a micro-step)."""
+    return trace.params.get("offloaded_activations", 0)
+
+
+def step_time(trace: StepTrace, hf_config, cand: Candidate, cfg: RunConfig, target: Target, accum: int) -> dict:
+    """Seconds per optimizer step, by part: compute at an assumed MFU with its recomputation,
+    communication overlapped with it (FSDP prefetches), activation copies on a side stream
+    (overlapped too, but sharing a PCIe link with the collectives where that is the link), the
+    optimizer step (memory-bound), and CPU offload's copies and host AdamW (not overlapped)."""
+    from shardtune.telemetry.metrics import flops_per_token
+
+    p, seq, world = trace.params, cfg.data.seq_len, target.world
+    tokens = cand.micro_batch * accum * seq  # per rank per step
+    fpt = flops_per_token(p["matmul"], hf_config, seq, p["matmul_trainable"])
+    forward = 2.0 * p["matmul"] + 4.0 * trace.layers * _hidden(hf_config) * seq  # blocks' matmuls and attention
+    recompute = {"none": 0.0, "full": forward, "every_n": forward / max(cand.every, 1), "selective": 0.0}
+    peak = target.peak_flops(cand.precision)
+    compute = tokens * (fpt + recompute[cand.checkpointing]) / (peak * HOST_FACTS["mfu"].value)
+    if cand.checkpointing == "selective":  # the cheap ops again: memory-bound passes over the hidden states
+        act_bytes = 4 if cand.precision == "fp32" else 2
+        compute += SELECTIVE_PASSES * tokens * trace.layers * _hidden(hf_config) * act_bytes / (target.hbm_gbs() * 1e9)
+    dtype_bytes = 4 if cand.precision == "fp32" else 2
+    gathered = p["total"] * dtype_bytes
+    grads = p["trainable"] * (2 if cand.reduce_dtype == "bf16" else 4)
+    shard_group = 1 if cand.sharding == "no_shard" else (target.gpus_per_node if cand.sharding == "hybrid_shard"
+                                                         else world)
+    ring = (shard_group - 1) / shard_group
+    if cand.sharding in ("full_shard", "hybrid_shard") and shard_group > 1:
+        volume = accum * (2 * gathered + grads) * ring  # gather for forward and backward, reduce-scatter each
+    elif cand.sharding in ("shard_grad_op", "full_shard"):
+        volume = accum * gathered * ring + grads * ring  # gathered once per micro-step, reduced once
+    else:
+        volume = 0.0
+    replicas = world // shard_group
+    if replicas > 1:  # all-reduce of the (sharded) gradients across replicas
+        volume += 2 * grads / shard_group * (replicas - 1) / replicas
+    comm = volume / (target.link_gbs() * 1e9)
+    copies = accum * 2 * offloaded_activation_bytes(trace) / (target.pcie_gbs() * 1e9) if cand.activation_offload \
+        else 0.0
+    if target.link_gbs() <= target.pcie_gbs():  # collectives over PCIe: the activation copies share the bus
+        overlapped = max(compute, comm + copies)
+    else:
+        overlapped = max(compute, comm, copies)
+    shard = p["trainable"] / shard_group
+    offload = optimizer = 0.0
+    if cand.cpu_offload:
+        pcie = min(HOST_FACTS["pcie_gbs"].value, target.gpu.link_gbs if target.gpu else 1e9)  # PCIe 3 cards
+        offload = accum * 2 * p["total"] * 4 / shard_group / (pcie * 1e9)  # parameters in, gradients out
+        optimizer = 28 * shard / (HOST_FACTS["host_adam_gbs"].value * 1e9)
+    else:  # read parameter, gradient, both moments; write parameter and moments
+        moment = {"fp32": 4, "bf16": 2, "8bit": 1 + 4 / 256, "4bit": 0.5 + 4 / 128}[cand.optimizer_state]
+        optimizer = shard * (3 * 4 + 4 * moment) / (target.hbm_gbs() * 1e9
+                                                     * OPTIMIZER_EFFICIENCY[cand.optimizer_state])
+    total = overlapped + offload + optimizer
+    return {"compute": compute, "communication": comm, "activation_copies": copies, "cpu_offload": offload,
+            "optimizer": optimizer, "total": total}
+
+
+def _hidden(hf_config) -> int:
+    from shardtune.telemetry.metrics import _first
+
+    return _first(hf_config, "hidden_size", "n_embd", "d_model") or 0

@@ -1,0 +1,102 @@
+"""What a fake-tensor trace on CPU cannot run as the GPU run would, priced as that run holds it:
+
+- low-precision optimizer state: torchao's step is torch.compile'd per parameter and cannot run
+  on fake tensors, so the step is traced with fp32 moments, and each precision's state is
+  counted per parameter shard from torchao's own buffers (`_new_buffer`, made on the meta
+  device: codes, block scales, lookup table, and the fp32 fallback for small tensors);
+- activation offloading: on CUDA the saved activations go to host memory in forward and come
+  back in backward; a CPU trace moves nothing, so saved-tensor hooks move them to a host account
+  of the tracker (the device copy is released, a fresh one allocated when backward unpacks it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+from torch import nn
+
+
+def state_bytes(model) -> dict[str, int]:
+    """{"state_<precision>": bytes of AdamW's moments on this rank} for each precision this
+    install can run: its trainable parameters' local shards, each as the optimizer keeps it."""
+    shards = [p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+              for p in model.parameters() if p.requires_grad]
+    return {f"state_{precision}": sum(_per_shard(precision, n) for n in shards) for precision in available_states()}
+
+
+@functools.cache
+def available_states() -> tuple[str, ...]:
+    """The optimizer state precisions the planner can price (and train can run): bf16/8bit/4bit
+    need torchao (the `lowbit` extra)."""
+    try:
+        import torchao.optim  # noqa: F401  (its import warnings are quieted in shardtune/__init__.py)
+    except ImportError:
+        return ("fp32",)
+    return ("fp32", "bf16", "8bit", "4bit")
+
+
+@functools.cache
+def _per_shard(precision: str, numel: int) -> int:
+    """Bytes of both moments (and the step count) of one parameter shard of `numel` values."""
+    if precision == "fp32":  # torch's AdamW: two fp32 moments and a scalar step tensor
+        return 8 * numel + 4
+    from shardtune.config.schema import TrainConfig
+    from shardtune.train.optim import build_optimizer, optimizer_state_bytes
+
+    holder = nn.Linear(1, 1, bias=False, device="meta")
+    optimizer = build_optimizer(holder, TrainConfig(optimizer_state=precision), torch.device("cpu"))
+    shard = torch.empty(numel, device="meta")
+    with _meta_qmaps():
+        optimizer.state[holder.weight] = {"step": torch.tensor(0.0, device="meta"),
+                                          "exp_avg": optimizer._new_buffer(shard, True),
+                                          "exp_avg_sq": optimizer._new_buffer(shard, False)}
+    return optimizer_state_bytes(optimizer)
+
+
+@contextlib.contextmanager
+def _meta_qmaps():
+    """torchao builds its quantization lookup tables from real numbers: make them (cached) first."""
+    from torchao.optim import subclass_4bit, subclass_8bit
+
+    for module in (subclass_8bit, subclass_4bit):
+        module.get_qmap_signed(), module.get_qmap_unsigned()
+    yield
+
+
+class _OnHost:
+    """A saved activation moved to host memory: what backward needs to bring it back."""
+    __slots__ = ("shape", "stride", "dtype", "nbytes")
+
+    def __init__(self, t: torch.Tensor):
+        self.shape, self.stride, self.dtype = t.shape, t.stride(), t.dtype
+        self.nbytes = t.numel() * t.element_size()  # what a copy to the host moves
+
+
+@contextlib.contextmanager
+def offloaded_activations(tracker):
+    """Run `ActivationOffload`'s hooks as on CUDA: what it would move (its own rule: no
+    parameters, nothing under its MIN_BYTES) goes to `tracker`'s host account (`host_bytes`,
+    `host_peak`) and its device tensor is let go; backward's unpack allocates it again. Hooks
+    nest: activation checkpointing's own hooks win inside checkpointed blocks, as in the real run."""
+    from unittest import mock
+
+    from shardtune.distributed.activation_memory import ActivationOffload
+
+    def pack(self, t):
+        if isinstance(t, nn.Parameter) or t.numel() * t.element_size() < self.MIN_BYTES:
+            return t
+        handle = _OnHost(t)
+        tracker.host_bytes += handle.nbytes
+        tracker.host_peak = max(tracker.host_peak, tracker.host_bytes)
+        return handle
+
+    def unpack(self, handle):
+        if not isinstance(handle, _OnHost):
+            return handle
+        tracker.host_bytes -= handle.nbytes
+        return torch.empty_strided(handle.shape, handle.stride, dtype=handle.dtype)
+
+    with mock.patch.object(ActivationOffload, "pack", pack), mock.patch.object(ActivationOffload, "unpack", unpack):
+        yield

@@ -1,0 +1,285 @@
+"""`shardtune sweep --search`: a hyperparameter search with Optuna (TPE or random sampling, a
+pruner on the validation loss) over any config keys. Every trial is a real `shardtune train`
+process, as in the grid sweep (sweep/trial.py), so a crash or an out-of-memory is a failed trial,
+not the end of the search; a pruned trial is killed while it runs. The study lives in a database
+(SQLite in the sweep folder by default, any SQLAlchemy URL for a shared one): a killed search
+resumes with the same command, and several machines can work on one study."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import warnings
+from pathlib import Path
+
+from shardtune.errors import UserError, first_line
+from shardtune.fsio import make_dir, refuse_foreign
+from shardtune.sweep.grid import Sweep
+from shardtune.sweep.trial import run_trial
+
+DISTRIBUTIONS = ("loguniform", "uniform", "int", "logint", "choice")
+SAMPLERS = ("tpe", "random")
+PRUNERS = ("median", "halving", "none")
+OBJECTIVES = {"val_loss": "eval_loss", "eval_loss": "eval_loss", "val_ppl": "eval_ppl", "eval_ppl": "eval_ppl"}
+FINISHED = ("COMPLETE", "PRUNED", "FAIL")  # trial states that count towards --trials
+SEARCH_FILES = ("study.db", "study.db-journal", "search.csv", "search.md", "trials")  # with the plots
+HEARTBEAT_S = 10  # a trial whose worker stopped beating this many x 3 seconds ago is marked failed
+
+
+class TrialFailed(Exception):
+    """A trial that ended without an objective value (crash, out of memory, no validation)."""
+
+
+@dataclasses.dataclass
+class Param:
+    key: str
+    kind: str
+    low: float | int | None = None
+    high: float | int | None = None
+    choices: list[str] | None = None
+
+    def suggest(self, trial):
+        if self.kind == "choice":
+            return trial.suggest_categorical(self.key, self.choices)
+        if self.kind in ("int", "logint"):
+            return trial.suggest_int(self.key, self.low, self.high, log=self.kind == "logint")
+        return trial.suggest_float(self.key, self.low, self.high, log=self.kind == "loguniform")
+
+    def corners(self) -> list[str]:
+        """Values that must all load as a valid config before any trial runs."""
+        return list(self.choices) if self.kind == "choice" else [repr(self.low), repr(self.high)]
+
+    def spec(self) -> str:
+        if self.kind == "choice":
+            return f"choice:{','.join(self.choices)}"
+        return f"{self.kind}:{self.low}:{self.high}"
+
+
+@dataclasses.dataclass
+class Search:
+    space: list[Param]
+    trials: int = 20
+    objective: str = "val_loss"
+    sampler: str = "tpe"
+    pruner: str = "median"
+    storage: str | None = None  # default: sqlite:///OUT/study.db
+    study_name: str | None = None  # default: the sweep folder's name
+    seed: int = 0
+
+    def spec(self) -> dict:
+        """What must match for a rerun (or another machine) to join the study."""
+        return {"space": {p.key: p.spec() for p in self.space}, "objective": OBJECTIVES[self.objective]}
+
+
+def parse_param(text: str) -> Param:
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    kind, _, rest = raw.partition(":")
+    example = "--search train.lr=loguniform:1e-5:1e-3 (or uniform/int/logint:LOW:HIGH, choice:A,B,C)"
+    if not sep or not key or kind not in DISTRIBUTIONS:
+        raise UserError(f"--search {text!r}: " + (f"unknown distribution {kind!r}; " if sep and key and kind else "")
+                        + f"write it like {example}")
+    if key in ("output_dir", "resume"):
+        raise UserError(f"--search {key} is set by the sweep for each trial; search other keys")
+    if kind == "choice":
+        choices = [c.strip() for c in rest.split(",")]
+        if len(choices) < 2 or "" in choices or len(set(choices)) < len(choices):
+            raise UserError(f"--search {text!r}: choice needs two or more different values, e.g. choice:8,16,32")
+        return Param(key, kind, choices=choices)
+    bounds = rest.split(":")
+    number = int if kind in ("int", "logint") else float
+    try:
+        low, high = (number(b) for b in bounds) if len(bounds) == 2 else (None, None)
+    except ValueError:
+        low = high = None
+    if low is None or not (math.isfinite(low) and math.isfinite(high)):
+        raise UserError(f"--search {text!r}: {kind} needs two {number.__name__} bounds LOW:HIGH; write it like "
+                        f"{example}")
+    if low >= high:
+        raise UserError(f"--search {text!r}: LOW must be below HIGH")
+    if kind.startswith("log") and low <= 0:
+        raise UserError(f"--search {text!r}: a log scale needs LOW > 0")
+    return Param(key, kind, low, high)
+
+
+def parse_space(texts: list[str]) -> list[Param]:
+    space = [parse_param(t) for t in texts]
+    keys = [p.key for p in space]
+    for key in keys:
+        if keys.count(key) > 1:
+            raise UserError(f"--search {key} is given twice; give each key one distribution")
+    return space
+
+
+def make_sampler(search: Search):
+    import optuna
+
+    if search.sampler == "random":
+        return optuna.samplers.RandomSampler(seed=search.seed)
+    return optuna.samplers.TPESampler(seed=search.seed, n_startup_trials=min(10, max(2, search.trials // 3)))
+
+
+def make_pruner(search: Search):
+    import optuna
+
+    if search.pruner == "none":
+        return optuna.pruners.NopPruner()
+    if search.pruner == "halving":
+        return optuna.pruners.SuccessiveHalvingPruner()
+    return optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=0)
+
+
+def check(sweep: Sweep, search: Search) -> None:
+    """Everything that can be refused before a trial starts."""
+    if search.trials < 1:
+        raise UserError(f"--trials must be at least 1, got {search.trials}")
+    if search.objective not in OBJECTIVES:
+        raise UserError(f"unknown --objective {search.objective!r}; choose from {', '.join(OBJECTIVES)}")
+    if search.sampler not in SAMPLERS:
+        raise UserError(f"unknown --sampler {search.sampler!r}; choose from {', '.join(SAMPLERS)}")
+    if search.pruner not in PRUNERS:
+        raise UserError(f"unknown --pruner {search.pruner!r}; choose from {', '.join(PRUNERS)}")
+    if not search.space:
+        raise UserError("nothing to search; give --search KEY=DISTRIBUTION:LOW:HIGH")
+    if sweep.steps < 1 or (sweep.eval_steps is not None and not 1 <= sweep.eval_steps <= sweep.steps):
+        raise UserError("--search needs --steps >= 1 and 1 <= --eval-steps <= --steps (the validation loss "
+                        "the pruner watches is taken every --eval-steps)")
+    for word in sweep.overrides:
+        if word.partition("=")[0].strip() in ("output_dir", "resume"):
+            raise UserError(f"{word!r}: the sweep sets output_dir and resume for each trial; use --out for the sweep")
+    sweep.config({})  # the recipe and overrides alone: their errors are not the search space's
+    for param in search.space:
+        for value in param.corners():
+            try:
+                cfg = sweep.config({param.key: value})
+            except UserError as exc:
+                raise UserError(f"--search {param.key}={value}: {exc}") from None
+    from shardtune.config.load import check_world
+
+    check_world(cfg, sweep.nproc)
+
+
+def open_study(sweep: Sweep, search: Search):
+    """The study in its storage (created, or joined when it exists with the same spec)."""
+    import optuna
+
+    url = search.storage or f"sqlite:///{(sweep.out / 'study.db').resolve()}"
+    try:
+        with warnings.catch_warnings():  # heartbeats are "experimental" in optuna; the warning is noise here
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            storage = optuna.storages.RDBStorage(url, heartbeat_interval=HEARTBEAT_S, grace_period=3 * HEARTBEAT_S)
+    except Exception as exc:  # noqa: BLE001  sqlalchemy's many errors for a URL it cannot open
+        raise UserError(f"cannot open --storage {url!r} ({first_line(exc, 160)}); give a SQLAlchemy URL such as "
+                        "sqlite:///study.db or postgresql://host/db") from None
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    # its warnings through logging's last resort, which writes to the stderr of the moment, not
+    # to the one optuna's own handler kept from when it was made
+    optuna.logging.disable_default_handler()
+    name = search.study_name or sweep.out.resolve().name
+    study = optuna.create_study(study_name=name, storage=storage, load_if_exists=True, direction="minimize",
+                                sampler=make_sampler(search), pruner=make_pruner(search))
+    spec = {**search.spec(), "trial": sweep.spec()}
+    saved = study.user_attrs.get("spec")
+    if saved is None:
+        study.set_user_attr("spec", json.loads(json.dumps(spec)))
+    elif saved != json.loads(json.dumps(spec)):
+        changed = [k for k in spec if saved.get(k) != spec[k]] or ["settings"]
+        raise UserError(f"study {name!r} in {url} was searched with another {', '.join(changed)}; rerun its own "
+                        "command to continue it, or give this one another --out or --study-name")
+    return study
+
+
+def reporter(trial, key: str):
+    """`watch` for run_trial: report each new validation value to the pruner; True = stop."""
+    seen = set()
+
+    def watch(folder: Path) -> bool:
+        for row in metrics_so_far(folder):
+            step = row.get("step")
+            if key in row and isinstance(step, int) and step > 0 and step not in seen:
+                seen.add(step)
+                trial.report(row[key], step)
+                if trial.should_prune():
+                    return True
+        return False
+
+    return watch
+
+
+def metrics_so_far(folder: Path) -> list[dict]:
+    """The rows of a running trial's metrics.jsonl (a line still being written is left out)."""
+    path = folder / "metrics.jsonl"
+    rows = []
+    try:
+        text = path.read_text()
+    except OSError:
+        return rows
+    for line in text.splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return rows
+
+
+def objective_of(sweep: Sweep, search: Search, cap):
+    import optuna
+
+    key = OBJECTIVES[search.objective]
+
+    def objective(trial) -> float:
+        point = {p.key: str(p.suggest(trial)) for p in search.space}
+        record = run_trial(sweep, point, f"trial-{trial.number:04d}", cap, watch=reporter(trial, key))
+        trial.set_user_attr("record", json.loads(json.dumps(record, default=str)))
+        print(f"  trial {trial.number}: {' '.join(f'{k}={v}' for k, v in point.items())} -> "
+              f"{record['status']}" + (f" ({record['note']})" if record.get("note") else ""), flush=True)
+        if record["status"] == "pruned":
+            raise optuna.TrialPruned()
+        if record["status"] != "ok":
+            raise TrialFailed(record.get("note") or record["status"])
+        values = [r[key] for r in metrics_so_far(sweep.out / "trials" / record["name"]) if key in r]
+        if not values:
+            raise TrialFailed(f"the trial logged no {key}; does the data have a validation split?")
+        print(f"    {key} = {values[-1]:.4f}", flush=True)
+        return float(values[-1])
+
+    return objective
+
+
+def finished(study) -> int:
+    return sum(1 for t in study.get_trials(deepcopy=False) if t.state.name in FINISHED)
+
+
+def run_search(sweep: Sweep, search: Search) -> Path:
+    """Validate everything, open (or join) the study, run trials until it has --trials finished
+    ones, write the outputs."""
+    from shardtune.distributed.process_group import check_nproc, resolve_device
+    from shardtune.sweep.search_report import write_search_outputs
+
+    try:
+        import optuna
+    except ImportError:
+        raise UserError("--search needs the 'optuna' package: pip install 'shardtune[tune]'") from None
+    check(sweep, search)
+    device = sweep.config({}).device
+    check_nproc(sweep.nproc, device)
+    sweep.device = resolve_device(device).type
+    # continue a search, start one in a new or empty folder; never write into a run's or a user's folder
+    refuse_foreign(sweep.out, "--out", "a search's", lambda name: name in SEARCH_FILES or name.endswith(".png"))
+    make_dir(sweep.out)
+    study = open_study(sweep, search)
+    done = finished(study)
+    print(f"search: {search.trials} trial(s) of {', '.join(p.key for p in search.space)} ({search.sampler}, "
+          f"pruner {search.pruner}) on {sweep.nproc} {sweep.device} rank(s), {sweep.steps} steps each -> "
+          f"{sweep.out}" + (f" ({done} already finished)" if done else ""), flush=True)
+    cap = sweep.mem_limit if sweep.device == "cpu" else None
+    try:
+        if done < search.trials:
+            stop = optuna.study.MaxTrialsCallback(search.trials, states=tuple(
+                getattr(optuna.trial.TrialState, s) for s in FINISHED))
+            study.optimize(objective_of(sweep, search, cap), n_trials=search.trials - done, catch=(TrialFailed,),
+                           callbacks=[stop], gc_after_trial=False)
+    finally:  # also after an interrupt: what is done is written
+        out = write_search_outputs(sweep, search, study, OBJECTIVES[search.objective])
+    return out

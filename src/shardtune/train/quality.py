@@ -1,0 +1,231 @@
+"""`shardtune eval MODEL --generate N`: what the model generates for N prompts of a dataset split,
+scored against the references (ROUGE, BLEU, chrF; MAUVE as an extra) and on its own (diversity,
+degeneration); with --compare BASE the base model on the same prompts, side by side. The prompts
+are the prompt part of instruct/chat examples (rendered as training renders them) or the first K
+tokens of text documents, whose next tokens are the reference. Numbers and every generation go to
+a JSON file that `shardtune report` draws."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+from shardtune.checkpoint.loading import load_model
+from shardtune.errors import UserError
+from shardtune.fsio import make_dir, write_text_atomic
+from shardtune.train import textscores
+from shardtune.train.evaluate import generate
+
+SHOWN_EXAMPLES = 3  # example generations in the printed table (the JSON has all)
+
+
+@dataclasses.dataclass
+class QualityRequest:
+    """What `shardtune eval --generate` runs (cli/eval.py builds it from the flags)."""
+    model: str  # HF folder or hub id, run folder, or checkpoint folder
+    generate: int  # prompts to generate for
+    data: str | None = None  # dataset; None: the run's validation documents
+    data_name: str | None = None
+    split: str | None = None
+    text_field: str = "text"
+    format: str | None = None  # text, instruct or chat; None: the run's data.format, else text
+    prompt_tokens: int = 32  # text documents: the prompt's length in tokens
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 0.9
+    seed: int = 0
+    micro_batch_size: int = 8  # prompts per generate call
+    metrics: str = ",".join(textscores.DEFAULT_METRICS)
+    mauve_featurizer: str | None = None
+    compare: str | None = None  # a base model on the same prompts
+    out: str | None = None  # the JSON file; None: RUN/generation.json, else ./generation.json
+    device: str = "auto"
+
+
+@dataclasses.dataclass
+class Example:
+    prompt: str
+    reference: str
+    prompt_ids: list[int]  # in the tokenizer of the evaluated model
+
+
+def check_request(req: QualityRequest) -> list[str]:
+    """Everything about the options that can be refused before a model is loaded; the metrics."""
+    if req.generate < 1:
+        raise UserError(f"--generate must be at least 1 prompt, got {req.generate}")
+    if req.prompt_tokens < 1:
+        raise UserError(f"--prompt-tokens must be at least 1, got {req.prompt_tokens}")
+    if req.micro_batch_size < 1:
+        raise UserError(f"--micro-batch-size must be at least 1, got {req.micro_batch_size}")
+    if req.temperature < 0 or not 0 < req.top_p <= 1 or req.max_new_tokens < 1:
+        raise UserError("need --temperature >= 0, 0 < --top-p <= 1 and --max-new-tokens >= 1")
+    metrics = textscores.parse_metrics(req.metrics)
+    if "mauve" in metrics and not req.mauve_featurizer:
+        raise UserError("--metrics mauve needs --mauve-featurizer MODEL (a local folder or a downloaded hub id, "
+                        "e.g. gpt2)")
+    return metrics
+
+
+def data_config(req: QualityRequest, run_cfg):
+    """The data to take prompts from: the run's (its format and fields), with --data, --data-name,
+    --text-field and --format overriding."""
+    from shardtune.config.schema import DataConfig
+
+    if req.data is None and run_cfg is None:
+        raise UserError(f"{req.model!r} is not a shardtune checkpoint, so it has no dataset; pass --data PATH")
+    cfg = dataclasses.replace(run_cfg.data) if run_cfg is not None else DataConfig(path=req.data)
+    if req.data is not None:
+        cfg.path, cfg.name = req.data, req.data_name
+        if req.text_field != "text" or run_cfg is None:
+            cfg.text_field = req.text_field
+    if req.format:
+        cfg.format = req.format
+    return cfg
+
+
+def documents(req: QualityRequest, cfg, run_cfg):
+    """The split to prompt from: --split, else the run's own validation documents (the same
+    seeded hold-out as training), else validation/test/train of --data."""
+    from shardtune.data import pipeline as data_lib
+
+    splits = data_lib.load_documents(cfg)
+    if req.split is None and req.data is None:
+        return data_lib.split_documents(cfg, splits, run_cfg.train.seed)[1]
+    split = req.split or next((s for s in ("validation", "test") if s in splits), "train")
+    if split not in splits:
+        raise UserError(f"dataset {cfg.path!r} has no split {split!r}; choose --split from {', '.join(splits)}")
+    return splits[split]
+
+
+def examples(req: QualityRequest, cfg, docs, tokenizer) -> list[Example]:
+    """The first N usable rows of `docs` as prompts and references, in the split's order."""
+    from shardtune.data import formats
+
+    what = f"dataset {cfg.path!r}"
+    out: list[Example] = []
+    if cfg.format == "text":
+        docs, field = formats.render_text(docs, cfg, what)
+        for text in docs[field]:
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            if len(ids) > req.prompt_tokens:  # a document with a continuation to compare with
+                prompt = ids[:req.prompt_tokens]
+                reference = tokenizer.decode(ids[req.prompt_tokens:req.prompt_tokens + req.max_new_tokens])
+                out.append(Example(tokenizer.decode(prompt), reference, prompt))
+            if len(out) == req.generate:
+                break
+    elif cfg.format == "instruct":
+        formats.instruct_fn(cfg, tokenizer, docs.column_names, what)  # checks the columns
+        for row in docs:
+            ids = formats.instruct_prompt_ids(cfg, tokenizer, row)
+            out.append(Example(formats.instruct_prompt(cfg, row), str(formats.as_text(row[cfg.output_field])), ids))
+            if len(out) == req.generate:
+                break
+    else:
+        formats.chat_fn(cfg, tokenizer, docs.column_names, what)  # checks the column and the template
+        for index, value in enumerate(docs[cfg.messages_field]):
+            pair = formats.chat_prompt_and_reply(tokenizer, value, index, cfg.messages_field)
+            if pair is not None:
+                ids = tokenizer(pair[0], add_special_tokens=False)["input_ids"]
+                out.append(Example(pair[0], pair[1], ids))
+            if len(out) == req.generate:
+                break
+    if not out:
+        why = f" longer than --prompt-tokens {req.prompt_tokens}" if cfg.format == "text" else ""
+        raise UserError(f"{what} has no {cfg.format} example{why} to prompt with; check --data/--split"
+                        + (" or lower --prompt-tokens" if why else ""))
+    if len(out) < req.generate:
+        print(f"note: {what} has only {len(out)} usable example(s); scoring those", flush=True)
+    return out
+
+
+def generate_for(spec: str, req: QualityRequest, device: str, prompts: list[Example],
+                 ref_tokenizer) -> tuple[list[str], float]:
+    """(one generation per prompt, seconds) of the model `spec`; a model with another tokenizer
+    than the evaluated one gets the prompt text in its own tokens."""
+    model, tokenizer, _, _ = load_model(spec, device)
+    same = tokenizer.get_vocab() == ref_tokenizer.get_vocab()
+    inputs = [e.prompt_ids if same else e.prompt for e in prompts]
+    start = time.perf_counter()
+    texts = generate(model, tokenizer, inputs, req.max_new_tokens, req.temperature, req.top_p, req.seed,
+                     req.micro_batch_size)
+    return texts, time.perf_counter() - start
+
+
+def run_folder(spec: str) -> Path | None:
+    """The shardtune run folder that `spec` (a run folder, its final/ or one of its checkpoints) is
+    part of, or None."""
+    path = Path(spec).expanduser()
+    for folder in (path, path.parent, path.parent.parent):
+        if (folder / "metrics.jsonl").is_file() and (folder / "config.yaml").is_file():
+            return folder
+    return None
+
+
+def default_out(spec: str) -> Path:
+    """generation.json in the run folder (where `shardtune report RUN` finds it), else in the
+    working folder."""
+    run = run_folder(spec)
+    return run / "generation.json" if run else Path("generation.json")
+
+
+def run_quality(req: QualityRequest) -> dict:
+    """Generate and score; print the table; write the JSON. Returns what it wrote."""
+    from transformers.utils import logging as hf_logging
+
+    from shardtune.distributed.process_group import resolve_device
+
+    metrics = check_request(req)
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    featurizer = textscores.load_featurizer(req.mauve_featurizer) if "mauve" in metrics else None
+    _, tokenizer, _, run_cfg = load_model(req.model, weights=False)
+    if run_cfg is None and (run := run_folder(req.model)) is not None:  # final/ of a run: the run's data
+        from shardtune.config.load import load_config
+
+        run_cfg = load_config(run / "config.yaml")
+    cfg = data_config(req, run_cfg)
+    prompts = examples(req, cfg, documents(req, cfg, run_cfg), tokenizer)
+    device = str(resolve_device(req.device))
+    references = [e.reference for e in prompts]
+    settings = {k: getattr(req, k) for k in ("generate", "prompt_tokens", "max_new_tokens", "temperature", "top_p",
+                                              "seed", "micro_batch_size", "split")}
+    result = {"settings": {**settings, "data": cfg.path, "format": cfg.format, "metrics": metrics,
+                           "prompts": len(prompts)}, "models": {}}
+    generations = {}
+    for role, spec in [("model", req.model)] + ([("base", req.compare)] if req.compare else []):
+        texts, seconds = generate_for(spec, req, device, prompts, tokenizer)
+        generations[role] = texts
+        scores = textscores.score(texts, references, metrics, req.seed, featurizer)
+        result["models"][role] = {"spec": spec, "scores": scores, "generate_s": seconds}
+    result["examples"] = [{"prompt": e.prompt, "reference": e.reference, **{r: g[i] for r, g in generations.items()}}
+                          for i, e in enumerate(prompts)]
+    out = Path(req.out) if req.out else default_out(req.model)
+    make_dir(out.parent)
+    write_text_atomic(out, json.dumps(result, indent=1))
+    print(format_scores(result), flush=True)
+    print(f"generations and scores written to {out}", flush=True)
+    return result
+
+
+def clip(text: str, width: int) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def format_scores(result: dict) -> str:
+    """Scores side by side (base first), then a few example generations."""
+    models = result["models"]
+    roles = [r for r in ("base", "model") if r in models]
+    names = {"base": "base", "model": "fine-tuned" if "base" in models else "model"}
+    keys = list(models["model"]["scores"])
+    lines = [f"{'':14}" + "".join(f"{names[r]:>14}" for r in roles)]
+    lines += [f"{k:14}" + "".join(f"{models[r]['scores'][k]:>14.4f}" for r in roles) for k in keys]
+    lines.append(f"{'generate_s':14}" + "".join(f"{models[r]['generate_s']:>14.2f}" for r in roles))
+    lines += [f"{names[r]}: {models[r]['spec']}" for r in roles]
+    for i, ex in enumerate(result["examples"][:SHOWN_EXAMPLES]):
+        lines += ["", f"--- example {i + 1}", f"prompt     ...{clip(ex['prompt'][-200:], 77)}",
+                  f"reference  {clip(ex['reference'], 80)}"]
+        lines += [f"{names[r]:<11}{clip(ex[r], 80)}" for r in roles]
+    return "\n".join(lines)

@@ -1,0 +1,160 @@
+"""Scores of generated text: against references (ROUGE-1/2/L from `rouge-score`, BLEU and chrF
+from `sacrebleu`), reference-free diversity and degeneration (distinct-n, self-BLEU, repetition
+rate, mean length), and MAUVE where its GPL-licensed extra is installed. Pure functions of the
+texts: the same texts give the same numbers. Nothing here downloads (rouge-score's tokenizer is a
+regular expression, its stemmer is off; sacrebleu's 13a tokenizer needs no data)."""
+
+from __future__ import annotations
+
+import importlib
+import random
+
+from shardtune.errors import UserError
+
+METRICS = ("rouge", "bleu", "chrf", "diversity", "mauve")
+DEFAULT_METRICS = ("rouge", "bleu", "chrf", "diversity")
+SELF_BLEU_SAMPLE = 200  # self-BLEU is quadratic in the generations: scored over a seeded sample of this many
+MAUVE_HINT = "pip install 'shardtune[mauve]' (mauve-text, GPL-licensed)"
+QUALITY_HINT = "pip install 'shardtune[quality]'"
+PACKAGES = {"rouge": ("rouge_score", QUALITY_HINT), "bleu": ("sacrebleu", QUALITY_HINT),
+            "chrf": ("sacrebleu", QUALITY_HINT), "diversity": ("sacrebleu", QUALITY_HINT),  # self-BLEU
+            "mauve": ("mauve", MAUVE_HINT)}
+
+
+def parse_metrics(text: str) -> list[str]:
+    """`rouge,bleu` -> ["rouge", "bleu"], refusing names it does not know."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in METRICS]
+    if unknown or not names:
+        raise UserError(f"unknown metric {unknown[0] if unknown else text!r} in --metrics; choose from "
+                        f"{', '.join(METRICS)}")
+    for name in names:
+        module, hint = PACKAGES[name]
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            raise UserError(f"--metrics {name} needs the {module!r} package: {hint}") from None
+    return list(dict.fromkeys(names))
+
+
+def words(text: str) -> list[str]:
+    return text.split()
+
+
+def ngrams(tokens: list[str], n: int) -> list[tuple]:
+    return [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
+
+
+def rouge(generations: list[str], references: list[str]) -> dict:
+    """Mean ROUGE-1/2/L F-measure, in [0, 1]."""
+    from rouge_score import rouge_scorer
+
+    scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=False)
+    totals = {"rouge1": 0.0, "rouge2": 0.0, "rougeL": 0.0}
+    for gen, ref in zip(generations, references):
+        for key, score in scorer.score(ref, gen).items():
+            totals[key] += score.fmeasure
+    return {k: v / max(len(generations), 1) for k, v in totals.items()}
+
+
+def bleu(generations: list[str], references: list[str]) -> dict:
+    """Corpus BLEU (0-100), sacrebleu's defaults."""
+    from sacrebleu.metrics import BLEU
+
+    return {"bleu": BLEU().corpus_score(generations, [references]).score}
+
+
+def chrf(generations: list[str], references: list[str]) -> dict:
+    from sacrebleu.metrics import CHRF
+
+    return {"chrf": CHRF().corpus_score(generations, [references]).score}
+
+
+def self_bleu(generations: list[str], seed: int = 0) -> float:
+    """Mean BLEU (0-100) of each generation against all the others: high = the outputs look
+    alike. Over a seeded sample of SELF_BLEU_SAMPLE generations when there are more."""
+    from sacrebleu.metrics import BLEU
+
+    texts = [g for g in generations if g.strip()]
+    if len(texts) < 2:
+        return 0.0
+    if len(texts) > SELF_BLEU_SAMPLE:
+        texts = random.Random(seed).sample(texts, SELF_BLEU_SAMPLE)
+    metric = BLEU(effective_order=True)
+    scores = [metric.sentence_score(t, texts[:i] + texts[i + 1:]).score for i, t in enumerate(texts)]
+    return sum(scores) / len(scores)
+
+
+def diversity(generations: list[str], seed: int = 0) -> dict:
+    """distinct-n: unique n-grams over all n-grams of all generations (low = the model says the
+    same things); rep-n: the share of each generation's n-grams that repeat an earlier one of the
+    same generation (high = loops), averaged; mean length in words; the share of empty outputs."""
+    tokens = [words(g) for g in generations]
+    out = {}
+    for n in (1, 2, 3):
+        grams = [g for t in tokens for g in ngrams(t, n)]
+        out[f"distinct_{n}"] = len(set(grams)) / len(grams) if grams else 0.0
+    reps = []
+    for t in tokens:
+        grams = ngrams(t, 4)
+        if grams:
+            reps.append(1 - len(set(grams)) / len(grams))
+    out["rep_4"] = sum(reps) / len(reps) if reps else 0.0
+    out["self_bleu"] = self_bleu(generations, seed)
+    out["mean_words"] = sum(map(len, tokens)) / max(len(tokens), 1)
+    out["empty_rate"] = sum(1 for t in tokens if not t) / max(len(tokens), 1)
+    return out
+
+
+def load_featurizer(name: str):
+    """(model, tokenizer) of a MAUVE featurizer from a local folder or the local hub cache only:
+    a hub id not downloaded yet is refused, never fetched."""
+    from transformers import AutoModel, AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(name, local_files_only=True)
+        model = AutoModel.from_pretrained(name, local_files_only=True).eval()
+    except (OSError, ValueError):
+        raise UserError(f"MAUVE featurizer {name!r} is not available offline; give a local model folder, or "
+                        f"fetch it first with `shardtune download model:{name}`") from None
+    return model, tok
+
+
+def featurize(texts: list[str], featurizer, max_tokens: int = 256):
+    """One vector per text: the featurizer's last hidden state at the text's last token."""
+    import torch
+
+    model, tok = featurizer
+    rows = []
+    with torch.no_grad():
+        for text in texts:
+            ids = tok(text or (tok.eos_token or " "), return_tensors="pt", truncation=True,
+                      max_length=max_tokens).input_ids
+            rows.append(model(input_ids=ids).last_hidden_state[0, -1].float())
+    return torch.stack(rows).numpy()
+
+
+def mauve_score(generations: list[str], references: list[str], featurizer, seed: int = 0) -> dict:
+    import mauve
+
+    result = mauve.compute_mauve(p_features=featurize(references, featurizer),
+                                 q_features=featurize(generations, featurizer), seed=seed, verbose=False)
+    return {"mauve": float(result.mauve)}
+
+
+def score(generations: list[str], references: list[str] | None, metrics: list[str], seed: int = 0,
+          featurizer=None) -> dict:
+    """Every asked metric that applies (reference metrics need references)."""
+    out = {}
+    if references is not None:
+        if "rouge" in metrics:
+            out.update(rouge(generations, references))
+        if "bleu" in metrics:
+            out.update(bleu(generations, references))
+        if "chrf" in metrics:
+            out.update(chrf(generations, references))
+        if "mauve" in metrics:
+            out.update(mauve_score(generations, references, featurizer, seed))
+    if "diversity" in metrics:
+        out.update(diversity(generations, seed))
+    return out

@@ -1,0 +1,325 @@
+"""Property-based search for bad input that escapes as a traceback (Hypothesis).
+
+Over the command line and the input files: `key=value` overrides of every config key (read from
+the schema) with values of the wrong type, out of range, NaN/inf, huge or empty; options of every
+command; corrupted recipes, data files, model folders (config.json) and checkpoints (meta.json).
+For every run: exit 0 or 2, never a traceback, at most two lines on stderr, and no file that
+existed before changed. Runs in-process; most inputs stop at config load, before torch work.
+
+CI runs a few examples per property with a fixed seed (derandomized); for a longer search:
+    SHARDTUNE_FUZZ_EXAMPLES=2000 python -m pytest -q -p no:cacheprovider tests/e2e/test_fuzz.py
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import itertools
+import json
+import os
+import traceback
+import typing
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_errors import TINY_GPT2, library_logs_to_stderr, qs_assets  # noqa: F401 - a shared fixture
+
+from conftest import AGENT_VARS
+from shardtune.cli.main import main
+from shardtune.config.schema import RunConfig
+from shardtune.errors import EXIT_USAGE
+
+EXAMPLES = int(os.environ.get("SHARDTUNE_FUZZ_EXAMPLES", "0"))
+settings.register_profile("ci", derandomize=True, deadline=None, database=None, print_blob=True,
+                          suppress_health_check=list(HealthCheck))
+settings.load_profile("ci")
+
+
+def examples(ci: int) -> settings:
+    """`ci` examples in the suite; SHARDTUNE_FUZZ_EXAMPLES for a longer search (a share of it per property)."""
+    return settings(max_examples=max(ci, EXAMPLES * ci // 40) if EXAMPLES else ci)
+
+
+def config_keys(cls=RunConfig, prefix: str = "") -> list[str]:
+    """Every dotted key of the schema, walked from the dataclasses (a new key is fuzzed by itself)."""
+    keys = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            keys += config_keys(hints[f.name], prefix + f.name + ".")
+        elif f.name != "recipe":
+            keys.append(prefix + f.name)
+    return keys
+
+
+ODD_VALUES = ["", " ", "nan", ".nan", ".inf", "-.inf", "1e309", "-1", "0", "-0.0", "1", "2", str(2 ** 63),
+              str(2 ** 64), str(-2 ** 63 - 1), "9" * 400, "1e-320", "true", "null", "~", "[]", "{}", "[1, 2]",
+              "[.nan]", "{a: 1}", "{1: 2}", "[[[[[]]]]]", "&a [*a, *a]", "'", "\"", "{", "[", "a\nb", "x" * 300,
+              "{x:10000000000}", "{0}", "{x!z}", "../..", "/dev/null", "-", "--help", "a=b", "!!python/none ''",
+              "{model_type: t5}", "{model_type: gpt2, n_head: 3}", "{model_type: gpt2, n_embd: .nan}"]
+TEXT = st.text(st.characters(exclude_categories=("Cs",)), max_size=12)
+VALUES = st.one_of(st.sampled_from(ODD_VALUES), st.integers(-2 ** 70, 2 ** 70).map(str),
+                   st.floats().map(repr), TEXT)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, qs_assets):
+    """The setup, with the environment of a lone offline process run from its folder."""
+    root = tmp_path_factory.mktemp("fuzz")
+    with pytest.MonkeyPatch.context() as mp:
+        for name in AGENT_VARS:
+            mp.delenv(name, raising=False)
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setenv("HF_DATASETS_CACHE", str(root / "hf-datasets"))
+        import datasets
+
+        mp.setattr(datasets.config, "HF_DATASETS_CACHE", str(root / "hf-datasets"))
+        mp.chdir(root)
+        yield FuzzWorld.build(root, qs_assets)
+
+
+@examples(60)
+@given(overrides=st.lists(st.tuples(st.sampled_from(config_keys()), VALUES), min_size=1, max_size=3))
+def test_overrides_of_every_key(world, overrides):
+    """`slurm` loads and validates the whole config and stops: the config path without torch."""
+    words = [f"{key}={value}" for key, value in overrides]
+    run_and_check(world, ["slurm", world.recipe, *words, "--nodes", "1", "--gpus-per-node", "1"])
+
+
+OPTIONS = {
+    "eval": ["--seq-len", "--micro-batch-size", "--max-batches", "--text-field", "--split", "--data"],
+    "generate": ["--max-new-tokens", "--temperature", "--top-p", "--seed", "--prompt", "--prompts-file"],
+    "plan": ["--gpus", "--nodes", "--gpu", "--gpu-mem", "--host-mem", "--peak-tflops", "--bandwidth",
+             "--inter-node-bandwidth", "--margin"],
+    "slurm": ["--nodes", "--gpus-per-node", "--time", "--signal-lead", "--partition", "--job-name"],
+    "sweep": ["--steps", "--eval-steps", "--nproc", "--mem-limit", "--grid"],
+    "export": ["--max-shard-size"],
+    "train": ["--nproc"],
+    "report": ["--out"],
+}
+
+
+@examples(40)
+@given(command=st.sampled_from(sorted(OPTIONS)), data=st.data())
+def test_options_of_every_command(world, command, data):
+    """A bad option value is refused while parsing (exit 2, one line) before the command starts."""
+    option = data.draw(st.sampled_from(OPTIONS[command]))
+    value = data.draw(VALUES.filter(lambda v: not v.startswith("-") or v in ("-1", "-0.0", "-.inf")))
+    argv = world.command_line(command, [option, value])
+    run_and_check(world, argv)
+
+
+def corruptions(text: bytes) -> st.SearchStrategy[bytes]:
+    """Truncations, random bytes spliced in, duplicated lines, wrong JSON types, random files."""
+    n = len(text)
+    cut = st.integers(0, n).map(lambda i: text[:i])
+    splice = st.tuples(st.integers(0, n), st.binary(min_size=1, max_size=8)).map(
+        lambda t: text[:t[0]] + t[1] + text[t[0]:])
+    lines = text.splitlines(keepends=True)
+    dup = st.integers(0, max(len(lines) - 1, 0)).map(lambda i: b"".join(lines[:i + 1] + lines[i:]))
+    swap = st.sampled_from([b"[]", b"5", b"null", b'"text"', b"{}", b"{\"a\": NaN}", b"[" * 5000, b"\xff\xfe"])
+    return st.one_of(cut, splice, dup, swap, st.binary(max_size=64))
+
+
+@examples(30)
+@given(data=st.data())
+def test_corrupt_recipes(world, data):
+    text = data.draw(corruptions(Path(world.recipe).read_bytes()))
+    path = world.scratch_file("recipe.yaml", text)
+    run_and_check(world, ["slurm", str(path), "--nodes", "1", "--gpus-per-node", "1"])
+
+
+@examples(8)
+@given(data=st.data())
+def test_corrupt_model_folders(world, data):
+    """config.json of a model folder damaged: `plan` reads it (and builds the model on meta) first."""
+    text = data.draw(corruptions(world.model_config))
+    folder = world.scratch_folder("model", {"config.json": text})
+    run_and_check(world, ["plan", world.recipe, f"model.name_or_path={folder}", "model.random_init=true",
+                          "--gpus", "1", "--gpu", "T4"])
+
+
+@examples(8)
+@given(name=st.sampled_from(["meta.json", "config.json", ".metadata", "tokenizer/tokenizer.json"]), data=st.data())
+def test_corrupt_checkpoints(world, name, data):
+    """One file of a real checkpoint damaged, then `export` (a whole one exports in about a second)."""
+    import shutil
+
+    folder = world.fresh_path("step-1")
+    shutil.copytree(world.checkpoint, folder)
+    (folder / name).write_bytes(data.draw(corruptions((folder / name).read_bytes())))
+    run_and_check(world, ["export", str(folder), str(world.fresh_path("exported"))])
+
+
+@examples(3)
+@given(data=st.data())
+def test_corrupt_data_files(world, data):
+    """A damaged training file: refused with one line, or trained on for one step."""
+    text = data.draw(st.one_of(corruptions(world.data_text), st.sampled_from(world.odd_data)))
+    path = world.scratch_file("train.jsonl", text)
+    run_and_check(world, ["train", world.recipe, f"data.path={path}", f"output_dir={world.fresh_path('run')}"])
+
+
+@examples(4)
+@given(name=st.sampled_from(["metrics.jsonl", "sweep.json"]), data=st.data())
+def test_corrupt_run_files(world, name, data):
+    """A run's metrics.jsonl damaged, then `report`; a sweep's sweep.json damaged, then the same sweep
+    again (whole, it has every trial done: only the outputs are rewritten)."""
+    import shutil
+
+    folder = world.fresh_path("run")
+    shutil.copytree(world.sweep_out, folder)
+    (folder / name).write_bytes(data.draw(corruptions((folder / name).read_bytes())))
+    if name == "metrics.jsonl":
+        run_and_check(world, ["report", str(folder), "--out", str(world.fresh_path("report"))])
+    else:
+        run_and_check(world, ["sweep", world.recipe, *world.sweep_args, "--out", str(folder)])
+
+
+def test_the_checks_see_a_traceback(world):
+    """The property can fail: an exception that escapes main is reported, not swallowed."""
+    with pytest.raises(AssertionError, match="escaped"):
+        run_and_check(world, ["report", str(world.root / "x")], main=lambda argv: 1 / 0)
+
+
+def test_schema_walk_sees_every_key():
+    keys = config_keys()
+    assert {"train.lr", "data.template", "checkpoint.async_save", "model.config", "output_dir"} <= set(keys)
+    assert len(keys) == len(set(keys)) > 80
+
+
+# ----------------------------------------------------------------------------- the world and the check
+
+
+class FuzzWorld:
+    """A tiny valid setup (recipe, data, model config, checkpoint meta) that the properties damage,
+    and scratch space for each example's files."""
+
+    def __init__(self, root: Path, recipe: str, data_text: bytes, model_config: bytes, meta_json: bytes):
+        self.root, self.recipe, self.data_text = root, recipe, data_text
+        self.model_config, self.meta_json = model_config, meta_json
+        self.counter = itertools.count()
+        rows = [{"text": 5}, {"text": None}, {"text": ""}, {"text": {"a": "b"}}, {"text": [1, 2]}, {"other": "x"}]
+        self.odd_data = [b"".join(json.dumps(row).encode() + b"\n" for _ in range(40)) for row in rows]
+
+    @classmethod
+    def build(cls, root: Path, assets: dict) -> FuzzWorld:
+        from transformers import AutoConfig
+        data_text = b"".join(Path(assets["train"]).read_bytes().splitlines(keepends=True)[:60])
+        tree = {"model": {"tokenizer": assets["tokenizer"], "config": dict(TINY_GPT2)},
+                "data": {"path": assets["train"], "seq_len": 32},
+                "train": {"micro_batch_size": 2, "global_batch_size": 4, "max_steps": 1, "lr": 1e-3},
+                "eval": {"max_batches": 1, "at_start": False}, "log": {"progress": False, "every_steps": 1},
+                "save_final": False}
+        recipe = root / "tiny.yaml"
+        recipe.write_text(yaml.safe_dump(tree, sort_keys=False))
+        gpt2 = dict(TINY_GPT2)
+        model_config = AutoConfig.for_model(gpt2.pop("model_type"), **gpt2).to_json_string().encode()
+        from shardtune.config.load import load_config
+
+        meta = {"format": 2, "step": 1, "world_size": 1, "config": load_config(str(recipe)).to_dict(),
+                "train_state": {"step": 1, "tokens_seen": 128.0}}
+        world = cls(root, str(recipe), data_text, model_config, json.dumps(meta).encode())
+        world.checkpoint = world.make_checkpoint(assets["tokenizer"])
+        world.sweep_out = world.make_sweep_folder()
+        return world
+
+    sweep_args = ["--grid", "precision=fp32", "--steps", "1"]
+
+    def make_sweep_folder(self) -> Path:
+        """A finished one-trial sweep's state (sweep.json) and a run's metrics.jsonl, in one folder."""
+        from shardtune.sweep.grid import Sweep, parse_grid
+
+        folder = self.root / "finished-sweep"
+        folder.mkdir()
+        sweep = Sweep(self.recipe, [], parse_grid(self.sweep_args[1:2]), steps=1)
+        record = {"name": "precision-fp32", "point": {"precision": "fp32"}, "micro_batch": 2, "seconds": 3.0,
+                  "exit_code": 0, "status": "ok", "tokens_per_s": 900.0, "step_time_s": 0.1, "accumulation": 2,
+                  "mem_rss_gib": 0.5, "mem_live_gib": 0.01, "predicted_gib": None}
+        (folder / "sweep.json").write_text(json.dumps({"spec": sweep.spec(), "trials": {record["name"]: record}}))
+        rows = [{"step": s, "loss": 5.0 - s / 10, "lr": 1e-3, "tokens_per_s": 900.0, "time": s * 0.1}
+                for s in range(1, 6)]
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return folder
+
+    def make_checkpoint(self, tokenizer: str) -> Path:
+        """A real one-process DCP checkpoint of the tiny model, as `export` reads it."""
+        import shutil
+        import warnings
+
+        import torch.distributed.checkpoint as dcp
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        folder = self.root / "checkpoint-step-1"
+        hf_config = AutoConfig.from_pretrained(self.scratch_folder("cfg", {"config.json": self.model_config}))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save({"model": AutoModelForCausalLM.from_config(hf_config).state_dict()}, checkpoint_id=folder,
+                     no_dist=True)
+        (folder / "config.json").write_bytes(self.model_config)
+        (folder / "meta.json").write_bytes(self.meta_json)
+        shutil.copytree(tokenizer, folder / "tokenizer")
+        return folder
+
+    def fresh_path(self, name: str) -> Path:
+        return self.root / "scratch" / f"{next(self.counter)}-{name}"
+
+    def scratch_file(self, name: str, data: bytes) -> Path:
+        path = self.fresh_path("f") / name
+        path.parent.mkdir(parents=True)
+        path.write_bytes(data)
+        return path
+
+    def scratch_folder(self, name: str, files: dict[str, bytes]) -> Path:
+        folder = self.fresh_path(name)
+        folder.mkdir(parents=True)
+        for file, data in files.items():
+            (folder / file).write_bytes(data)
+        return folder
+
+    def command_line(self, command: str, extra: list[str]) -> list[str]:
+        """A command with positionals that stop it quickly once its options are accepted: an
+        invalid config value (commands that load one) or a model, checkpoint or run that is not there."""
+        missing, stop = str(self.root / "not-there"), "train.micro_batch_size=0"
+        return {"eval": ["eval", missing], "generate": ["generate", missing, "--prompt", "hi"],
+                "plan": ["plan", self.recipe, stop, "--gpus", "1", "--gpu", "T4"],
+                "slurm": ["slurm", self.recipe, "--nodes", "1", "--gpus-per-node", "1"],
+                "sweep": ["sweep", self.recipe, stop, "--grid", "precision=fp32"],
+                "export": ["export", missing, str(self.fresh_path("x"))], "train": ["train", self.recipe, stop],
+                "report": ["report", missing]}[command] + extra
+
+
+def snapshot(root: Path) -> dict:
+    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*") if p.is_file()}
+
+
+def run_and_check(world: FuzzWorld, argv: list[str], must_fail: bool = False, main=main) -> int:
+    """Run `shardtune argv` in-process and assert the property: exit 0 or 2 (2 when `must_fail`),
+    no traceback, at most two lines on stderr, no file that existed before changed."""
+    before = snapshot(world.root)
+    err, out = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out), library_logs_to_stderr():
+            rc = main(argv)
+    except BaseException as exc:  # noqa: BLE001 - anything escaping main is the finding
+        raise AssertionError(f"escaped main for {argv!r}: {type(exc).__name__}\n{traceback.format_exc()}") from None
+    finally:
+        import torch
+
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    lines = [line for line in err.getvalue().splitlines() if line.strip()]
+    assert rc in ((EXIT_USAGE,) if must_fail else (0, EXIT_USAGE)), f"rc={rc} for {argv!r}: {err.getvalue()}"
+    assert "Traceback" not in err.getvalue(), f"{argv!r}: {err.getvalue()}"
+    assert len(lines) <= 2, f"{len(lines)} lines on stderr for {argv!r}:\n{err.getvalue()[:3000]}"
+    changed = [p for p, stamp in before.items() if snapshot_one(Path(p)) != stamp]
+    assert not changed, f"{argv!r} changed {changed[:3]}"
+    return rc
+
+
+def snapshot_one(path: Path):
+    return (path.stat().st_size, path.stat().st_mtime_ns) if path.is_file() else None

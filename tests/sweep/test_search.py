@@ -1,0 +1,133 @@
+"""shardtune sweep --search: a search of real trials whose values are the trials' own validation
+losses; the study logic (TPE over 6 trials, pruning, resuming past a killed worker's trial,
+outputs) on stand-in trials that write metrics.jsonl as training does; stopping a running trial;
+bad input refused before any trial."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import tiny_overrides
+from shardtune.cli.main import main
+from shardtune.sweep import search as search_lib
+from shardtune.sweep.trial import _wait
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def overrides(assets, tmp_path) -> list[str]:
+    return [w for w in tiny_overrides(assets, tmp_path / "unused") if not w.startswith("output_dir=")]
+
+
+def csv_rows(out: Path) -> list[dict]:
+    with open(out / "search.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def test_a_search_trial_is_a_real_train_run(assets, tmp_path, capsys, monkeypatch):
+    """One real trial (each costs a process start): its value is the validation loss its train
+    process logged. The search logic over many trials is tested on stand-in trials below."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the trial process inherits it: 2 shared cores
+    out = tmp_path / "search"
+    code = main(["sweep", *overrides(assets, tmp_path), "--search", "train.lr=loguniform:1e-5:3e-2", "--trials", "1",
+                 "--pruner", "none", "--steps", "2", "--out", str(out)])
+    assert code == 0, capsys.readouterr().err
+    (row,) = csv_rows(out)
+    logged = [json.loads(line) for line in (out / "trials" / "trial-0000" / "metrics.jsonl").read_text().splitlines()]
+    assert row["state"] == "complete" and row["last_step"] == "2"
+    assert float(row["value"]) == pytest.approx([x["eval_loss"] for x in logged if "eval_loss" in x][-1])
+    assert f"train.lr={row['train.lr']}" in (out / "search.md").read_text()  # the ready command line
+
+
+def fake_trials(monkeypatch, calls: list):
+    """run_trial as a stand-in: metrics.jsonl rows like a training run's, validation loss every 2
+    steps falling faster the closer log10(lr) is to -2.5; the watch reads them as it reads a live run's."""
+
+    def run_trial(sweep, point, name, cap, micro_batch=None, watch=None):
+        calls.append(name)
+        folder = sweep.out / "trials" / name
+        folder.mkdir(parents=True, exist_ok=True)
+        lr = float(point["train.lr"])
+        with open(folder / "metrics.jsonl", "w") as f:
+            for step in range(2, sweep.steps + 1, 2):
+                f.write(json.dumps({"step": step, "eval_loss": 5 + (math.log10(lr) + 2.5) ** 2 - 0.1 * step}) + "\n")
+        pruned = watch(folder)
+        return {"name": name, "point": point, "seconds": 0.1, "exit_code": 0,
+                "status": "pruned" if pruned else "ok", **({"note": "stopped early"} if pruned else {})}
+
+    monkeypatch.setattr(search_lib, "run_trial", run_trial)
+
+
+def test_study_prunes_resumes_and_draws(assets, tmp_path, monkeypatch, capsys):
+    calls = []
+    fake_trials(monkeypatch, calls)
+    out = tmp_path / "search"
+    argv = ["sweep", *overrides(assets, tmp_path), "--search", "train.lr=loguniform:1e-5:1e-1", "--steps", "8",
+            "--eval-steps", "2", "--out", str(out)]
+    assert main([*argv, "--trials", "3"]) == 0  # a search stopped after 3 trials
+    import optuna
+
+    study = optuna.load_study(study_name="search", storage=f"sqlite:///{out / 'study.db'}")
+    study.ask()  # a worker killed mid-trial leaves its trial RUNNING
+    before = {t.number: (t.params, t.value) for t in study.get_trials() if t.state.name == "COMPLETE"}
+    assert main([*argv, "--trials", "6"]) == 0
+    assert len(calls) == 6 and len(set(calls)) == 6  # the first 3 were not run again
+    study = optuna.load_study(study_name="search", storage=f"sqlite:///{out / 'study.db'}")
+    states = [t.state.name for t in study.get_trials()]
+    assert sum(s in ("COMPLETE", "PRUNED") for s in states) == 6 and states.count("RUNNING") == 1
+    assert "PRUNED" in states  # the median pruner stopped a trial that was worse at the same step
+    assert {t.number: (t.params, t.value) for t in study.get_trials() if t.number in before} == before
+    complete = [t.value for t in study.get_trials() if t.state.name == "COMPLETE"]
+    assert study.best_value == min(complete) < max(complete)
+    for stem in ("history", "importance", "param-train_lr"):
+        assert (out / f"{stem}.png").read_bytes()[:8] == PNG
+    assert "best: trial" in (out / "search.md").read_text()
+    assert len(csv_rows(out)) == 7
+    # the same folder with another search space is another study: refused
+    capsys.readouterr()
+    assert main([*argv[:-4], "--search", "train.warmup_steps=int:0:3", "--out", str(out)]) == 2
+    assert "another space" in capsys.readouterr().err
+
+
+def test_search_without_optuna_names_its_extra(assets, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "optuna", None)  # as if not installed
+    code = main(["sweep", *overrides(assets, tmp_path), "--search", "train.lr=uniform:0.1:0.2", "--out",
+                 str(tmp_path / "s")])
+    assert code == 2 and "pip install 'shardtune[tune]'" in capsys.readouterr().err
+
+
+def test_a_pruned_trial_process_is_stopped(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    start = time.perf_counter()
+    code, pruned = _wait(proc, tmp_path, lambda folder: True)
+    assert pruned and code != 0 and time.perf_counter() - start < 10
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--search", "train.lr=normal:1:2"], "unknown distribution 'normal'"),
+    (["--search", "train.lr=loguniform:0:1e-3"], "LOW > 0"),
+    (["--search", "train.lr=uniform:3:1"], "LOW must be below HIGH"),
+    (["--search", "train.lr=int:a:3"], "two int bounds"),
+    (["--search", "train.nope=uniform:1:2"], "unknown config key 'train.nope'"),
+    (["--search", "train.lr=uniform:0.1:0.2", "--sampler", "grid"], "unknown --sampler 'grid'"),
+    (["--search", "train.lr=uniform:0.1:0.2", "--pruner", "x"], "unknown --pruner 'x'"),
+    (["--search", "train.lr=uniform:0.1:0.2", "--objective", "bleu"], "unknown --objective 'bleu'"),
+    (["--search", "train.lr=uniform:0.1:0.2", "--trials", "0"], "--trials must be at least 1"),
+    (["--search", "train.lr=uniform:0.1:0.2", "--storage", "nosuchdb://x"], "cannot open --storage"),
+    (["--search", "train.lr=uniform:0.1:0.2", "--grid", "train.seed=1,2"], "two kinds of sweep"),
+])
+def test_bad_search_input_is_one_line_before_any_trial(assets, tmp_path, monkeypatch, capsys, extra, needle):
+    calls = []
+    fake_trials(monkeypatch, calls)
+    code = main(["sweep", *overrides(assets, tmp_path), *extra, "--out", str(tmp_path / "s")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and needle in err[0], err
+    assert calls == []

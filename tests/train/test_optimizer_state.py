@@ -1,0 +1,58 @@
+"""train.optimizer_state: torchao's low-precision AdamW moments: their size, an exact resume, and a
+plain exported model. torchao compiles its per-parameter step; on 2 CPU cores that costs a minute
+for a tiny model, so these tests run the same step function eagerly (torch.compile -> identity)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardtune.config.schema import TrainConfig
+from shardtune.train.optim import build_optimizer, optimizer_state_bytes, set_lr
+
+pytest.importorskip("torchao")
+
+
+@pytest.fixture
+def eager_torchao(monkeypatch):
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
+
+
+@pytest.mark.parametrize("state, per_param", [("fp32", 8.0), ("bf16", 4.0), ("8bit", 2.0), ("4bit", 1.0)])
+def test_moment_bytes_per_parameter(eager_torchao, state, per_param):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 256)  # 65,536-value weight (quantized), 256-value bias (kept fp32)
+    opt = build_optimizer(model, TrainConfig(optimizer_state=state, weight_decay=0.1), torch.device("cpu"))
+    before = model.weight.detach().clone()
+    model(torch.randn(4, 256)).square().mean().backward()
+    set_lr(opt, 1e-2)
+    opt.step()
+    assert not torch.equal(before, model.weight)
+    bias_bytes = 2 * 256 * 4
+    weight_bytes = optimizer_state_bytes(opt) - bias_bytes - 4 * (2 if state == "fp32" else 1)  # step counters
+    # block scales (one fp32 per 256 values for 8bit, 128 for 4bit) and the code tables on top
+    assert per_param <= weight_bytes / model.weight.numel() <= per_param * 1.07
+
+
+def test_low_precision_states_resume_exactly_and_export_a_plain_model(eager_torchao, assets, tmp_path, capsys):
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from conftest import losses, tiny_overrides
+    from shardtune.cli.main import main
+    from shardtune.config.load import load_config
+    from shardtune.train.trainer import run
+
+    torch.set_num_threads(1)
+    quiet = {"train.optimizer_state": "8bit", "eval.at_start": "false", "train.max_steps": 4,
+             "checkpoint.every_steps": 2}
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run(load_config(None, tiny_overrides(assets, straight, **quiet)))
+    ckpt = straight / "checkpoints" / "step-000002"
+    run(load_config(None, tiny_overrides(assets, resumed, **{**quiet, "resume": str(ckpt)})))
+    assert losses(resumed) == losses(straight)[2:]  # bit for bit
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    assert main(["export", str(ckpt), str(tmp_path / "hf")]) == 0, capsys.readouterr().err
+    names = set(AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict())
+    assert names == set(AutoModelForCausalLM.from_pretrained(straight / "final").state_dict())

@@ -1,0 +1,184 @@
+"""Generation quality (`shardtune eval --generate`): the scores on texts with known answers,
+batched generation equal to one prompt at a time, prompts rendered as training renders them,
+the same command giving the same numbers, --compare, the report's chart, and bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import TINY
+from shardtune.cli.main import main
+from shardtune.errors import UserError
+from shardtune.train import textscores
+
+pytestmark = pytest.mark.usefixtures("single_thread")  # generation is 5x slower with 2 threads here
+
+
+@pytest.fixture(scope="module")
+def models(assets, tmp_path_factory):
+    """Two tiny random GPT-2 folders with the corpus tokenizer (seed 0 = "model", 1 = "base")."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(assets["tokenizer"])
+    root = tmp_path_factory.mktemp("gen-models")
+    cfg = AutoConfig.for_model(**{**TINY["gpt2"], "vocab_size": len(tok), "bos_token_id": tok.eos_token_id,
+                                  "eos_token_id": tok.eos_token_id})
+    folders = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        folder = root / f"seed{seed}"
+        AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+        tok.save_pretrained(folder)
+        folders.append(folder)
+    return folders
+
+
+@pytest.fixture(scope="module")
+def alpaca(tmp_path_factory) -> Path:
+    """An instruct split with the alpaca column names (instruction, input, output)."""
+    folder = tmp_path_factory.mktemp("alpaca")
+    rows = [{"instruction": f"Name the number after {i}.", "input": "" if i % 2 else f"count {i}",
+             "output": f"The number is {i + 1}."} for i in range(6)]
+    (folder / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return folder
+
+
+def quality(argv: list[str], capsys) -> tuple[int, str, str]:
+    code = main(["eval", *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+# ----------------------------------------------------------------------------- scores
+
+
+def test_scores_on_known_texts():
+    same = textscores.score(["the cat sat on the mat"] * 3, ["the cat sat on the mat"] * 3,
+                            ["rouge", "bleu", "chrf", "diversity"])
+    assert same["rouge1"] == same["rouge2"] == same["rougeL"] == pytest.approx(1.0)
+    assert same["bleu"] == pytest.approx(100.0) and same["chrf"] == pytest.approx(100.0)
+    assert same["self_bleu"] == pytest.approx(100.0)  # three identical outputs
+    assert same["distinct_1"] == pytest.approx(5 / 18)  # the, cat, sat, on, mat of 3 x 6 words
+    apart = textscores.score(["alpha beta", "gamma delta"], ["zeta eta", "theta iota"], ["rouge", "diversity"])
+    assert apart["rouge1"] == 0 and apart["distinct_1"] == 1.0 and apart["self_bleu"] < 1
+    loop = textscores.diversity(["a b c d a b c d a", ""])
+    assert loop["rep_4"] == pytest.approx(2 / 6)  # abcd, bcda, cdab, dabc, abcd, bcda: 2 repeats
+    assert loop["empty_rate"] == 0.5 and loop["mean_words"] == 4.5
+
+
+def test_metric_names_are_checked():
+    assert textscores.parse_metrics("bleu, rouge,bleu") == ["bleu", "rouge"]
+    with pytest.raises(UserError, match="unknown metric 'bleurt'"):
+        textscores.parse_metrics("rouge,bleurt")
+
+
+# ----------------------------------------------------------------------------- generation
+
+
+def test_batched_generation_equals_one_prompt_at_a_time(models):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from shardtune.train.evaluate import generate
+
+    model = AutoModelForCausalLM.from_pretrained(models[0]).eval()
+    tok = AutoTokenizer.from_pretrained(models[0])
+    prompts = ["Return the", "The value of the given object, if any,", "", [5, 6, 7]]
+    alone = [generate(model, tok, [p], max_new_tokens=6, temperature=0)[0] for p in prompts]
+    assert generate(model, tok, prompts, max_new_tokens=6, temperature=0, batch_size=4) == alone
+
+
+def test_text_prompts_are_deterministic_compare_and_report(assets, models, tmp_path, capsys):
+    data = str(Path(assets["train"]).parent)
+    argv = [str(models[0]), "--generate", "4", "--data", data, "--split", "train", "--prompt-tokens", "8",
+            "--max-new-tokens", "6", "--temperature", "1.0", "--seed", "3", "--micro-batch-size", "2",
+            "--compare", str(models[1])]
+    code, out, _ = quality([*argv, "--out", str(tmp_path / "a" / "generation.json")], capsys)
+    assert code == 0 and "fine-tuned" in out and "base" in out and "--- example 1" in out
+    code, _, _ = quality([*argv, "--out", str(tmp_path / "b.json")], capsys)
+    first = json.loads((tmp_path / "a" / "generation.json").read_text())
+    second = json.loads((tmp_path / "b.json").read_text())
+    assert first["examples"] == second["examples"] and len(first["examples"]) == 4
+    for role in ("model", "base"):
+        assert first["models"][role]["scores"] == second["models"][role]["scores"]
+    assert first["examples"][0]["model"] != first["examples"][0]["base"]  # two models, side by side
+    scores = first["models"]["model"]["scores"]
+    assert {"rouge1", "rougeL", "bleu", "chrf", "distinct_2", "self_bleu", "rep_4", "mean_words"} <= set(scores)
+    # the references are the documents' true next tokens after the K-token prompt
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(models[0])
+    doc = json.loads(Path(assets["train"]).read_text().splitlines()[0])["text"]  # --data's train split, row 0
+    ids = tok(doc, add_special_tokens=False)["input_ids"]
+    assert first["examples"][0]["reference"] == tok.decode(ids[8:14])
+    assert first["examples"][0]["prompt"] == tok.decode(ids[:8])
+
+    assert main(["report", str(tmp_path / "a"), "--out", str(tmp_path / "report")]) == 0
+    text = (tmp_path / "report" / "report.md").read_text()
+    assert "## Generation quality: a" in text and (tmp_path / "report" / "generation-a.png").stat().st_size > 1000
+
+
+def test_instruct_prompts_are_the_training_prompts(models, alpaca, tmp_path, capsys):
+    from shardtune.data.formats import PROMPT_NO_INPUT, PROMPT_WITH_INPUT
+
+    out = tmp_path / "gen.json"
+    code, stdout, _ = quality([str(models[0]), "--generate", "10", "--data", str(alpaca), "--format", "instruct",
+                               "--max-new-tokens", "4", "--metrics", "rouge,diversity", "--out", str(out)], capsys)
+    assert code == 0 and "only 6 usable example(s)" in stdout
+    result = json.loads(out.read_text())
+    first, second = result["examples"][:2]
+    assert first["prompt"] == PROMPT_WITH_INPUT.format(instruction="Name the number after 0.", input="count 0")
+    assert second["prompt"] == PROMPT_NO_INPUT.format(instruction="Name the number after 1.")
+    assert first["reference"] == "The number is 1."
+    assert set(result["models"]["model"]["scores"]) >= {"rouge1", "distinct_1"}
+    assert "bleu" not in result["models"]["model"]["scores"]
+
+
+def test_chat_prompt_ends_with_the_generation_prompt(assets):
+    from transformers import AutoTokenizer
+
+    from shardtune.data.formats import chat_prompt_and_reply
+
+    tok = AutoTokenizer.from_pretrained(assets["tokenizer"])
+    tok.chat_template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}<assistant>{% endif %}")
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+                {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+    assert chat_prompt_and_reply(tok, messages, 0, "messages") == (
+        "<user>hi\n<assistant>hello\n<user>2+2?\n<assistant>", "4")
+    assert chat_prompt_and_reply(tok, messages[:1], 1, "messages") is None
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--generate", "0"], "--generate must be at least 1"),
+    (["--generate", "2", "--metrics", "rouge,bleurt"], "unknown metric 'bleurt'"),
+    (["--generate", "2", "--prompt-tokens", "0"], "--prompt-tokens"),
+    (["--generate", "2", "--top-p", "0"], "--top-p"),
+    (["--generate", "2", "--nproc", "2"], "one process"),
+])
+def test_bad_input_is_one_line_before_generating(models, tmp_path, capsys, extra, needle):
+    code, _, err = quality([str(models[0]), "--data", str(tmp_path), *extra, "--out", str(tmp_path / "g.json")],
+                           capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and needle in lines[0], err
+    assert not (tmp_path / "g.json").exists()
+
+
+def test_mauve_without_its_extra_says_how_to_get_it(capsys, models):
+    try:
+        import mauve  # noqa: F401
+        pytest.skip("mauve-text is installed")
+    except ImportError:
+        pass
+    code, _, err = quality([str(models[0]), "--generate", "2", "--metrics", "mauve", "--mauve-featurizer", "gpt2"],
+                           capsys)
+    assert code == 2 and "pip install 'shardtune[mauve]'" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_missing_metric_package_names_its_extra(monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "rouge_score", None)  # as if not installed
+    with pytest.raises(UserError, match=r"pip install 'shardtune\[quality\]'"):
+        textscores.parse_metrics("bleu,rouge")
