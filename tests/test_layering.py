@@ -11,7 +11,7 @@ from conftest import ROOT
 
 # Low -> high. "leaves" are the top-level modules (errors, diskspace, hardware, families): they
 # import nothing of shardtune. `__main__` only starts the CLI.
-LAYERS = ["leaves", "config", "telemetry", "distributed", "data", "model", "checkpoint", "launch", "train",
+LAYERS = ["leaves", "config", "telemetry", "distributed", "data", "model", "checkpoint", "publish", "launch", "train",
           "plan", "sweep", "cli"]
 RANK = {name: i for i, name in enumerate(LAYERS)}
 PACKAGE = ROOT / "src" / "shardtune"
@@ -135,7 +135,7 @@ def test_the_check_finds_upward_and_relative_imports_cycles_and_unplaced_package
         "train/step.py": "from pkg.train.optim import lr\nfrom pkg.errors import E\n",
         "train/optim.py": "from pkg.config import schema\nimport pkg.train.step\n",
         "train/rel.py": "from . import step\n",
-        "publish/__init__.py": "",
+        "serve/__init__.py": "",
     }.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(text)
@@ -145,7 +145,7 @@ def test_the_check_finds_upward_and_relative_imports_cycles_and_unplaced_package
     assert "import cycle: src/pkg/train/optim.py:2 imports pkg.train.step; " \
            "src/pkg/train/step.py:1 imports pkg.train.optim" in problems, problems
     assert any(p.startswith("src/pkg/train/rel.py:1: relative import") for p in problems), problems
-    assert "pkg/publish/ is a package with no place in LAYERS; add it where it belongs" in problems
+    assert "pkg/serve/ is a package with no place in LAYERS; add it where it belongs" in problems
     assert len(problems) == 4, problems
 
 

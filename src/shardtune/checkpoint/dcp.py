@@ -248,17 +248,20 @@ class Checkpointer:
       are JSON, kept in meta.json by rank 0;
     - `describe(step)`: rank 0, at save time: what else meta.json records (the run config, the
       data position) for resume checks and people, not loaded back;
-    - `write_extras(folder)`: rank 0, at commit: files beside the shards (HF config, tokenizer).
+    - `write_extras(folder)`: rank 0, at commit: files beside the shards (HF config, tokenizer);
+    - `committed(folder, step)`: rank 0, once a checkpoint is complete in its final place.
     Each rank's RNG states are saved too. At most one save is in flight.
     """
 
-    def __init__(self, root: Path, cfg: CheckpointConfig, tensors, states: dict, describe=None, write_extras=None):
+    def __init__(self, root: Path, cfg: CheckpointConfig, tensors, states: dict, describe=None, write_extras=None,
+                 committed=None):
         import torch.distributed as dist
 
         self.root, self.cfg = Path(root), cfg
         self.tensors, self.states = tensors, states
         self.describe = describe or (lambda step: {})
         self.write_extras = write_extras or (lambda folder: None)
+        self.committed = committed or (lambda folder, step: None)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.pending = None  # (future or None, tmp folder, meta)
         self.size = 0  # bytes of the last save, all ranks (for a full disk's message)
@@ -356,6 +359,7 @@ class Checkpointer:
         for old in complete_checkpoints(self.root)[:-keep] if keep else []:
             if old != final:
                 shutil.rmtree(old, ignore_errors=True)
+        self.committed(final, meta["step"])
 
     def load(self, path: str | Path) -> dict:
         """Collective: restore the tensors and the states from `path`; returns its meta.json.

@@ -43,17 +43,26 @@ def save_hf_folder(state_dict: dict, hf_config, tokenizer, out: Path, max_shard_
 def export_checkpoint(spec: str, out: Path, max_shard_size: str = "2GB") -> Path:
     """`shardtune export`: a sharded checkpoint (or a run folder's newest) -> plain HF folder.
     One process, one copy of the weights; no process group and no optimizer state."""
-    from transformers.utils import logging as hf_logging
-
     from shardtune.checkpoint.dcp import resolve_checkpoint
-    from shardtune.checkpoint.loading import load_plain_model
 
-    hf_logging.set_verbosity_error()
     path = resolve_checkpoint(spec)
     if out.exists() and any(out.iterdir()):
         raise UserError(f"export folder {str(out)!r} is not empty; choose a new folder")
+    meta = write_export(path, out, max_shard_size)
+    print(f"exported {path} (step {meta['step']}) to {out}", flush=True)
+    return out
+
+
+def write_export(path: Path, out: Path, max_shard_size: str = "2GB", replace: bool = False) -> dict:
+    """The export of the checkpoint folder `path` into `out` (a LoRA run's: its adapter), quietly;
+    returns the checkpoint's meta.json. Also what a run's Hub publisher uploads."""
+    from transformers.utils import logging as hf_logging
+
+    from shardtune.checkpoint.loading import load_plain_model
+
+    hf_logging.set_verbosity_error()
     model, tokenizer, meta = load_plain_model(path)
-    with atomic_dir(out) as tmp:  # a disk that fills half-way leaves no folder that loads as a model
+    with atomic_dir(out, replace=replace) as tmp:  # a disk that fills half-way leaves no folder that loads
         if getattr(model, "peft_config", None):  # a LoRA run's checkpoint: the adapter, as in final/
             from shardtune.config.schema import ModelConfig
 
@@ -63,8 +72,7 @@ def export_checkpoint(spec: str, out: Path, max_shard_size: str = "2GB") -> Path
                                 final=out)
         else:
             save_hf_folder(model.state_dict(), model.config, tokenizer, tmp, max_shard_size)
-    print(f"exported {path} (step {meta['step']}) to {out}", flush=True)
-    return out
+    return meta
 
 
 def push_to_hub(folder: Path, repo: str, private: bool = False) -> None:

@@ -19,7 +19,7 @@ from shardtune.fsio import PARTIAL, write_text_atomic
 # left in the output folder by a preempted run, for job scripts that cannot see the ranks' exit code
 PREEMPTED_MARKER = "PREEMPTED"
 RUN_FILES = ("config.yaml", "metrics.jsonl", PREEMPTED_MARKER)
-RUN_DIRS = ("final", "checkpoints", "profile")
+RUN_DIRS = ("final", "checkpoints", "profile", "publish")
 LOCK_FILE = ".shardtune.lock"  # "pid P on HOST since TIME" of the live run; removed when it ends
 
 

@@ -56,6 +56,9 @@ def run(args) -> int:
     from shardtune.checkpoint.rundir import default_output_dir, prepare_run_dir, release_run_dir
 
     check_nproc(nproc, cfg.device)
+    from shardtune.publish.hub import check_ready
+
+    check_ready(cfg.publish, say=lambda line: None)  # no Hub token: one error here, not one per rank
     out = cfg.output_dir = cfg.output_dir or default_output_dir(cfg.recipe)
     if used:
         print(used, flush=True)

@@ -110,6 +110,8 @@ class LogConfig:
     peak_tflops: float | None = None  # device peak for MFU (default: table of common GPUs by name)
     live_memory: int = 0  # track the peak bytes of live tensors over the first N steps (MemTracker; those steps run slower)
     profile_steps: list[int] | None = None  # [first, last]: torch.profiler trace of those optimizer steps into OUT/profile/ (Chrome trace + operator table)
+    watch: Literal["none", "gradients", "parameters", "all"] = "none"  # per-block gradient and/or parameter norms (and tracker histograms) every log.watch_every steps
+    watch_every: int = 100  # optimizer steps between two log.watch records
 
 
 @dataclass
@@ -140,6 +142,18 @@ class CheckpointConfig:
 
 
 @dataclass
+class PublishConfig:
+    hub_repo: str | None = None  # upload to this Hub model repo (namespace/name) while training; token from HF_TOKEN or `hf auth login`
+    private: bool = True  # create the repo private (an existing repo keeps its visibility)
+    revision: str = "main"  # the branch uploads go to (created from main if missing)
+    checkpoints: bool = True  # also upload each checkpoint, exported, to checkpoints/step-N/ (false: the final model only)
+    required: bool = True  # false: a missing token is a warning and the run trains without publishing
+    wandb_artifacts: Literal["none", "reference", "upload"] = "none"  # with log.trackers=[wandb]: log checkpoints and the final model as artifacts, by reference to the local files or uploaded
+    retries: int = 3  # attempts per upload before it is given up (with one warning line)
+    wait_s: float = 1800  # at the end, wait at most this long for uploads still in flight
+
+
+@dataclass
 class RunConfig:
     output_dir: str | None = None  # default runs/<recipe>-<time>
     save_final: bool = True  # write final/ (a plain HF folder) at the end; sweep trials turn it off
@@ -159,6 +173,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     peft: PeftConfig = field(default_factory=PeftConfig)
     freeze: FreezeConfig = field(default_factory=FreezeConfig)
+    publish: PublishConfig = field(default_factory=PublishConfig)
     resume: str | None = None  # auto: newest checkpoint in output_dir; or a checkpoint/run folder
     on_nan: Literal["stop", "skip"] = "stop"  # non-finite loss: stop, or skip that step's update
     recipe: str | None = None  # name of the recipe the run came from (set by the loader)

@@ -72,6 +72,7 @@ BOUNDS = {
     "activation_checkpointing_every": Range(1),
     "log.every_steps": Range(1), "log.peak_tflops": Range(None, above=0), "log.profile_steps": Range(1),
     "fsdp.min_num_params": Range(1), "fsdp.shard_size": Range(1), "fsdp.replicate_size": Range(1),
+    "log.watch_every": Range(1), "publish.retries": Range(1),
     "eval.micro_batch_size": Range(1), "peft.r": Range(1), "peft.alpha": Range(1), "peft.dropout": Range(0, below=1),
 }
 MAY_BE_EMPTY = {"data.list_sep"}  # text keys where "" means something (join list cells with nothing)
@@ -152,6 +153,7 @@ def validate(cfg) -> None:
     _validate_format(d)
     _validate_adapters(cfg)
     _validate_memory_savers(cfg)
+    _validate_publish(cfg)
 
 
 def _validate_format(d) -> None:
@@ -202,3 +204,24 @@ def _validate_memory_savers(cfg) -> None:
                                         or cfg.activation_offload):
         raise UserError("peft.quantize=4bit (QLoRA) supports activation_checkpointing=full or none and no "
                         "activation_offload; change those settings")
+
+
+# the Hub's rule for a repo id: namespace/name, letters, digits, - _ . (no -- or .., no leading/trailing - or .)
+REPO_ID = re.compile(r"[A-Za-z0-9](?:[\w.-]{0,94}[A-Za-z0-9])?/[A-Za-z0-9](?:[\w.-]{0,94}[A-Za-z0-9])?")
+
+
+def _validate_publish(cfg) -> None:
+    p = cfg.publish
+    if p.wandb_artifacts != "none" and "wandb" not in cfg.log.trackers:
+        raise UserError(f"publish.wandb_artifacts={p.wandb_artifacts} logs to W&B; add log.trackers=[wandb] "
+                        "or set publish.wandb_artifacts=none")
+    if p.hub_repo is None:
+        return
+    if not REPO_ID.fullmatch(p.hub_repo) or "--" in p.hub_repo or ".." in p.hub_repo:
+        raise UserError(f"publish.hub_repo={p.hub_repo!r} is not a Hub repo id; write namespace/name "
+                        "(letters, digits, - _ .), e.g. publish.hub_repo=my-user/opt-arxiv")
+    if not p.revision or p.revision.startswith(("/", "-")) or ".." in p.revision or " " in p.revision:
+        raise UserError(f"publish.revision={p.revision!r} is not a branch name; e.g. publish.revision=main")
+    if p.checkpoints and not (cfg.checkpoint.every_steps or cfg.checkpoint.at_epoch_end):
+        raise UserError("publish.checkpoints uploads each checkpoint, but none are saved; set "
+                        "checkpoint.every_steps=N (or publish.checkpoints=false for the final model only)")

@@ -26,7 +26,8 @@ from shardtune.sweep.trial import LIVE_STEPS, run_trial
 VERDICTS = {"ok": "fits", "oom": "too_big", "over_limit": "too_big"}  # a trial's status, for the search
 SWEEP_FILES = ("sweep.json", "sweep.csv", "sweep.md", "trials")  # with the plots: what a sweep folder holds
 TRIAL_SETTINGS = ["save_final=false", "checkpoint.every_steps=0", "checkpoint.at_epoch_end=false", "resume=null",
-                  "log.every_steps=1", "log.progress=false", "log.trackers=[]"]
+                  "log.every_steps=1", "log.progress=false", "log.trackers=[]", "log.watch=none",
+                  "publish.hub_repo=null", "publish.wandb_artifacts=none"]  # trials publish nothing
 
 
 @dataclasses.dataclass

@@ -103,6 +103,15 @@ def _write_report(data: dict[str, list[dict]], generations: dict[str, dict], out
             continue
         save_plot(out / f"{stem}.png", title, "step", ylabel, lines, log_scale)
         images.append(stem)
+    for stem, prefix, title in (("grad_norms", "grad_norm/", "Gradient norm per block (log.watch)"),
+                                ("param_norms", "param_norm/", "Parameter norm per block (log.watch)")):
+        # One colour per block (embeddings first, head last), one line style per run.
+        lines = [(f"{name} {key.removeprefix(prefix)}", f"C{i % 10}", ("-", "--", ":", "-.")[j % 4], *series(rows, key))
+                 for j, (name, rows) in enumerate(data.items())
+                 for i, key in enumerate(dict.fromkeys(k for r in rows for k in r if k.startswith(prefix)))]
+        if lines:
+            save_plot(out / f"{stem}.png", title, "step", "L2 norm", lines, log_scale=True)
+            images.append(stem)
     text = ["# shardtune report", ""]
     rows = [summarize(name, metrics) for name, metrics in data.items()]
     if rows:

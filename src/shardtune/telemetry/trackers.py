@@ -39,14 +39,31 @@ def flatten(tree: dict, prefix: str = "") -> dict:
 class Sink(NamedTuple):
     log: Callable[[dict, int], object]  # (scalars, step)
     close: Callable[[], object]
+    artifact: Callable[[Path, str, str, list], object] | None = None  # (folder, name, type, aliases)
+
+
+def wandb_artifact(run, how: str):
+    """`publish.wandb_artifacts`: log a folder as a W&B artifact, by reference to the local files
+    (file:// URIs, not read again: checksum off) or uploaded (staged by W&B, then sent)."""
+    import wandb
+
+    def log(folder: Path, name: str, kind: str, aliases: list) -> None:
+        art = wandb.Artifact(name, type=kind, metadata={"folder": str(folder)})
+        if how == "reference":
+            art.add_reference(Path(folder).resolve().as_uri(), checksum=False)
+        else:
+            art.add_dir(str(folder))
+        run.log_artifact(art, aliases=aliases)
+
+    return log
 
 
 class Trackers:
     """Fan-out of scalar metrics to the configured trackers."""
 
     def __init__(self, names: list[str], out: Path, config: dict, project: str, run_name: str,
-                 enabled: bool = True):
-        self.sinks = []
+                 enabled: bool = True, artifacts: str = "none"):
+        self.sinks, self.run_name = [], run_name
         if not enabled:
             return
         hparams = flatten(config)
@@ -66,7 +83,8 @@ class Trackers:
                 wandb = _require("wandb", name)
                 run = wandb.init(project=project, name=run_name, dir=str(out), config=hparams,
                                  mode=os.environ.get("WANDB_MODE", "online"))
-                self.sinks.append(Sink(lambda scalars, step, r=run: r.log(scalars, step=step), run.finish))
+                self.sinks.append(Sink(lambda scalars, step, r=run: r.log(scalars, step=step), run.finish,
+                                       wandb_artifact(run, artifacts) if artifacts != "none" else None))
             elif name == "mlflow":
                 mlflow = _require("mlflow", name)
                 if "MLFLOW_TRACKING_URI" not in os.environ:
@@ -83,6 +101,15 @@ class Trackers:
                    if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
         for sink in self.sinks:
             sink.log(scalars, step)
+
+    def artifact(self, folder: Path, step: int, final: bool) -> None:
+        """A checkpoint (or the final model) as an artifact of the trackers that keep them,
+        aliased `latest` (W&B adds it) and `step-N` (and `final`)."""
+        name = f"{self.run_name}-{'model' if final else 'checkpoint'}"
+        aliases = [f"step-{step}", "latest"] + (["final"] if final else [])
+        for sink in self.sinks:
+            if sink.artifact is not None:
+                sink.artifact(Path(folder), name, "model" if final else "checkpoint", aliases)
 
     def close(self) -> None:
         for sink in self.sinks:

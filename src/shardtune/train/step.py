@@ -70,6 +70,7 @@ class StepResult:
     loss_tokens: torch.Tensor | float  # noqa: F821  tokens with a loss in the whole global batch
     input_tokens: torch.Tensor | int  # noqa: F821  tokens this rank fed the model (padding excluded)
     grad_norm: torch.Tensor  # noqa: F821
+    watch: torch.Tensor | None = None  # noqa: F821  watch.Watch's per-block norms (device tensor), on a watch step
 
 
 @dataclass
@@ -96,12 +97,13 @@ def read_numbers(numbers: torch.Tensor) -> StepNumbers:
 
 
 def train_step(model, optimizer, scaler, batches: list[dict], cfg: RunConfig, dist: Dist,
-               labels_vary: bool = False, sync_each: bool = False) -> StepResult:
+               labels_vary: bool = False, sync_each: bool = False, watch=None) -> StepResult:
     """One optimizer step over this rank's micro-batches (data.Prefetcher assembled them). The
     loss is normalised by the tokens of the whole global batch, so the gradient is the same
     whatever the world size and accumulation. `labels_vary`: the dataset has its own labels
     (some tokens get no loss), so the tokens with a loss are counted; `sync_each`: reduce
-    gradients after every micro-batch (BuiltModel's policy)."""
+    gradients after every micro-batch (BuiltModel's policy); `watch`: a watch.Watch on the steps
+    whose per-block gradient/parameter norms are wanted."""
 
     input_tokens = sum(b["attention_mask"].sum() if "attention_mask" in b else b["input_ids"].numel()
                        for b in batches)
@@ -125,6 +127,7 @@ def train_step(model, optimizer, scaler, batches: list[dict], cfg: RunConfig, di
         loss_sum += s.detach()
     if scaler:
         scaler.unscale_(optimizer)
+    grads = watch.grads() if watch is not None and "grad" in watch.kinds else None  # before clipping
     max_norm = cfg.train.max_grad_norm if cfg.train.max_grad_norm > 0 else float("inf")
     grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_norm)
     if hasattr(grad_norm, "full_tensor"):
@@ -139,4 +142,6 @@ def train_step(model, optimizer, scaler, batches: list[dict], cfg: RunConfig, di
     elif torch.isfinite(grad_norm):  # other kernels cannot: ask the host
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss_sum, global_tokens, input_tokens, grad_norm)
+    if watch is not None:
+        watch = watch.finish(grads, watch.params_now() if "param" in watch.kinds else None)
+    return StepResult(loss_sum, global_tokens, input_tokens, grad_norm, watch)

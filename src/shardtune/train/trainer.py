@@ -79,6 +79,7 @@ class QueuedStep:
     data_seconds: float  # the loop's wait for this step's batches
     numbers: torch.Tensor  # step.queue_numbers: still on the device
     done: float | torch.cuda.Event  # telemetry.StepClock mark queued behind the step
+    watch: torch.Tensor | None = None  # log.watch's per-block norms, still on the device
 
 
 class Trainer:
@@ -98,6 +99,9 @@ class Trainer:
         check_quantize(cfg.peft, dist.device)  # the machine's part of the QLoRA checks (config.validate did the rest)
         cfg.output_dir = broadcast_value(dist, cfg.output_dir or default_output_dir(cfg.recipe))
         self.out = out = Path(cfg.output_dir)
+        from shardtune.publish.session import Publishing
+
+        hub = Publishing.check(cfg, self.say)  # a missing Hub token: before anything is built
         from shardtune.checkpoint.dcp import Checkpointer
         from shardtune.checkpoint.rundir import prepare_run_dir
         from shardtune.diskspace import checkpoint_bytes, space_warning
@@ -128,6 +132,9 @@ class Trainer:
 
         self.built = self._build_model()
         self.model = model = self.built.model
+        from shardtune.train.watch import Watch
+
+        self.watch = Watch(model, self.built.block_cls, cfg.log.watch, cfg.log.watch_every, dist.device)
         total, trainable = count_params(model)
         matmul, matmul_trainable = matmul_params(model)
         self.flops_per_token = flops_per_token(matmul, hf_config, cfg.data.seq_len, matmul_trainable)
@@ -145,7 +152,9 @@ class Trainer:
         rank0_first(dist, lambda: prepare_run_dir(cfg, overwrite) if dist.is_main else None)
         self.ckpt = Checkpointer(out / "checkpoints", cfg.checkpoint, ModelOptimizerState(model, self.optimizer),
                                  {"train_state": self.state, **({"scaler": self.scaler} if self.scaler else {})},
-                                 describe=self.describe, write_extras=self.write_checkpoint_extras)
+                                 describe=self.describe, write_extras=self.write_checkpoint_extras,
+                                 committed=lambda folder, step: self.publishing.committed(folder, step))
+        self.publishing = Publishing(cfg, out, hub, dist.is_main, self.say, resuming=bool(resume_from))
         if note := space_warning(out / "checkpoints", cfg.checkpoint, checkpoint_bytes(model, dist.world_size),
                                  self.total_steps, self.plan.steps_per_epoch):
             self.say(note)
@@ -202,7 +211,8 @@ class Trainer:
 
         cfg, dist, t = self.cfg, self.dist, self.cfg.train
         log = MetricsLog(self.out / "metrics.jsonl", dist.is_main)
-        trackers = Trackers(cfg.log.trackers, self.out, cfg.to_dict(), cfg.log.project, self.out.name, dist.is_main)
+        self.publishing.trackers = trackers = Trackers(cfg.log.trackers, self.out, cfg.to_dict(), cfg.log.project,
+                                                       self.out.name, dist.is_main, cfg.publish.wandb_artifacts)
         torch.manual_seed(t.seed + dist.rank)  # dropout: different masks per rank, reproducible per run
         self.ckpt.restore_rng(reseed=t.seed + 1_000_003 * self.state.step + dist.rank if self.state.step else None)
         results: dict = {}
@@ -221,13 +231,15 @@ class Trainer:
         profiler = StepProfiler(cfg.log.profile_steps, self.state.step, self.total_steps, dist, self.out)
         try:
             results["tokens"] = self._loop(log, trackers, progress, gpu, results, preemption, prefetcher, profiler)
+        except BaseException:
+            trackers.close()  # else open until the final model is logged (publishing.final) or close()
+            raise
         finally:
             profiler.close()
             prefetcher.close()
             preemption.restore()
             progress.close()
             log.close()
-            trackers.close()
             gpu.close()
             self.ckpt.wait()
         elapsed = time.perf_counter() - start
@@ -272,13 +284,14 @@ class Trainer:
             batches, data_seconds = prefetcher.take(state.step)
             with live.track():
                 out = train_step(self.model, self.optimizer, self.scaler, batches, cfg, dist, labels_vary,
-                                 sync_each=self.built.sync_grads_each_micro_step)
+                                 sync_each=self.built.sync_grads_each_micro_step,
+                                 watch=self.watch if self.watch.due(state.step + 1) else None)
             del batches
             state.step = step = state.step + 1
             # the global loss, tokens and whether any rank was asked to stop (all ranks stop at the
             # same step): one small all-reduce, queued behind the step
             numbers = queue_numbers(out, preemption.requested, dist.device)
-            queued.append(QueuedStep(step, lr, data_seconds, numbers, clock.mark()))
+            queued.append(QueuedStep(step, lr, data_seconds, numbers, clock.mark(), out.watch))
             profiler.step()  # after the mark: writing the trace is no step's time
             last = step == self.total_steps
             eval_now = bool(self.val_batches) and (last or (cfg.eval.every_steps and step % cfg.eval.every_steps == 0))
@@ -323,11 +336,12 @@ class Trainer:
         if not math.isfinite(loss) or (self.scaler is None and not math.isfinite(grad_norm)):
             self.nonfinite(step, loss, grad_norm)
             return {"step": step, "epoch": epoch, "loss": None, "skipped": True}, numbers.stop
+        watched = self.watch.record(queued.watch) if queued.watch is not None else {}
         if step % cfg.log.every_steps and step != self.total_steps:
-            return {}, numbers.stop
+            return ({"step": step, "epoch": epoch, **watched} if watched else {}), numbers.stop
         record = {"step": step, "epoch": epoch, "loss": loss, "lr": queued.lr, "grad_norm": grad_norm,
                   "tokens_seen": self.state.tokens_seen, **meter.report(), **memory_stats(self.dist.device),
-                  **live.read(), **gpu.read()}
+                  **live.read(), **gpu.read(), **watched}
         if self.scaler:
             record["loss_scale"] = float(self.scaler.get_scale())
         progress.update(0, loss=loss, tok_s=record["tokens_per_s"])
@@ -372,6 +386,7 @@ class Trainer:
         every rank at one barrier, the launcher told the run completed with `code`, the group left."""
         from shardtune.launch.local import mark_completed
 
+        self.publishing.close()
         self.ckpt.close()
         torch.distributed.barrier()
         mark_completed(code)
@@ -393,8 +408,10 @@ def run(cfg: RunConfig, overwrite: bool = False) -> dict:
                 torch.distributed.destroy_process_group()
             raise
         results = trainer.fit()
+        final = None
         if cfg.save_final and not results.get("preempted"):  # a preempted run is finished by its resume
-            trainer.export()
+            final = trainer.export()
+        trainer.publishing.final(final, trainer.state.step, results)
         trainer.close(EXIT_PREEMPTED if results.get("preempted") else 0)
         return results
     finally:

@@ -1,0 +1,2 @@
+"""Publishing from a run: checkpoints and the final model to the Hugging Face Hub while it
+trains (`hub`), with a model card (`card`)."""

@@ -1,0 +1,51 @@
+"""The model card (README.md) uploaded with a run's final model: what it was trained from and
+on, how, how well, and the command that trains it again."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def _hub_id(name: str | None) -> str | None:
+    """A hub id (not a local path) for the card's metadata, else None."""
+    if not name or Path(name).expanduser().exists() or name.startswith(("/", ".", "~")) or name.count("/") > 1:
+        return None
+    return name
+
+
+def model_card(cfg: dict, step: int, evals: dict | None, config_name: str = "shardtune_config.yaml") -> str:
+    """Markdown with a YAML header; `cfg` is RunConfig.to_dict(), `evals` the final eval numbers."""
+    from shardtune import __version__
+
+    model, data, train, peft = cfg["model"], cfg["data"], cfg["train"], cfg["peft"]
+    base = _hub_id(model.get("name_or_path")) if not model.get("random_init") else None
+    dataset = _hub_id(data.get("path"))
+    lora = peft.get("method") == "lora"
+    header = ["---", f"library_name: {'peft' if lora else 'transformers'}", "tags:", "- shardtune",
+              "- fine-tuned" if base else "- trained-from-scratch"]
+    if base:
+        header.append(f"base_model: {json.dumps(base)}")
+    if dataset:
+        header += ["datasets:", f"- {json.dumps(dataset)}"]
+    header.append("---")
+    kind = (model.get("config") or {}).get("model_type", "")
+    source = base or model.get("name_or_path") or f"a randomly initialised {kind} model"
+    what = "LoRA adapter" if lora else "model"
+    lines = [*header, "", f"# {cfg.get('publish', {}).get('hub_repo') or 'shardtune model'}", "",
+             f"A {what} trained from **{source}** on **{data.get('path')}** ({data.get('format')} format, "
+             f"sequences of {data.get('seq_len')} tokens) for {step} optimizer steps with "
+             f"[shardtune](https://pypi.org/project/shardtune/) {__version__}: learning rate {train.get('lr')}, "
+             f"global batch {train.get('global_batch_size')} sequences, precision {cfg.get('precision')}"
+             + (f", LoRA r={peft.get('r')} alpha={peft.get('alpha')}" if lora else "") + ".", ""]
+    if evals:
+        lines += ["## Evaluation (held-out split, end of training)", "", "| metric | value |", "|---|---|"]
+        lines += [f"| {k} | {v:.4f} |" for k, v in evals.items() if isinstance(v, (int, float))]
+        lines.append("")
+    lines += ["## Checkpoints", "",
+              "Intermediate checkpoints, when published, are in `checkpoints/step-N/` (each a loadable folder).", "",
+              "## Reproduce", "", "The full recipe is in "
+              f"[`{config_name}`]({config_name}); with its data and model at the same paths:", "", "```",
+              f"pip install shardtune=={__version__}",
+              f"shardtune train {config_name} output_dir=runs/reproduce publish.hub_repo=null", "```", ""]
+    return "\n".join(lines)

@@ -1,0 +1,227 @@
+"""Uploads to a Hugging Face Hub repo while the run trains (`publish.*`), from rank 0 only.
+
+Each committed checkpoint is exported from its DCP files (one process, one copy of the weights,
+as `shardtune export` does: no rank gathers anything) and uploaded to checkpoints/step-N/; the
+final model goes to the repo's root with a model card. All of it happens on one background
+thread: the training step never waits for the network. A failure (no network, a bad token, a
+rejected push, a full quota) is one warning line, printed once; training and the local
+checkpoints are untouched. What was uploaded is kept in OUT/publish/ledger.json (and the repo's
+file list is read at start), so a resumed run does not upload it again.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import shutil
+import threading
+import time
+from pathlib import Path
+
+from shardtune.errors import UserError, first_line
+from shardtune.fsio import write_text_atomic
+
+TOKEN_FIX = "set HF_TOKEN or run `hf auth login`"
+
+
+def hub_token() -> str | None:
+    from huggingface_hub import get_token
+
+    return get_token()
+
+
+def check_ready(p, say=print) -> bool:
+    """At start-up, before the model is built: whether this run publishes to the Hub. A missing
+    token is an error, or with publish.required=false one line and a run that does not publish.
+    (The repo id's form is checked with the config.)"""
+    if not p.hub_repo:
+        return False
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        if p.required:
+            raise UserError(f"publish.hub_repo={p.hub_repo} needs the network, but HF_HUB_OFFLINE is set; unset it "
+                            "(or publish.required=false to train without publishing)")
+        say(f"warning: HF_HUB_OFFLINE is set; this run does not publish to {p.hub_repo} (publish.required=false)")
+        return False
+    if hub_token():
+        return True
+    if p.required:
+        raise UserError(f"publish.hub_repo={p.hub_repo} needs a Hub token with write access; {TOKEN_FIX} "
+                        "(or publish.required=false to train without publishing)")
+    say(f"warning: no Hub token; this run does not publish to {p.hub_repo} (publish.required=false); "
+        f"{TOKEN_FIX} to publish")
+    return False
+
+
+def _fatal(exc: BaseException) -> bool:
+    """Errors that a retry cannot fix: authentication, permission, quota, a missing repo."""
+    status = getattr(getattr(exc, "response", None), "status_code", None)
+    return status in (401, 402, 403, 404, 413) or type(exc).__name__ in ("RepositoryNotFoundError",
+                                                                         "RevisionNotFoundError")
+
+
+class Ledger:
+    """OUT/publish/ledger.json: the items (checkpoints/step-N, final) already in repo@revision."""
+
+    def __init__(self, path: Path, repo: str, revision: str):
+        self.path, self.key = path, f"{repo}@{revision}"
+        try:
+            saved = json.loads(path.read_text())
+        except (OSError, ValueError):
+            saved = {}
+        self.items: dict = saved.get(self.key, {}) if isinstance(saved, dict) else {}
+        self.all = saved if isinstance(saved, dict) else {}
+
+    def __contains__(self, item: str) -> bool:
+        return item in self.items
+
+    def add(self, item: str, step: int, **seconds: float) -> None:
+        self.items[item] = {"step": step, "at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                            **{k: round(v, 3) for k, v in seconds.items()}}
+        self.all[self.key] = self.items
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(self.path, json.dumps(self.all, indent=1) + "\n")
+
+
+class HubPublisher:
+    """Rank 0's upload queue. `checkpoint(folder, step)` and `final(folder, step, card, config)`
+    return at once; `finish()` waits (at most publish.wait_s) for what is still in flight."""
+
+    def __init__(self, p, out: Path, say=print, resuming: bool = False):
+        self.p, self.repo, self.revision, self.say = p, p.hub_repo, p.revision, say
+        self.staging = out / "publish" / "staging"
+        self.ledger = Ledger(out / "publish" / "ledger.json", self.repo, self.revision)
+        self.jobs: queue.Queue = queue.Queue()
+        self.pending = 0  # jobs queued or running
+        self.lock = threading.Lock()
+        self.uploaded, self.failed, self.skipped = [], [], []
+        self.warned = self.closed = False
+        self.ready = False  # the repo (and branch) exist
+        self.resuming = resuming  # a fresh run replaces what an earlier one left in the repo
+        self.thread = threading.Thread(target=self._work, name="shardtune-hub", daemon=True)
+        self.thread.start()
+
+    # ---- the trainer's side (never blocks)
+
+    def checkpoint(self, folder: Path, step: int) -> None:
+        if self.p.checkpoints:
+            self._put(("checkpoint", f"checkpoints/{folder.name}", Path(folder), step, None))
+
+    def final(self, folder: Path, step: int, card: str, config_yaml: str) -> None:
+        self._put(("final", "final", Path(folder), step, {"README.md": card, "shardtune_config.yaml": config_yaml}))
+
+    def _put(self, job: tuple) -> None:
+        with self.lock:
+            self.pending += 1
+        self.jobs.put(job)
+
+    def finish(self, limit: float | None = None) -> None:
+        """Wait for the uploads in flight (at most publish.wait_s, or `limit` when shorter: a
+        preempted run leaves what is left to its resume), with a progress line, then a summary."""
+        wait = self.p.wait_s if limit is None else min(limit, self.p.wait_s)
+        deadline, last_note = time.monotonic() + wait, 0.0
+        while self.pending and time.monotonic() < deadline:
+            if time.monotonic() - last_note > 10:
+                self.say(f"publish: waiting for {self.pending} upload(s) to {self.repo} "
+                         f"(at most {deadline - time.monotonic():.0f}s more, publish.wait_s)")
+                last_note = time.monotonic()
+            time.sleep(0.05)
+        self.jobs.put(None)
+        self.closed = True  # an upload that hung and fails later says nothing more
+        late = self.pending
+        parts = [f"{len(self.uploaded)} uploaded"] + ([f"{len(self.failed)} failed"] if self.failed else []) + \
+            ([f"{late} still in flight after {wait:g}s (publish.wait_s)"] if late else [])
+        from huggingface_hub import constants
+
+        self.say(f"publish: {', '.join(parts)} to {constants.ENDPOINT}/{self.repo} ({self.revision})"
+                 + ("; the local files stay in the run folder (`shardtune export ... --push-to-hub` uploads them "
+                    "later)" if self.failed or late else ""))
+
+    # ---- the background thread
+
+    def _work(self) -> None:
+        if self.resuming:
+            self._read_repo()
+        while (job := self.jobs.get()) is not None:
+            try:
+                self._run(*job)
+            except Exception as exc:  # never let the thread die with jobs still counted
+                self._warn(job[1], exc)
+                self.failed.append(job[1])
+            finally:
+                with self.lock:
+                    self.pending -= 1
+
+    def _read_repo(self) -> None:
+        """On a resume, the checkpoints already in the repo count as published (a ledger lost
+        with a copied run folder)."""
+        try:
+            from huggingface_hub import HfApi
+
+            files = HfApi().list_repo_files(self.repo, revision=self.revision)
+        except Exception:  # no repo yet, no network: the ledger alone decides
+            return
+        for f in files:
+            parts = f.split("/")
+            if len(parts) == 3 and parts[0] == "checkpoints" and parts[2] in ("config.json", "adapter_config.json"):
+                self.ledger.items.setdefault(f"checkpoints/{parts[1]}", {"step": None, "seen_in_repo": True})
+
+    def _run(self, kind: str, item: str, folder: Path, step: int, extra: dict | None) -> None:
+        t0 = time.perf_counter()
+        if item in self.ledger and kind == "checkpoint":
+            self.skipped.append(item)
+            return
+        if kind == "checkpoint":
+            if not (folder / "meta.json").is_file():  # removed by checkpoint.keep_last before its turn
+                self.say(f"publish: {folder.name} was removed (checkpoint.keep_last) before it could be "
+                         "uploaded; skipped")
+                self.skipped.append(item)
+                return
+            from shardtune.checkpoint.export import write_export
+
+            export = self.staging / folder.name
+            write_export(folder, export, replace=True)
+            seconds = {"export_s": time.perf_counter() - t0}
+            try:
+                self._upload(export, item, {}, f"checkpoint at step {step} (shardtune)")
+            finally:
+                shutil.rmtree(export, ignore_errors=True)
+        else:
+            seconds = {}
+            self._upload(folder, "", extra or {}, f"final model at step {step} (shardtune)")
+        seconds["upload_s"] = time.perf_counter() - t0 - seconds.get("export_s", 0.0)
+        self.ledger.add(item, step, **seconds)
+        self.uploaded.append(item)
+
+    def _upload(self, folder: Path, path_in_repo: str, texts: dict, message: str) -> None:
+        """One commit of `folder`'s files under `path_in_repo` plus `texts`, with retries."""
+        from huggingface_hub import CommitOperationAdd, HfApi
+
+        api = HfApi()
+        prefix = f"{path_in_repo}/" if path_in_repo else ""
+        for attempt in range(1, self.p.retries + 1):
+            try:
+                if not self.ready:
+                    api.create_repo(self.repo, private=self.p.private, exist_ok=True)
+                    if self.revision != "main":
+                        api.create_branch(self.repo, branch=self.revision, exist_ok=True)
+                    self.ready = True
+                ops = [CommitOperationAdd(prefix + f.relative_to(folder).as_posix(), str(f))
+                       for f in sorted(folder.rglob("*")) if f.is_file()]
+                ops += [CommitOperationAdd(prefix + name, text.encode()) for name, text in texts.items()]
+                api.create_commit(self.repo, ops, commit_message=message, revision=self.revision)
+                return
+            except Exception as exc:
+                if _fatal(exc) or attempt == self.p.retries:
+                    raise
+                time.sleep(min(2.0 ** attempt, 30.0))
+
+    def _warn(self, item: str, exc: BaseException) -> None:
+        if self.warned or self.closed:
+            return
+        self.warned = True
+        self.say(f"warning: could not upload {item} to the Hub repo {self.repo} ({type(exc).__name__}: "
+                 f"{first_line(exc)}); training goes on and the local checkpoints stay; check the network, "
+                 f"the token ({TOKEN_FIX}), write access to {self.repo} and its storage quota "
+                 "(further upload failures of this run are not repeated)")

@@ -1,0 +1,131 @@
+"""A local stand-in for the Hugging Face Hub: the few endpoints `huggingface_hub` (the installed
+version) calls to create a repo, a branch, upload a folder (preupload + one ndjson commit, every
+file "regular", i.e. inline base64) and list a repo's files. Files land in STORE/<ns>/<name>/<rev>/.
+
+    python tests/hub_server.py STORE PORT_FILE [--deny-commits] [--hang-commits]
+
+Listens on 127.0.0.1 only, on a free port that it writes to PORT_FILE. Every commit is also
+appended to STORE/commits.jsonl ({"repo", "revision", "paths"}), so a test sees what arrived and
+when. --deny-commits answers every commit with 403 (a rejected push / full quota), and
+--hang-commits never answers one (a hung server)."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import re
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+REPO = r"(?P<ns>[^/]+)/(?P<name>[^/]+)"
+
+
+class Hub(BaseHTTPRequestHandler):
+    store: Path
+    deny = hang = False
+    lock = threading.Lock()
+
+    def log_message(self, *args) -> None:  # quiet
+        pass
+
+    def reply(self, code: int, body=None, headers: dict | None = None) -> None:
+        data = json.dumps(body if body is not None else {}).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        self.wfile.write(data)
+
+    def body(self) -> bytes:
+        return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+
+    def authorized(self) -> bool:
+        if self.headers.get("Authorization", "").startswith("Bearer "):
+            return True
+        self.reply(401, {"error": "Invalid credentials in Authorization header"})
+        return False
+
+    def repo_dir(self, m, rev: str = "main") -> Path:
+        return self.store / m["ns"] / m["name"] / unquote(rev)
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+        path = urlparse(self.path).path
+        if not self.authorized():
+            return
+        if path == "/api/repos/create":
+            req = json.loads(self.body())
+            ns = req.get("organization") or "user"
+            (self.store / ns / req["name"] / "main").mkdir(parents=True, exist_ok=True)
+            return self.reply(200, {"url": f"http://{self.headers['Host']}/{ns}/{req['name']}"})
+        if path == "/api/validate-yaml":
+            self.body()
+            return self.reply(200, {"errors": [], "warnings": []})
+        if m := re.fullmatch(rf"/api/models/{REPO}/branch/(?P<rev>.+)", path):
+            self.body()
+            main = self.repo_dir(m)
+            if not main.is_dir():
+                return self.reply(404, {"error": "Repository not found"}, {"X-Error-Code": "RepoNotFound"})
+            self.repo_dir(m, m["rev"]).mkdir(parents=True, exist_ok=True)
+            return self.reply(200, {})
+        if m := re.fullmatch(rf"/api/models/{REPO}/preupload/(?P<rev>.+)", path):
+            files = json.loads(self.body())["files"]
+            return self.reply(200, {"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False}
+                                              for f in files], "commitOid": "0" * 40})
+        if m := re.fullmatch(rf"/api/models/{REPO}/commit/(?P<rev>.+)", path):
+            lines = [json.loads(line) for line in self.body().splitlines() if line.strip()]
+            if self.hang:
+                threading.Event().wait(3600)
+            if self.deny:
+                return self.reply(403, {"error": "You have exceeded your storage quota"})
+            root = self.repo_dir(m, m["rev"])
+            if not root.is_dir():
+                return self.reply(404, {"error": "Repository not found"}, {"X-Error-Code": "RepoNotFound"})
+            paths = []
+            for item in lines:
+                if item["key"] == "file":
+                    target = root / item["value"]["path"]
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    target.write_bytes(base64.b64decode(item["value"]["content"]))
+                    paths.append(item["value"]["path"])
+            with self.lock, open(self.store / "commits.jsonl", "a") as f:
+                f.write(json.dumps({"repo": f"{m['ns']}/{m['name']}", "revision": unquote(m["rev"]),
+                                    "paths": sorted(paths)}) + "\n")
+            oid = hashlib.sha1(json.dumps(paths).encode()).hexdigest()
+            return self.reply(200, {"commitUrl": f"http://{self.headers['Host']}/{m['ns']}/{m['name']}/commit/{oid}",
+                                    "commitOid": oid})
+        self.reply(404, {"error": f"not served here: POST {path}"})
+
+    def do_GET(self) -> None:  # noqa: N802
+        path = urlparse(self.path).path
+        if path == "/api/whoami-v2":
+            return self.reply(200, {"name": "user", "type": "user", "orgs": []}) if self.authorized() else None
+        if m := re.fullmatch(rf"/api/models/{REPO}/tree/(?P<rev>[^/]+)(?P<sub>/.*)?", path):
+            root = self.repo_dir(m, m["rev"])
+            if not root.is_dir():
+                return self.reply(404, {"error": "Repository not found"}, {"X-Error-Code": "RepoNotFound"})
+            files = sorted(p for p in root.rglob("*") if p.is_file())
+            return self.reply(200, [{"type": "file", "path": str(p.relative_to(root)), "size": p.stat().st_size,
+                                     "oid": hashlib.sha1(p.read_bytes()).hexdigest()} for p in files])
+        self.reply(404, {"error": f"not served here: GET {path}"})
+
+
+def main() -> None:
+    store, port_file = Path(sys.argv[1]), Path(sys.argv[2])
+    store.mkdir(parents=True, exist_ok=True)
+    Hub.store, Hub.deny, Hub.hang = store, "--deny-commits" in sys.argv, "--hang-commits" in sys.argv
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Hub)
+    server.daemon_threads = True
+    tmp = port_file.with_suffix(".tmp")
+    tmp.write_text(str(server.server_address[1]))
+    tmp.replace(port_file)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

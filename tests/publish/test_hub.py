@@ -1,0 +1,179 @@
+"""Publishing to the Hub from a run, against a real local server speaking the Hub's protocol
+(tests/hub_server.py): uploads arrive with the right files, a resume skips what is there, a
+server that refuses or hangs leaves training unharmed with one warning, bad input exits 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, child_env, tiny_overrides
+
+
+def start_server(tmp_path: Path, *flags: str):
+    store, port_file = tmp_path / "hub", tmp_path / "hub.port"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "hub_server.py"), str(store), str(port_file),
+                             *flags], env=child_env())
+    deadline = time.monotonic() + 30
+    while not port_file.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "hub server did not start"
+        time.sleep(0.05)
+    return proc, store, f"http://127.0.0.1:{port_file.read_text()}"
+
+
+def point_at(monkeypatch, endpoint: str) -> None:
+    """This process's huggingface_hub talks to `endpoint` with a token (HF_ENDPOINT and
+    HF_HUB_OFFLINE are read once, at import)."""
+    import huggingface_hub.constants as constants
+
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_TOKEN", "test-token")
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    """(store, endpoint) of a local hub that this process talks to."""
+    proc, store, endpoint = start_server(tmp_path)
+    point_at(monkeypatch, endpoint)
+    yield store, endpoint
+    proc.kill()
+    proc.wait()
+
+
+def commits(store: Path) -> list[dict]:
+    path = store / "commits.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def run_tiny(assets, out, **extra):
+    from shardtune.config.load import load_config
+    from shardtune.train.trainer import run
+
+    return run(load_config(None, tiny_overrides(assets, out, **extra), defaults={}), overwrite=False)
+
+
+PUBLISH = {"publish.hub_repo": "user/tiny", "checkpoint.every_steps": 1, "checkpoint.keep_last": 0,
+           "publish.revision": "dev", "eval.max_batches": 1, "eval.at_start": "false", "train.global_batch_size": 4}
+
+
+def test_checkpoints_final_and_card_uploaded_and_resume_skips_them(assets, tmp_path, hub, capsys, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.telemetry.trackers import Trackers
+
+    artifacts = []  # what the trainer hands the trackers (W&B's side: test_wandb_artifacts.py)
+    monkeypatch.setattr(Trackers, "artifact", lambda self, folder, step, final: artifacts.append((folder.name, final)))
+    store, _ = hub
+    out = tmp_path / "run"
+    run_tiny(assets, out, **{"train.max_steps": 2, **PUBLISH})
+    assert artifacts == [("step-000001", False), ("step-000002", False), ("final", True)]
+    repo = store / "user" / "tiny" / "dev"
+    first = commits(store)
+    assert [c["paths"][0].split("/")[:2] for c in first[:2]] == [["checkpoints", "step-000001"],
+                                                                 ["checkpoints", "step-000002"]]
+    assert {"README.md", "shardtune_config.yaml", "config.json", "model.safetensors"} <= set(first[2]["paths"])
+    card = (repo / "README.md").read_text()
+    assert "eval_loss" in card and "2 optimizer steps" in card
+    command = next(line.split()[2:] for line in card.splitlines() if line.startswith("shardtune train"))
+    from shardtune.config.load import load_config
+
+    again = load_config(str(repo / command[0]), command[1:])  # the card's command reads the uploaded recipe
+    assert again.publish.hub_repo is None and again.output_dir == "runs/reproduce"
+    assert again.train == load_config(str(out / "config.yaml")).train
+    # each uploaded checkpoint is a model that loads, and equals the final one at the same step
+    ckpt = AutoModelForCausalLM.from_pretrained(repo / "checkpoints" / "step-000002")
+    final = AutoModelForCausalLM.from_pretrained(repo)
+    assert all(a.equal(b) for a, b in zip(ckpt.state_dict().values(), final.state_dict().values(), strict=True))
+    assert "publish: 3 uploaded" in capsys.readouterr().out
+
+    # resumed to 3 steps: only step 3 and the final model go up again
+    run_tiny(assets, out, **{"train.max_steps": 3, "resume": "auto", **PUBLISH})
+    again = commits(store)[len(first):]
+    assert [c["paths"][0].split("/")[1] if c["paths"][0].startswith("checkpoints/") else "final"
+            for c in again] == ["step-000003", "final"]
+    ledger = json.loads((out / "publish" / "ledger.json").read_text())["user/tiny@dev"]
+    assert set(ledger) == {f"checkpoints/step-00000{i}" for i in (1, 2, 3)} | {"final"}
+
+
+def test_hung_server_leaves_training_unharmed(assets, tmp_path, monkeypatch, capsys):
+    """The first checkpoint's commit never returns: the steps after it run all the same (uploads
+    are in the background), and the end waits publish.wait_s, not forever."""
+    from conftest import losses
+
+    proc, store, endpoint = start_server(tmp_path, "--hang-commits")
+    point_at(monkeypatch, endpoint)
+    try:
+        out = tmp_path / "run"
+        t0 = time.monotonic()
+        run_tiny(assets, out, **{"train.max_steps": 3, "publish.wait_s": 1, **PUBLISH})
+        assert time.monotonic() - t0 < 60
+    finally:
+        proc.kill()
+        proc.wait()
+    assert len(losses(out)) == 3 and (out / "final" / "config.json").is_file() and commits(store) == []
+    assert "publish: 0 uploaded, 4 still in flight after 1s (publish.wait_s)" in capsys.readouterr().out
+
+
+def test_rejected_push_is_one_warning_and_training_goes_on(assets, tmp_path, monkeypatch, capsys):
+    """Every commit answered 403 (a full quota): one warning, the run and its files complete."""
+    proc, store, endpoint = start_server(tmp_path, "--deny-commits")
+    point_at(monkeypatch, endpoint)
+    out = tmp_path / "run"
+    try:
+        run_tiny(assets, out, **{"train.max_steps": 2, "publish.retries": 2, **PUBLISH})
+    finally:
+        proc.kill()
+        proc.wait()
+    text = capsys.readouterr().out
+    warnings = [line for line in text.splitlines() if line.startswith("warning: could not upload")]
+    assert len(warnings) == 1 and "user/tiny" in warnings[0] and "quota" in warnings[0], text[-2000:]
+    assert "3 failed" in text
+    assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-000001", "step-000002"]
+    assert (out / "final" / "config.json").is_file() and commits(store) == []
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["publish.hub_repo=not a repo"], "is not a Hub repo id"),
+    (["publish.hub_repo=user/m"], "none are saved; set checkpoint.every_steps"),
+    (["publish.hub_repo=user/m", "checkpoint.every_steps=2"], "needs a Hub token"),
+    (["publish.wandb_artifacts=upload"], "add log.trackers=[wandb]"),
+    (["publish.hub_repo=user/m", "publish.checkpoints=false", "HF_HUB_OFFLINE"], "HF_HUB_OFFLINE is set"),
+])
+def test_bad_publish_input_is_one_line_before_any_model(assets, tmp_path, monkeypatch, capsys, overrides, message):
+    import huggingface_hub.constants as constants
+
+    from shardtune.cli.main import main
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
+    offline = "HF_HUB_OFFLINE" in overrides  # read once at import, like HF_ENDPOINT
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", offline)
+    if offline:
+        monkeypatch.setenv("HF_TOKEN", "test-token")
+        overrides = overrides[:-1]
+    out = tmp_path / "run"
+    assert main(["train", *tiny_overrides(assets, out), *overrides]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert not (out / "checkpoints").exists()
+
+
+def test_missing_token_with_required_false_trains_without_publishing(assets, tmp_path, monkeypatch, capsys):
+    import huggingface_hub.constants as constants
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    run_tiny(assets, tmp_path / "run", **{"train.max_steps": 1, "publish.hub_repo": "user/m",
+                                         "publish.checkpoints": "false", "publish.required": "false"})
+    lines = [x for x in capsys.readouterr().out.splitlines() if "Hub token" in x]
+    assert len(lines) == 1 and "does not publish to user/m" in lines[0]
+    assert not (tmp_path / "run" / "publish").exists()

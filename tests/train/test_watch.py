@@ -1,0 +1,93 @@
+"""log.watch: per-block gradient and parameter norms from the FSDP shards, checked against
+torch's own norms of the whole tensors, asking the host nothing in the step, and in metrics.jsonl.
+(2 ranks and hybrid sharding vs 1 process: tests/e2e/test_distributed.py.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_host_sync import HostReads
+
+from conftest import make_trainer
+
+
+@pytest.fixture
+def trainer(assets, tmp_path):
+    torch.set_num_threads(1)
+    t = make_trainer(assets, tmp_path, **{"data.format": "text", "log.watch": "all", "log.watch_every": 1})
+    yield t
+    t.close()
+
+
+def test_block_norms_equal_torchs_norms_and_ask_the_host_nothing(trainer, monkeypatch):
+    from shardtune.train import step as step_mod
+
+    watch = trainer.watch
+    assert watch.names == ["embeddings", "layers.0", "layers.1", "head"]
+    grads_seen = {}
+    real_clip = torch.nn.utils.clip_grad_norm_
+
+    def clip(params, max_norm, *a, **kw):  # torch's own norms of the gradients, before clipping
+        params = list(params)
+        for n, p in trainer.model.named_parameters():
+            if p.grad is not None:
+                grads_seen[n] = torch.linalg.vector_norm(p.grad.full_tensor()).item()
+        return real_clip(params, max_norm, *a, **kw)
+
+    monkeypatch.setattr(step_mod.torch.nn.utils, "clip_grad_norm_", clip)
+    prefetcher = trainer.prefetcher()
+    try:
+        with HostReads() as reads:
+            out = step_mod.train_step(trainer.model, trainer.optimizer, trainer.scaler, prefetcher.take(0)[0],
+                                      trainer.cfg, trainer.dist, labels_vary=True, watch=watch)
+        assert reads.ours == []
+    finally:
+        prefetcher.close()
+    got = watch.record(out.watch)
+    assert list(got) == watch.keys()
+
+    def group_of(name: str) -> str:
+        for g in watch.names[1:-1]:
+            if f".{g}." in f".{name}":
+                return g
+        return "embeddings" if "embed" in name else "head"
+
+    for kind, values in (("grad", grads_seen),
+                         ("param", {n: torch.linalg.vector_norm(p.full_tensor()).item()
+                                    for n, p in trainer.model.named_parameters()})):
+        want = {}
+        for name, norm in values.items():
+            want[group_of(name)] = want.get(group_of(name), 0.0) + norm ** 2
+        for g, sq in want.items():
+            assert abs(got[f"{kind}_norm/{g}"] - sq ** 0.5) <= 1e-5 * max(1.0, sq ** 0.5), (kind, g)
+    total = sum(got[f"grad_norm/{g}"] ** 2 for g in watch.names) ** 0.5
+    assert abs(total - out.grad_norm.item()) < 1e-5 * max(1.0, total)  # clip_grad_norm_'s total
+
+
+def test_watch_records_reach_metrics_jsonl(assets, tmp_path):
+    from conftest import train_tiny
+
+    train_tiny(assets, tmp_path, **{"train.max_steps": 4, "log.every_steps": 3, "log.watch": "gradients",
+                                    "log.watch_every": 2, "eval.max_batches": 1})
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    watched = {r["step"]: r for r in rows if "grad_norm/h.0" in r}
+    assert sorted(watched) == [2, 4] and not any("param_norm/h.0" in r for r in rows)
+    assert all(r[k] > 0 for r in watched.values() for k in r if k.startswith("grad_norm/"))
+    from shardtune.telemetry.report import write_report
+
+    report = write_report([tmp_path], tmp_path / "report")
+    assert (tmp_path / "report" / "grad_norms.png").stat().st_size > 0 and "grad_norms.png" in report.read_text()
+    assert not (tmp_path / "report" / "param_norms.png").exists()
+
+
+@pytest.mark.parametrize("override, message", [("log.watch=weights", "log.watch"),
+                                               ("log.watch_every=0", "log.watch_every=0 must be at least 1")])
+def test_bad_watch_values_are_one_line(assets, tmp_path, capsys, override, message):
+    from conftest import tiny_overrides
+    from shardtune.cli.main import main
+
+    assert main(["train", *tiny_overrides(assets, tmp_path), override]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
