@@ -296,6 +296,19 @@ def test_columns_that_hold_no_text(capfd, recipe, out, tmp_path, rows, extra, wo
     fails(capfd, ["train", recipe, f"data.path={path}", *extra, f"output_dir={out}"], "rows.jsonl", *words)
 
 
+def test_splits_whose_columns_disagree_name_the_file(capfd, recipe, out, tmp_path):
+    """A folder's validation file lacking the text column (or holding none) is named by file."""
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    write_jsonl(folder / "train.jsonl", [{"text": f"document number {i} " * 20} for i in range(20)])
+    write_jsonl(folder / "validation.jsonl", [{"body": "held out " * 20}] * 5)
+    fails(capfd, ["train", recipe, f"data.path={folder}", f"output_dir={out}"], "validation.jsonl",
+          "no column 'text'", "data.text_field")
+    write_jsonl(folder / "validation.jsonl", [{"text": None}] * 5)
+    fails(capfd, ["train", recipe, f"data.path={folder}", f"output_dir={out}"], "validation.jsonl",
+          "null or empty in all 5 rows")
+
+
 @pytest.mark.parametrize("raw, words", [
     (b'null\n{"text": "a"}\n', ["line 1 is `null`"]),  # pyarrow's JSON reader would crash the process
     ('{"text": "a"}\n{"text": "café"}\n'.encode("latin-1"), ["not UTF-8 text", "line 2"]),

@@ -58,6 +58,21 @@ def load_documents(cfg: DataConfig):
         datasets.logging.set_verbosity(verbosity)
 
 
+def validation_split(cfg: DataConfig, splits) -> str | None:
+    """The dataset's split used for validation, or None when it is carved out of the training split."""
+    return cfg.val_split or next((s for s in VAL_NAMES if s in splits and s != cfg.split), None)
+
+
+def split_files(cfg: DataConfig, split: str | None) -> str:
+    """' (FILES)' naming a local folder's files of `split`, for messages about its columns; '' otherwise
+    (a single file is already named by data.path, a hub dataset has no local files)."""
+    path = Path(cfg.path).expanduser()
+    if split is None or not path.is_dir():
+        return ""
+    files = local_files(path).get(split, [])
+    return f" ({', '.join(Path(f).name for f in files)})" if files else ""
+
+
 def split_documents(cfg: DataConfig, splits, seed: int):
     """(train, validation) documents: the dataset's own validation split if it has one, else a
     seeded hold-out of `val_size` training documents; then `start_idx:end_idx` of the rest."""
@@ -65,7 +80,7 @@ def split_documents(cfg: DataConfig, splits, seed: int):
         raise UserError(f"dataset {cfg.path!r} has no split {cfg.split!r}; choose data.split from "
                         f"{', '.join(splits)}")
     train = splits[cfg.split]
-    val_name = cfg.val_split or next((s for s in VAL_NAMES if s in splits and s != cfg.split), None)
+    val_name = validation_split(cfg, splits)
     if cfg.val_split and cfg.val_split not in splits:
         raise UserError(f"dataset {cfg.path!r} has no split {cfg.val_split!r}; choose data.val_split from "
                         f"{', '.join(splits)}")
@@ -160,13 +175,15 @@ def _prepare(cfg: DataConfig, tokenizer, seed: int, warn):
     if len(train_docs) == 0:
         raise UserError(f"dataset {cfg.path!r} has no training documents (after start_idx/end_idx); "
                         "check data.path and the slice")
-    train = tokenize_split(train_docs, cfg, tokenizer, f"dataset {cfg.path!r}", warn, required=True)
+    train = tokenize_split(train_docs, cfg, tokenizer, f"dataset {cfg.path!r}{split_files(cfg, cfg.split)}", warn,
+                           required=True)
     if len(train) == 0:
         raise UserError(f"dataset {cfg.path!r} has fewer tokens than one sequence of data.seq_len={cfg.seq_len}; "
                         "add data or lower data.seq_len")
     val = None
     if len(val_docs):
-        val = tokenize_split(val_docs, cfg, tokenizer, f"the validation split of {cfg.path!r}", warn)
+        what = f"the validation split of {cfg.path!r}{split_files(cfg, validation_split(cfg, splits))}"
+        val = tokenize_split(val_docs, cfg, tokenizer, what, warn)
         val = val if len(val) else None
     return train.with_format("torch"), (val.with_format("torch") if val is not None else None)
 
