@@ -1,0 +1,154 @@
+"""final/ written by every rank together in Hugging Face's format, no rank holding a full copy.
+
+Each rank writes its own shards through DCP's `HuggingFaceStorageWriter`; the shards are then
+consolidated (torch's safetensors consolidation, output files spread over the ranks) into the
+layout `save_pretrained` writes: the same file names, the same split over files, the same keys
+(a tied head written once), `model.safetensors.index.json` when there is more than one file.
+The output folder must be on a file system that every rank sees (shared across nodes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+SHARDS = ".rank-shards"  # DCP's per-rank files, inside the folder being written; removed when done
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+
+
+def hf_file_plan(hf_config, state_dict: dict, max_shard_size: str) -> tuple[object, dict[str, str]] | None:
+    """(a meta shell of the model, {key: file name}) as `save_pretrained` would write `state_dict`
+    (tied copies dropped, files split at max_shard_size); None when transformers would rename keys
+    on save (a conversion mapping), which this path does not reproduce."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict, revert_weight_conversion
+
+    meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in state_dict.items()}
+    with torch.device("meta"):
+        shell = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    shell.load_state_dict(meta, assign=True, strict=False)
+    shell.tie_weights()
+    kept = remove_tied_weights_from_state_dict(dict(shell.state_dict()), shell)
+    if set(revert_weight_conversion(shell, dict(kept))) != set(kept) or not set(kept) <= set(state_dict):
+        return None
+    split = split_torch_state_dict_into_shards(kept, max_shard_size=max_shard_size)
+    return shell, {k: name for name, keys in split.filename_to_tensors.items() for k in keys}
+
+
+def _shard_index(name: str, files: list[str]) -> int:
+    return files.index(name) + 1
+
+
+def save_hf_sharded(model, hf_config, tokenizer, out: Path, max_shard_size: str = "2GB") -> bool:
+    """Collective: every rank writes its part of `model` (FSDP2-sharded) into `out` (the same
+    path on every rank, an existing empty folder). Returns False, having written nothing, when
+    the model's keys cannot be written this way (the caller gathers instead)."""
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter, save
+    from torch.distributed.checkpoint._consolidate_hf_safetensors import _consolidate_safetensors_files
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    state_dict = get_model_state_dict(model)
+    plan = hf_file_plan(hf_config, state_dict, max_shard_size)
+    if plan is None:
+        return False
+    shell, file_of = plan
+    files = sorted(set(file_of.values()))
+    index = {k: _shard_index(name, files) for k, name in file_of.items()}
+    shards = out / SHARDS
+    writer = HuggingFaceStorageWriter(str(shards), fqn_to_index_mapping=index, save_distributed=True)
+    save({k: state_dict[k] for k in file_of}, storage_writer=writer)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = {k: name for k, name in file_of.items() if (_shard_index(name, files) - 1) % world == rank}
+    failed = torch.zeros(1)
+    try:  # each rank consolidates its own output files; a failure anywhere fails every rank
+        if mine:
+            _consolidate_safetensors_files(str(shards), str(out), mine, num_threads=1)
+    except BaseException:
+        failed += 1
+        raise
+    finally:
+        dist.all_reduce(failed)
+    if failed.item():
+        raise RuntimeError("another rank failed writing its part of the model folder")
+    if rank == 0:
+        shutil.rmtree(shards)
+        _write_index(out, shell, file_of)
+        _write_configs(shell, hf_config, tokenizer, out)
+    dist.barrier()
+    return True
+
+
+@contextlib.contextmanager
+def shared_atomic_dir(final: Path):
+    """`fsio.atomic_dir` for a folder every rank writes into: rank 0 owns the temporary sibling
+    and publishes it only when every rank got through the block; any failure removes it."""
+    from shardtune.fsio import atomic_dir
+
+    main = dist.get_rank() == 0
+    box: list = [None]
+    if main:
+        ctx = atomic_dir(final, replace=True)
+        try:
+            box = [str(ctx.__enter__())]
+        finally:
+            dist.broadcast_object_list(box, src=0)  # None tells the others rank 0 could not start
+    else:
+        dist.broadcast_object_list(box, src=0)
+        if box[0] is None:
+            raise RuntimeError(f"rank 0 could not create the folder for {final}")
+    try:
+        yield Path(box[0])
+        dist.barrier()  # every rank finished writing
+    except BaseException as exc:
+        if main:
+            ctx.__exit__(type(exc), exc, exc.__traceback__)
+        raise
+    if main:
+        ctx.__exit__(None, None, None)
+
+
+def save_final_sharded(model, hf_config, tokenizer, folder: Path, max_shard_size: str = "2GB") -> str:
+    """Collective: `folder` written by every rank (atomically); a model whose keys transformers
+    renames on save is gathered to rank 0 instead. Returns which path wrote it."""
+    from shardtune.checkpoint.export import gather_full_state_dict, save_hf_folder
+
+    with shared_atomic_dir(folder) as tmp:
+        if save_hf_sharded(model, hf_config, tokenizer, tmp, max_shard_size):
+            return "sharded"
+        full = gather_full_state_dict(model)
+        if dist.get_rank() == 0:
+            save_hf_folder(full, hf_config, tokenizer, tmp, max_shard_size)
+    return "gathered"
+
+
+def _write_index(out: Path, shell, file_of: dict[str, str]) -> None:
+    """One file: named model.safetensors, no index (as save_pretrained); else the index."""
+    names = set(file_of.values())
+    if names == {SINGLE}:
+        return
+    sizes = dict(shell.state_dict())
+    total = sum(sizes[k].numel() * sizes[k].element_size() for k in file_of)
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(file_of.items()))}
+    (out / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def _write_configs(shell, hf_config, tokenizer, out: Path) -> None:
+    """config.json, generation_config.json and the tokenizer, as save_pretrained writes them."""
+    from transformers import GenerationConfig
+
+    shell.config.dtype = str(shell.dtype).split(".")[1]
+    shell.config.architectures = [type(shell).__name__]
+    shell.config.save_pretrained(out)
+    if shell.generation_config is None:
+        shell.generation_config = GenerationConfig.from_model_config(hf_config)
+    if shell.can_generate():
+        shell.generation_config.save_pretrained(out)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)

@@ -1,0 +1,80 @@
+"""final/ written by every rank (checkpoint.hf_sharded) equals today's gathered save_pretrained folder."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import TINY
+from shardtune.distributed.fsdp import build_mesh
+from shardtune.distributed.process_group import init_distributed
+from shardtune.model.build import ModelSpec, build_model
+
+
+@pytest.fixture
+def one_rank():
+    d = init_distributed("cpu")
+    yield d
+    dist.destroy_process_group()
+
+
+def sharded_model(arch: str, d, **extra):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(TINY[arch])
+    config = AutoConfig.for_model(cfg.pop("model_type"), vocab_size=300, **cfg, **extra)
+    torch.manual_seed(0)
+    plain = AutoModelForCausalLM.from_config(config)
+    spec = ModelSpec(config)
+    return build_model(spec, build_mesh(spec.fsdp, d), d.device, source=lambda: plain, seed=0).model, config
+
+
+def assert_same_folder(a, b):
+    """Same files, same config, and from_pretrained gives bitwise equal tensors."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    assert sorted(p.name for p in a.iterdir()) == sorted(p.name for p in b.iterdir())
+    assert json.loads((a / "config.json").read_text()) == json.loads((b / "config.json").read_text())
+    for f in a.glob("*.safetensors"):  # same keys in each file (tied head written once)
+        with safe_open(f, "pt") as x, safe_open(b / f.name, "pt") as y:
+            assert sorted(x.keys()) == sorted(y.keys())
+    if (a / "model.safetensors.index.json").exists():
+        ia, ib = (json.loads((p / "model.safetensors.index.json").read_text()) for p in (a, b))
+        assert ia["weight_map"] == ib["weight_map"] and ia["metadata"]["total_size"] == ib["metadata"]["total_size"]
+    ma, mb = (AutoModelForCausalLM.from_pretrained(p).state_dict() for p in (a, b))
+    assert ma.keys() == mb.keys()
+    assert all(torch.equal(ma[k], mb[k]) and ma[k].dtype == mb[k].dtype for k in ma)
+
+
+@pytest.mark.parametrize("arch,shard_size", [("gpt2", "2GB"), ("llama", "100KB")])
+def test_sharded_final_equals_the_gathered_folder(one_rank, tmp_path, arch, shard_size):
+    """GPT-2 (tied head, one file) and Llama (untied, split into several files with an index)."""
+    from shardtune.checkpoint.export import gather_full_state_dict, save_hf_folder
+    from shardtune.checkpoint.hf_sharded import SHARDS, save_final_sharded
+
+    model, config = sharded_model(arch, one_rank)
+    save_hf_folder(gather_full_state_dict(model), config, None, tmp_path / "gathered", shard_size)
+    assert save_final_sharded(model, config, None, tmp_path / "sharded", shard_size) == "sharded"
+    assert not (tmp_path / "sharded" / SHARDS).exists()
+    if arch == "llama":
+        assert len(list((tmp_path / "sharded").glob("model-0000*-of-0000*.safetensors"))) > 1
+    assert_same_folder(tmp_path / "sharded", tmp_path / "gathered")
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no partial folder left
+
+
+def test_a_failure_leaves_no_folder_that_looks_complete(one_rank, tmp_path, monkeypatch):
+    from shardtune.checkpoint import hf_sharded
+
+    model, config = sharded_model("gpt2", one_rank)
+
+    def fail(*a, **k):
+        raise OSError(28, "No space left on device", "x")
+
+    monkeypatch.setattr(hf_sharded, "_write_configs", fail)
+    with pytest.raises(OSError):
+        hf_sharded.save_final_sharded(model, config, None, tmp_path / "final")
+    assert list(tmp_path.iterdir()) == []
