@@ -20,6 +20,7 @@ def check_loading(folder: str) -> float:
     from transformers import AutoModelForCausalLM
 
     from shardtune.checkpoint.export import gather_full_state_dict
+    from shardtune.checkpoint.hf_sharded import save_final_sharded
     from shardtune.config.schema import FSDPConfig, ModelConfig
     from shardtune.distributed.fsdp import build_mesh
     from shardtune.model.build import ModelSpec, build_model
@@ -32,10 +33,15 @@ def check_loading(folder: str) -> float:
                         source=lambda: load_source_model(model_cfg, hf_config, seed=0)).model
     full = gather_full_state_dict(model)
     buffers = {n: b.clone() for n, b in model.named_buffers()}
+    resaved = Path(folder + "-resaved")  # final/ written by both ranks, split over several files
+    assert save_final_sharded(model, hf_config, None, resaved, "50KB") == "sharded"
     if not d.is_main:
         return 0.0
+    assert len(list(resaved.glob("model-*-of-*.safetensors"))) > 1 and (resaved / "model.safetensors.index.json").is_file()
     plain = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     ref = plain.state_dict()
+    again = AutoModelForCausalLM.from_pretrained(resaved, dtype=torch.float32).state_dict()
+    assert again.keys() == ref.keys() and all(torch.equal(again[k], ref[k]) for k in ref), "sharded save differs"
     diff = max((full[k] - ref[k]).abs().max().item() for k in ref)
     diff = max([diff] + [(buffers[n] - b).abs().max().item() for n, b in plain.named_buffers()])
     assert set(full) >= set(ref), set(ref) - set(full)

@@ -78,3 +78,30 @@ def test_a_failure_leaves_no_folder_that_looks_complete(one_rank, tmp_path, monk
     with pytest.raises(OSError):
         hf_sharded.save_final_sharded(model, config, None, tmp_path / "final")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("arch,dtype", [("gpt2", torch.float32), ("llama", torch.bfloat16)])
+def test_sharded_load_equals_the_rank0_broadcast(one_rank, tmp_path, arch, dtype):
+    """GPT-2 (tied head, not in the file) and Llama saved in bf16 (cast to fp32 on read, rotary
+    buffers rebuilt): every tensor and buffer equals rank 0's load + broadcast."""
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.model.hf_sharded_io import local_safetensors_folder
+
+    _, config = sharded_model(arch, one_rank)
+    torch.manual_seed(1)
+    AutoModelForCausalLM.from_config(config).to(dtype).save_pretrained(tmp_path / "src")
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "src", dtype=torch.float32)
+    spec = ModelSpec(plain.config)
+    mesh = build_mesh(spec.fsdp, one_rank)
+    folder = local_safetensors_folder(str(tmp_path / "src"))
+    sharded = build_model(spec, mesh, one_rank.device, folder=folder)
+    broadcast = build_model(spec, mesh, one_rank.device, source=lambda: plain)
+    assert (sharded.loaded, broadcast.loaded) == ("sharded", "rank 0")
+    a, b = sharded.model.state_dict(), broadcast.model.state_dict()
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k].full_tensor(), b[k].full_tensor()) and a[k].dtype == torch.float32 for k in a)
+    bufs = dict(broadcast.model.named_buffers())
+    assert all(torch.equal(t, bufs[n]) for n, t in sharded.model.named_buffers())
+    if arch == "gpt2":
+        assert sharded.model.lm_head.weight is sharded.model.transformer.wte.weight

@@ -78,7 +78,8 @@ def test_two_ranks_match_one_process_for_every_sharding(assets, baseline, lora_b
     shard_grad_op and no_shard
     on 2 ranks, with full logits and with many loss chunks (the baseline's loss is one chunk),
     and document-masked packing;
-    a locally saved GPT-2 and Llama load on 2 ranks exactly; final/ round-trips."""
+    a locally saved GPT-2 and Llama load on 2 ranks exactly and, written back by both ranks
+    (checkpoint.sharded_final), load bitwise equal; final/ round-trips (job 0 writes it sharded)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from conftest import TINY
@@ -91,7 +92,7 @@ def test_two_ranks_match_one_process_for_every_sharding(assets, baseline, lora_b
         AutoModelForCausalLM.from_config(config).save_pretrained(folder)
         saved.append(str(folder))
     jobs = {
-        "full_shard": {},
+        "full_shard": {"checkpoint.sharded_final": "true"},
         "full_shard_ac": {"activation_checkpointing": "true"},
         "selective_ac_offload": {"activation_checkpointing": "selective", "activation_offload": "true"},
         "shard_grad_op": {"fsdp.sharding": "shard_grad_op"},

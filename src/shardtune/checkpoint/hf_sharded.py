@@ -17,29 +17,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from shardtune.model.hf_sharded_io import hf_file_plan
+
 SHARDS = ".rank-shards"  # DCP's per-rank files, inside the folder being written; removed when done
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-
-
-def hf_file_plan(hf_config, state_dict: dict, max_shard_size: str) -> tuple[object, dict[str, str]] | None:
-    """(a meta shell of the model, {key: file name}) as `save_pretrained` would write `state_dict`
-    (tied copies dropped, files split at max_shard_size); None when transformers would rename keys
-    on save (a conversion mapping), which this path does not reproduce."""
-    from huggingface_hub import split_torch_state_dict_into_shards
-    from transformers import AutoModelForCausalLM
-    from transformers.modeling_utils import remove_tied_weights_from_state_dict, revert_weight_conversion
-
-    meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in state_dict.items()}
-    with torch.device("meta"):
-        shell = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-    shell.load_state_dict(meta, assign=True, strict=False)
-    shell.tie_weights()
-    kept = remove_tied_weights_from_state_dict(dict(shell.state_dict()), shell)
-    if set(revert_weight_conversion(shell, dict(kept))) != set(kept) or not set(kept) <= set(state_dict):
-        return None
-    split = split_torch_state_dict_into_shards(kept, max_shard_size=max_shard_size)
-    return shell, {k: name for name, keys in split.filename_to_tensors.items() for k in keys}
 
 
 def _shard_index(name: str, files: list[str]) -> int:
