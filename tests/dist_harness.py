@@ -37,7 +37,8 @@ def check_loading(folder: str) -> float:
     assert save_final_sharded(model, hf_config, None, resaved, "50KB") == "sharded"
     if not d.is_main:
         return 0.0
-    assert len(list(resaved.glob("model-*-of-*.safetensors"))) > 1 and (resaved / "model.safetensors.index.json").is_file()
+    assert len(list(resaved.glob("model-*-of-*.safetensors"))) > 1
+    assert (resaved / "model.safetensors.index.json").is_file()
     plain = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     ref = plain.state_dict()
     again = AutoModelForCausalLM.from_pretrained(resaved, dtype=torch.float32).state_dict()
