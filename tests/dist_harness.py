@@ -36,7 +36,8 @@ def check_loading(folder: str) -> float:
     full = gather_full_state_dict(model)
     buffers = {n: b.clone() for n, b in model.named_buffers()}
     # model.sharded_load: each rank reads only its slices; the same weights as rank 0's broadcast
-    own = build_model(ModelSpec(hf_config), build_mesh(FSDPConfig(), d), d.device, folder=local_safetensors_folder(folder))
+    own = build_model(ModelSpec(hf_config), build_mesh(FSDPConfig(), d), d.device,
+                      folder=local_safetensors_folder(folder))
     assert own.loaded == "sharded"
     own_full = gather_full_state_dict(own.model)
     assert all(torch.equal(own_full[k], full[k]) for k in full), "sharded load differs"

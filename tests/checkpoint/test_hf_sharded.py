@@ -105,3 +105,29 @@ def test_sharded_load_equals_the_rank0_broadcast(one_rank, tmp_path, arch, dtype
     assert all(torch.equal(t, bufs[n]) for n, t in sharded.model.named_buffers())
     if arch == "gpt2":
         assert sharded.model.lm_head.weight is sharded.model.transformer.wte.weight
+
+
+def test_a_run_loaded_the_sharded_way_trains_like_the_broadcast_one(assets, tmp_path, capsys):
+    """model.sharded_load=true + checkpoint.sharded_final=true: the same per-step losses (fp32,
+    exactly) and the same final/ as rank 0's load + gathered save; the start-up line says which."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from conftest import losses, tiny_overrides
+    from shardtune.config.load import load_config
+    from shardtune.train.trainer import run
+
+    cfg = dict(TINY["gpt2"])
+    torch.manual_seed(2)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), vocab_size=300, **cfg)) \
+        .save_pretrained(tmp_path / "src")
+    runs = {}
+    for name, flag in (("broadcast", "false"), ("sharded", "true")):
+        extra = {"model.name_or_path": str(tmp_path / "src"), "model.sharded_load": flag,
+                 "checkpoint.sharded_final": flag, "train.max_steps": 2, "eval.max_batches": 1,
+                 "eval.at_start": "false"}
+        run(load_config(None, tiny_overrides(assets, tmp_path / name, **extra), defaults={}), overwrite=True)
+        runs[name] = losses(tmp_path / name)
+    out = capsys.readouterr().out
+    assert "weights: sharded" in out and "weights: rank 0" in out and "(sharded)" in out
+    assert len(runs["sharded"]) == 2 and runs["sharded"] == runs["broadcast"]
+    assert_same_folder(tmp_path / "sharded" / "final", tmp_path / "broadcast" / "final")
