@@ -131,3 +131,19 @@ def test_a_run_loaded_the_sharded_way_trains_like_the_broadcast_one(assets, tmp_
     assert "weights: sharded" in out and "weights: rank 0" in out and "(sharded)" in out
     assert len(runs["sharded"]) == 2 and runs["sharded"] == runs["broadcast"]
     assert_same_folder(tmp_path / "sharded" / "final", tmp_path / "broadcast" / "final")
+
+
+def test_a_damaged_folder_falls_back_to_the_broadcast_path(one_rank, tmp_path):
+    """A truncated shard or one the index names but that is gone: no sharded read (the rank-0
+    load then reports the file in one line, as before)."""
+    from transformers import AutoModelForCausalLM
+
+    _, config = sharded_model("llama", one_rank)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "m", max_shard_size="100KB")
+    files = sorted((tmp_path / "m").glob("model-*.safetensors"))
+    spec = ModelSpec(config)
+    mesh = build_mesh(spec.fsdp, one_rank)
+    files[-1].unlink()
+    assert build_model(spec, mesh, one_rank.device, folder=tmp_path / "m").loaded == "none"
+    files[0].write_bytes(files[0].read_bytes()[:100])
+    assert build_model(spec, mesh, one_rank.device, folder=tmp_path / "m").loaded == "none"

@@ -64,14 +64,16 @@ def _buffers_of(hf_config, trust_remote_code: bool) -> dict[str, torch.Tensor]:
 
 def load_hf_sharded(model, hf_config, folder: Path, device, trust_remote_code: bool = False) -> bool:
     """Collective: give the sharded meta `model` storage on `device` and read each rank's slices
-    from `folder`. False (nothing changed) when the folder's keys are not the model's."""
+    from `folder`. False (nothing changed) when the folder's keys are not the model's (a shard
+    named by the index but missing, key renames) or a file's header cannot be read."""
     from torch.distributed.checkpoint import HuggingFaceStorageReader, load
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    reader = HuggingFaceStorageReader(str(folder))
-    in_files = set(reader.read_metadata().state_dict_metadata)
-    shapes = {k: v for k, v in model.state_dict().items()}
-    plan = hf_file_plan(hf_config, shapes, "2GB")
+    try:
+        in_files = set(HuggingFaceStorageReader(str(folder)).read_metadata().state_dict_metadata)
+    except Exception:  # a truncated or foreign file: the broadcast path names it in one line
+        return False
+    plan = hf_file_plan(hf_config, model.state_dict(), "2GB")  # DTensor shapes are the global ones
     if plan is None or set(plan[1]) != in_files:
         return False
     model.to_empty(device=device)
