@@ -48,10 +48,18 @@ def save_hf_sharded(model, hf_config, tokenizer, out: Path, max_shard_size: str 
     save({k: state_dict[k] for k in file_of}, storage_writer=writer)
     rank, world = dist.get_rank(), dist.get_world_size()
     mine = {k: name for k, name in file_of.items() if (_shard_index(name, files) - 1) % world == rank}
+    # each rank consolidates its own output files (rank r: files r, r+N, ...), then rank 0 the rest
+    together(lambda: _consolidate_safetensors_files(str(shards), str(out), mine, num_threads=1) if mine else None)
+    together(lambda: _finish(out, shards, shell, file_of, hf_config, tokenizer) if rank == 0 else None)
+    return True
+
+
+def together(step) -> None:
+    """Collective: run `step` on every rank; if it fails on any, it fails on all (the failing
+    rank raises its own error, the others a line saying so) instead of leaving them waiting."""
     failed = torch.zeros(1)
-    try:  # each rank consolidates its own output files; a failure anywhere fails every rank
-        if mine:
-            _consolidate_safetensors_files(str(shards), str(out), mine, num_threads=1)
+    try:
+        step()
     except BaseException:
         failed += 1
         raise
@@ -59,12 +67,12 @@ def save_hf_sharded(model, hf_config, tokenizer, out: Path, max_shard_size: str 
         dist.all_reduce(failed)
     if failed.item():
         raise RuntimeError("another rank failed writing its part of the model folder")
-    if rank == 0:
-        shutil.rmtree(shards)
-        _write_index(out, shell, file_of)
-        _write_configs(shell, hf_config, tokenizer, out)
-    dist.barrier()
-    return True
+
+
+def _finish(out: Path, shards: Path, shell, file_of: dict[str, str], hf_config, tokenizer) -> None:
+    shutil.rmtree(shards)
+    _write_index(out, shell, file_of)
+    _write_configs(shell, hf_config, tokenizer, out)
 
 
 @contextlib.contextmanager
