@@ -124,7 +124,7 @@ def test_a_run_loaded_the_sharded_way_trains_like_the_broadcast_one(assets, tmp_
     for name, flag in (("broadcast", "false"), ("sharded", "true")):
         extra = {"model.name_or_path": str(tmp_path / "src"), "model.sharded_load": flag,
                  "checkpoint.sharded_final": flag, "train.max_steps": 2, "eval.max_batches": 1,
-                 "eval.at_start": "false"}
+                 "eval.at_start": "false", "activation_checkpointing": "full"}  # wrapped blocks: names kept
         run(load_config(None, tiny_overrides(assets, tmp_path / name, **extra), defaults={}), overwrite=True)
         runs[name] = losses(tmp_path / name)
     out = capsys.readouterr().out
