@@ -107,12 +107,16 @@ def test_sharded_load_equals_the_rank0_broadcast(one_rank, tmp_path, arch, dtype
         assert sharded.model.lm_head.weight is sharded.model.transformer.wte.weight
 
 
-def test_a_run_loaded_the_sharded_way_trains_like_the_broadcast_one(assets, tmp_path, capsys):
+def test_a_run_loaded_the_sharded_way_trains_like_the_broadcast_one(assets, tmp_path, capsys, monkeypatch):
     """model.sharded_load=true + checkpoint.sharded_final=true: the same per-step losses (fp32,
-    exactly) and the same final/ as rank 0's load + gathered save; the start-up line says which."""
+    exactly) and the same final/ as rank 0's load + gathered save; the start-up line says which.
+    `shardtune export` of a checkpoint (streamed, file by file) equals today's whole-model export."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from conftest import losses, tiny_overrides
+    from shardtune.checkpoint.dcp import find_latest
+    from shardtune.checkpoint.export import export_checkpoint, save_hf_folder
+    from shardtune.checkpoint.loading import load_plain_model
     from shardtune.config.load import load_config
     from shardtune.train.trainer import run
 
@@ -124,13 +128,24 @@ def test_a_run_loaded_the_sharded_way_trains_like_the_broadcast_one(assets, tmp_
     for name, flag in (("broadcast", "false"), ("sharded", "true")):
         extra = {"model.name_or_path": str(tmp_path / "src"), "model.sharded_load": flag,
                  "checkpoint.sharded_final": flag, "train.max_steps": 2, "eval.max_batches": 1,
-                 "eval.at_start": "false", "activation_checkpointing": "full"}  # wrapped blocks: names kept
+                 "eval.at_start": "false", "activation_checkpointing": "full",  # wrapped blocks: names kept
+                 "checkpoint.every_steps": 2}
         run(load_config(None, tiny_overrides(assets, tmp_path / name, **extra), defaults={}), overwrite=True)
         runs[name] = losses(tmp_path / name)
     out = capsys.readouterr().out
     assert "weights: sharded" in out and "weights: rank 0" in out and "(sharded)" in out
     assert len(runs["sharded"]) == 2 and runs["sharded"] == runs["broadcast"]
     assert_same_folder(tmp_path / "sharded" / "final", tmp_path / "broadcast" / "final")
+    # `shardtune export` of the last checkpoint, one output file at a time: the same folder again
+    from shardtune.checkpoint import loading
+
+    with monkeypatch.context() as m:  # the whole model is never loaded
+        m.setattr(loading, "load_plain_model", None)
+        export_checkpoint(str(tmp_path / "sharded"), tmp_path / "exported", max_shard_size="100KB")
+    assert len(list((tmp_path / "exported").glob("model-*-of-*.safetensors"))) > 1
+    model, tokenizer, _ = load_plain_model(find_latest(tmp_path / "sharded" / "checkpoints"))
+    save_hf_folder(model.state_dict(), model.config, tokenizer, tmp_path / "gathered", "100KB")  # today's export
+    assert_same_folder(tmp_path / "exported", tmp_path / "gathered")
 
 
 def test_a_damaged_folder_falls_back_to_the_broadcast_path(one_rank, tmp_path):

@@ -71,6 +71,11 @@ def together(step) -> None:
 
 def _finish(out: Path, shards: Path, shell, file_of: dict[str, str], hf_config, tokenizer) -> None:
     shutil.rmtree(shards)
+    write_index_and_configs(out, shell, file_of, hf_config, tokenizer)
+
+
+def write_index_and_configs(out: Path, shell, file_of: dict[str, str], hf_config, tokenizer) -> None:
+    """Beside the weight files: the index (more than one file), configs, tokenizer."""
     _write_index(out, shell, file_of)
     _write_configs(shell, hf_config, tokenizer, out)
 
