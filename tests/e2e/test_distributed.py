@@ -119,15 +119,22 @@ def test_two_ranks_match_one_process_for_every_sharding(assets, baseline, lora_b
 
 def test_two_nodes_hybrid_shard_matches_one_process(assets, baseline, tmp_path):
     """Two torchrun agents (--nnodes 2, c10d rendezvous on 127.0.0.1), 2 ranks each, running the
-    real CLI with hybrid_shard: replicate across the 2 'nodes', shard within each (2 x 2)."""
-    args = ["-m", "shardtune", "train", *tiny_overrides(assets, tmp_path / "hsdp", **{"fsdp.sharding": "hybrid_shard"})]
+    real CLI with hybrid_shard: replicate across the 2 'nodes', shard within each (2 x 2); final/
+    written by all 4 ranks (checkpoint.sharded_final) loads in transformers with every weight."""
+    args = ["-m", "shardtune", "train", *tiny_overrides(assets, tmp_path / "hsdp", **{
+        "fsdp.sharding": "hybrid_shard", "checkpoint.sharded_final": "true"})]
     results = torchrun(2, args, nnodes=2)
     for code, output in results:
         assert code == 0, output[-4000:]
     assert "hybrid_shard" in "".join(o for _, o in results)
+    assert "final (sharded)" in "".join(o for _, o in results)  # written by the ranks, not gathered
     got = losses(tmp_path / "hsdp")
     assert max(abs(a - b) for a, b in zip(got, baseline, strict=True)) < TOL, (got, baseline)
     assert (tmp_path / "hsdp" / "final" / "model.safetensors").exists()
+    from transformers import AutoModelForCausalLM
+
+    _, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hsdp" / "final", output_loading_info=True)
+    assert not any(info.values()), info  # no missing, unexpected or mismatched weights
 
 
 def test_cli_nproc_two_runs_the_elastic_launcher(assets, baseline, tmp_path):
