@@ -2,9 +2,9 @@
 
 Adding an architecture touches this table only (CONTRIBUTING.md, "Adding a model architecture").
 It imports nothing, so the CLI, the config checks and every layer (the FSDP code, document masking,
-adapters, the chunked loss) can read it. `tests/test_families.py` builds a tiny model of every
-family on the meta device and checks each fact against it, so an entry cannot drift from
-transformers' modeling code.
+adapters, the chunked loss) can read it. `tests/test_architectures.py` builds a tiny model of every
+family (tests/archs.py) and checks each fact against it, so an entry cannot drift from
+transformers' modeling code; the README's architecture table is rendered from it.
 """
 
 from __future__ import annotations
@@ -15,13 +15,17 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Family:
     block: str  # class name of the decoder block: one FSDP unit, the unit of activation checkpointing
-    lora_targets: tuple[str, ...]  # default LoRA target modules (short names): the attention projections
+    # default LoRA target modules (short names), only where shardtune chooses itself: None takes
+    # peft's maintained per-architecture mapping (model/adapters.py). Mixture-of-experts models get
+    # the attention projections only: their experts are fused 3-D parameters, not linear layers
+    lora_targets: tuple[str, ...] | None
     # the causal-LM forward applies the LM head (a plain linear layer) and nothing else to the logits,
     # no soft-capping or scaling, so a loss computed inside the head is the model's loss (model/loss.py)
     plain_head: bool
     # how its forward keeps attention inside each document of a packed row (data/docmask.py):
     # "position_ids" (transformers builds the block-causal mask from the position restarts),
-    # "mask_4d" (shardtune builds the mask and passes it), or None (not verified: refused)
+    # "mask_4d" (shardtune builds the mask and passes it), or None (a document does not compute
+    # what it computes alone: refused; the reason is in the entry's comment)
     document_mask: str | None
     # module-name suffixes, inside one decoder block, of the matmuls of attention and of the MLP
     # (a module may hold fused weights, e.g. Mixtral's experts): for memory features that act on
@@ -31,33 +35,78 @@ class Family:
 
 
 _QV = ("q_proj", "v_proj")
+_PEFT = None  # peft's default targets for this model type
+_POS, _4D = "position_ids", "mask_4d"
 _LLAMA_ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
 _LLAMA_MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 _NEOX_MLP = ("mlp.dense_h_to_4h", "mlp.dense_4h_to_h")
+_FUSED_ATTENTION = ("attention.query_key_value", "attention.dense")
+_GPT2_ATTENTION = ("attn.c_attn", "attn.c_proj")
+_GPT2_MLP = ("mlp.c_fc", "mlp.c_proj")
+_MOE = ("mlp.gate", "mlp.experts")  # router and fused experts
+_MOE_ROUTER = ("mlp.router", "mlp.experts")
+
+
+def _llama(block: str, lora=_PEFT, plain: bool = True, mlp=_LLAMA_MLP) -> Family:
+    return Family(block, lora, plain, _POS, _LLAMA_ATTENTION, mlp)
+
 
 FAMILIES = {
-    "gpt2": Family("GPT2Block", ("c_attn",), True, "position_ids",
-                   ("attn.c_attn", "attn.c_proj"), ("mlp.c_fc", "mlp.c_proj")),
-    "opt": Family("OPTDecoderLayer", _QV, True, "mask_4d",
+    "gpt2": Family("GPT2Block", _PEFT, True, _POS, _GPT2_ATTENTION, _GPT2_MLP),
+    "gpt_bigcode": Family("GPTBigCodeBlock", _PEFT, True, _POS, _GPT2_ATTENTION, _GPT2_MLP),
+    "gpt_neo": Family("GPTNeoBlock", _PEFT, True, _POS, tuple(f"attn.attention.{p}" for p in (
+        "q_proj", "k_proj", "v_proj", "out_proj")), _GPT2_MLP),
+    "gptj": Family("GPTJBlock", _PEFT, False, _POS,  # the head has a bias
+                   ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.out_proj"), ("mlp.fc_in", "mlp.fc_out")),
+    "codegen": Family("CodeGenBlock", _PEFT, False, _POS,  # the head has a bias
+                      ("attn.qkv_proj", "attn.out_proj"), ("mlp.fc_in", "mlp.fc_out")),
+    # ALiBi: attention biased by distance, no positions to restart
+    "bloom": Family("BloomBlock", _PEFT, True, None, tuple(f"self_{p}" for p in _FUSED_ATTENTION), _NEOX_MLP),
+    # OPT and Falcon build their masks without the position ids: shardtune passes the 4-D mask
+    "opt": Family("OPTDecoderLayer", _PEFT, True, _4D,
                   ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj"), ("fc1", "fc2")),
-    "llama": Family("LlamaDecoderLayer", _QV, True, "position_ids", _LLAMA_ATTENTION, _LLAMA_MLP),
-    "mistral": Family("MistralDecoderLayer", _QV, True, "position_ids", _LLAMA_ATTENTION, _LLAMA_MLP),
-    "mixtral": Family("MixtralDecoderLayer", _QV, False, None, _LLAMA_ATTENTION, ("mlp.gate", "mlp.experts")),
-    "qwen2": Family("Qwen2DecoderLayer", _QV, True, "position_ids", _LLAMA_ATTENTION, _LLAMA_MLP),
-    "qwen3": Family("Qwen3DecoderLayer", _QV, True, None, _LLAMA_ATTENTION, _LLAMA_MLP),
-    "gemma": Family("GemmaDecoderLayer", _QV, False, None, _LLAMA_ATTENTION, _LLAMA_MLP),
-    "phi3": Family("Phi3DecoderLayer", ("qkv_proj",), False, None,
+    "falcon": Family("FalconDecoderLayer", _PEFT, True, _4D, tuple(f"self_{p}" for p in _FUSED_ATTENTION), _NEOX_MLP),
+    "gpt_neox": Family("GPTNeoXLayer", _PEFT, True, _POS, _FUSED_ATTENTION, _NEOX_MLP),
+    "llama": _llama("LlamaDecoderLayer"),
+    "mistral": _llama("MistralDecoderLayer"),
+    "qwen2": _llama("Qwen2DecoderLayer"),
+    "qwen3": _llama("Qwen3DecoderLayer"),
+    "gemma": _llama("GemmaDecoderLayer"),
+    "gemma2": _llama("Gemma2DecoderLayer", plain=False),  # final_logit_softcapping
+    "gemma3_text": _llama("Gemma3DecoderLayer", plain=False),  # final_logit_softcapping
+    "stablelm": _llama("StableLmDecoderLayer"),
+    "olmo2": _llama("Olmo2DecoderLayer", _QV),
+    "granite": _llama("GraniteDecoderLayer", _QV, plain=False),  # logits / logits_scaling
+    "cohere": _llama("CohereDecoderLayer", _QV, plain=False),  # logits * logit_scale
+    "smollm3": _llama("SmolLM3DecoderLayer", _QV),
+    "starcoder2": _llama("Starcoder2DecoderLayer", _QV, mlp=_GPT2_MLP),
+    "glm4": _llama("Glm4DecoderLayer", _QV, mlp=("mlp.gate_up_proj", "mlp.down_proj")),
+    "phi": Family("PhiDecoderLayer", _PEFT, False, _POS,  # the head has a bias
+                  ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.dense"),
+                  ("mlp.fc1", "mlp.fc2")),
+    "phi3": Family("Phi3DecoderLayer", ("qkv_proj",), True, _POS,
                    ("self_attn.qkv_proj", "self_attn.o_proj"), ("mlp.gate_up_proj", "mlp.down_proj")),
-    "gpt_neox": Family("GPTNeoXLayer", ("query_key_value",), True, "position_ids",
-                       ("attention.query_key_value", "attention.dense"), _NEOX_MLP),
-    "falcon": Family("FalconDecoderLayer", ("query_key_value",), False, None,
-                     ("self_attention.query_key_value", "self_attention.dense"), _NEOX_MLP),
+    # mixture of experts (the MLP entries name the router and the fused experts)
+    "mixtral": _llama("MixtralDecoderLayer", mlp=_MOE),
+    "qwen2_moe": _llama("Qwen2MoeDecoderLayer", _QV, mlp=(*_MOE, "mlp.shared_expert", "mlp.shared_expert_gate")),
+    "qwen3_moe": _llama("Qwen3MoeDecoderLayer", _QV, mlp=_MOE),
+    "olmoe": _llama("OlmoeDecoderLayer", _QV, mlp=_MOE),
+    "phimoe": _llama("PhimoeDecoderLayer", _QV, mlp=_MOE_ROUTER),
+    "granitemoe": _llama("GraniteMoeDecoderLayer", _QV, plain=False,  # logits / logits_scaling
+                         mlp=("block_sparse_moe.router", "block_sparse_moe.experts")),
+    # builds its masks without the position ids, and its router loss cannot take a 4-D mask: refused
+    "gpt_oss": Family("GptOssDecoderLayer", _QV, True, None, _LLAMA_ATTENTION, _MOE_ROUTER),
+    # LoRA on the up-projections of the low-rank query (q_proj without one) and of the keys/values
+    "deepseek_v3": Family("DeepseekV3DecoderLayer", ("q_proj", "q_b_proj", "kv_b_proj"), True, _POS,
+                          ("self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.kv_a_proj_with_mqa",
+                           "self_attn.kv_b_proj", "self_attn.o_proj"), (*_MOE, "mlp.shared_experts")),
 }
 
 
 def family(model_type: str | None) -> Family | None:
     """The family of a `model_type`, or None for one shardtune has no facts about (it still
-    trains: the block comes from `_no_split_modules`, LoRA needs `peft.target_modules`)."""
+    trains: the block comes from `_no_split_modules`, LoRA's targets from peft's mapping or
+    `peft.target_modules`)."""
     return FAMILIES.get(model_type)
 
 

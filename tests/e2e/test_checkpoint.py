@@ -277,8 +277,8 @@ def poison_step(monkeypatch, step: int) -> None:
 
     real, calls = train_mod.token_loss, []
 
-    def token_loss(model, batch, accuracy=False):
-        s, n, c = real(model, batch, accuracy)
+    def token_loss(model, batch, accuracy=False, **kw):
+        s, n, c = real(model, batch, accuracy, **kw)
         if model.training:
             calls.append(1)
         if model.training and (len(calls) - 1) // 4 + 1 == step:

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+from archs import arch_config
 
 from conftest import ROOT, child_env, losses, run_cli, tiny_overrides
 
@@ -57,6 +58,21 @@ def docmask_baseline(assets, tmp_path_factory):
     return losses(out)
 
 
+# Mixtral with the router's load-balancing loss on: each micro-batch's term weighted by its tokens
+MOE = {"model.config": json.dumps(arch_config("mixtral"))}
+
+
+@pytest.fixture(scope="module")
+def moe_baseline(assets, tmp_path_factory):
+    """Single-process reference run of a mixture of experts with its router loss, in this process."""
+    from shardtune.config.load import load_config
+    from shardtune.train.trainer import run
+
+    out = tmp_path_factory.mktemp("moe_baseline")
+    run(load_config(None, tiny_overrides(assets, out, **MOE), defaults={}), overwrite=True)
+    return losses(out)
+
+
 def torchrun(nproc: int, script_args: list[str], nnodes: int = 1, timeout: int = 400):
     env = child_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
@@ -73,13 +89,15 @@ def torchrun(nproc: int, script_args: list[str], nnodes: int = 1, timeout: int =
     return [(a.returncode, o) for a, o in zip(agents, outs, strict=True)]
 
 
-def test_two_ranks_match_one_process_for_every_sharding(assets, baseline, lora_baseline, docmask_baseline, tmp_path):
+def test_two_ranks_match_one_process_for_every_sharding(assets, baseline, lora_baseline, docmask_baseline,
+                                                        moe_baseline, tmp_path):
     """full_shard (accumulation 2 and 1, activation checkpointing full and selective with offloading),
     shard_grad_op and no_shard
     on 2 ranks, with full logits and with many loss chunks (the baseline's loss is one chunk),
-    and document-masked packing;
-    a locally saved GPT-2 and Llama load on 2 ranks exactly and, written back by both ranks
-    (checkpoint.sharded_final), load bitwise equal; final/ round-trips (job 0 writes it sharded)."""
+    and document-masked packing, and Mixtral with its router loss (accumulation 2 against 4);
+    a locally saved GPT-2 and Llama load on 2 ranks exactly (rank 0's broadcast and model.sharded_load)
+    and, written back by both ranks (checkpoint.sharded_final), load bitwise equal; final/ round-trips
+    (job 0 writes it sharded)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from conftest import TINY
@@ -101,6 +119,7 @@ def test_two_ranks_match_one_process_for_every_sharding(assets, baseline, lora_b
         "size_wrap": {"fsdp.wrap": "size", "fsdp.min_num_params": 20000, "fsdp.forward_prefetch": 1},
         "lora": LORA,
         "docmask": DOCMASK,
+        "moe": MOE,
     }
     spec = {"result": str(tmp_path / "result.json"), "load": saved, "export": True,
             "jobs": [tiny_overrides(assets, tmp_path / name, **extra) for name, extra in jobs.items()]}
@@ -112,7 +131,8 @@ def test_two_ranks_match_one_process_for_every_sharding(assets, baseline, lora_b
     assert result["export_logit_diff"] < 1e-5
     assert len(baseline) == 6
     for name in jobs:
-        got, want = losses(tmp_path / name), {"lora": lora_baseline, "docmask": docmask_baseline}.get(name, baseline)
+        got, want = losses(tmp_path / name), {"lora": lora_baseline, "docmask": docmask_baseline,
+                                          "moe": moe_baseline}.get(name, baseline)
         assert len(got) == len(want)
         assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < TOL, (name, got, want)
 

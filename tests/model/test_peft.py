@@ -307,3 +307,20 @@ def test_eval_and_generate_take_a_lora_run(lora_run, assets, capsys):
     assert main(["generate", str(lora_run["out"]), "--prompt", "def", "--max-new-tokens", "4",
                  "--temperature", "0"]) == 0
     assert capsys.readouterr().out.strip()
+
+
+def test_default_lora_targets_take_the_variant_the_model_has():
+    """DeepSeek-V3's default names both query projections; a model without a low-rank query
+    (q_lora_rank=None) has q_proj, not q_b_proj, and gets LoRA there."""
+    import torch
+    from archs import hf_config
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.config.schema import PeftConfig
+    from shardtune.model.adapters import add_lora
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config("deepseek_v3", q_lora_rank=None))
+    wrapped = add_lora(model, PeftConfig(method="lora", r=4), "deepseek_v3")
+    adapted = {n.rsplit(".lora_A", 1)[0].rsplit(".", 1)[-1] for n, _ in wrapped.named_parameters() if "lora_A" in n}
+    assert adapted == {"q_proj", "kv_b_proj"}

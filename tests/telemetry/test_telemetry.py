@@ -21,6 +21,27 @@ def test_flops_per_token_is_six_n_plus_attention():
     assert flops_per_token(124_000_000, cfg, 1024) == 6 * 124e6 + 12 * 12 * 768 * 1024
 
 
+@pytest.mark.parametrize("model_type", ["mixtral", "deepseek_v3"])
+def test_matmul_params_are_the_weights_a_token_meets(model_type):
+    """2 x matmul_params x tokens is the forward's matmul FLOPs as torch counts them (attention's
+    bmm aside): all dense weights, and of a mixture of experts only the top-k experts per token
+    (a shared expert, DeepSeek-V3's dense first layer and Qwen2-MoE's shared expert included)."""
+    import torch
+    from archs import hf_config
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.telemetry.metrics import matmul_params
+
+    # eager experts: one matmul per expert over the tokens routed to it (the grouped kernel is not counted)
+    config = hf_config(model_type, experts_implementation="eager", attn_implementation="eager")
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(input_ids=torch.randint(2, 300, (1, 40)), use_cache=False)
+    counts = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+    assert counts.get("aten.mm", 0) + counts.get("aten.addmm", 0) == 2 * matmul_params(model)[0] * 40
+
+
 def test_peak_flops_unknown_on_cpu_unless_overridden():
     import torch
 

@@ -119,7 +119,7 @@ class PeftConfig:
     r: int = 8  # LoRA rank
     alpha: int = 16  # LoRA scaling numerator (scale = alpha / r)
     dropout: float = 0.05  # dropout on the adapter input
-    target_modules: list[str] | None = None  # default: gpt2 c_attn; opt/llama/mistral q_proj, v_proj
+    target_modules: list[str] | None = None  # default per model type: peft's mapping (README Architectures)
     quantize: Literal["none", "4bit"] = "none"  # 4bit: QLoRA on an NF4 base (CUDA + bitsandbytes)
 
 

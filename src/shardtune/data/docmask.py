@@ -4,7 +4,7 @@ stays inside it, through the model's own packed-sequence support in transformers
 
 - most models hand `position_ids` to `create_causal_mask`, which sees the restarts and builds
   a block-causal mask (sdpa, eager) — nothing more to do;
-- OPT computes its mask without them, so the block-causal mask is built with the same
+- OPT and Falcon compute their masks without them, so the block-causal mask is built with the same
   transformers function and passed in as a 4-D mask;
 - flash-attention (CUDA) gets the cumulative document lengths and runs its varlen kernel.
 
@@ -31,7 +31,8 @@ def check(cfg: DataConfig, hf_config) -> None:
     model_type = getattr(hf_config, "model_type", None)
     if document_mask(model_type) is None:
         raise UserError(f"{key} needs a model whose attention can be kept inside each document; model type "
-                        f"{model_type!r} is not one ({', '.join(with_document_mask())} are); {fix}")
+                        f"{model_type!r} is not one (README 'Architectures' lists the {len(with_document_mask())} "
+                        f"that are, e.g. llama, qwen3, mistral, gpt2); {fix}")
     attn = getattr(hf_config, "_attn_implementation", None)
     if attn not in ATTENTION:
         raise UserError(f"{key} works with attention implementations {', '.join(a for a in ATTENTION if a)}, "

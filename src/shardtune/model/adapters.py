@@ -57,12 +57,13 @@ def add_lora(model, cfg: PeftConfig, model_type: str, seed: int | None = None):
     """Wrap `model` with LoRA adapters (a PeftModel); the base weights are frozen by peft."""
     from peft import LoraConfig, get_peft_model
 
-    known = family(model_type)
-    targets = cfg.target_modules or (list(known.lora_targets) if known else None)
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    # a default may name variants of one projection (DeepSeek-V3's q_proj, or q_b_proj with a
+    # low-rank query): those of this model
+    targets = cfg.target_modules or [t for t in default_lora_targets(model_type) or [] if t in names]
     if not targets:
         raise UserError(f"no default LoRA target modules for model_type {model_type!r}; "
                         "set peft.target_modules=[...] (names of linear layers)")
-    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     missing = [t for t in targets if t not in names]
     if missing:
         raise UserError(f"peft.target_modules {missing} are not modules of this {model_type} model; "
@@ -77,6 +78,18 @@ def add_lora(model, cfg: PeftConfig, model_type: str, seed: int | None = None):
         kinds = sorted({type(m).__name__ for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in targets})
         raise UserError(f"peft.target_modules={targets} names {', '.join(kinds) or 'modules'}, which cannot take "
                         f"LoRA adapters; name linear layers, e.g. {', '.join(_linear_names(model)[:12])}") from None
+
+
+def default_lora_targets(model_type: str | None) -> list[str] | None:
+    """LoRA's targets without `peft.target_modules`: shardtune's own choice where the families
+    table makes one, else peft's maintained per-architecture mapping, else None."""
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_TARGETS
+
+    known = family(model_type)
+    if known and known.lora_targets:
+        return list(known.lora_targets)
+    targets = PEFT_TARGETS.get(model_type)
+    return list(targets) if targets else None
 
 
 def _linear_names(model) -> list[str]:

@@ -151,3 +151,17 @@ def head_labels(model, labels, accuracy: bool = False):
         yield
     finally:
         head.__dict__.pop("_shardtune_labels", None)
+
+
+def router_loss(model, output):
+    """A mixture-of-experts model's router load-balancing loss, exactly as its own loss adds it:
+    `router_aux_loss_coef` times the `aux_loss` its forward computed from every layer's router
+    logits (transformers' `load_balancing_loss_func` of that model), present when the config sets
+    `output_router_logits`. None for other models. The model adds it once per forward to the mean
+    token loss; the step adds it times the predicted tokens to the summed loss, so it is weighted
+    by tokens across micro-batches and ranks like the token loss (one micro-batch: the model's loss)."""
+    aux = getattr(output, "aux_loss", None)
+    coef = getattr(model.config, "router_aux_loss_coef", None)
+    if aux is None or not coef:
+        return None
+    return coef * aux.float()

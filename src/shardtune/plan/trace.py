@@ -177,7 +177,7 @@ def trace_step(cfg: RunConfig, hf_config, world_size: int, local_world_size: int
             # a CUDA run's offloaded activations go to the host; on CPU offloading moves nothing
             offload = offloaded_activations(tracker) if target == "cuda" and cfg.activation_offload \
                 else contextlib.nullcontext()
-            with tracker, AnswerScalars(), _dtensor_meta_outside_trace(), attention, offload:
+            with tracker, AnswerScalars(), _dtensor_meta_outside_trace(), _fake_grouped_mm(), attention, offload:
                 handle = model.register_forward_pre_hook(tracker.next_micro_step, prepend=True)
                 try:
                     batches = _faked(real_batches)
@@ -308,6 +308,24 @@ def _dtensor_meta_outside_trace():
     from unittest import mock
 
     return mock.patch("torch.distributed.tensor._sharding_prop.detect_fake_mode", lambda *args: None)
+
+
+def _fake_grouped_mm():
+    """Mixture-of-experts models run their experts through torch's grouped matmul, whose fake
+    (meta) kernel accepts only bf16 although the CPU kernel takes fp32 too. Outside bf16 the trace
+    sends them to transformers' own fallback op: the same shapes, and a fake kernel for any dtype.
+    (No-op on a transformers without `integrations.moe`, whose experts loop in eager PyTorch.)"""
+    from unittest import mock
+
+    try:
+        from transformers.integrations import moe
+    except ImportError:
+        return contextlib.nullcontext()
+    if not hasattr(moe, "_can_use_grouped_mm"):
+        return contextlib.nullcontext()
+    usable = moe._can_use_grouped_mm
+    return mock.patch.object(moe, "_can_use_grouped_mm",
+                             lambda input, weight, offs: weight.dtype == torch.bfloat16 and usable(input, weight, offs))
 
 
 def _cuda_attention():

@@ -145,16 +145,24 @@ def flops_per_token(num_params: int, hf_config, seq_len: int, trainable: int | N
 
 
 def matmul_params(model) -> tuple[int, int]:
-    """(all, trainable) elements of the weights used in matrix multiplies: 2-D weights outside
-    embedding lookups. An LM head counts even when tied to the input embedding (it multiplies)."""
+    """(all, trainable) elements of the weights one token is multiplied by: 2-D weights outside
+    embedding lookups (an LM head counts even when tied to the input embedding: it multiplies),
+    and of a mixture of experts' fused 3-D expert weights (experts x ...) only the share of the
+    experts each token is routed to (`num_experts_per_tok` of them): FLOPs follow the active
+    experts, memory (not counted here) all of them."""
 
+    top_k = getattr(model.config, "num_experts_per_tok", None)
     total = trainable = 0
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if isinstance(module, nn.Embedding) or weight is None or weight.ndim != 2:
-            continue
-        total += weight.numel()
-        trainable += weight.numel() if weight.requires_grad else 0
+        if not isinstance(module, nn.Embedding) and weight is not None and weight.ndim == 2:
+            total += weight.numel()
+            trainable += weight.numel() if weight.requires_grad else 0
+        for param in module.parameters(recurse=False):
+            if param.ndim == 3 and top_k:
+                active = param.numel() * min(top_k, param.shape[0]) // param.shape[0]
+                total += active
+                trainable += active if param.requires_grad else 0
     return total, trainable
 
 

@@ -17,24 +17,32 @@ from shardtune.model import loss as loss_lib
 from shardtune.telemetry.metrics import perplexity
 
 
-def token_loss(model, batch, accuracy: bool = False):
+def token_loss(model, batch, accuracy: bool = False, router: bool = False):
     """(sum of next-token losses, number of predicted tokens, number correct or None) of one
     micro-batch. With the chunked head loss installed (loss.install) the logits never exist in
-    full; otherwise they do, and the argmax for accuracy costs one more pass (evaluation only)."""
+    full; otherwise they do, and the argmax for accuracy costs one more pass (evaluation only).
+    `router` (training): a mixture-of-experts model's load-balancing loss joins the sum, weighted
+    by the micro-batch's predicted tokens (loss.router_loss), as the model's own loss has it."""
 
     # position t predicts token t+1; padding the labels (not slicing the logits) avoids a copy
     labels = F.pad(batch["labels"][:, 1:], (0, 1), value=data_lib.IGNORE_INDEX)
     mask = labels != data_lib.IGNORE_INDEX
+    count = mask.sum()
     inputs = docmask.model_inputs(model, batch)
     if loss_lib.is_installed(model):
         with loss_lib.head_labels(model, labels, accuracy):
-            out = model(**inputs).logits  # the head returned the loss (and the number correct)
-        return (out[0], mask.sum(), out[1]) if accuracy else (out, mask.sum(), None)
-    logits = model(**inputs).logits
-    flat = logits.reshape(-1, logits.size(-1)).float()
-    loss_sum = F.cross_entropy(flat, labels.reshape(-1), ignore_index=data_lib.IGNORE_INDEX, reduction="sum")
-    correct = ((logits.argmax(-1) == labels) & mask).sum() if accuracy else None
-    return loss_sum, mask.sum(), correct
+            out = model(**inputs)  # the head returned the loss (and the number correct) as the logits
+        loss_sum, correct = (out.logits[0], out.logits[1]) if accuracy else (out.logits, None)
+    else:
+        out = model(**inputs)
+        logits = out.logits
+        flat = logits.reshape(-1, logits.size(-1)).float()
+        loss_sum = F.cross_entropy(flat, labels.reshape(-1), ignore_index=data_lib.IGNORE_INDEX, reduction="sum")
+        correct = ((logits.argmax(-1) == labels) & mask).sum() if accuracy else None
+    extra = loss_lib.router_loss(model, out) if router else None
+    if extra is not None:
+        loss_sum = loss_sum + extra * count
+    return loss_sum, count, correct
 
 
 def evaluate(model, ds, batches, device, pad_id: int = 0, padding_free: bool = False) -> dict:
@@ -111,7 +119,7 @@ def train_step(model, optimizer, scaler, batches: list[dict], cfg: RunConfig, di
     for i, batch in enumerate(batches):
         if hasattr(model, "set_requires_gradient_sync"):  # FSDP; a QLoRA model is not sharded
             model.set_requires_gradient_sync(sync_each or i == len(batches) - 1)
-        s, _, _ = token_loss(model, batch)
+        s, _, _ = token_loss(model, batch, router=True)
         loss = s * scale
         (scaler.scale(loss) if scaler else loss).backward()
         loss_sum += s.detach()

@@ -1,0 +1,188 @@
+"""Every architecture of the families table (shardtune/families.py), on its tiny config
+(tests/archs.py), in one process: the table's facts checked against the model, one real
+optimizer step, the router's load-balancing loss equal to the model's own, the chunked loss
+equal to the full one (or refused), document masking equal to each document alone (or refused
+in one line), and `plan`'s trace of a LoRA run on 2 fake ranks with the default targets."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from archs import ARCHS, arch_config, hf_config
+
+from shardtune.families import FAMILIES
+
+DOCS = (9, 23, 14, 6)  # document lengths of the packed row
+
+
+def test_every_family_has_a_tiny_config_and_is_a_transformers_causal_lm():
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    assert sorted(ARCHS) == sorted(FAMILIES)
+    assert not set(FAMILIES) - set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def _batch(rows):
+    """A packed row of documents, as data.collate makes it: positions restart per document and
+    each document's first token has no label."""
+    import torch
+
+    from shardtune.data.docmask import positions
+    from shardtune.data.formats import IGNORE_INDEX
+
+    ids = torch.tensor([sum(rows, [])])
+    starts = torch.tensor([0, *[len(r) for r in rows[:-1]]]).cumsum(0)
+    labels = ids.clone()
+    labels[0, starts[1:]] = IGNORE_INDEX
+    return {"input_ids": ids, "labels": labels,
+            "position_ids": torch.from_numpy(positions(starts[1:].numpy(), ids.size(1)))[None]}
+
+
+def _check_facts(model_type, model):
+    import torch.nn as nn
+
+    facts = FAMILIES[model_type]
+    blocks = [m for m in model.modules() if type(m).__name__ == facts.block]
+    assert len(blocks) == 2 and facts.block in model._no_split_modules, model_type
+    inside = {name for name, _ in blocks[-1].named_modules() if name}  # the last: an MoE block in DeepSeek-V3
+    for kind in (facts.attention, facts.mlp):
+        assert kind and set(kind) <= inside, f"{model_type}: {kind} not modules of {facts.block}: {sorted(inside)}"
+    assert not set(facts.attention) & set(facts.mlp)
+    assert facts.document_mask in (None, "position_ids", "mask_4d")
+    head = model.get_output_embeddings()
+    assert type(head) is nn.Linear
+    return head
+
+
+def _check_document_mask(model_type, model, batch, rows):
+    """A document inside the packed row has the logits it has alone, or the table refuses it
+    (and it really does not)."""
+    import torch
+
+    from shardtune.config.schema import DataConfig
+    from shardtune.data import docmask
+    from shardtune.errors import UserError
+
+    with torch.no_grad():
+        packed = model(**docmask.model_inputs(model, batch)).logits[0]
+        start, worst = 0, 0.0
+        for row in rows:
+            alone = model(input_ids=torch.tensor([row]), use_cache=False).logits[0]
+            worst = max(worst, float((packed[start:start + len(row)] - alone).abs().max()))
+            start += len(row)
+    if FAMILIES[model_type].document_mask:
+        assert worst <= 1e-5, (model_type, worst)
+        docmask.check(DataConfig(path="x", document_mask=True), model.config)
+    else:
+        assert worst > 1e-3, f"{model_type}: packed documents match ({worst}): the families table can allow it"
+        with pytest.raises(UserError, match=f"model type '{model_type}' is not one"):
+            docmask.check(DataConfig(path="x", document_mask=True), model.config)
+
+
+def _check_chunked_loss_and_router_loss(model_type, model, head, batch):
+    """The chunked loss equals the full one where the head is plain (and is refused elsewhere, where
+    the logits really are not the head's); with the router loss, token_loss equals the model's own."""
+    import torch
+
+    from shardtune.data import docmask
+    from shardtune.model import loss as loss_lib
+    from shardtune.train.step import token_loss
+
+    inputs = docmask.model_inputs(model, batch)
+    with torch.no_grad():
+        out = model(**inputs, labels=batch["labels"], output_hidden_states=True)
+        full, count, _ = token_loss(model, batch, router=True)
+        own = out.loss * count  # the model's own loss: mean token loss + coefficient x router loss
+        assert abs(float(full) - float(own)) <= 1e-5 * float(own), (model_type, float(full), float(own))
+        has_router_loss = getattr(out, "aux_loss", None) is not None
+        assert has_router_loss == (model_type in MOE_WITH_ROUTER_LOSS), model_type
+        if has_router_loss:  # really in the sum: without it the loss is lower by coefficient x aux x count
+            plain = token_loss(model, batch)[0]
+            assert abs(float(full - plain) - model.config.router_aux_loss_coef * float(out.aux_loss * count)) < 1e-4
+        if FAMILIES[model_type].plain_head:
+            assert loss_lib.install(model, 16)
+            chunked, _, _ = token_loss(model, batch, router=True)
+            assert abs(float(chunked) - float(full)) <= 1e-5 * float(full), (model_type, float(chunked), float(full))
+        else:
+            assert not loss_lib.install(model, 16)
+            assert head.bias is not None or (out.logits - head(out.hidden_states[-1])).abs().max() > 1e-3
+
+
+# MoE types whose forward adds a router load-balancing loss (DeepSeek-V3 balances by a bias instead)
+MOE_WITH_ROUTER_LOSS = {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "phimoe", "granitemoe", "gpt_oss"}
+
+
+def _run_config(model_type, *extra):
+    from shardtune.config.load import load_config
+
+    return load_config(None, [f"model.config={json.dumps(arch_config(model_type))}", "data.path=unused",
+                              "data.seq_len=32", "train.micro_batch_size=1", "device=cpu", *extra])
+
+
+def _one_optimizer_step(model_type, model, batch):
+    import torch
+
+    from shardtune.distributed.process_group import Dist
+    from shardtune.train.optim import build_optimizer
+    from shardtune.train.step import train_step
+
+    cfg = _run_config(model_type, "train.global_batch_size=1", "train.lr=1e-2")
+    model.train()
+    optimizer = build_optimizer(model, cfg.train, torch.device("cpu"))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    out = train_step(model, optimizer, None, [batch], cfg, Dist(0, 1, 1, torch.device("cpu")), labels_vary=True)
+    assert torch.isfinite(out.loss_sum) and torch.isfinite(out.grad_norm)
+    moved = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
+    assert len(moved) == len(before), sorted(set(before) - set(moved))[:5]
+
+
+def _check_plan_with_default_lora(model_type):
+    from shardtune.model.adapters import default_lora_targets
+    from shardtune.plan.trace import trace_step
+
+    targets = default_lora_targets(model_type)
+    assert targets, f"{model_type}: no default LoRA targets"
+    cfg = _run_config(model_type, "train.global_batch_size=2", "peft.method=lora", "peft.r=4")
+    trace = trace_step(cfg, hf_config(model_type), world_size=2)
+    assert 0 < trace.params["trainable"] < trace.params["total"] and trace.peak_bytes() > 0
+    return targets
+
+
+@pytest.mark.parametrize("model_type", sorted(ARCHS))
+def test_architecture(model_type):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.config.schema import PeftConfig
+    from shardtune.model.adapters import add_lora
+
+    gen = torch.Generator().manual_seed(1)
+    rows = [torch.randint(2, 300, (n,), generator=gen).tolist() for n in DOCS]
+    batch = _batch(rows)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hf_config(model_type)).eval()
+    head = _check_facts(model_type, model)
+    _check_document_mask(model_type, model, batch, rows)
+    _check_chunked_loss_and_router_loss(model_type, model, head, batch)
+    if not FAMILIES[model_type].document_mask:
+        batch = {k: v for k, v in batch.items() if k != "position_ids"}
+    _one_optimizer_step(model_type, model, batch)
+    targets = _check_plan_with_default_lora(model_type)
+    wrapped = add_lora(model, PeftConfig(method="lora", r=4), model_type, seed=0)
+    adapted = {n.rsplit(".lora_A", 1)[0].rsplit(".", 1)[-1] for n, _ in wrapped.named_parameters() if "lora_A" in n}
+    # the tiny DeepSeek-V3 has a low-rank query: q_b_proj, no q_proj
+    expected = set(targets) - {"q_proj"} if model_type == "deepseek_v3" else set(targets)
+    assert adapted == expected, (model_type, adapted, targets)
+
+
+def test_readme_architecture_table_is_the_families_table():
+    import importlib.util
+    from pathlib import Path
+
+    tool = Path(__file__).resolve().parents[1] / "tools" / "render_readme_reference.py"
+    spec = importlib.util.spec_from_file_location("render_readme_reference", tool)
+    render = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(render)
+    assert f"{render.TABLE_MARKER}\n{render.architecture_table()}\n" in render.README.read_text(), \
+        "README's architecture table is stale: run tools/render_readme_reference.py"
