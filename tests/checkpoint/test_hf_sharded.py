@@ -68,13 +68,14 @@ def test_sharded_final_equals_the_gathered_folder(one_rank, tmp_path, arch, shar
 
 def test_a_failure_leaves_no_folder_that_looks_complete(one_rank, tmp_path, monkeypatch):
     from shardtune.checkpoint import hf_sharded
+    from shardtune.model import hf_sharded_io
 
     model, config = sharded_model("gpt2", one_rank)
 
     def fail(*a, **k):
         raise OSError(28, "No space left on device", "x")
 
-    monkeypatch.setattr(hf_sharded, "_write_configs", fail)
+    monkeypatch.setattr(hf_sharded_io, "_write_configs", fail)  # rank 0's last writes fail
     with pytest.raises(OSError):
         hf_sharded.save_final_sharded(model, config, None, tmp_path / "final")
     assert list(tmp_path.iterdir()) == []

@@ -84,8 +84,7 @@ def export_streamed(path: Path, hf_config, tokenizer, out: Path, max_shard_size:
     from safetensors.torch import save
 
     from shardtune.checkpoint.dcp import dcp_load
-    from shardtune.checkpoint.hf_sharded import write_index_and_configs
-    from shardtune.model.hf_sharded_io import hf_file_plan
+    from shardtune.model.hf_sharded_io import hf_file_plan, write_index_and_configs
 
     with torch.device("meta"):
         from transformers import AutoModelForCausalLM

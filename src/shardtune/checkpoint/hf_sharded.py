@@ -10,18 +10,15 @@ The output folder must be on a file system that every rank sees (shared across n
 from __future__ import annotations
 
 import contextlib
-import json
 import shutil
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from shardtune.model.hf_sharded_io import hf_file_plan
+from shardtune.model.hf_sharded_io import hf_file_plan, write_index_and_configs
 
 SHARDS = ".rank-shards"  # DCP's per-rank files, inside the folder being written; removed when done
-SINGLE = "model.safetensors"
-INDEX = "model.safetensors.index.json"
 
 
 def _shard_index(name: str, files: list[str]) -> int:
@@ -74,12 +71,6 @@ def _finish(out: Path, shards: Path, shell, file_of: dict[str, str], hf_config, 
     write_index_and_configs(out, shell, file_of, hf_config, tokenizer)
 
 
-def write_index_and_configs(out: Path, shell, file_of: dict[str, str], hf_config, tokenizer) -> None:
-    """Beside the weight files: the index (more than one file), configs, tokenizer."""
-    _write_index(out, shell, file_of)
-    _write_configs(shell, hf_config, tokenizer, out)
-
-
 @contextlib.contextmanager
 def shared_atomic_dir(final: Path):
     """`fsio.atomic_dir` for a folder every rank writes into: rank 0 owns the temporary sibling
@@ -121,29 +112,3 @@ def save_final_sharded(model, hf_config, tokenizer, folder: Path, max_shard_size
         if dist.get_rank() == 0:
             save_hf_folder(full, hf_config, tokenizer, tmp, max_shard_size)
     return "gathered"
-
-
-def _write_index(out: Path, shell, file_of: dict[str, str]) -> None:
-    """One file: named model.safetensors, no index (as save_pretrained); else the index."""
-    names = set(file_of.values())
-    if names == {SINGLE}:
-        return
-    sizes = dict(shell.state_dict())
-    total = sum(sizes[k].numel() * sizes[k].element_size() for k in file_of)
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(file_of.items()))}
-    (out / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-
-
-def _write_configs(shell, hf_config, tokenizer, out: Path) -> None:
-    """config.json, generation_config.json and the tokenizer, as save_pretrained writes them."""
-    from transformers import GenerationConfig
-
-    shell.config.dtype = str(shell.dtype).split(".")[1]
-    shell.config.architectures = [type(shell).__name__]
-    shell.config.save_pretrained(out)
-    if shell.generation_config is None:
-        shell.generation_config = GenerationConfig.from_model_config(hf_config)
-    if shell.can_generate():
-        shell.generation_config.save_pretrained(out)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out)

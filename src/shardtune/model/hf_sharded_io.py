@@ -9,10 +9,14 @@ names) it returns False and the caller keeps rank 0's load + broadcast.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
 
 
 def hf_file_plan(hf_config, state_dict: dict, max_shard_size: str) -> tuple[object, dict[str, str]] | None:
@@ -87,3 +91,35 @@ def load_hf_sharded(model, hf_config, folder: Path, device, trust_remote_code: b
         model.tie_weights()
     dist.barrier()
     return True
+
+
+def write_index_and_configs(out: Path, shell, file_of: dict[str, str], hf_config, tokenizer) -> None:
+    """Beside the weight files: the index (more than one file), configs, tokenizer."""
+    _write_index(out, shell, file_of)
+    _write_configs(shell, hf_config, tokenizer, out)
+
+
+def _write_index(out: Path, shell, file_of: dict[str, str]) -> None:
+    """One file: named model.safetensors, no index (as save_pretrained); else the index."""
+    names = set(file_of.values())
+    if names == {SINGLE}:
+        return
+    sizes = dict(shell.state_dict())
+    total = sum(sizes[k].numel() * sizes[k].element_size() for k in file_of)
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(file_of.items()))}
+    (out / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def _write_configs(shell, hf_config, tokenizer, out: Path) -> None:
+    """config.json, generation_config.json and the tokenizer, as save_pretrained writes them."""
+    from transformers import GenerationConfig
+
+    shell.config.dtype = str(shell.dtype).split(".")[1]
+    shell.config.architectures = [type(shell).__name__]
+    shell.config.save_pretrained(out)
+    if shell.generation_config is None:
+        shell.generation_config = GenerationConfig.from_model_config(hf_config)
+    if shell.can_generate():
+        shell.generation_config.save_pretrained(out)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
