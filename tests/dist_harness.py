@@ -16,14 +16,17 @@ from shardtune.train.trainer import Trainer
 
 
 def check_loading(folder: str) -> float:
-    """Max |difference| between a 2-rank sharded load of `folder` and a plain from_pretrained."""
+    """Max |difference| between a 2-rank sharded load of `folder` and a plain from_pretrained
+    (rank 0's broadcast; the per-rank sharded read must give the very same tensors)."""
     from transformers import AutoModelForCausalLM
 
     from shardtune.checkpoint.export import gather_full_state_dict
+    from shardtune.checkpoint.hf_sharded import save_final_sharded
     from shardtune.config.schema import FSDPConfig, ModelConfig
     from shardtune.distributed.fsdp import build_mesh
     from shardtune.model.build import ModelSpec, build_model
     from shardtune.model.hf import load_hf_config, load_source_model
+    from shardtune.model.hf_sharded_io import local_safetensors_folder
 
     model_cfg = ModelConfig(name_or_path=folder)
     d = init_distributed("cpu")
@@ -32,10 +35,23 @@ def check_loading(folder: str) -> float:
                         source=lambda: load_source_model(model_cfg, hf_config, seed=0)).model
     full = gather_full_state_dict(model)
     buffers = {n: b.clone() for n, b in model.named_buffers()}
+    # model.sharded_load: each rank reads only its slices; the same weights as rank 0's broadcast
+    own = build_model(ModelSpec(hf_config), build_mesh(FSDPConfig(), d), d.device,
+                      folder=local_safetensors_folder(folder))
+    assert own.loaded == "sharded"
+    own_full = gather_full_state_dict(own.model)
+    assert all(torch.equal(own_full[k], full[k]) for k in full), "sharded load differs"
+    assert all(torch.equal(b, buffers[n]) for n, b in own.model.named_buffers())
+    resaved = Path(folder + "-resaved")  # final/ written by both ranks, split over several files
+    assert save_final_sharded(model, hf_config, None, resaved, "50KB") == "sharded"
     if not d.is_main:
         return 0.0
+    assert len(list(resaved.glob("model-*-of-*.safetensors"))) > 1
+    assert (resaved / "model.safetensors.index.json").is_file()
     plain = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     ref = plain.state_dict()
+    again = AutoModelForCausalLM.from_pretrained(resaved, dtype=torch.float32).state_dict()
+    assert again.keys() == ref.keys() and all(torch.equal(again[k], ref[k]) for k in ref), "sharded save differs"
     diff = max((full[k] - ref[k]).abs().max().item() for k in ref)
     diff = max([diff] + [(buffers[n] - b).abs().max().item() for n, b in plain.named_buffers()])
     assert set(full) >= set(ref), set(ref) - set(full)

@@ -115,7 +115,9 @@ def test_two_ranks_match_one_process_for_every_sharding(assets, baseline, baseli
     shard_grad_op and no_shard
     on 2 ranks, with full logits and with many loss chunks (the baseline's loss is one chunk),
     and document-masked packing, and Mixtral with its router loss (accumulation 2 against 4);
-    a locally saved GPT-2 and Llama load on 2 ranks exactly; final/ round-trips."""
+    a locally saved GPT-2 and Llama load on 2 ranks exactly (rank 0's broadcast and model.sharded_load)
+    and, written back by both ranks (checkpoint.sharded_final), load bitwise equal; final/ round-trips
+    (job 0 writes it sharded)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from conftest import TINY
@@ -128,7 +130,7 @@ def test_two_ranks_match_one_process_for_every_sharding(assets, baseline, baseli
         AutoModelForCausalLM.from_config(config).save_pretrained(folder)
         saved.append(str(folder))
     jobs = {
-        "full_shard": WATCH,
+        "full_shard": {**WATCH, "checkpoint.sharded_final": "true"},
         "full_shard_ac": {"activation_checkpointing": "true"},
         "selective_ac_offload": {"activation_checkpointing": "selective", "activation_offload": "true"},
         "shard_grad_op": {"fsdp.sharding": "shard_grad_op"},
@@ -159,19 +161,25 @@ def test_two_ranks_match_one_process_for_every_sharding(assets, baseline, baseli
 
 def test_two_nodes_hybrid_shard_matches_one_process(assets, baseline, baseline_dir, tmp_path):
     """Two torchrun agents (--nnodes 2, c10d rendezvous on 127.0.0.1), 2 ranks each, running the
-    real CLI with hybrid_shard: replicate across the 2 'nodes', shard within each (2 x 2)."""
-    args = ["-m", "shardtune", "train", *tiny_overrides(assets, tmp_path / "hsdp", **{"fsdp.sharding": "hybrid_shard",
-                                                                                       **WATCH})]
+    real CLI with hybrid_shard: replicate across the 2 'nodes', shard within each (2 x 2); final/
+    written by all 4 ranks (checkpoint.sharded_final) loads in transformers with every weight."""
+    args = ["-m", "shardtune", "train", *tiny_overrides(assets, tmp_path / "hsdp", **{
+        "fsdp.sharding": "hybrid_shard", "checkpoint.sharded_final": "true", **WATCH})]
     results = torchrun(2, args, nnodes=2)
     for code, output in results:
         assert code == 0, output[-4000:]
     assert "hybrid_shard" in "".join(o for _, o in results)
+    assert "final (sharded)" in "".join(o for _, o in results)  # written by the ranks, not gathered
     got = losses(tmp_path / "hsdp")
     assert max(abs(a - b) for a, b in zip(got, baseline, strict=True)) < TOL, (got, baseline)
     assert (tmp_path / "hsdp" / "final" / "model.safetensors").exists()
     # replicas counted once (a miscount is a factor sqrt(2)); 4e-5 seen: two-level gradient
     # reductions round differently, and Adam's normalised updates carry that into the weights
     same_watch(tmp_path / "hsdp", baseline_dir, tol=1e-4)
+    from transformers import AutoModelForCausalLM
+
+    _, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hsdp" / "final", output_loading_info=True)
+    assert not any(info.values()), info  # no missing, unexpected or mismatched weights
 
 
 def test_cli_nproc_two_runs_the_elastic_launcher(assets, baseline, tmp_path):

@@ -96,3 +96,18 @@ def test_bad_input_is_one_line_and_exit_2(args, message, monkeypatch, capsys):
     code = main(["plan", *recipe, *args])
     err = capsys.readouterr().err.strip()
     assert code == 2 and message in err and len(err.splitlines()) == 1, err
+
+
+def test_host_memory_per_node_is_a_share_of_the_model_on_the_sharded_paths():
+    """Rank 0 alone holds the full fp32 model on today's paths; the sharded load and final/
+    save hold model/world per rank, so a node of 4 of 16 ranks holds a quarter."""
+    from types import SimpleNamespace
+
+    from shardtune.plan.cost import host_memory
+
+    trace = SimpleNamespace(params={"total": 1000}, steady={})
+    today = host_memory(trace, False, 4, 16)
+    assert (today["load"], today["save"], today["load_path"]) == (4000, 4000, "rank 0")
+    sharded = host_memory(trace, False, 4, 16, sharded_load=True, sharded_save=True)
+    assert (sharded["load"], sharded["save"], sharded["total"]) == (1000, 1000, 1000)
+    assert host_memory(trace, False, 4, 16, sharded_load=True)["total"] == 4000  # the gathered save still peaks

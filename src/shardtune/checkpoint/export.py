@@ -58,9 +58,19 @@ def write_export(path: Path, out: Path, max_shard_size: str = "2GB", replace: bo
     returns the checkpoint's meta.json. Also what a run's Hub publisher uploads."""
     from transformers.utils import logging as hf_logging
 
-    from shardtune.checkpoint.loading import load_plain_model
+    from shardtune.checkpoint.dcp import read_meta
+    from shardtune.checkpoint.loading import checkpoint_config, load_plain_model
 
     hf_logging.set_verbosity_error()
+    meta = read_meta(path)
+    model_cfg = meta["config"].get("model", {})
+    if meta["config"].get("peft", {}).get("method") != "lora" and not model_cfg.get("trust_remote_code"):
+        # a full model: one output file in memory at a time
+        hf_config, tokenizer = checkpoint_config(path, meta)
+        with atomic_dir(out, replace=replace) as tmp:
+            done = export_streamed(path, hf_config, tokenizer, tmp, max_shard_size)
+        if done:
+            return meta
     model, tokenizer, meta = load_plain_model(path)
     with atomic_dir(out, replace=replace) as tmp:  # a disk that fills half-way leaves no folder that loads
         if getattr(model, "peft_config", None):  # a LoRA run's checkpoint: the adapter, as in final/
@@ -73,6 +83,33 @@ def write_export(path: Path, out: Path, max_shard_size: str = "2GB", replace: bo
         else:
             save_hf_folder(model.state_dict(), model.config, tokenizer, tmp, max_shard_size)
     return meta
+
+
+def export_streamed(path: Path, hf_config, tokenizer, out: Path, max_shard_size: str = "2GB") -> bool:
+    """A full-model checkpoint -> the folder save_pretrained writes, holding one output file's
+    tensors at a time (read from the DCP files by key), never the whole model. False (nothing
+    written) where the model's keys are renamed on save; the caller loads it whole then."""
+    from safetensors.torch import save
+
+    from shardtune.checkpoint.dcp import dcp_load
+    from shardtune.model.hf_sharded_io import hf_file_plan, write_index_and_configs
+
+    with torch.device("meta"):
+        from transformers import AutoModelForCausalLM
+
+        shapes = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).state_dict()
+    plan = hf_file_plan(hf_config, shapes, max_shard_size)
+    if plan is None:
+        return False
+    shell, file_of = plan
+    for name in sorted(set(file_of.values())):
+        part = {k: torch.empty(shapes[k].shape, dtype=shapes[k].dtype) for k, f in file_of.items() if f == name}
+        dcp_load({"model": part}, path, no_dist=True)
+        with open(out / name, "wb") as f:  # a plain write: a full disk is an OSError naming the file
+            f.write(save(part, metadata={"format": "pt"}))
+        del part
+    write_index_and_configs(out, shell, file_of, hf_config, tokenizer)
+    return True
 
 
 def push_to_hub(folder: Path, repo: str, private: bool = False) -> None:

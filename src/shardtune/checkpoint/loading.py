@@ -73,20 +73,26 @@ def load_model(spec: str, device: str = "cpu", weights: bool = True):
     return model.eval(), tokenizer, hf_config, None
 
 
+def checkpoint_config(path: Path, meta: dict):
+    """(HF config, tokenizer) saved beside a checkpoint's shards, with the checks of a model
+    folder (config.json readable and buildable, tokenizer whole): one line each."""
+    from shardtune.config.schema import ModelConfig
+    from shardtune.model.hf import load_hf_config, load_tokenizer
+
+    trust = bool(meta["config"].get("model", {}).get("trust_remote_code"))
+    hf_config = load_hf_config(ModelConfig(name_or_path=str(path), random_init=True, trust_remote_code=trust))
+    return hf_config, load_tokenizer(ModelConfig(tokenizer=str(path / "tokenizer"), trust_remote_code=trust))
+
+
 def load_plain_model(path: Path, device: str = "cpu"):
     """(model, tokenizer, meta) from a checkpoint, in this process alone: one copy of the
     weights in memory, read shard by shard from the DCP files; the optimizer is never read."""
     from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
-    from shardtune.config.schema import ModelConfig
-    from shardtune.model.hf import load_hf_config, load_tokenizer
-
     meta = read_meta(path)
     trust = bool(meta["config"].get("model", {}).get("trust_remote_code"))
-    # the checks of a model folder (config.json readable and buildable, tokenizer whole): one line each
-    hf_config = load_hf_config(ModelConfig(name_or_path=str(path), random_init=True, trust_remote_code=trust))
-    tokenizer = load_tokenizer(ModelConfig(tokenizer=str(path / "tokenizer"), trust_remote_code=trust))
+    hf_config, tokenizer = checkpoint_config(path, meta)
     with no_init_weights(), torch.device(device):  # real buffers (e.g. rotary), parameters left empty
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, trust_remote_code=trust)
     peft_cfg = meta["config"].get("peft", {})

@@ -17,6 +17,7 @@ class ModelConfig:
     random_init: bool = False  # build from the config with fresh weights instead of loading them
     tokenizer: str | None = None  # defaults to name_or_path
     trust_remote_code: bool = False  # run the model repository's own code (only if you trust it)
+    sharded_load: bool = False  # every rank reads only its own slices of the safetensors (local folder or HF cache; no full copy on rank 0); else rank 0 loads and broadcasts
 
 
 @dataclass
@@ -137,6 +138,7 @@ class CheckpointConfig:
     at_epoch_end: bool = False  # also save when an epoch of the training data ends
     keep_last: int = 2  # complete checkpoints kept in output_dir/checkpoints (0: keep all)
     async_save: bool = False  # YAML key `async` works too: train on while the files are written
+    sharded_final: bool = False  # final/ written by every rank (its own shards, consolidated into HF's layout; no full copy on rank 0); output_dir must be shared by all nodes
 
     KEY_ALIASES: typing.ClassVar[dict] = {"async": "async_save"}  # `async` is a Python keyword
 

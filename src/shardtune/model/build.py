@@ -52,6 +52,7 @@ class BuiltModel:
     block_cls: type | None  # the decoder-block class (one FSDP unit each with fsdp.wrap=block)
     units: list  # the FSDP units below the root, in forward order
     reshard_after_forward: bool  # distributed.fsdp.reshard_after_forward: the one sharding policy
+    loaded: str = "none"  # how the weights came: "sharded" (each rank its slices), "rank 0" (broadcast), "none"
 
     @property
     def sync_grads_each_micro_step(self) -> bool:
@@ -61,9 +62,10 @@ class BuiltModel:
 
 
 def build_model(spec: ModelSpec, mesh, device, source: Callable[[], Any] | None = None,
-                seed: int = 0) -> BuiltModel:
+                seed: int = 0, folder=None) -> BuiltModel:
     """The sharded model of `spec` on `mesh`. `source` returns the full-weight plain model; it
-    is called on rank 0 only (collective: every rank calls build_model with a source or none)."""
+    is called on rank 0 only (collective: every rank calls build_model with a source or none).
+    `folder` (safetensors): each rank reads its own slices from it instead, where the keys allow."""
 
     from shardtune.distributed.fsdp import apply_parallelism, detect_block_class
     from shardtune.model import loss as loss_lib
@@ -75,10 +77,15 @@ def build_model(spec: ModelSpec, mesh, device, source: Callable[[], Any] | None 
     model = adapt(model, spec.peft, spec.freeze, block_cls)
     loss_lib.install(model, spec.loss_chunk_tokens)  # before sharding: it checks the head's class
     units, reshard = apply_parallelism(model, spec, block_cls, mesh, device)
+    if folder is not None and spec.peft.method == "none":  # LoRA bases: names differ, broadcast
+        from shardtune.model.hf_sharded_io import load_hf_sharded
+
+        if load_hf_sharded(model, spec.hf_config, folder, device, spec.trust_remote_code):
+            return BuiltModel(model, block_cls, units, reshard, loaded="sharded")
     if source is not None:
         is_main = dist.get_rank() == 0
         # rank 0's copy gets the same adapters (seeded) so that the names match the skeleton's
         full = adapt(source(), spec.peft, spec.freeze, block_cls, seed) if is_main else None
         materialize(model, full, device, is_main)
         del full
-    return BuiltModel(model, block_cls, units, reshard)
+    return BuiltModel(model, block_cls, units, reshard, loaded="rank 0" if source is not None else "none")

@@ -124,15 +124,22 @@ def gpu_memory(trace: StepTrace, offload: bool, world_size: int) -> dict:
             "fixed_overhead": fixed, "total": reserved + fixed}
 
 
-def host_memory(trace: StepTrace, offload: bool, ranks_per_node: int) -> dict:
-    """Host RAM of one node: rank 0 reads the full fp32 weights once (then hands out shards),
-    export gathers the full fp32 model to rank 0, CPU offload keeps every rank's shards, and
+def host_memory(trace: StepTrace, offload: bool, ranks_per_node: int, world: int = 1,
+                sharded_load: bool = False, sharded_save: bool = False) -> dict:
+    """Host RAM of one node. Load: rank 0 reads the full fp32 weights once (then hands out
+    shards), or with model.sharded_load every rank reads only its 1/world of them. Save
+    (final/): gathered whole on rank 0, or with checkpoint.sharded_final each rank writes its own
+    shards (consolidation streams them file to file). CPU offload keeps every rank's shards,
     activation offloading every rank's saved activations at their peak."""
     full_fp32 = 4 * trace.params["total"]
+    per_node = ranks_per_node * -(-full_fp32 // max(world, 1))
+    load, save = (per_node if sharded_load else full_fp32), (per_node if sharded_save else full_fp32)
     offloaded = ranks_per_node * sum(trace.steady.get(c, 0) for c in OFFLOADED) if offload else 0
     activations = ranks_per_node * offloaded_activation_bytes(trace)
-    return {"rank0_load": full_fp32, "export": full_fp32, "cpu_offload": offloaded,
-            "activation_offload": activations, "total": full_fp32 + offloaded + activations}
+    return {"load": load, "load_path": "sharded" if sharded_load else "rank 0",
+            "save": save, "save_path": "sharded" if sharded_save else "rank 0",
+            "cpu_offload": offloaded, "activation_offload": activations,
+            "total": max(load, save) + offloaded + activations}
 
 
 def offloaded_activation_bytes(trace: StepTrace) -> int:

@@ -144,9 +144,9 @@ def render(answer: dict) -> str:
                   f"  {'peak reserved':<24}{g['reserved'] / GIB:8.2f} GiB  (+ allocator fragmentation)",
                   f"  {'fixed overhead':<24}{g['fixed_overhead'] / GIB:8.2f} GiB  (CUDA context, NCCL buffers)",
                   f"  {'total':<24}{g['total'] / GIB:8.2f} GiB",
-                  f"host RAM per node: rank-0 load {h['rank0_load'] / GIB:.1f} GiB, export {h['export'] / GIB:.1f} "
-                  f"GiB, CPU offload {h['cpu_offload'] / GIB:.1f} GiB, offloaded activations "
-                  f"{h['activation_offload'] / GIB:.1f} GiB",
+                  f"host RAM per node: load {h['load'] / GIB:.1f} GiB ({h['load_path']}), "
+                  f"final/ save {h['save'] / GIB:.1f} GiB ({h['save_path']}), CPU offload "
+                  f"{h['cpu_offload'] / GIB:.1f} GiB, offloaded activations {h['activation_offload'] / GIB:.1f} GiB",
                   f"largest micro-batch per GPU that fits this layout: {best['largest_micro_batch']} (global batch "
                   "kept here; a larger one needs train.global_batch_size to be a multiple of it x GPUs)",
                   "run it:", f"  {best['command']}"]

@@ -141,7 +141,8 @@ class Trainer:
         self.say(f"model: {type(model).__name__.removeprefix('FSDP')} {total:,} params "
                  f"({trainable:,} trainable, {100 * trainable / max(total, 1):.3g}%) | "
                  f"{dist.world_size} rank(s) on {dist.device.type} | {cfg.fsdp.sharding} | {cfg.precision} | "
-                 f"accumulation {self.accum} | {self.total_steps} steps{describe_memory_savers(cfg, dist.device.type)}")
+                 f"accumulation {self.accum} | {self.total_steps} steps | weights: {self.built.loaded}"
+                 f"{describe_memory_savers(cfg, dist.device.type)}")
 
         from shardtune.checkpoint.dcp import ModelOptimizerState
         from shardtune.train.optim import build_grad_scaler, build_optimizer
@@ -177,9 +178,15 @@ class Trainer:
 
             model = load_qlora_model(cfg, self.hf_config, dist.device, dist.world_size, seed)
             loss_lib.install(model, cfg.loss_chunk_tokens)
-            return BuiltModel(model.train(), None, [], reshard_after_forward=False)
+            return BuiltModel(model.train(), None, [], reshard_after_forward=False, loaded="rank 0 (QLoRA)")
+        folder = None
+        if cfg.model.sharded_load and not cfg.model.random_init:
+            from shardtune.model.hf_sharded_io import local_safetensors_folder
+
+            folder = local_safetensors_folder(cfg.model.name_or_path)
         built = build_model(ModelSpec.of_run(cfg, self.hf_config), build_mesh(cfg.fsdp, dist), dist.device,
-                            source=lambda: load_source_model(cfg.model, self.hf_config, seed), seed=seed)
+                            source=lambda: load_source_model(cfg.model, self.hf_config, seed), seed=seed,
+                            folder=folder)
         built.model.train()
         return built
 
@@ -367,6 +374,12 @@ class Trainer:
         from shardtune.fsio import atomic_dir
 
         folder = folder or self.out / "final"
+        if self.cfg.checkpoint.sharded_final and self.cfg.peft.method != "lora":  # LoRA: the adapter, below
+            from shardtune.checkpoint.hf_sharded import save_final_sharded
+
+            how = save_final_sharded(self.model, self.hf_config, self.tokenizer, folder)
+            self.say(f"model saved to {folder} ({how})")
+            return folder
         full = gather_full_state_dict(self.model)
         if self.dist.is_main:
             with atomic_dir(folder, replace=True) as tmp:  # final/ appears only once complete

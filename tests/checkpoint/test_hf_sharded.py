@@ -1,0 +1,165 @@
+"""final/ written by every rank (checkpoint.hf_sharded) equals today's gathered save_pretrained folder."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import TINY
+from shardtune.distributed.fsdp import build_mesh
+from shardtune.distributed.process_group import init_distributed
+from shardtune.model.build import ModelSpec, build_model
+
+
+@pytest.fixture
+def one_rank():
+    d = init_distributed("cpu")
+    yield d
+    dist.destroy_process_group()
+
+
+def sharded_model(arch: str, d, **extra):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(TINY[arch])
+    config = AutoConfig.for_model(cfg.pop("model_type"), vocab_size=300, **cfg, **extra)
+    torch.manual_seed(0)
+    plain = AutoModelForCausalLM.from_config(config)
+    spec = ModelSpec(config)
+    return build_model(spec, build_mesh(spec.fsdp, d), d.device, source=lambda: plain, seed=0).model, config
+
+
+def assert_same_folder(a, b):
+    """Same files, same config, and from_pretrained gives bitwise equal tensors."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    assert sorted(p.name for p in a.iterdir()) == sorted(p.name for p in b.iterdir())
+    assert json.loads((a / "config.json").read_text()) == json.loads((b / "config.json").read_text())
+    for f in a.glob("*.safetensors"):  # same keys in each file (tied head written once)
+        with safe_open(f, "pt") as x, safe_open(b / f.name, "pt") as y:
+            assert sorted(x.keys()) == sorted(y.keys())
+    if (a / "model.safetensors.index.json").exists():
+        ia, ib = (json.loads((p / "model.safetensors.index.json").read_text()) for p in (a, b))
+        assert ia["weight_map"] == ib["weight_map"] and ia["metadata"]["total_size"] == ib["metadata"]["total_size"]
+    ma, mb = (AutoModelForCausalLM.from_pretrained(p).state_dict() for p in (a, b))
+    assert ma.keys() == mb.keys()
+    assert all(torch.equal(ma[k], mb[k]) and ma[k].dtype == mb[k].dtype for k in ma)
+
+
+@pytest.mark.parametrize("arch,shard_size", [("gpt2", "2GB"), ("llama", "100KB")])
+def test_sharded_final_equals_the_gathered_folder(one_rank, tmp_path, arch, shard_size):
+    """GPT-2 (tied head, one file) and Llama (untied, split into several files with an index)."""
+    from shardtune.checkpoint.export import gather_full_state_dict, save_hf_folder
+    from shardtune.checkpoint.hf_sharded import SHARDS, save_final_sharded
+
+    model, config = sharded_model(arch, one_rank)
+    save_hf_folder(gather_full_state_dict(model), config, None, tmp_path / "gathered", shard_size)
+    assert save_final_sharded(model, config, None, tmp_path / "sharded", shard_size) == "sharded"
+    assert not (tmp_path / "sharded" / SHARDS).exists()
+    if arch == "llama":
+        assert len(list((tmp_path / "sharded").glob("model-0000*-of-0000*.safetensors"))) > 1
+    assert_same_folder(tmp_path / "sharded", tmp_path / "gathered")
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no partial folder left
+
+
+def test_a_failure_leaves_no_folder_that_looks_complete(one_rank, tmp_path, monkeypatch):
+    from shardtune.checkpoint import hf_sharded
+    from shardtune.model import hf_sharded_io
+
+    model, config = sharded_model("gpt2", one_rank)
+
+    def fail(*a, **k):
+        raise OSError(28, "No space left on device", "x")
+
+    monkeypatch.setattr(hf_sharded_io, "_write_configs", fail)  # rank 0's last writes fail
+    with pytest.raises(OSError):
+        hf_sharded.save_final_sharded(model, config, None, tmp_path / "final")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("arch,dtype", [("gpt2", torch.float32), ("llama", torch.bfloat16)])
+def test_sharded_load_equals_the_rank0_broadcast(one_rank, tmp_path, arch, dtype):
+    """GPT-2 (tied head, not in the file) and Llama saved in bf16 (cast to fp32 on read, rotary
+    buffers rebuilt): every tensor and buffer equals rank 0's load + broadcast."""
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.model.hf_sharded_io import local_safetensors_folder
+
+    _, config = sharded_model(arch, one_rank)
+    torch.manual_seed(1)
+    AutoModelForCausalLM.from_config(config).to(dtype).save_pretrained(tmp_path / "src")
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "src", dtype=torch.float32)
+    spec = ModelSpec(plain.config)
+    mesh = build_mesh(spec.fsdp, one_rank)
+    folder = local_safetensors_folder(str(tmp_path / "src"))
+    sharded = build_model(spec, mesh, one_rank.device, folder=folder)
+    broadcast = build_model(spec, mesh, one_rank.device, source=lambda: plain)
+    assert (sharded.loaded, broadcast.loaded) == ("sharded", "rank 0")
+    a, b = sharded.model.state_dict(), broadcast.model.state_dict()
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k].full_tensor(), b[k].full_tensor()) and a[k].dtype == torch.float32 for k in a)
+    bufs = dict(broadcast.model.named_buffers())
+    assert all(torch.equal(t, bufs[n]) for n, t in sharded.model.named_buffers())
+    if arch == "gpt2":
+        assert sharded.model.lm_head.weight is sharded.model.transformer.wte.weight
+
+
+def test_a_run_loaded_the_sharded_way_trains_like_the_broadcast_one(assets, tmp_path, capsys, monkeypatch):
+    """model.sharded_load=true + checkpoint.sharded_final=true: the same per-step losses (fp32,
+    exactly) and the same final/ as rank 0's load + gathered save; the start-up line says which.
+    `shardtune export` of a checkpoint (streamed, file by file) equals today's whole-model export."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from conftest import losses, tiny_overrides
+    from shardtune.checkpoint.dcp import find_latest
+    from shardtune.checkpoint.export import export_checkpoint, save_hf_folder
+    from shardtune.checkpoint.loading import load_plain_model
+    from shardtune.config.load import load_config
+    from shardtune.train.trainer import run
+
+    cfg = dict(TINY["gpt2"])
+    torch.manual_seed(2)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), vocab_size=300, **cfg)) \
+        .save_pretrained(tmp_path / "src")
+    runs = {}
+    for name, flag in (("broadcast", "false"), ("sharded", "true")):
+        extra = {"model.name_or_path": str(tmp_path / "src"), "model.sharded_load": flag,
+                 "checkpoint.sharded_final": flag, "train.max_steps": 2, "eval.max_batches": 1,
+                 "eval.at_start": "false", "activation_checkpointing": "full",  # wrapped blocks: names kept
+                 "checkpoint.every_steps": 2}
+        run(load_config(None, tiny_overrides(assets, tmp_path / name, **extra), defaults={}), overwrite=True)
+        runs[name] = losses(tmp_path / name)
+    out = capsys.readouterr().out
+    assert "weights: sharded" in out and "weights: rank 0" in out and "(sharded)" in out
+    assert len(runs["sharded"]) == 2 and runs["sharded"] == runs["broadcast"]
+    assert_same_folder(tmp_path / "sharded" / "final", tmp_path / "broadcast" / "final")
+    # `shardtune export` of the last checkpoint, one output file at a time: the same folder again
+    from shardtune.checkpoint import loading
+
+    with monkeypatch.context() as m:  # the whole model is never loaded
+        m.setattr(loading, "load_plain_model", None)
+        export_checkpoint(str(tmp_path / "sharded"), tmp_path / "exported", max_shard_size="100KB")
+    assert len(list((tmp_path / "exported").glob("model-*-of-*.safetensors"))) > 1
+    model, tokenizer, _ = load_plain_model(find_latest(tmp_path / "sharded" / "checkpoints"))
+    save_hf_folder(model.state_dict(), model.config, tokenizer, tmp_path / "gathered", "100KB")  # today's export
+    assert_same_folder(tmp_path / "exported", tmp_path / "gathered")
+
+
+def test_a_damaged_folder_falls_back_to_the_broadcast_path(one_rank, tmp_path):
+    """A truncated shard or one the index names but that is gone: no sharded read (the rank-0
+    load then reports the file in one line, as before)."""
+    from transformers import AutoModelForCausalLM
+
+    _, config = sharded_model("llama", one_rank)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "m", max_shard_size="100KB")
+    files = sorted((tmp_path / "m").glob("model-*.safetensors"))
+    spec = ModelSpec(config)
+    mesh = build_mesh(spec.fsdp, one_rank)
+    files[-1].unlink()
+    assert build_model(spec, mesh, one_rank.device, folder=tmp_path / "m").loaded == "none"
+    files[0].write_bytes(files[0].read_bytes()[:100])
+    assert build_model(spec, mesh, one_rank.device, folder=tmp_path / "m").loaded == "none"
