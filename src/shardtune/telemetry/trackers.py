@@ -92,8 +92,8 @@ class Trackers:
                                  mode=os.environ.get("WANDB_MODE", "online"))
                 self.sinks.append(Sink(lambda scalars, step, r=run: r.log(scalars, step=step), run.finish,
                                        wandb_artifact(run, artifacts) if artifacts != "none" else None,
-                                       lambda hists, step, r=run: r.log(
-                                           {tag: wandb.Histogram(np_histogram=(h.counts, h.edges()))
+                                       lambda hists, step, r=run, w=wandb: r.log(
+                                           {tag: w.Histogram(np_histogram=(h.counts, h.edges()))
                                             for tag, h in hists.items()}, step=step)))
             elif name == "mlflow":
                 mlflow = _require("mlflow", name)
