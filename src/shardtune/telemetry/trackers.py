@@ -41,7 +41,21 @@ class Sink(NamedTuple):
     log: Callable[[dict, int], object]  # (scalars, step)
     close: Callable[[], object]
     artifact: Callable[[Path, str, str, list], object] | None = None  # (folder, name, type, aliases)
-    histograms: Callable[[dict, int], object] | None = None  # ({tag: watch.Histogram}, step)
+    histograms: Callable[[dict, int], object] | None = None  # ({tag: Histogram}, step)
+
+
+class Histogram(NamedTuple):
+    """One histogram of values (log.watch's per block), as the trackers take it."""
+
+    low: float  # -max |value|
+    high: float  # max |value|
+    counts: list  # BINS equal bins over [low, high]
+    sum: float
+    sum_squares: float
+
+    def edges(self) -> list[float]:
+        width = (self.high - self.low) / len(self.counts)
+        return [self.low + i * width for i in range(len(self.counts) + 1)]
 
 
 def wandb_artifact(run, how: str):

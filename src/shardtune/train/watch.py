@@ -13,10 +13,10 @@ binned from the local shards as torch.histc bins; the counts join the norms' one
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import torch.distributed as dist
+
+from shardtune.telemetry.trackers import Histogram
 
 KINDS = {"gradients": ("grad",), "parameters": ("param",), "all": ("grad", "param")}
 BINS = 64  # histogram bins per block
@@ -151,14 +151,3 @@ class Watch:
                                                        float(norms[k * groups + g]) ** 2)
         return out
 
-
-class Histogram(NamedTuple):
-    low: float  # -max |value|
-    high: float  # max |value|
-    counts: list  # BINS equal bins over [low, high]
-    sum: float
-    sum_squares: float
-
-    def edges(self) -> list[float]:
-        width = (self.high - self.low) / len(self.counts)
-        return [self.low + i * width for i in range(len(self.counts) + 1)]
