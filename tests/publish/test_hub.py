@@ -177,3 +177,41 @@ def test_missing_token_with_required_false_trains_without_publishing(assets, tmp
     lines = [x for x in capsys.readouterr().out.splitlines() if "Hub token" in x]
     assert len(lines) == 1 and "does not publish to user/m" in lines[0]
     assert not (tmp_path / "run" / "publish").exists()
+
+
+def test_lora_adapter_on_the_hub_names_the_bases_hub_id(assets, tmp_path, hub, capsys):
+    """A local base whose config.json keeps the hub id it came from: the Hub copy of the adapter
+    config names that id (it loads from the Hub), the local copy keeps the local path."""
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    from conftest import TINY
+
+    base = tmp_path / "base-folder"
+    AutoModelForCausalLM.from_config(GPT2Config(**{k: v for k, v in TINY["gpt2"].items() if k != "model_type"})
+                                     ).save_pretrained(base)
+    config = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps({**config, "_name_or_path": "org/tiny-base"}))
+    store, _ = hub
+    out = tmp_path / "run"
+    run_tiny(assets, out, **{**PUBLISH, "train.max_steps": 1, "peft.method": "lora",
+                             "model.config": "{}", "model.name_or_path": str(base)})
+    repo = store / "user" / "tiny" / "dev"
+    for folder in (repo, repo / "checkpoints" / "step-000001"):  # the final adapter and a checkpoint's
+        assert json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"] == "org/tiny-base"
+    assert Path(json.loads((out / "final" / "adapter_config.json").read_text())["base_model_name_or_path"]).exists()
+    assert "names a local path" not in capsys.readouterr().out
+
+
+def test_lora_base_without_a_hub_id_warns_how_to_fix(tmp_path):
+    from types import SimpleNamespace
+
+    from shardtune.publish.adapter_base import hub_base
+
+    def model(name, random_init=False):
+        return SimpleNamespace(name_or_path=name, random_init=random_init)
+
+    assert hub_base(model("org/tiny-base")) == ("org/tiny-base", None)
+    for cfg in (model(str(tmp_path)), model(None, random_init=True)):
+        base, warning = hub_base(cfg)
+        assert base is None and "set model.name_or_path to the base's hub id" in warning
+    assert str(tmp_path) in hub_base(model(str(tmp_path)))[1]

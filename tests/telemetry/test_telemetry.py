@@ -11,7 +11,7 @@ import pytest
 from shardtune.errors import UserError
 from shardtune.telemetry.metrics import device_peak_flops, flops_per_token, memory_stats
 from shardtune.telemetry.report import write_report
-from shardtune.telemetry.trackers import Trackers
+from shardtune.telemetry.trackers import Histogram, Trackers
 
 
 def test_flops_per_token_is_six_n_plus_attention():
@@ -59,9 +59,12 @@ def test_trackers_write_offline(tmp_path, monkeypatch):
     t = Trackers(["tensorboard", "wandb", "mlflow"], tmp_path, config, "shardtune-test", "run1")
     for step in (1, 2):
         t.log({"step": step, "loss": 3.0 / step, "skipped": True, "note": "x"}, step)
+        t.histograms({"grad_hist/h.0": Histogram(-1.0, 1.0, [1.0, 0.0, 2.0, 1.0], 0.5, 1.5)}, step)  # not MLflow
     t.close()
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     assert list((tmp_path / "wandb").glob("offline-run-*"))
+    assert any(b"grad_hist/h.0" in f.read_bytes() and b"histogram" in f.read_bytes()
+               for f in (tmp_path / "wandb").rglob("*.wandb"))
     metric_files = list((tmp_path / "mlruns").rglob("metrics/loss"))
     assert metric_files and len(metric_files[0].read_text().splitlines()) == 2
     params = list((tmp_path / "mlruns").rglob("params/train.lr"))

@@ -25,6 +25,7 @@ def test_block_norms_equal_torchs_norms_and_ask_the_host_nothing(trainer, monkey
     from shardtune.train import step as step_mod
 
     watch = trainer.watch
+    watch.histograms = True  # as with TensorBoard or W&B among log.trackers
     assert watch.names == ["embeddings", "layers.0", "layers.1", "head"]
     grads_seen = {}
     real_clip = torch.nn.utils.clip_grad_norm_
@@ -65,12 +66,29 @@ def test_block_norms_equal_torchs_norms_and_ask_the_host_nothing(trainer, monkey
     total = sum(got[f"grad_norm/{g}"] ** 2 for g in watch.names) ** 0.5
     assert abs(total - out.grad_norm.item()) < 1e-5 * max(1.0, total)  # clip_grad_norm_'s total
 
+    # histograms: per block, torch.histc of the whole tensors over [-max|v|, max|v|]
+    from shardtune.train.watch import BINS
+
+    hists = watch.histograms_of(out.watch)
+    assert sorted(hists) == sorted(f"{k}_hist/{g}" for k in ("grad", "param") for g in watch.names)
+    params = {n: p.full_tensor().detach() for n, p in trainer.model.named_parameters()}
+    for g in watch.names:
+        whole = torch.cat([v.reshape(-1) for n, v in params.items() if group_of(n) == g])
+        h = hists[f"param_hist/{g}"]
+        assert h.high == pytest.approx(whole.abs().max().item()) and h.low == -h.high
+        assert h.counts == torch.histc(whole, BINS, h.low, h.high).double().tolist(), g
+        assert h.sum == pytest.approx(whole.double().sum().item(), abs=1e-6)
+        assert h.sum_squares == pytest.approx(got[f"param_norm/{g}"] ** 2)
+        assert sum(hists[f"grad_hist/{g}"].counts) == whole.numel()
+        assert len(h.edges()) == BINS + 1
+
 
 def test_watch_records_reach_metrics_jsonl(assets, tmp_path):
     from conftest import train_tiny
 
     train_tiny(assets, tmp_path, **{"train.max_steps": 4, "log.every_steps": 3, "log.watch": "gradients",
-                                    "log.watch_every": 2, "eval.max_batches": 1})
+                                    "log.watch_every": 2, "eval.max_batches": 1,
+                                    "log.trackers": ["tensorboard"]})
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     watched = {r["step"]: r for r in rows if "grad_norm/h.0" in r}
     assert sorted(watched) == [2, 4] and not any("param_norm/h.0" in r for r in rows)
@@ -80,6 +98,14 @@ def test_watch_records_reach_metrics_jsonl(assets, tmp_path):
     report = write_report([tmp_path], tmp_path / "report")
     assert (tmp_path / "report" / "grad_norms.png").stat().st_size > 0 and "grad_norms.png" in report.read_text()
     assert not (tmp_path / "report" / "param_norms.png").exists()
+    assert not any("grad_hist/h.0" in r or "_histograms" in r for r in rows)  # the trackers' alone
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"histograms": 0}).Reload()
+    assert "grad_hist/h.0" in events.Tags()["histograms"] and "param_hist/h.0" not in events.Tags()["histograms"]
+    shown = events.Histograms("grad_hist/h.0")
+    assert [e.step for e in shown] == [2, 4]
+    assert all(e.histogram_value.num > 0 and sum(e.histogram_value.bucket) == e.histogram_value.num for e in shown)
 
 
 @pytest.mark.parametrize("override, message", [("log.watch=weights", "log.watch"),

@@ -111,7 +111,7 @@ class LogConfig:
     peak_tflops: float | None = None  # device peak for MFU (default: table of common GPUs by name)
     live_memory: int = 0  # track the peak bytes of live tensors over the first N steps (MemTracker; those steps run slower)
     profile_steps: list[int] | None = None  # [first, last]: torch.profiler trace of those optimizer steps into OUT/profile/ (Chrome trace + operator table)
-    watch: Literal["none", "gradients", "parameters", "all"] = "none"  # per-block gradient and/or parameter norms (and tracker histograms) every log.watch_every steps
+    watch: Literal["none", "gradients", "parameters", "all"] = "none"  # per-block gradient and/or parameter norms every log.watch_every steps, and histograms in TensorBoard and W&B (MLflow takes none)
     watch_every: int = 100  # optimizer steps between two log.watch records
 
 

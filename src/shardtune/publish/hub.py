@@ -98,6 +98,7 @@ class HubPublisher:
         self.uploaded, self.failed, self.skipped = [], [], []
         self.warned = self.closed = False
         self.ready = False  # the repo (and branch) exist
+        self.adapter_base = None  # the hub id an uploaded adapter_config.json names (adapter_base.py)
         self.resuming = resuming  # a fresh run replaces what an earlier one left in the repo
         self.thread = threading.Thread(target=self._work, name="shardtune-hub", daemon=True)
         self.thread.start()
@@ -207,7 +208,7 @@ class HubPublisher:
                     if self.revision != "main":
                         api.create_branch(self.repo, branch=self.revision, exist_ok=True)
                     self.ready = True
-                ops = [CommitOperationAdd(prefix + f.relative_to(folder).as_posix(), str(f))
+                ops = [CommitOperationAdd(prefix + f.relative_to(folder).as_posix(), self._content(f))
                        for f in sorted(folder.rglob("*")) if f.is_file()]
                 ops += [CommitOperationAdd(prefix + name, text.encode()) for name, text in texts.items()]
                 api.create_commit(self.repo, ops, commit_message=message, revision=self.revision)
@@ -216,6 +217,14 @@ class HubPublisher:
                 if _fatal(exc) or attempt == self.p.retries:
                     raise
                 time.sleep(min(2.0 ** attempt, 30.0))
+
+    def _content(self, f: Path):
+        """What is uploaded for file `f`: the file, or an adapter config naming the hub base."""
+        if f.name == "adapter_config.json" and self.adapter_base:
+            from shardtune.publish.adapter_base import with_base
+
+            return with_base(f, self.adapter_base)
+        return str(f)
 
     def _warn(self, item: str, exc: BaseException) -> None:
         if self.warned or self.closed:

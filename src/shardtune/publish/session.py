@@ -21,6 +21,12 @@ class Publishing:
 
         self.cfg, self.trackers = cfg, None
         self.hub = HubPublisher(cfg.publish, out, say, resuming) if hub and is_main else None
+        if self.hub and cfg.peft.method == "lora":
+            from shardtune.publish.adapter_base import hub_base
+
+            self.hub.adapter_base, warning = hub_base(cfg.model)
+            if warning:
+                say(warning)
         if self.hub:
             for folder in complete_checkpoints(out / "checkpoints"):  # a resume: what is not uploaded yet
                 self.hub.checkpoint(folder, step_of(folder))

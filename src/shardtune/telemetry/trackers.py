@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 from shardtune.errors import UserError
 
+HISTOGRAM_TRACKERS = {"tensorboard", "wandb"}  # MLflow logs no histograms
 EXTRAS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 
 
@@ -40,6 +41,21 @@ class Sink(NamedTuple):
     log: Callable[[dict, int], object]  # (scalars, step)
     close: Callable[[], object]
     artifact: Callable[[Path, str, str, list], object] | None = None  # (folder, name, type, aliases)
+    histograms: Callable[[dict, int], object] | None = None  # ({tag: Histogram}, step)
+
+
+class Histogram(NamedTuple):
+    """One histogram of values (log.watch's per block), as the trackers take it."""
+
+    low: float  # -max |value|
+    high: float  # max |value|
+    counts: list  # BINS equal bins over [low, high]
+    sum: float
+    sum_squares: float
+
+    def edges(self) -> list[float]:
+        width = (self.high - self.low) / len(self.counts)
+        return [self.low + i * width for i in range(len(self.counts) + 1)]
 
 
 def wandb_artifact(run, how: str):
@@ -78,13 +94,21 @@ class Trackers:
                     for key, value in scalars.items():
                         w.add_scalar(key, value, step)
 
-                self.sinks.append(Sink(add_scalars, writer.close))
+                def add_histograms(histograms: dict, step: int, w=writer) -> None:
+                    for tag, h in histograms.items():
+                        w.add_histogram_raw(tag, h.low, h.high, sum(h.counts), h.sum, h.sum_squares,
+                                            h.edges()[1:], h.counts, step)
+
+                self.sinks.append(Sink(add_scalars, writer.close, histograms=add_histograms))
             elif name == "wandb":
                 wandb = _require("wandb", name)
                 run = wandb.init(project=project, name=run_name, dir=str(out), config=hparams,
                                  mode=os.environ.get("WANDB_MODE", "online"))
                 self.sinks.append(Sink(lambda scalars, step, r=run: r.log(scalars, step=step), run.finish,
-                                       wandb_artifact(run, artifacts) if artifacts != "none" else None))
+                                       wandb_artifact(run, artifacts) if artifacts != "none" else None,
+                                       lambda hists, step, r=run, w=wandb: r.log(
+                                           {tag: w.Histogram(np_histogram=(h.counts, h.edges()))
+                                            for tag, h in hists.items()}, step=step)))
             elif name == "mlflow":
                 mlflow = _require("mlflow", name)
                 if "MLFLOW_TRACKING_URI" not in os.environ:
@@ -101,6 +125,12 @@ class Trackers:
                    if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
         for sink in self.sinks:
             sink.log(scalars, step)
+
+    def histograms(self, histograms: dict, step: int) -> None:
+        """log.watch's per-block histograms, to the trackers that take them."""
+        for sink in self.sinks:
+            if sink.histograms is not None:
+                sink.histograms(histograms, step)
 
     def artifact(self, folder: Path, step: int, final: bool) -> None:
         """A checkpoint (or the final model) as an artifact of the trackers that keep them,

@@ -46,6 +46,8 @@ from shardtune.telemetry.metrics import (
 )
 from shardtune.train.step import evaluate, queue_numbers, read_numbers, train_step
 
+HISTOGRAMS = "_histograms"  # a record's log.watch histograms, for the trackers only
+
 
 def seed_everything(seed: int) -> None:
     import numpy as np
@@ -132,9 +134,11 @@ class Trainer:
 
         self.built = self._build_model()
         self.model = model = self.built.model
+        from shardtune.telemetry.trackers import HISTOGRAM_TRACKERS
         from shardtune.train.watch import Watch
 
-        self.watch = Watch(model, self.built.block_cls, cfg.log.watch, cfg.log.watch_every, dist.device)
+        self.watch = Watch(model, self.built.block_cls, cfg.log.watch, cfg.log.watch_every, dist.device,
+                           histograms=bool(HISTOGRAM_TRACKERS & set(cfg.log.trackers)))
         total, trainable = count_params(model)
         matmul, matmul_trainable = matmul_params(model)
         self.flops_per_token = flops_per_token(matmul, hf_config, cfg.data.seq_len, matmul_trainable)
@@ -314,8 +318,11 @@ class Trainer:
                 progress.write(f"step {step}: validation loss {results['last']['eval_loss']:.4f}, "
                                f"perplexity {results['last']['eval_ppl']:.2f}")
             for record in filter(None, records):
+                histograms = record.pop(HISTOGRAMS, None)  # the trackers', not metrics.jsonl's
                 log.write(record)
                 trackers.log(record, record["step"])
+                if histograms:
+                    trackers.histograms(histograms, record["step"])
             progress.update(1)
             self.ckpt.poll()
             if stop and not last:
@@ -343,7 +350,11 @@ class Trainer:
         if not math.isfinite(loss) or (self.scaler is None and not math.isfinite(grad_norm)):
             self.nonfinite(step, loss, grad_norm)
             return {"step": step, "epoch": epoch, "loss": None, "skipped": True}, numbers.stop
-        watched = self.watch.record(queued.watch) if queued.watch is not None else {}
+        watched = {}
+        if queued.watch is not None:
+            watched = self.watch.record(queued.watch)
+            if self.dist.is_main and (histograms := self.watch.histograms_of(queued.watch)):
+                watched[HISTOGRAMS] = histograms
         if step % cfg.log.every_steps and step != self.total_steps:
             return ({"step": step, "epoch": epoch, **watched} if watched else {}), numbers.stop
         record = {"step": step, "epoch": epoch, "loss": loss, "lr": queued.lr, "grad_norm": grad_norm,
