@@ -380,29 +380,12 @@ class Trainer:
                         "or set on_nan=skip")
 
     def export(self, folder: Path | None = None) -> Path:
-        """Plain HF folder, gathered to rank 0's CPU only."""
-        from shardtune.checkpoint.export import gather_full_state_dict, save_hf_folder
-        from shardtune.fsio import atomic_dir
+        """final/: a plain HF folder (a LoRA run's: its adapter), written whole or not at all."""
+        from shardtune.checkpoint.export import save_final
 
         folder = folder or self.out / "final"
-        if self.cfg.checkpoint.sharded_final and self.cfg.peft.method != "lora":  # LoRA: the adapter, below
-            from shardtune.checkpoint.hf_sharded import save_final_sharded
-
-            how = save_final_sharded(self.model, self.hf_config, self.tokenizer, folder)
-            self.say(f"model saved to {folder} ({how})")
-            return folder
-        full = gather_full_state_dict(self.model)
-        if self.dist.is_main:
-            with atomic_dir(folder, replace=True) as tmp:  # final/ appears only once complete
-                if self.cfg.peft.method == "lora":
-                    from shardtune.checkpoint.export import save_adapter_folder
-
-                    save_adapter_folder(full, self.model, self.cfg.model, self.hf_config, self.tokenizer, tmp,
-                                        quantized=self.cfg.peft.quantize != "none", final=folder)
-                else:
-                    save_hf_folder(full, self.hf_config, self.tokenizer, tmp)
-        del full
-        self.say(f"model saved to {folder}")
+        how = save_final(self.model, self.cfg, self.hf_config, self.tokenizer, folder, self.dist.is_main)
+        self.say(f"model saved to {folder}{f' ({how})' if how else ''}")
         return folder
 
     def close(self, code: int = 0) -> None:
