@@ -8,7 +8,7 @@ through DCP like fp32 moments. Their step is torch.compile'd per parameter shape
 on CPU); tensors under 4096 values keep fp32 moments, as bitsandbytes does.
 
 That compiled step runs with torch's AOTAutograd cache off: the cache is on disk, shared by the
-ranks of a host, and keys a DTensor input by its global shape, so where the ranks' shards differ
+ranks of a host, and does not tell a DTensor's local shards apart, so where the ranks' shards differ
 (GPT-2's vocabulary of 50257 rows on 2 ranks: 25129 and 25128) one rank loaded the step compiled for
 another's shard ("expected size 25129==25128"). Inductor's own cache (keyed by the local shapes,
 and the expensive part: the C++ compile) still serves every rank."""
