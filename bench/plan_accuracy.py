@@ -58,8 +58,8 @@ CPU_ROWS = [
     ("llama-100m", 2, "no_shard", "none", True, 4),
     ("llama-100m", 4, "full_shard", "none", True, 8),
     # issue 20's memory savers (on CPU activation offloading moves nothing: the same peak as none;
-    # the low-bit optimizer rows on llama-100m: torchao's compiled step fails on GPT-2's uneven
-    # vocabulary shards, 25129 and 25128 rows on 2 ranks)
+    # the low-bit optimizer rows on llama-100m: measured while torchao's compiled step failed on
+    # GPT-2's uneven vocabulary shards, 25129 and 25128 rows on 2 ranks; fixed in train/optim.py)
     ("gpt2-small", 2, "full_shard", "selective", False, 4),
     ("gpt2-small", 2, "full_shard", "every_n", False, 4),
     ("llama-100m", 2, "full_shard", "selective", False, 4),

@@ -48,3 +48,22 @@ def test_selective_policy_saves_matmuls_and_recomputes_pointwise_ops():
     assert policy(None, aten.addmm.default) == policy(None, aten.mm.default) == CheckpointPolicy.MUST_SAVE
     assert policy(None, aten.gelu.default) == policy(None, aten.native_layer_norm.default) == \
         CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def test_offload_moves_activations_but_no_parameter_nor_a_view_of_one(monkeypatch):
+    """nn.Linear's matmul saves `weight.t()`, a view of the (gathered) parameter: moving it would
+    copy every layer's weight to the host each step. The installed hooks (on CPU they move
+    nothing) ask `moves`, the rule the planner prices too, about every saved tensor."""
+    from shardtune.distributed.activation_memory import ActivationOffload
+
+    monkeypatch.setattr(ActivationOffload, "MIN_BYTES", 0)  # the tiny model's tensors are all small
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+    offload = ActivationOffload(torch.device("cpu"))
+    asked = []
+    offload.moves = lambda t: asked.append((t, ActivationOffload.moves(offload, t))) or asked[-1][1]
+    offload.install(model)
+    model(torch.randn(4, 8)).square().sum().backward()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    on_params = [moved for t, moved in asked if t.untyped_storage().data_ptr() in params]
+    assert on_params and not any(on_params)  # the weights' views were saved, and none would move
+    assert any(moved for _, moved in asked)  # activations would

@@ -56,3 +56,26 @@ def test_low_precision_states_resume_exactly_and_export_a_plain_model(eager_torc
     assert main(["export", str(ckpt), str(tmp_path / "hf")]) == 0, capsys.readouterr().err
     names = set(AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict())
     assert names == set(AutoModelForCausalLM.from_pretrained(straight / "final").state_dict())
+
+
+@pytest.mark.parametrize("state", ["bf16", "8bit"])
+def test_compiled_step_skips_the_cross_rank_autograd_cache(monkeypatch, state):
+    """torch's on-disk AOTAutograd cache, shared by a host's ranks, keys a DTensor by its global
+    shape: with shards the ranks do not divide evenly (GPT-2's 50257-row vocabulary on 2 ranks) a
+    rank loaded another's step and failed ("expected size 25129==25128"). The step compiles
+    without that cache (inductor's cache, keyed by local shapes, stays on)."""
+    import torch._functorch.config as functorch_config
+
+    seen = []
+
+    def compile_recording(fn, **kw):
+        seen.append(functorch_config.enable_autograd_cache)
+        return fn
+
+    monkeypatch.setattr(torch, "compile", compile_recording)
+    model = torch.nn.Linear(64, 64)
+    opt = build_optimizer(model, TrainConfig(optimizer_state=state), torch.device("cpu"))
+    model(torch.randn(2, 64)).sum().backward()
+    opt.step()
+    assert seen and not any(seen)
+    assert functorch_config.enable_autograd_cache  # restored after the step

@@ -62,7 +62,7 @@ class ActivationOffload:
     it back when backward needs it. On CUDA the copies run on a side stream: the device-to-host
     copy overlaps the rest of forward (the device tensor is kept alive by `record_stream` until
     its copy is done), the copy back is ordered before its use by an event. Parameters (FSDP's
-    gathered weights: re-gathered anyway) and small tensors stay where they are. On CPU the host
+    gathered weights: re-gathered anyway), views of them and small tensors stay where they are. On CPU the host
     is the device: the same hooks run, and the "move" keeps the tensor (no copy, no saving)."""
 
     MIN_BYTES = 1 << 20  # below this a copy costs more in launch latency than it frees
@@ -72,9 +72,15 @@ class ActivationOffload:
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.context = None
 
+    def moves(self, t: torch.Tensor) -> bool:
+        """Whether `t` goes to the host (on CUDA; the planner prices the same rule): not a
+        parameter nor a view of one (a matmul saves `weight.t()`: copying it would move every
+        layer's gathered weight over PCIe each step for nothing), and not small."""
+        param = isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
+        return not param and t.numel() * t.element_size() >= self.MIN_BYTES
+
     def pack(self, t: torch.Tensor):
-        if not self.cuda or isinstance(t, torch.nn.Parameter) or t.device.type != "cuda" \
-                or t.numel() * t.element_size() < self.MIN_BYTES:
+        if not self.moves(t) or not self.cuda or t.device.type != "cuda":
             return t
         host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=True)
         self.stream.wait_stream(torch.cuda.current_stream())

@@ -76,8 +76,8 @@ class _OnHost:
 
 @contextlib.contextmanager
 def offloaded_activations(tracker):
-    """Run `ActivationOffload`'s hooks as on CUDA: what it would move (its own rule: no
-    parameters, nothing under its MIN_BYTES) goes to `tracker`'s host account (`host_bytes`,
+    """Run `ActivationOffload`'s hooks as on CUDA: what it would move (its own rule,
+    `ActivationOffload.moves`) goes to `tracker`'s host account (`host_bytes`,
     `host_peak`) and its device tensor is let go; backward's unpack allocates it again. Hooks
     nest: activation checkpointing's own hooks win inside checkpointed blocks, as in the real run."""
     from unittest import mock
@@ -85,7 +85,7 @@ def offloaded_activations(tracker):
     from shardtune.distributed.activation_memory import ActivationOffload
 
     def pack(self, t):
-        if isinstance(t, nn.Parameter) or t.numel() * t.element_size() < self.MIN_BYTES:
+        if not self.moves(t):
             return t
         handle = _OnHost(t)
         tracker.host_bytes += handle.nbytes

@@ -5,7 +5,13 @@ Low-precision moments (train.optimizer_state) come from torchao's optimizers: 8b
 block-quantized AdamW8bit/AdamW4bit, bf16 its same fused step over plain bf16 moments. They take
 FSDP2's DTensor shards (the state is a DTensor around torchao's tensor subclass) and save and load
 through DCP like fp32 moments. Their step is torch.compile'd per parameter shape (a C++ compiler
-on CPU); tensors under 4096 values keep fp32 moments, as bitsandbytes does."""
+on CPU); tensors under 4096 values keep fp32 moments, as bitsandbytes does.
+
+That compiled step runs with torch's AOTAutograd cache off: the cache is on disk, shared by the
+ranks of a host, and does not tell a DTensor's local shards apart, so where the ranks' shards differ
+(GPT-2's vocabulary of 50257 rows on 2 ranks: 25129 and 25128) one rank loaded the step compiled for
+another's shard ("expected size 25129==25128"). Inductor's own cache (keyed by the local shapes,
+and the expensive part: the C++ compile) still serves every rank."""
 
 from __future__ import annotations
 
@@ -56,8 +62,16 @@ def _low_precision_adamw(groups: list[dict], cfg: TrainConfig):
         def _subclass_zeros(p, signed, block_size):
             return torch.zeros(p.shape, dtype=torch.bfloat16, device=p.device)
 
-    cls = {"bf16": AdamWBf16States, "8bit": AdamW8bit, "4bit": AdamW4bit}[cfg.optimizer_state]
-    return cls(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+    import torch._functorch.config as functorch_config
+
+    base = {"bf16": AdamWBf16States, "8bit": AdamW8bit, "4bit": AdamW4bit}[cfg.optimizer_state]
+
+    class PerRankCompiledStep(base):
+        def step(self, closure=None):
+            with functorch_config.patch(enable_autograd_cache=False):  # see the module's note
+                return super().step(closure)
+
+    return PerRankCompiledStep(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
 
 
 def optimizer_state_bytes(optimizer) -> int:
