@@ -199,22 +199,3 @@ def merge_adapter_folder(adapter: Path, out: Path, max_shard_size: str = "2GB") 
             break
     print(f"merged the adapter {adapter} into {base}; wrote {out}", flush=True)
     return out
-
-
-def save_final(model, cfg, hf_config, tokenizer, folder: Path, is_main: bool) -> str | None:
-    """A run's final/ from its sharded model, on every rank together: written by all ranks with
-    checkpoint.sharded_final (returns how), else gathered to rank 0's CPU and written there."""
-    if cfg.checkpoint.sharded_final and cfg.peft.method != "lora":  # LoRA: the adapter, below
-        from shardtune.checkpoint.hf_sharded import save_final_sharded
-
-        return save_final_sharded(model, hf_config, tokenizer, folder)
-    full = gather_full_state_dict(model)
-    if is_main:
-        with atomic_dir(folder, replace=True) as tmp:  # final/ appears only once complete
-            if cfg.peft.method == "lora":
-                save_adapter_folder(full, model, cfg.model, hf_config, tokenizer, tmp,
-                                    quantized=cfg.peft.quantize != "none", final=folder)
-            else:
-                save_hf_folder(full, hf_config, tokenizer, tmp)
-    del full
-    return None

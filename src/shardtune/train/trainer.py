@@ -381,7 +381,7 @@ class Trainer:
 
     def export(self, folder: Path | None = None) -> Path:
         """final/: a plain HF folder (a LoRA run's: its adapter), written whole or not at all."""
-        from shardtune.checkpoint.export import save_final
+        from shardtune.checkpoint.final import save_final
 
         folder = folder or self.out / "final"
         how = save_final(self.model, self.cfg, self.hf_config, self.tokenizer, folder, self.dist.is_main)
