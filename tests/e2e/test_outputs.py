@@ -191,13 +191,13 @@ def test_atomic_dir_keeps_nothing_of_a_failure(tmp_path):
 def test_train_failing_in_final_leaves_no_final(capfd, monkeypatch, recipe, tmp_path):  # noqa: F811
     """final/ fails half-way (config.json written, then the weights do not go): one line naming
     final/'s file, no final/ (nothing for from_pretrained to take for the model), the checkpoint kept."""
-    import shardtune.checkpoint.export as export_mod
+    import shardtune.checkpoint.final as final_mod
 
     def half(state_dict, hf_config, tokenizer, out, max_shard_size="2GB"):
         (out / "config.json").write_text("{}")
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(out / "model.safetensors"))
 
-    monkeypatch.setattr(export_mod, "save_hf_folder", half)
+    monkeypatch.setattr(final_mod, "save_hf_folder", half)
     run = tmp_path / "run"
     fails(capfd, ["train", recipe, f"output_dir={run}", "checkpoint.every_steps=1"], "disk full while writing",
           str(run / "final" / "model.safetensors"))
