@@ -35,6 +35,18 @@ def single_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture
+def one_rank():
+    """A world-of-one process group on CPU for in-process builds; gone after the test."""
+    import torch.distributed as dist
+
+    from shardtune.distributed.process_group import init_distributed
+
+    d = init_distributed("cpu")
+    yield d
+    dist.destroy_process_group()
+
+
 @pytest.fixture(scope="session")
 def assets(tmp_path_factory):
     from shardtune.data.quickstart import build_quickstart_assets

@@ -6,19 +6,10 @@ import json
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from conftest import TINY
 from shardtune.distributed.fsdp import build_mesh
-from shardtune.distributed.process_group import init_distributed
 from shardtune.model.build import ModelSpec, build_model
-
-
-@pytest.fixture
-def one_rank():
-    d = init_distributed("cpu")
-    yield d
-    dist.destroy_process_group()
 
 
 def sharded_model(arch: str, d, **extra):

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from conftest import TINY
 from shardtune.config.schema import FSDPConfig, PeftConfig
 from shardtune.distributed.fsdp import build_mesh, reshard_after_forward
-from shardtune.distributed.process_group import init_distributed
 from shardtune.model.build import ModelSpec, build_model
 
 
@@ -19,13 +17,6 @@ from shardtune.model.build import ModelSpec, build_model
     ("shard_grad_op", 4, False), ("no_shard", 1, False)])
 def test_one_policy_decides_resharding_and_gradient_sync(sharding, group, expected):
     assert reshard_after_forward(sharding, group) is expected
-
-
-@pytest.fixture
-def one_rank():
-    d = init_distributed("cpu")
-    yield d
-    dist.destroy_process_group()
 
 
 def hf_config(arch: str):

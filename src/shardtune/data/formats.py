@@ -183,12 +183,17 @@ def instruct_fn(cfg: DataConfig, tokenizer, columns: list[str], what: str):
             p, a = bos + p, a + [eos]
             ids = (p + a)[:cutoff]
             labels = ids if cfg.train_on_inputs else ([IGNORE_INDEX] * len(p) + a)[:cutoff]
-            out["input_ids"].append(ids)
-            out["labels"].append(list(labels))
-            out["length"].append(len(ids))
+            _add_example(out, ids, labels)
         return out
 
     return build
+
+
+def _add_example(out: dict, ids: list, labels) -> None:
+    """One tokenized example into a batch of `datasets.map` columns."""
+    out["input_ids"].append(ids)
+    out["labels"].append(list(labels))
+    out["length"].append(len(ids))
 
 
 # ----------------------------------------------------------------------------- chat
@@ -301,9 +306,7 @@ def chat_fn(cfg: DataConfig, tokenizer, columns: list[str], what: str):
                                 "or set data.chat_template") from None
             ids, labels = _label_spans(text, spans, tokenizer)
             ids, labels = ids[:cutoff], (ids if cfg.train_on_inputs else labels)[:cutoff]
-            out["input_ids"].append(ids)
-            out["labels"].append(list(labels))
-            out["length"].append(len(ids))
+            _add_example(out, ids, labels)
         return out
 
     return build

@@ -304,17 +304,23 @@ def read_state(path: Path) -> dict:
     return saved
 
 
-def run_sweep(sweep: Sweep) -> Path:
-    """Validate everything, then run (or take from OUT/sweep.json) each trial; write the outputs."""
+def open_folder(sweep: Sweep, kind: str, own_files: tuple[str, ...]) -> None:
+    """The ranks' device checked and set on `sweep`, and its folder made: continue an earlier one
+    (holding only `own_files` and plots), or start in a new or empty folder; never write into a
+    run's or a user's folder."""
     from shardtune.distributed.process_group import check_nproc, resolve_device
 
-    check(sweep)
     device = sweep.config({}).device
     check_nproc(sweep.nproc, device)
     sweep.device = resolve_device(device).type
-    # continue a sweep, start one in a new or empty folder; never write into a run's or a user's folder
-    refuse_foreign(sweep.out, "--out", "a sweep's", lambda name: name in SWEEP_FILES or name.endswith(".png"))
+    refuse_foreign(sweep.out, "--out", kind, lambda name: name in own_files or name.endswith(".png"))
     make_dir(sweep.out)
+
+
+def run_sweep(sweep: Sweep) -> Path:
+    """Validate everything, then run (or take from OUT/sweep.json) each trial; write the outputs."""
+    check(sweep)
+    open_folder(sweep, "a sweep's", SWEEP_FILES)
     state = State(sweep)
     limit = memory_limit(sweep)
     cap = limit if sweep.device == "cpu" else None  # a GPU's own memory is the real limit there

@@ -14,8 +14,7 @@ import warnings
 from pathlib import Path
 
 from shardtune.errors import UserError, first_line
-from shardtune.fsio import make_dir, refuse_foreign
-from shardtune.sweep.grid import Sweep
+from shardtune.sweep.grid import Sweep, open_folder
 from shardtune.sweep.trial import run_trial
 
 DISTRIBUTIONS = ("loguniform", "uniform", "int", "logint", "choice")
@@ -254,7 +253,6 @@ def finished(study) -> int:
 def run_search(sweep: Sweep, search: Search) -> Path:
     """Validate everything, open (or join) the study, run trials until it has --trials finished
     ones, write the outputs."""
-    from shardtune.distributed.process_group import check_nproc, resolve_device
     from shardtune.sweep.search_report import write_search_outputs
 
     try:
@@ -262,12 +260,7 @@ def run_search(sweep: Sweep, search: Search) -> Path:
     except ImportError:
         raise UserError("--search needs the 'optuna' package: pip install 'shardtune[tune]'") from None
     check(sweep, search)
-    device = sweep.config({}).device
-    check_nproc(sweep.nproc, device)
-    sweep.device = resolve_device(device).type
-    # continue a search, start one in a new or empty folder; never write into a run's or a user's folder
-    refuse_foreign(sweep.out, "--out", "a search's", lambda name: name in SEARCH_FILES or name.endswith(".png"))
-    make_dir(sweep.out)
+    open_folder(sweep, "a search's", SEARCH_FILES)
     study = open_study(sweep, search)
     done = finished(study)
     print(f"search: {search.trials} trial(s) of {', '.join(p.key for p in search.space)} ({search.sampler}, "
