@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from shardtune.distributed.process_group import LAUNCHER_ENV
 from shardtune.errors import EXIT_PREEMPTED
 from shardtune.launch.signals import Preemption, marker_stamp, stop_report
 
@@ -38,6 +39,27 @@ def test_ctrl_c_requests_a_stop_then_the_handler_the_process_had_comes_back(keep
     assert seen == [signal.SIGINT]
     preemption.restore()
     assert signal.getsignal(signal.SIGINT) is mine and signal.getsignal(signal.SIGTERM) is term
+
+
+def test_after_a_first_ctrl_c_a_rank_keeps_dying_by_the_next_one_through_its_exit(keep_sigint, monkeypatch):
+    """A rank whose run was stopped by Ctrl-C keeps the default action after `restore()`: a second
+    Ctrl-C during its checkpoint or exit handlers ends it by SIGINT, not by a KeyboardInterrupt
+    traceback from inside an atexit callback (seen in CI). Untouched, restore() gives back Python's."""
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv(LAUNCHER_ENV, "1")  # the launcher speaks, not the rank
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    preemption = Preemption()
+    os.kill(os.getpid(), signal.SIGINT)
+    assert preemption.requested == 1 and signal.getsignal(signal.SIGINT) is signal.SIG_DFL
+    preemption.restore()
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL
+    untouched = Preemption()
+    untouched.restore()
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL  # what it found
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    Preemption().restore()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_an_ignored_ctrl_c_stays_ignored(keep_sigint):

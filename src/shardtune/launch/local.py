@@ -59,7 +59,7 @@ def launch_local(nproc: int, worker_argv: list[str],
         if interrupts == 1:
             _say(interrupt_note)
             raise SignalException("Ctrl-C", sigval=signal.SIGINT)  # the agent passes SIGINT on to the ranks
-        _say("Ctrl-C again: stopping the ranks now, without a checkpoint")
+        _say("Ctrl-C again: stopping the ranks now, without waiting for a checkpoint")
         for pid in _child_pids():
             try:
                 os.killpg(pid, signal.SIGINT)  # each worker leads its own session (the agent's choice)

@@ -37,7 +37,9 @@ def sigint_ignored() -> bool:
 
 class Preemption:
     """While installed, the signals above set `requested` instead of killing the process; an
-    ignored SIGINT stays ignored. `restore()` puts back the handlers the process had."""
+    ignored SIGINT stays ignored. `restore()` puts back the handlers the process had, except that
+    after a first Ctrl-C the next one stops the process at once until it ends: a rank saving its
+    checkpoint or running its exit handlers dies by SIGINT, no KeyboardInterrupt traceback."""
 
     def __init__(self):
         self.requested = 0
@@ -69,7 +71,8 @@ class Preemption:
 
     def restore(self) -> None:
         for sig, old in self._old.items():
-            signal.signal(sig, old)
+            if sig != signal.SIGINT or signal.getsignal(sig) == self._handle:  # not yet pressed once
+                signal.signal(sig, old)
         self._old = {}
 
 
