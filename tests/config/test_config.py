@@ -89,7 +89,14 @@ def test_values_the_libraries_would_reject_or_that_mean_nothing_are_refused(over
 @pytest.mark.parametrize("overrides, needle", [
     (["peft.method=lora", "peft.r=0"], "peft.r=0 must be at least 1"),
     (["peft.method=lora", "peft.alpha=0"], "peft.alpha=0 must be at least 1"),
-    (["peft.quantize=4bit"], "set peft.method=lora"),
+    (["peft.quantize=4bit"], "peft.quantize is a setting of peft.method=lora/dora, not of peft.method=none"),
+    (["peft.method=lora", "peft.num_virtual_tokens=20"],
+     "peft.num_virtual_tokens is a setting of peft.method=prefix_tuning/prompt_tuning, not of peft.method=lora"),
+    (["peft.method=prompt_tuning", "peft.num_virtual_tokens=0"], "peft.num_virtual_tokens=0 must be at least 1"),
+    (["peft.method=adaption_prompt", "peft.adapter_len=0"], "peft.adapter_len=0 must be at least 1"),
+    (["peft.method=lora", "peft.lora_plus_ratio=-2"], "peft.lora_plus_ratio=-2.0 must be at least 0"),
+    (["peft.method=prefix_tuning", "data.format=instruct", "data.packing=true"], "would hide from every document"),
+    (["peft.method=prompt_tuning", "data.format=chat", "data.padding_free=true"], "data.document_mask=false"),
     (["peft.method=lora", "peft.quantize=4bit", "device=cuda"], "quantizes pretrained weights"),
     (["peft.method=lora", "peft.quantize=4bit", "model.name_or_path=m", "device=cpu"], "needs a CUDA GPU"),
     (["freeze.head_only=true", "freeze.trainable_blocks=1"], "exclude each other"),
@@ -153,3 +160,27 @@ def test_every_value_is_checked_by_its_type(override, needle):
 
 def test_list_sep_may_be_empty():
     assert load_config(None, ["model.config={model_type: gpt2}", "data.path=x", "data.list_sep=''"]).data.list_sep == ""
+
+
+def test_every_method_specific_peft_key_is_refused_for_every_other_method():
+    """The class, not the example: each key of PeftConfig.METHOD_KEYS, set away from its default,
+    under each method that does not take it: one line naming the methods that do."""
+    import dataclasses
+    import typing
+
+    from shardtune.config.schema import PeftConfig
+
+    methods = typing.get_args(typing.get_type_hints(PeftConfig)["method"])
+    other_value = {"r": "4", "alpha": "4", "dropout": "0.1", "target_modules": "[c_fc]", "rslora": "true",
+                   "init": "pissa", "lora_plus_ratio": "16", "feedforward_modules": "[c_fc]",
+                   "num_virtual_tokens": "20", "prompt_init_text": "Answer:", "adapter_len": "10",
+                   "adapter_layers": "1", "quantize": "4bit"}
+    assert set(other_value) == set(PeftConfig.METHOD_KEYS)  # a new key needs a value here
+    fields = {f.name for f in dataclasses.fields(PeftConfig)}
+    assert set(PeftConfig.METHOD_KEYS) == fields - {"method"}  # every key belongs to some method
+    for key, takers in PeftConfig.METHOD_KEYS.items():
+        for method in set(methods) - set(takers):
+            with pytest.raises(UserError, match=re.escape(f"peft.{key} is a setting of peft.method={'/'.join(takers)}, "
+                                                          f"not of peft.method={method}")):
+                load_config(None, ["model.config={model_type: gpt2}", "data.path=x", f"peft.method={method}",
+                                   f"peft.{key}={other_value[key]}"])

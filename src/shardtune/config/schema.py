@@ -117,12 +117,44 @@ class LogConfig:
 
 @dataclass
 class PeftConfig:
-    method: Literal["none", "lora"] = "none"  # lora: train low-rank adapters, base frozen (peft)
-    r: int = 8  # LoRA rank
-    alpha: int = 16  # LoRA scaling numerator (scale = alpha / r)
-    dropout: float = 0.05  # dropout on the adapter input
-    target_modules: list[str] | None = None  # default per model type: peft's mapping (README Architectures)
-    quantize: Literal["none", "4bit"] = "none"  # 4bit: QLoRA on an NF4 base (CUDA + bitsandbytes)
+    method: Literal["none", "lora", "dora", "ia3", "prefix_tuning", "prompt_tuning", "adaption_prompt"] = "none"  # parameter-efficient method (peft), base frozen: lora, dora (weight-decomposed LoRA), ia3 (learned scales), prefix_tuning, prompt_tuning, adaption_prompt (LLaMA-Adapter)
+    r: int = 8  # lora/dora: rank
+    alpha: int = 16  # lora/dora: scaling numerator (scale = alpha / r; alpha / sqrt(r) with rslora)
+    dropout: float = 0.05  # lora/dora: dropout on the adapter input
+    target_modules: list[str] | None = None  # lora/dora/ia3: layers to adapt; default per model type (README Architectures)
+    rslora: bool = False  # lora/dora: rank-stabilised scaling alpha / sqrt(r)
+    init: Literal["default", "gaussian", "pissa", "olora"] = "default"  # lora/dora: adapter init; pissa (SVD) and olora (QR) start from the base weights, which keep the residual
+    lora_plus_ratio: float = 0.0  # lora/dora: LoRA+, the B matrices learn at this multiple of train.lr (e.g. 16); 0: off
+    feedforward_modules: list[str] | None = None  # ia3: targets whose input is scaled (the MLP's); default per model type
+    num_virtual_tokens: int | None = None  # prefix_tuning/prompt_tuning: learned virtual tokens (default 20)
+    prompt_init_text: str | None = None  # prompt_tuning: start the virtual tokens from this text's embeddings (default random)
+    adapter_len: int | None = None  # adaption_prompt: adaption tokens per layer (default 10)
+    adapter_layers: int | None = None  # adaption_prompt: top N decoder layers adapted (default all)
+    quantize: Literal["none", "4bit"] = "none"  # lora/dora, 4bit: QLoRA on an NF4 base (CUDA + bitsandbytes)
+
+    # the methods that take each method-specific key; a key set (away from its default) for another is refused
+    METHOD_KEYS: typing.ClassVar[dict] = {
+        "r": ("lora", "dora"), "alpha": ("lora", "dora"), "dropout": ("lora", "dora"),
+        "target_modules": ("lora", "dora", "ia3"), "rslora": ("lora", "dora"), "init": ("lora", "dora"),
+        "lora_plus_ratio": ("lora", "dora"), "feedforward_modules": ("ia3",),
+        "num_virtual_tokens": ("prefix_tuning", "prompt_tuning"), "prompt_init_text": ("prompt_tuning",),
+        "adapter_len": ("adaption_prompt",), "adapter_layers": ("adaption_prompt",),
+        "quantize": ("lora", "dora"),
+    }
+    DEFAULT_VIRTUAL_TOKENS: typing.ClassVar[int] = 20
+    DEFAULT_ADAPTER_LEN: typing.ClassVar[int] = 10
+
+    @property
+    def low_rank(self) -> bool:
+        """LoRA or DoRA: low-rank matrices beside the base layers (mergeable, LoRA's keys)."""
+        return self.method in ("lora", "dora")
+
+    @property
+    def virtual_tokens(self) -> int:
+        """Learned tokens a prompt-learning method puts before every sequence (0: other methods)."""
+        if self.method in ("prefix_tuning", "prompt_tuning"):
+            return self.num_virtual_tokens or self.DEFAULT_VIRTUAL_TOKENS
+        return 0
 
 
 @dataclass

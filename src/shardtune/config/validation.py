@@ -74,6 +74,7 @@ BOUNDS = {
     "fsdp.min_num_params": Range(1), "fsdp.shard_size": Range(1), "fsdp.replicate_size": Range(1),
     "log.watch_every": Range(1), "publish.retries": Range(1),
     "eval.micro_batch_size": Range(1), "peft.r": Range(1), "peft.alpha": Range(1), "peft.dropout": Range(0, below=1),
+    "peft.num_virtual_tokens": Range(1), "peft.adapter_len": Range(1), "peft.adapter_layers": Range(1),
 }
 MAY_BE_EMPTY = {"data.list_sep"}  # text keys where "" means something (join list cells with nothing)
 
@@ -172,23 +173,34 @@ def _validate_format(d) -> None:
 
 def _validate_adapters(cfg) -> None:
     p, fr, m = cfg.peft, cfg.freeze, cfg.model
-    if p.method == "lora" and (fr.trainable_blocks is not None or fr.head_only or fr.embeddings):
-        raise UserError("freeze.* does not combine with peft.method=lora (LoRA already freezes the base); "
-                        "drop one of them")
+    _check_method_keys(p)
+    if p.method != "none" and (fr.trainable_blocks is not None or fr.head_only or fr.embeddings):
+        raise UserError(f"freeze.* does not combine with peft.method={p.method} (the method already freezes the "
+                        "base); drop one of them")
     if fr.head_only and fr.trainable_blocks is not None:
         raise UserError("freeze.head_only and freeze.trainable_blocks exclude each other; set only one")
-    if p.method == "lora" and (p.r < 1 or p.alpha <= 0 or not 0 <= p.dropout < 1):
-        raise UserError(f"LoRA needs peft.r >= 1, peft.alpha > 0 and 0 <= peft.dropout < 1; got r={p.r}, "
-                        f"alpha={p.alpha}, dropout={p.dropout}")
+    if p.virtual_tokens and cfg.data.masks_documents:
+        # the learned tokens sit before the first document only; restarting positions hide them from the rest
+        raise UserError(f"peft.method={p.method} puts learned tokens before each sequence, which the document mask "
+                        "would hide from every document but the first; set data.document_mask=false (and "
+                        "data.padding_free=false), or use peft.method=lora")
     if p.quantize != "none":
-        if p.method != "lora":
-            raise UserError("peft.quantize=4bit trains LoRA adapters on a frozen 4-bit base; set peft.method=lora")
         if cfg.device == "cpu":
             raise UserError("peft.quantize=4bit (QLoRA) needs a CUDA GPU and bitsandbytes; "
                             "on this machine use peft.quantize=none (plain LoRA)")
         if m.name_or_path is None or m.random_init:
             raise UserError("peft.quantize=4bit quantizes pretrained weights; set model.name_or_path and "
                             "model.random_init=false")
+
+
+def _check_method_keys(p) -> None:
+    """A method-specific key set away from its default for a method that does not take it (peft.r
+    with ia3, peft.num_virtual_tokens with lora): one line naming the methods that take it."""
+    defaults = type(p)()
+    for key, methods in p.METHOD_KEYS.items():
+        if getattr(p, key) != getattr(defaults, key) and p.method not in methods:
+            raise UserError(f"peft.{key} is a setting of peft.method={'/'.join(methods)}, not of "
+                            f"peft.method={p.method}; drop peft.{key}, or choose one of those methods")
 
 
 def _validate_memory_savers(cfg) -> None:

@@ -105,6 +105,8 @@ def adapt(model, peft: PeftConfig, freeze_cfg: FreezeConfig, block_cls: type, se
     (possibly wrapped) model."""
     if peft.method == "lora":
         return add_lora(model, peft, model.config.model_type, seed)
+    if peft.method != "none":
+        raise UserError(f"peft.method={peft.method} is not built yet; use peft.method=lora")
     freeze(model, freeze_cfg, block_cls)
     return model
 
