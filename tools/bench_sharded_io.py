@@ -4,6 +4,7 @@ checkpoint.sharded_final). Numbers for BENCHMARKS.md, not a test.
 
     python tools/bench_sharded_io.py make FOLDER            # GPT-2 (124M) shape, random, fp32
     torchrun --standalone --nproc_per_node=N tools/bench_sharded_io.py run FOLDER OUT {rank0,sharded}
+    python tools/bench_sharded_io.py same FINAL_A FINAL_B   # the two folders' tensors bitwise equal
 """
 
 from __future__ import annotations
@@ -35,6 +36,11 @@ def main() -> None:
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2")).save_pretrained(sys.argv[2])
         return
+    if sys.argv[1] == "same":
+        a, b = (AutoModelForCausalLM.from_pretrained(p).state_dict() for p in sys.argv[2:4])
+        same = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        print(json.dumps({"same": same, "tensors": len(a)}))
+        sys.exit(0 if same else 1)
     folder, out, mode = sys.argv[2:5]
     import torch.distributed as dist
 

@@ -42,15 +42,18 @@ def assert_same_folder(a, b):
 
 
 @pytest.mark.parametrize("arch,shard_size", [("gpt2", "2GB"), ("llama", "100KB")])
-def test_sharded_final_equals_the_gathered_folder(one_rank, tmp_path, arch, shard_size):
-    """GPT-2 (tied head, one file) and Llama (untied, split into several files with an index)."""
+def test_sharded_final_equals_the_gathered_folder(one_rank, tmp_path, monkeypatch, arch, shard_size):
+    """GPT-2 (tied head, one file) and Llama (untied, split into several files with an index);
+    rows written a few at a time (a chunk of 1000 bytes), each at its place in the file."""
     from shardtune.checkpoint.export import gather_full_state_dict, save_hf_folder
-    from shardtune.checkpoint.hf_sharded import SHARDS, save_final_sharded
+    from shardtune.checkpoint.hf_sharded import save_final_sharded
+    from shardtune.model import hf_sharded_io
+
+    monkeypatch.setattr(hf_sharded_io, "WRITE_CHUNK", 1000)
 
     model, config = sharded_model(arch, one_rank)
     save_hf_folder(gather_full_state_dict(model), config, None, tmp_path / "gathered", shard_size)
     assert save_final_sharded(model, config, None, tmp_path / "sharded", shard_size) == "sharded"
-    assert not (tmp_path / "sharded" / SHARDS).exists()
     if arch == "llama":
         assert len(list((tmp_path / "sharded").glob("model-0000*-of-0000*.safetensors"))) > 1
     assert_same_folder(tmp_path / "sharded", tmp_path / "gathered")
@@ -72,13 +75,35 @@ def test_a_failure_leaves_no_folder_that_looks_complete(one_rank, tmp_path, monk
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_full_disk_is_one_line_naming_the_file_and_leaves_no_folder(one_rank, tmp_path):
+    """final/ written the sharded way onto a disk too small for its weights (a real tmpfs): the
+    error names final/'s weights file (the CLI's one line), and nothing is left on that disk."""
+    import os
+
+    from conftest import tmpfs
+    from shardtune.checkpoint.hf_sharded import save_final_sharded
+    from shardtune.fsio import fs_failure_line
+
+    model, config = sharded_model("gpt2", one_rank)
+    with tmpfs(tmp_path / "small", "16k") as small:
+        with pytest.raises(OSError) as err:
+            save_final_sharded(model, config, None, small / "final")
+        line = fs_failure_line(err.value, "-")
+        assert line.startswith("disk full while writing " + str(small / "final" / "model.safetensors") + ";")
+        assert os.listdir(small) == []
+
+
 @pytest.mark.parametrize("arch,dtype", [("gpt2", torch.float32), ("llama", torch.bfloat16)])
-def test_sharded_load_equals_the_rank0_broadcast(one_rank, tmp_path, arch, dtype):
+def test_sharded_load_equals_the_rank0_broadcast(one_rank, tmp_path, monkeypatch, arch, dtype):
     """GPT-2 (tied head, not in the file) and Llama saved in bf16 (cast to fp32 on read, rotary
-    buffers rebuilt): every tensor and buffer equals rank 0's load + broadcast."""
+    buffers rebuilt): every tensor and buffer equals rank 0's load + broadcast; read a few rows
+    at a time (a chunk of 100 bytes)."""
     from transformers import AutoModelForCausalLM
 
+    from shardtune.model import hf_sharded_io
     from shardtune.model.hf_sharded_io import local_safetensors_folder
+
+    monkeypatch.setattr(hf_sharded_io, "READ_CHUNK", 100)
 
     _, config = sharded_model(arch, one_rank)
     torch.manual_seed(1)
@@ -154,3 +179,27 @@ def test_a_damaged_folder_falls_back_to_the_broadcast_path(one_rank, tmp_path):
     assert build_model(spec, mesh, one_rank.device, folder=tmp_path / "m").loaded == "none"
     files[0].write_bytes(files[0].read_bytes()[:100])
     assert build_model(spec, mesh, one_rank.device, folder=tmp_path / "m").loaded == "none"
+
+
+@pytest.mark.parametrize("damage", ["dtype", "shape"])
+def test_a_weight_that_cannot_be_cast_is_one_line_naming_the_file(one_rank, tmp_path, damage):
+    """A tensor stored as integers (or in another shape) under the sharded read: one line
+    naming the file and the tensor, before anything is allocated."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.errors import UserError
+
+    _, config = sharded_model("gpt2", one_rank)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "m")
+    path = tmp_path / "m" / "model.safetensors"
+    tensors = load_file(path)
+    key = "transformer.h.0.mlp.c_fc.weight"
+    tensors[key] = tensors[key].to(torch.int32) if damage == "dtype" else tensors[key][:-1]
+    save_file(tensors, path, metadata={"format": "pt"})
+    spec = ModelSpec(config)
+    with pytest.raises(UserError) as err:
+        build_model(spec, build_mesh(spec.fsdp, one_rank), one_rank.device, folder=tmp_path / "m")
+    line = str(err.value)
+    assert "\n" not in line and str(path) in line and key in line
+    assert ("int32, which cannot be cast to the model's float32" if damage == "dtype" else "with shape") in line
