@@ -127,7 +127,9 @@ def test_sharded_load_equals_the_rank0_broadcast(one_rank, tmp_path, monkeypatch
 def test_a_run_loaded_the_sharded_way_trains_like_the_broadcast_one(assets, tmp_path, capsys, monkeypatch):
     """model.sharded_load=true + checkpoint.sharded_final=true: the same per-step losses (fp32,
     exactly) and the same final/ as rank 0's load + gathered save; the start-up line says which.
-    `shardtune export` of a checkpoint (streamed, file by file) equals today's whole-model export."""
+    `shardtune export` of a checkpoint (streamed, file by file) equals today's whole-model export.
+    checkpoint.hf_format=true: from_pretrained loads a checkpoint folder, bitwise the checkpoint's
+    model, and a resume from it continues with the same losses and the same weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from conftest import losses, tiny_overrides
@@ -146,9 +148,11 @@ def test_a_run_loaded_the_sharded_way_trains_like_the_broadcast_one(assets, tmp_
         extra = {"model.name_or_path": str(tmp_path / "src"), "model.sharded_load": flag,
                  "checkpoint.sharded_final": flag, "train.max_steps": 2, "eval.max_batches": 1,
                  "eval.at_start": "false", "activation_checkpointing": "full",  # wrapped blocks: names kept
-                 "checkpoint.every_steps": 2}
+                 "checkpoint.every_steps": 1 if flag == "true" else 2, "checkpoint.hf_format": flag}
         run(load_config(None, tiny_overrides(assets, tmp_path / name, **extra), defaults={}), overwrite=True)
         runs[name] = losses(tmp_path / name)
+    resumed = {**extra, "resume": str(tmp_path / "sharded" / "checkpoints" / "step-000001")}
+    run(load_config(None, tiny_overrides(assets, tmp_path / "resumed", **resumed), defaults={}))
     out = capsys.readouterr().out
     assert "weights: sharded" in out and "weights: rank 0" in out and "(sharded)" in out
     assert len(runs["sharded"]) == 2 and runs["sharded"] == runs["broadcast"]
@@ -163,6 +167,15 @@ def test_a_run_loaded_the_sharded_way_trains_like_the_broadcast_one(assets, tmp_
     model, tokenizer, _ = load_plain_model(find_latest(tmp_path / "sharded" / "checkpoints"))
     save_hf_folder(model.state_dict(), model.config, tokenizer, tmp_path / "gathered", "100KB")  # today's export
     assert_same_folder(tmp_path / "exported", tmp_path / "gathered")
+    # checkpoint.hf_format: the checkpoint folder is a model; the resumed run ends on the same one
+    assert losses(tmp_path / "resumed") == runs["sharded"][1:]
+    step2 = find_latest(tmp_path / "sharded" / "checkpoints")
+    in_hf, again = (AutoModelForCausalLM.from_pretrained(p).state_dict()
+                    for p in (step2, tmp_path / "resumed" / "checkpoints" / step2.name))
+    ref = model.state_dict()
+    assert in_hf.keys() == ref.keys() and all(torch.equal(in_hf[k], ref[k]) and torch.equal(again[k], ref[k])
+                                              for k in ref)
+    assert not list((tmp_path / "broadcast" / "checkpoints" / step2.name).glob("*.safetensors"))
 
 
 def test_a_damaged_folder_falls_back_to_the_broadcast_path(one_rank, tmp_path):
@@ -203,3 +216,17 @@ def test_a_weight_that_cannot_be_cast_is_one_line_naming_the_file(one_rank, tmp_
     line = str(err.value)
     assert "\n" not in line and str(path) in line and key in line
     assert ("int32, which cannot be cast to the model's float32" if damage == "dtype" else "with shape") in line
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["peft.method=lora", "checkpoint.every_steps=1"], "with peft.method=lora a checkpoint's model is an adapter"),
+    ([], "applies to checkpoints, but none are saved; set checkpoint.every_steps=N"),
+])
+def test_hf_format_checkpoints_are_refused_where_they_cannot_be(overrides, needle):
+    import re
+
+    from shardtune.config.load import load_config
+    from shardtune.errors import UserError
+
+    with pytest.raises(UserError, match=re.escape(needle)):
+        load_config(None, ["model.config={model_type: gpt2}", "data.path=x", "checkpoint.hf_format=true", *overrides])

@@ -220,10 +220,25 @@ def set_rng_state(state: dict) -> None:
 class ModelOptimizerState:
     """The sharded model and its optimizer as one state object for DCP (every rank writes and
     reads only its shards). On load the optimizer's moments and step counts come from the
-    checkpoint, its hyperparameters from the current config (they may change on resume)."""
+    checkpoint, its hyperparameters from the current config (they may change on resume).
+    With `hf_config` (checkpoint.hf_format), `save_hf` also writes the model's weights into the
+    checkpoint folder as Hugging Face safetensors, by every rank (checkpoint.hf_sharded)."""
 
-    def __init__(self, model, optimizer):
-        self.model, self.optimizer = model, optimizer
+    def __init__(self, model, optimizer, hf_config=None):
+        self.model, self.optimizer, self.hf_config = model, optimizer, hf_config
+        if hf_config is not None:
+            from shardtune.checkpoint.hf_sharded import hf_writable
+
+            if not hf_writable(model, hf_config):  # refused now, not at the first checkpoint
+                raise UserError(f"checkpoint.hf_format=true cannot write this {hf_config.model_type!r} model in place: "
+                                "transformers renames its weights on save; set checkpoint.hf_format=false and "
+                                "use `shardtune export` on a checkpoint")
+
+    def save_hf(self, folder: Path) -> None:
+        """Collective: the model's weights (+ index) into `folder`, as save_pretrained lays them out."""
+        from shardtune.checkpoint.hf_sharded import save_hf_sharded
+
+        save_hf_sharded(self.model, self.hf_config, None, folder)
 
     def state_dict(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -288,6 +303,9 @@ class Checkpointer:
             meta = self._meta(step)  # now: an async save is written while training moves on
             tensors = self.tensors.state_dict()
             self.size = tensor_bytes(tensors) * self.world_size  # FSDP shards evenly
+            if self.cfg.hf_format:  # the model once more, beside the DCP files: from_pretrained loads the folder
+                self.size += tensor_bytes(tensors["model"]) * self.world_size
+                self.tensors.save_hf(tmp)
             if self.pg is not None:
                 future = dcp.async_save(tensors, checkpoint_id=tmp, process_group=self.pg)
                 self.pending = (future, tmp, meta)

@@ -54,6 +54,14 @@ def _writable(state_dict: dict) -> bool:
     return all(ok(t) for t in state_dict.values())
 
 
+def hf_writable(model, hf_config) -> bool:
+    """Whether save_hf_sharded can write `model` (keys kept on save, placements, dtypes)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    state_dict = get_model_state_dict(model)
+    return _writable(state_dict) and hf_file_plan(hf_config, state_dict, "2GB") is not None
+
+
 def save_hf_sharded(model, hf_config, tokenizer, out: Path, max_shard_size: str = "2GB") -> bool:
     """Collective: every rank writes its part of `model` (FSDP2-sharded) into `out` (the same
     path on every rank, an existing empty folder). Returns False, having written nothing, when

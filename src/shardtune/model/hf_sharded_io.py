@@ -230,7 +230,8 @@ def _write_index(out: Path, shell, file_of: dict[str, str]) -> None:
         return
     sizes = dict(shell.state_dict())
     total = sum(sizes[k].numel() * sizes[k].element_size() for k in file_of)
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(file_of.items()))}
+    count = sum(sizes[k].numel() for k in file_of)
+    index = {"metadata": {"total_parameters": count, "total_size": total}, "weight_map": dict(sorted(file_of.items()))}
     (out / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
