@@ -179,8 +179,9 @@ def test_a_run_loaded_the_sharded_way_trains_like_the_broadcast_one(assets, tmp_
 
 
 def test_a_damaged_folder_falls_back_to_the_broadcast_path(one_rank, tmp_path):
-    """A truncated shard or one the index names but that is gone: no sharded read (the rank-0
-    load then reports the file in one line, as before)."""
+    """A truncated shard, one the index names but that is gone, or a stray safetensors file
+    beside the indexed ones: no sharded read (the rank-0 load then reports a damaged file in one
+    line, as before, and ignores a stray one as from_pretrained does)."""
     from transformers import AutoModelForCausalLM
 
     _, config = sharded_model("llama", one_rank)
@@ -188,6 +189,11 @@ def test_a_damaged_folder_falls_back_to_the_broadcast_path(one_rank, tmp_path):
     files = sorted((tmp_path / "m").glob("model-*.safetensors"))
     spec = ModelSpec(config)
     mesh = build_mesh(spec.fsdp, one_rank)
+    stray = tmp_path / "m" / "model-old.safetensors"  # not in the index: from_pretrained ignores it
+    stray.write_bytes(files[0].read_bytes())
+    assert build_model(spec, mesh, one_rank.device, folder=tmp_path / "m").loaded == "none"
+    stray.unlink()
+    assert build_model(spec, mesh, one_rank.device, folder=tmp_path / "m").loaded == "sharded"
     files[-1].unlink()
     assert build_model(spec, mesh, one_rank.device, folder=tmp_path / "m").loaded == "none"
     files[0].write_bytes(files[0].read_bytes()[:100])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import struct
 from pathlib import Path
@@ -88,7 +89,7 @@ def _chunked_reader(folder: Path):
                 target = planner.resolve_tensor(req).detach()
                 spans = [slice(o, o + n) for o, n in zip(req.storage_offsets, req.lengths)]
                 rows = req.lengths[0] if spans else 1
-                row_bytes = max(1, target[0].numel() if spans else 1) * where.dtype.itemsize
+                row_bytes = max(1, math.prod(req.lengths[1:])) * where.dtype.itemsize
                 step = max(1, READ_CHUNK // row_bytes)
                 for a in range(0, rows, step):
                     b = min(rows, a + step)
@@ -103,6 +104,19 @@ def _chunked_reader(folder: Path):
             return done
 
     return ChunkedReader(str(folder))
+
+
+def _only_weight_files(folder: Path) -> bool:
+    """The folder's safetensors are exactly the model's weight files (DCP's reader reads every
+    *.safetensors it finds; a stray file beside them, which from_pretrained would ignore, must not
+    be read as weights): those its index names, or model.safetensors alone."""
+    present = {p.name for p in folder.glob("*.safetensors")}
+    try:
+        named = set(json.loads((folder / INDEX).read_text())["weight_map"].values()) \
+            if (folder / INDEX).is_file() else {SINGLE}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # the broadcast path names the damage
+        return False
+    return present == named
 
 
 def _check_castable(params: dict, stored) -> None:
@@ -126,10 +140,12 @@ def _check_castable(params: dict, stored) -> None:
 def load_hf_sharded(model, hf_config, folder: Path, device, trust_remote_code: bool = False) -> bool:
     """Collective: give the sharded meta `model` storage on `device` and read each rank's slices
     from `folder`. False (nothing changed) when the folder's keys are not the model's (a shard
-    named by the index but missing, key renames) or a file's header cannot be read."""
+    named by the index but missing, a stray file, key renames) or a file's header cannot be read."""
     from torch.distributed.checkpoint import load
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+    if not _only_weight_files(folder):
+        return False
     reader = _chunked_reader(folder)
     try:
         stored = reader.read_metadata()
