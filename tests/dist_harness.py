@@ -21,7 +21,7 @@ def check_loading(folder: str) -> float:
     from transformers import AutoModelForCausalLM
 
     from shardtune.checkpoint.export import gather_full_state_dict
-    from shardtune.checkpoint.hf_sharded import save_final_sharded
+    from shardtune.checkpoint.final import save_final_sharded
     from shardtune.config.schema import FSDPConfig, ModelConfig
     from shardtune.distributed.fsdp import build_mesh
     from shardtune.model.build import ModelSpec, build_model

@@ -46,7 +46,7 @@ def main() -> None:
     import torch.distributed as dist
 
     from shardtune.checkpoint.export import gather_full_state_dict, save_hf_folder
-    from shardtune.checkpoint.hf_sharded import save_final_sharded
+    from shardtune.checkpoint.final import save_final_sharded
     from shardtune.config.schema import FSDPConfig, ModelConfig
     from shardtune.distributed.fsdp import build_mesh
     from shardtune.distributed.process_group import init_distributed

@@ -46,7 +46,7 @@ def test_sharded_final_equals_the_gathered_folder(one_rank, tmp_path, monkeypatc
     """GPT-2 (tied head, one file) and Llama (untied, split into several files with an index);
     rows written a few at a time (a chunk of 1000 bytes), each at its place in the file."""
     from shardtune.checkpoint.export import gather_full_state_dict, save_hf_folder
-    from shardtune.checkpoint.hf_sharded import save_final_sharded
+    from shardtune.checkpoint.final import save_final_sharded
     from shardtune.model import hf_sharded_io
 
     monkeypatch.setattr(hf_sharded_io, "WRITE_CHUNK", 1000)
@@ -61,7 +61,7 @@ def test_sharded_final_equals_the_gathered_folder(one_rank, tmp_path, monkeypatc
 
 
 def test_a_failure_leaves_no_folder_that_looks_complete(one_rank, tmp_path, monkeypatch):
-    from shardtune.checkpoint import hf_sharded
+    from shardtune.checkpoint.final import save_final_sharded
     from shardtune.model import hf_sharded_io
 
     model, config = sharded_model("gpt2", one_rank)
@@ -71,7 +71,7 @@ def test_a_failure_leaves_no_folder_that_looks_complete(one_rank, tmp_path, monk
 
     monkeypatch.setattr(hf_sharded_io, "_write_configs", fail)  # rank 0's last writes fail
     with pytest.raises(OSError):
-        hf_sharded.save_final_sharded(model, config, None, tmp_path / "final")
+        save_final_sharded(model, config, None, tmp_path / "final")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -81,7 +81,7 @@ def test_a_full_disk_is_one_line_naming_the_file_and_leaves_no_folder(one_rank, 
     import os
 
     from conftest import tmpfs
-    from shardtune.checkpoint.hf_sharded import save_final_sharded
+    from shardtune.checkpoint.final import save_final_sharded
     from shardtune.fsio import fs_failure_line
 
     model, config = sharded_model("gpt2", one_rank)
@@ -236,3 +236,23 @@ def test_hf_format_checkpoints_are_refused_where_they_cannot_be(overrides, needl
 
     with pytest.raises(UserError, match=re.escape(needle)):
         load_config(None, ["model.config={model_type: gpt2}", "data.path=x", "checkpoint.hf_format=true", *overrides])
+
+
+def test_hf_format_refuses_a_model_whose_weights_transformers_renames_on_save(one_rank):
+    """Mixtral's experts are stored under other names than its modules': refused when the run
+    starts (one line), not at its first checkpoint; a GPT-2 passes."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from shardtune.checkpoint.dcp import ModelOptimizerState
+    from shardtune.errors import UserError
+
+    config = AutoConfig.for_model("mixtral", num_hidden_layers=1, hidden_size=32, intermediate_size=64,
+                                  num_attention_heads=2, num_key_value_heads=2, vocab_size=100, num_local_experts=2,
+                                  num_experts_per_tok=1)
+    plain = AutoModelForCausalLM.from_config(config)
+    spec = ModelSpec(config)
+    model = build_model(spec, build_mesh(spec.fsdp, one_rank), one_rank.device, source=lambda: plain).model
+    with pytest.raises(UserError, match="transformers renames its weights on save; set checkpoint.hf_format=false"):
+        ModelOptimizerState(model, None, config)
+    gpt2, gpt2_config = sharded_model("gpt2", one_rank)
+    ModelOptimizerState(gpt2, None, gpt2_config)

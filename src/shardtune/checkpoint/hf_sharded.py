@@ -11,7 +11,6 @@ The output folder must be on a file system that every rank sees (shared across n
 
 from __future__ import annotations
 
-import contextlib
 import os
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from shardtune.model.hf_sharded_io import (
     create_safetensors,
     file_layout,
     hf_file_plan,
+    naming,
     write_index_and_configs,
     write_rows,
 )
@@ -83,7 +83,8 @@ def save_hf_sharded(model, hf_config, tokenizer, out: Path, max_shard_size: str 
 
 
 def _fill(path: Path, offsets: dict[str, int], state_dict: dict) -> None:
-    """This rank's rows of every tensor in the file, each at its place."""
+    """This rank's rows of every tensor in the file, each at its place, on disk before the folder
+    is published (as DCP syncs a checkpoint's files before its meta.json marks it complete)."""
     fd = os.open(path, os.O_WRONLY)
     try:
         for key, at in offsets.items():
@@ -91,6 +92,8 @@ def _fill(path: Path, offsets: dict[str, int], state_dict: dict) -> None:
                 first, rows = mine
                 row_bytes = rows[0].numel() * rows.element_size() if rows.dim() and len(rows) else 0
                 write_rows(fd, path, at + first * row_bytes, rows)
+        with naming(path):
+            os.fsync(fd)
     finally:
         os.close(fd)
 
@@ -124,46 +127,3 @@ def _told(error: BaseException | None):
     if isinstance(error, OSError) and error.errno is not None:
         return ("os", error.errno, error.strerror, error.filename)
     return ("other", f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
-
-
-@contextlib.contextmanager
-def shared_atomic_dir(final: Path):
-    """`fsio.atomic_dir` for a folder every rank writes into: rank 0 owns the temporary sibling
-    and publishes it only when every rank got through the block; any failure removes it."""
-    from shardtune.fsio import atomic_dir
-
-    main = dist.get_rank() == 0
-    box: list = [None]
-    if main:
-        ctx = atomic_dir(final, replace=True)
-        try:
-            box = [str(ctx.__enter__())]
-        finally:
-            dist.broadcast_object_list(box, src=0)  # None tells the others rank 0 could not start
-    else:
-        dist.broadcast_object_list(box, src=0)
-        if box[0] is None:
-            raise RuntimeError(f"rank 0 could not create the folder for {final}")
-    try:
-        yield Path(box[0])
-        dist.barrier()  # every rank finished writing
-    except BaseException as exc:
-        if main:
-            ctx.__exit__(type(exc), exc, exc.__traceback__)
-        raise
-    if main:
-        ctx.__exit__(None, None, None)
-
-
-def save_final_sharded(model, hf_config, tokenizer, folder: Path, max_shard_size: str = "2GB") -> str:
-    """Collective: `folder` written by every rank (atomically); a model whose keys transformers
-    renames on save is gathered to rank 0 instead. Returns which path wrote it."""
-    from shardtune.checkpoint.export import gather_full_state_dict, save_hf_folder
-
-    with shared_atomic_dir(folder) as tmp:
-        if save_hf_sharded(model, hf_config, tokenizer, tmp, max_shard_size):
-            return "sharded"
-        full = gather_full_state_dict(model)
-        if dist.get_rank() == 0:
-            save_hf_folder(full, hf_config, tokenizer, tmp, max_shard_size)
-    return "gathered"
