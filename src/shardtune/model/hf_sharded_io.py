@@ -1,5 +1,6 @@
-"""Hugging Face safetensors read by every rank for its own shards (issue 22), and the file
-layout `save_pretrained` gives a state dict (shared with checkpoint.hf_sharded, the writer).
+"""Hugging Face safetensors read by every rank for its own shards (issue 22), the file layout
+`save_pretrained` gives a state dict, and safetensors files written tensor by tensor at known
+offsets (`file_layout`, `write_rows`: checkpoint.hf_sharded's writer, and export's).
 
 `load_hf_sharded` fills an FSDP2-sharded meta model through DCP's `HuggingFaceStorageReader`:
 each rank reads only the slices it owns, cast to the parameters' dtype on the way in, a chunk
