@@ -128,8 +128,9 @@ def test_a_run_loaded_the_sharded_way_trains_like_the_broadcast_one(assets, tmp_
     """model.sharded_load=true + checkpoint.sharded_final=true: the same per-step losses (fp32,
     exactly) and the same final/ as rank 0's load + gathered save; the start-up line says which.
     `shardtune export` of a checkpoint (streamed, file by file) equals today's whole-model export.
-    checkpoint.hf_format=true: from_pretrained loads a checkpoint folder, bitwise the checkpoint's
-    model, and a resume from it continues with the same losses and the same weights."""
+    checkpoint.hf_format=true: the checkpoint's model in safetensors only; from_pretrained loads
+    the folder, bitwise the broadcast run's checkpoint; export reads it; a resume from it (model
+    from safetensors, optimizer from DCP) continues with the same losses and the same weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from conftest import losses, tiny_overrides
@@ -164,12 +165,18 @@ def test_a_run_loaded_the_sharded_way_trains_like_the_broadcast_one(assets, tmp_
         m.setattr(loading, "load_plain_model", None)
         export_checkpoint(str(tmp_path / "sharded"), tmp_path / "exported", max_shard_size="100KB")
     assert len(list((tmp_path / "exported").glob("model-*-of-*.safetensors"))) > 1
-    model, tokenizer, _ = load_plain_model(find_latest(tmp_path / "sharded" / "checkpoints"))
-    save_hf_folder(model.state_dict(), model.config, tokenizer, tmp_path / "gathered", "100KB")  # today's export
+    # today's export, of the broadcast run's checkpoint (all DCP): the same weights
+    model, tokenizer, _ = load_plain_model(find_latest(tmp_path / "broadcast" / "checkpoints"))
+    save_hf_folder(model.state_dict(), model.config, tokenizer, tmp_path / "gathered", "100KB")
     assert_same_folder(tmp_path / "exported", tmp_path / "gathered")
-    # checkpoint.hf_format: the checkpoint folder is a model; the resumed run ends on the same one
-    assert losses(tmp_path / "resumed") == runs["sharded"][1:]
+    # checkpoint.hf_format: the model only in safetensors (DCP holds the rest), the folder loads
+    # in transformers, and the run resumed from step 1 ends on the same weights
+    from torch.distributed.checkpoint import FileSystemReader
+
     step2 = find_latest(tmp_path / "sharded" / "checkpoints")
+    in_dcp = FileSystemReader(str(step2)).read_metadata().state_dict_metadata
+    assert in_dcp and not [k for k in in_dcp if k.startswith("model.")]
+    assert losses(tmp_path / "resumed") == runs["sharded"][1:]
     in_hf, again = (AutoModelForCausalLM.from_pretrained(p).state_dict()
                     for p in (step2, tmp_path / "resumed" / "checkpoints" / step2.name))
     ref = model.state_dict()

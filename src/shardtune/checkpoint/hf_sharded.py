@@ -12,6 +12,7 @@ The output folder must be on a file system that every rank sees (shared across n
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -54,12 +55,18 @@ def _writable(state_dict: dict) -> bool:
     return all(ok(t) for t in state_dict.values())
 
 
-def hf_writable(model, hf_config) -> bool:
-    """Whether save_hf_sharded can write `model` (keys kept on save, placements, dtypes)."""
+def require_hf_writable(model, hf_config) -> None:
+    """checkpoint.hf_format: save_hf_sharded must be able to write `model` (keys kept on save,
+    placements, dtypes), else one line."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+    from shardtune.errors import UserError
+
     state_dict = get_model_state_dict(model)
-    return _writable(state_dict) and hf_file_plan(hf_config, state_dict, "2GB") is not None
+    if not _writable(state_dict) or hf_file_plan(hf_config, state_dict, "2GB") is None:
+        raise UserError(f"checkpoint.hf_format=true cannot write this {hf_config.model_type!r} model in place: "
+                        "transformers renames its weights on save; set checkpoint.hf_format=false and use "
+                        "`shardtune export` on a checkpoint")
 
 
 def save_hf_sharded(model, hf_config, tokenizer, out: Path, max_shard_size: str = "2GB") -> bool:
@@ -96,6 +103,29 @@ def _fill(path: Path, offsets: dict[str, int], state_dict: dict) -> None:
             os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def read_model_part(model_state: dict, folder: Path, no_dist: bool) -> None:
+    """A checkpoint's model written by save_hf_sharded (checkpoint.hf_format) into `model_state`,
+    the state dict a DCP load of its "model" part would fill; a key the files lack must be a tied
+    copy of one they hold (the head of a tied model, written once)."""
+    from shardtune.errors import UserError
+    from shardtune.model.hf_sharded_io import read_safetensors_into
+
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        lacking = read_safetensors_into(model_state, folder, no_dist)
+    held = {_storage(v) for k, v in model_state.items() if k not in lacking}
+    untied = sorted(k for k in lacking if _storage(model_state[k]) not in held)
+    if untied:
+        raise UserError(f"checkpoint {str(folder)!r} lacks {untied[0]} in its safetensors files; it is damaged: "
+                        "use another checkpoint")
+
+
+def _storage(t) -> int:
+    from torch.distributed.tensor import DTensor
+
+    return (t.to_local() if isinstance(t, DTensor) else t).untyped_storage().data_ptr()
 
 
 def together(step) -> None:

@@ -171,7 +171,7 @@ class CheckpointConfig:
     keep_last: int = 2  # complete checkpoints kept in output_dir/checkpoints (0: keep all)
     async_save: bool = False  # YAML key `async` works too: train on while the files are written
     sharded_final: bool = False  # final/ written by every rank (its own rows, in place, in HF's layout; no full copy on any rank); output_dir must be shared by all nodes
-    hf_format: bool = False  # each checkpoint's model also as HF safetensors in its folder (from_pretrained loads checkpoints/step-N; written by every rank); the DCP files stay for resume
+    hf_format: bool = False  # each checkpoint's model as HF safetensors in its folder (from_pretrained loads checkpoints/step-N; written by every rank); the optimizer stays in DCP beside it
 
     KEY_ALIASES: typing.ClassVar[dict] = {"async": "async_save"}  # `async` is a Python keyword
 

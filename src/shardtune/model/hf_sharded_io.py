@@ -128,6 +128,8 @@ def _check_castable(params: dict, stored) -> None:
 
     where = {index.fqn: info.relative_path for index, info in stored.storage_data.items()}
     for key, meta in sorted(stored.state_dict_metadata.items()):
+        if key not in params:  # a part of the model is being read (export: one output file)
+            continue
         want, have = params[key], meta.properties.dtype
         castable = have == want.dtype or (have.is_floating_point and want.dtype.is_floating_point)
         problem = (f"holds {key} as {str(have).removeprefix('torch.')}, which cannot be cast to the model's "
@@ -136,6 +138,29 @@ def _check_castable(params: dict, stored) -> None:
             if tuple(meta.size) != tuple(want.shape) else None
         if problem:
             raise UserError(f"weights file {where[key]!r} {problem}; re-download or re-export the model")
+
+
+def read_safetensors_into(state: dict, folder: Path, no_dist: bool = False) -> set[str]:
+    """Fill `state` (plain tensors in one process, or DTensors: collective) from the folder's
+    safetensors by key, cast, a chunk of rows at a time; returns the keys of `state` that the
+    files lack (tied copies the caller expects). Raises UserError naming a file that is missing
+    from the index, damaged, or holds a tensor that cannot be cast."""
+    from torch.distributed.checkpoint import load
+
+    from shardtune.errors import UserError, first_line
+
+    if not _only_weight_files(folder):
+        raise UserError(f"{str(folder)!r} lacks weight files its {INDEX} names, or holds others; restore the folder")
+    reader = _chunked_reader(folder)
+    try:
+        stored = reader.read_metadata()
+    except Exception as exc:  # safetensors' own errors for a truncated or damaged file
+        raise UserError(f"a weights file in {str(folder)!r} is truncated or damaged ({first_line(exc, 100)}); "
+                        "restore the folder") from None
+    present = {k: v for k, v in state.items() if k in stored.state_dict_metadata}
+    _check_castable(present, stored)
+    load(present, storage_reader=reader, no_dist=no_dist)
+    return set(state) - set(present)
 
 
 def load_hf_sharded(model, hf_config, folder: Path, device, trust_remote_code: bool = False) -> bool:
