@@ -263,3 +263,30 @@ def test_hf_format_refuses_a_model_whose_weights_transformers_renames_on_save(on
         ModelOptimizerState(model, None, config)
     gpt2, gpt2_config = sharded_model("gpt2", one_rank)
     ModelOptimizerState(gpt2, None, gpt2_config)
+
+
+@pytest.mark.parametrize("other", [("os", 28, "No space left on device", "/x/final/model.safetensors"),
+                                   ("user", "weights file '/m/a.safetensors' holds w as int32"),
+                                   ("other", "ValueError: odd")])
+def test_a_failure_on_another_rank_is_raised_here_as_the_same_one_line(one_rank, monkeypatch, other):
+    """Rank 0 prints the error line: when rank 1's write failed, rank 0 raises the same disk error
+    (naming the file) or UserError, else a line naming rank 1 and its error."""
+    import torch.distributed as dist
+
+    from shardtune.checkpoint.hf_sharded import together
+    from shardtune.errors import UserError
+    from shardtune.fsio import fs_failure_line
+
+    def gather(seen, mine):
+        seen[:] = [mine, other]
+
+    monkeypatch.setattr(dist, "get_world_size", lambda *a: 2)
+    monkeypatch.setattr(dist, "all_gather_object", gather)
+    with pytest.raises((OSError, UserError, RuntimeError)) as err:
+        together(lambda: None)
+    if other[0] == "os":
+        assert fs_failure_line(err.value, "-").startswith("disk full while writing /x/final/model.safetensors;")
+    elif other[0] == "user":
+        assert isinstance(err.value, UserError) and str(err.value) == other[1]
+    else:
+        assert str(err.value) == "rank 1 failed writing its part of the model folder (ValueError: odd)"

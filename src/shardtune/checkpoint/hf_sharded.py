@@ -18,12 +18,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from shardtune.errors import UserError
 from shardtune.model.hf_sharded_io import (
     SAFETENSORS_DTYPES,
     create_safetensors,
     file_layout,
     hf_file_plan,
     naming,
+    read_safetensors_into,
     write_index_and_configs,
     write_rows,
 )
@@ -59,8 +61,6 @@ def require_hf_writable(model, hf_config) -> None:
     """checkpoint.hf_format: save_hf_sharded must be able to write `model` (keys kept on save,
     placements, dtypes), else one line."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    from shardtune.errors import UserError
 
     state_dict = get_model_state_dict(model)
     if not _writable(state_dict) or hf_file_plan(hf_config, state_dict, "2GB") is None:
@@ -109,9 +109,6 @@ def read_model_part(model_state: dict, folder: Path, no_dist: bool) -> None:
     """A checkpoint's model written by save_hf_sharded (checkpoint.hf_format) into `model_state`,
     the state dict a DCP load of its "model" part would fill; a key the files lack must be a tied
     copy of one they hold (the head of a tied model, written once)."""
-    from shardtune.errors import UserError
-    from shardtune.model.hf_sharded_io import read_safetensors_into
-
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
         lacking = read_safetensors_into(model_state, folder, no_dist)
@@ -131,8 +128,8 @@ def _storage(t) -> int:
 def together(step) -> None:
     """Collective: run `step` on every rank; if it fails on any, it fails on all instead of
     leaving them waiting: the failing rank raises its own error, the others the same filesystem
-    error (so rank 0 prints the one line that names the file, whichever rank hit it) or a line
-    naming the rank and its error."""
+    error or UserError (so rank 0 prints the one line, whichever rank hit it), else a line naming
+    the rank and its error."""
     error = None
     try:
         step()
@@ -147,6 +144,8 @@ def together(step) -> None:
         return
     if told[0] == "os":
         raise OSError(*told[1:])
+    if told[0] == "user":
+        raise UserError(told[1])
     raise RuntimeError(f"rank {rank} failed writing its part of the model folder ({told[1]})")
 
 
@@ -156,4 +155,6 @@ def _told(error: BaseException | None):
         return None
     if isinstance(error, OSError) and error.errno is not None:
         return ("os", error.errno, error.strerror, error.filename)
+    if isinstance(error, UserError):
+        return ("user", str(error))
     return ("other", f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
