@@ -138,6 +138,7 @@ def test_a_run_loaded_the_sharded_way_trains_like_the_broadcast_one(assets, tmp_
     from shardtune.checkpoint.export import export_checkpoint, save_hf_folder
     from shardtune.checkpoint.loading import load_plain_model
     from shardtune.config.load import load_config
+    from shardtune.errors import UserError
     from shardtune.train.trainer import run
 
     cfg = dict(TINY["gpt2"])
@@ -183,6 +184,10 @@ def test_a_run_loaded_the_sharded_way_trains_like_the_broadcast_one(assets, tmp_
     assert in_hf.keys() == ref.keys() and all(torch.equal(in_hf[k], ref[k]) and torch.equal(again[k], ref[k])
                                               for k in ref)
     assert not list((tmp_path / "broadcast" / "checkpoints" / step2.name).glob("*.safetensors"))
+    weights = step2 / "model.safetensors"  # truncated on disk: one line naming it
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(UserError, match=f"weights file '{weights}' is truncated or damaged"):
+        load_plain_model(step2)
 
 
 def test_a_damaged_folder_falls_back_to_the_broadcast_path(one_rank, tmp_path):

@@ -120,6 +120,16 @@ def _only_weight_files(folder: Path) -> bool:
     return present == named
 
 
+def _opens(path: Path) -> bool:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt"):
+            return True
+    except Exception:  # SafetensorError, OSError
+        return False
+
+
 def _check_castable(params: dict, stored) -> None:
     """Every tensor in the files has its parameter's shape and a dtype the read can cast to the
     parameter's (floating point into floating point, else the same): else one line naming the
@@ -154,9 +164,10 @@ def read_safetensors_into(state: dict, folder: Path, no_dist: bool = False) -> s
     reader = _chunked_reader(folder)
     try:
         stored = reader.read_metadata()
-    except Exception as exc:  # safetensors' own errors for a truncated or damaged file
-        raise UserError(f"a weights file in {str(folder)!r} is truncated or damaged ({first_line(exc, 100)}); "
-                        "restore the folder") from None
+    except Exception as exc:  # safetensors' own errors for a truncated or damaged file: which one
+        bad = next((p for p in sorted(folder.glob("*.safetensors")) if not _opens(p)), folder)
+        raise UserError(f"weights file {str(bad)!r} is truncated or damaged ({first_line(exc, 100)}); "
+                        "restore it, or use another checkpoint") from None
     present = {k: v for k, v in state.items() if k in stored.state_dict_metadata}
     _check_castable(present, stored)
     load(present, storage_reader=reader, no_dist=no_dist)
