@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -157,3 +158,17 @@ def check_a_nonfinite_update_is_skipped(trainer, monkeypatch) -> None:
         assert any(not torch.equal(p.full_tensor(), weights[n]) for n, p in trainer.model.named_parameters())
     finally:
         prefetcher.close()
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str):
+    """A small tmpfs at `path`, or a skip where this machine does not allow mounting."""
+    path.mkdir(exist_ok=True)
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True, text=True)
+    if proc.returncode:
+        pytest.skip(f"cannot mount a tmpfs here ({proc.stderr.strip() or proc.returncode})")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)

@@ -21,7 +21,7 @@ def check_loading(folder: str) -> float:
     from transformers import AutoModelForCausalLM
 
     from shardtune.checkpoint.export import gather_full_state_dict
-    from shardtune.checkpoint.hf_sharded import save_final_sharded
+    from shardtune.checkpoint.final import save_final_sharded
     from shardtune.config.schema import FSDPConfig, ModelConfig
     from shardtune.distributed.fsdp import build_mesh
     from shardtune.model.build import ModelSpec, build_model
@@ -65,7 +65,8 @@ def main() -> None:
     for folder in spec.get("load", []):
         result["loading"][folder] = check_loading(folder)
     for i, overrides in enumerate(spec.get("jobs", [])):
-        trainer = Trainer(load_config(None, overrides, defaults={}), overwrite=True)
+        resuming = any(o.startswith("resume=") for o in overrides)  # into a new folder: nothing to overwrite
+        trainer = Trainer(load_config(None, overrides, defaults={}), overwrite=not resuming)
         trainer.fit()
         if i == 0 and spec.get("export"):
             probe = torch.arange(32).reshape(2, 16) % 200

@@ -117,7 +117,7 @@ def test_two_ranks_match_one_process_for_every_sharding(assets, baseline, baseli
     and document-masked packing, and Mixtral with its router loss (accumulation 2 against 4);
     a locally saved GPT-2 and Llama load on 2 ranks exactly (rank 0's broadcast and model.sharded_load)
     and, written back by both ranks (checkpoint.sharded_final), load bitwise equal; final/ round-trips
-    (job 0 writes it sharded)."""
+    (job 0 writes it sharded); a checkpoint.hf_format checkpoint resumes on 2 ranks."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from conftest import TINY
@@ -130,7 +130,9 @@ def test_two_ranks_match_one_process_for_every_sharding(assets, baseline, baseli
         AutoModelForCausalLM.from_config(config).save_pretrained(folder)
         saved.append(str(folder))
     jobs = {
-        "full_shard": {**WATCH, "checkpoint.sharded_final": "true"},
+        # + a step-3 checkpoint with the model in HF safetensors, written by both ranks ...
+        "full_shard": {**WATCH, "checkpoint.sharded_final": "true", "checkpoint.every_steps": 3,
+                       "checkpoint.hf_format": "true"},
         "full_shard_ac": {"activation_checkpointing": "true"},
         "selective_ac_offload": {"activation_checkpointing": "selective", "activation_offload": "true"},
         "shard_grad_op": {"fsdp.sharding": "shard_grad_op"},
@@ -140,6 +142,8 @@ def test_two_ranks_match_one_process_for_every_sharding(assets, baseline, baseli
         "lora": LORA,
         "docmask": DOCMASK,
         "moe": MOE,
+        # ... which both ranks resume from, reading their rows of it (steps 4-6 as the baseline's)
+        "hf_resume": {"resume": str(tmp_path / "full_shard" / "checkpoints" / "step-000003")},
     }
     spec = {"result": str(tmp_path / "result.json"), "load": saved, "export": True,
             "jobs": [tiny_overrides(assets, tmp_path / name, **extra) for name, extra in jobs.items()]}
@@ -152,7 +156,7 @@ def test_two_ranks_match_one_process_for_every_sharding(assets, baseline, baseli
     assert len(baseline) == 6
     for name in jobs:
         got, want = losses(tmp_path / name), {"lora": lora_baseline, "docmask": docmask_baseline,
-                                          "moe": moe_baseline}.get(name, baseline)
+                                          "moe": moe_baseline, "hf_resume": baseline[3:]}.get(name, baseline)
         assert len(got) == len(want)
         assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < TOL, (name, got, want)
     for name in ("full_shard", "no_shard"):

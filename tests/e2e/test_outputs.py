@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 from test_errors import _isolated, datasets_cache, fails, qs_assets, recipe, snapshot  # noqa: F401
-from test_reliability import tmpfs
 
+from conftest import tmpfs
 from shardtune.checkpoint.dcp import find_latest, why_no_checkpoint
 from shardtune.checkpoint.rundir import claim_output_dir
 from shardtune.cli.main import main
@@ -151,11 +151,11 @@ def test_overwrite_removes_a_link_not_its_target(earlier_run, tmp_path):
 
 
 def test_export_full_disk_leaves_no_model_folder(capfd, earlier_run, tmp_path):
-    """The weights do not fit: one line naming the export folder, and no folder (complete-looking
+    """The weights do not fit: one line naming the weights file, and no folder (complete-looking
     or partial) under that name or beside it."""
     with tmpfs(tmp_path / "small", "16k") as small:
         fails(capfd, ["export", str(earlier_run), str(small / "model")], "disk full while writing",
-              str(small / "model"))
+              str(small / "model" / "model.safetensors"))
         assert os.listdir(small) == []
 
 

@@ -22,6 +22,7 @@ import pytest
 import yaml
 from test_errors import TINY_GPT2, _isolated, datasets_cache, fails, out, qs_assets, recipe, snapshot  # noqa: F401
 
+from conftest import tmpfs
 from shardtune.checkpoint.dcp import find_latest, read_meta
 from shardtune.checkpoint.rundir import LOCK_FILE, hold_run_dir, release_run_dir
 from shardtune.cli.main import main
@@ -58,20 +59,6 @@ def run_main(capfd, argv: list[str]) -> tuple[int, str, str]:
     rc = main(argv)
     captured = capfd.readouterr()
     return rc, captured.out, captured.err
-
-
-@contextlib.contextmanager
-def tmpfs(path: Path, size: str):
-    """A small tmpfs at `path`, or a skip where this machine does not allow mounting."""
-    path.mkdir(exist_ok=True)
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                          capture_output=True, text=True)
-    if proc.returncode:
-        pytest.skip(f"cannot mount a tmpfs here ({proc.stderr.strip() or proc.returncode})")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], capture_output=True)
 
 
 # ----------------------------------------------------------------------------- quickstart defaults

@@ -4,6 +4,8 @@ Layout of OUTPUT_DIR/checkpoints/:
 
     step-000120/             one complete checkpoint, named by optimizer step
       .metadata, *.distcp    DCP: model + optimizer; every rank writes only its own shards
+      model*.safetensors     with checkpoint.hf_format: the model instead, in HF's layout (+ index),
+                             so from_pretrained loads the folder; DCP then holds the optimizer
       rng-rank00000.pt       that rank's RNG states (python, numpy, torch, cuda)
       config.json tokenizer/ the HF model config and tokenizer: export/eval/generate need nothing else
       meta.json              step, world size, the state objects (train_state, scaler), data position, run config
@@ -30,7 +32,10 @@ from shardtune.diskspace import free_bytes, human_size, no_room, tensor_bytes
 from shardtune.errors import UserError, first_line
 from shardtune.fsio import partial_name, write_text_atomic
 
-FORMAT = 2  # 2: named state objects in meta.json (train_state, scaler); the LR is a function of the step
+# 2: named state objects in meta.json (train_state, scaler); the LR is a function of the step;
+# 3: the model's weights may be in safetensors (meta.json's model_files; older versions cannot read them)
+FORMAT = 3
+MODEL_FILES = {False: "dcp", True: "safetensors"}
 NAME = re.compile(r"^step-(\d+)$")
 # Changing these breaks resume: the weights' shapes, or what "step N" means in the data order.
 # Whole sections are compared, so a key added to one later is covered without a change here.
@@ -220,10 +225,23 @@ def set_rng_state(state: dict) -> None:
 class ModelOptimizerState:
     """The sharded model and its optimizer as one state object for DCP (every rank writes and
     reads only its shards). On load the optimizer's moments and step counts come from the
-    checkpoint, its hyperparameters from the current config (they may change on resume)."""
+    checkpoint, its hyperparameters from the current config (they may change on resume).
+    With `hf_config` (checkpoint.hf_format), `save_hf` writes the model's weights into the
+    checkpoint folder as Hugging Face safetensors, by every rank (checkpoint.hf_sharded); the
+    Checkpointer then leaves them out of DCP, and dcp_load reads them back from there."""
 
-    def __init__(self, model, optimizer):
-        self.model, self.optimizer = model, optimizer
+    def __init__(self, model, optimizer, hf_config=None):
+        self.model, self.optimizer, self.hf_config = model, optimizer, hf_config
+        if hf_config is not None:  # refused now, not at the first checkpoint
+            from shardtune.checkpoint.hf_sharded import require_hf_writable
+
+            require_hf_writable(model, hf_config)
+
+    def save_hf(self, folder: Path) -> None:
+        """Collective: the model's weights (+ index) into `folder`, as save_pretrained lays them out."""
+        from shardtune.checkpoint.hf_sharded import save_hf_sharded
+
+        save_hf_sharded(self.model, self.hf_config, None, folder)
 
     def state_dict(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -288,6 +306,9 @@ class Checkpointer:
             meta = self._meta(step)  # now: an async save is written while training moves on
             tensors = self.tensors.state_dict()
             self.size = tensor_bytes(tensors) * self.world_size  # FSDP shards evenly
+            if self.cfg.hf_format:  # the model as HF safetensors (from_pretrained loads the folder), the rest DCP
+                self.tensors.save_hf(tmp)
+                tensors = {k: v for k, v in tensors.items() if k != "model"}
             if self.pg is not None:
                 future = dcp.async_save(tensors, checkpoint_id=tmp, process_group=self.pg)
                 self.pending = (future, tmp, meta)
@@ -302,8 +323,9 @@ class Checkpointer:
     def _meta(self, step: int) -> dict:
         from shardtune import __version__
 
-        return {"format": FORMAT, "shardtune_version": __version__, "step": step, "world_size": self.world_size,
-                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        hf = self.cfg.hf_format
+        return {"format": 3 if hf else 2, "shardtune_version": __version__, "step": step, "world_size": self.world_size,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "model_files": MODEL_FILES[hf],
                 **{name: state.state_dict() for name, state in self.states.items()}, **self.describe(step)}
 
     def poll(self) -> None:
@@ -398,10 +420,19 @@ class Checkpointer:
 
 
 def dcp_load(state: dict, path: Path, no_dist: bool) -> None:
-    """dcp.load in place, with a damaged or mismatched checkpoint as a one-line UserError."""
+    """dcp.load in place, with a damaged or mismatched checkpoint as a one-line UserError. A
+    checkpoint written with checkpoint.hf_format holds its model in safetensors: the "model"
+    part is read from those (every reader of checkpoints comes through here), the rest from DCP."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
+    if "model" in state and read_meta(path).get("model_files") == MODEL_FILES[True]:
+        from shardtune.checkpoint.hf_sharded import read_model_part
+
+        read_model_part(state["model"], path, no_dist)
+        state = {k: v for k, v in state.items() if k != "model"}  # the same nested dicts: filled in place
+        if not state:
+            return
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)

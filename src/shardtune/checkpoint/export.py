@@ -87,12 +87,11 @@ def write_export(path: Path, out: Path, max_shard_size: str = "2GB", replace: bo
 
 def export_streamed(path: Path, hf_config, tokenizer, out: Path, max_shard_size: str = "2GB") -> bool:
     """A full-model checkpoint -> the folder save_pretrained writes, holding one output file's
-    tensors at a time (read from the DCP files by key), never the whole model. False (nothing
-    written) where the model's keys are renamed on save; the caller loads it whole then."""
-    from safetensors.torch import save
-
+    tensors at a time (read from the DCP files by key, written tensor by tensor), never the whole
+    model. False (nothing written) where the model's keys are renamed on save; the caller loads
+    it whole then."""
     from shardtune.checkpoint.dcp import dcp_load
-    from shardtune.model.hf_sharded_io import hf_file_plan, write_index_and_configs
+    from shardtune.model.hf_sharded_io import hf_file_plan, write_index_and_configs, write_safetensors
 
     with torch.device("meta"):
         from transformers import AutoModelForCausalLM
@@ -105,8 +104,7 @@ def export_streamed(path: Path, hf_config, tokenizer, out: Path, max_shard_size:
     for name in sorted(set(file_of.values())):
         part = {k: torch.empty(shapes[k].shape, dtype=shapes[k].dtype) for k, f in file_of.items() if f == name}
         dcp_load({"model": part}, path, no_dist=True)
-        with open(out / name, "wb") as f:  # a plain write: a full disk is an OSError naming the file
-            f.write(save(part, metadata={"format": "pt"}))
+        write_safetensors(out / name, part)  # a full disk: an OSError naming the file
         del part
     write_index_and_configs(out, shell, file_of, hf_config, tokenizer)
     return True

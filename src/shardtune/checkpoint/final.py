@@ -3,10 +3,13 @@ not at all, by every rank together (checkpoint.sharded_final) or gathered to ran
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
+import torch.distributed as dist
+
 from shardtune.checkpoint.export import gather_full_state_dict, save_adapter_folder, save_hf_folder
-from shardtune.checkpoint.hf_sharded import save_final_sharded
+from shardtune.checkpoint.hf_sharded import save_hf_sharded
 from shardtune.fsio import atomic_dir
 
 
@@ -25,3 +28,42 @@ def save_final(model, cfg, hf_config, tokenizer, folder: Path, is_main: bool) ->
                 save_hf_folder(full, hf_config, tokenizer, tmp)
     del full
     return None
+
+
+@contextlib.contextmanager
+def shared_atomic_dir(final: Path):
+    """`fsio.atomic_dir` for a folder every rank writes into: rank 0 owns the temporary sibling
+    and publishes it only when every rank got through the block; any failure removes it."""
+    main = dist.get_rank() == 0
+    box: list = [None]
+    if main:
+        ctx = atomic_dir(final, replace=True)
+        try:
+            box = [str(ctx.__enter__())]
+        finally:
+            dist.broadcast_object_list(box, src=0)  # None tells the others rank 0 could not start
+    else:
+        dist.broadcast_object_list(box, src=0)
+        if box[0] is None:
+            raise RuntimeError(f"rank 0 could not create the folder for {final}")
+    try:
+        yield Path(box[0])
+        dist.barrier()  # every rank finished writing
+    except BaseException as exc:
+        if main:
+            ctx.__exit__(type(exc), exc, exc.__traceback__)
+        raise
+    if main:
+        ctx.__exit__(None, None, None)
+
+
+def save_final_sharded(model, hf_config, tokenizer, folder: Path, max_shard_size: str = "2GB") -> str:
+    """Collective: `folder` written by every rank (atomically); a model whose keys transformers
+    renames on save is gathered to rank 0 instead. Returns which path wrote it."""
+    with shared_atomic_dir(folder) as tmp:
+        if save_hf_sharded(model, hf_config, tokenizer, tmp, max_shard_size):
+            return "sharded"
+        full = gather_full_state_dict(model)
+        if dist.get_rank() == 0:
+            save_hf_folder(full, hf_config, tokenizer, tmp, max_shard_size)
+    return "gathered"

@@ -170,7 +170,8 @@ class CheckpointConfig:
     at_epoch_end: bool = False  # also save when an epoch of the training data ends
     keep_last: int = 2  # complete checkpoints kept in output_dir/checkpoints (0: keep all)
     async_save: bool = False  # YAML key `async` works too: train on while the files are written
-    sharded_final: bool = False  # final/ written by every rank (its own shards, consolidated into HF's layout; no full copy on rank 0); output_dir must be shared by all nodes
+    sharded_final: bool = False  # final/ written by every rank (its own rows, in place, in HF's layout; no full copy on any rank); output_dir must be shared by all nodes
+    hf_format: bool = False  # each checkpoint's model as HF safetensors in its folder (from_pretrained loads checkpoints/step-N; written by every rank); the optimizer stays in DCP beside it
 
     KEY_ALIASES: typing.ClassVar[dict] = {"async": "async_save"}  # `async` is a Python keyword
 

@@ -155,6 +155,20 @@ def validate(cfg) -> None:
     _validate_adapters(cfg)
     _validate_memory_savers(cfg)
     _validate_publish(cfg)
+    _validate_checkpoint(cfg)
+
+
+def _validate_checkpoint(cfg) -> None:
+    c = cfg.checkpoint
+    if not c.hf_format:
+        return
+    if cfg.peft.method != "none":
+        raise UserError(f"checkpoint.hf_format=true writes a full model, but with peft.method={cfg.peft.method} a "
+                        "checkpoint's model is an adapter; drop checkpoint.hf_format (`shardtune export` writes "
+                        "the adapter of any checkpoint)")
+    if not (c.every_steps or c.at_epoch_end):
+        raise UserError("checkpoint.hf_format=true applies to checkpoints, but none are saved; set "
+                        "checkpoint.every_steps=N (or drop checkpoint.hf_format)")
 
 
 def _validate_format(d) -> None:

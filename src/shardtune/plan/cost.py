@@ -129,7 +129,7 @@ def host_memory(trace: StepTrace, offload: bool, ranks_per_node: int, world: int
     """Host RAM of one node. Load: rank 0 reads the full fp32 weights once (then hands out
     shards), or with model.sharded_load every rank reads only its 1/world of them. Save
     (final/): gathered whole on rank 0, or with checkpoint.sharded_final each rank writes its own
-    shards (consolidation streams them file to file). CPU offload keeps every rank's shards,
+    rows in place (a bound: the rows pass through the host a chunk at a time). CPU offload keeps every rank's shards,
     activation offloading every rank's saved activations at their peak."""
     full_fp32 = 4 * trace.params["total"]
     per_node = ranks_per_node * -(-full_fp32 // max(world, 1))

@@ -155,7 +155,8 @@ class Trainer:
         self.scaler = build_grad_scaler(cfg.precision, dist.device)
         self.state = TrainState()
         rank0_first(dist, lambda: prepare_run_dir(cfg, overwrite) if dist.is_main else None)
-        self.ckpt = Checkpointer(out / "checkpoints", cfg.checkpoint, ModelOptimizerState(model, self.optimizer),
+        tensors = ModelOptimizerState(model, self.optimizer, hf_config if cfg.checkpoint.hf_format else None)
+        self.ckpt = Checkpointer(out / "checkpoints", cfg.checkpoint, tensors,
                                  {"train_state": self.state, **({"scaler": self.scaler} if self.scaler else {})},
                                  describe=self.describe, write_extras=self.write_checkpoint_extras,
                                  committed=lambda folder, step: self.publishing.committed(folder, step))
