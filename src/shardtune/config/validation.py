@@ -184,6 +184,14 @@ def _validate_adapters(cfg) -> None:
         raise UserError(f"peft.method={p.method} puts learned tokens before each sequence, which the document mask "
                         "would hide from every document but the first; set data.document_mask=false (and "
                         "data.padding_free=false), or use peft.method=lora")
+    if p.method == "prefix_tuning" and cfg.activation_checkpointing != "none":
+        # the prefix is the attention cache, which a recomputed block would extend a second time
+        raise UserError(f"peft.method=prefix_tuning does not combine with activation_checkpointing="
+                        f"{cfg.activation_checkpointing} (recomputing a block would add to its prefix cache "
+                        "again); set activation_checkpointing=none, or use peft.method=prompt_tuning")
+    if p.prompt_init_text is not None and not p.prompt_init_text.strip():
+        raise UserError("peft.prompt_init_text is empty; give the words the virtual tokens start from, or drop "
+                        "it for a random init")
     if p.quantize != "none":
         if cfg.device == "cpu":
             raise UserError("peft.quantize=4bit (QLoRA) needs a CUDA GPU and bitsandbytes; "

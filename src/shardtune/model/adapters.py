@@ -100,11 +100,16 @@ def _linear_names(model) -> list[str]:
     return sorted(names - {"lm_head", "score"})
 
 
-def adapt(model, peft: PeftConfig, freeze_cfg: FreezeConfig, block_cls: type, seed: int | None = None):
+def adapt(model, peft: PeftConfig, freeze_cfg: FreezeConfig, block_cls: type, seed: int | None = None,
+          tokenizer: str | None = None):
     """LoRA or freezing as the config asks (config.validate refuses both at once); returns the
-    (possibly wrapped) model."""
+    (possibly wrapped) model. `tokenizer`: the run's, for peft.prompt_init_text."""
     if peft.method == "lora":
         return add_lora(model, peft, model.config.model_type, seed)
+    if peft.virtual_tokens:
+        from shardtune.model.prompt_learning import add_prompt_learning
+
+        return add_prompt_learning(model, peft, seed, tokenizer)
     if peft.method != "none":
         raise UserError(f"peft.method={peft.method} is not built yet; use peft.method=lora")
     freeze(model, freeze_cfg, block_cls)

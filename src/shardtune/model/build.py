@@ -33,6 +33,7 @@ class ModelSpec:
     peft: PeftConfig = field(default_factory=PeftConfig)
     freeze: FreezeConfig = field(default_factory=FreezeConfig)
     trust_remote_code: bool = False
+    tokenizer: str | None = None  # the run's tokenizer (folder or hub id): peft.prompt_init_text reads it
 
     @classmethod
     def of_run(cls, cfg: RunConfig, hf_config) -> ModelSpec:
@@ -41,7 +42,8 @@ class ModelSpec:
                    activation_checkpointing_every=cfg.activation_checkpointing_every,
                    activation_offload=cfg.activation_offload, compile=cfg.compile,
                    loss_chunk_tokens=cfg.loss_chunk_tokens, peft=cfg.peft, freeze=cfg.freeze,
-                   trust_remote_code=cfg.model.trust_remote_code)
+                   trust_remote_code=cfg.model.trust_remote_code,
+                   tokenizer=cfg.model.tokenizer or cfg.model.name_or_path)
 
 
 @dataclass
@@ -74,7 +76,7 @@ def build_model(spec: ModelSpec, mesh, device, source: Callable[[], Any] | None 
 
     model = build_meta_model(spec.hf_config, spec.trust_remote_code)
     block_cls = detect_block_class(model, spec.fsdp.block_class)
-    model = adapt(model, spec.peft, spec.freeze, block_cls)
+    model = adapt(model, spec.peft, spec.freeze, block_cls, tokenizer=spec.tokenizer)
     loss_lib.install(model, spec.loss_chunk_tokens)  # before sharding: it checks the head's class
     units, reshard = apply_parallelism(model, spec, block_cls, mesh, device)
     if folder is not None and spec.peft.method == "none":  # LoRA bases: names differ, broadcast
@@ -85,7 +87,7 @@ def build_model(spec: ModelSpec, mesh, device, source: Callable[[], Any] | None 
     if source is not None:
         is_main = dist.get_rank() == 0
         # rank 0's copy gets the same adapters (seeded) so that the names match the skeleton's
-        full = adapt(source(), spec.peft, spec.freeze, block_cls, seed) if is_main else None
+        full = adapt(source(), spec.peft, spec.freeze, block_cls, seed, spec.tokenizer) if is_main else None
         materialize(model, full, device, is_main)
         del full
     return BuiltModel(model, block_cls, units, reshard, loaded="rank 0" if source is not None else "none")

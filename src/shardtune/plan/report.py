@@ -67,7 +67,7 @@ def run_plan(req: PlanRequest, cfg: RunConfig, recipe: str | None, overrides: li
 
     target = target_from_request(req)
     hf_config, source = resolve_hf_config(cfg)
-    check_seq_len(hf_config, cfg.data.seq_len)
+    check_seq_len(hf_config, cfg.data.seq_len, cfg.peft.virtual_tokens)
     say = (lambda text: print(text, file=sys.stderr, flush=True)) if req.json else \
         (lambda text: print(text, flush=True))
     say(f"model config: {source}")

@@ -119,7 +119,7 @@ class Trainer:
         if len(tokenizer) > hf_config.vocab_size:
             raise UserError(f"the tokenizer has {len(tokenizer)} tokens but the model only {hf_config.vocab_size}; "
                             "use the model's own tokenizer or set model.config.vocab_size")
-        check_seq_len(hf_config, cfg.data.seq_len)
+        check_seq_len(hf_config, cfg.data.seq_len, cfg.peft.virtual_tokens)
         docmask.check(cfg.data, hf_config)
         self.accum = check_world(cfg, dist.world_size)
         self.train_ds, self.val_ds = rank0_first(dist, lambda: data_lib.prepare(cfg.data, tokenizer, cfg.train.seed))
