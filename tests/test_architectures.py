@@ -155,7 +155,7 @@ def test_architecture(model_type):
     from transformers import AutoModelForCausalLM
 
     from shardtune.config.schema import PeftConfig
-    from shardtune.model.adapters import add_lora
+    from shardtune.model.adapters import add_adapter
 
     gen = torch.Generator().manual_seed(1)
     rows = [torch.randint(2, 300, (n,), generator=gen).tolist() for n in DOCS]
@@ -169,7 +169,7 @@ def test_architecture(model_type):
         batch = {k: v for k, v in batch.items() if k != "position_ids"}
     _one_optimizer_step(model_type, model, batch)
     targets = _check_plan_with_default_lora(model_type)
-    wrapped = add_lora(model, PeftConfig(method="lora", r=4), model_type, seed=0)
+    wrapped = add_adapter(model, PeftConfig(method="lora", r=4), seed=0)
     adapted = {n.rsplit(".lora_A", 1)[0].rsplit(".", 1)[-1] for n, _ in wrapped.named_parameters() if "lora_A" in n}
     # the tiny DeepSeek-V3 has a low-rank query: q_b_proj, no q_proj
     expected = set(targets) - {"q_proj"} if model_type == "deepseek_v3" else set(targets)

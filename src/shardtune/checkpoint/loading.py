@@ -1,5 +1,5 @@
 """A trained model in this process alone, without a process group: from an HF folder or hub id,
-a LoRA adapter folder, a run folder, or a sharded checkpoint (read shard by shard, no optimizer).
+a peft adapter folder, a run folder, or a sharded checkpoint (read shard by shard, no optimizer).
 `eval`, `generate` and `export` load through here."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ def resolve_model(spec: str) -> tuple[str, Path | str]:
     path = Path(spec).expanduser()
     if (path / "final" / "config.json").is_file():
         return "hf", path / "final"
-    for folder in (path, path / "final"):  # a LoRA run's final/: adapter (+ base)
+    for folder in (path, path / "final"):  # a peft run's final/: adapter (+ base)
         if (folder / "adapter_config.json").is_file():
             return "adapter", folder
     if (path / "meta.json").exists() or (path / ".metadata").exists() or (path / "checkpoints").is_dir() \
@@ -59,7 +59,11 @@ def load_model(spec: str, device: str = "cpu", weights: bool = True):
             return None, tokenizer, AutoConfig.from_pretrained(base), None
         from peft import AutoPeftModelForCausalLM
 
-        model = AutoPeftModelForCausalLM.from_pretrained(str(where)).merge_and_unload()
+        model = AutoPeftModelForCausalLM.from_pretrained(str(where))
+        from shardtune.model.adapters import MERGEABLE_PEFT_TYPES
+
+        if model.peft_type in MERGEABLE_PEFT_TYPES:
+            model = model.merge_and_unload()  # others (learned tokens, gates) run as the PeftModel
         return model.to(torch.device(device)).eval(), tokenizer, model.config, None
 
     from shardtune.config.schema import ModelConfig
@@ -96,11 +100,12 @@ def load_plain_model(path: Path, device: str = "cpu"):
     with no_init_weights(), torch.device(device):  # real buffers (e.g. rotary), parameters left empty
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, trust_remote_code=trust)
     peft_cfg = meta["config"].get("peft", {})
-    if peft_cfg.get("method") == "lora":  # the checkpoint holds the adapter-wrapped names
+    if peft_cfg.get("method", "none") != "none":  # the checkpoint holds the adapter-wrapped names
         from shardtune.config.schema import PeftConfig
-        from shardtune.model.adapters import add_lora
+        from shardtune.model.adapters import add_adapter
 
-        model = add_lora(model, PeftConfig(**peft_cfg), hf_config.model_type)
+        # the structure only: every value (PiSSA/OLoRA's residual base too) comes from the checkpoint
+        model = add_adapter(model, PeftConfig(**peft_cfg), init=False)
     dcp_load({"model": model.state_dict()}, path, no_dist=True)
     model.tie_weights()
     model.eval()

@@ -15,40 +15,50 @@ model's positions (model.hf.check_seq_len).
 
 from __future__ import annotations
 
-import torch
-
 from shardtune.config.schema import PeftConfig
-from shardtune.errors import UserError
 
 
-def add_prompt_learning(model, cfg: PeftConfig, seed: int | None = None, tokenizer: str | None = None):
-    """Wrap `model` (a PeftModel) for prefix or prompt tuning. `tokenizer` (the run's tokenizer
-    folder or hub id) turns peft.prompt_init_text into peft's TEXT init; without it (a checkpoint
-    being loaded, whose weights replace the init anyway) the init is random."""
-    from peft import PrefixTuningConfig, PromptTuningConfig, PromptTuningInit, get_peft_model
+def prefix_tuning_config(model, cfg: PeftConfig, init: bool):
+    """Keys and values of the virtual tokens for every layer (peft reads the layer count and
+    the key/value heads of the model config)."""
+    from peft import PrefixTuningConfig
 
-    tokens = cfg.virtual_tokens
-    if cfg.method == "prefix_tuning":
-        config = PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=tokens)
-    elif cfg.prompt_init_text and tokenizer is not None:
-        config = PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=tokens,
-                                    prompt_tuning_init=PromptTuningInit.TEXT,
-                                    prompt_tuning_init_text=cfg.prompt_init_text, tokenizer_name_or_path=tokenizer)
-    else:
-        config = PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=tokens,
-                                    prompt_tuning_init=PromptTuningInit.RANDOM)
-    if seed is not None:
-        torch.manual_seed(seed)  # random init identical whatever the world size
-    try:
-        wrapped = get_peft_model(model, config)
-    except ZeroDivisionError:  # peft repeats the text's tokens to fill the virtual tokens
-        raise UserError(f"peft.prompt_init_text={cfg.prompt_init_text!r} is no tokens for the tokenizer "
-                        f"{tokenizer!r}; give some words, or drop it for a random init") from None
+    return PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=cfg.virtual_tokens)
+
+
+def prompt_tuning_config(model, cfg: PeftConfig, init: bool):
+    """Input embeddings of the virtual tokens, random (peft.prompt_init_text: see `init_text`)."""
+    from peft import PromptTuningConfig, PromptTuningInit
+
+    return PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=cfg.virtual_tokens,
+                              prompt_tuning_init=PromptTuningInit.RANDOM)
+
+
+def init_text(peft_config, cfg: PeftConfig, tokenizer: str | None):
+    """peft's TEXT init of prompt tuning (the virtual tokens start as the embeddings of
+    peft.prompt_init_text's tokens, repeated or cut to length), read with the run's tokenizer
+    (a folder or hub id it has already loaded). Without a tokenizer (a skeleton, or a model
+    whose weights are loaded next) or a text, the config is left as it is."""
+    from peft import PromptTuningInit
+
+    if tokenizer is None or not cfg.prompt_init_text or cfg.method != "prompt_tuning":
+        return peft_config
+    peft_config.prompt_tuning_init = PromptTuningInit.TEXT
+    peft_config.prompt_tuning_init_text = cfg.prompt_init_text
+    peft_config.tokenizer_name_or_path = tokenizer
+    return peft_config
+
+
+def fit_for_fsdp(wrapped):
+    """A prompt-learning PeftModel made safe to shard and load by name (others pass unchanged)."""
+    if not getattr(wrapped.active_peft_config, "is_prompt_learning", False):
+        return wrapped
     # peft also registers the base's word embeddings as `word_embeddings`: a module under two
     # names has one in DCP's state dicts and both in state_dict(), which then never match
     # (loading, resuming). A plain attribute keeps peft's use of it.
-    object.__setattr__(wrapped, "word_embeddings", wrapped._modules.pop("word_embeddings"))
-    if cfg.method == "prefix_tuning":
+    if "word_embeddings" in wrapped._modules:
+        object.__setattr__(wrapped, "word_embeddings", wrapped._modules.pop("word_embeddings"))
+    if wrapped.active_peft_config.peft_type == "PREFIX_TUNING":
         # peft casts the prefix to the base's parameter dtype: FSDP's fp32 shards under bf16
         # compute, and the attention then meets fp32 keys. Left in the prompt encoder's own
         # dtype, the prefix comes in FSDP's compute dtype, like every other activation.

@@ -21,7 +21,7 @@ class Publishing:
 
         self.cfg, self.trackers = cfg, None
         self.hub = HubPublisher(cfg.publish, out, say, resuming) if hub and is_main else None
-        if self.hub and cfg.peft.method == "lora":
+        if self.hub and cfg.peft.adapter:
             from shardtune.publish.adapter_base import hub_base
 
             self.hub.adapter_base, warning = hub_base(cfg.model)
