@@ -138,13 +138,13 @@ def save_adapter_folder(state_dict: dict, peft_model, model_cfg, peft_cfg, hf_co
     adapter config points there, so the pair loads on any machine that has the folder."""
     import copy
 
-    from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
 
     from shardtune.model.adapters import base_weights
+    from shardtune.model.prompt_learning import adapter_state_dict
 
     out.mkdir(parents=True, exist_ok=True)
-    adapter = get_peft_model_state_dict(peft_model, state_dict=state_dict)
+    adapter = adapter_state_dict(peft_model, state_dict)
     save_file({k: v.contiguous() for k, v in adapter.items()}, str(out / "adapter_model.safetensors"),
               metadata={"format": "pt"})
     config = copy.deepcopy(peft_model.peft_config["default"])

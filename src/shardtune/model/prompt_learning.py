@@ -67,6 +67,20 @@ def fit_for_fsdp(wrapped):
     return wrapped
 
 
+def adapter_state_dict(peft_model, state_dict: dict) -> dict:
+    """The tensors of peft's adapter file, from the model's full `state_dict` (gathered from its
+    shards). peft reads a prompt-learning adapter from the live prompt encoder instead, whose
+    weight is a DTensor shard under FSDP; without a projection (shardtune sets none) what it
+    saves is that weight itself."""
+    from peft import get_peft_model_state_dict
+
+    config = peft_model.active_peft_config
+    if not config.is_prompt_learning:
+        return get_peft_model_state_dict(peft_model, state_dict=state_dict)
+    assert not getattr(config, "prefix_projection", False), "a prefix projection saves its MLP's output"
+    return {"prompt_embeddings": state_dict[f"prompt_encoder.{peft_model.active_adapter}.embedding.weight"]}
+
+
 def output_offset(model) -> int:
     """Positions the model's outputs have before its first input token: the virtual tokens of a
     prompt-learning method that feeds them as inputs (prompt tuning), 0 for any other model
