@@ -85,6 +85,12 @@ def _lora_config(model, cfg: PeftConfig, init: bool):
     from peft import LoraConfig
 
     targets = _targets(model, cfg.target_modules, default_lora_targets(model.config.model_type), "LoRA")
+    if cfg.init == "olora":
+        fused = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                        if _matches(n, targets) and type(m).__name__ == "Conv1D"})
+        if fused:  # peft's OLoRA decomposes W as stored, which Conv1D keeps transposed
+            raise UserError(f"peft.init=olora cannot adapt {', '.join(fused)} of this {model.config.model_type} "
+                            "model (Conv1D layers, weights stored transposed); use peft.init=pissa or default")
     return LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
                       use_dora=cfg.method == "dora", use_rslora=cfg.rslora,
                       init_lora_weights={"default": True}.get(cfg.init, cfg.init) if init else True,

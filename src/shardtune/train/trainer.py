@@ -152,7 +152,7 @@ class Trainer:
         from shardtune.checkpoint.dcp import ModelOptimizerState
         from shardtune.train.optim import build_grad_scaler, build_optimizer
 
-        self.optimizer = build_optimizer(model, t, dist.device, cfg.precision)
+        self.optimizer = build_optimizer(model, t, dist.device, cfg.precision, cfg.peft.lora_plus_ratio)
         self.scaler = build_grad_scaler(cfg.precision, dist.device)
         self.state = TrainState()
         rank0_first(dist, lambda: prepare_run_dir(cfg, overwrite) if dist.is_main else None)

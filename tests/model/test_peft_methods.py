@@ -1,0 +1,182 @@
+"""The peft methods beyond plain LoRA, each trained for 3 steps on tiny Llama through Trainer:
+DoRA (rsLoRA scaling), PiSSA with LoRA+, OLoRA, IA3 and adaption prompt (LLaMA-Adapter).
+Per method: the trainable share is printed and only the adapters move; final/ and a
+checkpoint's export load with `PeftModel.from_pretrained` as they are and give the trained
+model's logits; `export --merge` gives the same logits or is refused in one line. PiSSA/OLoRA
+start at the base model's logits; LoRA+ moves B at the ratio times A's step; resume = straight
+run. The 2-rank equality of each method is in tests/e2e/test_distributed.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import losses, tiny_overrides
+
+LOW_RANK = {"peft.dropout": 0.0}
+LORA_PLUS = 8.0
+METHODS = {
+    "dora": {"peft.method": "dora", "peft.rslora": "true", **LOW_RANK},
+    "pissa": {"peft.method": "lora", "peft.init": "pissa", "peft.lora_plus_ratio": LORA_PLUS, **LOW_RANK,
+              "checkpoint.every_steps": 1},  # step-2 too: the resume test starts there
+    "olora": {"peft.method": "lora", "peft.init": "olora", **LOW_RANK},
+    "ia3": {"peft.method": "ia3"},
+    "adaption_prompt": {"peft.method": "adaption_prompt", "peft.adapter_len": 4},
+}
+ADAPTER_TAGS = {"dora": ("lora_",), "pissa": ("lora_",), "olora": ("lora_",), "ia3": ("ia3_",),
+                "adaption_prompt": ("adaption_",)}
+MERGEABLE = {"dora", "pissa", "olora", "ia3"}
+LR = 1e-2
+
+
+def _probe():
+    import torch
+
+    return (torch.arange(32).reshape(2, 16) * 7) % 250
+
+
+def _logits(model):
+    import torch
+
+    model.eval()
+    with torch.no_grad():
+        out = model(input_ids=_probe()).logits.detach().clone()
+    model.train()
+    return out
+
+
+def _overrides(assets, out, name: str, **extra) -> list[str]:
+    return tiny_overrides(assets, out, "llama", **{"train.max_steps": 3, "eval.max_batches": 1, "train.lr": LR,
+                                                   "checkpoint.every_steps": 3, **METHODS[name], **extra})
+
+
+@pytest.fixture(scope="module")
+def runs(assets, tmp_path_factory):
+    """Each method's run: stdout, full weights before/after (and after step 1), base and initial
+    and trained logits, final/, and the optimizer's groups."""
+    import contextlib
+    import io
+
+    from shardtune.checkpoint.export import gather_full_state_dict
+    from shardtune.config.load import load_config
+    from shardtune.model.hf import load_source_model
+    from shardtune.train.trainer import Trainer
+
+    def full(model):
+        return {k: v.detach().clone() for k, v in gather_full_state_dict(model).items()}
+
+    results = {}
+    for name in METHODS:
+        out = tmp_path_factory.mktemp(name)
+        cfg = load_config(None, _overrides(assets, out, name), defaults={})
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            trainer = Trainer(cfg, overwrite=True)
+            model = trainer.model
+            # parameter objects before any forward (FSDP swaps in unsharded ones during one)
+            run = {"out": out, "trainable": {n for n, p in model.named_parameters() if p.requires_grad},
+                   "groups": [(g["lr"], {id(p) for p in g["params"]}) for g in trainer.optimizer.param_groups],
+                   "ids": {n: id(p) for n, p in model.named_parameters()}, "stepped": []}
+            run.update(before=full(model), initial=_logits(model),
+                       base=_logits(load_source_model(cfg.model, trainer.hf_config, cfg.train.seed)))
+            trainer.optimizer.register_step_post_hook(
+                lambda *_, run=run, model=model: run["stepped"].append(full(model)) if not run["stepped"] else None)
+            trainer.fit()
+            run.update(after=full(model), logits=_logits(model), final=trainer.export())
+            trainer.close()
+        run["stdout"] = printed.getvalue()
+        results[name] = run
+    return results
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_method_trains_only_its_adapters_and_prints_the_trainable_share(runs, name):
+    import re
+
+    import torch
+
+    run = runs[name]
+    line = next(line for line in run["stdout"].splitlines() if "trainable" in line)
+    share = float(re.search(r"trainable, ([0-9.e-]+)%", line).group(1))
+    print(f"{name}: {line.strip()}")
+    assert "PeftModel" in line and 0 < share < 10, line
+    assert run["trainable"] and all(any(t in n for t in ADAPTER_TAGS[name]) for n in run["trainable"]), name
+    assert len(losses(run["out"])) == 3
+    for key, before in run["before"].items():
+        changed = not torch.equal(before, run["after"][key])
+        trained = any(t in key for t in ADAPTER_TAGS[name]) and "base_layer" not in key
+        # adaption prompt: the gate starts at 0, so the prompt gets no gradient in step 1 but moves after
+        assert changed == trained, (name, key, changed)
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_final_and_checkpoint_export_load_with_peft_and_give_the_trained_logits(runs, name, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.checkpoint.export import export_checkpoint
+
+    run = runs[name]
+    exported = export_checkpoint(str(run["out"] / "checkpoints" / "step-000003"), tmp_path / "exported")
+    for folder in (run["final"], exported):
+        config = json.loads((folder / "adapter_config.json").read_text())
+        base = AutoModelForCausalLM.from_pretrained(config["base_model_name_or_path"])
+        loaded = PeftModel.from_pretrained(base, folder)
+        assert (_logits(loaded) - run["logits"]).abs().max() < 1e-5, (name, folder)
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_merge_gives_the_adapter_logits_or_is_refused_in_one_line(runs, name, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.cli.main import main
+
+    merged = tmp_path / "merged"
+    code = main(["export", str(runs[name]["final"]), str(merged), "--merge"])
+    err = capsys.readouterr().err
+    if name not in MERGEABLE:
+        assert code == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
+        assert "cannot be merged" in err and not merged.exists()
+        return
+    assert code == 0, err
+    model = AutoModelForCausalLM.from_pretrained(merged)
+    assert not any(t in n for n, _ in model.named_parameters() for t in ("lora_", "ia3_"))
+    assert (_logits(model) - runs[name]["logits"]).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("name", ["pissa", "olora"])
+def test_residual_init_starts_at_the_base_model(runs, name):
+    """PiSSA/OLoRA put the base's principal part into the adapter and keep the residual in the
+    base weights: the sum, and so the initial logits, are the base model's."""
+    run = runs[name]
+    assert (run["initial"] - run["base"]).abs().max() < 1e-4
+    assert run["initial"].abs().max() > 1e-3  # not a vacuous comparison
+    assert any(k.endswith("lora_B.default.weight") and v.abs().max() > 0 for k, v in run["before"].items())
+
+
+def test_lora_plus_gives_the_b_matrices_the_ratio_times_the_learning_rate(runs):
+    """Optimizer groups: every lora_B at LORA_PLUS x lr, the rest at lr; and one Adam step (its
+    first update is about lr per element, whatever the gradient's size) moves B by the ratio
+    times A's step (PiSSA: both start non-zero, so both get gradients)."""
+    run = runs["pissa"]
+    lr_of = {pid: lr for lr, ids in run["groups"] for pid in ids}
+    for n in run["trainable"]:
+        assert lr_of[run["ids"][n]] == pytest.approx(LR * (LORA_PLUS if "lora_B" in n else 1.0)), n
+    step = {k: (run["stepped"][0][k] - run["before"][k]).abs().max().item() for k in run["before"]}
+    a = max(v for k, v in step.items() if "lora_A" in k)
+    b = max(v for k, v in step.items() if "lora_B" in k)
+    assert a == pytest.approx(LR, rel=0.05) and b == pytest.approx(LORA_PLUS * LR, rel=0.05), (a, b)
+
+
+def test_resume_equals_the_straight_run(runs, assets, tmp_path):
+    """PiSSA + LoRA+ (residual base weights and the lr groups in the checkpoint) resumed at step 2."""
+    from shardtune.config.load import load_config
+    from shardtune.train.trainer import run
+
+    straight = runs["pissa"]["out"]
+    resumed = tmp_path / "resumed"
+    run(load_config(None, _overrides(assets, resumed, "pissa", resume=str(straight / "checkpoints" / "step-000002")),
+                    defaults={}))
+    got, want = losses(resumed), losses(straight)
+    assert len(got) == 1 and abs(got[0] - want[2]) < 1e-6, (got, want)
