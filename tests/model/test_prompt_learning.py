@@ -191,3 +191,39 @@ def test_what_cannot_work_is_one_line(assets, tmp_path, capsys, extra, needle):
     err = capsys.readouterr().err
     assert code == 2, err
     assert err.startswith("error: ") and len(err.strip().splitlines()) == 1 and needle in err, err
+
+
+def test_eval_of_the_checkpoint_and_of_final_is_the_run_own_evaluation(prompt_run, assets):
+    """`shardtune eval` shards the PeftModel like training does: a checkpoint on the run's
+    validation split gives the run's last evaluation, final/ on the same data the same numbers."""
+    from shardtune.train.evaluate import EvalRequest, run_eval
+
+    ckpt = str(prompt_run["out"] / "checkpoints" / "step-000004")
+    rows = [json.loads(line) for line in (prompt_run["out"] / "metrics.jsonl").read_text().splitlines()]
+    with contextlib.redirect_stdout(io.StringIO()):
+        own = run_eval(EvalRequest(model=ckpt, micro_batch_size=2, max_batches=2))["model"]
+        data = str(Path(assets["train"]).parent)
+        from_ckpt = run_eval(EvalRequest(model=ckpt, data=data, seq_len=64, max_batches=2))["model"]
+        from_final = run_eval(EvalRequest(model=str(prompt_run["final"]), data=data, seq_len=64,
+                                          max_batches=2))["model"]
+    assert own["eval_loss"] == pytest.approx([r for r in rows if "eval_loss" in r][-1]["eval_loss"], abs=1e-5)
+    assert from_final["eval_loss"] == pytest.approx(from_ckpt["eval_loss"], abs=1e-5)
+    assert from_final["eval_acc"] == from_ckpt["eval_acc"]
+
+
+def test_generate_goes_through_the_virtual_tokens(prompt_run):
+    """peft's generate (cached decoding) picks the tokens a full forward of the adapter model
+    ranks first, step by step: the virtual tokens are used in both."""
+    import torch
+
+    from shardtune.checkpoint.loading import load_model
+    from shardtune.train.evaluate import generate
+
+    model, tokenizer, _, _ = load_model(str(prompt_run["final"]))
+    prompt = [5, 17, 42, 8]
+    text = generate(model, tokenizer, [prompt], max_new_tokens=4, temperature=0)[0]
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(4):
+            ids = torch.cat([ids, model(input_ids=ids).logits[:, -1:].argmax(-1)], dim=1)
+    assert text == tokenizer.decode(ids[0, len(prompt):], skip_special_tokens=True)

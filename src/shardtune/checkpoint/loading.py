@@ -77,6 +77,27 @@ def load_model(spec: str, device: str = "cpu", weights: bool = True):
     return model.eval(), tokenizer, hf_config, None
 
 
+def carried_adapter(spec: str, run_cfg=None):
+    """The peft method (a PeftConfig) of the model `load_model(spec)` gives, which a sharded copy
+    of it must carry too (eval): a checkpoint's run's, an adapter folder's where it cannot merge
+    (its peft_type names the method: PROMPT_TUNING is prompt_tuning), else none."""
+    from shardtune.config.schema import PeftConfig
+
+    if run_cfg is not None:
+        return run_cfg.peft
+    kind, where = resolve_model(spec)
+    if kind != "adapter":
+        return PeftConfig()
+    from shardtune.model.adapters import MERGEABLE_PEFT_TYPES
+    from shardtune.model.hf import read_json_object
+
+    config = read_json_object(where / "adapter_config.json")
+    if config.get("peft_type") in MERGEABLE_PEFT_TYPES:
+        return PeftConfig()  # folded into the base at load
+    keys = {k: config[k] for k in ("num_virtual_tokens", "adapter_len", "adapter_layers") if k in config}
+    return PeftConfig(method=str(config.get("peft_type")).lower(), **keys)
+
+
 def checkpoint_config(path: Path, meta: dict):
     """(HF config, tokenizer) saved beside a checkpoint's shards, with the checks of a model
     folder (config.json readable and buildable, tokenizer whole): one line each."""

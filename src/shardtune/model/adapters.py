@@ -231,6 +231,8 @@ def adapt(model, peft: PeftConfig, freeze_cfg: FreezeConfig, block_cls: type, se
           init: bool = True, tokenizer: str | None = None):
     """A peft method or freezing as the config asks (config.validate refuses both at once);
     returns the (possibly wrapped) model. `tokenizer`: the run's, for peft.prompt_init_text."""
+    if peft.adapter and getattr(model, "peft_type", None):  # loaded with its adapter (eval of a checkpoint)
+        return fit_for_fsdp(model)
     if peft.adapter:
         return add_adapter(model, peft, seed, init, tokenizer)
     freeze(model, freeze_cfg, block_cls)

@@ -81,11 +81,16 @@ def adapter_state_dict(peft_model, state_dict: dict) -> dict:
     return {"prompt_embeddings": state_dict[f"prompt_encoder.{peft_model.active_adapter}.embedding.weight"]}
 
 
+def virtual_tokens(model) -> int:
+    """The positions a prompt-learning PeftModel's virtual tokens take before every sequence (0:
+    any other model)."""
+    config = getattr(model, "active_peft_config", None)
+    return config.num_virtual_tokens if config is not None and config.is_prompt_learning else 0
+
+
 def output_offset(model) -> int:
     """Positions the model's outputs have before its first input token: the virtual tokens of a
     prompt-learning method that feeds them as inputs (prompt tuning), 0 for any other model
     (prefix tuning keeps them in the attention cache)."""
-    config = getattr(model, "active_peft_config", None)
-    if config is None or not config.is_prompt_learning or config.peft_type in ("PREFIX_TUNING", "CARTRIDGE"):
-        return 0
-    return config.num_virtual_tokens
+    count = virtual_tokens(model)
+    return 0 if not count or model.active_peft_config.peft_type in ("PREFIX_TUNING", "CARTRIDGE") else count
