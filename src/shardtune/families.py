@@ -35,6 +35,9 @@ class Family:
     # default IA3 (targets, feed-forward targets), only where shardtune chooses itself: None takes
     # peft's mapping. Mixture-of-experts models: attention only (fused experts are no linear layers)
     ia3_targets: tuple[tuple[str, ...], tuple[str, ...]] | None = None
+    # peft's prefix tuning fits its attention cache (one key and value per attention or key/value
+    # head); False: multi-query or latent attention caches other shapes, so it is refused
+    prefix_tuning: bool = True
 
 
 _QV = ("q_proj", "v_proj")
@@ -60,7 +63,8 @@ def _llama(block: str, lora=_PEFT, plain: bool = True, mlp=_LLAMA_MLP, ia3=_PEFT
 
 FAMILIES = {
     "gpt2": Family("GPT2Block", _PEFT, True, _POS, _GPT2_ATTENTION, _GPT2_MLP),
-    "gpt_bigcode": Family("GPTBigCodeBlock", _PEFT, True, _POS, _GPT2_ATTENTION, _GPT2_MLP),
+    "gpt_bigcode": Family("GPTBigCodeBlock", _PEFT, True, _POS, _GPT2_ATTENTION, _GPT2_MLP,
+                          prefix_tuning=False),  # multi-query attention
     "gpt_neo": Family("GPTNeoBlock", _PEFT, True, _POS, tuple(f"attn.attention.{p}" for p in (
         "q_proj", "k_proj", "v_proj", "out_proj")), _GPT2_MLP),
     "gptj": Family("GPTJBlock", _PEFT, False, _POS,  # the head has a bias
@@ -73,7 +77,8 @@ FAMILIES = {
     # OPT and Falcon build their masks without the position ids: shardtune passes the 4-D mask
     "opt": Family("OPTDecoderLayer", _PEFT, True, _4D,
                   ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj"), ("fc1", "fc2")),
-    "falcon": Family("FalconDecoderLayer", _PEFT, True, _4D, tuple(f"self_{p}" for p in _FUSED_ATTENTION), _NEOX_MLP),
+    "falcon": Family("FalconDecoderLayer", _PEFT, True, _4D, tuple(f"self_{p}" for p in _FUSED_ATTENTION), _NEOX_MLP,
+                     prefix_tuning=False),  # multi-query (7B) or grouped key/values peft miscounts
     "gpt_neox": Family("GPTNeoXLayer", _PEFT, True, _POS, _FUSED_ATTENTION, _NEOX_MLP),
     "llama": _llama("LlamaDecoderLayer"),
     "mistral": _llama("MistralDecoderLayer"),
@@ -111,7 +116,7 @@ FAMILIES = {
     "deepseek_v3": Family("DeepseekV3DecoderLayer", ("q_proj", "q_b_proj", "kv_b_proj"), True, _POS,
                           ("self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.kv_a_proj_with_mqa",
                            "self_attn.kv_b_proj", "self_attn.o_proj"), (*_MOE, "mlp.shared_experts"),
-                          (("kv_b_proj",), ())),
+                          (("kv_b_proj",), ()), prefix_tuning=False),  # latent attention
 }
 
 

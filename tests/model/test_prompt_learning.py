@@ -227,3 +227,35 @@ def test_generate_goes_through_the_virtual_tokens(prompt_run):
         for _ in range(4):
             ids = torch.cat([ids, model(input_ids=ids).logits[:, -1:].argmax(-1)], dim=1)
     assert text == tokenizer.decode(ids[0, len(prompt):], skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("model_type,extra", [("gpt_bigcode", {}), ("falcon", {}), ("deepseek_v3", {}),
+                                              ("mixtral", {"output_router_logits": True})])
+def test_prefix_tuning_is_refused_where_the_model_breaks_it(model_type, extra):
+    """Each refusal is needed: the tiny model with peft's prefix fails in its forward (a cache of
+    other key/value shapes; the router loss over the lengthened attention mask). Prompt tuning
+    and a Mixtral without the router loss pass the check."""
+    import torch
+    from archs import hf_config
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.config.schema import PeftConfig
+    from shardtune.errors import UserError
+    from shardtune.model.adapters import check_method
+    from shardtune.model.prompt_learning import prefix_tuning_config
+
+    config = hf_config(model_type, **extra)
+    with pytest.raises(UserError, match="prefix_tuning") as refused:
+        check_method(PeftConfig(method="prefix_tuning"), config)
+    assert len(str(refused.value).splitlines()) == 1
+    check_method(PeftConfig(method="prompt_tuning"), config)
+    if extra:
+        check_method(PeftConfig(method="prefix_tuning"), hf_config(model_type, output_router_logits=False))
+    from peft import get_peft_model
+
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_config(config),
+                           prefix_tuning_config(None, PeftConfig(method="prefix_tuning", num_virtual_tokens=2), True))
+    ids = torch.randint(2, 300, (2, 6))
+    with pytest.raises(RuntimeError):
+        model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)

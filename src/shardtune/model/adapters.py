@@ -14,6 +14,7 @@ import torch.nn as nn
 from shardtune.config.schema import FreezeConfig, PeftConfig
 from shardtune.errors import UserError
 from shardtune.families import family
+from shardtune.model.prompt_learning import check_model as check_prompt_learning
 from shardtune.model.prompt_learning import fit_for_fsdp, init_text, prefix_tuning_config, prompt_tuning_config
 
 MERGEABLE_PEFT_TYPES = ("LORA", "IA3")  # adapters that fold into the base weights (DoRA is a LORA type)
@@ -130,6 +131,7 @@ def check_method(cfg: PeftConfig, hf_config) -> None:
     any weights or data are read."""
     if cfg.adapter and cfg.method not in PEFT_CONFIGS:
         raise UserError(f"peft.method={cfg.method} is not built yet; use peft.method=lora")
+    check_prompt_learning(cfg, hf_config)
     if cfg.method != "adaption_prompt":
         return
     from peft.tuners.adaption_prompt.config import TRANSFORMERS_MODEL_CONFIG

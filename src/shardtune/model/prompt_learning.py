@@ -16,6 +16,25 @@ model's positions (model.hf.check_seq_len).
 from __future__ import annotations
 
 from shardtune.config.schema import PeftConfig
+from shardtune.errors import UserError
+from shardtune.families import family
+
+
+def check_model(cfg: PeftConfig, hf_config) -> None:
+    """What prefix tuning needs of the model (families.Family.prefix_tuning), before any work."""
+    if cfg.method != "prefix_tuning":
+        return
+    model_type = getattr(hf_config, "model_type", None)
+    known = family(model_type)
+    if known is not None and not known.prefix_tuning:
+        raise UserError(f"peft.method=prefix_tuning does not fit the attention cache of model type {model_type!r} "
+                        "(its multi-query or latent attention keeps other key/value shapes than peft's prefix); "
+                        "use peft.method=prompt_tuning or lora")
+    if getattr(hf_config, "output_router_logits", False):
+        # transformers' load-balancing loss takes the attention mask, which peft lengthens by the prefix
+        raise UserError("peft.method=prefix_tuning does not combine with the router's load-balancing loss "
+                        "(output_router_logits: it would count the prefix as tokens); set output_router_logits "
+                        "to false in model.config, or use peft.method=prompt_tuning")
 
 
 def prefix_tuning_config(model, cfg: PeftConfig, init: bool):
