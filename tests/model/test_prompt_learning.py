@@ -213,20 +213,25 @@ def test_eval_of_the_checkpoint_and_of_final_is_the_run_own_evaluation(prompt_ru
 
 def test_generate_goes_through_the_virtual_tokens(prompt_run):
     """peft's generate (cached decoding) picks the tokens a full forward of the adapter model
-    ranks first, step by step: the virtual tokens are used in both."""
+    ranks first, step by step: the virtual tokens are used in both. Prompts of two lengths: a
+    batch left-pads the shorter one, which must not move its positions (prompt tuning: peft
+    ignores position ids, so its prompts go one at a time)."""
     import torch
 
     from shardtune.checkpoint.loading import load_model
     from shardtune.train.evaluate import generate
 
     model, tokenizer, _, _ = load_model(str(prompt_run["final"]))
-    prompt = [5, 17, 42, 8]
-    text = generate(model, tokenizer, [prompt], max_new_tokens=4, temperature=0)[0]
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        for _ in range(4):
-            ids = torch.cat([ids, model(input_ids=ids).logits[:, -1:].argmax(-1)], dim=1)
-    assert text == tokenizer.decode(ids[0, len(prompt):], skip_special_tokens=True)
+    with torch.no_grad():  # positions that decide what comes next: a shifted one shows
+        model.get_base_model().transformer.wpe.weight.mul_(50.0)
+    prompts = [[5, 17, 42, 8, 99, 7, 120, 31, 64, 2, 77, 15], [3, 11], [250, 9, 40]]
+    texts = generate(model, tokenizer, prompts, max_new_tokens=4, temperature=0)
+    for prompt, text in zip(prompts, texts, strict=True):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            for _ in range(4):
+                ids = torch.cat([ids, model(input_ids=ids).logits[:, -1:].argmax(-1)], dim=1)
+        assert text == tokenizer.decode(ids[0, len(prompt):], skip_special_tokens=True), prompt
 
 
 @pytest.mark.parametrize("model_type,extra", [("gpt_bigcode", {}), ("falcon", {}), ("deepseek_v3", {}),

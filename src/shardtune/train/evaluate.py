@@ -17,7 +17,7 @@ import torch.distributed as tdist
 from shardtune.checkpoint.loading import carried_adapter, load_model
 from shardtune.errors import UserError
 from shardtune.model.hf import max_positions
-from shardtune.model.prompt_learning import virtual_tokens
+from shardtune.model.prompt_learning import output_offset, virtual_tokens
 
 # ----------------------------------------------------------------------------- eval
 
@@ -196,6 +196,8 @@ def generate(model, tokenizer, prompts: list, max_new_tokens: int = 64, temperat
             raise UserError(f"--max-new-tokens {max_new_tokens} is beyond the model's {limit} positions (a prompt "
                             "needs room too); lower it")
         rows = [r[-(limit - max_new_tokens):] for r in rows]
+    if output_offset(model):  # peft drops prompt tuning's position ids: left padding would shift the positions
+        batch_size = 1
     outputs = []
     for i in range(0, len(rows), max(batch_size, 1)):
         batch = rows[i:i + batch_size]
