@@ -110,6 +110,23 @@ def test_resume_is_the_straight_run(prompt_run, assets, tmp_path):
     assert losses(tmp_path) == losses(prompt_run["out"])[2:]  # bit for bit
 
 
+def test_a_bf16_prefix_meets_bf16_keys(assets, tmp_path):
+    """Under FSDP's bf16 compute the prefix comes in bf16 too (peft would cast it to the fp32
+    shards' dtype, and the attention would refuse fp32 keys beside bf16 queries)."""
+    import math
+
+    from conftest import make_trainer, step
+
+    trainer = make_trainer(assets, tmp_path, **{"peft.method": "prefix_tuning", "precision": "bf16"})
+    prefetcher = trainer.prefetcher()
+    try:
+        out = step(trainer, prefetcher.take(0)[0])
+    finally:
+        prefetcher.close()
+        trainer.close()
+    assert math.isfinite(float(out.loss_sum)) and float(out.grad_norm) > 0
+
+
 def _wrapped(method: str, tokenizer: str | None = None, **peft):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
