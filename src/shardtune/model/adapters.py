@@ -60,8 +60,10 @@ def add_adapter(model, cfg: PeftConfig, seed: int | None = None, init: bool = Tr
     """Wrap `model` with the adapters of `cfg.method` (a PeftModel; peft freezes the base). `init`:
     the method's own initialisation (PiSSA/OLoRA decompose the base weights); False builds the
     same structure with the plain init (a meta skeleton, or a model whose values are loaded next)."""
-    from peft import get_peft_model
+    from peft import PeftModel, get_peft_model
 
+    if isinstance(model, PeftModel):
+        return model  # a loaded adapter folder (eval's source): it has its adapters and their values
     check_method(cfg, model.config)
     peft_config = PEFT_CONFIGS[cfg.method](model, cfg, init)
     if seed is not None:
@@ -118,6 +120,22 @@ def _adaption_prompt_config(model, cfg: PeftConfig, init: bool):
 
 PEFT_CONFIGS = {"lora": _lora_config, "dora": _lora_config, "ia3": _ia3_config,
                 "adaption_prompt": _adaption_prompt_config}  # peft.method -> its peft config
+
+
+def peft_config_of(adapter_config: dict) -> PeftConfig:
+    """shardtune's PeftConfig of a saved adapter (adapter_config.json): its structure."""
+    kind, c = adapter_config.get("peft_type"), adapter_config
+    if kind == "LORA":
+        return PeftConfig(method="dora" if c.get("use_dora") else "lora", r=c.get("r", 8),
+                          target_modules=c.get("target_modules"))
+    if kind == "IA3":
+        return PeftConfig(method="ia3", target_modules=c.get("target_modules"),
+                          feedforward_modules=c.get("feedforward_modules"))
+    if kind == "ADAPTION_PROMPT":
+        return PeftConfig(method="adaption_prompt", adapter_len=c.get("adapter_len"),
+                          adapter_layers=c.get("adapter_layers"))
+    raise UserError(f"a {kind} adapter folder is not one shardtune loads; it loads lora, dora, ia3 and "
+                    "adaption_prompt adapters")
 
 
 def check_method(cfg: PeftConfig, hf_config) -> None:
