@@ -174,6 +174,27 @@ def test_architecture(model_type):
     # the tiny DeepSeek-V3 has a low-rank query: q_b_proj, no q_proj
     expected = set(targets) - {"q_proj"} if model_type == "deepseek_v3" else set(targets)
     assert adapted == expected, (model_type, adapted, targets)
+    _check_default_ia3(model_type)
+
+
+def _check_default_ia3(model_type):
+    """IA3's default targets (the families table's or peft's) are modules of the model, and the
+    feed-forward ones among them: it wraps (on the meta device: the structure is what counts)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.config.schema import PeftConfig
+    from shardtune.model.adapters import add_adapter, default_ia3_targets
+
+    targets, feedforward = default_ia3_targets(model_type)
+    assert set(feedforward) <= set(targets), model_type
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config(model_type))
+    wrapped = add_adapter(model, PeftConfig(method="ia3"), init=False)
+    scaled = {n.rsplit(".ia3_l", 1)[0] for n, p in wrapped.named_parameters() if p.requires_grad}
+    assert scaled and all(".ia3_l." in n for n, p in wrapped.named_parameters() if p.requires_grad), model_type
+    assert {t for t in targets if any(n.endswith("." + t) for n in scaled)} == set(targets), \
+        (model_type, targets, sorted(scaled)[:6])
 
 
 def test_readme_architecture_table_is_the_families_table():

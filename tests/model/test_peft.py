@@ -198,6 +198,14 @@ def test_qlora_without_a_gpu_is_refused_in_one_line(assets, tmp_path):
     ({"freeze.trainable_blocks": 5}, "0..2"),
     ({"freeze.trainable_blocks": -1}, "freeze.trainable_blocks=-1 must be at least 0"),
     ({"freeze.head_only": "true", "freeze.trainable_blocks": 1}, "head_only"),
+    # the other methods: what the config alone refuses, then what the model type decides
+    ({"peft.method": "dora", "peft.lora_plus_ratio": 0.5}, "at least 1"),
+    ({"peft.method": "ia3", "peft.target_modules": "[c_attn]", "peft.feedforward_modules": "[c_fc]"}, "c_fc"),
+    ({"peft.method": "lora", "peft.init": "pissa", "peft.quantize": "4bit", "device": "cuda"}, "residual"),
+    ({"peft.method": "lora", "peft.init": "olora"}, "Conv1D"),
+    ({"peft.method": "ia3", "peft.target_modules": "[q_proj]"}, "q_proj"),
+    ({"peft.method": "adaption_prompt", "model.config": json.dumps(TINY["opt"])}, "gpt2, llama, mistral"),
+    ({"peft.method": "adaption_prompt", "peft.adapter_layers": 3}, "1..2"),
 ])
 def test_bad_peft_and_freeze_settings_are_one_line_errors(assets, tmp_path, capsys, extra, needle):
     from shardtune.cli.main import main

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from conftest import losses, tiny_overrides
+from conftest import TINY, losses, tiny_overrides
 
 LOW_RANK = {"peft.dropout": 0.0}
 LORA_PLUS = 8.0
@@ -58,6 +58,8 @@ def runs(assets, tmp_path_factory):
     import contextlib
     import io
 
+    import torch
+
     from shardtune.checkpoint.export import gather_full_state_dict
     from shardtune.config.load import load_config
     from shardtune.model.hf import load_source_model
@@ -66,7 +68,8 @@ def runs(assets, tmp_path_factory):
     def full(model):
         return {k: v.detach().clone() for k, v in gather_full_state_dict(model).items()}
 
-    results = {}
+    results, threads = {}, torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: more threads only spin on 2 shared cores
     for name in METHODS:
         out = tmp_path_factory.mktemp(name)
         cfg = load_config(None, _overrides(assets, out, name), defaults={})
@@ -87,6 +90,7 @@ def runs(assets, tmp_path_factory):
             trainer.close()
         run["stdout"] = printed.getvalue()
         results[name] = run
+    torch.set_num_threads(threads)
     return results
 
 
@@ -180,3 +184,36 @@ def test_resume_equals_the_straight_run(runs, assets, tmp_path):
                     defaults={}))
     got, want = losses(resumed), losses(straight)
     assert len(got) == 1 and abs(got[0] - want[2]) < 1e-6, (got, want)
+
+
+@pytest.mark.parametrize("method", ["lora", "dora", "ia3"])
+def test_a_method_adapting_the_lm_head_falls_back_to_full_logits(method):
+    """The chunked loss computes the head's matmul itself: a head wrapped by an adapter keeps
+    the model's own forward (full logits), one that is not wrapped gets the chunked loss."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from shardtune.config.schema import PeftConfig
+    from shardtune.model import loss as loss_lib
+    from shardtune.model.adapters import add_adapter
+
+    cfg = dict(TINY["llama"])
+    hf_config = AutoConfig.for_model(cfg.pop("model_type"), vocab_size=300, **cfg)
+    for targets, chunked in ((["q_proj", "lm_head"], False), (None, True)):
+        model = add_adapter(AutoModelForCausalLM.from_config(hf_config),
+                            PeftConfig(method=method, target_modules=targets), seed=0)
+        assert loss_lib.install(model, None) == chunked, (method, targets)
+
+
+@pytest.mark.parametrize("name", ["adaption_prompt", "ia3"])
+def test_eval_takes_the_adapter_folder_and_the_checkpoint_alike(runs, name, assets, capsys):
+    """`shardtune eval` of final/ (an adapter that does not fold: built with its structure on
+    every rank; IA3: folded) and of the step-3 checkpoint it came from: the same loss."""
+    from shardtune.cli.main import main
+
+    got = []
+    for model in (runs[name]["final"], runs[name]["out"] / "checkpoints" / "step-000003"):
+        assert main(["eval", str(model), "--data", assets["validation"], "--seq-len", "64",
+                     "--max-batches", "2"]) == 0
+        got.append(float(next(line.split()[1] for line in capsys.readouterr().out.splitlines()
+                              if line.startswith("loss"))))
+    assert abs(got[0] - got[1]) < 1e-4, got

@@ -59,7 +59,7 @@ def write_export(path: Path, out: Path, max_shard_size: str = "2GB", replace: bo
     from transformers.utils import logging as hf_logging
 
     from shardtune.checkpoint.dcp import read_meta
-    from shardtune.checkpoint.loading import checkpoint_config, load_plain_model
+    from shardtune.checkpoint.loading import checkpoint_config, known_fields, load_plain_model
 
     hf_logging.set_verbosity_error()
     meta = read_meta(path)
@@ -76,8 +76,8 @@ def write_export(path: Path, out: Path, max_shard_size: str = "2GB", replace: bo
         if getattr(model, "peft_config", None):  # a peft run's checkpoint: the adapter, as in final/
             from shardtune.config.schema import ModelConfig, PeftConfig
 
-            save_adapter_folder(model.state_dict(), model, _known(ModelConfig, meta["config"].get("model", {})),
-                                _known(PeftConfig, meta["config"].get("peft", {})), model.config, tokenizer, tmp,
+            save_adapter_folder(model.state_dict(), model, known_fields(ModelConfig, meta["config"].get("model", {})),
+                                known_fields(PeftConfig, meta["config"].get("peft", {})), model.config, tokenizer, tmp,
                                 final=out)
         else:
             save_hf_folder(model.state_dict(), model.config, tokenizer, tmp, max_shard_size)
@@ -123,11 +123,6 @@ def push_to_hub(folder: Path, repo: str, private: bool = False) -> None:
         raise UserError(f"could not push to the hub repo {repo!r} ({type(exc).__name__}: {first_line(exc)}); check the "
                         f"network and `hf auth login`; the export itself is in {folder}") from None
     print(f"pushed {folder} to https://huggingface.co/{repo}", flush=True)
-
-
-def _known(cls, values: dict):
-    """A config dataclass from a checkpoint's saved section (keys of other versions dropped)."""
-    return cls(**{k: v for k, v in values.items() if k in cls.__dataclass_fields__})
 
 
 def save_adapter_folder(state_dict: dict, peft_model, model_cfg, peft_cfg, hf_config, tokenizer, out: Path,

@@ -39,7 +39,7 @@ def load_model(spec: str, device: str = "cpu", weights: bool = True):
         run_cfg = load_config(None, None, defaults=read_meta(where)["config"])
         if weights:
             model, tokenizer, _ = load_plain_model(where, device)
-            return model, tokenizer, model.config, run_cfg
+            return _folded(model), tokenizer, model.config, run_cfg
         from shardtune.config.schema import ModelConfig
         from shardtune.model.hf import load_hf_config, load_tokenizer
 
@@ -48,7 +48,7 @@ def load_model(spec: str, device: str = "cpu", weights: bool = True):
                 load_hf_config(ModelConfig(name_or_path=str(where), random_init=True, trust_remote_code=trust)),
                 run_cfg)
 
-    if kind == "adapter":  # evaluate/generate with the adapter folded into its base
+    if kind == "adapter":  # evaluate/generate with the adapter folded into its base where it can be
         import json
 
         from transformers import AutoConfig, AutoTokenizer
@@ -59,11 +59,7 @@ def load_model(spec: str, device: str = "cpu", weights: bool = True):
             return None, tokenizer, AutoConfig.from_pretrained(base), None
         from peft import AutoPeftModelForCausalLM
 
-        model = AutoPeftModelForCausalLM.from_pretrained(str(where))
-        from shardtune.model.adapters import MERGEABLE_PEFT_TYPES
-
-        if model.peft_type in MERGEABLE_PEFT_TYPES:
-            model = model.merge_and_unload()  # others (learned tokens, gates) run as the PeftModel
+        model = _folded(AutoPeftModelForCausalLM.from_pretrained(str(where)))
         return model.to(torch.device(device)).eval(), tokenizer, model.config, None
 
     from shardtune.config.schema import ModelConfig
@@ -77,25 +73,37 @@ def load_model(spec: str, device: str = "cpu", weights: bool = True):
     return model.eval(), tokenizer, hf_config, None
 
 
-def carried_adapter(spec: str, run_cfg=None):
-    """The peft method (a PeftConfig) of the model `load_model(spec)` gives, which a sharded copy
-    of it must carry too (eval): a checkpoint's run's, an adapter folder's where it cannot merge
-    (its peft_type names the method: PROMPT_TUNING is prompt_tuning), else none."""
-    from shardtune.config.schema import PeftConfig
-
-    if run_cfg is not None:
-        return run_cfg.peft
-    kind, where = resolve_model(spec)
-    if kind != "adapter":
-        return PeftConfig()
+def _folded(model):
+    """A loaded peft model with a mergeable adapter (LoRA, DoRA, IA3) folded into its base: a
+    plain model. Others (learned tokens, gates) stay the PeftModel (`adapter_structure`)."""
     from shardtune.model.adapters import MERGEABLE_PEFT_TYPES
-    from shardtune.model.hf import read_json_object
 
-    config = read_json_object(where / "adapter_config.json")
-    if config.get("peft_type") in MERGEABLE_PEFT_TYPES:
-        return PeftConfig()  # folded into the base at load
-    keys = {k: config[k] for k in ("num_virtual_tokens", "adapter_len", "adapter_layers") if k in config}
-    return PeftConfig(method=str(config.get("peft_type")).lower(), **keys)
+    if getattr(model, "peft_type", None) in MERGEABLE_PEFT_TYPES:
+        return model.merge_and_unload()
+    return model
+
+
+def adapter_structure(spec: str):
+    """The peft structure of the model `load_model(spec)` returns (a PeftConfig; method none for a
+    plain or folded model), so that every rank builds the same skeleton for it: cheap, no weights."""
+    from shardtune.config.schema import PeftConfig
+    from shardtune.model.adapters import peft_config_of
+
+    kind, where = resolve_model(spec)
+    if kind == "checkpoint":
+        peft = known_fields(PeftConfig, read_meta(where)["config"].get("peft", {}))
+    elif kind == "adapter":
+        from shardtune.model.hf import read_json_object
+
+        peft = peft_config_of(read_json_object(where / "adapter_config.json"))
+    else:
+        return PeftConfig()
+    return PeftConfig() if peft.mergeable else peft
+
+
+def known_fields(cls, values: dict):
+    """A config dataclass from a saved section (a checkpoint's; keys of other versions dropped)."""
+    return cls(**{k: v for k, v in values.items() if k in cls.__dataclass_fields__})
 
 
 def checkpoint_config(path: Path, meta: dict):
@@ -126,7 +134,7 @@ def load_plain_model(path: Path, device: str = "cpu"):
         from shardtune.model.adapters import add_adapter
 
         # the structure only: every value (PiSSA/OLoRA's residual base too) comes from the checkpoint
-        model = add_adapter(model, PeftConfig(**peft_cfg), init=False)
+        model = add_adapter(model, known_fields(PeftConfig, peft_cfg), init=False)
     dcp_load({"model": model.state_dict()}, path, no_dist=True)
     model.tie_weights()
     model.eval()

@@ -63,8 +63,10 @@ def add_adapter(model, cfg: PeftConfig, seed: int | None = None, init: bool = Tr
     the method's own initialisation (PiSSA/OLoRA decompose the base weights, prompt tuning reads
     its text with `tokenizer`); False builds the same structure with the plain init (a meta
     skeleton, or a model whose values are loaded next)."""
-    from peft import get_peft_model
+    from peft import PeftModel, get_peft_model
 
+    if isinstance(model, PeftModel):
+        return fit_for_fsdp(model)  # a loaded adapter folder (eval's source): it has its adapters and their values
     check_method(cfg, model.config)
     peft_config = PEFT_CONFIGS[cfg.method](model, cfg, init)
     if init:
@@ -124,6 +126,24 @@ def _adaption_prompt_config(model, cfg: PeftConfig, init: bool):
 PEFT_CONFIGS = {"lora": _lora_config, "dora": _lora_config, "ia3": _ia3_config,
                 "adaption_prompt": _adaption_prompt_config, "prefix_tuning": prefix_tuning_config,
                 "prompt_tuning": prompt_tuning_config}  # peft.method -> its peft config
+
+
+def peft_config_of(adapter_config: dict) -> PeftConfig:
+    """shardtune's PeftConfig of a saved adapter (adapter_config.json): its structure."""
+    kind, c = adapter_config.get("peft_type"), adapter_config
+    if kind == "LORA":
+        return PeftConfig(method="dora" if c.get("use_dora") else "lora", r=c.get("r", 8),
+                          target_modules=c.get("target_modules"))
+    if kind == "IA3":
+        return PeftConfig(method="ia3", target_modules=c.get("target_modules"),
+                          feedforward_modules=c.get("feedforward_modules"))
+    if kind == "ADAPTION_PROMPT":
+        return PeftConfig(method="adaption_prompt", adapter_len=c.get("adapter_len"),
+                          adapter_layers=c.get("adapter_layers"))
+    if kind in ("PREFIX_TUNING", "PROMPT_TUNING"):
+        return PeftConfig(method=kind.lower(), num_virtual_tokens=c.get("num_virtual_tokens"))
+    raise UserError(f"a {kind} adapter folder is not one shardtune loads; it loads lora, dora, ia3, "
+                    "adaption_prompt, prefix_tuning and prompt_tuning adapters")
 
 
 def check_method(cfg: PeftConfig, hf_config) -> None:
@@ -233,8 +253,6 @@ def adapt(model, peft: PeftConfig, freeze_cfg: FreezeConfig, block_cls: type, se
           init: bool = True, tokenizer: str | None = None):
     """A peft method or freezing as the config asks (config.validate refuses both at once);
     returns the (possibly wrapped) model. `tokenizer`: the run's, for peft.prompt_init_text."""
-    if peft.adapter and getattr(model, "peft_type", None):  # loaded with its adapter (eval of a checkpoint)
-        return fit_for_fsdp(model)
     if peft.adapter:
         return add_adapter(model, peft, seed, init, tokenizer)
     freeze(model, freeze_cfg, block_cls)

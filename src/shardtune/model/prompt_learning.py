@@ -77,7 +77,7 @@ def fit_for_fsdp(wrapped):
     # (loading, resuming). A plain attribute keeps peft's use of it.
     if "word_embeddings" in wrapped._modules:
         object.__setattr__(wrapped, "word_embeddings", wrapped._modules.pop("word_embeddings"))
-    if wrapped.active_peft_config.peft_type == "PREFIX_TUNING":
+    if wrapped.active_peft_config.peft_type == "PREFIX_TUNING" and wrapped.base_model_torch_dtype is not None:
         # peft casts the prefix to the base's parameter dtype: FSDP's fp32 shards under bf16
         # compute, and the attention then meets fp32 keys. Left in the prompt encoder's own
         # dtype, the prefix comes in FSDP's compute dtype, like every other activation.

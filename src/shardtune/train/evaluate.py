@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as tdist
 
-from shardtune.checkpoint.loading import carried_adapter, load_model
+from shardtune.checkpoint.loading import adapter_structure, load_model
 from shardtune.errors import UserError
 from shardtune.model.hf import max_positions
 from shardtune.model.prompt_learning import output_offset, virtual_tokens
@@ -85,8 +85,8 @@ def eval_one(spec: str, req: EvalRequest, dist, data_cfg) -> dict:
     ds = rank0_first(dist, lambda: eval_blocks(req, data_cfg, tokenizer))
     # fp32, full_shard: evaluation needs none of the run's training settings, only its adapter
     layout = ModelSpec(hf_config, loss_chunk_tokens=run_cfg.loss_chunk_tokens if run_cfg else None,
-                       trust_remote_code=bool(run_cfg and run_cfg.model.trust_remote_code),
-                       peft=carried_adapter(spec, run_cfg))
+                       peft=adapter_structure(spec),  # an adapter that does not fold into the base
+                       trust_remote_code=bool(run_cfg and run_cfg.model.trust_remote_code))
     check_seq_len(hf_config, len(ds[0]["input_ids"]), layout.peft.virtual_tokens)
     held = [source]  # popped by build_model: rank 0's full copy is freed once it is handed out
     del source
