@@ -142,3 +142,16 @@ def test_eval_takes_the_adapter_folder_and_the_checkpoint_alike(peft_runs, name,
         got.append(float(next(line.split()[1] for line in capsys.readouterr().out.splitlines()
                               if line.startswith("loss"))))
     assert abs(got[0] - got[1]) < 1e-4, got
+
+
+def test_the_model_card_names_the_method_and_the_peft_library():
+    from shardtune.config.schema import RunConfig
+    from shardtune.publish.card import model_card
+
+    for method, says in (("ia3", "An IA3 adapter trained"), ("dora", "A DoRA adapter trained"),
+                         ("adaption_prompt", "A LLaMA-Adapter adapter trained"), ("none", "A model trained")):
+        cfg = RunConfig()
+        cfg.peft.method = method
+        card = model_card(cfg.to_dict(), 3, None)
+        assert says in card and ("library_name: peft" in card) == (method != "none"), card[:400]
+        assert (" r=8 alpha=16" in card) == (method == "dora")
