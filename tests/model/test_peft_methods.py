@@ -155,3 +155,32 @@ def test_the_model_card_names_the_method_and_the_peft_library():
         card = model_card(cfg.to_dict(), 3, None)
         assert says in card and ("library_name: peft" in card) == (method != "none"), card[:400]
         assert (" r=8 alpha=16" in card) == (method == "dora")
+
+
+def test_lora_initialisations_and_rslora_scaling():
+    """default (Kaiming-uniform A) and gaussian (normal A, std 1/r) both start B at zero: the base's
+    logits; rsLoRA scales by alpha / sqrt(r), plain LoRA by alpha / r."""
+    import math
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from shardtune.config.schema import PeftConfig
+    from shardtune.model.adapters import add_adapter
+
+    cfg = dict(TINY["llama"])
+    hf_config = AutoConfig.for_model(cfg.pop("model_type"), vocab_size=300, **cfg)
+    def base():
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(hf_config)
+
+    want, a_values = logits_of(base()), {}
+    for init, rslora in (("default", False), ("gaussian", True)):
+        model = add_adapter(base(), PeftConfig(method="lora", r=4, alpha=16, init=init, rslora=rslora), seed=0)
+        assert (logits_of(model) - want).abs().max() < 1e-6, init
+        layer = model.base_model.model.model.layers[0].self_attn.q_proj
+        assert layer.scaling["default"] == pytest.approx(16 / math.sqrt(4) if rslora else 16 / 4)
+        assert not layer.lora_B["default"].weight.any()
+        a_values[init] = layer.lora_A["default"].weight.detach()
+    bound = 1 / math.sqrt(64)  # Kaiming-uniform(a=sqrt(5)) bound for fan_in 64
+    assert a_values["default"].abs().max() <= bound < a_values["gaussian"].abs().max()
