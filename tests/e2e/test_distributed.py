@@ -13,7 +13,7 @@ import sys
 import pytest
 from archs import arch_config
 
-from conftest import ROOT, child_env, losses, run_cli, tiny_overrides
+from conftest import PEFT_METHODS, ROOT, child_env, losses, peft_overrides, run_cli, tiny_overrides
 
 pytestmark = pytest.mark.multiproc
 TOL = 1e-5
@@ -64,45 +64,6 @@ def lora_baseline(assets, tmp_path_factory):
     return losses(out)
 
 
-# the peft methods beyond LoRA (tests/model/test_peft_methods.py has the rest of their checks), 3 steps of
-# tiny Llama: PiSSA's residual base weights and adaption prompt's (1, len, hidden) prompts are sharded too
-PEFT_METHODS = {
-    "dora": {"peft.method": "dora", "peft.rslora": "true", "peft.lora_plus_ratio": 4, "peft.dropout": 0.0},
-    "pissa": {"peft.method": "lora", "peft.init": "pissa", "peft.dropout": 0.0},
-    "olora": {"peft.method": "lora", "peft.init": "olora", "peft.dropout": 0.0},
-    "ia3": {"peft.method": "ia3"},
-    "adaption_prompt": {"peft.method": "adaption_prompt", "peft.adapter_len": 4},
-    # the prefix encoder as an FSDP unit of its own; prompt tuning's text init and its labels'
-    # offset through many loss chunks
-    "prefix_tuning": {"peft.method": "prefix_tuning", "peft.num_virtual_tokens": 4, "fsdp.wrap": "size",
-                      "fsdp.min_num_params": 400},
-    "prompt_tuning": {"peft.method": "prompt_tuning", "peft.num_virtual_tokens": 4,
-                      "peft.prompt_init_text": "Return the value", "loss_chunk_tokens": 24},
-}
-
-
-def peft_overrides(assets, out, name: str) -> list[str]:
-    return tiny_overrides(assets, out, "llama", **{"train.max_steps": 3, "train.lr": 1e-2, **PEFT_METHODS[name]})
-
-
-@pytest.fixture(scope="module")
-def peft_baselines(assets, tmp_path_factory):
-    """Single-process reference runs of each method, in this process (one thread: tiny matmuls)."""
-    import torch
-
-    from shardtune.config.load import load_config
-    from shardtune.train.trainer import run
-
-    threads, result = torch.get_num_threads(), {}
-    torch.set_num_threads(1)
-    for name in PEFT_METHODS:
-        out = tmp_path_factory.mktemp(name)
-        run(load_config(None, peft_overrides(assets, out, name), defaults={}), overwrite=True)
-        result[name] = losses(out)
-    torch.set_num_threads(threads)
-    return result
-
-
 DOCMASK = {"data.document_mask": "true"}
 
 
@@ -149,12 +110,12 @@ def torchrun(nproc: int, script_args: list[str], nnodes: int = 1, timeout: int =
 
 
 def test_two_ranks_match_one_process_for_every_sharding(assets, baseline, baseline_dir, lora_baseline,
-                                                        docmask_baseline, moe_baseline, peft_baselines, tmp_path):
+                                                        docmask_baseline, moe_baseline, peft_runs, tmp_path):
     """full_shard (accumulation 2 and 1, activation checkpointing full and selective with offloading),
     shard_grad_op and no_shard
     on 2 ranks, with full logits and with many loss chunks (the baseline's loss is one chunk),
     and document-masked packing, and Mixtral with its router loss (accumulation 2 against 4);
-    each peft method (DoRA with rsLoRA and LoRA+, PiSSA, OLoRA, IA3, adaption prompt, prefix and
+    each peft method (DoRA with rsLoRA, PiSSA with LoRA+, OLoRA, IA3, adaption prompt, prefix and
     prompt tuning);
     a locally saved GPT-2 and Llama load on 2 ranks exactly (rank 0's broadcast and model.sharded_load)
     and, written back by both ranks (checkpoint.sharded_final), load bitwise equal; final/ round-trips
@@ -197,8 +158,8 @@ def test_two_ranks_match_one_process_for_every_sharding(assets, baseline, baseli
                                           "moe": moe_baseline}.get(name, baseline)
         assert len(got) == len(want)
         assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < TOL, (name, got, want)
-    for name, want in peft_baselines.items():
-        got = losses(tmp_path / name)
+    for name, run in peft_runs.items():  # the 1-process runs of tests/model/test_peft_methods.py
+        got, want = losses(tmp_path / name), run["losses"]
         assert len(got) == len(want) == 3
         assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < TOL, (name, got, want)
     for name in ("full_shard", "no_shard"):

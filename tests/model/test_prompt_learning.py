@@ -1,7 +1,9 @@
-"""Prefix tuning and prompt tuning (peft): only the virtual tokens train, final/ and a
-checkpoint's export load with peft unchanged and give the trained model's logits, resume is the
-straight run, the chunked loss is the full-logits loss (and peft's own), and what cannot work is
-refused in one line."""
+"""Prefix tuning and prompt tuning (peft), beyond the checks every method gets in
+tests/model/test_peft_methods.py (only the adapters train, the share is printed, final/ and a
+checkpoint's export load with peft at the trained logits, merge refused) and the 2-rank launch:
+the loss falls, resume is the straight run, eval and generate use the virtual tokens, the
+chunked loss is the full-logits loss (and peft's own), prompt_init_text, bf16, and what cannot
+work is refused in one line."""
 
 from __future__ import annotations
 
@@ -9,105 +11,76 @@ import contextlib
 import copy
 import io
 import json
-import re
-from pathlib import Path
 
 import pytest
 
-from conftest import TINY, losses, tiny_overrides
+from conftest import TINY, losses, peft_overrides, tiny_overrides
 
 METHODS = ("prompt_tuning", "prefix_tuning")
-SETTINGS = {"peft.num_virtual_tokens": 6, "train.lr": 5e-2, "train.max_steps": 4, "checkpoint.every_steps": 2,
-            "eval.max_batches": 2}
 
 
-def _probe():
-    import torch
-
-    return (torch.arange(2 * 16).reshape(2, 16) * 7) % 250
-
-
-@pytest.fixture(scope="module", params=METHODS)
-def prompt_run(request, assets, tmp_path_factory):
-    """4 steps of tiny GPT-2 through Trainer, checkpoints at 2 and 4: stdout, the weights before
-    and after, the trained model's logits of a probe, final/."""
-    import torch
-
-    from shardtune.checkpoint.export import gather_full_state_dict
-    from shardtune.config.load import load_config
-    from shardtune.train.trainer import Trainer
-
-    method = request.param
-    out = tmp_path_factory.mktemp(method)
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        trainer = Trainer(load_config(None, tiny_overrides(assets, out, **SETTINGS, **{"peft.method": method}),
-                                      defaults={}), overwrite=True)
-        before = {k: v.clone() for k, v in gather_full_state_dict(trainer.model).items()}
-        trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
-        trainer.fit()
-        after = gather_full_state_dict(trainer.model)
-        trainer.model.eval()
-        with torch.no_grad():
-            logits = trainer.model(input_ids=_probe()).logits.detach().clone()
-        final = trainer.export()
-        trainer.close()
-    return {"method": method, "out": out, "final": final, "stdout": printed.getvalue(), "before": before,
-            "after": after, "trainable": trainable, "logits": logits}
-
-
-def test_only_the_virtual_tokens_train_the_share_is_printed_and_the_loss_falls(prompt_run):
-    import torch
-
-    line = next(line for line in prompt_run["stdout"].splitlines() if "trainable" in line)
-    share = float(re.search(r"trainable, ([0-9.]+)%", line).group(1))
-    assert "PeftModel" in line and 0 < share < 2, line
-    assert prompt_run["trainable"] == {"prompt_encoder.default.embedding.weight"}
-    for name, value in prompt_run["before"].items():
-        assert torch.equal(value, prompt_run["after"][name]) == (name not in prompt_run["trainable"]), name
-    rows = [json.loads(line) for line in (prompt_run["out"] / "metrics.jsonl").read_text().splitlines()]
+@pytest.mark.parametrize("name", METHODS)
+def test_the_validation_loss_falls(peft_runs, name):
+    rows = [json.loads(line) for line in (peft_runs[name]["out"] / "metrics.jsonl").read_text().splitlines()]
     evals = [r["eval_loss"] for r in rows if "eval_loss" in r]
     assert len(evals) == 2 and evals[-1] < evals[0] - 1e-3, evals  # the same batches before and after
 
 
-def _peft_logits(adapter: Path):
-    import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    base = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter).eval()
-    with torch.no_grad():
-        return model(input_ids=_probe()).logits
-
-
-def test_final_and_a_checkpoint_export_load_with_peft_and_give_the_trained_logits(prompt_run, tmp_path, capsys):
-    from shardtune.cli.main import main
-
-    final = Path(prompt_run["final"])
-    config = json.loads((final / "adapter_config.json").read_text())
-    assert config["peft_type"] == prompt_run["method"].upper() and config["num_virtual_tokens"] == 6
-    assert (_peft_logits(final) - prompt_run["logits"]).abs().max() < 1e-5
-    exported = tmp_path / "export"
-    assert main(["export", str(prompt_run["out"] / "checkpoints" / "step-000004"), str(exported)]) == 0
-    assert (_peft_logits(exported) - prompt_run["logits"]).abs().max() < 1e-5
-    capsys.readouterr()
-    # these methods learn tokens, no weights of the base: nothing to merge, and nothing written
-    assert main(["export", str(final), str(tmp_path / "merged"), "--merge"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1 and "cannot be merged" in err, err
-    assert not (tmp_path / "merged").exists()
-
-
-def test_resume_is_the_straight_run(prompt_run, assets, tmp_path):
+@pytest.mark.parametrize("name", METHODS)
+def test_resume_is_the_straight_run(peft_runs, name, assets, tmp_path):
     from shardtune.config.load import load_config
     from shardtune.train.trainer import run
 
-    resume = {**SETTINGS, "peft.method": prompt_run["method"], "eval.at_start": "false",
-              "resume": str(prompt_run["out"] / "checkpoints" / "step-000002")}
+    step2 = str(peft_runs[name]["out"] / "checkpoints" / "step-000002")
     with contextlib.redirect_stdout(io.StringIO()):
-        run(load_config(None, tiny_overrides(assets, tmp_path, **resume), defaults={}))
-    assert losses(tmp_path) == losses(prompt_run["out"])[2:]  # bit for bit
+        run(load_config(None, peft_overrides(assets, tmp_path, name, resume=step2, **{"eval.at_start": "false"}),
+                        defaults={}))
+    assert losses(tmp_path) == losses(peft_runs[name]["out"])[2:]  # bit for bit
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_eval_of_the_checkpoint_and_of_final_is_the_run_own_evaluation(peft_runs, name, assets):
+    """`shardtune eval` shards the PeftModel like training does: the last checkpoint on the run's
+    validation split gives the run's last evaluation, final/ on other data the checkpoint's numbers."""
+    from shardtune.train.evaluate import EvalRequest, run_eval
+
+    out = peft_runs[name]["out"]
+    ckpt = str(out / "checkpoints" / "step-000003")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    with contextlib.redirect_stdout(io.StringIO()):
+        own = run_eval(EvalRequest(model=ckpt, micro_batch_size=2, max_batches=1))["model"]
+        data = dict(data=assets["validation"], seq_len=64, max_batches=2)
+        from_ckpt = run_eval(EvalRequest(model=ckpt, **data))["model"]
+        from_final = run_eval(EvalRequest(model=str(peft_runs[name]["final"]), **data))["model"]
+    assert own["eval_loss"] == pytest.approx([r for r in rows if "eval_loss" in r][-1]["eval_loss"], abs=1e-5)
+    assert from_final["eval_loss"] == pytest.approx(from_ckpt["eval_loss"], abs=1e-5)
+    assert from_final["eval_acc"] == from_ckpt["eval_acc"]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_generate_goes_through_the_virtual_tokens(method, assets):
+    """peft's generate (cached decoding) picks the tokens a full forward of the adapter model
+    ranks first, step by step: the virtual tokens are used in both. Prompts of three lengths: a
+    batch left-pads the shorter ones, which must not move their positions (prompt tuning: peft
+    ignores position ids, so its prompts go one at a time). GPT-2's absolute positions, made
+    large, show a shifted one."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from shardtune.train.evaluate import generate
+
+    model = _wrapped(method, arch="gpt2").eval()
+    tokenizer = AutoTokenizer.from_pretrained(assets["tokenizer"])
+    with torch.no_grad():
+        model.get_base_model().transformer.wpe.weight.mul_(50.0)
+    prompts = [[5, 17, 42, 8, 99, 7, 120, 31, 64, 2, 77, 15], [3, 11], [250, 9, 40]]
+    texts = generate(model, tokenizer, prompts, max_new_tokens=4, temperature=0)
+    for prompt, text in zip(prompts, texts, strict=True):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            for _ in range(4):
+                ids = torch.cat([ids, model(input_ids=ids).logits[:, -1:].argmax(-1)], dim=1)
+        assert text == tokenizer.decode(ids[0, len(prompt):], skip_special_tokens=True), prompt
 
 
 def test_a_bf16_prefix_meets_bf16_keys(assets, tmp_path):
@@ -127,7 +100,7 @@ def test_a_bf16_prefix_meets_bf16_keys(assets, tmp_path):
     assert math.isfinite(float(out.loss_sum)) and float(out.grad_norm) > 0
 
 
-def _wrapped(method: str, tokenizer: str | None = None, **peft):
+def _wrapped(method: str, tokenizer: str | None = None, arch: str = "llama", **peft):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -135,7 +108,7 @@ def _wrapped(method: str, tokenizer: str | None = None, **peft):
     from shardtune.model.adapters import add_adapter
 
     torch.manual_seed(0)
-    spec = dict(TINY["llama"], vocab_size=300)
+    spec = dict(TINY[arch], vocab_size=300)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(spec.pop("model_type"), **spec))
     return add_adapter(model, PeftConfig(method=method, num_virtual_tokens=5, **peft), seed=0, tokenizer=tokenizer)
 
@@ -208,47 +181,6 @@ def test_what_cannot_work_is_one_line(assets, tmp_path, capsys, extra, needle):
     err = capsys.readouterr().err
     assert code == 2, err
     assert err.startswith("error: ") and len(err.strip().splitlines()) == 1 and needle in err, err
-
-
-def test_eval_of_the_checkpoint_and_of_final_is_the_run_own_evaluation(prompt_run, assets):
-    """`shardtune eval` shards the PeftModel like training does: a checkpoint on the run's
-    validation split gives the run's last evaluation, final/ on the same data the same numbers."""
-    from shardtune.train.evaluate import EvalRequest, run_eval
-
-    ckpt = str(prompt_run["out"] / "checkpoints" / "step-000004")
-    rows = [json.loads(line) for line in (prompt_run["out"] / "metrics.jsonl").read_text().splitlines()]
-    with contextlib.redirect_stdout(io.StringIO()):
-        own = run_eval(EvalRequest(model=ckpt, micro_batch_size=2, max_batches=2))["model"]
-        data = str(Path(assets["train"]).parent)
-        from_ckpt = run_eval(EvalRequest(model=ckpt, data=data, seq_len=64, max_batches=2))["model"]
-        from_final = run_eval(EvalRequest(model=str(prompt_run["final"]), data=data, seq_len=64,
-                                          max_batches=2))["model"]
-    assert own["eval_loss"] == pytest.approx([r for r in rows if "eval_loss" in r][-1]["eval_loss"], abs=1e-5)
-    assert from_final["eval_loss"] == pytest.approx(from_ckpt["eval_loss"], abs=1e-5)
-    assert from_final["eval_acc"] == from_ckpt["eval_acc"]
-
-
-def test_generate_goes_through_the_virtual_tokens(prompt_run):
-    """peft's generate (cached decoding) picks the tokens a full forward of the adapter model
-    ranks first, step by step: the virtual tokens are used in both. Prompts of two lengths: a
-    batch left-pads the shorter one, which must not move its positions (prompt tuning: peft
-    ignores position ids, so its prompts go one at a time)."""
-    import torch
-
-    from shardtune.checkpoint.loading import load_model
-    from shardtune.train.evaluate import generate
-
-    model, tokenizer, _, _ = load_model(str(prompt_run["final"]))
-    with torch.no_grad():  # positions that decide what comes next: a shifted one shows
-        model.get_base_model().transformer.wpe.weight.mul_(50.0)
-    prompts = [[5, 17, 42, 8, 99, 7, 120, 31, 64, 2, 77, 15], [3, 11], [250, 9, 40]]
-    texts = generate(model, tokenizer, prompts, max_new_tokens=4, temperature=0)
-    for prompt, text in zip(prompts, texts, strict=True):
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            for _ in range(4):
-                ids = torch.cat([ids, model(input_ids=ids).logits[:, -1:].argmax(-1)], dim=1)
-        assert text == tokenizer.decode(ids[0, len(prompt):], skip_special_tokens=True), prompt
 
 
 @pytest.mark.parametrize("model_type,extra", [("gpt_bigcode", {}), ("falcon", {}), ("deepseek_v3", {}),
