@@ -132,9 +132,10 @@ def test_a_method_adapting_the_lm_head_falls_back_to_full_logits(method):
 
 
 @pytest.mark.parametrize("name", ["adaption_prompt", "ia3"])
-def test_eval_takes_the_adapter_folder_and_the_checkpoint_alike(peft_runs, name, assets, capsys):
+def test_eval_and_generate_take_the_adapter_folder_and_the_checkpoint(peft_runs, name, assets, capsys):
     """`shardtune eval` of final/ (an adapter that does not fold: built with its structure on
-    every rank; IA3: folded) and of the step-3 checkpoint it came from: the same loss."""
+    every rank; IA3: folded) and of the step-3 checkpoint it came from: the same loss; and
+    `generate` takes the run."""
     from shardtune.cli.main import main
 
     got = []
@@ -144,6 +145,9 @@ def test_eval_takes_the_adapter_folder_and_the_checkpoint_alike(peft_runs, name,
         got.append(float(next(line.split()[1] for line in capsys.readouterr().out.splitlines()
                               if line.startswith("loss"))))
     assert abs(got[0] - got[1]) < 1e-4, got
+    assert main(["generate", str(peft_runs[name]["out"]), "--prompt", "def", "--max-new-tokens", "4",
+                 "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.strip()
 
 
 def test_the_model_card_names_the_method_and_the_peft_library():
