@@ -172,3 +172,82 @@ def tmpfs(path: Path, size: str):
         yield path
     finally:
         subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+# The peft methods beyond LoRA, as tests/model/test_peft_methods.py checks them after 3 steps of tiny
+# Llama and tests/e2e/test_distributed.py runs them again on 2 ranks (the same runs: one baseline).
+LORA_PLUS, PEFT_LR = 8.0, 1e-2
+PEFT_METHODS = {
+    "dora": {"peft.method": "dora", "peft.rslora": "true", "peft.dropout": 0.0},
+    "pissa": {"peft.method": "lora", "peft.init": "pissa", "peft.lora_plus_ratio": LORA_PLUS, "peft.dropout": 0.0,
+              "checkpoint.every_steps": 1},  # step-2 too: the resume test starts there
+    "olora": {"peft.method": "lora", "peft.init": "olora", "peft.dropout": 0.0},
+    "ia3": {"peft.method": "ia3"},
+    "adaption_prompt": {"peft.method": "adaption_prompt", "peft.adapter_len": 4},
+    # the prefix encoder as an FSDP unit of its own; prompt tuning's text init and its labels'
+    # offset through many loss chunks; step-2 checkpoints for tests/model/test_prompt_learning.py
+    "prefix_tuning": {"peft.method": "prefix_tuning", "peft.num_virtual_tokens": 4, "train.lr": 5e-2,
+                      "fsdp.wrap": "size", "fsdp.min_num_params": 400, "checkpoint.every_steps": 1},
+    "prompt_tuning": {"peft.method": "prompt_tuning", "peft.num_virtual_tokens": 4, "train.lr": 5e-2,
+                      "peft.prompt_init_text": "Return the value", "loss_chunk_tokens": 24,
+                      "checkpoint.every_steps": 1},
+}
+
+
+def peft_overrides(assets, out, name: str, **extra) -> list[str]:
+    return tiny_overrides(assets, out, "llama", **{"train.max_steps": 3, "eval.max_batches": 1, "train.lr": PEFT_LR,
+                                                   "checkpoint.every_steps": 3, **PEFT_METHODS[name], **extra})
+
+
+def logits_of(model):
+    """The model's logits of a fixed probe, in eval mode (left in train mode)."""
+    import torch
+
+    model.eval()
+    with torch.no_grad():
+        out = model(input_ids=(torch.arange(32).reshape(2, 16) * 7) % 250).logits.detach().clone()
+    model.train()
+    return out
+
+
+@pytest.fixture(scope="session")
+def peft_runs(assets, tmp_path_factory):
+    """Each method's 1-process run: stdout, per-step losses, full weights before/after (and after
+    step 1), the base's, initial and trained logits, final/, the optimizer's groups."""
+    import contextlib
+    import io
+
+    import torch
+
+    from shardtune.checkpoint.export import gather_full_state_dict
+    from shardtune.config.load import load_config
+    from shardtune.model.hf import load_source_model
+    from shardtune.train.trainer import Trainer
+
+    def full(model):
+        return {k: v.detach().clone() for k, v in gather_full_state_dict(model).items()}
+
+    results, threads = {}, torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: more threads only spin on 2 shared cores
+    for name in PEFT_METHODS:
+        out = tmp_path_factory.mktemp(name)
+        cfg = load_config(None, peft_overrides(assets, out, name), defaults={})
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            trainer = Trainer(cfg, overwrite=True)
+            model = trainer.model
+            # parameter objects before any forward (FSDP swaps in unsharded ones during one)
+            run = {"out": out, "trainable": {n for n, p in model.named_parameters() if p.requires_grad},
+                   "groups": [(g["lr"], {id(p) for p in g["params"]}) for g in trainer.optimizer.param_groups],
+                   "ids": {n: id(p) for n, p in model.named_parameters()}, "stepped": []}
+            run.update(before=full(model), initial=logits_of(model),
+                       base=logits_of(load_source_model(cfg.model, trainer.hf_config, cfg.train.seed)))
+            trainer.optimizer.register_step_post_hook(
+                lambda *_, run=run, model=model: run["stepped"].append(full(model)) if not run["stepped"] else None)
+            trainer.fit()
+            run.update(after=full(model), logits=logits_of(model), final=trainer.export())
+            trainer.close()
+        run.update(stdout=printed.getvalue(), losses=losses(out))
+        results[name] = run
+    torch.set_num_threads(threads)
+    return results

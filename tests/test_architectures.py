@@ -155,7 +155,7 @@ def test_architecture(model_type):
     from transformers import AutoModelForCausalLM
 
     from shardtune.config.schema import PeftConfig
-    from shardtune.model.adapters import add_lora
+    from shardtune.model.adapters import add_adapter
 
     gen = torch.Generator().manual_seed(1)
     rows = [torch.randint(2, 300, (n,), generator=gen).tolist() for n in DOCS]
@@ -169,11 +169,32 @@ def test_architecture(model_type):
         batch = {k: v for k, v in batch.items() if k != "position_ids"}
     _one_optimizer_step(model_type, model, batch)
     targets = _check_plan_with_default_lora(model_type)
-    wrapped = add_lora(model, PeftConfig(method="lora", r=4), model_type, seed=0)
+    wrapped = add_adapter(model, PeftConfig(method="lora", r=4), seed=0)
     adapted = {n.rsplit(".lora_A", 1)[0].rsplit(".", 1)[-1] for n, _ in wrapped.named_parameters() if "lora_A" in n}
     # the tiny DeepSeek-V3 has a low-rank query: q_b_proj, no q_proj
     expected = set(targets) - {"q_proj"} if model_type == "deepseek_v3" else set(targets)
     assert adapted == expected, (model_type, adapted, targets)
+    _check_default_ia3(model_type)
+
+
+def _check_default_ia3(model_type):
+    """IA3's default targets (the families table's or peft's) are modules of the model, and the
+    feed-forward ones among them: it wraps (on the meta device: the structure is what counts)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.config.schema import PeftConfig
+    from shardtune.model.adapters import add_adapter, default_ia3_targets
+
+    targets, feedforward = default_ia3_targets(model_type)
+    assert set(feedforward) <= set(targets), model_type
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config(model_type))
+    wrapped = add_adapter(model, PeftConfig(method="ia3"), init=False)
+    scaled = {n.rsplit(".ia3_l", 1)[0] for n, p in wrapped.named_parameters() if p.requires_grad}
+    assert scaled and all(".ia3_l." in n for n, p in wrapped.named_parameters() if p.requires_grad), model_type
+    assert {t for t in targets if any(n.endswith("." + t) for n in scaled)} == set(targets), \
+        (model_type, targets, sorted(scaled)[:6])
 
 
 def test_readme_architecture_table_is_the_families_table():

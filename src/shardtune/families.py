@@ -32,6 +32,12 @@ class Family:
     # one kind of matmul (selective checkpointing, offloading, quantization)
     attention: tuple[str, ...]
     mlp: tuple[str, ...]
+    # default IA3 (targets, feed-forward targets), only where shardtune chooses itself: None takes
+    # peft's mapping. Mixture-of-experts models: attention only (fused experts are no linear layers)
+    ia3_targets: tuple[tuple[str, ...], tuple[str, ...]] | None = None
+    # peft's prefix tuning fits its attention cache (one key and value per attention or key/value
+    # head); False: multi-query or latent attention caches other shapes, so it is refused
+    prefix_tuning: bool = True
 
 
 _QV = ("q_proj", "v_proj")
@@ -47,25 +53,32 @@ _MOE = ("mlp.gate", "mlp.experts")  # router and fused experts
 _MOE_ROUTER = ("mlp.router", "mlp.experts")
 
 
-def _llama(block: str, lora=_PEFT, plain: bool = True, mlp=_LLAMA_MLP) -> Family:
-    return Family(block, lora, plain, _POS, _LLAMA_ATTENTION, mlp)
+_IA3_LLAMA = (("k_proj", "v_proj", "down_proj"), ("down_proj",))  # peft's choice for llama
+_IA3_MOE = (("k_proj", "v_proj"), ())
+
+
+def _llama(block: str, lora=_PEFT, plain: bool = True, mlp=_LLAMA_MLP, ia3=_PEFT) -> Family:
+    return Family(block, lora, plain, _POS, _LLAMA_ATTENTION, mlp, ia3)
 
 
 FAMILIES = {
     "gpt2": Family("GPT2Block", _PEFT, True, _POS, _GPT2_ATTENTION, _GPT2_MLP),
-    "gpt_bigcode": Family("GPTBigCodeBlock", _PEFT, True, _POS, _GPT2_ATTENTION, _GPT2_MLP),
+    "gpt_bigcode": Family("GPTBigCodeBlock", _PEFT, True, _POS, _GPT2_ATTENTION, _GPT2_MLP,
+                          prefix_tuning=False),  # multi-query attention
     "gpt_neo": Family("GPTNeoBlock", _PEFT, True, _POS, tuple(f"attn.attention.{p}" for p in (
         "q_proj", "k_proj", "v_proj", "out_proj")), _GPT2_MLP),
     "gptj": Family("GPTJBlock", _PEFT, False, _POS,  # the head has a bias
                    ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.out_proj"), ("mlp.fc_in", "mlp.fc_out")),
     "codegen": Family("CodeGenBlock", _PEFT, False, _POS,  # the head has a bias
-                      ("attn.qkv_proj", "attn.out_proj"), ("mlp.fc_in", "mlp.fc_out")),
+                      ("attn.qkv_proj", "attn.out_proj"), ("mlp.fc_in", "mlp.fc_out"),
+                      (("qkv_proj", "fc_out"), ("fc_out",))),
     # ALiBi: attention biased by distance, no positions to restart
     "bloom": Family("BloomBlock", _PEFT, True, None, tuple(f"self_{p}" for p in _FUSED_ATTENTION), _NEOX_MLP),
     # OPT and Falcon build their masks without the position ids: shardtune passes the 4-D mask
     "opt": Family("OPTDecoderLayer", _PEFT, True, _4D,
                   ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj"), ("fc1", "fc2")),
-    "falcon": Family("FalconDecoderLayer", _PEFT, True, _4D, tuple(f"self_{p}" for p in _FUSED_ATTENTION), _NEOX_MLP),
+    "falcon": Family("FalconDecoderLayer", _PEFT, True, _4D, tuple(f"self_{p}" for p in _FUSED_ATTENTION), _NEOX_MLP,
+                     prefix_tuning=False),  # multi-query (7B) or grouped key/values peft miscounts
     "gpt_neox": Family("GPTNeoXLayer", _PEFT, True, _POS, _FUSED_ATTENTION, _NEOX_MLP),
     "llama": _llama("LlamaDecoderLayer"),
     "mistral": _llama("MistralDecoderLayer"),
@@ -74,32 +87,36 @@ FAMILIES = {
     "gemma": _llama("GemmaDecoderLayer"),
     "gemma2": _llama("Gemma2DecoderLayer", plain=False),  # final_logit_softcapping
     "gemma3_text": _llama("Gemma3DecoderLayer", plain=False),  # final_logit_softcapping
-    "stablelm": _llama("StableLmDecoderLayer"),
-    "olmo2": _llama("Olmo2DecoderLayer", _QV),
-    "granite": _llama("GraniteDecoderLayer", _QV, plain=False),  # logits / logits_scaling
-    "cohere": _llama("CohereDecoderLayer", _QV, plain=False),  # logits * logit_scale
-    "smollm3": _llama("SmolLM3DecoderLayer", _QV),
-    "starcoder2": _llama("Starcoder2DecoderLayer", _QV, mlp=_GPT2_MLP),
-    "glm4": _llama("Glm4DecoderLayer", _QV, mlp=("mlp.gate_up_proj", "mlp.down_proj")),
+    "stablelm": _llama("StableLmDecoderLayer", ia3=_IA3_LLAMA),
+    "olmo2": _llama("Olmo2DecoderLayer", _QV, ia3=_IA3_LLAMA),
+    "granite": _llama("GraniteDecoderLayer", _QV, plain=False, ia3=_IA3_LLAMA),  # logits / logits_scaling
+    "cohere": _llama("CohereDecoderLayer", _QV, plain=False, ia3=_IA3_LLAMA),  # logits * logit_scale
+    "smollm3": _llama("SmolLM3DecoderLayer", _QV, ia3=_IA3_LLAMA),
+    "starcoder2": _llama("Starcoder2DecoderLayer", _QV, mlp=_GPT2_MLP,
+                         ia3=(("k_proj", "v_proj", "mlp.c_proj"), ("mlp.c_proj",))),
+    "glm4": _llama("Glm4DecoderLayer", _QV, mlp=("mlp.gate_up_proj", "mlp.down_proj"), ia3=_IA3_LLAMA),
     "phi": Family("PhiDecoderLayer", _PEFT, False, _POS,  # the head has a bias
                   ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.dense"),
                   ("mlp.fc1", "mlp.fc2")),
     "phi3": Family("Phi3DecoderLayer", ("qkv_proj",), True, _POS,
-                   ("self_attn.qkv_proj", "self_attn.o_proj"), ("mlp.gate_up_proj", "mlp.down_proj")),
+                   ("self_attn.qkv_proj", "self_attn.o_proj"), ("mlp.gate_up_proj", "mlp.down_proj"),
+                   (("qkv_proj", "down_proj"), ("down_proj",))),
     # mixture of experts (the MLP entries name the router and the fused experts)
-    "mixtral": _llama("MixtralDecoderLayer", mlp=_MOE),
-    "qwen2_moe": _llama("Qwen2MoeDecoderLayer", _QV, mlp=(*_MOE, "mlp.shared_expert", "mlp.shared_expert_gate")),
-    "qwen3_moe": _llama("Qwen3MoeDecoderLayer", _QV, mlp=_MOE),
-    "olmoe": _llama("OlmoeDecoderLayer", _QV, mlp=_MOE),
-    "phimoe": _llama("PhimoeDecoderLayer", _QV, mlp=_MOE_ROUTER),
+    "mixtral": _llama("MixtralDecoderLayer", mlp=_MOE, ia3=_IA3_MOE),
+    "qwen2_moe": _llama("Qwen2MoeDecoderLayer", _QV, mlp=(*_MOE, "mlp.shared_expert", "mlp.shared_expert_gate"),
+                        ia3=_IA3_MOE),
+    "qwen3_moe": _llama("Qwen3MoeDecoderLayer", _QV, mlp=_MOE, ia3=_IA3_MOE),
+    "olmoe": _llama("OlmoeDecoderLayer", _QV, mlp=_MOE, ia3=_IA3_MOE),
+    "phimoe": _llama("PhimoeDecoderLayer", _QV, mlp=_MOE_ROUTER, ia3=_IA3_MOE),
     "granitemoe": _llama("GraniteMoeDecoderLayer", _QV, plain=False,  # logits / logits_scaling
-                         mlp=("block_sparse_moe.router", "block_sparse_moe.experts")),
+                         mlp=("block_sparse_moe.router", "block_sparse_moe.experts"), ia3=_IA3_MOE),
     # builds its masks without the position ids, and its router loss cannot take a 4-D mask: refused
-    "gpt_oss": Family("GptOssDecoderLayer", _QV, True, None, _LLAMA_ATTENTION, _MOE_ROUTER),
+    "gpt_oss": Family("GptOssDecoderLayer", _QV, True, None, _LLAMA_ATTENTION, _MOE_ROUTER, _IA3_MOE),
     # LoRA on the up-projections of the low-rank query (q_proj without one) and of the keys/values
     "deepseek_v3": Family("DeepseekV3DecoderLayer", ("q_proj", "q_b_proj", "kv_b_proj"), True, _POS,
                           ("self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.kv_a_proj_with_mqa",
-                           "self_attn.kv_b_proj", "self_attn.o_proj"), (*_MOE, "mlp.shared_experts")),
+                           "self_attn.kv_b_proj", "self_attn.o_proj"), (*_MOE, "mlp.shared_experts"),
+                          (("kv_b_proj",), ()), prefix_tuning=False),  # latent attention
 }
 
 

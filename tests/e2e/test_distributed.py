@@ -13,7 +13,7 @@ import sys
 import pytest
 from archs import arch_config
 
-from conftest import ROOT, child_env, losses, run_cli, tiny_overrides
+from conftest import PEFT_METHODS, ROOT, child_env, losses, peft_overrides, run_cli, tiny_overrides
 
 pytestmark = pytest.mark.multiproc
 TOL = 1e-5
@@ -110,11 +110,13 @@ def torchrun(nproc: int, script_args: list[str], nnodes: int = 1, timeout: int =
 
 
 def test_two_ranks_match_one_process_for_every_sharding(assets, baseline, baseline_dir, lora_baseline,
-                                                        docmask_baseline, moe_baseline, tmp_path):
+                                                        docmask_baseline, moe_baseline, peft_runs, tmp_path):
     """full_shard (accumulation 2 and 1, activation checkpointing full and selective with offloading),
     shard_grad_op and no_shard
     on 2 ranks, with full logits and with many loss chunks (the baseline's loss is one chunk),
     and document-masked packing, and Mixtral with its router loss (accumulation 2 against 4);
+    each peft method (DoRA with rsLoRA, PiSSA with LoRA+, OLoRA, IA3, adaption prompt, prefix and
+    prompt tuning);
     a locally saved GPT-2 and Llama load on 2 ranks exactly (rank 0's broadcast and model.sharded_load)
     and, written back by both ranks (checkpoint.sharded_final), load bitwise equal; final/ round-trips
     (job 0 writes it sharded); a checkpoint.hf_format checkpoint resumes on 2 ranks."""
@@ -146,7 +148,8 @@ def test_two_ranks_match_one_process_for_every_sharding(assets, baseline, baseli
         "hf_resume": {"resume": str(tmp_path / "full_shard" / "checkpoints" / "step-000003")},
     }
     spec = {"result": str(tmp_path / "result.json"), "load": saved, "export": True,
-            "jobs": [tiny_overrides(assets, tmp_path / name, **extra) for name, extra in jobs.items()]}
+            "jobs": [tiny_overrides(assets, tmp_path / name, **extra) for name, extra in jobs.items()]
+            + [peft_overrides(assets, tmp_path / name, name) for name in PEFT_METHODS]}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     proc = torchrun(2, ["tests/dist_harness.py", str(tmp_path / "spec.json")])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -158,6 +161,10 @@ def test_two_ranks_match_one_process_for_every_sharding(assets, baseline, baseli
         got, want = losses(tmp_path / name), {"lora": lora_baseline, "docmask": docmask_baseline,
                                           "moe": moe_baseline, "hf_resume": baseline[3:]}.get(name, baseline)
         assert len(got) == len(want)
+        assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < TOL, (name, got, want)
+    for name, run in peft_runs.items():  # the 1-process runs of tests/model/test_peft_methods.py
+        got, want = losses(tmp_path / name), run["losses"]
+        assert len(got) == len(want) == 3
         assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < TOL, (name, got, want)
     for name in ("full_shard", "no_shard"):
         same_watch(tmp_path / name, baseline_dir)

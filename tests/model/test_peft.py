@@ -145,16 +145,16 @@ def test_hub_base_adapter_points_at_the_hub_id_and_saves_no_base(tmp_path):
 
     from shardtune.checkpoint.export import save_adapter_folder
     from shardtune.config.schema import ModelConfig, PeftConfig
-    from shardtune.model.adapters import add_lora
+    from shardtune.model.adapters import add_adapter
 
     cfg = dict(TINY["llama"])
     hf_config = AutoConfig.for_model(cfg.pop("model_type"), vocab_size=300, **cfg)
-    model = add_lora(AutoModelForCausalLM.from_config(hf_config), PeftConfig(method="lora"), "llama", seed=0)
+    model = add_adapter(AutoModelForCausalLM.from_config(hf_config), PeftConfig(method="lora"), seed=0)
     for name, p in model.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(p)
     save_adapter_folder(model.state_dict(), model, ModelConfig(name_or_path="meta-llama/Llama-2-7b-hf"),
-                        hf_config, None, tmp_path / "final")
+                        PeftConfig(method="lora"), hf_config, None, tmp_path / "final")
     config = json.loads((tmp_path / "final" / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == "meta-llama/Llama-2-7b-hf"
     assert set(config["target_modules"]) == {"q_proj", "v_proj"}
@@ -172,11 +172,11 @@ def test_default_lora_targets_per_architecture(arch, targets):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from shardtune.config.schema import PeftConfig
-    from shardtune.model.adapters import add_lora
+    from shardtune.model.adapters import add_adapter
 
     cfg = dict(TINY[arch])
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), vocab_size=300, **cfg))
-    wrapped = add_lora(model, PeftConfig(method="lora", r=4), arch, seed=0)
+    wrapped = add_adapter(model, PeftConfig(method="lora", r=4), seed=0)
     adapted = {n.rsplit(".lora_A", 1)[0].rsplit(".", 1)[-1] for n, _ in wrapped.named_parameters() if "lora_A" in n}
     assert adapted == targets
     assert all(("lora_" in n) == p.requires_grad for n, p in wrapped.named_parameters())
@@ -198,6 +198,14 @@ def test_qlora_without_a_gpu_is_refused_in_one_line(assets, tmp_path):
     ({"freeze.trainable_blocks": 5}, "0..2"),
     ({"freeze.trainable_blocks": -1}, "freeze.trainable_blocks=-1 must be at least 0"),
     ({"freeze.head_only": "true", "freeze.trainable_blocks": 1}, "head_only"),
+    # the other methods: what the config alone refuses, then what the model type decides
+    ({"peft.method": "dora", "peft.lora_plus_ratio": 0.5}, "at least 1"),
+    ({"peft.method": "ia3", "peft.target_modules": "[c_attn]", "peft.feedforward_modules": "[c_fc]"}, "c_fc"),
+    ({"peft.method": "lora", "peft.init": "pissa", "peft.quantize": "4bit", "device": "cuda"}, "residual"),
+    ({"peft.method": "lora", "peft.init": "olora"}, "Conv1D"),
+    ({"peft.method": "ia3", "peft.target_modules": "[q_proj]"}, "q_proj"),
+    ({"peft.method": "adaption_prompt", "model.config": json.dumps(TINY["opt"])}, "gpt2, llama, mistral"),
+    ({"peft.method": "adaption_prompt", "peft.adapter_layers": 3}, "1..2"),
 ])
 def test_bad_peft_and_freeze_settings_are_one_line_errors(assets, tmp_path, capsys, extra, needle):
     from shardtune.cli.main import main
@@ -317,10 +325,10 @@ def test_default_lora_targets_take_the_variant_the_model_has():
     from transformers import AutoModelForCausalLM
 
     from shardtune.config.schema import PeftConfig
-    from shardtune.model.adapters import add_lora
+    from shardtune.model.adapters import add_adapter
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config("deepseek_v3", q_lora_rank=None))
-    wrapped = add_lora(model, PeftConfig(method="lora", r=4), "deepseek_v3")
+    wrapped = add_adapter(model, PeftConfig(method="lora", r=4))
     adapted = {n.rsplit(".lora_A", 1)[0].rsplit(".", 1)[-1] for n, _ in wrapped.named_parameters() if "lora_A" in n}
     assert adapted == {"q_proj", "kv_b_proj"}

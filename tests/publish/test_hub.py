@@ -179,9 +179,11 @@ def test_missing_token_with_required_false_trains_without_publishing(assets, tmp
     assert not (tmp_path / "run" / "publish").exists()
 
 
-def test_lora_adapter_on_the_hub_names_the_bases_hub_id(assets, tmp_path, hub, capsys):
+@pytest.mark.parametrize("init", ["default", "pissa"])
+def test_lora_adapter_on_the_hub_names_the_bases_hub_id(assets, tmp_path, hub, capsys, init):
     """A local base whose config.json keeps the hub id it came from: the Hub copy of the adapter
-    config names that id (it loads from the Hub), the local copy keeps the local path."""
+    config names that id (it loads from the Hub), the local copy keeps the local path. PiSSA's
+    adapter belongs to the residual base: that is uploaded in base/, and the run says so."""
     from transformers import AutoModelForCausalLM, GPT2Config
 
     from conftest import TINY
@@ -193,13 +195,16 @@ def test_lora_adapter_on_the_hub_names_the_bases_hub_id(assets, tmp_path, hub, c
     (base / "config.json").write_text(json.dumps({**config, "_name_or_path": "org/tiny-base"}))
     store, _ = hub
     out = tmp_path / "run"
-    run_tiny(assets, out, **{**PUBLISH, "train.max_steps": 1, "peft.method": "lora",
+    run_tiny(assets, out, **{**PUBLISH, "train.max_steps": 1, "peft.method": "lora", "peft.init": init,
                              "model.config": "{}", "model.name_or_path": str(base)})
     repo = store / "user" / "tiny" / "dev"
     for folder in (repo, repo / "checkpoints" / "step-000001"):  # the final adapter and a checkpoint's
-        assert json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"] == "org/tiny-base"
+        named = json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"]
+        assert (named == "org/tiny-base") == (init == "default"), named
+        assert (folder / "base" / "config.json").is_file()  # a local base is uploaded beside it
     assert Path(json.loads((out / "final" / "adapter_config.json").read_text())["base_model_name_or_path"]).exists()
-    assert "names a local path" not in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "names a local path" not in printed and ("residual base weights" in printed) == (init == "pissa")
 
 
 def test_lora_base_without_a_hub_id_warns_how_to_fix(tmp_path):

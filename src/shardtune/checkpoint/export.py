@@ -54,17 +54,17 @@ def export_checkpoint(spec: str, out: Path, max_shard_size: str = "2GB") -> Path
 
 
 def write_export(path: Path, out: Path, max_shard_size: str = "2GB", replace: bool = False) -> dict:
-    """The export of the checkpoint folder `path` into `out` (a LoRA run's: its adapter), quietly;
+    """The export of the checkpoint folder `path` into `out` (a peft run's: its adapter), quietly;
     returns the checkpoint's meta.json. Also what a run's Hub publisher uploads."""
     from transformers.utils import logging as hf_logging
 
     from shardtune.checkpoint.dcp import read_meta
-    from shardtune.checkpoint.loading import checkpoint_config, load_plain_model
+    from shardtune.checkpoint.loading import checkpoint_config, known_fields, load_plain_model
 
     hf_logging.set_verbosity_error()
     meta = read_meta(path)
     model_cfg = meta["config"].get("model", {})
-    if meta["config"].get("peft", {}).get("method") != "lora" and not model_cfg.get("trust_remote_code"):
+    if meta["config"].get("peft", {}).get("method", "none") == "none" and not model_cfg.get("trust_remote_code"):
         # a full model: one output file in memory at a time
         hf_config, tokenizer = checkpoint_config(path, meta)
         with atomic_dir(out, replace=replace) as tmp:
@@ -73,12 +73,11 @@ def write_export(path: Path, out: Path, max_shard_size: str = "2GB", replace: bo
             return meta
     model, tokenizer, meta = load_plain_model(path)
     with atomic_dir(out, replace=replace) as tmp:  # a disk that fills half-way leaves no folder that loads
-        if getattr(model, "peft_config", None):  # a LoRA run's checkpoint: the adapter, as in final/
-            from shardtune.config.schema import ModelConfig
+        if getattr(model, "peft_config", None):  # a peft run's checkpoint: the adapter, as in final/
+            from shardtune.config.schema import ModelConfig, PeftConfig
 
-            known = {k: v for k, v in meta["config"].get("model", {}).items()
-                     if k in ModelConfig.__dataclass_fields__}
-            save_adapter_folder(model.state_dict(), model, ModelConfig(**known), model.config, tokenizer, tmp,
+            save_adapter_folder(model.state_dict(), model, known_fields(ModelConfig, meta["config"].get("model", {})),
+                                known_fields(PeftConfig, meta["config"].get("peft", {})), model.config, tokenizer, tmp,
                                 final=out)
         else:
             save_hf_folder(model.state_dict(), model.config, tokenizer, tmp, max_shard_size)
@@ -124,29 +123,33 @@ def push_to_hub(folder: Path, repo: str, private: bool = False) -> None:
     print(f"pushed {folder} to https://huggingface.co/{repo}", flush=True)
 
 
-def save_adapter_folder(state_dict: dict, peft_model, model_cfg, hf_config, tokenizer, out: Path,
-                        quantized: bool = False, final: Path | None = None) -> None:
-    """LoRA run: the adapter in peft's format (`PeftModel.from_pretrained` loads it). A base that
-    is not a hub model (a local folder or a random init) is saved beside it, in out/base, and the
+def save_adapter_folder(state_dict: dict, peft_model, model_cfg, peft_cfg, hf_config, tokenizer, out: Path,
+                        final: Path | None = None) -> None:
+    """A peft run (any method): the adapter in peft's format (`PeftModel.from_pretrained` loads
+    it). A base that is not a hub model (a local folder or a random init), or whose weights the
+    method changed (PiSSA/OLoRA keep the residual), is saved beside it, in out/base, and the
     adapter config points there, so the pair loads on any machine that has the folder."""
-    from peft import get_peft_model_state_dict
+    import copy
+
     from safetensors.torch import save_file
 
+    from shardtune.model.adapters import base_weights
+    from shardtune.model.prompt_learning import adapter_state_dict
+
     out.mkdir(parents=True, exist_ok=True)
-    adapter = get_peft_model_state_dict(peft_model, state_dict=state_dict)
+    adapter = adapter_state_dict(peft_model, state_dict)
     save_file({k: v.contiguous() for k, v in adapter.items()}, str(out / "adapter_model.safetensors"),
               metadata={"format": "pt"})
-    config = peft_model.peft_config["default"]
-    pretrained = model_cfg.name_or_path and not model_cfg.random_init
-    if pretrained and (not Path(model_cfg.name_or_path).exists() or quantized):
+    config = copy.deepcopy(peft_model.peft_config["default"])
+    if hasattr(config, "init_lora_weights"):
+        config.init_lora_weights = True  # loading must not initialise again (PiSSA/OLoRA would change the base)
+    pretrained = model_cfg.name_or_path and not model_cfg.random_init and not peft_cfg.residual_init
+    if pretrained and (not Path(model_cfg.name_or_path).exists() or peft_cfg.quantize != "none"):
         # a hub id, or (QLoRA) the local folder the 4-bit base was quantized from
         local = Path(model_cfg.name_or_path)
         config.base_model_name_or_path = str(local.resolve()) if local.exists() else model_cfg.name_or_path
     else:
-        prefix, lora = "base_model.model.", (".lora_A.", ".lora_B.", ".lora_dropout.")
-        base = {k[len(prefix):].replace(".base_layer.", "."): v for k, v in state_dict.items()
-                if k.startswith(prefix) and not any(tag in k for tag in lora)}
-        save_hf_folder(base, hf_config, tokenizer, out / "base")
+        save_hf_folder(base_weights(peft_model, state_dict), hf_config, tokenizer, out / "base")
         config.base_model_name_or_path = str(((final or out) / "base").resolve())
     config.save_pretrained(str(out))
     if tokenizer is not None:
@@ -154,27 +157,32 @@ def save_adapter_folder(state_dict: dict, peft_model, model_cfg, hf_config, toke
 
 
 def merge_adapter_folder(adapter: Path, out: Path, max_shard_size: str = "2GB") -> Path:
-    """`shardtune export ADAPTER OUT --merge`: base + LoRA folded into plain weights, in the
-    base's own dtype. The base is the one the adapter config names; if that folder is gone (the
-    run folder was moved or copied to another machine), the copy in ADAPTER/base is used."""
-    import json
+    """`shardtune export ADAPTER OUT --merge`: base + adapter (LoRA, DoRA, IA3) folded into plain
+    weights, in the base's own dtype. The base is the one the adapter config names; if that folder is gone (the
+    run folder was moved or copied to another machine), the copy in ADAPTER/base is used. A method
+    that cannot merge is refused before anything is loaded."""
+    from shardtune.model.adapters import MERGEABLE_PEFT_TYPES
+    from shardtune.model.hf import _hub_hint, read_json_object
 
+    if not (adapter / "adapter_config.json").is_file() and (adapter / "final" / "adapter_config.json").is_file():
+        adapter = adapter / "final"  # a run folder: its final adapter
+    if not (adapter / "adapter_config.json").is_file():
+        raise UserError(f"{str(adapter)!r} is not a peft adapter folder (no adapter_config.json); "
+                        "--merge takes the final/ folder of a peft.method=lora/dora/ia3 run")
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"export folder {str(out)!r} is not empty; choose a new folder")
+    config = read_json_object(adapter / "adapter_config.json")
+    kind = str(config.get("peft_type", "?"))
+    if kind not in MERGEABLE_PEFT_TYPES:
+        raise UserError(f"a {kind} adapter cannot be merged into its base (its learned tokens/gates are no "
+                        "weights of the base); only lora, dora and ia3 merge: use the adapter folder as it is")
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from shardtune.model.hf import _hub_hint
-
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    if not (adapter / "adapter_config.json").is_file() and (adapter / "final" / "adapter_config.json").is_file():
-        adapter = adapter / "final"  # a run folder: its final adapter
-    if not (adapter / "adapter_config.json").is_file():
-        raise UserError(f"{str(adapter)!r} is not a LoRA adapter folder (no adapter_config.json); "
-                        "--merge takes the final/ folder of a peft.method=lora run")
-    if out.exists() and any(out.iterdir()):
-        raise UserError(f"export folder {str(out)!r} is not empty; choose a new folder")
-    base = json.loads((adapter / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    base = config.get("base_model_name_or_path")
     beside = adapter / "base"
     if (not base or not Path(base).is_dir()) and (beside / "config.json").is_file():
         base = str(beside)

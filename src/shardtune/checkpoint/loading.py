@@ -1,5 +1,5 @@
 """A trained model in this process alone, without a process group: from an HF folder or hub id,
-a LoRA adapter folder, a run folder, or a sharded checkpoint (read shard by shard, no optimizer).
+a peft adapter folder, a run folder, or a sharded checkpoint (read shard by shard, no optimizer).
 `eval`, `generate` and `export` load through here."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ def resolve_model(spec: str) -> tuple[str, Path | str]:
     path = Path(spec).expanduser()
     if (path / "final" / "config.json").is_file():
         return "hf", path / "final"
-    for folder in (path, path / "final"):  # a LoRA run's final/: adapter (+ base)
+    for folder in (path, path / "final"):  # a peft run's final/: adapter (+ base)
         if (folder / "adapter_config.json").is_file():
             return "adapter", folder
     if (path / "meta.json").exists() or (path / ".metadata").exists() or (path / "checkpoints").is_dir() \
@@ -39,7 +39,7 @@ def load_model(spec: str, device: str = "cpu", weights: bool = True):
         run_cfg = load_config(None, None, defaults=read_meta(where)["config"])
         if weights:
             model, tokenizer, _ = load_plain_model(where, device)
-            return model, tokenizer, model.config, run_cfg
+            return _folded(model), tokenizer, model.config, run_cfg
         from shardtune.config.schema import ModelConfig
         from shardtune.model.hf import load_hf_config, load_tokenizer
 
@@ -48,7 +48,7 @@ def load_model(spec: str, device: str = "cpu", weights: bool = True):
                 load_hf_config(ModelConfig(name_or_path=str(where), random_init=True, trust_remote_code=trust)),
                 run_cfg)
 
-    if kind == "adapter":  # evaluate/generate with the adapter folded into its base
+    if kind == "adapter":  # evaluate/generate with the adapter folded into its base where it can be
         import json
 
         from transformers import AutoConfig, AutoTokenizer
@@ -59,7 +59,7 @@ def load_model(spec: str, device: str = "cpu", weights: bool = True):
             return None, tokenizer, AutoConfig.from_pretrained(base), None
         from peft import AutoPeftModelForCausalLM
 
-        model = AutoPeftModelForCausalLM.from_pretrained(str(where)).merge_and_unload()
+        model = _folded(AutoPeftModelForCausalLM.from_pretrained(str(where)))
         return model.to(torch.device(device)).eval(), tokenizer, model.config, None
 
     from shardtune.config.schema import ModelConfig
@@ -71,6 +71,39 @@ def load_model(spec: str, device: str = "cpu", weights: bool = True):
         return None, tokenizer, hf_config, None
     model = load_source_model(mc, hf_config, seed=0).to(torch.device(device))
     return model.eval(), tokenizer, hf_config, None
+
+
+def _folded(model):
+    """A loaded peft model with a mergeable adapter (LoRA, DoRA, IA3) folded into its base: a
+    plain model. Others (learned tokens, gates) stay the PeftModel (`adapter_structure`)."""
+    from shardtune.model.adapters import MERGEABLE_PEFT_TYPES
+
+    if getattr(model, "peft_type", None) in MERGEABLE_PEFT_TYPES:
+        return model.merge_and_unload()
+    return model
+
+
+def adapter_structure(spec: str):
+    """The peft structure of the model `load_model(spec)` returns (a PeftConfig; method none for a
+    plain or folded model), so that every rank builds the same skeleton for it: cheap, no weights."""
+    from shardtune.config.schema import PeftConfig
+    from shardtune.model.adapters import peft_config_of
+
+    kind, where = resolve_model(spec)
+    if kind == "checkpoint":
+        peft = known_fields(PeftConfig, read_meta(where)["config"].get("peft", {}))
+    elif kind == "adapter":
+        from shardtune.model.hf import read_json_object
+
+        peft = peft_config_of(read_json_object(where / "adapter_config.json"))
+    else:
+        return PeftConfig()
+    return PeftConfig() if peft.mergeable else peft
+
+
+def known_fields(cls, values: dict):
+    """A config dataclass from a saved section (a checkpoint's; keys of other versions dropped)."""
+    return cls(**{k: v for k, v in values.items() if k in cls.__dataclass_fields__})
 
 
 def checkpoint_config(path: Path, meta: dict):
@@ -96,11 +129,12 @@ def load_plain_model(path: Path, device: str = "cpu"):
     with no_init_weights(), torch.device(device):  # real buffers (e.g. rotary), parameters left empty
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, trust_remote_code=trust)
     peft_cfg = meta["config"].get("peft", {})
-    if peft_cfg.get("method") == "lora":  # the checkpoint holds the adapter-wrapped names
+    if peft_cfg.get("method", "none") != "none":  # the checkpoint holds the adapter-wrapped names
         from shardtune.config.schema import PeftConfig
-        from shardtune.model.adapters import add_lora
+        from shardtune.model.adapters import add_adapter
 
-        model = add_lora(model, PeftConfig(**peft_cfg), hf_config.model_type)
+        # the structure only: every value (PiSSA/OLoRA's residual base too) comes from the checkpoint
+        model = add_adapter(model, known_fields(PeftConfig, peft_cfg), init=False)
     dcp_load({"model": model.state_dict()}, path, no_dist=True)
     model.tie_weights()
     model.eval()

@@ -145,6 +145,21 @@ class PeftConfig:
     DEFAULT_ADAPTER_LEN: typing.ClassVar[int] = 10
 
     @property
+    def adapter(self) -> bool:
+        """Any peft method: the run trains (and final/ holds) a peft adapter over a frozen base."""
+        return self.method != "none"
+
+    @property
+    def mergeable(self) -> bool:
+        """Methods whose adapter folds into the base weights (`export --merge`)."""
+        return self.method in ("lora", "dora", "ia3")
+
+    @property
+    def residual_init(self) -> bool:
+        """PiSSA/OLoRA: the adapter starts from the base weights, which keep only the residual."""
+        return self.low_rank and self.init in ("pissa", "olora")
+
+    @property
     def low_rank(self) -> bool:
         """LoRA or DoRA: low-rank matrices beside the base layers (mergeable, LoRA's keys)."""
         return self.method in ("lora", "dora")

@@ -198,6 +198,24 @@ def _validate_adapters(cfg) -> None:
         raise UserError(f"peft.method={p.method} puts learned tokens before each sequence, which the document mask "
                         "would hide from every document but the first; set data.document_mask=false (and "
                         "data.padding_free=false), or use peft.method=lora")
+    if p.method == "prefix_tuning" and cfg.activation_checkpointing != "none":
+        # the prefix is the attention cache, which a recomputed block would extend a second time
+        raise UserError(f"peft.method=prefix_tuning does not combine with activation_checkpointing="
+                        f"{cfg.activation_checkpointing} (recomputing a block would add to its prefix cache "
+                        "again); set activation_checkpointing=none, or use peft.method=prompt_tuning")
+    if p.prompt_init_text is not None and not p.prompt_init_text.strip():
+        raise UserError("peft.prompt_init_text is empty; give the words the virtual tokens start from, or drop "
+                        "it for a random init")
+    if 0 < p.lora_plus_ratio < 1:
+        raise UserError(f"peft.lora_plus_ratio={p.lora_plus_ratio} would slow the B matrices down; LoRA+ takes a "
+                        "ratio of at least 1 (e.g. 16), or 0 for off")
+    if p.feedforward_modules is not None and p.target_modules is not None \
+            and not set(p.feedforward_modules) <= set(p.target_modules):
+        raise UserError(f"peft.feedforward_modules {sorted(set(p.feedforward_modules) - set(p.target_modules))} are "
+                        "not in peft.target_modules; IA3 scales only targets: list them there too")
+    if p.residual_init and p.quantize != "none":
+        raise UserError(f"peft.init={p.init} rewrites the base weights as a residual, which peft.quantize=4bit "
+                        "keeps frozen in NF4; use peft.init=default (or gaussian) with QLoRA")
     if p.quantize != "none":
         if cfg.device == "cpu":
             raise UserError("peft.quantize=4bit (QLoRA) needs a CUDA GPU and bitsandbytes; "

@@ -1,4 +1,5 @@
-"""Parameter-efficient fine-tuning: LoRA through `peft`, and layer freezing.
+"""Parameter-efficient fine-tuning through `peft` (LoRA, DoRA, IA3, adaption prompt, ...), and
+layer freezing.
 
 Both run on the meta-device skeleton *and* on rank 0's source model (the same function, seeded),
 so their parameter names match when the weights are broadcast. FSDP2 keeps frozen and trainable
@@ -13,6 +14,10 @@ import torch.nn as nn
 from shardtune.config.schema import FreezeConfig, PeftConfig
 from shardtune.errors import UserError
 from shardtune.families import family
+from shardtune.model.prompt_learning import check_model as check_prompt_learning
+from shardtune.model.prompt_learning import fit_for_fsdp, init_text, prefix_tuning_config, prompt_tuning_config
+
+MERGEABLE_PEFT_TYPES = ("LORA", "IA3")  # adapters that fold into the base weights (DoRA is a LORA type)
 
 
 def check_quantize(cfg: PeftConfig, device) -> None:
@@ -50,34 +55,164 @@ def load_qlora_model(cfg, hf_config, device, world_size: int, seed: int):
     # fp32 norms and embeddings-output grads, optional checkpointing: the usual k-bit preparation.
     model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.activation_checkpointing == "full",
                                             gradient_checkpointing_kwargs={"use_reentrant": False})
-    return add_lora(model, cfg.peft, hf_config.model_type, seed)
+    return add_adapter(model, cfg.peft, seed)
 
 
-def add_lora(model, cfg: PeftConfig, model_type: str, seed: int | None = None):
-    """Wrap `model` with LoRA adapters (a PeftModel); the base weights are frozen by peft."""
-    from peft import LoraConfig, get_peft_model
+def add_adapter(model, cfg: PeftConfig, seed: int | None = None, init: bool = True, tokenizer: str | None = None):
+    """Wrap `model` with the adapters of `cfg.method` (a PeftModel; peft freezes the base). `init`:
+    the method's own initialisation (PiSSA/OLoRA decompose the base weights, prompt tuning reads
+    its text with `tokenizer`); False builds the same structure with the plain init (a meta
+    skeleton, or a model whose values are loaded next)."""
+    from peft import PeftModel, get_peft_model
 
-    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
-    # a default may name variants of one projection (DeepSeek-V3's q_proj, or q_b_proj with a
-    # low-rank query): those of this model
-    targets = cfg.target_modules or [t for t in default_lora_targets(model_type) or [] if t in names]
-    if not targets:
-        raise UserError(f"no default LoRA target modules for model_type {model_type!r}; "
-                        "set peft.target_modules=[...] (names of linear layers)")
-    missing = [t for t in targets if t not in names]
-    if missing:
-        raise UserError(f"peft.target_modules {missing} are not modules of this {model_type} model; "
-                        f"choose among its linear layers: {', '.join(_linear_names(model)[:12])}")
+    if isinstance(model, PeftModel):
+        return fit_for_fsdp(model)  # a loaded adapter folder (eval's source): it has its adapters and their values
+    check_method(cfg, model.config)
+    peft_config = PEFT_CONFIGS[cfg.method](model, cfg, init)
+    if init:
+        peft_config = init_text(peft_config, cfg, tokenizer)
     if seed is not None:
         torch.manual_seed(seed)  # adapter init identical whatever the world size
-    lora = LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
-                      task_type="CAUSAL_LM", bias="none")
     try:
-        return get_peft_model(model, lora)
+        return fit_for_fsdp(get_peft_model(model, peft_config))
     except ValueError:  # e.g. a target that is a whole attention block, not a linear layer
-        kinds = sorted({type(m).__name__ for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in targets})
+        targets = list(getattr(peft_config, "target_modules", None) or [])
+        kinds = sorted({type(m).__name__ for n, m in model.named_modules() if _matches(n, targets)})
         raise UserError(f"peft.target_modules={targets} names {', '.join(kinds) or 'modules'}, which cannot take "
-                        f"LoRA adapters; name linear layers, e.g. {', '.join(_linear_names(model)[:12])}") from None
+                        f"{cfg.method} adapters; name linear layers, e.g. {', '.join(_linear_names(model)[:12])}") \
+            from None
+
+
+def _lora_config(model, cfg: PeftConfig, init: bool):
+    """LoRA and DoRA (weight-decomposed), rsLoRA scaling, the four initialisations."""
+    from peft import LoraConfig
+
+    targets = _targets(model, cfg.target_modules, default_lora_targets(model.config.model_type), "LoRA")
+    if cfg.init == "olora":
+        fused = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                        if _matches(n, targets) and type(m).__name__ == "Conv1D"})
+        if fused:  # peft's OLoRA decomposes W as stored, which Conv1D keeps transposed
+            raise UserError(f"peft.init=olora cannot adapt {', '.join(fused)} of this {model.config.model_type} "
+                            "model (Conv1D layers, weights stored transposed); use peft.init=pissa or default")
+    return LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
+                      use_dora=cfg.method == "dora", use_rslora=cfg.rslora,
+                      init_lora_weights={"default": True}.get(cfg.init, cfg.init) if init else True,
+                      task_type="CAUSAL_LM", bias="none")
+
+
+def _ia3_config(model, cfg: PeftConfig, init: bool):
+    """IA3: learned vectors scaling the keys, values and the MLP's inner activations."""
+    from peft import IA3Config
+
+    model_type = model.config.model_type
+    default, default_ff = default_ia3_targets(model_type) or (None, ())
+    targets = _targets(model, cfg.target_modules, default, "IA3")
+    ff = cfg.feedforward_modules if cfg.feedforward_modules is not None else [t for t in default_ff if t in targets]
+    if not set(ff) <= set(targets):
+        raise UserError(f"peft.feedforward_modules {sorted(set(ff) - set(targets))} are not in peft.target_modules "
+                        f"{targets}; list each feed-forward module among the targets too")
+    return IA3Config(target_modules=targets, feedforward_modules=ff, task_type="CAUSAL_LM")
+
+
+def _adaption_prompt_config(model, cfg: PeftConfig, init: bool):
+    """LLaMA-Adapter: learned tokens and a zero-init gate in the attention of the top layers."""
+    from peft import AdaptionPromptConfig
+
+    return AdaptionPromptConfig(adapter_len=cfg.adapter_len or cfg.DEFAULT_ADAPTER_LEN,
+                                adapter_layers=cfg.adapter_layers or model.config.num_hidden_layers,
+                                task_type="CAUSAL_LM")
+
+
+PEFT_CONFIGS = {"lora": _lora_config, "dora": _lora_config, "ia3": _ia3_config,
+                "adaption_prompt": _adaption_prompt_config, "prefix_tuning": prefix_tuning_config,
+                "prompt_tuning": prompt_tuning_config}  # peft.method -> its peft config
+
+
+def peft_config_of(adapter_config: dict) -> PeftConfig:
+    """shardtune's PeftConfig of a saved adapter (adapter_config.json): its structure."""
+    kind, c = adapter_config.get("peft_type"), adapter_config
+    if kind == "LORA":
+        return PeftConfig(method="dora" if c.get("use_dora") else "lora", r=c.get("r", 8),
+                          target_modules=c.get("target_modules"))
+    if kind == "IA3":
+        return PeftConfig(method="ia3", target_modules=c.get("target_modules"),
+                          feedforward_modules=c.get("feedforward_modules"))
+    if kind == "ADAPTION_PROMPT":
+        return PeftConfig(method="adaption_prompt", adapter_len=c.get("adapter_len"),
+                          adapter_layers=c.get("adapter_layers"))
+    if kind in ("PREFIX_TUNING", "PROMPT_TUNING"):
+        return PeftConfig(method=kind.lower(), num_virtual_tokens=c.get("num_virtual_tokens"))
+    raise UserError(f"a {kind} adapter folder is not one shardtune loads; it loads lora, dora, ia3, "
+                    "adaption_prompt, prefix_tuning and prompt_tuning adapters")
+
+
+def check_method(cfg: PeftConfig, hf_config) -> None:
+    """What the method needs of the model that its config alone cannot tell: one line, before
+    any weights or data are read."""
+    if cfg.adapter and cfg.method not in PEFT_CONFIGS:
+        raise UserError(f"peft.method={cfg.method} is not built yet; use peft.method=lora")
+    check_prompt_learning(cfg, hf_config)
+    if cfg.method != "adaption_prompt":
+        return
+    from peft.tuners.adaption_prompt.config import TRANSFORMERS_MODEL_CONFIG
+
+    model_type, layers = hf_config.model_type, getattr(hf_config, "num_hidden_layers", None)
+    if model_type not in TRANSFORMERS_MODEL_CONFIG:
+        supported = ", ".join(sorted(TRANSFORMERS_MODEL_CONFIG))
+        raise UserError(f"peft.method=adaption_prompt supports the model types {supported} (peft), not "
+                        f"{model_type!r}; use peft.method=lora or prefix_tuning")
+    if cfg.adapter_layers is not None and layers is not None and cfg.adapter_layers > layers:
+        raise UserError(f"peft.adapter_layers={cfg.adapter_layers} but the model has {layers} decoder layers; "
+                        f"choose 1..{layers}")
+
+
+def _matches(name: str, targets) -> bool:
+    """peft's rule for a target: the module's full name or its dotted suffix."""
+    return any(name == t or name.endswith("." + t) for t in targets)
+
+
+def _targets(model, chosen: list[str] | None, default: list[str] | None, what: str) -> list[str]:
+    """`peft.target_modules`, or the default of this model type (the variants of a projection
+    this model has: DeepSeek-V3's q_proj or q_b_proj); each must name modules of the model."""
+    names = [name for name, _ in model.named_modules()]
+    targets = chosen or [t for t in default or [] if any(_matches(n, [t]) for n in names)]
+    if not targets:
+        raise UserError(f"no default {what} target modules for model_type {model.config.model_type!r}; "
+                        "set peft.target_modules=[...] (names of linear layers)")
+    missing = [t for t in targets if not any(_matches(n, [t]) for n in names)]
+    if missing:
+        raise UserError(f"peft.target_modules {missing} are not modules of this {model.config.model_type} model; "
+                        f"choose among its linear layers: {', '.join(_linear_names(model)[:12])}")
+    return targets
+
+
+def base_weights(peft_model, state_dict: dict) -> dict:
+    """The base model's own tensors under its own names, out of a peft model's (full) state dict,
+    whatever the method: the level a tuner adds around a module it wraps (LoRA/IA3's
+    `base_layer`, the adaption prompt's `model`) is dropped, and the adapters' tensors are left out."""
+    from peft.tuners.adaption_prompt.layer import _BaseAdaptedAttention
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    inner = peft_model.get_base_model()  # the original model, tuner layers inside
+    prefix = next(name for name, m in peft_model.named_modules() if m is inner)
+    prefix = prefix + "." if prefix else ""
+    out = {}
+    for key, value in state_dict.items():
+        if not key.startswith(prefix):
+            continue  # e.g. prompt learning's prompt encoder
+        module, kept, parts = inner, [], key[len(prefix):].split(".")
+        for part in parts[:-1]:
+            wraps = "base_layer" if isinstance(module, BaseTunerLayer) else \
+                "model" if isinstance(module, _BaseAdaptedAttention) else None
+            if wraps is not None and part != wraps:
+                break  # an adapter's own module (lora_A, ...)
+            if wraps is None:
+                kept.append(part)
+            module = getattr(module, part)
+        else:
+            if not isinstance(module, (BaseTunerLayer, _BaseAdaptedAttention)):  # its own tensors: adapters'
+                out[".".join([*kept, parts[-1]])] = value
+    return out
 
 
 def default_lora_targets(model_type: str | None) -> list[str] | None:
@@ -92,6 +227,20 @@ def default_lora_targets(model_type: str | None) -> list[str] | None:
     return list(targets) if targets else None
 
 
+def default_ia3_targets(model_type: str | None) -> tuple[list[str], list[str]] | None:
+    """IA3's (targets, feed-forward targets) without `peft.target_modules`: the families table's
+    where it decides, else peft's per-architecture mappings, else None."""
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_IA3_FEEDFORWARD_MODULES_MAPPING as PEFT_FF
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_IA3_TARGET_MODULES_MAPPING as PEFT_IA3
+
+    known = family(model_type)
+    if known and known.ia3_targets is not None:
+        return list(known.ia3_targets[0]), list(known.ia3_targets[1])
+    if model_type not in PEFT_IA3:
+        return None
+    return list(PEFT_IA3[model_type]), list(PEFT_FF.get(model_type, ()))
+
+
 def _linear_names(model) -> list[str]:
     """Short names of the layers LoRA can adapt (Linear, and GPT-2's Conv1D), sorted."""
 
@@ -100,13 +249,12 @@ def _linear_names(model) -> list[str]:
     return sorted(names - {"lm_head", "score"})
 
 
-def adapt(model, peft: PeftConfig, freeze_cfg: FreezeConfig, block_cls: type, seed: int | None = None):
-    """LoRA or freezing as the config asks (config.validate refuses both at once); returns the
-    (possibly wrapped) model."""
-    if peft.method == "lora":
-        return add_lora(model, peft, model.config.model_type, seed)
-    if peft.method != "none":
-        raise UserError(f"peft.method={peft.method} is not built yet; use peft.method=lora")
+def adapt(model, peft: PeftConfig, freeze_cfg: FreezeConfig, block_cls: type, seed: int | None = None,
+          init: bool = True, tokenizer: str | None = None):
+    """A peft method or freezing as the config asks (config.validate refuses both at once);
+    returns the (possibly wrapped) model. `tokenizer`: the run's, for peft.prompt_init_text."""
+    if peft.adapter:
+        return add_adapter(model, peft, seed, init, tokenizer)
     freeze(model, freeze_cfg, block_cls)
     return model
 

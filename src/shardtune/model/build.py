@@ -1,7 +1,7 @@
 """The one way a model is built for a command: train, eval, plan and sweep all call
 `build_model`, so what they run (and what the planner traces) is the same model.
 
-The sequence: the model's structure on the meta device -> LoRA / freezing -> the chunked head
+The sequence: the model's structure on the meta device -> peft adapters / freezing -> the chunked head
 loss -> parallelism (distributed.fsdp.apply_parallelism) -> weights, read on rank 0 only and handed out
 shard by shard. Without a weight source the parameters stay on meta, for the caller to give
 storage (the planner does so under fake tensors).
@@ -33,6 +33,7 @@ class ModelSpec:
     peft: PeftConfig = field(default_factory=PeftConfig)
     freeze: FreezeConfig = field(default_factory=FreezeConfig)
     trust_remote_code: bool = False
+    tokenizer: str | None = None  # the run's tokenizer (folder or hub id): peft.prompt_init_text reads it
 
     @classmethod
     def of_run(cls, cfg: RunConfig, hf_config) -> ModelSpec:
@@ -41,7 +42,8 @@ class ModelSpec:
                    activation_checkpointing_every=cfg.activation_checkpointing_every,
                    activation_offload=cfg.activation_offload, compile=cfg.compile,
                    loss_chunk_tokens=cfg.loss_chunk_tokens, peft=cfg.peft, freeze=cfg.freeze,
-                   trust_remote_code=cfg.model.trust_remote_code)
+                   trust_remote_code=cfg.model.trust_remote_code,
+                   tokenizer=cfg.model.tokenizer or cfg.model.name_or_path)
 
 
 @dataclass
@@ -74,18 +76,19 @@ def build_model(spec: ModelSpec, mesh, device, source: Callable[[], Any] | None 
 
     model = build_meta_model(spec.hf_config, spec.trust_remote_code)
     block_cls = detect_block_class(model, spec.fsdp.block_class)
-    model = adapt(model, spec.peft, spec.freeze, block_cls)
+    model = adapt(model, spec.peft, spec.freeze, block_cls, init=False)  # structure only: values come from rank 0
     loss_lib.install(model, spec.loss_chunk_tokens)  # before sharding: it checks the head's class
     units, reshard = apply_parallelism(model, spec, block_cls, mesh, device)
-    if folder is not None and spec.peft.method == "none":  # LoRA bases: names differ, broadcast
+    if folder is not None and not spec.peft.adapter:  # peft bases: names differ, broadcast
         from shardtune.model.hf_sharded_io import load_hf_sharded
 
         if load_hf_sharded(model, spec.hf_config, folder, device, spec.trust_remote_code):
             return BuiltModel(model, block_cls, units, reshard, loaded="sharded")
     if source is not None:
         is_main = dist.get_rank() == 0
-        # rank 0's copy gets the same adapters (seeded) so that the names match the skeleton's
-        full = adapt(source(), spec.peft, spec.freeze, block_cls, seed) if is_main else None
+        # rank 0's copy gets the same adapters (seeded, with the method's real init: PiSSA/OLoRA's
+        # residual base weights, prompt tuning's text) so that the names match the skeleton's
+        full = adapt(source(), spec.peft, spec.freeze, block_cls, seed, tokenizer=spec.tokenizer) if is_main else None
         materialize(model, full, device, is_main)
         del full
     return BuiltModel(model, block_cls, units, reshard, loaded="rank 0" if source is not None else "none")

@@ -219,9 +219,14 @@ def max_positions(hf_config) -> int | None:
     return None
 
 
-def check_seq_len(hf_config, seq_len: int) -> None:
+def check_seq_len(hf_config, seq_len: int, virtual_tokens: int = 0) -> None:
+    """`virtual_tokens`: prefix/prompt tuning's, which take positions before the sequence's."""
     limit = max_positions(hf_config)
-    if limit is not None and seq_len > limit:
+    if limit is not None and seq_len + virtual_tokens > limit:
+        if virtual_tokens:
+            raise UserError(f"data.seq_len={seq_len} plus peft's {virtual_tokens} virtual tokens is above the "
+                            f"model's maximum of {limit} positions; set data.seq_len={limit - virtual_tokens} or "
+                            "less, or lower peft.num_virtual_tokens")
         raise UserError(f"data.seq_len={seq_len} is above the model's maximum of {limit} positions; "
                         f"set data.seq_len={limit} or less")
 

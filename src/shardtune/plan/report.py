@@ -63,11 +63,13 @@ def target_from_request(req: PlanRequest) -> Target:
 
 
 def run_plan(req: PlanRequest, cfg: RunConfig, recipe: str | None, overrides: list[str]) -> int:
+    from shardtune.model.adapters import check_method
     from shardtune.model.hf import check_seq_len
 
     target = target_from_request(req)
     hf_config, source = resolve_hf_config(cfg)
-    check_seq_len(hf_config, cfg.data.seq_len)
+    check_seq_len(hf_config, cfg.data.seq_len, cfg.peft.virtual_tokens)
+    check_method(cfg.peft, hf_config)
     say = (lambda text: print(text, file=sys.stderr, flush=True)) if req.json else \
         (lambda text: print(text, flush=True))
     say(f"model config: {source}")
@@ -210,7 +212,7 @@ def what_would_fit(cfg: RunConfig, hf_config, target: Target, ranked: list[Estim
                 out.append(f"more GPUs: {world} of them ({_label(dataclasses.asdict(lean.candidate))}) need about "
                            f"{(fixed + sharded * grow * target.world / world) / GIB:.1f} GiB each")
                 break
-    if cfg.peft.method != "lora":
+    if not cfg.peft.low_rank:
         out += _lora_lines(cfg, hf_config, target)
     if lean is not None:
         acts = sum(lean.memory["by_category"].get(k, 0) for k in ("activations", "temporaries"))

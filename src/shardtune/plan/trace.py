@@ -169,7 +169,7 @@ def trace_step(cfg: RunConfig, hf_config, world_size: int, local_world_size: int
             if hasattr(model, "tie_weights"):
                 model.tie_weights()
             model.train()
-            optimizer = build_optimizer(model, cfg.train, dist.device, cfg.precision)
+            optimizer = build_optimizer(model, cfg.train, dist.device, cfg.precision, cfg.peft.lora_plus_ratio)
             _create_optimizer_state(model, optimizer)
             scaler = build_grad_scaler(cfg.precision, dist.device)
             tracker = PhaseTracker(model, optimizer, blocks)
@@ -210,7 +210,7 @@ def measure_step(cfg: RunConfig, hf_config, dist, state_only: bool = False) -> i
     built = build_model(ModelSpec.of_run(cfg, hf_config), build_mesh(cfg.fsdp, dist), dist.device,
                         source=lambda: load_source_model(cfg.model, hf_config, cfg.train.seed), seed=cfg.train.seed)
     model = built.model.train()
-    optimizer = build_optimizer(model, cfg.train, dist.device, cfg.precision)
+    optimizer = build_optimizer(model, cfg.train, dist.device, cfg.precision, cfg.peft.lora_plus_ratio)
     scaler = build_grad_scaler(cfg.precision, dist.device)
     micro = [[0] * cfg.train.micro_batch_size for _ in range(accum)]
     batches, labels_vary = _shape_only_batches(cfg, micro, dist.device)

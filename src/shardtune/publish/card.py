@@ -21,8 +21,8 @@ def model_card(cfg: dict, step: int, evals: dict | None, config_name: str = "sha
     model, data, train, peft = cfg["model"], cfg["data"], cfg["train"], cfg["peft"]
     base = _hub_id(model.get("name_or_path")) if not model.get("random_init") else None
     dataset = _hub_id(data.get("path"))
-    lora = peft.get("method") == "lora"
-    header = ["---", f"library_name: {'peft' if lora else 'transformers'}", "tags:", "- shardtune",
+    method = peft.get("method", "none")
+    header = ["---", f"library_name: {'peft' if method != 'none' else 'transformers'}", "tags:", "- shardtune",
               "- fine-tuned" if base else "- trained-from-scratch"]
     if base:
         header.append(f"base_model: {json.dumps(base)}")
@@ -31,13 +31,16 @@ def model_card(cfg: dict, step: int, evals: dict | None, config_name: str = "sha
     header.append("---")
     kind = (model.get("config") or {}).get("model_type", "")
     source = base or model.get("name_or_path") or f"a randomly initialised {kind} model"
-    what = "LoRA adapter" if lora else "model"
+    named = {"lora": "LoRA", "dora": "DoRA", "ia3": "IA3", "adaption_prompt": "LLaMA-Adapter"}.get(method, method)
+    what = f"{named} adapter" if method != "none" else "model"
+    what = ("An " if what[0] in "AEIOU" else "A ") + what
     lines = [*header, "", f"# {cfg.get('publish', {}).get('hub_repo') or 'shardtune model'}", "",
-             f"A {what} trained from **{source}** on **{data.get('path')}** ({data.get('format')} format, "
+             f"{what} trained from **{source}** on **{data.get('path')}** ({data.get('format')} format, "
              f"sequences of {data.get('seq_len')} tokens) for {step} optimizer steps with "
              f"[shardtune](https://pypi.org/project/shardtune/) {__version__}: learning rate {train.get('lr')}, "
              f"global batch {train.get('global_batch_size')} sequences, precision {cfg.get('precision')}"
-             + (f", LoRA r={peft.get('r')} alpha={peft.get('alpha')}" if lora else "") + ".", ""]
+             + (f", {named} r={peft.get('r')} alpha={peft.get('alpha')}" if method in ("lora", "dora") else "")
+             + ".", ""]
     if evals:
         lines += ["## Evaluation (held-out split, end of training)", "", "| metric | value |", "|---|---|"]
         lines += [f"| {k} | {v:.4f} |" for k, v in evals.items() if isinstance(v, (int, float))]

@@ -14,9 +14,10 @@ from pathlib import Path
 import torch
 import torch.distributed as tdist
 
-from shardtune.checkpoint.loading import load_model
+from shardtune.checkpoint.loading import adapter_structure, load_model
 from shardtune.errors import UserError
 from shardtune.model.hf import max_positions
+from shardtune.model.prompt_learning import output_offset, virtual_tokens
 
 # ----------------------------------------------------------------------------- eval
 
@@ -82,10 +83,11 @@ def eval_one(spec: str, req: EvalRequest, dist, data_cfg) -> dict:
     # Rank 0 alone reads the full weights; the other ranks only the config and tokenizer.
     source, tokenizer, hf_config, run_cfg = rank0_first(dist, lambda: load_model(spec, weights=dist.is_main))
     ds = rank0_first(dist, lambda: eval_blocks(req, data_cfg, tokenizer))
-    check_seq_len(hf_config, len(ds[0]["input_ids"]))
-    # fp32, full_shard: evaluation needs none of the run's training settings
+    # fp32, full_shard: evaluation needs none of the run's training settings, only its adapter
     layout = ModelSpec(hf_config, loss_chunk_tokens=run_cfg.loss_chunk_tokens if run_cfg else None,
+                       peft=adapter_structure(spec),  # an adapter that does not fold into the base
                        trust_remote_code=bool(run_cfg and run_cfg.model.trust_remote_code))
+    check_seq_len(hf_config, len(ds[0]["input_ids"]), layout.peft.virtual_tokens)
     held = [source]  # popped by build_model: rank 0's full copy is freed once it is handed out
     del source
     model = build_model(layout, build_mesh(layout.fsdp, dist), dist.device, source=held.pop).model
@@ -189,10 +191,13 @@ def generate(model, tokenizer, prompts: list, max_new_tokens: int = 64, temperat
     rows = [r or [start] for r in rows]  # an empty prompt starts from the beginning-of-text token
     limit = max_positions(model.config)
     if limit is not None:  # a prompt too long for the model keeps its end, where the answer starts
+        limit -= virtual_tokens(model)  # prefix/prompt tuning's, before the prompt
         if max_new_tokens >= limit:
             raise UserError(f"--max-new-tokens {max_new_tokens} is beyond the model's {limit} positions (a prompt "
                             "needs room too); lower it")
         rows = [r[-(limit - max_new_tokens):] for r in rows]
+    if output_offset(model):  # peft drops prompt tuning's position ids: left padding would shift the positions
+        batch_size = 1
     outputs = []
     for i in range(0, len(rows), max(batch_size, 1)):
         batch = rows[i:i + batch_size]

@@ -24,15 +24,17 @@ from shardtune.config.schema import TrainConfig
 from shardtune.errors import UserError
 
 
-def build_optimizer(model, cfg: TrainConfig, device, precision: str = "fp32"):
-    """AdamW over the trainable parameters, moments in cfg.optimizer_state precision."""
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    # Biases and norm weights are the 1-D parameters; decaying them only hurts.
-    groups = [
-        {"params": [p for p in trainable if p.ndim >= 2], "weight_decay": cfg.weight_decay},
-        {"params": [p for p in trainable if p.ndim < 2], "weight_decay": 0.0},
-    ]
-    groups = [g for g in groups if g["params"]]
+def build_optimizer(model, cfg: TrainConfig, device, precision: str = "fp32", lora_plus_ratio: float = 0.0):
+    """AdamW over the trainable parameters, moments in cfg.optimizer_state precision. With
+    `lora_plus_ratio` (LoRA+), the B matrices learn at that multiple of the learning rate."""
+    by_group: dict[tuple, list] = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            # Biases and norm weights are the 1-D parameters; decaying them only hurts.
+            by_group.setdefault((p.ndim < 2, _lr_scale(name, p, lora_plus_ratio)), []).append(p)
+    # the decayed group first (the order checkpoints were saved in), then by learning rate
+    groups = [{"params": params, "weight_decay": 0.0 if flat else cfg.weight_decay, "lr": cfg.lr * scale,
+               "lr_scale": scale} for (flat, scale), params in sorted(by_group.items())]
     if cfg.optimizer_state != "fp32":
         return _low_precision_adamw(groups, cfg)
     # Fused kernels exist for CUDA and CPU (and take DTensor shards); the sharded fp16 grad
@@ -40,6 +42,14 @@ def build_optimizer(model, cfg: TrainConfig, device, precision: str = "fp32"):
     fused = device.type in ("cuda", "cpu") and precision != "fp16"
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused,
                              foreach=None if fused else True)
+
+
+def _lr_scale(name: str, p, lora_plus_ratio: float) -> float:
+    """LoRA+ (Hayou et al. 2024), peft's `create_loraplus_optimizer` rule: LoRA's B matrices and
+    the 1-D adapter parameters (DoRA's magnitudes) at `lora_plus_ratio` x lr, the rest at lr."""
+    if lora_plus_ratio and ("lora_B" in name or "lora_embedding_B" in name or p.ndim == 1):
+        return lora_plus_ratio
+    return 1.0
 
 
 def _low_precision_adamw(groups: list[dict], cfg: TrainConfig):
@@ -119,8 +129,10 @@ def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
 
 
 def set_lr(optimizer, lr: float) -> None:
+    """Every group at `lr` times its own scale (LoRA+'s B matrices: the ratio)."""
     for group in optimizer.param_groups:
+        group_lr = lr * group.get("lr_scale", 1.0)
         if torch.is_tensor(group["lr"]):  # torchao keeps it a tensor (no recompile when it changes)
-            group["lr"].fill_(lr)
+            group["lr"].fill_(group_lr)
         else:
-            group["lr"] = lr
+            group["lr"] = group_lr

@@ -14,6 +14,7 @@ from shardtune.data import pipeline as data_lib
 from shardtune.distributed.collectives import all_sum, all_sum_on_device, stack_on_device
 from shardtune.distributed.process_group import Dist
 from shardtune.model import loss as loss_lib
+from shardtune.model.prompt_learning import output_offset
 from shardtune.telemetry.metrics import perplexity
 
 
@@ -24,8 +25,9 @@ def token_loss(model, batch, accuracy: bool = False, router: bool = False):
     `router` (training): a mixture-of-experts model's load-balancing loss joins the sum, weighted
     by the micro-batch's predicted tokens (loss.router_loss), as the model's own loss has it."""
 
-    # position t predicts token t+1; padding the labels (not slicing the logits) avoids a copy
-    labels = F.pad(batch["labels"][:, 1:], (0, 1), value=data_lib.IGNORE_INDEX)
+    # position t predicts token t+1; padding the labels (not slicing the logits) avoids a copy.
+    # Prompt tuning's virtual tokens come first in the outputs: no labels there either.
+    labels = F.pad(batch["labels"][:, 1:], (output_offset(model), 1), value=data_lib.IGNORE_INDEX)
     mask = labels != data_lib.IGNORE_INDEX
     count = mask.sum()
     inputs = docmask.model_inputs(model, batch)

@@ -21,7 +21,7 @@ from shardtune.distributed.collectives import broadcast_value, rank0_first
 from shardtune.distributed.fsdp import build_mesh
 from shardtune.distributed.process_group import init_distributed
 from shardtune.errors import EXIT_PREEMPTED, UserError
-from shardtune.model.adapters import check_quantize, load_qlora_model
+from shardtune.model.adapters import check_method, check_quantize, load_qlora_model
 from shardtune.model.build import BuiltModel, ModelSpec, build_model
 from shardtune.model.hf import (
     check_seq_len,
@@ -119,7 +119,8 @@ class Trainer:
         if len(tokenizer) > hf_config.vocab_size:
             raise UserError(f"the tokenizer has {len(tokenizer)} tokens but the model only {hf_config.vocab_size}; "
                             "use the model's own tokenizer or set model.config.vocab_size")
-        check_seq_len(hf_config, cfg.data.seq_len)
+        check_seq_len(hf_config, cfg.data.seq_len, cfg.peft.virtual_tokens)
+        check_method(cfg.peft, hf_config)  # what the peft method needs of this model type
         docmask.check(cfg.data, hf_config)
         self.accum = check_world(cfg, dist.world_size)
         self.train_ds, self.val_ds = rank0_first(dist, lambda: data_lib.prepare(cfg.data, tokenizer, cfg.train.seed))
@@ -151,7 +152,7 @@ class Trainer:
         from shardtune.checkpoint.dcp import ModelOptimizerState
         from shardtune.train.optim import build_grad_scaler, build_optimizer
 
-        self.optimizer = build_optimizer(model, t, dist.device, cfg.precision)
+        self.optimizer = build_optimizer(model, t, dist.device, cfg.precision, cfg.peft.lora_plus_ratio)
         self.scaler = build_grad_scaler(cfg.precision, dist.device)
         self.state = TrainState()
         rank0_first(dist, lambda: prepare_run_dir(cfg, overwrite) if dist.is_main else None)
@@ -381,7 +382,7 @@ class Trainer:
                         "or set on_nan=skip")
 
     def export(self, folder: Path | None = None) -> Path:
-        """final/: a plain HF folder (a LoRA run's: its adapter), written whole or not at all."""
+        """final/: a plain HF folder (a peft run's: its adapter), written whole or not at all."""
         from shardtune.checkpoint.final import save_final
 
         folder = folder or self.out / "final"
