@@ -131,12 +131,8 @@ PEFT_CONFIGS = {"lora": _lora_config, "dora": _lora_config, "ia3": _ia3_config,
 def peft_config_of(adapter_config: dict) -> PeftConfig:
     """shardtune's PeftConfig of a saved adapter (adapter_config.json): its structure."""
     kind, c = adapter_config.get("peft_type"), adapter_config
-    if kind == "LORA":
-        return PeftConfig(method="dora" if c.get("use_dora") else "lora", r=c.get("r", 8),
-                          target_modules=c.get("target_modules"))
-    if kind == "IA3":
-        return PeftConfig(method="ia3", target_modules=c.get("target_modules"),
-                          feedforward_modules=c.get("feedforward_modules"))
+    if kind in MERGEABLE_PEFT_TYPES:  # folded into the base on load: only the method matters
+        return PeftConfig(method=kind.lower())
     if kind == "ADAPTION_PROMPT":
         return PeftConfig(method="adaption_prompt", adapter_len=c.get("adapter_len"),
                           adapter_layers=c.get("adapter_layers"))
