@@ -49,6 +49,8 @@ def train(out: Path, overrides: list[str], reuse: bool) -> tuple[list[dict], str
     cmd = [C.PYTHON, "-m", "shardtune", "train", *overrides, f"output_dir={out}", "--overwrite"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=C.BENCH_DIR.parent)
     log.write_text(proc.stdout + proc.stderr)
+    if proc.returncode == 2:  # refused for this model, in one line: the table says why
+        return [], proc.stderr.strip().splitlines()[-1]
     if proc.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed: {proc.stderr.strip().splitlines()[-1:]}")
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()], proc.stdout + proc.stderr
@@ -77,6 +79,9 @@ def main() -> int:
         extra, lr = METHODS[name]
         records, output = train(a.work / re.sub(r"\W+", "-", name).strip("-"), [*common, *extra, f"train.lr={lr}"],
                                 a.reuse)
+        if not records:
+            rows.append([name, f"{lr:g}", output, "", "", "", "", ""])
+            continue
         total, trainable = (int(g.replace(",", "")) for g in TRAINABLE.search(output).groups())
         steps = [r for r in records if r.get("loss") is not None]
         evals = [r["eval_loss"] for r in records if "eval_loss" in r]

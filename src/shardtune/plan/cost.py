@@ -161,6 +161,8 @@ def step_time(trace: StepTrace, hf_config, cand: Candidate, cfg: RunConfig, targ
     recompute = {"none": 0.0, "full": forward, "every_n": forward / max(cand.every, 1), "selective": 0.0}
     peak = target.peak_flops(cand.precision)
     compute = tokens * (fpt + recompute[cand.checkpointing]) / (peak * HOST_FACTS["mfu"].value)
+    if cfg.peft.method == "prompt_tuning":  # its virtual tokens pass through every layer, unpredicted
+        compute *= (seq + cfg.peft.virtual_tokens) / seq
     if cand.checkpointing == "selective":  # the cheap ops again: memory-bound passes over the hidden states
         act_bytes = 4 if cand.precision == "fp32" else 2
         compute += SELECTIVE_PASSES * tokens * trace.layers * _hidden(hf_config) * act_bytes / (target.hbm_gbs() * 1e9)

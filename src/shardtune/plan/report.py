@@ -231,7 +231,7 @@ def _lora_lines(cfg: RunConfig, hf_config, target: Target) -> list[str]:
     from shardtune.plan.search import estimate, screen, traced
 
     lora = copy.deepcopy(cfg)
-    lora.peft.method = "lora"
+    lora.peft = type(cfg.peft)(method="lora")  # LoRA's defaults, nothing of another method's settings
     lora.freeze = type(cfg.freeze)()
     cand = Candidate("full_shard", lora.precision, 1, "full")
     layout = cand.apply(lora, target)

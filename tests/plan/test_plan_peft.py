@@ -1,0 +1,63 @@
+"""`plan` prices every peft method by tracing it, and `sweep` grids over them: the traced model is
+the one training builds (its trainable count), the optimizer state is exact for the adapters only,
+and a method that cannot run on the model is a reason in the plan, never a crash."""
+
+from __future__ import annotations
+
+import json
+import typing
+
+import pytest
+
+from conftest import TINY
+from shardtune.config.load import load_config
+from shardtune.config.schema import PeftConfig
+
+METHODS = [m for m in typing.get_args(typing.get_type_hints(PeftConfig)["method"]) if m != "none"]
+
+
+def tiny(*extra: str):
+    return load_config(None, [f"model.config={json.dumps(TINY['llama'])}", "data.path=unused", "data.seq_len=32",
+                              "train.micro_batch_size=2", "train.global_batch_size=4", "device=cpu", *extra])
+
+
+def trainable_when_built(cfg, hf_config) -> tuple[int, int]:
+    """(all, trainable) parameters of the model training builds for `cfg`, on the meta device."""
+    from shardtune.distributed.fsdp import detect_block_class
+    from shardtune.model.adapters import adapt
+    from shardtune.model.hf import build_meta_model
+
+    model = build_meta_model(hf_config, False)
+    model = adapt(model, cfg.peft, cfg.freeze, detect_block_class(model, cfg.fsdp.block_class))
+    return sum(p.numel() for p in model.parameters()), sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_plan_traces_each_method_and_counts_its_adapters_only(method):
+    from shardtune.model.hf import load_hf_config
+    from shardtune.plan.trace import trace_step
+
+    cfg = tiny(f"peft.method={method}")
+    hf_config = load_hf_config(cfg.model)
+    trace = trace_step(cfg, hf_config, world_size=1)
+    total, trainable = trainable_when_built(cfg, hf_config)
+    assert trace.params["trainable"] == trainable and 0 < trainable < total / 5
+    # fp32 AdamW: two fp32 moments per trainable element, nothing for the frozen base
+    assert trace.steady["optimizer_state"] == pytest.approx(8 * trainable, rel=0.05, abs=64)
+    assert trace.peak_bytes() > 0
+
+
+def test_a_sweep_grid_over_methods_builds_every_trial_and_plan_refuses_a_method_the_model_lacks(capsys):
+    from shardtune.cli.main import main
+    from shardtune.sweep.grid import Sweep
+
+    sweep = Sweep(recipe=None, overrides=[f"model.config={json.dumps(TINY['gpt2'])}", "data.path=unused"],
+                  grid=[("peft.method", METHODS)], defaults={})
+    assert [sweep.config(point).peft.method for point in sweep.points()] == METHODS
+    # adaption_prompt exists in peft for a few model types only: opt gets one line, exit 2
+    code = main(["plan", f"model.config={json.dumps(TINY['opt'])}", "data.path=unused", "peft.method=adaption_prompt",
+                 "--gpus", "1", "--gpu", "T4"])
+    err = capsys.readouterr().err.strip()
+    line = err.splitlines()[-1]  # after the quickstart's note of which defaults apply
+    assert code == 2 and "Traceback" not in err and line.startswith("error: peft.method=adaption_prompt") \
+        and "'opt'" in line, err
