@@ -178,12 +178,13 @@ def tmpfs(path: Path, size: str):
 # Llama and tests/e2e/test_distributed.py runs them again on 2 ranks (the same runs: one baseline).
 LORA_PLUS, PEFT_LR = 8.0, 1e-2
 PEFT_METHODS = {
-    "dora": {"peft.method": "dora", "peft.rslora": "true", "peft.dropout": 0.0},
+    # checkpoint.every_steps=1 everywhere: the resume tests start at step-2
+    "dora": {"peft.method": "dora", "peft.rslora": "true", "peft.dropout": 0.0, "checkpoint.every_steps": 1},
     "pissa": {"peft.method": "lora", "peft.init": "pissa", "peft.lora_plus_ratio": LORA_PLUS, "peft.dropout": 0.0,
-              "checkpoint.every_steps": 1},  # step-2 too: the resume test starts there
-    "olora": {"peft.method": "lora", "peft.init": "olora", "peft.dropout": 0.0},
-    "ia3": {"peft.method": "ia3"},
-    "adaption_prompt": {"peft.method": "adaption_prompt", "peft.adapter_len": 4},
+              "checkpoint.every_steps": 1},
+    "olora": {"peft.method": "lora", "peft.init": "olora", "peft.dropout": 0.0, "checkpoint.every_steps": 1},
+    "ia3": {"peft.method": "ia3", "checkpoint.every_steps": 1},
+    "adaption_prompt": {"peft.method": "adaption_prompt", "peft.adapter_len": 4, "checkpoint.every_steps": 1},
     # the prefix encoder as an FSDP unit of its own; prompt tuning's text init and its labels'
     # offset through many loss chunks; step-2 checkpoints for tests/model/test_prompt_learning.py
     "prefix_tuning": {"peft.method": "prefix_tuning", "peft.num_virtual_tokens": 4, "train.lr": 5e-2,

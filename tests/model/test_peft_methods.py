@@ -100,15 +100,17 @@ def test_lora_plus_gives_the_b_matrices_the_ratio_times_the_learning_rate(peft_r
     assert a == pytest.approx(PEFT_LR, rel=0.05) and b == pytest.approx(LORA_PLUS * PEFT_LR, rel=0.05), (a, b)
 
 
-def test_resume_equals_the_straight_run(peft_runs, assets, tmp_path):
-    """PiSSA + LoRA+ (residual base weights and the lr groups in the checkpoint) resumed at step 2."""
+@pytest.mark.parametrize("name", sorted(set(PEFT_METHODS) - {"prefix_tuning", "prompt_tuning"}))  # theirs: there
+def test_resume_equals_the_straight_run(peft_runs, assets, tmp_path, name):
+    """Each method resumed at step 2 (PiSSA + LoRA+: residual base weights and the lr groups in the
+    checkpoint) takes the straight run's step 3."""
     from shardtune.config.load import load_config
     from shardtune.train.trainer import run
 
-    straight = peft_runs["pissa"]["out"]
+    straight = peft_runs[name]["out"]
     resumed = tmp_path / "resumed"
     step2 = str(straight / "checkpoints" / "step-000002")
-    run(load_config(None, peft_overrides(assets, resumed, "pissa", resume=step2), defaults={}))
+    run(load_config(None, peft_overrides(assets, resumed, name, resume=step2), defaults={}))
     got, want = losses(resumed), losses(straight)
     assert len(got) == 1 and abs(got[0] - want[2]) < 1e-6, (got, want)
 
