@@ -134,8 +134,8 @@ def test_a_run_loaded_the_sharded_way_trains_like_the_broadcast_one(assets, tmp_
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from conftest import losses, tiny_overrides
-    from shardtune.checkpoint.dcp import find_latest
     from shardtune.checkpoint.export import export_checkpoint, save_hf_folder
+    from shardtune.checkpoint.folders import find_latest
     from shardtune.checkpoint.loading import load_plain_model
     from shardtune.config.load import load_config
     from shardtune.errors import UserError

@@ -55,7 +55,7 @@ def test_bad_memory_saver_settings_are_one_line(overrides, needle):
 
 
 def test_resume_refuses_another_optimizer_state_but_takes_checkpoints_from_before_the_key(tmp_path):
-    from shardtune.checkpoint.dcp import check_compatible
+    from shardtune.checkpoint.folders import check_compatible
 
     now = load_config(None, [*BASE, "train.optimizer_state=8bit"]).to_dict()
     old = load_config(None, BASE).to_dict()

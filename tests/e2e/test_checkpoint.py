@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from conftest import child_env
-from shardtune.checkpoint.dcp import check_compatible, find_latest, read_meta
+from shardtune.checkpoint.folders import check_compatible, find_latest, read_meta
 from shardtune.cli.main import main
 from shardtune.errors import EXIT_PREEMPTED, UserError
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from test_errors import _isolated, datasets_cache, one_error_line, qs_assets, recipe, subprocess_env  # noqa: F401
 
-from shardtune.checkpoint.dcp import read_meta
+from shardtune.checkpoint.folders import read_meta
 from shardtune.checkpoint.rundir import LOCK_FILE, hold_run_dir, release_run_dir
 from shardtune.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_USAGE
 

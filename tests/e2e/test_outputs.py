@@ -18,7 +18,7 @@ import pytest
 from test_errors import _isolated, datasets_cache, fails, qs_assets, recipe, snapshot  # noqa: F401
 
 from conftest import tmpfs
-from shardtune.checkpoint.dcp import find_latest, why_no_checkpoint
+from shardtune.checkpoint.folders import find_latest, why_no_checkpoint
 from shardtune.checkpoint.rundir import claim_output_dir
 from shardtune.cli.main import main
 from shardtune.fsio import atomic_dir, fs_failure_line

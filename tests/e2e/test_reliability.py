@@ -23,7 +23,7 @@ import yaml
 from test_errors import TINY_GPT2, _isolated, datasets_cache, fails, out, qs_assets, recipe, snapshot  # noqa: F401
 
 from conftest import tmpfs
-from shardtune.checkpoint.dcp import find_latest, read_meta
+from shardtune.checkpoint.folders import find_latest, read_meta
 from shardtune.checkpoint.rundir import LOCK_FILE, hold_run_dir, release_run_dir
 from shardtune.cli.main import main
 from shardtune.config.schema import CheckpointConfig

@@ -57,7 +57,8 @@ def test_a_checkpoint_saves_and_loads_explicit_state_without_a_trainer(one_rank,
     """The checkpointer takes state objects (torchtitan's `states={...}`): no Trainer needed."""
     from transformers import AutoModelForCausalLM
 
-    from shardtune.checkpoint.dcp import Checkpointer, ModelOptimizerState, read_meta
+    from shardtune.checkpoint.dcp import Checkpointer, ModelOptimizerState
+    from shardtune.checkpoint.folders import read_meta
     from shardtune.config.schema import CheckpointConfig, TrainConfig
     from shardtune.train.optim import build_optimizer
     from shardtune.train.trainer import TrainState
@@ -91,7 +92,7 @@ def test_a_checkpoint_saves_and_loads_explicit_state_without_a_trainer(one_rank,
 def test_a_format_1_checkpoint_reads_its_progress(tmp_path):
     import json
 
-    from shardtune.checkpoint.dcp import read_meta
+    from shardtune.checkpoint.folders import read_meta
 
     (tmp_path / ".metadata").write_text("")
     (tmp_path / "meta.json").write_text(json.dumps({"format": 1, "step": 7, "tokens_seen": 99.0, "config": {},

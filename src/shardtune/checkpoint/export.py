@@ -43,7 +43,7 @@ def save_hf_folder(state_dict: dict, hf_config, tokenizer, out: Path, max_shard_
 def export_checkpoint(spec: str, out: Path, max_shard_size: str = "2GB") -> Path:
     """`shardtune export`: a sharded checkpoint (or a run folder's newest) -> plain HF folder.
     One process, one copy of the weights; no process group and no optimizer state."""
-    from shardtune.checkpoint.dcp import resolve_checkpoint
+    from shardtune.checkpoint.folders import resolve_checkpoint
 
     path = resolve_checkpoint(spec)
     if out.exists() and any(out.iterdir()):
@@ -58,7 +58,7 @@ def write_export(path: Path, out: Path, max_shard_size: str = "2GB", replace: bo
     returns the checkpoint's meta.json. Also what a run's Hub publisher uploads."""
     from transformers.utils import logging as hf_logging
 
-    from shardtune.checkpoint.dcp import read_meta
+    from shardtune.checkpoint.folders import read_meta
     from shardtune.checkpoint.loading import checkpoint_config, known_fields, load_plain_model
 
     hf_logging.set_verbosity_error()

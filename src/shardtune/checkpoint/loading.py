@@ -8,7 +8,8 @@ from pathlib import Path
 
 import torch
 
-from shardtune.checkpoint.dcp import dcp_load, read_meta, resolve_checkpoint
+from shardtune.checkpoint.dcp import dcp_load
+from shardtune.checkpoint.folders import read_meta, resolve_checkpoint
 from shardtune.errors import UserError
 
 

@@ -11,7 +11,7 @@ import socket
 import time
 from pathlib import Path
 
-from shardtune.checkpoint.dcp import check_compatible, find_latest, read_meta, resolve_checkpoint, why_no_checkpoint
+from shardtune.checkpoint.folders import check_compatible, find_latest, read_meta, resolve_checkpoint, why_no_checkpoint
 from shardtune.distributed.process_group import LAUNCHER_ENV
 from shardtune.errors import UserError
 from shardtune.fsio import PARTIAL, write_text_atomic

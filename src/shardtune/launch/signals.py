@@ -78,7 +78,7 @@ class Preemption:
 
 def last_good(out: Path | str | None) -> str:
     """Where a resume would continue from, as the end of a sentence."""
-    from shardtune.checkpoint.dcp import find_latest
+    from shardtune.checkpoint.folders import find_latest
 
     good = find_latest(Path(out) / "checkpoints") if out else None
     return f"the last good checkpoint is {good} (resume=auto continues from it)" if good else \

@@ -17,7 +17,7 @@ class Publishing:
         return check_ready(cfg.publish, say)
 
     def __init__(self, cfg, out: Path, hub: bool, is_main: bool, say=print, resuming: bool = False):
-        from shardtune.checkpoint.dcp import complete_checkpoints, step_of
+        from shardtune.checkpoint.folders import complete_checkpoints, step_of
 
         self.cfg, self.trackers = cfg, None
         self.hub = HubPublisher(cfg.publish, out, say, resuming) if hub and is_main else None

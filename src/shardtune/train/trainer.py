@@ -374,7 +374,7 @@ class Trainer:
             self.say(f"warning: {what}; skipped that update (on_nan=skip)")
             return
         self.ckpt.wait()
-        from shardtune.checkpoint.dcp import find_latest
+        from shardtune.checkpoint.folders import find_latest
 
         good = find_latest(self.out / "checkpoints")
         where = f"the last good checkpoint is {good}" if good else "no checkpoint was written"

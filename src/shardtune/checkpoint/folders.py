@@ -1,0 +1,168 @@
+"""A checkpoint folder on disk: its name and step, whether it is complete and usable, its
+meta.json, the newest one, and whether a run may resume from it (checkpoint/dcp.py writes and
+reads the tensors)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+from shardtune.config.schema import RunConfig
+from shardtune.errors import UserError
+
+# 2: named state objects in meta.json (train_state, scaler); the LR is a function of the step;
+# 3: the model's weights may be in safetensors (meta.json's model_files; older versions cannot read them)
+FORMAT = 3
+MODEL_FILES = {False: "dcp", True: "safetensors"}
+NAME = re.compile(r"^step-(\d+)$")
+# Changing these breaks resume: the weights' shapes, or what "step N" means in the data order.
+# Whole sections are compared, so a key added to one later is covered without a change here.
+RESUME_KEYS = ("model.name_or_path", "model.config", "model.tokenizer", "data", "train.global_batch_size",
+               "train.seed", "train.optimizer_state", "peft", "freeze")
+MAY_CHANGE = {"data.num_proc", "peft.dropout"}  # inside those sections, but harmless
+
+
+# ----------------------------------------------------------------------------- finding
+
+
+def step_of(path: Path) -> int:
+    m = NAME.match(path.name)
+    return int(m.group(1)) if m else -1
+
+
+def is_complete(path: Path) -> bool:
+    return (path / "meta.json").is_file() and (path / ".metadata").is_file()
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints under `root`, oldest first."""
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if step_of(p) >= 0 and is_complete(p)), key=step_of)
+
+
+def is_usable(path: Path) -> bool:
+    """Complete, and its meta.json reads as a checkpoint's (a resume can start from it)."""
+    if not is_complete(path):
+        return False
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+        return isinstance(meta, dict) and "step" in meta and "config" in meta
+    except (OSError, ValueError):
+        return False
+
+
+def find_latest(root: Path) -> Path | None:
+    """`latest` if it names a usable checkpoint, else the usable one with the highest step."""
+    try:
+        named = root / (root / "latest").read_text().strip()
+        if named.name and is_usable(named):
+            return named
+    except (OSError, ValueError):
+        pass
+    found = [p for p in complete_checkpoints(root) if is_usable(p)]
+    return found[-1] if found else None
+
+
+def why_no_checkpoint(root: Path) -> str:
+    """What `root` (a run's checkpoints folder) holds instead of a usable checkpoint, in words."""
+    if root.is_symlink() and not root.exists():
+        return f"{root} is a link to {os.readlink(root)}, which is not there (a disk not mounted?)"
+    if not root.exists():
+        return f"there is no {root.name}/ folder"
+    if not root.is_dir():
+        return f"{root} is not a folder"
+    notes = []
+    try:
+        named = (root / "latest").read_text().strip()
+        if named and not (root / named).exists():
+            notes.append(f"{root / 'latest'} names {named}, which is gone")
+    except (OSError, ValueError):
+        pass
+    steps = [p for p in root.iterdir() if step_of(p) >= 0]
+    broken = [p.name for p in steps if is_complete(p) and not is_usable(p)]
+    if broken:
+        notes.append(f"unreadable meta.json in {', '.join(sorted(broken))}")
+    if len(broken) < len(steps):
+        notes.append(f"{len(steps) - len(broken)} step folder(s) incomplete (meta.json or .metadata missing)")
+    if cut := len(list(root.glob(".tmp-step-*"))):
+        notes.append(f"{cut} save(s) cut short")
+    return "; ".join(notes) or f"{root} holds no step-N checkpoint folder"
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _meta_shape_ok(meta) -> bool:
+    """The keys and types of meta.json that everything reading it relies on."""
+    if not isinstance(meta, dict) or not _whole(meta.get("step")) or not isinstance(meta.get("config"), dict):
+        return False
+    state, sections = meta.get("train_state"), [meta["config"].get(k, {}) for k in ("model", "peft", "data")]
+    return (_whole(meta.get("format", 1)) and _whole(meta.get("world_size", 1)) and meta.get("world_size") != 0
+            and all(isinstance(s, dict) for s in sections)
+            and (state is None or (isinstance(state, dict) and _whole(state.get("step")))))
+
+
+def read_meta(path: Path) -> dict:
+    """meta.json of a checkpoint, or a one-line UserError saying what is wrong with it."""
+    if not path.exists():
+        raise UserError(f"checkpoint {str(path)!r} not found; give a checkpoint folder "
+                        "(OUTPUT_DIR/checkpoints/step-N) or a run's output_dir")
+    if not (path / "meta.json").is_file() or not (path / ".metadata").is_file():
+        raise UserError(f"{str(path)!r} is not a complete shardtune checkpoint (meta.json or .metadata missing: "
+                        "an interrupted save?); use another checkpoint of the run")
+    try:
+        meta = json.loads((path / "meta.json").read_text(encoding="utf-8"))
+    except (ValueError, RecursionError):
+        meta = None
+    if not _meta_shape_ok(meta):
+        raise UserError(f"checkpoint {str(path)!r} is corrupt (unreadable meta.json); use another checkpoint")
+    if meta.get("format", 0) > FORMAT:
+        raise UserError(f"checkpoint {str(path)!r} was written by a newer shardtune "
+                        f"({meta.get('shardtune_version')}); upgrade shardtune")
+    if meta.get("format", 1) == 1:  # progress was kept at the top level (and a scheduler, now derived)
+        meta.setdefault("train_state", {"step": meta["step"], "tokens_seen": meta.get("tokens_seen", 0.0)})
+    return meta
+
+
+def resolve_checkpoint(spec: str | Path) -> Path:
+    """A checkpoint folder, or the newest complete checkpoint of a run folder."""
+    path = Path(spec).expanduser()
+    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    if root.is_dir() and not (path / "meta.json").exists() and (root != path or path.name == "checkpoints"):
+        latest = find_latest(root)
+        if latest is None:
+            raise UserError(f"{str(root)!r} holds no complete checkpoint; give another checkpoint or start over")
+        return latest
+    read_meta(path)
+    return path
+
+
+def check_compatible(saved: dict, now: dict, path: Path) -> None:
+    """Refuse a resume whose config changes what the checkpoint holds; anything else may change."""
+    def get(tree, key):
+        for part in key.split("."):
+            tree = tree.get(part) if isinstance(tree, dict) else None
+        return tree
+
+    def short(value) -> str:
+        text = repr(value)
+        return text if len(text) <= 60 else text[:57] + "..."
+
+    changed, defaults = [], RunConfig().to_dict()
+    for key in RESUME_KEYS:
+        old, new = get(saved, key), get(now, key)
+        if isinstance(old, dict) and isinstance(new, dict):  # name the changed sub-keys only
+            # a key added to the config after the checkpoint was written had its default then
+            old = {**(get(defaults, key) or {}), **old}
+            changed += [f"{key}.{k} {short(old.get(k))} -> {short(new.get(k))}"
+                        for k in sorted(old.keys() | new.keys())
+                        if old.get(k) != new.get(k) and f"{key}.{k}" not in MAY_CHANGE]
+        elif old != new and not (old is None and new == get(defaults, key)):  # None: saved before the key existed
+            changed.append(f"{key} {short(old)} -> {short(new)}")
+    if changed:
+        raise UserError(f"cannot resume from {str(path)!r}: {'; '.join(changed)} changed; resume with the "
+                        "checkpoint's values (lr, max_steps, eval and log settings may change) or use a new output_dir")
