@@ -50,29 +50,29 @@ def states() -> str:
     return f"GPT-2 small, {n:,} parameters\n" + C.markdown_table(["optimizer_state", "bytes/param", "MiB"], rows)
 
 
-def run_train(out: Path, extra: list[str], reuse: bool = False) -> list[dict]:
+def run_train(out: Path, extra: list[str], reuse: bool = False, nproc: int = 1) -> list[dict]:
     """`shardtune train` into `out`; with `reuse`, a finished run already there is read instead."""
     if reuse and (out / "metrics.jsonl").is_file() and (out / "final").exists() and \
             any("eval_loss" in line for line in (out / "metrics.jsonl").read_text().splitlines()[-1:]):
         return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    cmd = [C.PYTHON, "-m", "shardtune", "train", *extra, f"output_dir={out}", "--overwrite"]
+    cmd = [C.PYTHON, "-m", "shardtune", "train", *extra, f"output_dir={out}", "--overwrite", "--nproc", str(nproc)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=C.BENCH_DIR.parent)
     if proc.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed: {proc.stderr.strip().splitlines()[-1:]}")
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def activations(work: Path, steps: int, micro_batch: int, extra_overrides: list[str]) -> str:
+def activations(work: Path, steps: int, micro_batch: int, extra_overrides: list[str], nproc: int = 1) -> str:
     assets = C.quickstart_assets()
     tree = {"model": {"config": GPT2_SMALL, "tokenizer": assets["tokenizer"]},
             "data": {"path": str(Path(assets["train"]).parent), "seq_len": 512},
-            "train": {"micro_batch_size": micro_batch, "global_batch_size": micro_batch, "max_steps": steps,
+            "train": {"micro_batch_size": micro_batch, "global_batch_size": micro_batch * nproc, "max_steps": steps,
                       "lr": 1e-4},
             "eval": {"at_start": False, "every_steps": 0, "max_batches": 1}, "save_final": False,
             "log": {"every_steps": 1, "progress": False, "live_memory": 1}}
     rows = []
     for name, extra in ACTIVATIONS.items():
-        records = run_train(work / name.split()[0], [*C.overrides_from(tree), *extra, *extra_overrides])
+        records = run_train(work / name.split()[0], [*C.overrides_from(tree), *extra, *extra_overrides], nproc=nproc)
         steps_ = [r for r in records if r.get("loss") is not None]
         peak = max(r.get("mem_live_peak_gib", 0) for r in records)
         later = [r["step_time_s"] for r in steps_[1:] if "step_time_s" in r]  # step 1 runs under MemTracker
@@ -102,7 +102,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--work", type=Path, default=None)
     p.add_argument("--reuse", action="store_true", help="quality: read runs already finished in --work")
-    p.add_argument("--micro-batch", type=int, default=1, help="activations: sequences per step")
+    p.add_argument("--micro-batch", type=int, default=1, help="activations: sequences per step and rank")
+    p.add_argument("--nproc", type=int, default=1, help="activations: ranks (FSDP2 full_shard)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="more shardtune overrides, e.g. precision=bf16")
     a = p.parse_args()
     work = a.work or C.default_workdir() / "memory_savers"
@@ -110,7 +111,7 @@ def main() -> int:
     if a.what == "states":
         print(states())
     elif a.what == "activations":
-        print(activations(work, a.steps or 3, a.micro_batch, a.overrides))
+        print(activations(work, a.steps or 3, a.micro_batch, a.overrides, a.nproc))
     else:
         print(quality(work, a.steps or 300, a.overrides, a.reuse))
     return 0
