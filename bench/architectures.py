@@ -15,16 +15,14 @@ import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from archs import ARCHS, COMMON  # noqa: E402  the suite's tiny configs
+from archs import tiny_config  # noqa: E402  the suite's tiny configs
 
 MAX_PARAMS = 20_000_000
 
 
-def tiny_config(model_type: str):
-    from transformers import AutoConfig
-
-    return AutoConfig.for_model(model_type, **{**COMMON, "n_layer": 2, "n_embd": 64, "n_head": 4,
-                                               "num_layers": 2, **ARCHS.get(model_type, {})})
+def _why(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[-1][:70] if lines else ''}"
 
 
 def check(model_type: str) -> dict:
@@ -46,9 +44,9 @@ def check(model_type: str) -> dict:
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config).eval()
     except Exception as exc:  # noqa: BLE001  the row says why
-        return {**row, "build": f"no tiny config ({type(exc).__name__})"}
+        return {**row, "build": f"no tiny config ({_why(exc)})"}
     row["build"] = f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f} M params"
-    rows = [[int(x) for x in torch.randint(2, 300, (n,))] for n in (9, 23, 14)]
+    rows = [[int(x) for x in torch.randint(2, 250, (n,))] for n in (9, 23, 14)]
     ids = torch.tensor([sum(rows, [])])
     try:
         with torch.no_grad():
@@ -61,15 +59,15 @@ def check(model_type: str) -> dict:
                 start += len(r)
         row["packed == alone"] = "yes" if worst <= 1e-5 else f"no ({worst:.1e})"
     except Exception as exc:  # noqa: BLE001
-        row["packed == alone"] = f"error ({type(exc).__name__})"
+        row["packed == alone"] = f"error ({_why(exc)})"
     try:
         model.train()
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         row["train step"] = "ok" if torch.isfinite(loss) else "non-finite"
     except Exception as exc:  # noqa: BLE001
-        row["train step"] = f"error ({type(exc).__name__})"
-    targets = default_lora_targets(model_type)
+        row["train step"] = f"error ({_why(exc)})"
+    targets = default_lora_targets(model_type, model)
     if not targets:
         row["LoRA default"] = "none: needs peft.target_modules"
     else:
@@ -78,6 +76,17 @@ def check(model_type: str) -> dict:
             row["LoRA default"] = ", ".join(targets)
         except Exception as exc:  # noqa: BLE001
             row["LoRA default"] = f"error ({type(exc).__name__}: {str(exc).splitlines()[0][:60]})"
+    try:
+        from shardtune.config.load import load_config
+        from shardtune.plan.trace import trace_step
+
+        cfg = load_config(None, [f'model.config={{"model_type": "{model_type}"}}', "data.path=unused",
+                                 "data.seq_len=32", "train.micro_batch_size=1", "train.global_batch_size=2",
+                                 "device=cpu", "peft.method=lora", "peft.r=4"])
+        trace_step(cfg, config, world_size=2)
+        row["plan"] = "ok"
+    except Exception as exc:  # noqa: BLE001
+        row["plan"] = f"error ({_why(exc)})"
     return row
 
 
@@ -90,7 +99,7 @@ def main() -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    cols = ["type", "in table", "build", "train step", "LoRA default", "packed == alone"]
+    cols = ["type", "in table", "build", "train step", "LoRA default", "plan", "packed == alone"]
     print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols), flush=True)
     results, start = [], time.time()
     for model_type in args.types:
@@ -104,7 +113,8 @@ def main() -> None:
     print(f"\n{len(results)} types in {time.time() - start:.0f} s: {len(built)} build from a tiny config, "
           f"{sum(r['train step'] == 'ok' for r in built)} train a step, "
           f"{sum(not r.get('LoRA default', 'none').startswith(('none', 'error')) for r in built)} take LoRA "
-          f"with no target list, {sum(r.get('packed == alone') == 'yes' for r in built)} keep packed documents apart")
+          f"with no target list, {sum(r.get('plan') == 'ok' for r in built)} plan on 2 fake ranks, "
+          f"{sum(r.get('packed == alone') == 'yes' for r in built)} keep packed documents apart")
 
 
 if __name__ == "__main__":

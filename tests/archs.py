@@ -62,3 +62,64 @@ def hf_config(model_type: str, **extra):
 
     cfg = {**arch_config(model_type), **extra}
     return AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+
+
+# Any other architecture: its config class's defaults, every size field shrunk by its name (the
+# names transformers' configs use for one quantity), in sub-configs (text_config, ...) too.
+_TINY_FIELDS = {
+    2: ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "decoder_layers", "encoder_layers",
+        "num_decoder_layers", "num_encoder_layers", "num_experts_per_tok", "moe_topk", "top_k", "moe_k"),
+    64: ("hidden_size", "n_embd", "d_model", "embed_dim", "word_embed_proj_dim", "dim", "embedding_size"),
+    128: ("intermediate_size", "ffn_dim", "decoder_ffn_dim", "encoder_ffn_dim", "n_inner", "d_ff",
+          "ffn_hidden_size", "max_position_embeddings", "n_positions", "n_ctx"),
+    4: ("num_attention_heads", "n_head", "n_heads", "num_heads", "decoder_attention_heads",
+        "encoder_attention_heads", "num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"),
+    16: ("head_dim", "kv_lora_rank", "v_head_dim", "attention_head_dim"),
+    32: ("moe_intermediate_size", "shared_expert_intermediate_size", "q_lora_rank", "expert_ffn_hidden_size"),
+    8: ("qk_rope_head_dim", "qk_nope_head_dim", "rotary_dim"),
+    1: ("n_shared_experts", "num_shared_experts", "n_group", "topk_group", "first_k_dense_replace"),
+}
+TINY_FIELDS = {name: value for value, names in _TINY_FIELDS.items() for name in names}
+TINY_FIELDS.update(vocab_size=300, num_key_value_heads=2)
+
+
+def _shrunk(config) -> dict:
+    """Keyword overrides that make `config` (a transformers config with its defaults) tiny."""
+    from transformers import PretrainedConfig
+
+    fields = config.to_dict()
+    layers = next((fields[k] for k in _TINY_FIELDS[2][:4] if isinstance(fields.get(k), int)), None)
+    out, spare = {}, iter(range(TINY_FIELDS["vocab_size"] - 1, 250, -1))
+    for name, value in fields.items():
+        if isinstance(getattr(config, name, None), PretrainedConfig):
+            sub = getattr(config, name)
+            out[name] = {**sub.to_dict(), **_shrunk(sub)}
+        elif name in TINY_FIELDS and isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            out[name] = min(value, TINY_FIELDS[name])
+        elif name in TINY_FIELDS and value is None and name not in ("q_lora_rank", "num_key_value_heads"):
+            out[name] = TINY_FIELDS[name]  # derived or required, left unset by the defaults (head_dim)
+        elif name.endswith(("token_id", "token_index")) and isinstance(value, int) and value >= 250:
+            out[name] = next(spare)  # special tokens (an image's, ...) above the ids of the test's text
+        elif isinstance(value, list) and layers and len(value) == layers and layers > 2:
+            # per-layer patterns (layer_types, ...): the first layer of each kind, so a hybrid keeps both
+            kinds = [i for i, v in enumerate(value) if v not in value[:i]][:2]
+            out[name] = [value[i] for i in (kinds + [0, 0])[:2]]
+    if "kv_lora_rank" in fields:  # multi-head latent attention: K/V heads = query heads, rope head_dim
+        out["num_key_value_heads"] = out.get("num_attention_heads", 4)
+        if "head_dim" in fields:
+            out["head_dim"] = out.get("qk_rope_head_dim", 8)
+    if "num_key_value_heads" in out and out.get("num_attention_heads", 4) % out["num_key_value_heads"]:
+        out["num_key_value_heads"] = out.get("num_attention_heads", 4)
+    return out
+
+
+def tiny_config(model_type: str):
+    """A tiny random-init config of any causal-LM `model_type` of the installed transformers: the
+    table's own (ARCHS) where it has one, else derived from the config class's defaults."""
+    from transformers import AutoConfig
+
+    if model_type in ARCHS:
+        return hf_config(model_type)
+    shrunk = _shrunk(AutoConfig.for_model(model_type))
+    return AutoConfig.for_model(model_type, **{**shrunk, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 0,
+                                               "tie_word_embeddings": False, "is_decoder": True})

@@ -116,7 +116,8 @@ MOE_WITH_ROUTER_LOSS = {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "phimoe", 
 def _run_config(model_type, *extra):
     from shardtune.config.load import load_config
 
-    return load_config(None, [f"model.config={json.dumps(arch_config(model_type))}", "data.path=unused",
+    config = arch_config(model_type) if model_type in ARCHS else {"model_type": model_type}  # the rest: hf_config given
+    return load_config(None, [f"model.config={json.dumps(config)}", "data.path=unused",
                               "data.seq_len=32", "train.micro_batch_size=1", "device=cpu", *extra])
 
 

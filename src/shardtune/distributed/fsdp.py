@@ -31,9 +31,13 @@ def detect_block_class(model, override: str | None = None) -> type:
     known = family(getattr(getattr(model, "config", None), "model_type", None))
     if known and known.block in classes:
         return classes[known.block]
-    for name in getattr(model, "_no_split_modules", None) or []:
-        if name in classes:
-            return classes[name]
+    # `_no_split_modules` may be a set that also names embeddings: the class with the most
+    # instances (the repeated block), whatever the set's order
+    named = [classes[name] for name in sorted(getattr(model, "_no_split_modules", None) or []) if name in classes]
+    if named:
+        instances = {cls: [m for m in model.modules() if isinstance(m, cls)] for cls in named}
+        # a tie (Mamba's block and its mixer): the outer one, the one with more modules inside
+        return max(named, key=lambda cls: (len(instances[cls]), len(list(instances[cls][0].modules()))))
     # Fallback: the class of the longest ModuleList (the stack of decoder layers).
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
     if not lists:

@@ -60,7 +60,7 @@ def add_lora(model, cfg: PeftConfig, model_type: str, seed: int | None = None):
     names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     # a default may name variants of one projection (DeepSeek-V3's q_proj, or q_b_proj with a
     # low-rank query): those of this model
-    targets = cfg.target_modules or [t for t in default_lora_targets(model_type) or [] if t in names]
+    targets = cfg.target_modules or [t for t in default_lora_targets(model_type, model) or [] if t in names]
     if not targets:
         raise UserError(f"no default LoRA target modules for model_type {model_type!r}; "
                         "set peft.target_modules=[...] (names of linear layers)")
@@ -80,24 +80,53 @@ def add_lora(model, cfg: PeftConfig, model_type: str, seed: int | None = None):
                         f"LoRA adapters; name linear layers, e.g. {', '.join(_linear_names(model)[:12])}") from None
 
 
-def default_lora_targets(model_type: str | None) -> list[str] | None:
+def default_lora_targets(model_type: str | None, model=None) -> list[str] | None:
     """LoRA's targets without `peft.target_modules`: shardtune's own choice where the families
-    table makes one, else peft's maintained per-architecture mapping, else None."""
+    table makes one, else peft's maintained per-architecture mapping, else (given the model) the
+    rule below, else None."""
     from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_TARGETS
 
     known = family(model_type)
     if known and known.lora_targets:
         return list(known.lora_targets)
     targets = PEFT_TARGETS.get(model_type)
-    return list(targets) if targets else None
+    if targets:
+        return list(targets)
+    if model is None:
+        return None
+    # The rule for an architecture neither names: the linear layers inside the decoder blocks
+    # (peft's "all-linear", less the head and whatever lies outside the blocks, e.g. a vision
+    # tower), narrowed to attention's where the blocks have some, as peft's mapping mostly does.
+    # A short name shared by attention and the MLP (GPT-2's c_proj) would adapt both: left out.
+    from shardtune.distributed.fsdp import detect_block_class
+
+    try:
+        block_cls = detect_block_class(model)
+    except UserError:
+        return _linear_names(model) or None
+    from peft import LoraConfig
+    from peft.tuners.tuners_utils import _check_lora_target_modules_mamba as peft_refuses  # Mamba's out_proj
+
+    attention, other = set(), set()
+    for block in (m for m in model.modules() if isinstance(m, block_cls)):
+        for path in _linear_names(block, full=True):
+            name = path.rsplit(".", 1)[-1]
+            try:
+                peft_refuses(LoraConfig(target_modules=[name]), model, name)
+            except ValueError:
+                continue
+            in_attention = any("attn" in part or "attention" in part for part in path.lower().split(".")[:-1])
+            (attention if in_attention else other).add(name)
+    return sorted(attention - other) or sorted(attention) or sorted(other) or None
 
 
-def _linear_names(model) -> list[str]:
-    """Short names of the layers LoRA can adapt (Linear, and GPT-2's Conv1D), sorted."""
+def _linear_names(model, full: bool = False) -> list[str]:
+    """Short names (`full`: the paths) of the layers LoRA can adapt (Linear, and GPT-2's Conv1D),
+    sorted, without the head."""
 
-    names = {name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+    names = {name if full else name.rsplit(".", 1)[-1] for name, m in model.named_modules()
              if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"}
-    return sorted(names - {"lm_head", "score"})
+    return sorted(n for n in names if n.rsplit(".", 1)[-1] not in {"lm_head", "score"})
 
 
 def adapt(model, peft: PeftConfig, freeze_cfg: FreezeConfig, block_cls: type, seed: int | None = None):
