@@ -111,13 +111,13 @@ PACKED_POSITIONS = frozenset({
     'apertus', 'arcee', 'aria_text', 'axk1', 'axk2', 'beam', 'bitnet', 'cohere2', 'cohere2_moe',
     'ctrl', 'cwm', 'deepseek_v2', 'deepseek_v32', 'diffllama', 'doge', 'dots1', 'emu3', 'ernie4_5',
     'ernie4_5_moe', 'exaone4', 'exaone_moe', 'flex_olmo', 'flint', 'fuyu', 'gemma3',
-    'gemma4_unified_text', 'git', 'glm', 'glm4_moe', 'glm4_moe_lite', 'glm_moe_dsa', 'gpt-sw3',
+    'gemma4_unified_text', 'git', 'glm', 'glm4_moe', 'glm4_moe_lite', 'glm_moe_dsa', 'got_ocr2', 'gpt-sw3',
     'gpt_neox_japanese', 'granite_swa', 'granitemoe_swa', 'granitemoeshared', 'helium', 'hrm_text',
     'hunyuan_v1_dense', 'hunyuan_v1_moe', 'hy_v3', 'hy_v4', 'hyperclovax', 'internlm3',
-    'iquestcoder', 'jais2', 'jetmoe', 'kolibri1', 'laguna', 'lfm2', 'llama4', 'llama4_text',
+    'iquestcoder', 'jais2', 'jetmoe', 'kolibri1', 'laguna', 'lfm2', 'llama4', 'llama4_text', 'longcat_flash',
     'mellum', 'mimo_v2_flash', 'minicpm3', 'minimax_m2', 'minimax_m3_vl_text', 'ministral',
     'ministral3', 'mllama', 'modernbert-decoder', 'moshi', 'nanochat', 'nemotron', 'olmo', 'olmo3',
-    'persimmon', 'seed_oss', 'solar_open', 'vaultgemma', 'whisper', 'youtu',
+    'persimmon', 'phi4_multimodal', 'seed_oss', 'solar_open', 'vaultgemma', 'whisper', 'youtu',
 })
 
 
