@@ -123,3 +123,53 @@ def tiny_config(model_type: str):
     shrunk = _shrunk(AutoConfig.for_model(model_type))
     return AutoConfig.for_model(model_type, **{**shrunk, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 0,
                                                "tie_word_embeddings": False, "is_decoder": True})
+
+
+# ---- shared by the architecture tests (tests/test_architectures.py, tests/test_every_architecture.py)
+DOCS = (9, 23, 14, 6)  # document lengths of the packed row
+
+
+def packed_batch(rows):
+    """A packed row of documents, as data.collate makes it: positions restart per document and
+    each document's first token has no label."""
+    import torch
+
+    from shardtune.data.docmask import positions
+    from shardtune.data.formats import IGNORE_INDEX
+
+    ids = torch.tensor([sum(rows, [])])
+    starts = torch.tensor([0, *[len(r) for r in rows[:-1]]]).cumsum(0)
+    labels = ids.clone()
+    labels[0, starts[1:]] = IGNORE_INDEX
+    return {"input_ids": ids, "labels": labels,
+            "position_ids": torch.from_numpy(positions(starts[1:].numpy(), ids.size(1)))[None]}
+
+
+def run_config(model_type, *extra):
+    """A RunConfig of `model_type` (its tiny config where the table has one; the rest pass their
+    hf config to whatever takes the RunConfig)."""
+    import json
+
+    from shardtune.config.load import load_config
+
+    config = arch_config(model_type) if model_type in ARCHS else {"model_type": model_type}
+    return load_config(None, [f"model.config={json.dumps(config)}", "data.path=unused",
+                              "data.seq_len=32", "train.micro_batch_size=1", "device=cpu", *extra])
+
+
+def optimizer_step(model_type, model, batch) -> set:
+    """One optimizer step through shardtune's train_step (finite loss and gradient norm); returns
+    the names of the parameters it moved."""
+    import torch
+
+    from shardtune.distributed.process_group import Dist
+    from shardtune.train.optim import build_optimizer
+    from shardtune.train.step import train_step
+
+    cfg = run_config(model_type, "train.global_batch_size=1", "train.lr=1e-2")
+    model.train()
+    optimizer = build_optimizer(model, cfg.train, torch.device("cpu"))
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    out = train_step(model, optimizer, None, [batch], cfg, Dist(0, 1, 1, torch.device("cpu")), labels_vary=True)
+    assert torch.isfinite(out.loss_sum) and torch.isfinite(out.grad_norm), model_type
+    return {n for n, p in model.named_parameters() if n in before and not torch.equal(p, before[n])}
