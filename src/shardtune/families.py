@@ -115,7 +115,7 @@ PACKED_POSITIONS = frozenset({
     'gpt_neox_japanese', 'granite_swa', 'granitemoe_swa', 'granitemoeshared', 'helium', 'hrm_text',
     'hunyuan_v1_dense', 'hunyuan_v1_moe', 'hy_v3', 'hy_v4', 'hyperclovax', 'internlm3',
     'iquestcoder', 'jais2', 'jetmoe', 'kolibri1', 'laguna', 'lfm2', 'llama4', 'llama4_text', 'longcat_flash',
-    'mellum', 'mimo_v2_flash', 'minicpm3', 'minimax_m2', 'minimax_m3_vl_text', 'ministral',
+    'mellum', 'mimo_v2_flash', 'minicpm3', 'minimax_m2', 'minimax_m3_vl_text', 'ministral', 'moss_transcribe_diarize',
     'ministral3', 'mllama', 'modernbert-decoder', 'moshi', 'nanochat', 'nemotron', 'olmo', 'olmo3',
     'persimmon', 'phi4_multimodal', 'seed_oss', 'solar_open', 'vaultgemma', 'whisper', 'youtu',
 })
