@@ -38,3 +38,20 @@ def test_sizes_are_read_from_the_language_model_s_config():
     gpt2 = AutoConfig.for_model("gpt2", n_layer=4)
     set_layer_count(gpt2, 2)
     assert gpt2.n_layer == layer_count(gpt2) == 2
+
+
+def test_no_module_reads_a_size_field_but_through_families():
+    """A size read straight off a config misses a multimodal config's text sub-config (the plan
+    crash on Gemma 3 and Fuyu): every reader goes through families.config_value and its helpers."""
+    import re
+    from pathlib import Path
+
+    fields = "|".join(("num_hidden_layers", "decoder_layers", "n_layer", "num_layers", "hidden_size", "n_embd",
+                       "d_model", "vocab_size", "num_experts_per_tok", "max_position_embeddings",
+                       "router_aux_loss_coef"))
+    direct = re.compile(rf"(config|model\.config)\.({fields})\b|getattr\([\w.]+, \"({fields})\"")
+    src = Path(__file__).resolve().parents[1] / "src" / "shardtune"
+    found = [f"{path.relative_to(src)}:{n}" for path in src.rglob("*.py") if path.name != "families.py"
+             for n, line in enumerate(path.read_text().splitlines(), 1)
+             for m in direct.finditer(line) if line[:m.start()].count('"') % 2 == 0]  # not in a message
+    assert not found, found
