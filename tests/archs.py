@@ -145,6 +145,22 @@ def packed_batch(rows):
             "position_ids": torch.from_numpy(positions(starts[1:].numpy(), ids.size(1)))[None]}
 
 
+def packed_vs_alone(model, batch, rows) -> float:
+    """The largest difference between a document's logits inside the packed row and alone."""
+    import torch
+
+    from shardtune.data import docmask
+
+    with torch.no_grad():
+        packed = model(**docmask.model_inputs(model, batch)).logits[0]
+        start, worst = 0, 0.0
+        for row in rows:
+            alone = model(input_ids=torch.tensor([row]), use_cache=False).logits[0]
+            worst = max(worst, float((packed[start:start + len(row)] - alone).abs().max()))
+            start += len(row)
+    return worst
+
+
 def run_config(model_type, *extra):
     """A RunConfig of `model_type` (its tiny config where the table has one; the rest pass their
     hf config to whatever takes the RunConfig)."""

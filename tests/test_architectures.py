@@ -7,7 +7,7 @@ in one line), and `plan`'s trace of a LoRA run on 2 fake ranks with the default 
 from __future__ import annotations
 
 import pytest
-from archs import ARCHS, DOCS, hf_config, optimizer_step, packed_batch, run_config
+from archs import ARCHS, DOCS, hf_config, optimizer_step, packed_batch, packed_vs_alone, run_config
 
 from shardtune.families import FAMILIES
 
@@ -38,19 +38,11 @@ def _check_facts(model_type, model):
 def _check_document_mask(model_type, model, batch, rows):
     """A document inside the packed row has the logits it has alone, or the table refuses it
     (and it really does not)."""
-    import torch
-
     from shardtune.config.schema import DataConfig
     from shardtune.data import docmask
     from shardtune.errors import UserError
 
-    with torch.no_grad():
-        packed = model(**docmask.model_inputs(model, batch)).logits[0]
-        start, worst = 0, 0.0
-        for row in rows:
-            alone = model(input_ids=torch.tensor([row]), use_cache=False).logits[0]
-            worst = max(worst, float((packed[start:start + len(row)] - alone).abs().max()))
-            start += len(row)
+    worst = packed_vs_alone(model, batch, rows)
     if FAMILIES[model_type].document_mask:
         assert worst <= 1e-5, (model_type, worst)
         docmask.check(DataConfig(path="x", document_mask=True), model.config)

@@ -16,7 +16,7 @@ import os
 import zlib
 
 import pytest
-from archs import ARCHS, DOCS, optimizer_step, packed_batch, run_config, tiny_config
+from archs import ARCHS, DOCS, optimizer_step, packed_batch, packed_vs_alone, run_config, tiny_config
 
 # types this test cannot run in this transformers, and why
 _DEFAULTS = "the config class's own defaults do not build (a real checkpoint sets the field)"
@@ -62,20 +62,12 @@ def sampled(model_type: str) -> bool:
 def _check_document_mask(model_type, model, batch, rows, config) -> bool:
     """Packed documents equal alone where docmask allows the type; elsewhere they really differ
     (or the forward cannot take restarting positions) and the config is refused in one line."""
-    import torch
-
     from shardtune.config.schema import DataConfig
     from shardtune.data import docmask
     from shardtune.errors import UserError
 
     try:
-        with torch.no_grad():
-            packed = model(**docmask.model_inputs(model, batch)).logits[0]
-            start, worst = 0, 0.0
-            for row in rows:
-                alone = model(input_ids=torch.tensor([row]), use_cache=False).logits[0]
-                worst = max(worst, float((packed[start:start + len(row)] - alone).abs().max()))
-                start += len(row)
+        worst = packed_vs_alone(model, batch, rows)
     except Exception as exc:  # noqa: BLE001  no packed positions at all: must be refused
         worst = exc
     allowed = docmask.document_mask(model_type) is not None
