@@ -108,6 +108,8 @@ def _shrunk(config) -> dict:
         out["num_key_value_heads"] = out.get("num_attention_heads", 4)
         if "head_dim" in fields:
             out["head_dim"] = out.get("qk_rope_head_dim", 8)
+    if "num_key_value_heads" in fields and fields["num_key_value_heads"] is None:  # None: as many as query heads
+        out["num_key_value_heads"] = out.get("num_attention_heads", 4)  # (Nemotron's modeling needs the number)
     if "num_key_value_heads" in out and out.get("num_attention_heads", 4) % out["num_key_value_heads"]:
         out["num_key_value_heads"] = out.get("num_attention_heads", 4)
     return out
