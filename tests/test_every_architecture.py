@@ -159,3 +159,14 @@ def test_a_config_transformers_cannot_build_is_refused_in_one_line():
     with pytest.raises(UserError, match="transformers cannot build model.config") as exc:
         check_buildable(tiny_config("musicgen"), False, "model.config")
     assert "\n" not in str(exc.value)
+
+
+def test_every_packed_positions_type_is_one_this_test_checks():
+    """families.PACKED_POSITIONS allows document masking only where the logits test runs (a full
+    run checks every entry): no entry this transformers lacks, none in SKIP."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from shardtune.families import PACKED_POSITIONS
+
+    assert not PACKED_POSITIONS - set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    assert not PACKED_POSITIONS & set(SKIP), sorted(PACKED_POSITIONS & set(SKIP))
