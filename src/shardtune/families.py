@@ -123,8 +123,8 @@ PACKED_POSITIONS = frozenset({
 
 def family(model_type: str | None) -> Family | None:
     """The family of a `model_type`, or None for one shardtune has no facts about (it still
-    trains: the block comes from `_no_split_modules`, LoRA's targets from peft's mapping or
-    `peft.target_modules`)."""
+    trains: the block is the stack nearest the token embedding (distributed/fsdp.py), LoRA's
+    targets come from peft's mapping or the rule of model/adapters.default_lora_targets)."""
     return FAMILIES.get(model_type)
 
 
