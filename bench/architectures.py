@@ -1,7 +1,8 @@
-"""Every causal-LM architecture the installed transformers lists (not the families table's 33):
-which build from a tiny config, train one step, take LoRA with no target list, and keep packed
-documents apart, in one process on CPU. The suite checks the families table
-(tests/test_architectures.py); this shows what lies beyond it, for the next rows to add.
+"""Every causal-LM architecture the installed transformers lists (the families table's 33 too):
+which build from a tiny config (tests/archs.tiny_config), take one optimizer step through
+shardtune's train step, take LoRA with no target list (a step that moves only the adapters), are
+traced by `plan` on 2 fake ranks, and keep packed documents apart, in one process on CPU: the
+counts behind README's "Beyond the table" (tests/test_every_architecture.py checks them).
 
 `.venv/bin/python bench/architectures.py [--types a b ...]` prints one markdown row per type and
 the totals. A type whose tiny config does not build is "no tiny config" (it needs keys of its own)."""
@@ -15,16 +16,14 @@ import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from archs import ARCHS, COMMON  # noqa: E402  the suite's tiny configs
+from archs import DOCS, optimizer_step, packed_batch, packed_vs_alone, run_config, tiny_config  # noqa: E402
 
 MAX_PARAMS = 20_000_000
 
 
-def tiny_config(model_type: str):
-    from transformers import AutoConfig
-
-    return AutoConfig.for_model(model_type, **{**COMMON, "n_layer": 2, "n_embd": 64, "n_head": 4,
-                                               "num_layers": 2, **ARCHS.get(model_type, {})})
+def _why(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[-1][:70] if lines else ''}"
 
 
 def check(model_type: str) -> dict:
@@ -32,7 +31,6 @@ def check(model_type: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     from shardtune.config.schema import PeftConfig
-    from shardtune.data.docmask import positions
     from shardtune.families import family
     from shardtune.model.adapters import add_lora, default_lora_targets
 
@@ -46,38 +44,41 @@ def check(model_type: str) -> dict:
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config).eval()
     except Exception as exc:  # noqa: BLE001  the row says why
-        return {**row, "build": f"no tiny config ({type(exc).__name__})"}
+        return {**row, "build": f"no tiny config ({_why(exc)})"}
     row["build"] = f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f} M params"
-    rows = [[int(x) for x in torch.randint(2, 300, (n,))] for n in (9, 23, 14)]
-    ids = torch.tensor([sum(rows, [])])
+    gen = torch.Generator().manual_seed(1)
+    rows = [torch.randint(2, 250, (n,), generator=gen).tolist() for n in DOCS]  # below the special ids
+    batch = packed_batch(rows)
     try:
-        with torch.no_grad():
-            packed = model(input_ids=ids, position_ids=torch.from_numpy(positions([9, 32], ids.size(1)))[None],
-                           use_cache=False).logits[0]
-            start, worst = 0, 0.0
-            for r in rows:
-                alone = model(input_ids=torch.tensor([r]), use_cache=False).logits[0]
-                worst = max(worst, float((packed[start:start + len(r)] - alone).abs().max()))
-                start += len(r)
+        worst = packed_vs_alone(model, batch, rows)
         row["packed == alone"] = "yes" if worst <= 1e-5 else f"no ({worst:.1e})"
     except Exception as exc:  # noqa: BLE001
-        row["packed == alone"] = f"error ({type(exc).__name__})"
-    try:
-        model.train()
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        row["train step"] = "ok" if torch.isfinite(loss) else "non-finite"
+        row["packed == alone"] = f"error ({_why(exc)})"
+    if row["packed == alone"] != "yes":
+        batch = {k: v for k, v in batch.items() if k != "position_ids"}
+    try:  # shardtune's own step (train.step), as a run takes it
+        row["train step"] = "ok" if optimizer_step(model_type, model, batch) else "nothing moved"
     except Exception as exc:  # noqa: BLE001
-        row["train step"] = f"error ({type(exc).__name__})"
-    targets = default_lora_targets(model_type)
+        row["train step"] = f"error ({_why(exc)})"
+    targets = default_lora_targets(model_type, model)
     if not targets:
         row["LoRA default"] = "none: needs peft.target_modules"
     else:
         try:
-            add_lora(model, PeftConfig(method="lora", r=4), model_type)
-            row["LoRA default"] = ", ".join(targets)
+            wrapped = add_lora(model, PeftConfig(method="lora", r=4), model_type, seed=0)
+            moved = optimizer_step(model_type, wrapped, batch)
+            only = moved and all("lora_" in n for n in moved)
+            row["LoRA default"] = ", ".join(targets) if only else "the step moved no adapter (or more)"
         except Exception as exc:  # noqa: BLE001
-            row["LoRA default"] = f"error ({type(exc).__name__}: {str(exc).splitlines()[0][:60]})"
+            row["LoRA default"] = f"error ({_why(exc)})"
+    try:
+        from shardtune.plan.trace import trace_step
+
+        trace_step(run_config(model_type, "train.global_batch_size=2", "peft.method=lora", "peft.r=4"), config,
+                   world_size=2)
+        row["plan"] = "ok"
+    except Exception as exc:  # noqa: BLE001
+        row["plan"] = f"error ({_why(exc)})"
     return row
 
 
@@ -90,7 +91,7 @@ def main() -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    cols = ["type", "in table", "build", "train step", "LoRA default", "packed == alone"]
+    cols = ["type", "in table", "build", "train step", "LoRA default", "plan", "packed == alone"]
     print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols), flush=True)
     results, start = [], time.time()
     for model_type in args.types:
@@ -103,8 +104,10 @@ def main() -> None:
     built = [r for r in results if r.get("train step")]
     print(f"\n{len(results)} types in {time.time() - start:.0f} s: {len(built)} build from a tiny config, "
           f"{sum(r['train step'] == 'ok' for r in built)} train a step, "
-          f"{sum(not r.get('LoRA default', 'none').startswith(('none', 'error')) for r in built)} take LoRA "
-          f"with no target list, {sum(r.get('packed == alone') == 'yes' for r in built)} keep packed documents apart")
+          f"{sum(not r.get('LoRA default', 'none').startswith(('none', 'error', 'the step')) for r in built)} "
+          f"take LoRA with no target list (a step moves only the adapters), "
+          f"{sum(r.get('plan') == 'ok' for r in built)} plan on 2 fake ranks, "
+          f"{sum(r.get('packed == alone') == 'yes' for r in built)} keep packed documents apart")
 
 
 if __name__ == "__main__":

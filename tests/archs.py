@@ -62,3 +62,132 @@ def hf_config(model_type: str, **extra):
 
     cfg = {**arch_config(model_type), **extra}
     return AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+
+
+# Any other architecture: its config class's defaults, every size field shrunk by its name (the
+# names transformers' configs use for one quantity), in sub-configs (text_config, ...) too.
+_TINY_FIELDS = {
+    2: ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "decoder_layers", "encoder_layers",
+        "num_decoder_layers", "num_encoder_layers", "num_experts_per_tok", "moe_topk", "top_k", "moe_k"),
+    64: ("hidden_size", "n_embd", "d_model", "embed_dim", "word_embed_proj_dim", "dim", "embedding_size"),
+    128: ("intermediate_size", "ffn_dim", "decoder_ffn_dim", "encoder_ffn_dim", "n_inner", "d_ff",
+          "ffn_hidden_size", "max_position_embeddings", "n_positions", "n_ctx"),
+    4: ("num_attention_heads", "n_head", "n_heads", "num_heads", "decoder_attention_heads",
+        "encoder_attention_heads", "num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"),
+    16: ("head_dim", "kv_lora_rank", "v_head_dim", "attention_head_dim"),
+    32: ("moe_intermediate_size", "shared_expert_intermediate_size", "q_lora_rank", "expert_ffn_hidden_size"),
+    8: ("qk_rope_head_dim", "qk_nope_head_dim", "rotary_dim"),
+    1: ("n_shared_experts", "num_shared_experts", "n_group", "topk_group", "first_k_dense_replace"),
+}
+TINY_FIELDS = {name: value for value, names in _TINY_FIELDS.items() for name in names}
+TINY_FIELDS.update(vocab_size=300, num_key_value_heads=2)
+
+
+def _shrunk(config) -> dict:
+    """Keyword overrides that make `config` (a transformers config with its defaults) tiny."""
+    from transformers import PretrainedConfig
+
+    fields = config.to_dict()
+    layers = next((fields[k] for k in _TINY_FIELDS[2][:4] if isinstance(fields.get(k), int)), None)
+    out, spare = {}, iter(range(TINY_FIELDS["vocab_size"] - 1, 250, -1))
+    for name, value in fields.items():
+        if isinstance(getattr(config, name, None), PretrainedConfig):
+            sub = getattr(config, name)
+            out[name] = {**sub.to_dict(), **_shrunk(sub)}
+        elif name in TINY_FIELDS and isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            out[name] = min(value, TINY_FIELDS[name])
+        elif name in TINY_FIELDS and value is None and name not in ("q_lora_rank", "num_key_value_heads"):
+            out[name] = TINY_FIELDS[name]  # derived or required, left unset by the defaults (head_dim)
+        elif name.endswith(("token_id", "token_index")) and isinstance(value, int) and value >= 250:
+            out[name] = next(spare)  # special tokens (an image's, ...) above the ids of the test's text
+        elif isinstance(value, list) and layers and len(value) == layers and layers > 2:
+            # per-layer patterns (layer_types, ...): the first layer of each kind, so a hybrid keeps both
+            kinds = [i for i, v in enumerate(value) if v not in value[:i]][:2]
+            out[name] = [value[i] for i in (kinds + [0, 0])[:2]]
+    if "kv_lora_rank" in fields:  # multi-head latent attention: K/V heads = query heads, rope head_dim
+        out["num_key_value_heads"] = out.get("num_attention_heads", 4)
+        if "head_dim" in fields:
+            out["head_dim"] = out.get("qk_rope_head_dim", 8)
+    if "num_key_value_heads" in fields and fields["num_key_value_heads"] is None:  # None: as many as query heads
+        out["num_key_value_heads"] = out.get("num_attention_heads", 4)  # (Nemotron's modeling needs the number)
+    if "num_key_value_heads" in out and out.get("num_attention_heads", 4) % out["num_key_value_heads"]:
+        out["num_key_value_heads"] = out.get("num_attention_heads", 4)
+    return out
+
+
+def tiny_config(model_type: str):
+    """A tiny random-init config of any causal-LM `model_type` of the installed transformers: the
+    table's own (ARCHS) where it has one, else derived from the config class's defaults."""
+    from transformers import AutoConfig
+
+    if model_type in ARCHS:
+        return hf_config(model_type)
+    shrunk = _shrunk(AutoConfig.for_model(model_type))
+    return AutoConfig.for_model(model_type, **{**shrunk, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 0,
+                                               "tie_word_embeddings": False, "is_decoder": True})
+
+
+# ---- shared by the architecture tests (tests/test_architectures.py, tests/test_every_architecture.py)
+DOCS = (9, 23, 14, 6)  # document lengths of the packed row
+
+
+def packed_batch(rows):
+    """A packed row of documents, as data.collate makes it: positions restart per document and
+    each document's first token has no label."""
+    import torch
+
+    from shardtune.data.docmask import positions
+    from shardtune.data.formats import IGNORE_INDEX
+
+    ids = torch.tensor([sum(rows, [])])
+    starts = torch.tensor([0, *[len(r) for r in rows[:-1]]]).cumsum(0)
+    labels = ids.clone()
+    labels[0, starts[1:]] = IGNORE_INDEX
+    return {"input_ids": ids, "labels": labels,
+            "position_ids": torch.from_numpy(positions(starts[1:].numpy(), ids.size(1)))[None]}
+
+
+def packed_vs_alone(model, batch, rows) -> float:
+    """The largest difference between a document's logits inside the packed row and alone."""
+    import torch
+
+    from shardtune.data import docmask
+
+    with torch.no_grad():
+        packed = model(**docmask.model_inputs(model, batch)).logits[0]
+        start, worst = 0, 0.0
+        for row in rows:
+            alone = model(input_ids=torch.tensor([row]), use_cache=False).logits[0]
+            worst = max(worst, float((packed[start:start + len(row)] - alone).abs().max()))
+            start += len(row)
+    return worst
+
+
+def run_config(model_type, *extra):
+    """A RunConfig of `model_type` (its tiny config where the table has one; the rest pass their
+    hf config to whatever takes the RunConfig)."""
+    import json
+
+    from shardtune.config.load import load_config
+
+    config = arch_config(model_type) if model_type in ARCHS else {"model_type": model_type}
+    return load_config(None, [f"model.config={json.dumps(config)}", "data.path=unused",
+                              "data.seq_len=32", "train.micro_batch_size=1", "device=cpu", *extra])
+
+
+def optimizer_step(model_type, model, batch) -> set:
+    """One optimizer step through shardtune's train_step (finite loss and gradient norm); returns
+    the names of the parameters it moved."""
+    import torch
+
+    from shardtune.distributed.process_group import Dist
+    from shardtune.train.optim import build_optimizer
+    from shardtune.train.step import train_step
+
+    cfg = run_config(model_type, "train.global_batch_size=1", "train.lr=1e-2")
+    model.train()
+    optimizer = build_optimizer(model, cfg.train, torch.device("cpu"))
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    out = train_step(model, optimizer, None, [batch], cfg, Dist(0, 1, 1, torch.device("cpu")), labels_vary=True)
+    assert torch.isfinite(out.loss_sum) and torch.isfinite(out.grad_norm), model_type
+    return {n for n, p in model.named_parameters() if n in before and not torch.equal(p, before[n])}

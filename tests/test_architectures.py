@@ -6,14 +6,10 @@ in one line), and `plan`'s trace of a LoRA run on 2 fake ranks with the default 
 
 from __future__ import annotations
 
-import json
-
 import pytest
-from archs import ARCHS, arch_config, hf_config
+from archs import ARCHS, DOCS, hf_config, optimizer_step, packed_batch, packed_vs_alone, run_config
 
 from shardtune.families import FAMILIES
-
-DOCS = (9, 23, 14, 6)  # document lengths of the packed row
 
 
 def test_every_family_has_a_tiny_config_and_is_a_transformers_causal_lm():
@@ -21,22 +17,6 @@ def test_every_family_has_a_tiny_config_and_is_a_transformers_causal_lm():
 
     assert sorted(ARCHS) == sorted(FAMILIES)
     assert not set(FAMILIES) - set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
-
-
-def _batch(rows):
-    """A packed row of documents, as data.collate makes it: positions restart per document and
-    each document's first token has no label."""
-    import torch
-
-    from shardtune.data.docmask import positions
-    from shardtune.data.formats import IGNORE_INDEX
-
-    ids = torch.tensor([sum(rows, [])])
-    starts = torch.tensor([0, *[len(r) for r in rows[:-1]]]).cumsum(0)
-    labels = ids.clone()
-    labels[0, starts[1:]] = IGNORE_INDEX
-    return {"input_ids": ids, "labels": labels,
-            "position_ids": torch.from_numpy(positions(starts[1:].numpy(), ids.size(1)))[None]}
 
 
 def _check_facts(model_type, model):
@@ -58,19 +38,11 @@ def _check_facts(model_type, model):
 def _check_document_mask(model_type, model, batch, rows):
     """A document inside the packed row has the logits it has alone, or the table refuses it
     (and it really does not)."""
-    import torch
-
     from shardtune.config.schema import DataConfig
     from shardtune.data import docmask
     from shardtune.errors import UserError
 
-    with torch.no_grad():
-        packed = model(**docmask.model_inputs(model, batch)).logits[0]
-        start, worst = 0, 0.0
-        for row in rows:
-            alone = model(input_ids=torch.tensor([row]), use_cache=False).logits[0]
-            worst = max(worst, float((packed[start:start + len(row)] - alone).abs().max()))
-            start += len(row)
+    worst = packed_vs_alone(model, batch, rows)
     if FAMILIES[model_type].document_mask:
         assert worst <= 1e-5, (model_type, worst)
         docmask.check(DataConfig(path="x", document_mask=True), model.config)
@@ -113,37 +85,13 @@ def _check_chunked_loss_and_router_loss(model_type, model, head, batch):
 MOE_WITH_ROUTER_LOSS = {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "phimoe", "granitemoe", "gpt_oss"}
 
 
-def _run_config(model_type, *extra):
-    from shardtune.config.load import load_config
-
-    return load_config(None, [f"model.config={json.dumps(arch_config(model_type))}", "data.path=unused",
-                              "data.seq_len=32", "train.micro_batch_size=1", "device=cpu", *extra])
-
-
-def _one_optimizer_step(model_type, model, batch):
-    import torch
-
-    from shardtune.distributed.process_group import Dist
-    from shardtune.train.optim import build_optimizer
-    from shardtune.train.step import train_step
-
-    cfg = _run_config(model_type, "train.global_batch_size=1", "train.lr=1e-2")
-    model.train()
-    optimizer = build_optimizer(model, cfg.train, torch.device("cpu"))
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    out = train_step(model, optimizer, None, [batch], cfg, Dist(0, 1, 1, torch.device("cpu")), labels_vary=True)
-    assert torch.isfinite(out.loss_sum) and torch.isfinite(out.grad_norm)
-    moved = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
-    assert len(moved) == len(before), sorted(set(before) - set(moved))[:5]
-
-
 def _check_plan_with_default_lora(model_type):
     from shardtune.model.adapters import default_lora_targets
     from shardtune.plan.trace import trace_step
 
     targets = default_lora_targets(model_type)
     assert targets, f"{model_type}: no default LoRA targets"
-    cfg = _run_config(model_type, "train.global_batch_size=2", "peft.method=lora", "peft.r=4")
+    cfg = run_config(model_type, "train.global_batch_size=2", "peft.method=lora", "peft.r=4")
     trace = trace_step(cfg, hf_config(model_type), world_size=2)
     assert 0 < trace.params["trainable"] < trace.params["total"] and trace.peak_bytes() > 0
     return targets
@@ -159,7 +107,7 @@ def test_architecture(model_type):
 
     gen = torch.Generator().manual_seed(1)
     rows = [torch.randint(2, 300, (n,), generator=gen).tolist() for n in DOCS]
-    batch = _batch(rows)
+    batch = packed_batch(rows)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(hf_config(model_type)).eval()
     head = _check_facts(model_type, model)
@@ -167,7 +115,7 @@ def test_architecture(model_type):
     _check_chunked_loss_and_router_loss(model_type, model, head, batch)
     if not FAMILIES[model_type].document_mask:
         batch = {k: v for k, v in batch.items() if k != "position_ids"}
-    _one_optimizer_step(model_type, model, batch)
+    assert optimizer_step(model_type, model, batch) == {n for n, _ in model.named_parameters()}, model_type
     targets = _check_plan_with_default_lora(model_type)
     wrapped = add_adapter(model, PeftConfig(method="lora", r=4), seed=0)
     adapted = {n.rsplit(".lora_A", 1)[0].rsplit(".", 1)[-1] for n, _ in wrapped.named_parameters() if "lora_A" in n}

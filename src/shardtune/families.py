@@ -120,13 +120,81 @@ FAMILIES = {
 }
 
 
+# Model types outside the table whose forward keeps each document of a packed row to itself
+# through the restarting position ids (data/docmask.py, "position_ids"): every causal LM of
+# transformers is tried by tests/test_every_architecture.py, which fails both when one listed here
+# mixes its documents and when one left out keeps them apart (then add it here).
+PACKED_POSITIONS = frozenset({
+    'apertus', 'arcee', 'aria_text', 'axk1', 'axk2', 'beam', 'bitnet', 'cohere2', 'cohere2_moe',
+    'ctrl', 'cwm', 'deepseek_v2', 'deepseek_v32', 'diffllama', 'doge', 'dots1', 'emu3', 'ernie4_5',
+    'ernie4_5_moe', 'exaone4', 'exaone_moe', 'flex_olmo', 'flint', 'fuyu', 'gemma3',
+    'git', 'glm', 'glm4_moe', 'glm4_moe_lite', 'glm_moe_dsa', 'got_ocr2', 'gpt-sw3',
+    'gpt_neox_japanese', 'granite_swa', 'granitemoe_swa', 'granitemoeshared', 'helium', 'hrm_text',
+    'hunyuan_v1_dense', 'hunyuan_v1_moe', 'hy_v3', 'hy_v4', 'hyperclovax', 'internlm3',
+    'iquestcoder', 'jais2', 'jetmoe', 'kolibri1', 'laguna', 'lfm2', 'llama4', 'llama4_text', 'longcat_flash',
+    'mellum', 'mimo_v2_flash', 'minicpm3', 'minimax_m2', 'minimax_m3_vl_text', 'ministral', 'moss_transcribe_diarize',
+    'ministral3', 'mllama', 'modernbert-decoder', 'moshi', 'nanochat', 'nemotron', 'olmo', 'olmo3',
+    'persimmon', 'phi4_multimodal', 'seed_oss', 'solar_open', 'vaultgemma', 'whisper', 'youtu',
+})
+
+
 def family(model_type: str | None) -> Family | None:
     """The family of a `model_type`, or None for one shardtune has no facts about (it still
-    trains: the block comes from `_no_split_modules`, LoRA's targets from peft's mapping or
-    `peft.target_modules`)."""
+    trains: the block is the stack nearest the token embedding (distributed/fsdp.py), LoRA's
+    targets come from peft's mapping or the rule of model/adapters.default_lora_targets)."""
     return FAMILIES.get(model_type)
 
 
 def with_document_mask() -> list[str]:
     """The model types whose document masking is verified, sorted (for error messages)."""
-    return sorted(t for t, f in FAMILIES.items() if f.document_mask)
+    return sorted({t for t, f in FAMILIES.items() if f.document_mask} | PACKED_POSITIONS)
+
+
+# ---- The language model's sizes in a config. A multimodal config (Gemma 3, Fuyu, Mllama, ...) keeps
+# them in its text sub-config; an old encoder-decoder one (mBART, Whisper), whose causal LM is the
+# decoder, keeps the decoder's depth in decoder_layers. Every reader of a size goes through these.
+LAYERS = ("decoder_layers", "num_hidden_layers", "n_layer", "num_layers", "n_layers")
+HIDDEN = ("hidden_size", "n_embd", "d_model")
+
+
+def text_config(hf_config):
+    """The config object that holds the language model's fields: the text sub-config that
+    transformers' `get_text_config(decoder=True)` names, else the config itself (also where that
+    method answers with a decoder-only copy, which a write would not reach)."""
+    get = getattr(hf_config, "get_text_config", None)
+    try:
+        text = get(decoder=True) if get else hf_config
+    except ValueError:  # several text sub-configs: none is the language model's for sure
+        return hf_config
+    return text if any(text is v for v in vars(hf_config).values()) else hf_config
+
+
+def config_value(hf_config, *names, kind: type = int):
+    """The first of `names` set (to a `kind`) in the language model's config, then in the config."""
+    for obj in (text_config(hf_config), hf_config):
+        for name in names:
+            value = getattr(obj, name, None)
+            if isinstance(value, kind) and not isinstance(value, bool):
+                return value
+    return None
+
+
+def layer_count(hf_config) -> int | None:
+    return config_value(hf_config, *LAYERS)
+
+
+def hidden_size(hf_config) -> int | None:
+    return config_value(hf_config, *HIDDEN)
+
+
+def set_layer_count(hf_config, layers: int) -> None:
+    """Give the language model of `hf_config` `layers` blocks (a shallow copy for a cheap build or
+    the planner's trace): the field `layer_count` reads, and per-layer patterns (layer_types) cut
+    or repeated to that depth."""
+    text = text_config(hf_config)
+    obj, name = next(((o, n) for o in (text, hf_config) for n in LAYERS if isinstance(getattr(o, n, None), int)),
+                     (text, "num_hidden_layers"))
+    pattern = getattr(obj, "layer_types", None)
+    setattr(obj, name, layers)
+    if isinstance(pattern, list) and pattern and len(pattern) != layers:
+        obj.layer_types = [pattern[i % len(pattern)] for i in range(layers)]

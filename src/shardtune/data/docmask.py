@@ -16,7 +16,7 @@ from __future__ import annotations
 from shardtune.config.schema import DataConfig
 from shardtune.data.formats import IGNORE_INDEX
 from shardtune.errors import UserError
-from shardtune.families import family, with_document_mask
+from shardtune.families import PACKED_POSITIONS, family, with_document_mask
 
 FLASH = ("flash_attention_2", "flash_attention_3")
 ATTENTION = (None, "sdpa", "eager", *FLASH)  # None: transformers' default (sdpa where the model has it)
@@ -31,8 +31,8 @@ def check(cfg: DataConfig, hf_config) -> None:
     model_type = getattr(hf_config, "model_type", None)
     if document_mask(model_type) is None:
         raise UserError(f"{key} needs a model whose attention can be kept inside each document; model type "
-                        f"{model_type!r} is not one (README 'Architectures' lists the {len(with_document_mask())} "
-                        f"that are, e.g. llama, qwen3, mistral, gpt2); {fix}")
+                        f"{model_type!r} is not one (README 'Architectures' says which {len(with_document_mask())} "
+                        f"are, e.g. llama, qwen3, mistral, gpt2); {fix}")
     attn = getattr(hf_config, "_attn_implementation", None)
     if attn not in ATTENTION:
         raise UserError(f"{key} works with attention implementations {', '.join(a for a in ATTENTION if a)}, "
@@ -43,7 +43,9 @@ def document_mask(model_type: str | None) -> str | None:
     """How this model type's forward learns about the documents (families.Family.document_mask);
     each verified type is covered by the logits test (a document inside a packed row == alone)."""
     known = family(model_type)
-    return known.document_mask if known else None
+    if known:
+        return known.document_mask
+    return "position_ids" if model_type in PACKED_POSITIONS else None
 
 
 def positions(starts, length: int):

@@ -19,8 +19,8 @@ from shardtune.families import family
 
 def detect_block_class(model, override: str | None = None) -> type:
     """The decoder-block class that becomes one FSDP unit (GPT2Block, OPTDecoderLayer, ...): the
-    override, else the family's (families.py), else transformers' `_no_split_modules`, else the
-    class of the longest ModuleList."""
+    override, else the family's (families.py), else the element class of the ModuleList that holds
+    the language model's blocks (ranked below)."""
     classes = {type(m).__name__: type(m) for m in model.modules()}
     if override:
         if override not in classes:
@@ -31,14 +31,35 @@ def detect_block_class(model, override: str | None = None) -> type:
     known = family(getattr(getattr(model, "config", None), "model_type", None))
     if known and known.block in classes:
         return classes[known.block]
-    for name in getattr(model, "_no_split_modules", None) or []:
-        if name in classes:
-            return classes[name]
-    # Fallback: the class of the longest ModuleList (the stack of decoder layers).
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    # The decoder stack is a ModuleList of blocks; a multimodal model has others (a vision tower's,
+    # as long or longer). Ranked: a class transformers names in `_no_split_modules` (a set that may
+    # also name attention or embeddings, which are no stack's elements), then the list nearest the
+    # token embedding (it shares the language model's path), then the shallower, then the longer;
+    # the first of equals in module order, so the choice never depends on a set's order.
+    named = set(getattr(model, "_no_split_modules", None) or [])
+    embedding = _path_of(model, _input_embeddings(model)).split(".")
+    lists = [(path, m) for path, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
     if not lists:
         raise UserError("could not find the decoder blocks of this model; set fsdp.block_class=<class name>")
-    return type(max(lists, key=len)[0])
+
+    def rank(item):
+        path, blocks = item
+        parts = path.split(".")
+        shared = next((i for i, (a, b) in enumerate(zip(parts, embedding)) if a != b), min(len(parts), len(embedding)))
+        return type(blocks[0]).__name__ in named, shared, -len(parts), len(blocks)
+
+    return type(max(lists, key=rank)[1][0])
+
+
+def _input_embeddings(model):
+    try:
+        return model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None
+
+
+def _path_of(model, module) -> str:
+    return next((path for path, m in model.named_modules() if m is module), "") if module is not None else ""
 
 
 def build_mesh(fsdp: FSDPConfig, dist: Dist):

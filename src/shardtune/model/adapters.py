@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from shardtune.config.schema import FreezeConfig, PeftConfig
 from shardtune.errors import UserError
-from shardtune.families import family
+from shardtune.families import family, layer_count
 from shardtune.model.prompt_learning import check_model as check_prompt_learning
 from shardtune.model.prompt_learning import fit_for_fsdp, init_text, prefix_tuning_config, prompt_tuning_config
 
@@ -87,7 +87,7 @@ def _lora_config(model, cfg: PeftConfig, init: bool):
     """LoRA and DoRA (weight-decomposed), rsLoRA scaling, the four initialisations."""
     from peft import LoraConfig
 
-    targets = _targets(model, cfg.target_modules, default_lora_targets(model.config.model_type), "LoRA")
+    targets = _targets(model, cfg.target_modules, default_lora_targets(model.config.model_type, model), "LoRA")
     if cfg.init == "olora":
         fused = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
                         if _matches(n, targets) and type(m).__name__ == "Conv1D"})
@@ -119,7 +119,7 @@ def _adaption_prompt_config(model, cfg: PeftConfig, init: bool):
     from peft import AdaptionPromptConfig
 
     return AdaptionPromptConfig(adapter_len=cfg.adapter_len or cfg.DEFAULT_ADAPTER_LEN,
-                                adapter_layers=cfg.adapter_layers or model.config.num_hidden_layers,
+                                adapter_layers=cfg.adapter_layers or layer_count(model.config),
                                 task_type="CAUSAL_LM")
 
 
@@ -152,7 +152,7 @@ def check_method(cfg: PeftConfig, hf_config) -> None:
         return
     from peft.tuners.adaption_prompt.config import TRANSFORMERS_MODEL_CONFIG
 
-    model_type, layers = hf_config.model_type, getattr(hf_config, "num_hidden_layers", None)
+    model_type, layers = hf_config.model_type, layer_count(hf_config)
     if model_type not in TRANSFORMERS_MODEL_CONFIG:
         supported = ", ".join(sorted(TRANSFORMERS_MODEL_CONFIG))
         raise UserError(f"peft.method=adaption_prompt supports the model types {supported} (peft), not "
@@ -211,16 +211,44 @@ def base_weights(peft_model, state_dict: dict) -> dict:
     return out
 
 
-def default_lora_targets(model_type: str | None) -> list[str] | None:
+def default_lora_targets(model_type: str | None, model=None) -> list[str] | None:
     """LoRA's targets without `peft.target_modules`: shardtune's own choice where the families
-    table makes one, else peft's maintained per-architecture mapping, else None."""
+    table makes one, else peft's maintained per-architecture mapping, else (given the model) the
+    rule below, else None."""
     from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_TARGETS
 
     known = family(model_type)
     if known and known.lora_targets:
         return list(known.lora_targets)
     targets = PEFT_TARGETS.get(model_type)
-    return list(targets) if targets else None
+    if targets:
+        return list(targets)
+    if model is None:
+        return None
+    # The rule for an architecture neither names: the linear layers inside the decoder blocks
+    # (peft's "all-linear", less the head and whatever lies outside the blocks, e.g. a vision
+    # tower), narrowed to attention's where the blocks have some, as peft's mapping mostly does.
+    # A short name shared by attention and the MLP (GPT-2's c_proj) would adapt both: left out.
+    from shardtune.distributed.fsdp import detect_block_class
+
+    try:
+        block_cls = detect_block_class(model)
+    except UserError:
+        return _linear_names(model) or None
+    from peft import LoraConfig
+    from peft.tuners.tuners_utils import _check_lora_target_modules_mamba as peft_refuses  # Mamba's out_proj
+
+    attention, other = set(), set()
+    for block in (m for m in model.modules() if isinstance(m, block_cls)):
+        for path in _linear_names(block, full=True):
+            name = path.rsplit(".", 1)[-1]
+            try:
+                peft_refuses(LoraConfig(target_modules=[name]), model, name)
+            except ValueError:
+                continue
+            in_attention = any("attn" in part or "attention" in part for part in path.lower().split(".")[:-1])
+            (attention if in_attention else other).add(name)
+    return sorted(attention - other) or sorted(attention) or sorted(other) or None
 
 
 def default_ia3_targets(model_type: str | None) -> tuple[list[str], list[str]] | None:
@@ -237,12 +265,13 @@ def default_ia3_targets(model_type: str | None) -> tuple[list[str], list[str]] |
     return list(PEFT_IA3[model_type]), list(PEFT_FF.get(model_type, ()))
 
 
-def _linear_names(model) -> list[str]:
-    """Short names of the layers LoRA can adapt (Linear, and GPT-2's Conv1D), sorted."""
+def _linear_names(model, full: bool = False) -> list[str]:
+    """Short names (`full`: the paths) of the layers LoRA can adapt (Linear, and GPT-2's Conv1D),
+    sorted, without the head."""
 
-    names = {name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+    names = {name if full else name.rsplit(".", 1)[-1] for name, m in model.named_modules()
              if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"}
-    return sorted(names - {"lm_head", "score"})
+    return sorted(n for n in names if n.rsplit(".", 1)[-1] not in {"lm_head", "score"})
 
 
 def adapt(model, peft: PeftConfig, freeze_cfg: FreezeConfig, block_cls: type, seed: int | None = None,

@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 
 from shardtune.config.schema import ModelConfig
 from shardtune.errors import UserError, first_line
+from shardtune.families import config_value, set_layer_count, text_config
 
 # The JSON files a model or tokenizer folder may hold; each is checked before a library reads it.
 MODEL_JSON = ("config.json", "generation_config.json", "model.safetensors.index.json")
@@ -112,7 +113,7 @@ def check_buildable(hf_config, trust_remote_code: bool, what: str) -> None:
                         "(AutoModelForCausalLM); pick a decoder (causal) language model")
     shallow = copy.deepcopy(hf_config)
     try:
-        shallow.num_hidden_layers = 1
+        set_layer_count(shallow, 1)
         build_meta_model(shallow, trust_remote_code)
         return
     except Exception:
@@ -132,11 +133,13 @@ def match_tokenizer(hf_config, tokenizer, cfg: ModelConfig) -> None:
     from the tokenizer, unless model.config names a vocab_size."""
     if cfg.name_or_path is not None:
         return
+    text = text_config(hf_config)  # a multimodal config's language model holds its vocabulary
     if "vocab_size" not in cfg.config:
-        hf_config.vocab_size = len(tokenizer)
-    hf_config.bos_token_id = tokenizer.bos_token_id
-    hf_config.eos_token_id = tokenizer.eos_token_id
-    hf_config.pad_token_id = tokenizer.pad_token_id
+        text.vocab_size = len(tokenizer)
+    for obj in {id(o): o for o in (hf_config, text)}.values():
+        obj.bos_token_id = tokenizer.bos_token_id
+        obj.eos_token_id = tokenizer.eos_token_id
+        obj.pad_token_id = tokenizer.pad_token_id
 
 
 def check_json_files(folder: Path, names: tuple[str, ...]) -> None:
@@ -212,11 +215,8 @@ def check_safetensors(path: Path) -> None:
 
 
 def max_positions(hf_config) -> int | None:
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        value = getattr(hf_config, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
+    value = config_value(hf_config, "max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+    return value if value and value > 0 else None
 
 
 def check_seq_len(hf_config, seq_len: int, virtual_tokens: int = 0) -> None:

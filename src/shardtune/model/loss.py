@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from shardtune.data.formats import IGNORE_INDEX
-from shardtune.families import family
+from shardtune.families import config_value, family
 
 # default chunk, in bytes of fp32 logits: on CPU small enough to stay in a typical L3 cache
 # (passes over logits run ~4x faster there); on GPUs large enough for full-speed GEMMs
@@ -161,7 +161,7 @@ def router_loss(model, output):
     token loss; the step adds it times the predicted tokens to the summed loss, so it is weighted
     by tokens across micro-batches and ranks like the token loss (one micro-batch: the model's loss)."""
     aux = getattr(output, "aux_loss", None)
-    coef = getattr(model.config, "router_aux_loss_coef", None)
+    coef = config_value(model.config, "router_aux_loss_coef", kind=(int, float))
     if aux is None or not coef:
         return None
     return coef * aux.float()

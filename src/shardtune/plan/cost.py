@@ -8,6 +8,7 @@ import copy
 from dataclasses import dataclass
 
 from shardtune.config.schema import RunConfig
+from shardtune.families import hidden_size
 from shardtune.hardware import GPU, HOST_FACTS, overhead
 from shardtune.plan.trace import HOST_ONLY, OFFLOADED, StepTrace
 
@@ -204,6 +205,4 @@ def step_time(trace: StepTrace, hf_config, cand: Candidate, cfg: RunConfig, targ
 
 
 def _hidden(hf_config) -> int:
-    from shardtune.telemetry.metrics import _first
-
-    return _first(hf_config, "hidden_size", "n_embd", "d_model") or 0
+    return hidden_size(hf_config) or 0

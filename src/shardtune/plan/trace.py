@@ -24,7 +24,9 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from shardtune import families
 from shardtune.config.schema import RunConfig
+from shardtune.errors import UserError
 
 # FSDPMemTracker's categories -> the planner's
 CATEGORY = {"Sharded Param": "sharded_params", "Unsharded Param": "gathered_params", "Buffer": "buffers",
@@ -107,7 +109,12 @@ def extrapolate(traces: dict[tuple[int, int], StepTrace], layers: int, micro_bat
 
 
 def layer_count(hf_config) -> int:
-    return hf_config.num_hidden_layers  # transformers maps n_layer/num_layers onto this name
+    """The language model's depth (families.layer_count); a config without one cannot be planned."""
+    layers = families.layer_count(hf_config)
+    if layers is None:
+        raise UserError(f"the {getattr(hf_config, 'model_type', '?')!r} config names no number of layers "
+                        f"({', '.join(families.LAYERS)}), so plan cannot size it; set one in model.config")
+    return layers
 
 
 @contextlib.contextmanager
@@ -148,9 +155,9 @@ def trace_step(cfg: RunConfig, hf_config, world_size: int, local_world_size: int
     cfg = copy.deepcopy(cfg)
     cfg.train.optimizer_state = "fp32"
     if target == "cuda" and cfg.loss_chunk_tokens is None:
-        cfg.loss_chunk_tokens = loss_lib.chunk_tokens(None, hf_config.vocab_size, "cuda")
+        cfg.loss_chunk_tokens = loss_lib.chunk_tokens(None, families.config_value(hf_config, "vocab_size"), "cuda")
     if layers is not None:
-        hf_config.num_hidden_layers = layers
+        families.set_layer_count(hf_config, layers)
     accum = check_world(cfg, world_size)
     with fake_world(world_size, local_world_size or world_size) as dist:
         built = build_model(ModelSpec.of_run(cfg, hf_config), build_mesh(cfg.fsdp, dist), dist.device)

@@ -14,6 +14,7 @@ import torch.nn as nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from shardtune.diskspace import tensor_bytes
+from shardtune.families import config_value, hidden_size, layer_count
 from shardtune.hardware import GIB
 
 
@@ -139,8 +140,8 @@ def flops_per_token(num_params: int, hf_config, seq_len: int, trainable: int | N
     all train), plus the attention term 12 x layers x hidden x seq_len. Recomputation by
     activation checkpointing is not counted: MFU measures useful work."""
     trainable = num_params if trainable is None else trainable
-    layers = _first(hf_config, "num_hidden_layers", "n_layer", "num_layers") or 0
-    hidden = _first(hf_config, "hidden_size", "n_embd", "d_model") or 0
+    layers = layer_count(hf_config) or 0
+    hidden = hidden_size(hf_config) or 0
     return 4.0 * num_params + 2.0 * trainable + 12.0 * layers * hidden * seq_len
 
 
@@ -151,7 +152,7 @@ def matmul_params(model) -> tuple[int, int]:
     experts each token is routed to (`num_experts_per_tok` of them): FLOPs follow the active
     experts, memory (not counted here) all of them."""
 
-    top_k = getattr(model.config, "num_experts_per_tok", None)
+    top_k = config_value(model.config, "num_experts_per_tok")
     total = trainable = 0
     for module in model.modules():
         weight = getattr(module, "weight", None)
@@ -172,14 +173,6 @@ def state_bytes(model, optimizer) -> dict:
     return {"param_bytes": tensor_bytes(params), "grad_bytes": tensor_bytes([p.grad for p in params]),
             "optim_bytes": tensor_bytes([v for s in optimizer.state.values() for v in s.values()
                                          if hasattr(v, "dim") and v.dim() > 0])}
-
-
-def _first(obj, *names):
-    for name in names:
-        value = getattr(obj, name, None)
-        if isinstance(value, int):
-            return value
-    return None
 
 
 # ----------------------------------------------------------------------------- memory

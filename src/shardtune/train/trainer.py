@@ -21,6 +21,7 @@ from shardtune.distributed.collectives import broadcast_value, rank0_first
 from shardtune.distributed.fsdp import build_mesh
 from shardtune.distributed.process_group import init_distributed
 from shardtune.errors import EXIT_PREEMPTED, UserError
+from shardtune.families import config_value
 from shardtune.model.adapters import check_method, check_quantize, load_qlora_model
 from shardtune.model.build import BuiltModel, ModelSpec, build_model
 from shardtune.model.hf import (
@@ -116,8 +117,9 @@ class Trainer:
         self.tokenizer = tokenizer = load_tokenizer(cfg.model)
         self.hf_config = hf_config = load_hf_config(cfg.model)
         match_tokenizer(hf_config, tokenizer, cfg.model)
-        if len(tokenizer) > hf_config.vocab_size:
-            raise UserError(f"the tokenizer has {len(tokenizer)} tokens but the model only {hf_config.vocab_size}; "
+        vocab = config_value(hf_config, "vocab_size")
+        if vocab is not None and len(tokenizer) > vocab:
+            raise UserError(f"the tokenizer has {len(tokenizer)} tokens but the model only {vocab}; "
                             "use the model's own tokenizer or set model.config.vocab_size")
         check_seq_len(hf_config, cfg.data.seq_len, cfg.peft.virtual_tokens)
         check_method(cfg.peft, hf_config)  # what the peft method needs of this model type
