@@ -32,7 +32,7 @@ def check(model_type: str) -> dict:
 
     from shardtune.config.schema import PeftConfig
     from shardtune.families import family
-    from shardtune.model.adapters import add_lora, default_lora_targets
+    from shardtune.model.adapters import add_adapter, default_lora_targets
 
     row = {"type": model_type, "in table": family(model_type) is not None}
     try:
@@ -65,7 +65,7 @@ def check(model_type: str) -> dict:
         row["LoRA default"] = "none: needs peft.target_modules"
     else:
         try:
-            wrapped = add_lora(model, PeftConfig(method="lora", r=4), model_type, seed=0)
+            wrapped = add_adapter(model, PeftConfig(method="lora", r=4), seed=0)
             moved = optimizer_step(model_type, wrapped, batch)
             only = moved and all("lora_" in n for n in moved)
             row["LoRA default"] = ", ".join(targets) if only else "the step moved no adapter (or more)"

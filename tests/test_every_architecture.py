@@ -111,11 +111,11 @@ def test_every_causal_lm_trains_and_has_lora_targets(model_type, single_thread):
 def _check_lora_step_and_plan(model_type, model, batch, config):
     """LoRA with no target list moves only its adapters; `plan` traces that run on 2 fake ranks."""
     from shardtune.config.schema import PeftConfig
-    from shardtune.model.adapters import add_lora
+    from shardtune.model.adapters import add_adapter
     from shardtune.plan.search import traced
     from shardtune.plan.trace import trace_step
 
-    wrapped = add_lora(model, PeftConfig(method="lora", r=4), model_type, seed=0)
+    wrapped = add_adapter(model, PeftConfig(method="lora", r=4), seed=0)
     moved = optimizer_step(model_type, wrapped, batch)
     assert moved and all("lora_" in n for n in moved), (model_type, sorted(moved)[:4])
     cfg = run_config(model_type, "train.global_batch_size=2", "peft.method=lora", "peft.r=4")
