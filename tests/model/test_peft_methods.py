@@ -192,3 +192,22 @@ def test_lora_initialisations_and_rslora_scaling():
         a_values[init] = layer.lora_A["default"].weight.detach()
     bound = 1 / math.sqrt(64)  # Kaiming-uniform(a=sqrt(5)) bound for fan_in 64
     assert a_values["default"].abs().max() <= bound < a_values["gaussian"].abs().max()
+
+
+@pytest.mark.parametrize("method", ["lora", "dora", "ia3"])
+def test_gpt2_conv1d_targets_are_declared_to_peft_without_a_warning(method):
+    """GPT-2's Conv1D stores its weight transposed: the adapter config says so (fan_in_fan_out),
+    so peft neither corrects it with a warning in every run's output nor adapts the wrong axis."""
+    import warnings
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from shardtune.config.schema import PeftConfig
+    from shardtune.model.adapters import add_adapter
+
+    model = GPT2LMHeadModel(GPT2Config(**{k: v for k, v in TINY["gpt2"].items() if k != "model_type"}))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        wrapped = add_adapter(model, PeftConfig(method=method), seed=0)
+    assert not [w for w in caught if "fan_in_fan_out" in str(w.message)]
+    assert wrapped.peft_config["default"].fan_in_fan_out

@@ -88,16 +88,22 @@ def _lora_config(model, cfg: PeftConfig, init: bool):
     from peft import LoraConfig
 
     targets = _targets(model, cfg.target_modules, default_lora_targets(model.config.model_type, model), "LoRA")
+    fused = _conv1d_targets(model, targets)
     if cfg.init == "olora":
-        fused = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-                        if _matches(n, targets) and type(m).__name__ == "Conv1D"})
         if fused:  # peft's OLoRA decomposes W as stored, which Conv1D keeps transposed
             raise UserError(f"peft.init=olora cannot adapt {', '.join(fused)} of this {model.config.model_type} "
                             "model (Conv1D layers, weights stored transposed); use peft.init=pissa or default")
     return LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
                       use_dora=cfg.method == "dora", use_rslora=cfg.rslora,
                       init_lora_weights={"default": True}.get(cfg.init, cfg.init) if init else True,
-                      task_type="CAUSAL_LM", bias="none")
+                      fan_in_fan_out=bool(fused), task_type="CAUSAL_LM", bias="none")
+
+
+def _conv1d_targets(model, targets) -> list[str]:
+    """The targets that are GPT-2-style Conv1D layers (weights stored transposed): peft must be told
+    (fan_in_fan_out), or it corrects the setting itself with a warning in every run's output."""
+    return sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                   if _matches(n, targets) and type(m).__name__ == "Conv1D"})
 
 
 def _ia3_config(model, cfg: PeftConfig, init: bool):
@@ -111,7 +117,8 @@ def _ia3_config(model, cfg: PeftConfig, init: bool):
     if not set(ff) <= set(targets):
         raise UserError(f"peft.feedforward_modules {sorted(set(ff) - set(targets))} are not in peft.target_modules "
                         f"{targets}; list each feed-forward module among the targets too")
-    return IA3Config(target_modules=targets, feedforward_modules=ff, task_type="CAUSAL_LM")
+    return IA3Config(target_modules=targets, feedforward_modules=ff,
+                     fan_in_fan_out=bool(_conv1d_targets(model, targets)), task_type="CAUSAL_LM")
 
 
 def _adaption_prompt_config(model, cfg: PeftConfig, init: bool):
