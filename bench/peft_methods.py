@@ -2,13 +2,15 @@
 full fine-tuning — trainable parameters, peak live memory, tokens/s, validation loss.
 
     python bench/peft_methods.py                 # base: the quickstart GPT-2 pre-trained 300 steps
-    python bench/peft_methods.py --steps 60 --reuse
+    python bench/peft_methods.py --steps 100 --reuse
 
-The base is the quickstart (random-init 2-layer GPT-2 on the offline docstring corpus) trained
-from scratch, then saved (`final/`); every method fine-tunes that base on the same corpus for the
-same steps, batch and schedule, each at a learning rate usual for it (METHODS below), and the
-validation loss at the end is compared. One rank, fp32, `log.live_memory` for the peak of live
-tensors over the first step (MemTracker), tokens/s the mean of the steps after it.
+The base is the quickstart (random-init 2-layer GPT-2 on the offline docstring corpus: English
+prose) trained from scratch, then saved (`final/`); every method fine-tunes that base on another
+domain, the standard library's own Python source (the same tokenizer; files split by name into
+train and validation), for the same steps, batch and schedule, each at a learning rate usual for
+it (METHODS below), and the validation loss on held-out source files is compared. One rank,
+fp32, `log.live_memory` for the peak of live tensors over the first step (MemTracker), tokens/s
+the mean of the steps after it (all runs one after another: compare them within one table).
 """
 
 from __future__ import annotations
@@ -56,10 +58,30 @@ def train(out: Path, overrides: list[str], reuse: bool) -> tuple[list[dict], str
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()], proc.stdout + proc.stderr
 
 
+def code_corpus(folder: Path, files: int = 400) -> Path:
+    """The fine-tuning data: the standard library's .py files (tests left out) as jsonl documents,
+    every tenth file (by sorted name) held out for validation. Deterministic on one Python version."""
+    import sysconfig
+
+    if (folder / "validation.jsonl").is_file():
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    root = Path(sysconfig.get_paths()["stdlib"])
+    paths = sorted(p for p in root.rglob("*.py") if "test" not in p.parts and "site-packages" not in p.parts)
+    paths = paths[:: max(1, len(paths) // files)][:files]
+    split = {"train": [], "validation": []}
+    for i, path in enumerate(paths):
+        text = path.read_text(encoding="utf-8", errors="replace")[:20000]  # long modules: their first part
+        split["validation" if i % 10 == 0 else "train"].append(json.dumps({"text": text}))
+    for name, lines in split.items():
+        (folder / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+    return folder
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--base-steps", type=int, default=300, help="pre-training steps of the base")
-    p.add_argument("--steps", type=int, default=60, help="fine-tuning steps of every method")
+    p.add_argument("--steps", type=int, default=100, help="fine-tuning steps of every method")
     p.add_argument("--methods", default=",".join(METHODS), help="comma-separated names of METHODS")
     p.add_argument("--work", type=Path, default=C.default_workdir() / "peft_methods")
     p.add_argument("--reuse", action="store_true", help="read runs already finished in --work")
@@ -70,7 +92,7 @@ def main() -> int:
     train(a.work / "base", [f"train.max_steps={a.base_steps}", "eval.at_start=false"], a.reuse)
     assets = C.quickstart_assets()
     common = [f"model.name_or_path={a.work / 'base' / 'final'}", f"model.tokenizer={assets['tokenizer']}",
-              f"data.path={Path(assets['train']).parent}", "data.seq_len=128", "precision=fp32", "device=cpu",
+              f"data.path={code_corpus(a.work / 'code')}", "data.seq_len=128", "precision=fp32", "device=cpu",
               "train.micro_batch_size=8", "train.global_batch_size=16", f"train.max_steps={a.steps}",
               "train.warmup_steps=5", "eval.at_start=true", f"eval.every_steps={a.steps}", "eval.max_batches=16",
               "log.every_steps=1", "log.progress=false", "log.live_memory=1", "save_final=false"]
