@@ -32,6 +32,12 @@ def trainable_when_built(cfg, hf_config) -> tuple[int, int]:
     return sum(p.numel() for p in model.parameters()), sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
+def test_every_method_of_the_schema_has_its_peft_config():
+    from shardtune.model.adapters import PEFT_CONFIGS
+
+    assert sorted(PEFT_CONFIGS) == sorted(METHODS)
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_plan_traces_each_method_and_counts_its_adapters_only(method):
     from shardtune.model.hf import load_hf_config
