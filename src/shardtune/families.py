@@ -125,16 +125,16 @@ FAMILIES = {
 # transformers is tried by tests/test_every_architecture.py, which fails both when one listed here
 # mixes its documents and when one left out keeps them apart (then add it here).
 PACKED_POSITIONS = frozenset({
-    'apertus', 'arcee', 'aria_text', 'axk1', 'axk2', 'beam', 'bitnet', 'cohere2', 'cohere2_moe',
-    'ctrl', 'cwm', 'deepseek_v2', 'deepseek_v32', 'diffllama', 'doge', 'dots1', 'emu3', 'ernie4_5',
-    'ernie4_5_moe', 'exaone4', 'exaone_moe', 'flex_olmo', 'flint', 'fuyu', 'gemma3',
-    'git', 'glm', 'glm4_moe', 'glm4_moe_lite', 'glm_moe_dsa', 'got_ocr2', 'gpt-sw3',
-    'gpt_neox_japanese', 'granite_swa', 'granitemoe_swa', 'granitemoeshared', 'helium', 'hrm_text',
-    'hunyuan_v1_dense', 'hunyuan_v1_moe', 'hy_v3', 'hy_v4', 'hyperclovax', 'internlm3',
-    'iquestcoder', 'jais2', 'jetmoe', 'kolibri1', 'laguna', 'lfm2', 'llama4', 'llama4_text', 'longcat_flash',
-    'mellum', 'mimo_v2_flash', 'minicpm3', 'minimax_m2', 'minimax_m3_vl_text', 'ministral', 'moss_transcribe_diarize',
-    'ministral3', 'mllama', 'modernbert-decoder', 'moshi', 'nanochat', 'nemotron', 'olmo', 'olmo3',
-    'persimmon', 'phi4_multimodal', 'seed_oss', 'solar_open', 'vaultgemma', 'whisper', 'youtu',
+    "apertus", "arcee", "aria_text", "axk1", "axk2", "beam", "bitnet", "cohere2", "cohere2_moe", "ctrl",
+    "cwm", "deepseek_v2", "deepseek_v32", "diffllama", "doge", "dots1", "emu3", "ernie4_5",
+    "ernie4_5_moe", "exaone4", "exaone_moe", "flex_olmo", "flint", "fuyu", "gemma3", "git", "glm",
+    "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "got_ocr2", "gpt-sw3", "gpt_neox_japanese",
+    "granite_swa", "granitemoe_swa", "granitemoeshared", "helium", "hrm_text", "hunyuan_v1_dense",
+    "hunyuan_v1_moe", "hy_v3", "hy_v4", "hyperclovax", "internlm3", "iquestcoder", "jais2", "jetmoe",
+    "kolibri1", "laguna", "lfm2", "llama4", "llama4_text", "longcat_flash", "mellum", "mimo_v2_flash",
+    "minicpm3", "minimax_m2", "minimax_m3_vl_text", "ministral", "ministral3", "mllama",
+    "modernbert-decoder", "moshi", "moss_transcribe_diarize", "nanochat", "nemotron", "olmo", "olmo3",
+    "persimmon", "phi4_multimodal", "seed_oss", "solar_open", "vaultgemma", "whisper", "youtu",
 })
 
 
