@@ -5,14 +5,16 @@
   counted per parameter shard from torchao's own buffers (`_new_buffer`, made on the meta
   device: codes, block scales, lookup table, and the fp32 fallback for small tensors);
 - activation offloading: on CUDA the saved activations go to host memory in forward and come
-  back in backward; a CPU trace moves nothing, so saved-tensor hooks move them to a host account
-  of the tracker (the device copy is released, a fresh one allocated when backward unpacks it).
+  back in backward; a CPU trace moves nothing, so the real hooks run with copies into a host
+  account of the tracker (the device copy is released past the in-flight bound, a fresh one
+  allocated when backward brings it back).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 
 import torch
 from torch import nn
@@ -67,36 +69,56 @@ def _meta_qmaps():
 
 class _OnHost:
     """A saved activation moved to host memory: what backward needs to bring it back."""
-    __slots__ = ("shape", "stride", "dtype", "nbytes")
+    __slots__ = ("shape", "stride", "dtype", "nbytes", "__weakref__")
 
     def __init__(self, t: torch.Tensor):
         self.shape, self.stride, self.dtype = t.shape, t.stride(), t.dtype
         self.nbytes = t.numel() * t.element_size()  # what a copy to the host moves
 
 
-@contextlib.contextmanager
-def offloaded_activations(tracker):
-    """Run `ActivationOffload`'s hooks as on CUDA: what it would move (its own rule,
-    `ActivationOffload.moves`) goes to `tracker`'s host account (`host_bytes`,
-    `host_peak`) and its device tensor is let go; backward's unpack allocates it again. Hooks
-    nest: activation checkpointing's own hooks win inside checkpointed blocks, as in the real run."""
-    from unittest import mock
+class _HostAccount:
+    """ActivationOffload's copies on a CPU trace, as on CUDA: what it moves (its own rule,
+    `ActivationOffload.moves`, its in-flight bound and its prefetching) goes to `tracker`'s host
+    account (`host_bytes`, `host_peak`, while autograd keeps the handle); a copy back allocates the
+    device tensor again. A trace
+    has no clock: no copy out is known done before the bound forces a wait (the most device
+    memory the bound lets a real run keep)."""
 
-    from shardtune.distributed.activation_memory import ActivationOffload
+    def __init__(self, tracker):
+        self.tracker = tracker
 
-    def pack(self, t):
-        if not self.moves(t):
-            return t
+    def takes(self, t) -> bool:
+        return True
+
+    def to_host(self, t):
         handle = _OnHost(t)
-        tracker.host_bytes += handle.nbytes
-        tracker.host_peak = max(tracker.host_peak, tracker.host_bytes)
-        return handle
+        self.tracker.host_bytes += handle.nbytes
+        self.tracker.host_peak = max(self.tracker.host_peak, self.tracker.host_bytes)
+        weakref.finalize(handle, self._release, handle.nbytes)  # pinned memory lives as long as its handle
+        return handle, None
 
-    def unpack(self, handle):
-        if not isinstance(handle, _OnHost):
-            return handle
-        tracker.host_bytes -= handle.nbytes
-        return torch.empty_strided(handle.shape, handle.stride, dtype=handle.dtype)
+    def _release(self, nbytes: int) -> None:
+        self.tracker.host_bytes -= nbytes
 
-    with mock.patch.object(ActivationOffload, "pack", pack), mock.patch.object(ActivationOffload, "unpack", unpack):
+    def done(self, copied) -> bool:
+        return False
+
+    def wait(self, copied) -> None:
+        pass
+
+    def to_device(self, handle, copied):
+        return torch.empty_strided(handle.shape, handle.stride, dtype=handle.dtype), None
+
+    def ready(self, back, arrived):
+        return back
+
+
+@contextlib.contextmanager
+def offloaded_activations(tracker, model):
+    """Run the ActivationOffload installed on `model` as on CUDA, its copies into `tracker`'s
+    host account. Hooks nest: activation checkpointing's own hooks win inside checkpointed
+    blocks, as in the real run."""
+    from shardtune.distributed.activation_memory import installed
+
+    with installed(model).moving_with(_HostAccount(tracker)):
         yield

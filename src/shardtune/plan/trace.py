@@ -182,7 +182,7 @@ def trace_step(cfg: RunConfig, hf_config, world_size: int, local_world_size: int
             tracker = PhaseTracker(model, optimizer, blocks)
             attention = _cuda_attention() if target == "cuda" else contextlib.nullcontext()
             # a CUDA run's offloaded activations go to the host; on CPU offloading moves nothing
-            offload = offloaded_activations(tracker) if target == "cuda" and cfg.activation_offload \
+            offload = offloaded_activations(tracker, model) if target == "cuda" and cfg.activation_offload \
                 else contextlib.nullcontext()
             with tracker, AnswerScalars(), _dtensor_meta_outside_trace(), _fake_grouped_mm(), attention, offload:
                 handle = model.register_forward_pre_hook(tracker.next_micro_step, prepend=True)
