@@ -163,3 +163,21 @@ def test_training_with_and_without_chunks_is_the_same_run(assets, tmp_path):
     chunked = train(assets, tmp_path / "chunked", **{"train.max_steps": 4, "loss_chunk_tokens": 50})
     plain = train(assets, tmp_path / "plain", **{"train.max_steps": 4, "loss_chunk_tokens": 0})
     assert max(abs(a - b) for a, b in zip(chunked, plain, strict=True)) < 1e-5, (chunked, plain)
+
+
+def test_a_router_loss_the_model_did_not_compute_is_refused_in_one_line():
+    """transformers 5.17's GraniteMoE returns no router logits and an aux loss of plain 0: training
+    would silently go without the load-balancing loss the config asks for."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from shardtune.errors import UserError
+    from shardtune.model.loss import router_loss
+
+    model = SimpleNamespace(config=SimpleNamespace(model_type="granitemoe", router_aux_loss_coef=0.01))
+    with pytest.raises(UserError, match="returns no router logits.*output_router_logits=false") as refused:
+        router_loss(model, SimpleNamespace(aux_loss=0))
+    assert "\n" not in str(refused.value)
+    assert router_loss(model, SimpleNamespace(aux_loss=None)) is None
+    assert float(router_loss(model, SimpleNamespace(aux_loss=torch.tensor(2.0)))) == pytest.approx(0.02)

@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from shardtune.data.formats import IGNORE_INDEX
+from shardtune.errors import UserError
 from shardtune.families import config_value, family
 
 # default chunk, in bytes of fp32 logits: on CPU small enough to stay in a typical L3 cache
@@ -164,4 +165,10 @@ def router_loss(model, output):
     coef = config_value(model.config, "router_aux_loss_coef", kind=(int, float))
     if aux is None or not coef:
         return None
+    if not isinstance(aux, torch.Tensor):  # e.g. transformers 5.17's granitemoe: no router logits, aux 0
+        import transformers
+
+        raise UserError(f"{model.config.model_type} in transformers {transformers.__version__} returns no router "
+                        f"logits, so it computes no load-balancing loss (router_aux_loss_coef={coef}); upgrade "
+                        "transformers, or set model.config.output_router_logits=false to train without it")
     return coef * aux.float()

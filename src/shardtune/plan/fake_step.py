@@ -1,0 +1,99 @@
+"""What a step under fake tensors needs to run as the GPU run would, beyond what fake tensors
+give: answers for the values the step reads (scalars, counts of a known bound), DTensor's shape
+propagation kept out of the count, the experts' grouped matmul in any dtype, and CUDA's attention
+kernels. Used by trace.trace_step."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class AnswerScalars(TorchDispatchMode):
+    """A fake tensor has no value unless fake mode knows it as a constant (the optimizer's
+    step count). Where the step reads an unknown one (is the gradient norm finite? did the
+    scaler find an inf? how many tokens?) answer "finite", "none found", 0: the path a
+    healthy step takes. A single random number (a scalar draw) is a known 0.5, so a branch on it
+    is decided by its threshold: transformers 5.17's OPT draws one per layer for LayerDrop even
+    at layerdrop=0 (5.23 checks the rate first), and an unknown draw would skip every layer."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten.rand.default and not list(args[0]):
+            dtype = kwargs.get("dtype") or torch.get_default_dtype()
+            return torch.tensor(0.5, dtype=dtype, device=kwargs.get("device"))
+        if func is torch.ops.aten._local_scalar_dense.default:
+            try:
+                return func(*args, **kwargs)
+            except DataDependentOutputException:
+                return True if args[0].dtype == torch.bool else 0
+        if func is torch.ops.aten.bincount.default:
+            try:
+                return func(*args, **kwargs)
+            except DynamicOutputShapeException:
+                return _bincount_within(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _bincount_within(values, weights=None, minlength=0):
+    """bincount's length is max(values) + 1 or `minlength`: unknown for fake values, except where
+    the caller bounds the values by `minlength` (a router counting tokens per expert, as
+    transformers 5.17's load-balancing loss does): the healthy answer is `minlength` counts. With
+    no bound the step stays untraceable (a reason in `plan`, never a crash)."""
+    if not minlength:
+        raise DynamicOutputShapeException(torch.ops.aten.bincount.default)
+    # torch's rule: counts are int64; weighted sums keep float32 weights, else become float64
+    dtype = torch.int64 if weights is None else (torch.float32 if weights.dtype == torch.float32 else torch.float64)
+    return torch.zeros(minlength, dtype=dtype, device=values.device)
+
+
+def dtensor_meta_outside_trace():
+    """DTensor derives output shapes by running each op on global-shaped fake tensors in the
+    active fake mode, which is ours: the tracker would count those (4x the optimizer state on 4
+    ranks). A fresh fake mode for that propagation keeps it out of the count."""
+    from unittest import mock
+
+    return mock.patch("torch.distributed.tensor._sharding_prop.detect_fake_mode", lambda *args: None)
+
+
+def fake_grouped_mm():
+    """Mixture-of-experts models run their experts through torch's grouped matmul, whose fake
+    (meta) kernel accepts only bf16 although the CPU kernel takes fp32 too. Outside bf16 the trace
+    sends them to transformers' own fallback op: the same shapes, and a fake kernel for any dtype.
+    (No-op on a transformers without `integrations.moe`, whose experts loop in eager PyTorch.)"""
+    from unittest import mock
+
+    try:
+        from transformers.integrations import moe
+    except ImportError:
+        return contextlib.nullcontext()
+    if not hasattr(moe, "_can_use_grouped_mm"):
+        return contextlib.nullcontext()
+    usable = moe._can_use_grouped_mm
+    return mock.patch.object(moe, "_can_use_grouped_mm",
+                             lambda input, weight, offs: weight.dtype == torch.bfloat16 and usable(input, weight, offs))
+
+
+def cuda_attention():
+    """Route scaled_dot_product_attention to the kernels CUDA picks: flash attention for fp16/bf16
+    without a mask, memory-efficient attention otherwise (a boolean mask becomes an additive bias
+    of the query's dtype, as on CUDA). Both keep O(seq) state per head, unlike CPU's math path."""
+    from unittest import mock
+
+
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if key.size(-3) != query.size(-3):  # grouped-query attention: one K/V head per group
+            groups = query.size(-3) // key.size(-3)
+            key, value = key.repeat_interleave(groups, -3), value.repeat_interleave(groups, -3)
+        if attn_mask is None and query.dtype in (torch.float16, torch.bfloat16) and query.size(-1) <= 256:
+            return torch.ops.aten._scaled_dot_product_flash_attention(
+                query, key, value, dropout_p, is_causal, False, scale=scale)[0]
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype).masked_fill_(~attn_mask, float("-inf"))
+        return torch.ops.aten._scaled_dot_product_efficient_attention(
+            query, key, value, attn_mask, query.requires_grad, dropout_p, is_causal, scale=scale)[0]
+
+    return mock.patch("torch.nn.functional.scaled_dot_product_attention", sdpa)
