@@ -272,10 +272,12 @@ def default_ia3_targets(model_type: str | None) -> tuple[list[str], list[str]] |
 
 def _linear_names(model, full: bool = False) -> list[str]:
     """Short names (`full`: the paths) of the layers LoRA can adapt (Linear, and GPT-2's Conv1D),
-    sorted, without the head."""
+    sorted, without the head. A Linear whose class has a forward of its own is left out: it is no
+    x @ W.T (DeepSeek-V4's block-diagonal grouped o_a_proj), so peft's added x @ A.T @ B.T would
+    not match its output."""
 
     names = {name if full else name.rsplit(".", 1)[-1] for name, m in model.named_modules()
-             if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"}
+             if (isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward) or type(m).__name__ == "Conv1D"}
     return sorted(n for n in names if n.rsplit(".", 1)[-1] not in {"lm_head", "score"})
 
 
