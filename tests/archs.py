@@ -83,19 +83,17 @@ TINY_FIELDS = {name: value for value, names in _TINY_FIELDS.items() for name in 
 TINY_FIELDS.update(vocab_size=300, vocab=300, num_key_value_heads=2)
 
 
-def _tiny_value(config, name: str) -> int | None:
-    """The tiny value of the field `name` of `config`, None if it is no size: by its own name in
-    the table, by an alias the config class maps to it (n_group: num_expert_group), else by a table
+def _table_name(config, name: str) -> str | None:
+    """The table's name (TINY_FIELDS) for the field `name` of `config`, None if it is no size: its
+    own, an alias the config class maps to it (n_group: num_expert_group), else the longest table
     name it ends with (linear_num_heads, index_head_dim, o_lora_rank, encoder_hash_byte_group_vocab)
-    or, for a name of several words, starts with (hidden_size_global) - the longest such name."""
+    or, for a name of several words, starts with (hidden_size_global)."""
     if name in TINY_FIELDS:
-        return TINY_FIELDS[name]
+        return name
     alias = next((a for a, real in getattr(config, "attribute_map", {}).items()
                   if real == name and a in TINY_FIELDS), None)
-    if alias:
-        return TINY_FIELDS[alias]
     words = [k for k in TINY_FIELDS if name.endswith("_" + k) or ("_" in k and name.startswith(k + "_"))]
-    return TINY_FIELDS[max(words, key=len)] if words else None
+    return alias or (max(words, key=len) if words else None)
 
 
 def _shrunk(config) -> dict:
@@ -106,7 +104,7 @@ def _shrunk(config) -> dict:
     layers = next((fields[k] for k in _TINY_FIELDS[2][:4] if isinstance(fields.get(k), int)), None)
     out, spare = {}, iter(range(TINY_FIELDS["vocab_size"] - 1, 250, -1))
     for name, value in fields.items():
-        tiny = _tiny_value(config, name)
+        tiny = TINY_FIELDS.get(_table_name(config, name))
         if isinstance(getattr(config, name, None), PretrainedConfig):
             sub = getattr(config, name)
             out[name] = {**sub.to_dict(), **_shrunk(sub)}
@@ -128,7 +126,20 @@ def _shrunk(config) -> dict:
         out["num_key_value_heads"] = out.get("num_attention_heads", 4)  # (Nemotron's modeling needs the number)
     if "num_key_value_heads" in out and out.get("num_attention_heads", 4) % out["num_key_value_heads"]:
         out["num_key_value_heads"] = out.get("num_attention_heads", 4)
+    for name in _derived_by_class(config, out, {n for n in out if _table_name(config, n) not in (n, None)}):
+        del out[name]
     return {**out, **_kept_relations(fields, out)}
+
+
+def _derived_by_class(config, out: dict, names: set) -> set:
+    """Those of the shrunk fields `names` that the config class derives itself from the other
+    sizes (qk_head_dim = qk_nope_head_dim + qk_rope_head_dim, Zamba's attention_hidden_size =
+    2 x hidden_size): a probe built without them has them changed from the defaults."""
+    try:
+        probe = type(config)(**{k: v for k, v in out.items() if k not in names})
+    except Exception:  # noqa: BLE001  the class refuses the probe: nothing is known to be derived
+        return set()
+    return {n for n in names if getattr(probe, n, None) != getattr(config, n)}
 
 
 _HEADS = r"(num_attention_heads|num_heads|n_heads?)$"  # a count of query heads (not key/value heads)
@@ -144,7 +155,7 @@ def _kept_relations(defaults: dict, out: dict) -> dict:
 
     derived = {}
     widths = [n for n in out if "hidden_size" in n or n in _TINY_FIELDS[64]]
-    factors = [1, *sorted({v for n, v in defaults.items() if type(v) is int and 1 < v <= 8 and n not in out})]
+    factors = [1, *sorted({v for n, v in defaults.items() if type(v) is int and n.endswith("expand")})]
     for heads in (n for n in out if re.search(_HEADS, n)):
         dim = re.sub(_HEADS, "head_dim", heads)  # linear_num_heads: linear_head_dim
         if isinstance(defaults.get(dim), int) and dim in out:
