@@ -193,13 +193,23 @@ def tiny_config(model_type: str):
 
 
 def _user_choices(config) -> dict:
-    """What a user sets in model.config where the defaults leave a choice open (shardtune refuses
-    the config until then): the language of the inputs of a model with an adapter per language."""
+    """What a user sets in model.config where the defaults leave a choice open: the language of the
+    inputs of a model with an adapter per language (shardtune refuses the config until then), and
+    the sizes of a model that trains only on rows of one length (Reformer: the product of its axial
+    position shape, a multiple of its attention chunks), set for the test's row (sum(DOCS))."""
+    import math
+
     from shardtune.families import LANGUAGE_FIELDS
 
     field, choices = LANGUAGE_FIELDS
     languages = getattr(config, choices, None)
-    return {field: list(languages)[0]} if languages and getattr(config, field, "") is None else {}
+    out = {field: list(languages)[0]} if languages and getattr(config, field, "") is None else {}
+    length = sum(DOCS)
+    if getattr(config, "axial_pos_embds", False):
+        out["axial_pos_shape"] = [math.gcd(length, 4), length // math.gcd(length, 4)]
+    out.update({n: math.gcd(v, length) for n, v in config.to_dict().items()
+                if n.endswith("chunk_length") and type(v) is int})
+    return out
 
 
 # ---- shared by the architecture tests (tests/test_architectures.py, tests/test_every_architecture.py)

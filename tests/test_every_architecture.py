@@ -39,6 +39,8 @@ UNTRACEABLE = {"blt": "its patches end where the patcher's entropy passes a thre
                "longcat_flash": "its experts loop over the experts hit (nonzero): data-dependent shapes",
                "xmod": "its language adapters take each language's tokens by a boolean mask (nonzero): "
                        "data-dependent shapes",
+               "reformer": "its reversible layers run their blocks inside an autograd Function of their own, "
+                           "whose inputs torch's module tracker cannot hook (no grad_fn)",
                "jetmoe": "its experts split the tokens by counted sizes (tolist): data-dependent shapes"}
 SAMPLED_SHARE = 8  # one type in 8 (by the CRC-32 of its name) takes the expensive checks
 
@@ -114,7 +116,8 @@ def _check_lora_step_and_plan(model_type, model, batch, config):
     wrapped = add_adapter(model, PeftConfig(method="lora", r=4), seed=0)
     moved = optimizer_step(model_type, wrapped, batch)
     assert moved and all("lora_" in n for n in moved), (model_type, sorted(moved)[:4])
-    cfg = run_config(model_type, "train.global_batch_size=2", "peft.method=lora", "peft.r=4")
+    cfg = run_config(model_type, "train.global_batch_size=2", "peft.method=lora", "peft.r=4",
+                     f"data.seq_len={batch['input_ids'].size(1)}")  # the row it trained on
     trace = traced(lambda: trace_step(cfg, config, world_size=2))
     if model_type in UNTRACEABLE:
         assert isinstance(trace, str) and trace.startswith("cannot be traced: ") and "\n" not in trace, trace
