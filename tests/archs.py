@@ -69,18 +69,31 @@ def hf_config(model_type: str, **extra):
 _TINY_FIELDS = {
     2: ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "decoder_layers", "encoder_layers",
         "num_decoder_layers", "num_encoder_layers", "num_experts_per_tok", "moe_topk", "top_k", "moe_k"),
-    64: ("hidden_size", "n_embd", "d_model", "embed_dim", "word_embed_proj_dim", "dim", "embedding_size"),
+    64: ("hidden_size", "n_embd", "d_model", "embed_dim", "emb_dim", "word_embed_proj_dim", "dim", "embedding_size"),
     128: ("intermediate_size", "ffn_dim", "decoder_ffn_dim", "encoder_ffn_dim", "n_inner", "d_ff",
           "ffn_hidden_size", "max_position_embeddings", "n_positions", "n_ctx"),
     4: ("num_attention_heads", "n_head", "n_heads", "num_heads", "decoder_attention_heads",
         "encoder_attention_heads", "num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"),
-    16: ("head_dim", "kv_lora_rank", "v_head_dim", "attention_head_dim"),
+    16: ("head_dim", "kv_lora_rank", "lora_rank", "v_head_dim", "attention_head_dim"),
     32: ("moe_intermediate_size", "shared_expert_intermediate_size", "q_lora_rank", "expert_ffn_hidden_size"),
     8: ("qk_rope_head_dim", "qk_nope_head_dim", "rotary_dim"),
-    1: ("n_shared_experts", "num_shared_experts", "n_group", "topk_group", "first_k_dense_replace"),
+    1: ("n_shared_experts", "num_shared_experts", "n_group", "n_groups", "topk_group", "first_k_dense_replace"),
 }
 TINY_FIELDS = {name: value for value, names in _TINY_FIELDS.items() for name in names}
-TINY_FIELDS.update(vocab_size=300, num_key_value_heads=2)
+TINY_FIELDS.update(vocab_size=300, vocab=300, num_key_value_heads=2)
+
+
+def _table_name(config, name: str) -> str | None:
+    """The table's name (TINY_FIELDS) for the field `name` of `config`, None if it is no size: its
+    own, an alias the config class maps to it (n_group: num_expert_group), else the longest table
+    name it ends with (linear_num_heads, index_head_dim, o_lora_rank, encoder_hash_byte_group_vocab)
+    or, for a name of several words, starts with (hidden_size_global)."""
+    if name in TINY_FIELDS:
+        return name
+    alias = next((a for a, real in getattr(config, "attribute_map", {}).items()
+                  if real == name and a in TINY_FIELDS), None)
+    words = [k for k in TINY_FIELDS if name.endswith("_" + k) or ("_" in k and name.startswith(k + "_"))]
+    return alias or (max(words, key=len) if words else None)
 
 
 def _shrunk(config) -> dict:
@@ -91,11 +104,12 @@ def _shrunk(config) -> dict:
     layers = next((fields[k] for k in _TINY_FIELDS[2][:4] if isinstance(fields.get(k), int)), None)
     out, spare = {}, iter(range(TINY_FIELDS["vocab_size"] - 1, 250, -1))
     for name, value in fields.items():
+        tiny = TINY_FIELDS.get(_table_name(config, name))
         if isinstance(getattr(config, name, None), PretrainedConfig):
             sub = getattr(config, name)
             out[name] = {**sub.to_dict(), **_shrunk(sub)}
-        elif name in TINY_FIELDS and isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            out[name] = min(value, TINY_FIELDS[name])
+        elif tiny and isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            out[name] = min(value, tiny)
         elif name in TINY_FIELDS and value is None and name not in ("q_lora_rank", "num_key_value_heads"):
             out[name] = TINY_FIELDS[name]  # derived or required, left unset by the defaults (head_dim)
         elif name.endswith(("token_id", "token_index")) and isinstance(value, int) and value >= 250:
@@ -112,7 +126,57 @@ def _shrunk(config) -> dict:
         out["num_key_value_heads"] = out.get("num_attention_heads", 4)  # (Nemotron's modeling needs the number)
     if "num_key_value_heads" in out and out.get("num_attention_heads", 4) % out["num_key_value_heads"]:
         out["num_key_value_heads"] = out.get("num_attention_heads", 4)
-    return out
+    for name in _derived_by_class(config, out, {n for n in out if _table_name(config, n) not in (n, None)}):
+        del out[name]
+    return {**out, **_kept_relations(fields, out)}
+
+
+def _derived_by_class(config, out: dict, names: set) -> set:
+    """Those of the shrunk fields `names` that the config class derives itself from the other
+    sizes (qk_head_dim = qk_nope_head_dim + qk_rope_head_dim, Zamba's attention_hidden_size =
+    2 x hidden_size): a probe built without them has them changed from the defaults."""
+    try:
+        probe = type(config)(**{k: v for k, v in out.items() if k not in names})
+    except Exception:  # noqa: BLE001  the class refuses the probe: nothing is known to be derived
+        return set()
+    return {n for n in names if getattr(probe, n, None) != getattr(config, n)}
+
+
+_HEADS = r"(num_attention_heads|num_heads|n_heads?)$"  # a count of query heads (not key/value heads)
+
+
+def _kept_relations(defaults: dict, out: dict) -> dict:
+    """Fields that the defaults derive from the shrunk sizes, rederived so the tiny config is as
+    consistent as the defaults: a head width (heads x head_dim = hidden_size x expand, Mamba-2's
+    inner width) and a list of sizes whose sum or product is a shrunk size (Reformer's axial
+    position embeddings: widths summing to hidden_size, a shape multiplying to the positions)."""
+    import math
+    import re
+
+    derived = {}
+    widths = [n for n in out if "hidden_size" in n or n in _TINY_FIELDS[64]]
+    factors = [1, *sorted({v for n, v in defaults.items() if type(v) is int and n.endswith("expand")})]
+    for heads in (n for n in out if re.search(_HEADS, n)):
+        dim = re.sub(_HEADS, "head_dim", heads)  # linear_num_heads: linear_head_dim
+        if isinstance(defaults.get(dim), int) and dim in out:
+            width = next(((w, f) for w in widths for f in factors
+                          if defaults[heads] * defaults[dim] == defaults[w] * f), None)
+            if width and out[width[0]] * width[1] % out[heads] == 0:
+                derived[dim] = out[width[0]] * width[1] // out[heads]
+    for name, value in defaults.items():
+        if name in out or not isinstance(value, (list, tuple)) or len(value) < 2 \
+                or not all(type(v) is int and v > 0 for v in value):
+            continue
+        for size in (n for n in out if type(defaults.get(n)) is int and defaults[n] != out[n]):
+            if sum(value) == defaults[size]:  # widths, scaled
+                scaled = [max(1, v * out[size] // defaults[size]) for v in value[:-1]]
+                derived[name] = [*scaled, out[size] - sum(scaled)]
+            elif math.prod(value) == defaults[size]:  # a shape: halve its largest factor
+                shape = list(value)
+                while math.prod(shape) > out[size] and max(shape) % 2 == 0:
+                    shape[shape.index(max(shape))] //= 2
+                derived[name] = shape
+    return derived
 
 
 def tiny_config(model_type: str):
@@ -122,9 +186,30 @@ def tiny_config(model_type: str):
 
     if model_type in ARCHS:
         return hf_config(model_type)
-    shrunk = _shrunk(AutoConfig.for_model(model_type))
-    return AutoConfig.for_model(model_type, **{**shrunk, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 0,
-                                               "tie_word_embeddings": False, "is_decoder": True})
+    defaults = AutoConfig.for_model(model_type)
+    return AutoConfig.for_model(model_type, **{**_shrunk(defaults), **_user_choices(defaults), "bos_token_id": 0,
+                                               "eos_token_id": 1, "pad_token_id": 0, "tie_word_embeddings": False,
+                                               "is_decoder": True})
+
+
+def _user_choices(config) -> dict:
+    """What a user sets in model.config where the defaults leave a choice open: the language of the
+    inputs of a model with an adapter per language (shardtune refuses the config until then), and
+    the sizes of a model that trains only on rows of one length (Reformer: the product of its axial
+    position shape, a multiple of its attention chunks), set for the test's row (sum(DOCS))."""
+    import math
+
+    from shardtune.families import LANGUAGE_FIELDS
+
+    field, choices = LANGUAGE_FIELDS
+    languages = getattr(config, choices, None)
+    out = {field: list(languages)[0]} if languages and getattr(config, field, "") is None else {}
+    length = sum(DOCS)
+    if getattr(config, "axial_pos_embds", False):
+        out["axial_pos_shape"] = [math.gcd(length, 4), length // math.gcd(length, 4)]
+    out.update({n: math.gcd(v, length) for n, v in config.to_dict().items()
+                if n.endswith("chunk_length") and type(v) is int})
+    return out
 
 
 # ---- shared by the architecture tests (tests/test_architectures.py, tests/test_every_architecture.py)

@@ -22,27 +22,25 @@ from archs import ARCHS, DOCS, optimizer_step, packed_batch, packed_vs_alone, ru
 _DEFAULTS = "the config class's own defaults do not build (a real checkpoint sets the field)"
 _PER_LAYER = "sizes live in per-layer configs (per_layer_config), which the tiny rule does not shrink"
 SKIP = {
-    "bailing_hybrid": "its linear attention's head sizes are not derived by the tiny rule (shape error)",
-    "blt": "byte-latent model: its sizes are in encoder/decoder/global sub-configs (190 M parameters)",
     "cohere_compass_text": _DEFAULTS, "dbrx": _DEFAULTS, "lfm2_moe": _DEFAULTS,
     "qwen4_exp": _DEFAULTS, "qwen4_exp_text": _DEFAULTS, "gemma3n_text": _DEFAULTS, "gemma4_assistant": _DEFAULTS,
     "dots3_note": _PER_LAYER, "dots3_note_text": _PER_LAYER, "gemma4": _PER_LAYER, "gemma4_text": _PER_LAYER,
     "gemma4_unified": _PER_LAYER, "gemma4_unified_text": _PER_LAYER, "gemma4_unified_assistant": _PER_LAYER,
-    "deepseek_v4": "its compressed attention needs sizes the tiny rule does not derive (shape error)",
-    "mamba2": "needs hidden_size x expand = num_heads x head_dim, a constraint the tiny rule does not solve",
-    "reformer": "axial position embeddings whose factors must sum to hidden_size",
-    "xlm": "its embedding sizes escape the tiny rule (102 M parameters)",
     "gemma3n": "needs timm (not a shardtune dependency)",
     "musicgen": "transformers' own causal-LM class cannot be built from its config (no dropout): refused "
                 "in one line (test_a_config_transformers_cannot_build_is_refused_in_one_line)",
     "musicgen_melody": "as musicgen",
-    "kimi_linear": "its linear attention's top-k exceeds the tiny sizes (index out of range)",
-    "xmod": "needs a language id per input (set_default_language): special inputs",
 }
 MAX_PARAMS = 16_000_000  # 64 MB of fp32 weights
 # types whose step `plan` cannot trace on fake tensors: its search drops their candidates with this
 # one-line reason (plan.search.traced), never a crash; the test checks the reason is given
-UNTRACEABLE = {"longcat_flash": "its experts loop over the experts hit (nonzero): data-dependent shapes",
+UNTRACEABLE = {"blt": "its patches end where the patcher's entropy passes a threshold (a boolean mask "
+                      "index, nonzero): data-dependent shapes",
+               "longcat_flash": "its experts loop over the experts hit (nonzero): data-dependent shapes",
+               "xmod": "its language adapters take each language's tokens by a boolean mask (nonzero): "
+                       "data-dependent shapes",
+               "reformer": "its reversible layers run their blocks inside an autograd Function of their own, "
+                           "whose inputs torch's module tracker cannot hook (no grad_fn)",
                "jetmoe": "its experts split the tokens by counted sizes (tolist): data-dependent shapes"}
 SAMPLED_SHARE = 8  # one type in 8 (by the CRC-32 of its name) takes the expensive checks
 
@@ -118,7 +116,8 @@ def _check_lora_step_and_plan(model_type, model, batch, config):
     wrapped = add_adapter(model, PeftConfig(method="lora", r=4), seed=0)
     moved = optimizer_step(model_type, wrapped, batch)
     assert moved and all("lora_" in n for n in moved), (model_type, sorted(moved)[:4])
-    cfg = run_config(model_type, "train.global_batch_size=2", "peft.method=lora", "peft.r=4")
+    cfg = run_config(model_type, "train.global_batch_size=2", "peft.method=lora", "peft.r=4",
+                     f"data.seq_len={batch['input_ids'].size(1)}")  # the row it trained on
     trace = traced(lambda: trace_step(cfg, config, world_size=2))
     if model_type in UNTRACEABLE:
         assert isinstance(trace, str) and trace.startswith("cannot be traced: ") and "\n" not in trace, trace
@@ -159,6 +158,21 @@ def test_a_config_transformers_cannot_build_is_refused_in_one_line():
     with pytest.raises(UserError, match="transformers cannot build model.config") as exc:
         check_buildable(tiny_config("musicgen"), False, "model.config")
     assert "\n" not in str(exc.value)
+
+
+@pytest.mark.parametrize("language, words", [(None, " is not set"), ("xx_XX", "='xx_XX' is not one of its")])
+def test_a_model_with_an_adapter_per_language_needs_the_language_set(language, words):
+    """X-MOD's forward needs its inputs' language and shardtune passes no language ids: a config
+    without a default language (or with one the model lacks) is refused in one line naming the fix."""
+    from shardtune.errors import UserError
+    from shardtune.model.hf import check_buildable
+
+    config = tiny_config("xmod")
+    config.default_language = language
+    with pytest.raises(UserError, match=f"model.config.default_language{words}") as exc:
+        check_buildable(config, False, "model.config")
+    assert "\n" not in str(exc.value) and "set model.config.default_language=en_XX" in str(exc.value)
+    check_buildable(tiny_config("xmod"), False, "model.config")  # the language set: it builds
 
 
 def test_every_packed_positions_type_is_one_this_test_checks():

@@ -138,6 +138,12 @@ PACKED_POSITIONS = frozenset({
 })
 
 
+# A model with an adapter per language (X-MOD) reads its inputs' language from this config field when
+# the forward gets no language ids, which shardtune's never passes: it must name one of the model's
+# languages (the second field).
+LANGUAGE_FIELDS = ("default_language", "languages")
+
+
 def family(model_type: str | None) -> Family | None:
     """The family of a `model_type`, or None for one shardtune has no facts about (it still
     trains: the block is the stack nearest the token embedding (distributed/fsdp.py), LoRA's

@@ -211,3 +211,37 @@ def test_gpt2_conv1d_targets_are_declared_to_peft_without_a_warning(method):
         wrapped = add_adapter(model, PeftConfig(method=method), seed=0)
     assert not [w for w in caught if "fan_in_fan_out" in str(w.message)]
     assert wrapped.peft_config["default"].fan_in_fan_out
+
+
+def test_the_default_rule_leaves_out_a_linear_with_a_forward_of_its_own():
+    """DeepSeek-V4's o_a_proj is an nn.Linear whose forward is block-diagonal (grouped), not
+    x @ W.T: LoRA's added product would not match its output, so the rule does not pick it."""
+    import torch
+    from archs import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.model.adapters import default_lora_targets
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_config("deepseek_v4"))
+    assert any(type(m).__name__ == "DeepseekV4GroupedLinear" for m in model.modules())
+    targets = default_lora_targets("deepseek_v4", model)
+    assert targets and "o_a_proj" not in targets, targets
+
+
+def test_adapters_inside_an_autograd_function_of_their_own_get_gradient():
+    """Reformer's reversible layers run inside an autograd Function, which passes gradient only
+    if an input requires it: the frozen embedding's output is made to (add_adapter)."""
+    import torch
+    from archs import DOCS, tiny_config
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.config.schema import PeftConfig
+    from shardtune.model.adapters import add_adapter
+
+    torch.manual_seed(0)
+    model = add_adapter(AutoModelForCausalLM.from_config(tiny_config("reformer")), PeftConfig(method="lora", r=4))
+    model.train()
+    model(input_ids=torch.randint(2, 250, (1, sum(DOCS)))).logits.float().square().mean().backward()
+    grads = [p.grad for n, p in model.named_parameters() if "lora_B" in n]  # (A: zero while B is)
+    assert grads and all(g is not None and g.abs().sum() > 0 for g in grads)

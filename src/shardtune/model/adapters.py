@@ -74,13 +74,33 @@ def add_adapter(model, cfg: PeftConfig, seed: int | None = None, init: bool = Tr
     if seed is not None:
         torch.manual_seed(seed)  # adapter init identical whatever the world size
     try:
-        return fit_for_fsdp(get_peft_model(model, peft_config))
+        wrapped = get_peft_model(model, peft_config)
     except ValueError:  # e.g. a target that is a whole attention block, not a linear layer
         targets = list(getattr(peft_config, "target_modules", None) or [])
         kinds = sorted({type(m).__name__ for n, m in model.named_modules() if _matches(n, targets)})
         raise UserError(f"peft.target_modules={targets} names {', '.join(kinds) or 'modules'}, which cannot take "
                         f"{cfg.method} adapters; name linear layers, e.g. {', '.join(_linear_names(model)[:12])}") \
             from None
+    _inputs_carry_grad(model)
+    return fit_for_fsdp(wrapped)
+
+
+def _inputs_carry_grad(model) -> None:
+    """The frozen token embedding's output made to require grad: a model whose blocks run inside
+    an autograd Function of their own (Reformer's reversible layers) gives the adapters inside them
+    no gradient when none of the Function's inputs requires one. Not transformers'
+    enable_input_require_grads, whose output is a leaf that a model changing it in place (BLT)
+    cannot take: a zero that requires grad is added, so the output has a grad_fn."""
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if isinstance(embeddings, nn.Module) and not any(p.requires_grad for p in embeddings.parameters()):
+        embeddings.register_forward_hook(_with_grad)
+
+
+def _with_grad(module, args, output):
+    if not isinstance(output, torch.Tensor) or output.requires_grad or not torch.is_grad_enabled() \
+            or not output.is_floating_point():
+        return output
+    return output + torch.zeros((), dtype=output.dtype, device=output.device, requires_grad=True)
 
 
 def _lora_config(model, cfg: PeftConfig, init: bool):
@@ -272,10 +292,12 @@ def default_ia3_targets(model_type: str | None) -> tuple[list[str], list[str]] |
 
 def _linear_names(model, full: bool = False) -> list[str]:
     """Short names (`full`: the paths) of the layers LoRA can adapt (Linear, and GPT-2's Conv1D),
-    sorted, without the head."""
+    sorted, without the head. A Linear whose class has a forward of its own is left out: it is no
+    x @ W.T (DeepSeek-V4's block-diagonal grouped o_a_proj), so peft's added x @ A.T @ B.T would
+    not match its output."""
 
     names = {name if full else name.rsplit(".", 1)[-1] for name, m in model.named_modules()
-             if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"}
+             if (isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward) or type(m).__name__ == "Conv1D"}
     return sorted(n for n in names if n.rsplit(".", 1)[-1] not in {"lm_head", "score"})
 
 

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 
 from shardtune.config.schema import ModelConfig
 from shardtune.errors import UserError, first_line
-from shardtune.families import config_value, set_layer_count, text_config
+from shardtune.families import LANGUAGE_FIELDS, config_value, set_layer_count, text_config
 
 # The JSON files a model or tokenizer folder may hold; each is checked before a library reads it.
 MODEL_JSON = ("config.json", "generation_config.json", "model.safetensors.index.json")
@@ -111,6 +111,7 @@ def check_buildable(hf_config, trust_remote_code: bool, what: str) -> None:
     if not remote and type(hf_config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
         raise UserError(f"{what} is a {hf_config.model_type!r} model, which has no causal-LM head in transformers "
                         "(AutoModelForCausalLM); pick a decoder (causal) language model")
+    check_input_language(hf_config)
     shallow = copy.deepcopy(hf_config)
     try:
         set_layer_count(shallow, 1)
@@ -119,6 +120,21 @@ def check_buildable(hf_config, trust_remote_code: bool, what: str) -> None:
     except Exception:
         pass
     build_meta_model(hf_config, trust_remote_code, what)
+
+
+def check_input_language(hf_config) -> None:
+    """A model with an adapter per language needs the language of its inputs in its config
+    (families.LANGUAGE_FIELDS): shardtune passes no language ids, so its forward would fail."""
+    field, choices = LANGUAGE_FIELDS
+    languages = list(getattr(hf_config, choices, None) or [])
+    if not hasattr(hf_config, field) or not languages:
+        return
+    language = getattr(hf_config, field)
+    if language not in languages:
+        got = " is not set" if language is None else f"={language!r} is not one of its languages"
+        raise UserError(f"model.config.{field}{got}: this {hf_config.model_type} model has an adapter per "
+                        f"language ({', '.join(map(str, languages[:8]))}) and needs its inputs' language; set "
+                        f"model.config.{field}={languages[0]} (or the language of your data)")
 
 
 def not_a_folder(path: Path, key: str) -> None:
