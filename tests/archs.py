@@ -81,6 +81,19 @@ _TINY_FIELDS = {
 }
 TINY_FIELDS = {name: value for value, names in _TINY_FIELDS.items() for name in names}
 TINY_FIELDS.update(vocab_size=300, vocab=300, num_key_value_heads=2)
+# the input width of Dots 3's audio adapter, which must equal its hidden size (its *_dim are by name)
+TINY_FIELDS.update(adapter_input_size=64)
+# Qwen4-Exp's sparse-attention indexer, unset by the defaults but built on its indexed layers (one key head)
+TINY_FIELDS.update(indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=16,
+                   indexer_compress_ratio=4)
+# counts of layers that only the real depth has room for: the first of two MoE (LFM2-MoE), none of two
+# sharing another layer's K/V (Gemma 3n: each layer type needs a producer before the sharing ones)
+TINY_FIELDS.update(num_dense_layers=1, num_kv_shared_layers=0)
+# fields a real checkpoint sets that neither the defaults nor a rule can know: a hybrid's layer kinds
+# (LFM2-8B-A1B mixes conv and attention layers), a field the modeling reads that the config class does
+# not declare or leaves None (DBRX's attention reads rope_theta, clamps by clip_qkv: dbrx-instruct's)
+CHECKPOINT_FIELDS = {"lfm2_moe": {"layer_types": ["conv", "full_attention"]},
+                     "dbrx": {"attn_config": {"rope_theta": 500000.0, "clip_qkv": 8}}}
 
 
 def _table_name(config, name: str) -> str | None:
@@ -105,10 +118,10 @@ def _shrunk(config) -> dict:
     out, spare = {}, iter(range(TINY_FIELDS["vocab_size"] - 1, 250, -1))
     for name, value in fields.items():
         tiny = TINY_FIELDS.get(_table_name(config, name))
-        if isinstance(getattr(config, name, None), PretrainedConfig):
-            sub = getattr(config, name)
+        if isinstance(vars(config).get(name), PretrainedConfig):  # (getattr refuses a per-layer field)
+            sub = vars(config)[name]
             out[name] = {**sub.to_dict(), **_shrunk(sub)}
-        elif tiny and isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        elif tiny is not None and isinstance(value, int) and not isinstance(value, bool) and value > 0:
             out[name] = min(value, tiny)
         elif name in TINY_FIELDS and value is None and name not in ("q_lora_rank", "num_key_value_heads"):
             out[name] = TINY_FIELDS[name]  # derived or required, left unset by the defaults (head_dim)
@@ -117,7 +130,8 @@ def _shrunk(config) -> dict:
         elif isinstance(value, list) and layers and len(value) == layers and layers > 2:
             # per-layer patterns (layer_types, ...): the first layer of each kind, so a hybrid keeps both
             kinds = [i for i, v in enumerate(value) if v not in value[:i]][:2]
-            out[name] = [value[i] for i in (kinds + [0, 0])[:2]]
+            kept = [value[i] for i in (kinds + [0, 0])[:2]]  # a size per layer (Gemma 3n's intermediate_size)
+            out[name] = [min(v, tiny) if tiny and type(v) is int else v for v in kept]
     if "kv_lora_rank" in fields:  # multi-head latent attention: K/V heads = query heads, rope head_dim
         out["num_key_value_heads"] = out.get("num_attention_heads", 4)
         if "head_dim" in fields:
@@ -128,7 +142,10 @@ def _shrunk(config) -> dict:
         out["num_key_value_heads"] = out.get("num_attention_heads", 4)
     for name in _derived_by_class(config, out, {n for n in out if _table_name(config, n) not in (n, None)}):
         del out[name]
-    return {**out, **_kept_relations(fields, out)}
+    out.update(_kept_relations(fields, out))
+    if getattr(config, "is_heterogeneous", False):
+        out["per_layer_config"] = _shrunk_per_layer(config, fields, out)
+    return {**out, **_unset_by_defaults(fields, out)}
 
 
 def _derived_by_class(config, out: dict, names: set) -> set:
@@ -179,6 +196,55 @@ def _kept_relations(defaults: dict, out: dict) -> dict:
     return derived
 
 
+def _unset_by_defaults(fields: dict, tiny: dict) -> dict:
+    """What every real checkpoint sets and the config class leaves empty: the default RoPE (one
+    per layer type where the class keys it so: Cohere Compass)."""
+    if fields.get("rope_parameters") != {}:
+        return {}
+    rope, types = {"rope_type": "default", "rope_theta": 10000.0}, tiny.get("layer_types", fields.get("layer_types"))
+    return {"rope_parameters": {t: dict(rope) for t in set(types)} if isinstance(types, list) else rope}
+
+
+def _kept_layers(config, layers: int) -> list:
+    """The two layers a tiny config keeps of a heterogeneous one: the first of each kind (layer
+    type, else per-layer overrides), as the per-layer patterns' rule keeps them."""
+    overrides = config._heterogeneity_spec.per_layer_overrides
+    types = config.to_dict().get("layer_types")
+    kinds = [types[i] if isinstance(types, list) and len(types) == layers else repr(overrides.get(i))
+             for i in range(layers)]
+    first = [i for i, k in enumerate(kinds) if k not in kinds[:i]][:2]
+    return (first + [0, 0])[:2]
+
+
+def _shrunk_per_layer(config, fields: dict, tiny: dict) -> dict:
+    """`per_layer_config` (a layer's sizes that differ from the global ones) for the kept layers: a
+    size in the same ratio to the tiny global as the real one to the real global (Gemma 4's
+    full-attention layers keep twice the head_dim), else shrunk as a global one; a size the layer
+    has as the sum of two other head widths, one of them its own, stays their sum (Dots 3's
+    sliding head_dim = nope + rope)."""
+    layers = next(fields[k] for k in _TINY_FIELDS[2][:4] if isinstance(fields.get(k), int))
+    out = {}
+    for new, old in enumerate(_kept_layers(config, layers)):
+        overrides = config._heterogeneity_spec.per_layer_overrides.get(old, {})
+        layer = {}
+        for name, value in overrides.items():
+            real, small = fields.get(name), tiny.get(name, fields.get(name))
+            if name in TINY_FIELDS and isinstance(value, int) and isinstance(real, int) and real > 0:
+                scaled = small * value / real
+                layer[name] = int(scaled) if scaled >= 1 and scaled == int(scaled) else min(value, TINY_FIELDS[name])
+            else:
+                layer[name] = value
+        real, small = {**fields, **overrides}, {**fields, **tiny, **layer}
+        sizes = [n for n in (*_TINY_FIELDS[16], *_TINY_FIELDS[8]) if isinstance(real.get(n), int)]  # head widths
+        for name in sizes:
+            parts = [(a, b) for a in overrides for b in sizes if a in sizes and len({name, a, b}) == 3
+                     and real[name] == real[a] + real[b]]
+            if name not in overrides and parts:
+                layer[name] = small[parts[0][0]] + small[parts[0][1]]
+        out[str(new)] = layer
+    return out
+
+
 def tiny_config(model_type: str):
     """A tiny random-init config of any causal-LM `model_type` of the installed transformers: the
     table's own (ARCHS) where it has one, else derived from the config class's defaults."""
@@ -187,7 +253,10 @@ def tiny_config(model_type: str):
     if model_type in ARCHS:
         return hf_config(model_type)
     defaults = AutoConfig.for_model(model_type)
-    return AutoConfig.for_model(model_type, **{**_shrunk(defaults), **_user_choices(defaults), "bos_token_id": 0,
+    shrunk = _shrunk(defaults)
+    for name, value in CHECKPOINT_FIELDS.get(model_type, {}).items():  # a sub-config's fields join its own
+        shrunk[name] = {**shrunk[name], **value} if isinstance(shrunk.get(name), dict) else value
+    return AutoConfig.for_model(model_type, **{**shrunk, **_user_choices(defaults), "bos_token_id": 0,
                                                "eos_token_id": 1, "pad_token_id": 0, "tie_word_embeddings": False,
                                                "is_decoder": True})
 

@@ -40,6 +40,26 @@ def test_sizes_are_read_from_the_language_model_s_config():
     assert gpt2.n_layer == layer_count(gpt2) == 2
 
 
+def test_a_heterogeneous_config_s_sizes_and_depth():
+    """A per_layer_config (sizes some layers override): a size read gives the global value where
+    transformers refuses the read; a new depth cuts or repeats the overrides with the layer types,
+    so the config stays one transformers accepts."""
+    from archs import tiny_config
+    from transformers import AutoConfig
+
+    from shardtune.families import config_value, set_layer_count
+
+    moe = AutoConfig.for_model("qwen3_moe", num_hidden_layers=2, num_experts_per_tok=2,
+                               per_layer_config={1: {"num_experts_per_tok": 1}})
+    assert config_value(moe, "num_experts_per_tok") == 2
+    gemma4 = tiny_config("gemma4_text")  # layer 1 (full attention) has twice the head_dim
+    for depth, heads in ((4, [16, 32, 16, 32]), (1, [16])):
+        set_layer_count(gemma4, depth)
+        fields = {k: v for k, v in gemma4.to_dict().items() if k != "model_type"}
+        rebuilt = AutoConfig.for_model("gemma4_text", **fields)  # saved and read back
+        assert [rebuilt.per_layer_config[i].head_dim for i in range(depth)] == heads
+
+
 def test_no_module_reads_a_size_field_but_through_families():
     """A size read straight off a config misses a multimodal config's text sub-config (the plan
     crash on Gemma 3 and Fuyu): every reader goes through families.config_value and its helpers."""

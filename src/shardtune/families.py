@@ -125,9 +125,11 @@ FAMILIES = {
 # transformers is tried by tests/test_every_architecture.py, which fails both when one listed here
 # mixes its documents and when one left out keeps them apart (then add it here).
 PACKED_POSITIONS = frozenset({
-    "apertus", "arcee", "aria_text", "axk1", "axk2", "beam", "bitnet", "cohere2", "cohere2_moe", "ctrl",
-    "cwm", "deepseek_v2", "deepseek_v32", "diffllama", "doge", "dots1", "emu3", "ernie4_5",
-    "ernie4_5_moe", "exaone4", "exaone_moe", "flex_olmo", "flint", "fuyu", "gemma3", "git", "glm",
+    "apertus", "arcee", "aria_text", "axk1", "axk2", "beam", "bitnet", "cohere2", "cohere2_moe",
+    "cohere_compass_text", "ctrl", "cwm", "dbrx", "deepseek_v2", "deepseek_v32", "diffllama", "doge", "dots1",
+    "dots3_note", "dots3_note_text", "emu3", "ernie4_5",
+    "ernie4_5_moe", "exaone4", "exaone_moe", "flex_olmo", "flint", "fuyu", "gemma3", "gemma3n_text",
+    "gemma4", "gemma4_text", "gemma4_unified", "gemma4_unified_text", "git", "glm",
     "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "got_ocr2", "gpt-sw3", "gpt_neox_japanese",
     "granite_swa", "granitemoe_swa", "granitemoeshared", "helium", "hrm_text", "hunyuan_v1_dense",
     "hunyuan_v1_moe", "hy_v3", "hy_v4", "hyperclovax", "internlm3", "iquestcoder", "jais2", "jetmoe",
@@ -179,10 +181,20 @@ def config_value(hf_config, *names, kind: type = int):
     """The first of `names` set (to a `kind`) in the language model's config, then in the config."""
     for obj in (text_config(hf_config), hf_config):
         for name in names:
-            value = getattr(obj, name, None)
+            value = _global_value(obj, name)
             if isinstance(value, kind) and not isinstance(value, bool):
                 return value
     return None
+
+
+def _global_value(obj, name: str):
+    """`obj.name`, or None. A heterogeneous config (per_layer_config: Gemma 4's head_dim, Dots 3's
+    heads) refuses to read a field some layer overrides; its global value is the one the other
+    layers have."""
+    try:
+        return getattr(obj, name, None)
+    except RuntimeError:  # transformers' AmbiguousGlobalPerLayerAttributeError
+        return obj._getattr_without_heterogeneous_validation(name, None)
 
 
 def layer_count(hf_config) -> int | None:
@@ -195,12 +207,16 @@ def hidden_size(hf_config) -> int | None:
 
 def set_layer_count(hf_config, layers: int) -> None:
     """Give the language model of `hf_config` `layers` blocks (a shallow copy for a cheap build or
-    the planner's trace): the field `layer_count` reads, and per-layer patterns (layer_types) cut
-    or repeated to that depth."""
+    the planner's trace): the field `layer_count` reads, and per-layer patterns (layer_types) and
+    a heterogeneous config's per-layer fields (per_layer_config) cut or repeated to that depth."""
     text = text_config(hf_config)
     obj, name = next(((o, n) for o in (text, hf_config) for n in LAYERS if isinstance(getattr(o, n, None), int)),
                      (text, "num_hidden_layers"))
-    pattern = getattr(obj, "layer_types", None)
+    pattern, depth = getattr(obj, "layer_types", None), getattr(obj, name, None)
+    per_layer = obj.to_dict().get("per_layer_config") if getattr(obj, "is_heterogeneous", False) else None
     setattr(obj, name, layers)
     if isinstance(pattern, list) and pattern and len(pattern) != layers:
         obj.layer_types = [pattern[i % len(pattern)] for i in range(layers)]
+    if per_layer is not None and isinstance(depth, int):  # its keys must stay below the depth
+        fields = {int(i): value for i, value in per_layer.items()}
+        obj.per_layer_config = {i: fields[i % depth] for i in range(layers) if i % depth in fields}

@@ -98,3 +98,18 @@ def test_a_format_1_checkpoint_reads_its_progress(tmp_path):
     (tmp_path / "meta.json").write_text(json.dumps({"format": 1, "step": 7, "tokens_seen": 99.0, "config": {},
                                                     "scheduler": {"last_epoch": 7}, "world_size": 1}))
     assert read_meta(tmp_path)["train_state"] == {"step": 7, "tokens_seen": 99.0}
+
+
+def test_an_embedding_weight_read_beside_the_lookup_stays_gathered():
+    """Gemma 4's multimodal forward reads its embedding's pad row after the lookup: that unit is not
+    resharded after forward (on 2 ranks the row would be a sharded DTensor, the `plan` trace's and
+    the run's crash); Llama 4 only asks where the weight lives, Gemma 4's text model not at all."""
+    from archs import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.distributed.fsdp import reads_embedding_weight
+
+    for model_type, reads in (("gemma4", True), ("gemma4_text", False), ("llama4_text", False)):
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(tiny_config(model_type))
+        assert reads_embedding_weight(model, model.get_input_embeddings()) is reads, model_type

@@ -332,3 +332,22 @@ def test_default_lora_targets_take_the_variant_the_model_has():
     wrapped = add_adapter(model, PeftConfig(method="lora", r=4))
     adapted = {n.rsplit(".lora_A", 1)[0].rsplit(".", 1)[-1] for n, _ in wrapped.named_parameters() if "lora_A" in n}
     assert adapted == {"q_proj", "kv_b_proj"}
+
+
+def test_default_lora_targets_where_peft_gives_a_pattern():
+    """peft's default for Gemma 4 is a pattern over full module names (the language model's q_proj
+    and v_proj): its matches are adapted, not its characters."""
+    import torch
+    from archs import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.config.schema import PeftConfig
+    from shardtune.model.adapters import add_adapter, default_lora_targets
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_config("gemma4"))
+    assert default_lora_targets("gemma4") is None  # no model to match the pattern in
+    wrapped = add_adapter(model, PeftConfig(method="lora", r=4))
+    adapted = {n.rsplit(".lora_A", 1)[0] for n, _ in wrapped.named_parameters() if "lora_A" in n}
+    assert {n.rsplit(".", 1)[-1] for n in adapted} == {"q_proj", "v_proj"}
+    assert len(adapted) == 2 * 2 and all(".language_model." in n for n in adapted)

@@ -135,7 +135,9 @@ def apply_parallelism(model, spec, block_cls: type, mesh, device) -> tuple[list,
 def _shard_embeddings(model, reshard: bool, kwargs: dict) -> None:
     """Input embeddings and LM head as units of their own: left in the root they would stay
     unsharded on every rank from forward to the end of backward (GPT-2's are 30 % of it). A tied
-    pair shares one weight, so it must be one unit; it is freed after backward."""
+    pair shares one weight, so it must be one unit; it is freed after backward. An embedding whose
+    weight a forward reads beside the lookup stays gathered after its own forward (resharded, it
+    would be a sharded DTensor there)."""
 
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     if emb is None or any(isinstance(p, DTensor) for p in emb.parameters()):
@@ -145,9 +147,28 @@ def _shard_embeddings(model, reshard: bool, kwargs: dict) -> None:
         # resharding after forward would only gather the largest unit again at once.
         fully_shard([emb, head], reshard_after_forward=False, **kwargs)
         return
-    fully_shard(emb, reshard_after_forward=reshard, **kwargs)
+    fully_shard(emb, reshard_after_forward=reshard and not reads_embedding_weight(model, emb), **kwargs)
     if head is not None and not any(isinstance(p, DTensor) for p in head.parameters()):
         fully_shard(head, reshard_after_forward=False, **kwargs)  # backward starts with it
+
+
+def reads_embedding_weight(model, emb) -> bool:
+    """Whether a forward on the way from `model` to its input embedding `emb` reads the embedding's
+    weight itself, not through its lookup (Gemma 4's multimodal model takes the pad token's row)."""
+    import inspect
+    import re
+
+    parts = _path_of(model, emb).split(".")
+    # its values, not where it lives (Llama 4 moves the ids to `embed_tokens.weight.device`)
+    read = re.compile(rf"(\b{re.escape(parts[-1])}|get_input_embeddings\(\))\.weight\b(?!\.(device|dtype)\b)")
+    for depth in range(len(parts)):
+        try:
+            source = inspect.getsource(type(model.get_submodule(".".join(parts[:depth]))).forward)
+        except (OSError, TypeError):  # no Python source (a compiled or built-in forward)
+            continue
+        if read.search(source):
+            return True
+    return False
 
 
 def _size_based_units(model, min_num_params: int) -> list:

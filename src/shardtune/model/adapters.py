@@ -239,13 +239,19 @@ def base_weights(peft_model, state_dict: dict) -> dict:
 def default_lora_targets(model_type: str | None, model=None) -> list[str] | None:
     """LoRA's targets without `peft.target_modules`: shardtune's own choice where the families
     table makes one, else peft's maintained per-architecture mapping, else (given the model) the
-    rule below, else None."""
+    rule below, else None. peft's entry may be a pattern over the modules' full names (Gemma 4's:
+    the language model's q_proj and v_proj, not the vision tower's): given the model, the names
+    it matches; without one, None."""
+    import re
+
     from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_TARGETS
 
     known = family(model_type)
     if known and known.lora_targets:
         return list(known.lora_targets)
     targets = PEFT_TARGETS.get(model_type)
+    if isinstance(targets, str):  # peft's regex form (a list of short names is the other)
+        targets = [n for n, _ in model.named_modules() if re.fullmatch(targets, n)] if model is not None else None
     if targets:
         return list(targets)
     if model is None:
