@@ -205,6 +205,17 @@ def hidden_size(hf_config) -> int | None:
     return config_value(hf_config, *HIDDEN)
 
 
+def layer_kinds(hf_config) -> list[tuple]:
+    """One kind per layer of the language model: its entries in the per-layer patterns (the
+    config's lists of one entry per layer: layer_types, mlp_layer_types, ...) and its own fields
+    (per_layer_config). Layers of one kind are alike."""
+    text, layers = text_config(hf_config), layer_count(hf_config) or 0
+    fields = text.to_dict()
+    rows = [v for v in fields.values() if isinstance(v, (list, tuple)) and len(v) == layers > 1]
+    own = {int(i): repr(v) for i, v in (fields.get("per_layer_config") or {}).items()}
+    return [(tuple(repr(row[i]) for row in rows), own.get(i)) for i in range(layers)]
+
+
 def set_layer_count(hf_config, layers: int) -> None:
     """Give the language model of `hf_config` `layers` blocks (a shallow copy for a cheap build or
     the planner's trace): the field `layer_count` reads, and per-layer patterns (layer_types) and
