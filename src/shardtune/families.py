@@ -194,7 +194,10 @@ def _global_value(obj, name: str):
     try:
         return getattr(obj, name, None)
     except RuntimeError:  # transformers' AmbiguousGlobalPerLayerAttributeError
-        return obj._getattr_without_heterogeneous_validation(name, None)
+        read_global = getattr(obj, "_getattr_without_heterogeneous_validation", None)
+        if read_global is None:
+            raise
+        return read_global(name, None)
 
 
 def layer_count(hf_config) -> int | None:
