@@ -194,7 +194,10 @@ def _global_value(obj, name: str):
     try:
         return getattr(obj, name, None)
     except RuntimeError:  # transformers' AmbiguousGlobalPerLayerAttributeError
-        return obj._getattr_without_heterogeneous_validation(name, None)
+        read_global = getattr(obj, "_getattr_without_heterogeneous_validation", None)
+        if read_global is None:
+            raise
+        return read_global(name, None)
 
 
 def layer_count(hf_config) -> int | None:
@@ -203,6 +206,17 @@ def layer_count(hf_config) -> int | None:
 
 def hidden_size(hf_config) -> int | None:
     return config_value(hf_config, *HIDDEN)
+
+
+def layer_kinds(hf_config) -> list[tuple]:
+    """One kind per layer of the language model: its entries in the per-layer patterns (the
+    config's lists of one entry per layer: layer_types, mlp_layer_types, ...) and its own fields
+    (per_layer_config). Layers of one kind are alike."""
+    text, layers = text_config(hf_config), layer_count(hf_config) or 0
+    fields = text.to_dict()
+    rows = [v for v in fields.values() if isinstance(v, (list, tuple)) and len(v) == layers > 1]
+    own = {int(i): repr(v) for i, v in (fields.get("per_layer_config") or {}).items()}
+    return [(tuple(repr(row[i]) for row in rows), own.get(i)) for i in range(layers)]
 
 
 def set_layer_count(hf_config, layers: int) -> None:

@@ -32,6 +32,16 @@ def test_overrides_are_dotted_and_typed(tmp_path):
     assert cfg.model.name_or_path == "m"  # untouched keys keep the recipe's values
 
 
+def test_a_float_with_an_exponent_is_a_float_in_a_free_mapping(tmp_path):
+    """model.config is a free mapping (no typed field to coerce into): 1e-06 and 1.5e3, as JSON
+    and Python write floats, stay floats (YAML 1.1 reads them as text, which transformers refuses)."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: {name_or_path: m, config: {layer_norm_epsilon: 1e-05}}\ndata: {path: d}\n")
+    cfg = load_config(recipe, ['model.config={"rms_norm_eps": 1e-06, "rope_theta": 1.5e3, "n_layer": 2}'])
+    assert cfg.model.config == {"rms_norm_eps": 1e-06, "rope_theta": 1500.0, "n_layer": 2}
+    assert load_config(recipe, []).model.config == {"layer_norm_epsilon": 1e-05}
+
+
 def test_parse_override_needs_key_and_value():
     assert parse_override("a.b=") == ("a.b", None)
     with pytest.raises(UserError):

@@ -228,6 +228,17 @@ def test_override_with_empty_key(capfd, recipe, out):
     fails(capfd, ["train", recipe, "=3", f"output_dir={out}"], "'=3'", "not key=value")
 
 
+def test_a_long_first_override_is_an_override_not_a_path():
+    """Without a recipe the first override sits where the recipe goes; one longer than a file name
+    may be (a model.config of a few KB inline) was taken for a path that could not be written."""
+    import json
+
+    from shardtune.cli.common import split_recipe
+
+    long = "model.config=" + json.dumps({"model_type": "gpt2", "id2label": {str(i): f"L{i}" for i in range(200)}})
+    assert len(long) > 1000 and split_recipe(long, ["train.lr=1"]) == (None, [long, "train.lr=1"])
+
+
 # ----------------------------------------------------------------------------- data
 
 

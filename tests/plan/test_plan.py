@@ -111,3 +111,25 @@ def test_host_memory_per_node_is_a_share_of_the_model_on_the_sharded_paths():
     sharded = host_memory(trace, False, 4, 16, sharded_load=True, sharded_save=True)
     assert (sharded["load"], sharded["save"], sharded["total"]) == (1000, 1000, 1000)
     assert host_memory(trace, False, 4, 16, sharded_load=True)["total"] == 4000  # the gathered save still peaks
+
+
+@pytest.mark.parametrize("model_type,extra,depths", [
+    ("llama", (), (3, 4)),  # all blocks alike
+    ("llama", ("activation_checkpointing=every_n", "activation_checkpointing_every=2"), (4, 6)),
+    ("qwen3_next", (), (8, 12)),  # 3 linear-attention layers, then a full one
+    ("gemma4_text", (), (12, 18)),  # 5 sliding layers, then a full one with twice the head_dim
+    ("gemma3n_text", (), (20, 25)),  # 10 layers with sparse activations first, then a period of 5
+    ("llama", ("fsdp.wrap=size",), (32,)),
+    ("llama-odd-wide", (), (4, 6)),  # every odd layer with a wider MLP (per_layer_config alone)
+])
+def test_the_traced_copies_hold_whole_periods_of_the_layers(model_type, extra, depths):
+    """The planner extrapolates in depth from copies whose added blocks are the model's mix of
+    layers: whole periods of its per-layer patterns and per-layer fields, after their prefix."""
+    from transformers import AutoConfig
+
+    from shardtune.plan.search import screen_depths
+
+    wide = {"per_layer_config": {i: {"intermediate_size": 512} for i in range(1, 32, 2)}}
+    model_type, fields = ("llama", wide) if model_type == "llama-odd-wide" else (model_type, {})
+    cfg = load_config(None, [f"model.config={json.dumps({'model_type': model_type})}", "data.path=unused", *extra])
+    assert screen_depths(cfg, AutoConfig.for_model(model_type, **fields)) == depths

@@ -22,13 +22,21 @@ def config_reference() -> str:
 
 def split_recipe(recipe: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:
     """argparse sees `train key=value` as a recipe; put it back among the overrides."""
-    if recipe is not None and "=" in recipe and not Path(recipe).exists():
+    if recipe is not None and "=" in recipe and not _is_path(recipe):
         return None, [recipe, *overrides]
-    if recipe is not None and not Path(recipe).exists():
+    if recipe is not None and not _is_path(recipe):
         named = Path("recipes") / f"{recipe}.yaml"
         if named.is_file():
             return str(named), overrides
     return recipe, overrides
+
+
+def _is_path(text: str) -> bool:
+    """An existing path; text too long to be one (a model.config of a few KB inline) is not."""
+    try:
+        return Path(text).exists()
+    except OSError:  # ENAMETOOLONG
+        return False
 
 
 def add_decoding_args(p, temperature: float) -> None:

@@ -5,6 +5,8 @@ few lines would otherwise expand to gigabytes when the config is printed or save
 
 from __future__ import annotations
 
+import re
+
 import yaml
 
 from shardtune.errors import UserError
@@ -35,6 +37,14 @@ class StrictLoader(yaml.SafeLoader):
                                     "keep one of them")
                 seen[key] = key_node.start_mark.line + 1
         return super().construct_mapping(node, deep=deep)
+
+
+# A number with an exponent (1e-06, 1.5e3: as JSON and Python write floats) is a float, as in YAML
+# 1.2; PyYAML's YAML 1.1 wants a dot and a signed exponent, reads the rest as text, and a free
+# mapping (model.config) kept it so.
+StrictLoader.add_implicit_resolver("tag:yaml.org,2002:float",
+                                   re.compile(r"^[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)[eE][-+]?[0-9]+$"),
+                                   list("-+.0123456789"))
 
 
 def _check_expanded_size(root) -> None:

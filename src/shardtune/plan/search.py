@@ -132,8 +132,7 @@ def screen(cfg: RunConfig, hf_config, target: Target, device: str = "cuda"):
     from shardtune.plan import trace as trace_lib
 
     layers = trace_lib.layer_count(hf_config)
-    depths = screen_depths(cfg)
-    depths = depths if extrapolable(cfg, layers) else (layers,)
+    depths = screen_depths(cfg, hf_config)
     traces = {}
     for depth in depths:
         for mb in SCREEN_MICRO:
@@ -144,16 +143,26 @@ def screen(cfg: RunConfig, hf_config, target: Target, device: str = "cuda"):
     return functools.lru_cache(lambda mb: trace_lib.extrapolate(traces, layers, mb))
 
 
-def screen_depths(cfg: RunConfig) -> tuple[int, int]:
-    """Depths of the small copies: with every n-th block checkpointed, whole periods of n blocks
-    (2n and 3n), so each added block is the model's mix of checkpointed and kept ones."""
-    n = cfg.activation_checkpointing_every
-    return (2 * n, 3 * n) if cfg.activation_checkpointing == "every_n" and n > 1 else SCREEN_DEPTHS
+def screen_depths(cfg: RunConfig, hf_config) -> tuple[int, ...]:
+    """Depths of the small copies, or the model's own where it cannot be extrapolated (one unit per
+    block is needed). Blocks that differ (every n-th checkpointed; per-layer patterns: sliding and
+    full attention, a hybrid's linear and full attention, Gemma 4's wider full-attention layers)
+    repeat every p blocks after the first q: the copies hold q + 2p and q + 3p blocks, so each
+    added period is the model's mix (q + 3 and q + 4 where all blocks are alike: SCREEN_DEPTHS)."""
+    from shardtune.families import layer_kinds
+    from shardtune.plan import trace as trace_lib
 
-
-def extrapolable(cfg: RunConfig, layers: int) -> bool:
-    """Depth extrapolation needs one unit per block and blocks that are all alike."""
-    return layers > max(screen_depths(cfg)) and cfg.fsdp.wrap == "block" and cfg.freeze.trainable_blocks is None
+    layers = trace_lib.layer_count(hf_config)
+    if cfg.fsdp.wrap != "block" or cfg.freeze.trainable_blocks is not None:
+        return (layers,)
+    n = cfg.activation_checkpointing_every if cfg.activation_checkpointing == "every_n" else 1
+    kinds = [(kind, i % n) for i, kind in enumerate(layer_kinds(hf_config))]
+    for period in range(1, layers):
+        start = max((i - period + 1 for i in range(period, layers) if kinds[i] != kinds[i - period]), default=0)
+        low = start + (SCREEN_DEPTHS[0] if period == 1 else 2 * period)  # one period is not yet linear
+        if low + period < layers:
+            return low, low + period
+    return (layers,)
 
 
 def traced(make):
