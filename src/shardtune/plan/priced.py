@@ -80,9 +80,8 @@ class _HostAccount:
     """ActivationOffload's copies on a CPU trace, as on CUDA: what it moves (its own rule,
     `ActivationOffload.moves`, its in-flight bound and its prefetching) goes to `tracker`'s host
     account (`host_bytes`, `host_peak`, while autograd keeps the handle); a copy back allocates the
-    device tensor again. A trace
-    has no clock: no copy out is known done before the bound forces a wait (the most device
-    memory the bound lets a real run keep)."""
+    device tensor again. A trace has no clock: no copy out is known done before the bound forces a
+    wait (the most device memory the bound lets a real run keep)."""
 
     def __init__(self, tracker):
         self.tracker = tracker
