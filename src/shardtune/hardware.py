@@ -20,7 +20,7 @@ class GPU:
     name: str  # what `shardtune plan --gpu NAME` accepts (case-insensitive)
     match: str  # fragment of torch.cuda.get_device_name() that identifies the card
     memory_mib: int  # total memory as nvidia-smi reports it
-    tflops: tuple[float, float, float]  # dense peak TFLOP/s: (bf16, fp16, fp32); 0 = no such unit
+    tflops: tuple[float, float, float, float]  # dense peak TFLOP/s: (bf16, fp16, fp32, fp8); 0 = no such unit
     link_gbs: float  # effective per-GPU collective bandwidth inside a node, GB/s (NVLink, else PCIe)
     pcie_gbs: float  # effective host <-> GPU copy bandwidth per direction, GB/s (pinned memory)
     hbm_gbs: float  # memory bandwidth, GB/s (datasheet): what a memory-bound optimizer step streams
@@ -30,13 +30,14 @@ class GPU:
         return self.memory_mib * 2 ** 20
 
     def peak_flops(self, precision: str) -> float:
-        return self.tflops[{"bf16": 0, "fp16": 1, "fp32": 2}[precision]] * 1e12
+        return self.tflops[{"bf16": 0, "fp16": 1, "fp32": 2, "fp8": 3}[precision]] * 1e12
 
     def supports(self, precision: str) -> bool:
         return self.peak_flops(precision) > 0
 
 
-# Peaks: the vendors' datasheets, dense (no sparsity), fp32 without TF32. Link bandwidth: the
+# Peaks: the vendors' datasheets, dense (no sparsity), fp32 without TF32; fp8 (E4M3 tensor cores,
+# compute capability 8.9+) only on Ada and Hopper, 0 elsewhere. Link bandwidth: the
 # bus bandwidth nccl-tests reaches for large all-reduce (about 75 % of the NVLink/PCIe figure
 # per direction: NVLink3 300 GB/s -> 230, NVLink4 450 -> 360, PCIe 4 x16 32 -> 24, PCIe 3 x16
 # 16 -> 12). `plan --bandwidth` overrides it. Host copies (`pcie_gbs`): about 80 % of the slot's
@@ -45,22 +46,22 @@ class GPU:
 # `hbm_gbs`: the datasheets' memory bandwidth. Order matters for `match`: the first fragment
 # found in a device name wins ("A10G" before "A10", "A100" before "A10").
 GPUS = [
-    GPU("H200", "H200", 143771, (989.4, 989.4, 66.9), 360.0, 50.0, 4800.0),
-    GPU("H100", "H100", 81559, (989.4, 989.4, 66.9), 360.0, 50.0, 3350.0),
-    GPU("H800", "H800", 81559, (989.4, 989.4, 66.9), 160.0, 50.0, 3350.0),  # SXM; PCIe card lower: log.peak_tflops
-    GPU("A100-80GB", "A100-SXM4-80GB", 81920, (312.0, 312.0, 19.5), 230.0, 25.0, 2039.0),
-    GPU("A100-80GB-PCIe", "A100 80GB PCIe", 81920, (312.0, 312.0, 19.5), 24.0, 25.0, 1935.0),
-    GPU("A100-40GB", "A100", 40960, (312.0, 312.0, 19.5), 230.0, 25.0, 1555.0),
-    GPU("L40S", "L40S", 46068, (362.1, 362.1, 91.6), 24.0, 25.0, 864.0),
-    GPU("A10G", "A10G", 23028, (70.0, 70.0, 31.2), 24.0, 25.0, 600.0),
-    GPU("A10", "A10", 23028, (125.0, 125.0, 31.2), 24.0, 25.0, 600.0),
-    GPU("L4", "L4", 23034, (121.0, 121.0, 30.3), 24.0, 25.0, 300.0),
-    GPU("RTX-4090", "RTX 4090", 24564, (165.2, 165.2, 82.6), 24.0, 25.0, 1008.0),
-    GPU("RTX-3090", "RTX 3090", 24576, (71.0, 71.0, 35.6), 24.0, 25.0, 936.0),
-    GPU("A6000", "A6000", 49140, (154.8, 154.8, 38.7), 24.0, 25.0, 768.0),
-    GPU("V100-32GB", "V100-SXM2-32GB", 32768, (0.0, 125.0, 15.7), 130.0, 12.0, 900.0),
-    GPU("V100-16GB", "V100", 16384, (0.0, 125.0, 15.7), 12.0, 12.0, 900.0),
-    GPU("T4", "T4", 15360, (0.0, 65.0, 8.1), 12.0, 12.0, 320.0),
+    GPU("H200", "H200", 143771, (989.4, 989.4, 66.9, 1978.9), 360.0, 50.0, 4800.0),
+    GPU("H100", "H100", 81559, (989.4, 989.4, 66.9, 1978.9), 360.0, 50.0, 3350.0),
+    GPU("H800", "H800", 81559, (989.4, 989.4, 66.9, 1978.9), 160.0, 50.0, 3350.0),  # SXM; PCIe: log.peak_tflops
+    GPU("A100-80GB", "A100-SXM4-80GB", 81920, (312.0, 312.0, 19.5, 0.0), 230.0, 25.0, 2039.0),
+    GPU("A100-80GB-PCIe", "A100 80GB PCIe", 81920, (312.0, 312.0, 19.5, 0.0), 24.0, 25.0, 1935.0),
+    GPU("A100-40GB", "A100", 40960, (312.0, 312.0, 19.5, 0.0), 230.0, 25.0, 1555.0),
+    GPU("L40S", "L40S", 46068, (362.1, 362.1, 91.6, 733.0), 24.0, 25.0, 864.0),
+    GPU("A10G", "A10G", 23028, (70.0, 70.0, 31.2, 0.0), 24.0, 25.0, 600.0),
+    GPU("A10", "A10", 23028, (125.0, 125.0, 31.2, 0.0), 24.0, 25.0, 600.0),
+    GPU("L4", "L4", 23034, (121.0, 121.0, 30.3, 242.0), 24.0, 25.0, 300.0),
+    GPU("RTX-4090", "RTX 4090", 24564, (165.2, 165.2, 82.6, 330.3), 24.0, 25.0, 1008.0),
+    GPU("RTX-3090", "RTX 3090", 24576, (71.0, 71.0, 35.6, 0.0), 24.0, 25.0, 936.0),
+    GPU("A6000", "A6000", 49140, (154.8, 154.8, 38.7, 0.0), 24.0, 25.0, 768.0),
+    GPU("V100-32GB", "V100-SXM2-32GB", 32768, (0.0, 125.0, 15.7, 0.0), 130.0, 12.0, 900.0),
+    GPU("V100-16GB", "V100", 16384, (0.0, 125.0, 15.7, 0.0), 12.0, 12.0, 900.0),
+    GPU("T4", "T4", 15360, (0.0, 65.0, 8.1, 0.0), 12.0, 12.0, 320.0),
 ]
 
 

@@ -236,11 +236,21 @@ def _check_method_keys(p) -> None:
 
 
 def _validate_memory_savers(cfg) -> None:
-    """Reduction dtype, activation checkpointing kinds and offloading: the combinations that cannot work."""
+    """Reduction dtype, float8, activation checkpointing kinds and offloading: the combinations that cannot work."""
     if cfg.fsdp.reduce_dtype == "bf16" and cfg.precision != "bf16":
         # fp32 compute exists for exact numbers; bf16 reductions would round every gradient anyway
         raise UserError(f"fsdp.reduce_dtype=bf16 needs precision=bf16 (got precision={cfg.precision}); "
                         "set precision=bf16, or keep fsdp.reduce_dtype=fp32")
+    if cfg.float8 != "none":
+        if cfg.precision != "bf16":
+            raise UserError(f"float8={cfg.float8} runs the matmuls in float8 and the rest in bf16; set precision=bf16 "
+                            f"(got precision={cfg.precision}), or float8=none")
+        if cfg.peft.adapter:
+            raise UserError(f"float8={cfg.float8} trains full linear layers, which peft.method={cfg.peft.method} "
+                            "keeps frozen; set float8=none (precision=bf16) for adapters")
+        if cfg.device == "cpu":
+            raise UserError(f"float8={cfg.float8} needs an NVIDIA GPU of compute capability 8.9+ (H100, L40S, L4, "
+                            "RTX 4090); with device=cpu set float8=none")
     if cfg.activation_offload and cfg.compile:
         raise UserError("activation_offload does not combine with compile (its hooks would run inside compiled "
                         "blocks); drop one of them")

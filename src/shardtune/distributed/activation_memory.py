@@ -18,11 +18,12 @@ def save_matmuls_policy():
     """Selective checkpointing: keep the outputs of matrix multiplications and attention (the
     expensive ops: recomputing them would cost a third more FLOPs), recompute everything else
     (norms, activations, residual adds, dropout: memory-bound and cheap, yet most of the saved
-    bytes of a block). What the inputs of the next matmul need is rebuilt from a saved output."""
+    bytes of a block; float8's `_scaled_mm` is a matmul too). What the inputs of the next matmul
+    need is rebuilt from a saved output."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     aten = torch.ops.aten
-    names = ["mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention",
+    names = ["mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_scaled_dot_product_flash_attention",
              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
              "_scaled_dot_product_flash_attention_for_cpu", "_flash_attention_forward"]
     save = {getattr(aten, n).default for n in names if hasattr(aten, n)}

@@ -1,10 +1,10 @@
 """The one way a model is built for a command: train, eval, plan and sweep all call
 `build_model`, so what they run (and what the planner traces) is the same model.
 
-The sequence: the model's structure on the meta device -> peft adapters / freezing -> the chunked head
-loss -> parallelism (distributed.fsdp.apply_parallelism) -> weights, read on rank 0 only and handed out
-shard by shard. Without a weight source the parameters stay on meta, for the caller to give
-storage (the planner does so under fake tensors).
+The sequence: the model's structure on the meta device -> peft adapters / freezing -> the chunked
+head loss -> float8 linear layers -> parallelism (distributed.fsdp.apply_parallelism) -> weights,
+read on rank 0 only and handed out shard by shard. Without a weight source the parameters stay
+on meta, for the caller to give storage (the planner does so under fake tensors).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ class ModelSpec:
     hf_config: Any  # transformers PretrainedConfig
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     precision: str = "fp32"
+    float8: str = "none"  # none, rowwise, tensorwise (model/float8.py)
     activation_checkpointing: str = "none"  # none, full, selective, every_n
     activation_checkpointing_every: int = 2
     activation_offload: bool = False
@@ -37,7 +38,7 @@ class ModelSpec:
 
     @classmethod
     def of_run(cls, cfg: RunConfig, hf_config) -> ModelSpec:
-        return cls(hf_config, fsdp=cfg.fsdp, precision=cfg.precision,
+        return cls(hf_config, fsdp=cfg.fsdp, precision=cfg.precision, float8=cfg.float8,
                    activation_checkpointing=cfg.activation_checkpointing,
                    activation_checkpointing_every=cfg.activation_checkpointing_every,
                    activation_offload=cfg.activation_offload, compile=cfg.compile,
@@ -70,6 +71,7 @@ def build_model(spec: ModelSpec, mesh, device, source: Callable[[], Any] | None 
     `folder` (safetensors): each rank reads its own slices from it instead, where the keys allow."""
 
     from shardtune.distributed.fsdp import apply_parallelism, detect_block_class
+    from shardtune.model import float8
     from shardtune.model import loss as loss_lib
     from shardtune.model.adapters import adapt
     from shardtune.model.hf import build_meta_model, materialize
@@ -78,6 +80,7 @@ def build_model(spec: ModelSpec, mesh, device, source: Callable[[], Any] | None 
     block_cls = detect_block_class(model, spec.fsdp.block_class)
     model = adapt(model, spec.peft, spec.freeze, block_cls, init=False)  # structure only: values come from rank 0
     loss_lib.install(model, spec.loss_chunk_tokens)  # before sharding: it checks the head's class
+    float8.convert(model, block_cls, spec.float8)  # before compile and sharding: both see the float8 layers
     units, reshard = apply_parallelism(model, spec, block_cls, mesh, device)
     if folder is not None and not spec.peft.adapter:  # peft bases: names differ, broadcast
         from shardtune.model.hf_sharded_io import load_hf_sharded

@@ -21,6 +21,18 @@ SELECTIVE_PASSES = 12
 # Share of memory bandwidth an optimizer step reaches: torch's fused AdamW streams its tensors
 # once; torchao's low-bit step (torch.compile'd per parameter) adds the block-wise (de)quantization.
 OPTIMIZER_EFFICIENCY = {"fp32": 0.8, "bf16": 0.8, "8bit": 0.5, "4bit": 0.4}
+# float8's casts, memory-bound: bytes each cast streams per bf16 value (read for the scale, read
+# again and written as float8: 2 + 2 + 1), and eager, where the absolute values and the scaled
+# copy are kernels of their own, about twice that. Per token a converted layer casts its input and
+# its output gradient: rowwise along both axes (forward and backward use different ones),
+# tensorwise once each (one scale serves both).
+FLOAT8_CAST_BYTES = {"compiled": 5, "eager": 9}
+FLOAT8_CASTS = {"rowwise": 2, "tensorwise": 1}
+# Share of the float8 peak the converted matmuls reach, relative to the MFU the 16-bit ones reach:
+# NOT YET MEASURED HERE. Set so that this model gives torchao's published end-to-end gains for
+# Llama-3-8B on 8 x H100 (seq 8192, compiled, FSDP): +10 % rowwise (its row scales cost the GEMM
+# more), +25 % tensorwise with float8 all-gather. bench/gpu/run.sh's float8 stage measures them.
+FLOAT8_EFFICIENCY = {"rowwise": 0.63, "tensorwise": 0.74}
 
 
 @dataclass(frozen=True)
@@ -93,11 +105,12 @@ class Target:
         return self.gpus_per_node * self.nodes
 
     def peak_flops(self, precision: str) -> float:
-        if self.peak_tflops:
-            return self.peak_tflops * 1e12
+        if self.peak_tflops:  # --peak-tflops names the card's 16-bit peak; float8 tensor cores double it
+            return self.peak_tflops * 1e12 * (2 if precision == "fp8" else 1)
         if self.gpu is not None:
             return self.gpu.peak_flops(precision)
-        return {"bf16": 100e12, "fp16": 100e12, "fp32": 15e12}[precision]  # a nominal card: ranks still hold
+        # a nominal card: ranks still hold
+        return {"bf16": 100e12, "fp16": 100e12, "fp32": 15e12, "fp8": 200e12}[precision]
 
     def link_gbs(self) -> float:
         intra = self.bandwidth_gbs or (self.gpu.link_gbs if self.gpu else 24.0)
@@ -160,8 +173,10 @@ def step_time(trace: StepTrace, hf_config, cand: Candidate, cfg: RunConfig, targ
     fpt = flops_per_token(p["matmul"], hf_config, seq, p["matmul_trainable"])
     forward = 2.0 * p["matmul"] + 4.0 * trace.layers * _hidden(hf_config) * seq  # blocks' matmuls and attention
     recompute = {"none": 0.0, "full": forward, "every_n": forward / max(cand.every, 1), "selective": 0.0}
-    peak = target.peak_flops(cand.precision)
-    compute = tokens * (fpt + recompute[cand.checkpointing]) / (peak * HOST_FACTS["mfu"].value)
+    peak, mfu = target.peak_flops(cand.precision), HOST_FACTS["mfu"].value
+    compute = tokens * (fpt + recompute[cand.checkpointing]) / (peak * mfu)
+    if cfg.float8 != "none":
+        compute += float8_seconds(p, cfg, cand, target, tokens)
     if cfg.peft.method == "prompt_tuning":  # its virtual tokens pass through every layer, unpredicted
         compute *= (seq + cfg.peft.virtual_tokens) / seq
     if cand.checkpointing == "selective":  # the cheap ops again: memory-bound passes over the hidden states
@@ -169,6 +184,8 @@ def step_time(trace: StepTrace, hf_config, cand: Candidate, cfg: RunConfig, targ
         compute += SELECTIVE_PASSES * tokens * trace.layers * _hidden(hf_config) * act_bytes / (target.hbm_gbs() * 1e9)
     dtype_bytes = 4 if cand.precision == "fp32" else 2
     gathered = p["total"] * dtype_bytes
+    if cfg.float8 == "tensorwise":  # its converted weights are gathered as float8: one byte each
+        gathered -= p.get("float8_matmul", 0) * (dtype_bytes - 1)
     grads = p["trainable"] * (2 if cand.reduce_dtype == "bf16" else 4)
     shard_group = 1 if cand.sharding == "no_shard" else (target.gpus_per_node if cand.sharding == "hybrid_shard"
                                                          else world)
@@ -202,6 +219,19 @@ def step_time(trace: StepTrace, hf_config, cand: Candidate, cfg: RunConfig, targ
     total = overlapped + offload + optimizer
     return {"compute": compute, "communication": comm, "activation_copies": copies, "cpu_offload": offload,
             "optimizer": optimizer, "total": total}
+
+
+def float8_seconds(p: dict, cfg: RunConfig, cand: Candidate, target: Target, tokens: int) -> float:
+    """What float8 changes in the compute time (negative: it saves): the converted layers' matmuls
+    at the float8 peak instead of the 16-bit one (forward, backward's two, and a recomputed
+    forward), plus their casts (FLOAT8_CAST_BYTES)."""
+    passes = 6 + {"none": 0.0, "full": 2.0, "every_n": 2.0 / max(cand.every, 1), "selective": 0.0}[cand.checkpointing]
+    flops = tokens * passes * p.get("float8_matmul", 0)
+    mfu = HOST_FACTS["mfu"].value
+    faster = flops / (target.peak_flops("fp8") * mfu * FLOAT8_EFFICIENCY[cfg.float8]) \
+        - flops / (target.peak_flops(cand.precision) * mfu)
+    cast = FLOAT8_CAST_BYTES["compiled" if cfg.compile else "eager"] * FLOAT8_CASTS[cfg.float8]
+    return faster + tokens * p.get("float8_widths", 0) * cast / (target.hbm_gbs() * 1e9)
 
 
 def _hidden(hf_config) -> int:

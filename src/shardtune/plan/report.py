@@ -67,6 +67,9 @@ def run_plan(req: PlanRequest, cfg: RunConfig, recipe: str | None, overrides: li
     from shardtune.model.hf import check_seq_len
 
     target = target_from_request(req)
+    if cfg.float8 != "none" and target.gpu is not None and not target.gpu.supports("fp8"):
+        raise UserError(f"float8={cfg.float8} needs float8 tensor cores (compute capability 8.9+: H100, H200, L40S, "
+                        f"L4, RTX 4090); {target.gpu.name} has none: set float8=none, or plan for one of those")
     hf_config, source = resolve_hf_config(cfg)
     check_seq_len(hf_config, cfg.data.seq_len, cfg.peft.virtual_tokens)
     check_method(cfg.peft, hf_config)

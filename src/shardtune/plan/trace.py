@@ -141,6 +141,7 @@ def trace_step(cfg: RunConfig, hf_config, world_size: int, local_world_size: int
 
     from shardtune.config.load import check_world
     from shardtune.distributed.fsdp import build_mesh
+    from shardtune.model import float8
     from shardtune.model import loss as loss_lib
     from shardtune.model.build import ModelSpec, build_model
     from shardtune.model.hf import count_params
@@ -166,6 +167,7 @@ def trace_step(cfg: RunConfig, hf_config, world_size: int, local_world_size: int
         params = dict(zip(("total", "trainable", "matmul", "matmul_trainable"),
                           (total, trainable, *matmul_params(model)), strict=True))
         params.update(state_bytes(model))  # state_fp32, state_bf16, ...: this rank's moments per precision
+        params.update(float8.matmul_shapes(model))  # float8_matmul, float8_widths: what float8 changes in time
         blocks = [f"{type(model).__name__}.{name}" for name, m in model.named_modules()
                   if isinstance(m, built.block_cls)]
         # two micro-steps show what accumulation holds across them (unsharded gradients)

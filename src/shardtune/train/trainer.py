@@ -22,6 +22,7 @@ from shardtune.distributed.fsdp import build_mesh
 from shardtune.distributed.process_group import init_distributed
 from shardtune.errors import EXIT_PREEMPTED, UserError
 from shardtune.families import config_value
+from shardtune.model import float8
 from shardtune.model.adapters import check_method, check_quantize, load_qlora_model
 from shardtune.model.build import BuiltModel, ModelSpec, build_model
 from shardtune.model.hf import (
@@ -100,6 +101,7 @@ class Trainer:
         self.owns_group = not torch.distributed.is_initialized()
         self.dist = dist = init_distributed(cfg.device)
         check_quantize(cfg.peft, dist.device)  # the machine's part of the QLoRA checks (config.validate did the rest)
+        float8.check_device(cfg.float8, dist.device)
         cfg.output_dir = broadcast_value(dist, cfg.output_dir or default_output_dir(cfg.recipe))
         self.out = out = Path(cfg.output_dir)
         from shardtune.publish.session import Publishing
@@ -149,12 +151,13 @@ class Trainer:
                  f"({trainable:,} trainable, {100 * trainable / max(total, 1):.3g}%) | "
                  f"{dist.world_size} rank(s) on {dist.device.type} | {cfg.fsdp.sharding} | {cfg.precision} | "
                  f"accumulation {self.accum} | {self.total_steps} steps | weights: {self.built.loaded}"
-                 f"{describe_memory_savers(cfg, dist.device.type)}")
+                 f"{float8.describe(model, cfg.float8, cfg.compile)}{describe_memory_savers(cfg, dist.device.type)}")
 
         from shardtune.checkpoint.dcp import ModelOptimizerState
         from shardtune.train.optim import build_grad_scaler, build_optimizer
 
         self.optimizer = build_optimizer(model, t, dist.device, cfg.precision, cfg.peft.lora_plus_ratio)
+        float8.keep_scales_precomputed(model, self.optimizer, cfg.float8)
         self.scaler = build_grad_scaler(cfg.precision, dist.device)
         self.state = TrainState()
         rank0_first(dist, lambda: prepare_run_dir(cfg, overwrite) if dist.is_main else None)
