@@ -26,6 +26,12 @@
 #                train.log}, profile.md. ~50 s; the trace ~2-5 MB compressed
 #   plan   90 s  bench/plan_accuracy.py --gpu --rows PLAN_ROWS (3): the planner's predictions
 #                against max_memory_allocated/reserved. plan_accuracy.md. ~25 s a row
+#   float8-tests 120 s, float8 420 s   only when STAGES names them (a call of their own, below):
+#                tests/e2e/test_cuda.py -k float8 (rowwise/tensorwise within 2 % of bf16 over 12
+#                steps, or refused in one line below compute capability 8.9) -> float8-tests.log/.xml;
+#                bench/float8_speed.py: the Llama ~1B setup, compiled, bf16 / rowwise / tensorwise,
+#                FLOAT8_STEPS (50) steps each, FLOAT8_REPEATS (1) rounds -> float8.md (tok/s, peak,
+#                loss against bf16). Estimate ~25 s set-up + ~40 s compile + 50 x ~0.7 s per arm.
 #   soak         only with SOAK_MINUTES=N: bench/soak.py --device cuda, N minutes more (the
 #                budget grows by N minutes + 2). soak.md
 # STAGES="tests bench-llama ..." runs only those (setup always runs). After every stage the
@@ -39,6 +45,8 @@
 #   2nd call (~6 min):  STAGES="bench-llama bench-opt" BUDGET_S=500 CAP_BENCH=240 REPEATS=2 \
 #                         bash bench/gpu/run.sh /tmp/gpu-ab "$OUT"        (A B A B for both models)
 #   3rd, if time:       STAGES=plan PLAN_ROWS=6 CAP_PLAN=400 bash bench/gpu/run.sh /tmp/gpu-plan "$OUT"
+#   float8 (issue 26, one call, ~7 min):  STAGES="float8-tests float8" BUDGET_S=560 \
+#                         bash bench/gpu/run.sh /tmp/gpu-f8 "$OUT"
 #   issue 20 (not yet run on a GPU; one call, ~8 min): memory savers on CUDA, device=auto
 #     python bench/memory_savers.py activations --micro-batch 8 --steps 6 precision=bf16 > "$OUT/savers_act.md"
 #     python bench/memory_savers.py quality --steps 300 > "$OUT/savers_quality.md"   (compiled torchao step)
@@ -183,7 +191,8 @@ tee -a "$results/suite.log" < "$results/env.txt"
 # ---------------------------------------------------------------------------- stages
 export SHARDTUNE_GPU_RESULTS=$results/tests
 stage tests "$(time_for "${CAP_TESTS:-210}")" cuda-tests.log \
-  $python -m pytest -q -p no:cacheprovider -m cuda tests/e2e/test_cuda.py --junitxml "$results/cuda-tests.xml" "${collect[@]}"
+  $python -m pytest -q -p no:cacheprovider -m cuda tests/e2e/test_cuda.py -k "not float8" \
+  --junitxml "$results/cuda-tests.xml" "${collect[@]}"
 bench_args=(--repeats "${REPEATS:-2}" --sharding full_shard --nproc 1 --steps "${BENCH_STEPS:-8}"
             --global-batch "${BENCH_GLOBAL:-8}")
 [ "$rehearse" = 1 ] && bench_args+=(--peak-tflops 1)  # the MFU columns, against a nominal peak
@@ -197,6 +206,11 @@ stage profile "$(time_for "${CAP_PROFILE:-90}")" profile.md \
   $python bench/profile_step.py --setup gpu --global-batch 8 --out "$results/profile" "${rh[@]}"
 stage plan "$(time_for "${CAP_PLAN:-90}")" plan_accuracy.md \
   $python bench/plan_accuracy.py --gpu --rows "${PLAN_ROWS:-3}" "${rh[@]}"
+stage float8-tests "$(time_for "${CAP_FLOAT8_TESTS:-120}")" float8-tests.log \
+  $python -m pytest -q -p no:cacheprovider -m cuda tests/e2e/test_cuda.py -k float8 \
+  --junitxml "$results/float8-tests.xml" "${collect[@]}"
+stage float8 "$(time_for "${CAP_FLOAT8:-420}")" float8.md \
+  $python bench/float8_speed.py --steps "${FLOAT8_STEPS:-50}" --repeats "${FLOAT8_REPEATS:-1}" "${rh[@]}"
 if [ -n "${SOAK_MINUTES:-}" ]; then
   m=$SOAK_MINUTES
   if [ "$rehearse" = 1 ]; then soak_args=(--device cpu --sample-s 2); else soak_args=(--device cuda); fi

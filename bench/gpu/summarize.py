@@ -76,6 +76,11 @@ def main() -> int:
     plan = results / "plan_accuracy.md"
     if plan.is_file():
         out += ["", "## Planner accuracy", "", plan.read_text().strip()]
+    float8 = results / "float8.md"
+    if float8.is_file():
+        out += ["", "## float8 vs bf16", "", *float8.read_text().strip().splitlines()[2:]]
+    if "float8-tests" in ran and (results / "float8-tests.log").is_file():
+        out += ["", "## float8 CUDA tests", "", *(results / "float8-tests.log").read_text().strip().splitlines()[-3:]]
     soak = results / "soak.md"
     if soak.is_file():
         out += ["", "## Soak", "", *soak.read_text().strip().splitlines()[-6:]]
