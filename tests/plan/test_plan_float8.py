@@ -88,3 +88,31 @@ def test_a_gpu_without_float8_units_is_refused_before_any_trace():
     cfg = cfg_of(LLAMA3_8B, "float8=rowwise")
     with pytest.raises(UserError, match="A100-80GB has none: set float8=none"):
         run_plan(PlanRequest(gpus=8, gpu="A100-80GB"), cfg, None, [])
+
+
+def test_plan_tells_what_float8_would_give_where_the_card_has_it():
+    """A recipe without float8, planned for H100s: the answer names both recipes with their predicted
+    speed for the winning layout (compiled; eager where the layout offloads activations); none on
+    a card without float8 units, none when the recipe already sets it."""
+    from shardtune.model.hf import load_hf_config
+    from shardtune.plan.cost import step_time
+    from shardtune.plan.report import float8_alternatives
+    from shardtune.plan.search import Estimate
+
+    cfg = cfg_of(LLAMA3_8B, "data.seq_len=8192", "train.micro_batch_size=1", "train.global_batch_size=8")
+    hf_config = load_hf_config(cfg.model)
+    h100, a100 = (Target(8, 1, 80 * 2**30, gpu_by_name(name)) for name in ("H100", "A100-80GB"))
+
+    def best(cand: Candidate, target: Target) -> Estimate:
+        trace = counted(cfg)
+        seconds = step_time(trace, hf_config, cand, cfg, target, accum=1)["total"]
+        return Estimate(cand, {}, {}, seconds, 8 * 8192 / seconds, 1, True, trace=trace)
+
+    plain = best(Candidate("full_shard", "bf16", 1), h100)
+    alts = {a["recipe"]: a for a in float8_alternatives(cfg, hf_config, h100, plain)}
+    assert alts["tensorwise"]["tokens_per_s"] > alts["rowwise"]["tokens_per_s"] > plain.tokens_per_s
+    assert alts["rowwise"]["layers"] == 32 * 5 and alts["rowwise"]["compile"]  # k, v (1024 wide) stay bf16
+    offloading = best(Candidate("full_shard", "bf16", 1, activation_offload=True), h100)
+    assert not any(a["compile"] for a in float8_alternatives(cfg, hf_config, h100, offloading))
+    assert float8_alternatives(cfg, hf_config, a100, best(Candidate("full_shard", "bf16", 1), a100)) == []
+    assert float8_alternatives(cfg_of(LLAMA3_8B, "float8=rowwise"), hf_config, h100, plain) == []

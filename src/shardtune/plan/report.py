@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib.util
 import json
 import shlex
 import sys
@@ -86,6 +87,7 @@ def run_plan(req: PlanRequest, cfg: RunConfig, recipe: str | None, overrides: li
         answer["what_would_fit"] = what_would_fit(cfg, hf_config, target, ranked)
     else:
         answer["best"]["largest_micro_batch"] = largest_micro_batch(best, cfg, hf_config, target)
+        answer["best"]["float8_alternatives"] = float8_alternatives(cfg, hf_config, target, best)
     if req.json:
         print(json.dumps(answer, indent=1))
     else:
@@ -126,6 +128,35 @@ def _json(est: Estimate, cfg, target, recipe, overrides) -> dict:
     return out
 
 
+def float8_alternatives(cfg: RunConfig, hf_config, target: Target, best: Estimate) -> list[dict]:
+    """What float8 would make of the best layout's speed on a card with float8 units, for a recipe
+    that leaves it off (compiled, unless the layout offloads activations, which compile refuses).
+    The search does not switch it on itself: float8 rounds every matmul's operands, a numerical
+    choice left to the user; these lines say what it would give."""
+    from shardtune.distributed.fsdp import detect_block_class
+    from shardtune.model import float8
+    from shardtune.model.hf import build_meta_model
+    from shardtune.plan.cost import step_time
+
+    if cfg.float8 != "none" or cfg.peft.adapter or best.candidate.precision != "bf16" or best.trace is None \
+            or target.gpu is None or not target.gpu.supports("fp8") or importlib.util.find_spec("torchao") is None:
+        return []
+    block = detect_block_class(build_meta_model(hf_config, cfg.model.trust_remote_code), cfg.fsdp.block_class)
+    out = []
+    for recipe in float8.RECIPES:
+        model = build_meta_model(hf_config, cfg.model.trust_remote_code)
+        if not float8.convert(model, block, recipe):
+            continue
+        shapes = float8.matmul_shapes(model)
+        trial = copy.deepcopy(cfg)
+        trial.float8, trial.compile = recipe, cfg.compile or not best.candidate.activation_offload
+        trace = dataclasses.replace(best.trace, params={**best.trace.params, **shapes})
+        seconds = step_time(trace, hf_config, best.candidate, trial, target, best.accumulation)["total"]
+        out.append({"recipe": recipe, "tokens_per_s": best.tokens_per_s * best.step_seconds / seconds,
+                    "layers": len(float8.converted(model)), "compile": trial.compile})
+    return out
+
+
 def _target_json(t: Target) -> dict:
     return {"gpus_per_node": t.gpus_per_node, "nodes": t.nodes, "gpu": t.gpu.name if t.gpu else None,
             "gpu_memory_bytes": t.memory_bytes, "margin": t.margin, "link_gbs": t.link_gbs(),
@@ -155,6 +186,11 @@ def render(answer: dict) -> str:
                   f"largest micro-batch per GPU that fits this layout: {best['largest_micro_batch']} (global batch "
                   "kept here; a larger one needs train.global_batch_size to be a multiple of it x GPUs)",
                   "run it:", f"  {best['command']}"]
+        for alt in best.get("float8_alternatives", []):
+            keys = f"float8={alt['recipe']}" + (" compile=true" if alt["compile"] else "")
+            lines.append(f"  with {keys} ({alt['layers']} linear layers in float8; it changes the numerics, so it "
+                         f"is yours to choose): ~{alt['tokens_per_s']:,.0f} tokens/s "
+                         f"({alt['tokens_per_s'] / best['tokens_per_s'] - 1:+.0%}, from torchao's published gains)")
     else:
         lines += ["", "nothing fits."]
         for text in answer.get("what_would_fit", []):
