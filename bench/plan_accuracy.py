@@ -76,6 +76,13 @@ GPU_ROWS = [
     ("llama-1b", 1, "full_shard", "full", False, 4),
     ("llama-1b", 0, "full_shard", "full", False, 4),
     ("llama-1b", 0, "no_shard", "none", False, 2),
+    # the memory savers and float8 (float8 rows: only on compute capability 8.9+)
+    ("llama-1b", 1, "full_shard", "selective", False, 4),
+    ("llama-1b", 1, "full_shard", "none", False, 2, ("activation_offload=true",)),
+    ("llama-1b", 1, "full_shard", "full", False, 4, ("train.optimizer_state=8bit",)),
+    ("llama-1b", 1, "full_shard", "full", False, 4, ("fsdp.reduce_dtype=bf16",)),
+    ("llama-1b", 1, "full_shard", "full", False, 4, ("float8=rowwise",)),
+    ("llama-1b", 1, "full_shard", "full", False, 4, ("float8=tensorwise",)),
 ]  # ranks 0: every visible GPU
 
 
@@ -172,6 +179,7 @@ def main() -> int:
         return 2
     seq = args.seq_len or (64 if args.rehearse else 1024 if args.gpu else 128)
     gpus = torch.cuda.device_count() if device == "cuda" else 1
+    float8_capable = device == "cuda" and torch.cuda.get_device_capability() >= (8, 9)
     rows = (GPU_ROWS if args.gpu else NEW_ROWS if args.new else CPU_ROWS)[:args.rows]
     gpu = f" | {torch.cuda.get_device_name(0)} x {gpus}" if device == "cuda" else ""
     note = " | rehearsal: tiny models on CPU, live-tensor peak in place of allocated/reserved" if args.rehearse else ""
@@ -189,6 +197,10 @@ def main() -> int:
                         device=device, precision=precision, target="cuda" if args.gpu else "cpu", tiny=args.rehearse,
                         extra=extra)
             if spec["ranks"] == 1 and sharding == "no_shard":
+                continue
+            if any(e.startswith("float8=") for e in extra) and not float8_capable:
+                print(f"| {shape} | {spec['ranks']} | {sharding} | {ac} | no | {mb} | {' '.join(extra)} | skipped: "
+                      "float8 needs a GPU of compute capability 8.9+ |", flush=True)
                 continue
             pred, real = predict(spec), measure(spec, Path(tmp))
             if args.rehearse:

@@ -44,7 +44,7 @@
 #   1st call (~9 min):  bash bench/gpu/run.sh /tmp/gpu "$OUT"
 #   2nd call (~6 min):  STAGES="bench-llama bench-opt" BUDGET_S=500 CAP_BENCH=240 REPEATS=2 \
 #                         bash bench/gpu/run.sh /tmp/gpu-ab "$OUT"        (A B A B for both models)
-#   3rd, if time:       STAGES=plan PLAN_ROWS=6 CAP_PLAN=400 bash bench/gpu/run.sh /tmp/gpu-plan "$OUT"
+#   3rd, if time:       STAGES=plan PLAN_ROWS=12 CAP_PLAN=540 BUDGET_S=560 bash bench/gpu/run.sh /tmp/gpu-plan "$OUT"
 #   float8 (issue 26, one call, ~7 min):  STAGES="float8-tests float8" BUDGET_S=560 \
 #                         bash bench/gpu/run.sh /tmp/gpu-f8 "$OUT"
 #   issue 20 (not yet run on a GPU; one call, ~8 min): memory savers on CUDA, device=auto
