@@ -41,7 +41,7 @@ def main() -> None:
     from shardtune.model.build import ModelSpec, build_model
     from shardtune.model.hf import load_hf_config, load_source_model
     from shardtune.train.optim import build_optimizer
-    from shardtune.train.trainer import TrainState
+    from shardtune.train.state import TrainState
 
     # No Trainer: the model, the optimizer and the checkpointer's explicit state objects.
     d = init_distributed("cpu")

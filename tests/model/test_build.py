@@ -61,7 +61,7 @@ def test_a_checkpoint_saves_and_loads_explicit_state_without_a_trainer(one_rank,
     from shardtune.checkpoint.folders import read_meta
     from shardtune.config.schema import CheckpointConfig, TrainConfig
     from shardtune.train.optim import build_optimizer
-    from shardtune.train.trainer import TrainState
+    from shardtune.train.state import TrainState
 
     spec = ModelSpec(hf_config("llama"))
     model = build_model(spec, build_mesh(spec.fsdp, one_rank), one_rank.device,

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import math
-import random
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -46,44 +44,10 @@ from shardtune.telemetry.metrics import (
     matmul_params,
     memory_stats,
 )
+from shardtune.train.state import QueuedStep, TrainState, seed_everything
 from shardtune.train.step import evaluate, queue_numbers, read_numbers, train_step
 
 HISTOGRAMS = "_histograms"  # a record's log.watch histograms, for the trackers only
-
-
-def seed_everything(seed: int) -> None:
-    import numpy as np
-
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-@dataclass
-class TrainState:
-    """Where training stands, beyond weights and optimizer: the step (the learning rate and the
-    data order are functions of it) and the tokens trained on. Saved in every checkpoint."""
-
-    step: int = 0
-    tokens_seen: float = 0.0
-
-    def state_dict(self) -> dict:
-        return {"step": self.step, "tokens_seen": self.tokens_seen}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.step, self.tokens_seen = int(state["step"]), float(state.get("tokens_seen", 0.0))
-
-
-@dataclass
-class QueuedStep:
-    """An optimizer step whose work is queued on the device, and what the host will read of it."""
-
-    step: int
-    lr: float
-    data_seconds: float  # the loop's wait for this step's batches
-    numbers: torch.Tensor  # step.queue_numbers: still on the device
-    done: float | torch.cuda.Event  # telemetry.StepClock mark queued behind the step
-    watch: torch.Tensor | None = None  # log.watch's per-block norms, still on the device
 
 
 class Trainer:
