@@ -108,6 +108,19 @@ def train_tiny(assets, out, **extra) -> list[float]:
     return losses(out)
 
 
+def lift_float8_device_check(set_attribute=setattr) -> None:
+    """float8 on CPU, for tests: torch's CPU `_scaled_mm` runs the float8 matmuls, so the product's
+    refusal of the CPU is lifted, and every block linear with dimensions divisible by 16 is
+    converted (torchao's own filter leaves layers this small in bf16, where float8 is slower)."""
+    import torchao.float8 as f8
+
+    from shardtune.model import float8
+
+    set_attribute(float8, "check_device", lambda recipe, device: None)
+    set_attribute(f8, "_auto_filter_for_recipe", lambda recipe, filter_fqns:
+                  lambda m, fqn: m.in_features % 16 == 0 and m.out_features % 16 == 0)
+
+
 def make_trainer(assets, out, arch: str = "llama", **extra):
     """An in-process one-rank Trainer of a tiny model (tests/e2e/test_cuda.py makes one on CUDA)."""
     from shardtune.config.load import load_config

@@ -13,7 +13,17 @@ import sys
 import pytest
 from archs import arch_config
 
-from conftest import PEFT_METHODS, ROOT, child_env, losses, peft_overrides, run_cli, tiny_overrides
+from conftest import (
+    PEFT_METHODS,
+    ROOT,
+    TINY,
+    child_env,
+    lift_float8_device_check,
+    losses,
+    peft_overrides,
+    run_cli,
+    tiny_overrides,
+)
 
 pytestmark = pytest.mark.multiproc
 TOL = 1e-5
@@ -93,6 +103,24 @@ def moe_baseline(assets, tmp_path_factory):
     return losses(out)
 
 
+# float8 tensorwise (its weights all-gathered in float8) on the CPU: conftest.lift_float8_device_check
+FLOAT8 = {"model.config": json.dumps(TINY["llama"]), "precision": "bf16", "float8": "tensorwise"}
+
+
+@pytest.fixture(scope="module")
+def float8_baseline(assets, tmp_path_factory):
+    """Single-process float8 reference run, in this process."""
+    pytest.importorskip("torchao.float8")
+    from shardtune.config.load import load_config
+    from shardtune.train.trainer import run
+
+    out = tmp_path_factory.mktemp("float8_baseline")
+    with pytest.MonkeyPatch.context() as patch:
+        lift_float8_device_check(patch.setattr)
+        run(load_config(None, tiny_overrides(assets, out, **FLOAT8), defaults={}), overwrite=True)
+    return losses(out)
+
+
 def torchrun(nproc: int, script_args: list[str], nnodes: int = 1, timeout: int = 400):
     env = child_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
@@ -110,11 +138,13 @@ def torchrun(nproc: int, script_args: list[str], nnodes: int = 1, timeout: int =
 
 
 def test_two_ranks_match_one_process_for_every_sharding(assets, baseline, baseline_dir, lora_baseline,
-                                                        docmask_baseline, moe_baseline, peft_runs, tmp_path):
+                                                        docmask_baseline, moe_baseline, float8_baseline, peft_runs,
+                                                        tmp_path):
     """full_shard (accumulation 2 and 1, activation checkpointing full and selective with offloading),
     shard_grad_op and no_shard
     on 2 ranks, with full logits and with many loss chunks (the baseline's loss is one chunk),
-    and document-masked packing, and Mixtral with its router loss (accumulation 2 against 4);
+    and document-masked packing, and Mixtral with its router loss (accumulation 2 against 4), and
+    float8 tensorwise with its float8 all-gather (on CPU, conftest.lift_float8_device_check);
     each peft method (DoRA with rsLoRA, PiSSA with LoRA+, OLoRA, IA3, adaption prompt, prefix and
     prompt tuning);
     a locally saved GPT-2 and Llama load on 2 ranks exactly (rank 0's broadcast and model.sharded_load)
@@ -144,10 +174,11 @@ def test_two_ranks_match_one_process_for_every_sharding(assets, baseline, baseli
         "lora": LORA,
         "docmask": DOCMASK,
         "moe": MOE,
+        "float8": FLOAT8,
         # ... which both ranks resume from, reading their rows of it (steps 4-6 as the baseline's)
         "hf_resume": {"resume": str(tmp_path / "full_shard" / "checkpoints" / "step-000003")},
     }
-    spec = {"result": str(tmp_path / "result.json"), "load": saved, "export": True,
+    spec = {"result": str(tmp_path / "result.json"), "load": saved, "export": True, "float8_on_cpu": True,
             "jobs": [tiny_overrides(assets, tmp_path / name, **extra) for name, extra in jobs.items()]
             + [peft_overrides(assets, tmp_path / name, name) for name in PEFT_METHODS]}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
@@ -159,7 +190,8 @@ def test_two_ranks_match_one_process_for_every_sharding(assets, baseline, baseli
     assert len(baseline) == 6
     for name in jobs:
         got, want = losses(tmp_path / name), {"lora": lora_baseline, "docmask": docmask_baseline,
-                                          "moe": moe_baseline, "hf_resume": baseline[3:]}.get(name, baseline)
+                                          "moe": moe_baseline, "float8": float8_baseline,
+                                          "hf_resume": baseline[3:]}.get(name, baseline)
         assert len(got) == len(want)
         assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < TOL, (name, got, want)
     for name, run in peft_runs.items():  # the 1-process runs of tests/model/test_peft_methods.py

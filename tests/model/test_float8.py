@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conftest import TINY, losses, tiny_overrides
+from conftest import TINY, lift_float8_device_check, losses, tiny_overrides
 from shardtune.config.load import load_config
 from shardtune.errors import UserError
 from shardtune.model import float8
@@ -84,10 +84,7 @@ def test_selective_checkpointing_keeps_float8_matmuls():
 
 @pytest.fixture
 def float8_on_cpu(monkeypatch):
-    """The device check lifted and every block linear with dimensions divisible by 16 converted."""
-    monkeypatch.setattr(float8, "check_device", lambda recipe, device: None)
-    monkeypatch.setattr(f8, "_auto_filter_for_recipe",
-                        lambda recipe, filter_fqns: lambda m, fqn: m.in_features % 16 == 0 and m.out_features % 16 == 0)
+    lift_float8_device_check(monkeypatch.setattr)
 
 
 @pytest.fixture(scope="module")

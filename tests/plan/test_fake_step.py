@@ -26,3 +26,21 @@ def test_bincount_bounded_by_minlength_has_that_length_and_torchs_dtype(weights)
 def test_bincount_without_a_bound_stays_untraceable():
     with FakeTensorMode() as mode, AnswerScalars(), pytest.raises(DynamicOutputShapeException):
         torch.bincount(mode.from_tensor(torch.tensor([0, 3])))
+
+
+def test_the_fused_optimizer_step_holds_the_state_once():
+    """A real fused AdamW step updates the shards in place: in the trace the optimizer state at the
+    step's peak is the steady state, nothing more (torch 2.11's DTensor dispatch under fake tensors
+    held five copies; `fake_step.fused_adamw_on_shards` runs it on the shards)."""
+    import json
+
+    from conftest import TINY
+    from shardtune.config.load import load_config
+    from shardtune.model.hf import load_hf_config
+    from shardtune.plan.trace import trace_step
+
+    cfg = load_config(None, [f"model.config={json.dumps(TINY['llama'])}", "data.path=unused", "data.seq_len=64",
+                             "train.micro_batch_size=2", "train.global_batch_size=4", "device=cpu"])
+    trace = trace_step(cfg, load_hf_config(cfg.model), world_size=2)
+    during = max(p.get("optimizer_state", 0) for key, p in trace.phases.items() if key[1] == "optimizer")
+    assert during == trace.steady["optimizer_state"] > 0

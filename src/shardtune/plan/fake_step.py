@@ -1,7 +1,7 @@
 """What a step under fake tensors needs to run as the GPU run would, beyond what fake tensors
 give: answers for the values the step reads (scalars, counts of a known bound), DTensor's shape
-propagation kept out of the count, the experts' grouped matmul in any dtype, and CUDA's attention
-kernels. Used by trace.trace_step."""
+propagation kept out of the count, the experts' grouped matmul in any dtype, CUDA's attention
+kernels, and the fused AdamW step on the shards. Used by trace.trace_step."""
 
 from __future__ import annotations
 
@@ -97,3 +97,24 @@ def cuda_attention():
             query, key, value, attn_mask, query.requires_grad, dropout_p, is_causal, scale=scale)[0]
 
     return mock.patch("torch.nn.functional.scaled_dot_product_attention", sdpa)
+
+
+@contextlib.contextmanager
+def fused_adamw_on_shards():
+    """The fused AdamW step on each parameter's local shard, as the real kernel runs it (in place,
+    nothing allocated). torch 2.11's DTensor dispatch of `_fused_adamw_` on fake tensors (the GPU
+    machine's version) holds five copies of the optimizer state at once, a peak no real step has
+    (measured: 2.11 predicted +37 % on 2 ranks of GPT-2 small, 2.13 exact)."""
+    from torch.distributed.tensor import DTensor
+
+    original = torch._fused_adamw_
+
+    def on_shards(*tensor_lists, **kwargs):
+        return original(*[[t.to_local() if isinstance(t, DTensor) else t for t in ts] for ts in tensor_lists],
+                        **kwargs)
+
+    torch._fused_adamw_ = on_shards  # torch.optim looks it up at each step
+    try:
+        yield
+    finally:
+        torch._fused_adamw_ = original

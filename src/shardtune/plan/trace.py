@@ -145,7 +145,13 @@ def trace_step(cfg: RunConfig, hf_config, world_size: int, local_world_size: int
     from shardtune.model import loss as loss_lib
     from shardtune.model.build import ModelSpec, build_model
     from shardtune.model.hf import count_params
-    from shardtune.plan.fake_step import AnswerScalars, cuda_attention, dtensor_meta_outside_trace, fake_grouped_mm
+    from shardtune.plan.fake_step import (
+        AnswerScalars,
+        cuda_attention,
+        dtensor_meta_outside_trace,
+        fake_grouped_mm,
+        fused_adamw_on_shards,
+    )
     from shardtune.plan.priced import offloaded_activations, state_bytes
     from shardtune.telemetry.metrics import matmul_params
     from shardtune.train.optim import build_grad_scaler, build_optimizer
@@ -186,7 +192,8 @@ def trace_step(cfg: RunConfig, hf_config, world_size: int, local_world_size: int
             # a CUDA run's offloaded activations go to the host; on CPU offloading moves nothing
             offload = offloaded_activations(tracker, model) if target == "cuda" and cfg.activation_offload \
                 else contextlib.nullcontext()
-            with tracker, AnswerScalars(), dtensor_meta_outside_trace(), fake_grouped_mm(), attention, offload:
+            with tracker, AnswerScalars(), dtensor_meta_outside_trace(), fake_grouped_mm(), fused_adamw_on_shards(), \
+                    attention, offload:
                 handle = model.register_forward_pre_hook(tracker.next_micro_step, prepend=True)
                 try:
                     batches = _faked(real_batches)
