@@ -91,9 +91,12 @@ TINY_FIELDS.update(indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=16, i
 TINY_FIELDS.update(num_dense_layers=1, num_kv_shared_layers=0)
 # fields a real checkpoint sets that neither the defaults nor a rule can know: a hybrid's layer kinds
 # (LFM2-8B-A1B mixes conv and attention layers), a field the modeling reads that the config class does
-# not declare or leaves None (DBRX's attention reads rope_theta, clamps by clip_qkv: dbrx-instruct's)
+# not declare or leaves None (DBRX's attention reads rope_theta, clamps by clip_qkv: dbrx-instruct's),
+# a size the modeling assumes (Cohere Compass's rotary sections, 22+22+20 of 64 frequency pairs in
+# transformers 5.17: its checkpoints' head_dim of 128)
 CHECKPOINT_FIELDS = {"lfm2_moe": {"layer_types": ["conv", "full_attention"]},
-                     "dbrx": {"attn_config": {"rope_theta": 500000.0, "clip_qkv": 8}}}
+                     "dbrx": {"attn_config": {"rope_theta": 500000.0, "clip_qkv": 8}},
+                     "cohere_compass_text": {"head_dim": 128}}
 
 
 def _table_name(config, name: str) -> str | None:
@@ -120,7 +123,7 @@ def _shrunk(config) -> dict:
         tiny = TINY_FIELDS.get(_table_name(config, name))
         if isinstance(vars(config).get(name), PretrainedConfig):  # (getattr refuses a per-layer field)
             sub = vars(config)[name]
-            out[name] = {**sub.to_dict(), **_shrunk(sub)}
+            out[name] = {**sub.to_diff_dict(), **_shrunk(sub)}  # (5.17's sub-configs refuse the base keys)
         elif tiny is not None and isinstance(value, int) and not isinstance(value, bool) and value > 0:
             out[name] = min(value, tiny)
         elif name in TINY_FIELDS and value is None and name not in ("q_lora_rank", "num_key_value_heads"):

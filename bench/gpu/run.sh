@@ -160,7 +160,7 @@ if [ "$rehearse" != 1 ] && [ -z "${ARGS_ONLY:-}" ]; then
     export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
   fi
   if ! $python -m pip install -q --no-deps --no-build-isolation -e . > "$results/install.log" 2>&1; then
-    say "pip install -e . failed (install.log; e.g. setuptools < 68 and no network); using PYTHONPATH=src"
+    say "pip install -e . failed (install.log; e.g. setuptools < 77 and no network); using PYTHONPATH=src"
     export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
   fi
 fi
