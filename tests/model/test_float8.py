@@ -143,3 +143,15 @@ def test_a_float8_run_tracks_bf16_resumes_exactly_and_saves_plain_weights(
     final = AutoModelForCausalLM.from_pretrained(straight / "final")
     assert all(type(p.data) is torch.Tensor for p in final.parameters())
     assert type(final.model.layers[0].mlp.up_proj) is nn.Linear
+
+
+def test_checkpointing_recomputes_float8_layers_exactly(float8_on_cpu, assets, tmp_path):
+    """Recomputed in backward (full, every n-th block, or selective, which keeps `_scaled_mm`'s
+    outputs), the float8 layers give the very losses of a run that keeps every activation."""
+    from conftest import train_tiny
+
+    torch.set_num_threads(1)
+    runs = {kind: train_tiny(assets, tmp_path / kind, arch="llama", float8="tensorwise", activation_checkpointing=kind,
+                             **{**RUN, "train.max_steps": 3, "checkpoint.every_steps": 0, "save_final": "false"})
+            for kind in ("none", "full", "every_n", "selective")}
+    assert all(losses_ == runs["none"] for losses_ in runs.values()), runs
