@@ -116,3 +116,18 @@ def test_plan_tells_what_float8_would_give_where_the_card_has_it():
     assert not any(a["compile"] for a in float8_alternatives(cfg, hf_config, h100, offloading))
     assert float8_alternatives(cfg, hf_config, a100, best(Candidate("full_shard", "bf16", 1), a100)) == []
     assert float8_alternatives(cfg_of(LLAMA3_8B, "float8=rowwise"), hf_config, h100, plain) == []
+
+
+def test_the_answer_shows_the_float8_lines(monkeypatch, capsys):
+    """Through `plan`'s own answer (H100, a recipe without float8): one line per recipe, after the
+    command to run. The tiny model's layers are converted as in tests/model/test_float8.py."""
+    from conftest import TINY, lift_float8_device_check
+    from shardtune.plan.report import PlanRequest, run_plan
+
+    lift_float8_device_check(monkeypatch.setattr)
+    cfg = cfg_of(TINY["llama"], "data.seq_len=64", "train.micro_batch_size=2", "train.global_batch_size=8")
+    assert run_plan(PlanRequest(gpus=1, gpu="H100"), cfg, None, []) == 0
+    out = capsys.readouterr().out
+    after = out.split("run it:")[1]
+    for recipe in float8.RECIPES:
+        assert f"with float8={recipe} compile=true (14 linear layers in float8; " in after, out

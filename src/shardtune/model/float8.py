@@ -7,7 +7,7 @@ before parallelism, so compile sees the float8 casts and FSDP shards the convert
   the more accurate recipe.
 - tensorwise: one scale per tensor; FSDP all-gathers the weights in float8 (half the traffic
   and the gathered memory of bf16), their scales computed for all layers at once after each
-  optimizer step.
+  optimizer step (and before the first forward).
 
 Which layers: torchao's own filter for the recipe (dimensions divisible by 16, and large enough
 that float8 is faster than bf16 on an H100), inside the decoder blocks only: the LM head,
@@ -16,6 +16,8 @@ forward of their own. The float8 matmul needs compute capability 8.9 (Ada, Hoppe
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.nn as nn
@@ -74,7 +76,7 @@ def convert(model, block_cls: type, recipe: str) -> int:
         return 0
     config = f8.Float8LinearConfig.from_recipe_name(recipe)
     if recipe == "tensorwise":  # one scale per weight: FSDP can gather the float8 bytes
-        config = f8.Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
     f8.convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: id(m) in chosen)
     if config.enable_fsdp_float8_all_gather:
         for layer in converted(model):

@@ -141,11 +141,10 @@ def float8_alternatives(cfg: RunConfig, hf_config, target: Target, best: Estimat
     if cfg.float8 != "none" or cfg.peft.adapter or best.candidate.precision != "bf16" or best.trace is None \
             or target.gpu is None or not target.gpu.supports("fp8") or importlib.util.find_spec("torchao") is None:
         return []
-    block = detect_block_class(build_meta_model(hf_config, cfg.model.trust_remote_code), cfg.fsdp.block_class)
     out = []
     for recipe in float8.RECIPES:
-        model = build_meta_model(hf_config, cfg.model.trust_remote_code)
-        if not float8.convert(model, block, recipe):
+        model = build_meta_model(hf_config, cfg.model.trust_remote_code)  # converted in place: one per recipe
+        if not float8.convert(model, detect_block_class(model, cfg.fsdp.block_class), recipe):
             continue
         shapes = float8.matmul_shapes(model)
         trial = copy.deepcopy(cfg)
