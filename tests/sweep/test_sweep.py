@@ -13,7 +13,7 @@ import pytest
 from conftest import TINY, child_env, run_cli, tiny_overrides
 from shardtune.cli.main import main
 from shardtune.config.load import dump_yaml, load_config
-from shardtune.sweep.grid import search_max_batch, seed_index
+from shardtune.sweep.max_batch import search_max_batch, seed_index
 from shardtune.sweep.report import _size
 from shardtune.sweep.trial import CAPPED_ENV
 

@@ -4,11 +4,19 @@ point) and PNG plots of throughput and memory against the micro-batch."""
 from __future__ import annotations
 
 import csv
+import re
 from pathlib import Path
 
 from shardtune.fsio import write_text_atomic
 from shardtune.hardware import GIB
 from shardtune.telemetry.plots import fmt, save_bars, save_plot
+
+
+def slug(point: dict) -> str:
+    """A grid point as a file name (its trial's folder)."""
+    text = "_".join(f"{k}-{v}" for k, v in point.items()) or "recipe"
+    return re.sub(r"[^A-Za-z0-9_.-]+", "", text.replace("=", "-").replace(",", "-"))[:150]
+
 
 COLUMNS = ["micro_batch", "accumulation", "status", "tokens_per_s", "step_time_s", "mfu", "mem_allocated_gib",
            "mem_reserved_gib", "mem_live_gib", "mem_rss_gib", "gpu_util", "predicted_gib", "eval_loss", "eval_ppl",
