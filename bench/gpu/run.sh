@@ -41,13 +41,16 @@
 #
 # On the device tool (at most 8 files of 16 MiB come back from $OUT): name $OUT as BRING_BACK_DIR,
 # and the stages done before a kill still come back; carry .whl (git-ignored) for the wheels:
+# A session has 30 minutes of device time (machine start included): calls 1-3 fit one session, in
+# this order of value; 4 and 5 wait for the next session if the first three used it up.
 #   1st call (~9 min):  bash bench/gpu/run.sh /tmp/gpu "$OUT"
-#   2nd call (~6 min):  STAGES="bench-llama bench-opt" BUDGET_S=500 CAP_BENCH=240 REPEATS=2 \
+#   2nd call (~9 min):  STAGES=plan PLAN_ROWS=12 CAP_PLAN=540 BUDGET_S=560 bash bench/gpu/run.sh /tmp/gpu-plan "$OUT"
+#                       (the planner's calibration rows: CUDA_OVERHEADS, the memory savers, float8)
+#   3rd call (~7 min):  STAGES="float8-tests float8" BUDGET_S=560 bash bench/gpu/run.sh /tmp/gpu-f8 "$OUT"
+#                       (float8's loss and speed; FLOAT8_EFFICIENCY in plan/cost.py is set from them)
+#   4th call (~6 min):  STAGES="bench-llama bench-opt" BUDGET_S=500 CAP_BENCH=240 REPEATS=2 \
 #                         bash bench/gpu/run.sh /tmp/gpu-ab "$OUT"        (A B A B for both models)
-#   3rd, if time:       STAGES=plan PLAN_ROWS=12 CAP_PLAN=540 BUDGET_S=560 bash bench/gpu/run.sh /tmp/gpu-plan "$OUT"
-#   float8 (issue 26, one call, ~7 min):  STAGES="float8-tests float8" BUDGET_S=560 \
-#                         bash bench/gpu/run.sh /tmp/gpu-f8 "$OUT"
-#   issue 20 (not yet run on a GPU; one call, ~8 min): memory savers on CUDA, device=auto
+#   5th, issue 20 (not yet run on a GPU; one call, ~8 min): memory savers on CUDA, device=auto
 #     python bench/memory_savers.py activations --micro-batch 8 --steps 6 precision=bf16 > "$OUT/savers_act.md"
 #     python bench/memory_savers.py quality --steps 300 > "$OUT/savers_quality.md"   (compiled torchao step)
 #     python bench/memory_savers.py activations --micro-batch 8 --steps 6 precision=bf16 fsdp.reduce_dtype=bf16 \
