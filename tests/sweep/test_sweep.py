@@ -172,6 +172,7 @@ def test_the_search_probes_few_micro_batches():
     (["--grid", "output_dir=a,b"], "set by the sweep"),
     (["--max-batch", "--grid", "train.micro_batch_size=1,2"], "drop it from --grid"),
     (["--grid", "precision=bf16", "--mem-limit", "lots"], "is not a memory size"),
+    (["precision=bf16", "--grid", "float8=none,rowwise"], "--grid float8=rowwise: float8=rowwise needs an NVIDIA GPU"),
 ])
 def test_bad_input_is_one_line_exit_2_before_any_trial(assets, tmp_path, capsys, args, message):
     recipe = write_recipe(assets, tmp_path)

@@ -117,7 +117,7 @@ def parse_grid(texts: list[str]) -> list[tuple[str, list[str]]]:
 
 def check(sweep: Sweep) -> None:
     """Everything that can be refused before a trial starts: every grid point must load as a
-    valid config whose batch sizes divide over the ranks."""
+    valid config whose batch sizes divide over the ranks, and run on this machine."""
     from shardtune.config.load import check_world
 
     if sweep.steps < 1:
@@ -151,8 +151,23 @@ def check(sweep: Sweep) -> None:
                                     f"--nproc {sweep.nproc}; change one of them")
             else:
                 check_world(cfg, sweep.nproc)
+            machine_checks(cfg, sweep.device)
         except UserError as exc:
             raise UserError(f"--grid {where}: {exc}") from None
+
+
+def machine_checks(cfg, device_type: str) -> None:
+    """What `train` refuses on this machine before it builds anything (QLoRA, float8 need CUDA, float8
+    a recent GPU): refused here, before the first trial, instead of once per trial."""
+    if cfg.float8 == "none" and cfg.peft.quantize == "none":
+        return  # no torch import: a bad grid is refused before anything loads
+    import torch
+
+    from shardtune.model import float8
+    from shardtune.model.adapters import check_quantize
+
+    check_quantize(cfg.peft, torch.device(device_type))
+    float8.check_device(cfg.float8, torch.device(device_type))
 
 
 
