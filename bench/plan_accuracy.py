@@ -155,6 +155,23 @@ def predict(spec: dict) -> dict:
     return out
 
 
+def calibration(rows: list[tuple[dict, dict]]) -> str:
+    """What the measured rows say hardware.CUDA_OVERHEADS should be: the allocator's reserved over
+    allocated (its `fragmentation`), and what allocation adds beyond the traced tensors (the
+    prediction's allocated less its cuBLAS workspace, against the measured allocated)."""
+    import statistics
+
+    from shardtune.hardware import overhead
+
+    ratios = [real["reserved"] / real["allocated"] for _, real in rows]
+    extra = [(real["allocated"] - (pred["allocated"] - overhead("cublas_workspace"))) / 2 ** 20 for pred, real in rows]
+    return (f"calibration: measured reserved / allocated per row {', '.join(f'{r:.3f}' for r in ratios)} -> "
+            f"CUDA_OVERHEADS['fragmentation'] = {statistics.median(ratios) - 1:.3f} (now "
+            f"{overhead('fragmentation'):.3f}); measured allocated beyond the traced tensors, MiB: "
+            f"{', '.join(f'{e:,.0f}' for e in extra)} -> cublas_workspace = {statistics.median(extra):,.0f} MiB "
+            f"(now {overhead('cublas_workspace') / 2 ** 20:,.0f})")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gpu", action="store_true", help="CUDA rows: allocated and reserved")
@@ -189,7 +206,7 @@ def main() -> int:
     print("| model | ranks | sharding | checkpointing | LoRA | micro-batch | other | "
           + " | ".join(f"predicted {k} MiB | measured {k} MiB | error" for k in kinds) + " | trace s |")
     print("|---|---|---|---|---|---|---|" + "---|---|---|" * len(kinds) + "---|")
-    worst = 0.0
+    worst, measured = 0.0, []
     with tempfile.TemporaryDirectory() as tmp:
         for shape, ranks, sharding, ac, lora, mb, *more in rows:
             extra = tuple(more[0]) if more else ()
@@ -205,6 +222,7 @@ def main() -> int:
             pred, real = predict(spec), measure(spec, Path(tmp))
             if args.rehearse:
                 real.update(allocated=real["live_peak"], reserved=real["live_peak"])
+            measured.append((pred, real))
             cells = []
             for k in kinds:
                 err = (pred[k] - real[k]) / real[k]
@@ -215,6 +233,8 @@ def main() -> int:
                   flush=True)
     goal = 0.10 if args.gpu else 0.05
     print(f"worst error {100 * worst:.1f} % (goal: within {100 * goal:.0f} %: {'met' if worst <= goal else 'NOT met'})")
+    if args.gpu and measured:
+        print(calibration(measured))
     return 0
 
 
