@@ -42,11 +42,32 @@ def train(out: Path, overrides: list[str]) -> dict:
     return {"steps": [r for r in rows if "loss" in r and "step_time_s" in r], "float8_layers": layers}
 
 
+def predicted_gains(overrides: list[str]) -> dict[str, float]:
+    """`shardtune plan`'s predicted tokens/s of each float8 recipe over bf16 for this fine-tune on
+    this GPU (an H100 when there is none: the rehearsal), from the float8 lines of its answer."""
+    import torch
+
+    from shardtune.hardware import gpu_by_device_name
+
+    known = gpu_by_device_name(torch.cuda.get_device_name(0)) if torch.cuda.is_available() else None
+    cmd = [C.PYTHON, "-m", "shardtune", "plan", *overrides, "--gpus", "1", "--gpu", known.name if known else "H100",
+           "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=C.BENCH_DIR.parent)
+    if proc.returncode:
+        return {}
+    best = json.loads(proc.stdout)["best"] or {}
+    return {alt["recipe"]: alt["tokens_per_s"] / best["tokens_per_s"] for alt in best.get("float8_alternatives", [])}
+
+
+def tokens_per_s(run: dict, tokens_per_step: int, skip: int) -> float:
+    timed = [r["step_time_s"] for r in run["steps"][skip:]]
+    return tokens_per_step * len(timed) / sum(timed)
+
+
 def summary(run: dict, tokens_per_step: int, skip: int, base: dict | None) -> list:
     steps = run["steps"]
-    timed = [r["step_time_s"] for r in steps[skip:]]
     peak = max((r.get("mem_reserved_gib", r.get("mem_rss_peak_gib", 0)) for r in steps), default=0)
-    row = [run["float8_layers"], f"{tokens_per_step * len(timed) / sum(timed):,.0f}", f"{peak:.2f}",
+    row = [run["float8_layers"], f"{tokens_per_s(run, tokens_per_step, skip):,.0f}", f"{peak:.2f}",
            f"{steps[-1]['loss']:.4f}"]
     if base is None:
         return row + ["", ""]
@@ -93,6 +114,16 @@ def main() -> int:
             rows.append([arm, repeat, *summary(run, tokens_per_step, skip, None if arm == "bf16" else first_bf16), ""])
     print(C.markdown_table(["arm", "repeat", "float8 layers", "tok/s", "peak GiB", "last loss", "mean |Δloss|",
                             "max |Δloss|", "note"], rows))
+    # the planner's prediction for the same fine-tune, against the measurement (plan/cost.FLOAT8_EFFICIENCY)
+    predicted = predicted_gains([*shardtune_overrides(setup, assets["tokenizer"], str(Path(assets["train"]).parent),
+                                                      a.workdir / "plan", 1, "full_shard"), "compile=true"])
+    speed = {arm: statistics.mean(tokens_per_s(r, tokens_per_step, skip) for r in results if "steps" in r)
+             for arm, results in runs.items() if any("steps" in r for r in results)}
+    lines = [f"- {recipe}: predicted {predicted.get(recipe, float('nan')):.3f}x bf16, measured "
+             + (f"{speed[recipe] / speed['bf16']:.3f}x" if recipe in speed and "bf16" in speed else "-")
+             for recipe in ("rowwise", "tensorwise") if recipe in runs]
+    print("\nthe planner against the measurement (tokens/s over bf16; its float8 lines for this model):\n"
+          + "\n".join(lines))
     return 0
 
 
