@@ -65,6 +65,12 @@ GPUS = [
 ]
 
 
+def float8_needs(recipe: str) -> str:
+    """The start of every float8 refusal: what it needs, with the table's cards that have it."""
+    cards = ", ".join(g.name for g in GPUS if g.supports("fp8"))
+    return f"float8={recipe} needs an NVIDIA GPU with float8 units (compute capability 8.9+: {cards})"
+
+
 def gpu_by_name(name: str) -> GPU:
     """The table entry for a name given on the command line (case-insensitive)."""
     wanted = name.strip().lower().replace(" ", "-")

@@ -10,6 +10,7 @@ import re
 import string
 
 from shardtune.errors import UserError
+from shardtune.hardware import float8_needs
 
 MAX_TEMPLATE_WIDTH = 10_000  # characters a template may pad one column to
 
@@ -249,8 +250,7 @@ def _validate_memory_savers(cfg) -> None:
             raise UserError(f"float8={cfg.float8} trains full linear layers, which peft.method={cfg.peft.method} "
                             "keeps frozen; set float8=none (precision=bf16) for adapters")
         if cfg.device == "cpu":
-            raise UserError(f"float8={cfg.float8} needs an NVIDIA GPU of compute capability 8.9+ (H100, L40S, L4, "
-                            "RTX 4090); with device=cpu set float8=none")
+            raise UserError(f"{float8_needs(cfg.float8)}; with device=cpu set float8=none")
     if cfg.activation_offload and cfg.compile:
         raise UserError("activation_offload does not combine with compile (its hooks would run inside compiled "
                         "blocks); drop one of them")

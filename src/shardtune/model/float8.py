@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from shardtune.errors import UserError
+from shardtune.hardware import float8_needs
 
 RECIPES = ("rowwise", "tensorwise")
 MIN_CAPABILITY = (8, 9)
@@ -33,12 +34,11 @@ def check_device(recipe: str, device) -> None:
     if recipe == "none":
         return
     if device.type != "cuda":
-        raise UserError(f"float8={recipe} needs an NVIDIA GPU with float8 units (compute capability 8.9+: H100, "
-                        f"H200, L40S, L4, RTX 4090); this run is on {device.type}: set float8=none")
+        raise UserError(f"{float8_needs(recipe)}; this run is on {device.type}: set float8=none")
     capability = torch.cuda.get_device_capability(device)
     if tuple(capability) < MIN_CAPABILITY:
-        raise UserError(f"float8={recipe} needs compute capability 8.9+ (H100, H200, L40S, L4, RTX 4090); "
-                        f"{torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}: set float8=none")
+        raise UserError(f"{float8_needs(recipe)}; {torch.cuda.get_device_name(device)} has "
+                        f"{capability[0]}.{capability[1]}: set float8=none")
     _torchao()
 
 

@@ -172,9 +172,8 @@ def step_time(trace: StepTrace, hf_config, cand: Candidate, cfg: RunConfig, targ
     tokens = cand.micro_batch * accum * seq  # per rank per step
     fpt = flops_per_token(p["matmul"], hf_config, seq, p["matmul_trainable"])
     forward = 2.0 * p["matmul"] + 4.0 * trace.layers * _hidden(hf_config) * seq  # blocks' matmuls and attention
-    recompute = {"none": 0.0, "full": forward, "every_n": forward / max(cand.every, 1), "selective": 0.0}
     peak, mfu = target.peak_flops(cand.precision), HOST_FACTS["mfu"].value
-    compute = tokens * (fpt + recompute[cand.checkpointing]) / (peak * mfu)
+    compute = tokens * (fpt + forward * recomputed_forwards(cand)) / (peak * mfu)
     if cfg.float8 != "none":
         compute += float8_seconds(p, cfg, cand, target, tokens)
     if cfg.peft.method == "prompt_tuning":  # its virtual tokens pass through every layer, unpredicted
@@ -221,12 +220,17 @@ def step_time(trace: StepTrace, hf_config, cand: Candidate, cfg: RunConfig, targ
             "optimizer": optimizer, "total": total}
 
 
+def recomputed_forwards(cand: Candidate) -> float:
+    """The blocks' forward passes backward runs again: full 1, every n-th block 1/n, none 0, and
+    selective 0 (its cheap recomputed ops are priced apart, by the bytes they stream)."""
+    return {"full": 1.0, "every_n": 1.0 / max(cand.every, 1)}.get(cand.checkpointing, 0.0)
+
+
 def float8_seconds(p: dict, cfg: RunConfig, cand: Candidate, target: Target, tokens: int) -> float:
     """What float8 changes in the compute time (negative: it saves): the converted layers' matmuls
     at the float8 peak instead of the 16-bit one (forward, backward's two, and a recomputed
     forward), plus their casts (FLOAT8_CAST_BYTES)."""
-    passes = 6 + {"none": 0.0, "full": 2.0, "every_n": 2.0 / max(cand.every, 1), "selective": 0.0}[cand.checkpointing]
-    flops = tokens * passes * p.get("float8_matmul", 0)
+    flops = tokens * (6 + 2 * recomputed_forwards(cand)) * p.get("float8_matmul", 0)
     mfu = HOST_FACTS["mfu"].value
     faster = flops / (target.peak_flops("fp8") * mfu * FLOAT8_EFFICIENCY[cfg.float8]) \
         - flops / (target.peak_flops(cand.precision) * mfu)

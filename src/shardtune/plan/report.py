@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from shardtune.config.schema import RunConfig
 from shardtune.errors import UserError
-from shardtune.hardware import GIB, gpu_by_name, overhead, parse_size
+from shardtune.hardware import GIB, float8_needs, gpu_by_name, overhead, parse_size
 from shardtune.plan.cost import Candidate, Target, setting
 from shardtune.plan.fit import resolve_hf_config
 from shardtune.plan.search import Estimate, confirm, largest_micro_batch, search
@@ -69,8 +69,8 @@ def run_plan(req: PlanRequest, cfg: RunConfig, recipe: str | None, overrides: li
 
     target = target_from_request(req)
     if cfg.float8 != "none" and target.gpu is not None and not target.gpu.supports("fp8"):
-        raise UserError(f"float8={cfg.float8} needs float8 tensor cores (compute capability 8.9+: H100, H200, L40S, "
-                        f"L4, RTX 4090); {target.gpu.name} has none: set float8=none, or plan for one of those")
+        raise UserError(f"{float8_needs(cfg.float8)}; {target.gpu.name} has none: set float8=none, or plan for "
+                        "one of those")
     hf_config, source = resolve_hf_config(cfg)
     check_seq_len(hf_config, cfg.data.seq_len, cfg.peft.virtual_tokens)
     check_method(cfg.peft, hf_config)
