@@ -50,28 +50,23 @@ def _torchao():
     return f8
 
 
-def convertible(model, block_cls: type, recipe: str) -> dict[str, nn.Linear]:
-    """The linear layers `convert` turns to float8, by name: inside a decoder block, plain
-    `nn.Linear` forward, and passing torchao's filter for the recipe."""
+def _convertible(model, block_cls: type, recipe: str) -> list[nn.Linear]:
+    """The linear layers `convert` turns to float8: inside a decoder block, plain `nn.Linear`
+    forward, and passing torchao's filter for the recipe (which reads their names too)."""
     keep = _torchao()._auto_filter_for_recipe(recipe, filter_fqns=[])
-    out = {}
-    for name, block in model.named_modules():
-        if not isinstance(block, block_cls):
-            continue
-        for sub, module in block.named_modules():
-            path = f"{name}.{sub}" if sub else name
-            if isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward and keep(module, path):
-                out[path] = module
-    return out
+    return [module for name, block in model.named_modules() if isinstance(block, block_cls)
+            for sub, module in block.named_modules()
+            if isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+            and keep(module, f"{name}.{sub}" if sub else name)]
 
 
 def convert(model, block_cls: type, recipe: str) -> int:
-    """Swap the `convertible` linear layers for torchao's Float8Linear in place (parameter names
+    """Swap the `_convertible` linear layers for torchao's Float8Linear in place (parameter names
     unchanged); the number swapped."""
     if recipe == "none":
         return 0
     f8 = _torchao()
-    chosen = {id(m) for m in convertible(model, block_cls, recipe).values()}
+    chosen = {id(m) for m in _convertible(model, block_cls, recipe)}
     if not chosen:
         return 0
     config = f8.Float8LinearConfig.from_recipe_name(recipe)
