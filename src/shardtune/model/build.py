@@ -64,6 +64,16 @@ class BuiltModel:
         return self.reshard_after_forward
 
 
+def check_machine(cfg: RunConfig, device) -> None:
+    """The machine's part of the config checks (config validation did the config's part), before
+    anything is built: QLoRA and float8 need CUDA, float8 compute capability 8.9+."""
+    from shardtune.model import float8
+    from shardtune.model.adapters import check_quantize
+
+    check_quantize(cfg.peft, device)
+    float8.check_device(cfg.float8, device)
+
+
 def build_model(spec: ModelSpec, mesh, device, source: Callable[[], Any] | None = None,
                 seed: int = 0, folder=None) -> BuiltModel:
     """The sharded model of `spec` on `mesh`. `source` returns the full-weight plain model; it

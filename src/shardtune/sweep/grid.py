@@ -163,11 +163,9 @@ def machine_checks(cfg, device_type: str) -> None:
         return  # no torch import: a bad grid is refused before anything loads
     import torch
 
-    from shardtune.model import float8
-    from shardtune.model.adapters import check_quantize
+    from shardtune.model.build import check_machine
 
-    check_quantize(cfg.peft, torch.device(device_type))
-    float8.check_device(cfg.float8, torch.device(device_type))
+    check_machine(cfg, torch.device(device_type))
 
 
 

@@ -21,8 +21,8 @@ from shardtune.distributed.process_group import init_distributed
 from shardtune.errors import EXIT_PREEMPTED, UserError
 from shardtune.families import config_value
 from shardtune.model import float8
-from shardtune.model.adapters import check_method, check_quantize, load_qlora_model
-from shardtune.model.build import BuiltModel, ModelSpec, build_model
+from shardtune.model.adapters import check_method, load_qlora_model
+from shardtune.model.build import BuiltModel, ModelSpec, build_model, check_machine
 from shardtune.model.hf import (
     check_seq_len,
     count_params,
@@ -64,8 +64,7 @@ class Trainer:
         self.cfg = cfg
         self.owns_group = not torch.distributed.is_initialized()
         self.dist = dist = init_distributed(cfg.device)
-        check_quantize(cfg.peft, dist.device)  # the machine's part of the QLoRA checks (config.validate did the rest)
-        float8.check_device(cfg.float8, dist.device)
+        check_machine(cfg, dist.device)
         cfg.output_dir = broadcast_value(dist, cfg.output_dir or default_output_dir(cfg.recipe))
         self.out = out = Path(cfg.output_dir)
         from shardtune.publish.session import Publishing
