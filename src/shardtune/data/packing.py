@@ -84,6 +84,15 @@ class PackedBlocks:
             out["labels"] = labels
         return out
 
+    def documents(self, i: int) -> tuple[int, int]:
+        """(first, last) number of the documents block i holds text of, counted from 0 in the order
+        they were packed (the training split's non-blank documents)."""
+        import numpy as np
+
+        start, end = i * self.seq_len, (i + 1) * self.seq_len
+        first, last = np.searchsorted(self.doc_starts, [start, end - 1], side="right") - 1
+        return max(int(first), 0), max(int(last), 0)
+
     def __getitem__(self, key):
         import numpy as np
         import torch

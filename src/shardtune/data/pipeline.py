@@ -244,6 +244,11 @@ class BatchPlan:
         shuffled = batches[torch.randperm(self.steps_per_epoch, generator=gen)].reshape(-1)
         return torch.cat([shuffled, order[usable:]])  # the tail is not trained on this epoch
 
+    def global_indices(self, step: int) -> list[int]:
+        """The sample indices of optimizer step `step` (0-based, counted over epochs), all ranks'."""
+        epoch, in_epoch = divmod(step, self.steps_per_epoch)
+        return self.order(epoch)[in_epoch * self.global_batch:(in_epoch + 1) * self.global_batch].tolist()
+
     def micro_batches(self, epoch: int, step_in_epoch: int) -> list[list[int]]:
         """`accum` lists of `micro_batch` sample indices for this rank at this step."""
         order = self.order(epoch)
@@ -297,6 +302,24 @@ def collate(ds, indices: list[int], device, pad_id: int = 0, padding_free: bool 
             input_ids, labels, batch["attention_mask"] = _pad(input_ids, labels, pad_id)
     batch.update(input_ids=input_ids, labels=labels)
     return to_device(batch, device)
+
+
+def describe_samples(ds, indices: list[int]) -> dict:
+    """{"samples": dataset indices[, "documents": for each, the (first, last) document whose text
+    it holds]}: where a step's data came from, for a message about that step."""
+    out = {"samples": list(indices)}
+    if hasattr(ds, "documents"):  # packed blocks
+        out["documents"] = [list(ds.documents(i)) for i in indices]
+    return out
+
+
+def format_samples(origin: dict, shown: int = 32) -> str:
+    """`describe_samples`' answer in a few words: '[5, 17 (documents 40-41), ...]'."""
+    docs = origin.get("documents") or [None] * len(origin["samples"])
+    words = [str(i) + ("" if d is None else f" (document {d[0]})" if d[0] == d[1] else f" (documents {d[0]}-{d[1]})")
+             for i, d in zip(origin["samples"], docs, strict=True)]
+    more = f", ... {len(words) - shown} more" if len(words) > shown else ""
+    return "[" + ", ".join(words[:shown]) + more + "]"
 
 
 def to_device(batch: dict, device) -> dict:

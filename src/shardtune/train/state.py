@@ -42,3 +42,4 @@ class QueuedStep:
     numbers: torch.Tensor  # step.queue_numbers: still on the device
     done: float | torch.cuda.Event  # telemetry.StepClock mark queued behind the step
     watch: torch.Tensor | None = None  # log.watch's per-block norms, still on the device
+    grad_norms: object = None  # step.GradNorms: read only when the step was not finite

@@ -73,6 +73,7 @@ class StepResult:
     input_tokens: torch.Tensor | int  # noqa: F821  tokens this rank fed the model (padding excluded)
     grad_norm: torch.Tensor  # noqa: F821
     watch: torch.Tensor | None = None  # noqa: F821  watch.Watch's per-block norms (device tensor), on a watch step
+    grad_norms: GradNorms | None = None  # per parameter, for naming a non-finite one
 
 
 @dataclass
@@ -96,6 +97,47 @@ def read_numbers(numbers: torch.Tensor) -> StepNumbers:
     """The host's copy of `queue_numbers`' tensor: waits for that step's work to finish."""
     loss_sum, tokens, stop, loss_tokens, grad_norm = numbers.tolist()
     return StepNumbers(loss_sum / max(loss_tokens, 1.0), tokens, stop > 0, grad_norm)
+
+
+def clip_gradients(model, max_grad_norm: float):
+    """(the global gradient norm, GradNorms), the gradients clipped to `max_grad_norm` (0: not
+    clipped). torch's clip_grad_norm_ computes each gradient's norm and drops them; kept here (one
+    float per parameter, on the device), they name the first parameter whose gradient is not
+    finite when a step goes wrong, at no extra pass over the gradients and no host sync."""
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    present = [i for i, p in enumerate(params) if p.grad is not None]  # known on the host
+    norms = torch.stack([n.float() for n in torch._foreach_norm([params[i].grad for i in present])]) if present \
+        else torch.zeros(0)
+    total = torch.linalg.vector_norm(norms)  # DTensors (partial norms) under FSDP, as in clip_grad_norm_
+    if max_grad_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_grad_norm, total)
+    local = norms.to_local() if hasattr(norms, "to_local") else norms
+    return (total.full_tensor() if hasattr(total, "full_tensor") else total), GradNorms(present, local)
+
+
+@dataclass
+class GradNorms:
+    """Each trained parameter's gradient norm on this rank (its shard's under FSDP), on the device."""
+
+    positions: list[int]  # of these parameters among the model's trained ones, in model order
+    norms: torch.Tensor  # noqa: F821
+
+    def nonfinite(self, model, world_size: int) -> dict | None:
+        """Which trained parameters of `model` have a gradient that is not finite on some rank:
+        {"count", "first", "last"} in model order (embeddings first, blocks in order, head last);
+        None if none. Backward runs from the head down, so a NaN that arises in some block reaches
+        every parameter before it: "last" lies in the block where it began.
+        Collective where world_size > 1 (every rank reads the same non-finite step)."""
+        bad = (~torch.isfinite(self.norms)).float()
+        if world_size > 1:
+            torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+        hits = bad.nonzero().flatten().tolist()
+        if not hits:
+            return None
+        trained = [name for name, p in model.named_parameters() if p.requires_grad]
+        return {"count": len(hits), "first": trained[self.positions[hits[0]]],
+                "last": trained[self.positions[hits[-1]]]}
 
 
 def train_step(model, optimizer, scaler, batches: list[dict], cfg: RunConfig, dist: Dist,
@@ -130,10 +172,7 @@ def train_step(model, optimizer, scaler, batches: list[dict], cfg: RunConfig, di
     if scaler:
         scaler.unscale_(optimizer)
     grads = watch.grads() if watch is not None and "grad" in watch.kinds else None  # before clipping
-    max_norm = cfg.train.max_grad_norm if cfg.train.max_grad_norm > 0 else float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_norm)
-    if hasattr(grad_norm, "full_tensor"):
-        grad_norm = grad_norm.full_tensor()
+    grad_norm, grad_norms = clip_gradients(model, cfg.train.max_grad_norm)
     # A NaN/inf update would poison every weight: it is skipped here, and fit() decides what next.
     if scaler:
         scaler.step(optimizer)  # skips non-finite steps itself; asks the host (foreach kernels, see optim.py)
@@ -146,4 +185,4 @@ def train_step(model, optimizer, scaler, batches: list[dict], cfg: RunConfig, di
     optimizer.zero_grad(set_to_none=True)
     if watch is not None:
         watch = watch.finish(grads, watch.params_now() if "param" in watch.kinds else None)
-    return StepResult(loss_sum, global_tokens, input_tokens, grad_norm, watch)
+    return StepResult(loss_sum, global_tokens, input_tokens, grad_norm, watch, grad_norms)

@@ -272,7 +272,7 @@ class Trainer:
             # the global loss, tokens and whether any rank was asked to stop (all ranks stop at the
             # same step): one small all-reduce, queued behind the step
             numbers = queue_numbers(out, preemption.requested, dist.device)
-            queued.append(QueuedStep(step, lr, data_seconds, numbers, clock.mark(), out.watch))
+            queued.append(QueuedStep(step, lr, data_seconds, numbers, clock.mark(), out.watch, out.grad_norms))
             profiler.step()  # after the mark: writing the trace is no step's time
             last = step == self.total_steps
             eval_now = bool(self.val_batches) and (last or (cfg.eval.every_steps and step % cfg.eval.every_steps == 0))
@@ -318,8 +318,8 @@ class Trainer:
         epoch = step / self.plan.steps_per_epoch
         loss, grad_norm = numbers.loss, numbers.grad_norm
         if not math.isfinite(loss) or (self.scaler is None and not math.isfinite(grad_norm)):
-            self.nonfinite(step, loss, grad_norm)
-            return {"step": step, "epoch": epoch, "loss": None, "skipped": True}, numbers.stop
+            origin = self.nonfinite(step, loss, grad_norm, queued.grad_norms)
+            return {"step": step, "epoch": epoch, "loss": None, "skipped": True, **origin}, numbers.stop
         watched = {}
         if queued.watch is not None:
             watched = self.watch.record(queued.watch)
@@ -335,12 +335,21 @@ class Trainer:
         progress.update(0, loss=loss, tok_s=record["tokens_per_s"])
         return record, numbers.stop
 
-    def nonfinite(self, step: int, loss: float, grad_norm: float) -> None:
-        """A NaN/inf loss or gradient: the update was not applied (train_step); stop or go on."""
-        what = f"loss {loss} / gradient norm {grad_norm} at step {step}"
+    def nonfinite(self, step: int, loss: float, grad_norm: float, grad_norms) -> dict:
+        """A NaN/inf loss or gradient: the update was not applied (train_step); stop or go on. Says
+        where it came from: which parameters' gradients are not finite (step.GradNorms.nonfinite), and
+        the step's samples (and the documents in them), so a bad document can be found. Returns those
+        for the metrics record (on_nan=skip)."""
+        bad = grad_norms.nonfinite(self.model, self.dist.world_size) if grad_norms else None
+        samples = data_lib.describe_samples(self.train_ds, self.plan.global_indices(step - 1))
+        origin = {"nonfinite_grads": bad, **samples}
+        grads = "every gradient finite" if bad is None else \
+            f"non-finite gradients in {bad['count']} parameters, from {bad['first']} to {bad['last']} (model order)"
+        where_from = f"{grads}; samples {data_lib.format_samples(origin)}"
+        what = f"loss {loss} / gradient norm {grad_norm} at step {step} ({where_from})"
         if self.cfg.on_nan == "skip":
             self.say(f"warning: {what}; skipped that update (on_nan=skip)")
-            return
+            return origin
         self.ckpt.wait()
         from shardtune.checkpoint.folders import find_latest
 

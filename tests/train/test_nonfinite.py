@@ -1,0 +1,91 @@
+"""A non-finite step says where it came from: which parameters' gradients went non-finite (how
+many, the first and the last in model order) and the step's samples with their documents, in the
+one-line error (on_nan=stop) and the metrics record (on_nan=skip); healthy steps ask the host
+nothing for it (tests/train/test_host_sync.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import make_trainer
+from shardtune.errors import UserError
+
+POISONED_STEP = 2  # 1-based, as in metrics.jsonl
+BLOCK1_NORMS = ["model.layers.1.input_layernorm.weight", "model.layers.1.post_attention_layernorm.weight"]
+
+
+def plant_nan_below(trainer, step: int) -> None:
+    """From optimizer step `step` on, the gradient leaving block 1's MLP down-projection for its
+    input is NaN: every parameter before it in the model gets a NaN gradient, the down-projection
+    itself and everything after it keep finite ones."""
+    down = trainer.model.model.layers[1].mlp.down_proj
+    calls = []
+
+    def hook(module, grad_input, grad_output):
+        calls.append(1)
+        accum = trainer.plan.accum
+        if (len(calls) - 1) // accum + 1 >= step:
+            return (grad_input[0] * float("nan"),)
+        return None
+
+    down.register_full_backward_hook(hook)
+
+
+def expected_origin(trainer) -> tuple[list[int], list[list[int]]]:
+    samples = trainer.plan.global_indices(POISONED_STEP - 1)
+    return samples, [list(trainer.train_ds.documents(i)) for i in samples]
+
+
+def test_nan_names_parameters_and_samples_in_the_metrics(assets, tmp_path):
+    trainer = make_trainer(assets, tmp_path, on_nan="skip", **{"train.max_steps": POISONED_STEP,
+                                                              "eval.at_start": "false"})
+    try:
+        plant_nan_below(trainer, POISONED_STEP)
+        trainer.fit()
+        rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+        row = next(r for r in rows if r.get("skipped"))
+        assert row["step"] == POISONED_STEP
+        names = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
+        # everything the forward ran before the down-projection: earlier parameters in model order,
+        # and block 1's two norms, which Llama declares after its MLP
+        bad = names[:names.index("model.layers.1.mlp.down_proj.weight")] + BLOCK1_NORMS
+        assert row["nonfinite_grads"] == {"count": len(bad), "first": bad[0], "last": bad[-1]}
+        samples, documents = expected_origin(trainer)
+        assert row["samples"] == samples and row["documents"] == documents
+        assert all(0 <= a <= b for a, b in documents)
+    finally:
+        trainer.close()
+
+
+def test_nan_stop_names_them_in_one_line(assets, tmp_path):
+    trainer = make_trainer(assets, tmp_path, **{"train.max_steps": POISONED_STEP + 1, "eval.at_start": "false"})
+    try:
+        plant_nan_below(trainer, POISONED_STEP)
+        with pytest.raises(UserError) as err:
+            trainer.fit()
+        message = str(err.value)
+        samples, documents = expected_origin(trainer)
+        assert "\n" not in message and f"step {POISONED_STEP}" in message
+        assert f"from model.embed_tokens.weight to {BLOCK1_NORMS[-1]} (model order)" in message
+        first = f"{samples[0]} (document {documents[0][0]}" if documents[0][0] == documents[0][1] else \
+            f"{samples[0]} (documents {documents[0][0]}-{documents[0][1]})"
+        assert f"samples [{first}" in message
+        assert all(torch.isfinite(p.full_tensor()).all() for p in trainer.model.parameters())  # not applied
+    finally:
+        trainer.close()
+
+
+def test_healthy_gradients_name_nothing(one_rank):
+    from shardtune.train.step import clip_gradients
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    model(torch.ones(1, 3)).sum().backward()
+    total, norms = clip_gradients(model, 0.0)
+    expected = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+    assert torch.allclose(total, expected) and norms.nonfinite(model, 1) is None
+    model[1].bias.grad[0] = float("inf")
+    _, norms = clip_gradients(model, 1.0)
+    assert norms.nonfinite(model, 1) == {"count": 1, "first": "1.bias", "last": "1.bias"}
