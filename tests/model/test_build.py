@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import TINY
 from shardtune.config.schema import FSDPConfig, PeftConfig
@@ -113,3 +116,72 @@ def test_an_embedding_weight_read_beside_the_lookup_stays_gathered():
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(tiny_config(model_type))
         assert reads_embedding_weight(model, model.get_input_embeddings()) is reads, model_type
+
+
+class DeviceAllocations(TorchDispatchMode):
+    """The shapes of the tensors placed or moved onto `device`: every op told to make its output
+    there (empty_like for to_empty, _to_copy for .to, factories)."""
+
+    def __init__(self, device):
+        super().__init__()
+        self.device, self.shapes, self.on = device, [], [False]
+
+    @contextlib.contextmanager
+    def recording(self, on: bool):
+        self.on.append(on)
+        try:
+            with self:
+                yield
+        finally:
+            self.on.pop()
+
+    def wrap(self, fn, on: bool):
+        def wrapped(*args, **kwargs):
+            with self.recording(on):
+                return fn(*args, **kwargs)
+        return wrapped
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.on[-1] and isinstance(out, torch.Tensor) and \
+                torch.device(kwargs.get("device", "cpu")).type == self.device.type:
+            self.shapes.append(tuple(out.shape))
+        return out
+
+
+@pytest.mark.parametrize("from_folder", [False, True], ids=["rank-0 broadcast", "sharded HF folder"])
+@pytest.mark.parametrize("offload", [True, False], ids=["cpu_offload", "on the device"])
+def test_offloaded_parameters_never_reach_the_device(one_rank, monkeypatch, tmp_path, offload, from_folder):
+    """fsdp.cpu_offload: FSDP2 refuses to start with any parameter (the root's own final norm
+    included) on the device. The device here is a stand-in (meta) so that CPU tests can tell the
+    two places apart: every tensor made on it while the weights are filled is recorded."""
+    from transformers import AutoModelForCausalLM
+
+    import shardtune.model.hf as hf
+    import shardtune.model.hf_sharded_io as sharded_io
+
+    spec = ModelSpec(hf_config("llama"), fsdp=FSDPConfig(cpu_offload=offload))
+    source = AutoModelForCausalLM.from_config(spec.hf_config)
+    if from_folder:
+        source.save_pretrained(tmp_path)
+    device = torch.device("meta")
+    recorder = DeviceAllocations(device)
+    for module, name, record in ((hf, "materialize", True), (sharded_io, "load_hf_sharded", True),
+                                 # these two make meta shells by design (a file plan, a buffer shell)
+                                 (sharded_io, "hf_file_plan", False), (sharded_io, "_buffers_of", False)):
+        monkeypatch.setattr(module, name, recorder.wrap(getattr(module, name), record))
+
+    built = build_model(spec, build_mesh(spec.fsdp, one_rank), device, source=lambda: source,
+                        folder=tmp_path if from_folder else None)
+    assert built.loaded == ("sharded" if from_folder else "rank 0")
+    params = {n: p.to_local() for n, p in built.model.named_parameters()}
+    buffers = dict(built.model.named_buffers())
+    assert buffers and all(b.device == device for b in buffers.values())  # the forward's tables
+    param_shapes = {tuple(p.shape) for p in params.values()} - {tuple(b.shape) for b in buffers.values()}
+    placed = set(recorder.shapes) & param_shapes
+    if offload:
+        assert all(p.device.type == "cpu" for p in params.values()), "a parameter is on the device"
+        assert "model.norm.weight" in params and not placed, f"parameter-shaped tensors went to the device: {placed}"
+    else:  # the recorder sees parameters placed on the device when they belong there
+        assert placed == param_shapes

@@ -95,13 +95,13 @@ def build_model(spec: ModelSpec, mesh, device, source: Callable[[], Any] | None 
     if folder is not None and not spec.peft.adapter:  # peft bases: names differ, broadcast
         from shardtune.model.hf_sharded_io import load_hf_sharded
 
-        if load_hf_sharded(model, spec.hf_config, folder, device, spec.trust_remote_code):
+        if load_hf_sharded(model, spec.hf_config, folder, device, spec.trust_remote_code, spec.fsdp.cpu_offload):
             return BuiltModel(model, block_cls, units, reshard, loaded="sharded")
     if source is not None:
         is_main = dist.get_rank() == 0
         # rank 0's copy gets the same adapters (seeded, with the method's real init: PiSSA/OLoRA's
         # residual base weights, prompt tuning's text) so that the names match the skeleton's
         full = adapt(source(), spec.peft, spec.freeze, block_cls, seed, tokenizer=spec.tokenizer) if is_main else None
-        materialize(model, full, device, is_main)
+        materialize(model, full, device, is_main, params_on_host=spec.fsdp.cpu_offload)
         del full
     return BuiltModel(model, block_cls, units, reshard, loaded="rank 0" if source is not None else "none")

@@ -307,16 +307,35 @@ def load_source_model(cfg: ModelConfig, hf_config, seed: int):
                         f"({type(exc).__name__}: {first_line(exc, 160)}); re-download or re-export the model") from None
 
 
-def materialize(model, source, device, is_main: bool) -> None:
-    """Give the sharded meta `model` real storage on `device` and fill it from rank 0's `source`.
+def allocate(model, device, params_on_host: bool = False) -> None:
+    """Uninitialised storage for the sharded meta `model` on `device`, except its parameters where
+    FSDP keeps them in host memory (fsdp.cpu_offload: FSDP2 refuses to start with any of them on
+    the device, the root's own included): those are made in host memory and never pass through
+    the device. Buffers go to `device` in `place_buffers`, once the parameters are filled."""
+    model.to_empty(device=torch.device("cpu") if params_on_host else device)
 
-    Parameters travel with DCP's broadcast-from-rank-0 (each rank keeps only its shard);
-    buffers (e.g. rotary frequencies, not in the state dict) are broadcast whole.
+
+def place_buffers(model, device) -> None:
+    """Buffers (rotary tables, position ids, ...) where the forward computes, whatever the
+    parameters' place; a no-op for those already there."""
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None:
+                module._buffers[name] = buf.to(device)
+
+
+def materialize(model, source, device, is_main: bool, params_on_host: bool = False) -> None:
+    """Give the sharded meta `model` real storage (`allocate`) and fill it from rank 0's `source`.
+
+    Parameters travel with DCP's broadcast-from-rank-0 (each rank keeps only its shard), on the
+    parameters' device (all of the state dict must be on one); buffers (e.g. rotary frequencies,
+    not in the state dict) are then placed on `device` and broadcast whole.
     """
 
-    model.to_empty(device=device)
+    allocate(model, device, params_on_host)
     full = source.state_dict() if is_main else {}
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    place_buffers(model, device)
     source_buffers = dict(source.named_buffers()) if is_main else {}
     for name, buf in model.named_buffers():
         if is_main:

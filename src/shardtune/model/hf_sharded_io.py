@@ -174,12 +174,15 @@ def read_safetensors_into(state: dict, folder: Path, no_dist: bool = False) -> s
     return set(state) - set(present)
 
 
-def load_hf_sharded(model, hf_config, folder: Path, device, trust_remote_code: bool = False) -> bool:
-    """Collective: give the sharded meta `model` storage on `device` and read each rank's slices
+def load_hf_sharded(model, hf_config, folder: Path, device, trust_remote_code: bool = False,
+                    params_on_host: bool = False) -> bool:
+    """Collective: give the sharded meta `model` storage (`hf.allocate`) and read each rank's slices
     from `folder`. False (nothing changed) when the folder's keys are not the model's (a shard
     named by the index but missing, a stray file, key renames) or a file's header cannot be read."""
     from torch.distributed.checkpoint import load
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from shardtune.model.hf import allocate, place_buffers
 
     if not _only_weight_files(folder):
         return False
@@ -192,9 +195,10 @@ def load_hf_sharded(model, hf_config, folder: Path, device, trust_remote_code: b
     if plan is None or set(plan[1]) != set(stored.state_dict_metadata):
         return False
     _check_castable(model.state_dict(), stored)
-    model.to_empty(device=device)
+    allocate(model, device, params_on_host)
     state = get_model_state_dict(model)
     load({k: state[k] for k in plan[1]}, storage_reader=reader)
+    place_buffers(model, device)
     buffers = _buffers_of(hf_config, trust_remote_code)
     with torch.no_grad():
         for name, buf in model.named_buffers():
