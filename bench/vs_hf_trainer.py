@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -98,7 +99,7 @@ def worker_shardtune(spec: dict) -> None:
     trainer.fit()
     util = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
     rows = [json.loads(line) for line in (trainer.out / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "tokens_per_s" in r]
+    rows = [r for r in rows if "tokens_per_s" in r or r.get("skipped")]  # a skipped step: loss None
     # shardtune's own CUDA memory log resets the peak at every log line: take the max over them too
     logged = max((r.get("mem_allocated_gib", 0) * 1024 ** 3 for r in rows), default=0)
     peak = max(C.peak_memory_bytes(trainer.dist.device.type), int(logged))
@@ -107,8 +108,9 @@ def worker_shardtune(spec: dict) -> None:
     if trainer.dist.is_main:
         # each record's step_time_s is timed by telemetry.StepClock: when the step's work was done
         record["step_seconds"] = [r.get("step_time_s") or spec["tokens_per_step"] / r["tokens_per_s"]
-                                  for r in rows]
+                                  for r in rows if "tokens_per_s" in r]
         record["losses"] = [r["loss"] for r in rows]
+        record["grad_norms"] = [r.get("grad_norm") for r in rows]
     C.write_rank_json(Path(spec["out"]), "shardtune", record)
     trainer.close()
 
@@ -151,6 +153,7 @@ def worker_hf(spec: dict) -> None:
         bf16=cfg.precision == "bf16", use_cpu=spec["device"] == "cpu", seed=t.seed,
         train_sampling_strategy="sequential", dataloader_drop_last=True, logging_steps=1,
         save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True,
+        logging_nan_inf_filter=False,  # its default logs a NaN step's loss as a running mean (0 at every step)
         ddp_find_unused_parameters=False, **fsdp)  # HF's default True costs an extra graph walk
 
     class Timer(TrainerCallback):
@@ -192,7 +195,8 @@ def worker_hf(spec: dict) -> None:
     record = {"peak_bytes": C.peak_memory_bytes(spec["device"]), "rss_setup": rss_setup, "mode": mode,
               "distributed_type": str(state.distributed_type), "cpu_util": util, "sums": [int(s) for s in trainer.sums],
               "step_seconds": [b - a for a, b in zip(ends, ends[1:])],
-              "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h]}
+              "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+              "grad_norms": [h.get("grad_norm") for h in trainer.state.log_history if "loss" in h]}
     if spec["hf_fsdp"] and not sharded:
         record["fsdp_error"] = (f"TrainingArguments(fsdp=...) accepted, but accelerate ran {state.distributed_type} "
                                 "with unsharded parameters (its FSDP plugin is only enabled for accelerator devices)")
@@ -235,7 +239,8 @@ def run_side(side: str, spec: dict, workdir: Path) -> dict:
     main = next(r for r in ranks if "step_seconds" in r)
     steady = main["step_seconds"][spec["skip"]:]
     return {"tokens_per_s": spec["tokens_per_step"] * len(steady) / sum(steady), "peak_bytes": max(
-        r["peak_bytes"] for r in ranks), "losses": main["losses"], "mode": main["mode"],
+        r["peak_bytes"] for r in ranks), "losses": main["losses"], "grad_norms": main.get("grad_norms"),
+        "mode": main["mode"],
         "sums": [r["sums"] for r in ranks], "note": main.get("fsdp_error"), "load": load,
         "cpu_util": statistics.mean(r["cpu_util"] for r in ranks)}
 
@@ -260,6 +265,9 @@ def main() -> int:
     p.add_argument("--workdir", type=Path, default=C.default_workdir() / "vs_hf")
     p.add_argument("--shardtune-set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra shardtune override, e.g. compile=true (repeatable); HF runs unchanged")
+    p.add_argument("--loss-tolerance", type=float, metavar="REL",
+                   help="also compare the loss curves: every step of each pair finite on both sides and within REL "
+                        "(relative) of HF's, else exit 1 (the GPU suite's curve stage: 0.03)")
     p.add_argument("--worker", choices=["shardtune", "hf"], help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -356,7 +364,37 @@ def main() -> int:
     print(C.markdown_table(RAW_HEADERS, raw))
     if a.json:
         write_json(a.json, name, setup, device, headers, rows, notes, raw)
+    if a.loss_tolerance is not None:
+        return compare_curves(results, a.loss_tolerance)
     return 0
+
+
+def compare_curves(results: list, tolerance: float) -> int:
+    """Per-step losses and gradient norms of every pair side by side; 1 where a step is not finite
+    on either side, or shardtune's loss is more than `tolerance` (relative) from HF's."""
+    failed = False
+    for nproc, sharding, runs in results:
+        for repeat, (st, hf) in enumerate(zip(runs["shardtune"], runs["hf"])):
+            print(f"\n## Loss curves: {nproc} rank(s) {sharding}, pair #{repeat} (tolerance {tolerance:.1%})\n")
+            if "error" in st or "error" in hf:
+                print(f"not compared: {st.get('error') or hf.get('error')}")
+                failed = True
+                continue
+            rows, worst = [], 0.0
+            for i, (a, b) in enumerate(zip(st["losses"], hf["losses"], strict=False)):
+                ok = a is not None and b is not None and math.isfinite(a) and math.isfinite(b)
+                rel = abs(a - b) / abs(b) if ok else math.inf
+                worst = max(worst, rel)
+                norms = [(side.get("grad_norms") or [None] * (i + 1))[i] for side in (st, hf)]
+                rows.append([i + 1, a, b, f"{rel:.2%}" + ("" if rel <= tolerance else " ❌"), *norms])
+            short = len(st["losses"]) != len(hf["losses"])
+            print(C.markdown_table(["step", "shardtune loss", "HF loss", "relative", "shardtune grad norm",
+                                    "HF grad norm"], rows))
+            verdict = worst <= tolerance and not short
+            print(f"\nworst step {worst:.2%}{'; the sides ran different step counts' if short else ''}: "
+                  f"{'✅' if verdict else '❌'}")
+            failed = failed or not verdict
+    return 1 if failed else 0
 
 
 RAW_HEADERS = ["ranks", "sharding", "side", "repeat", "tok/s", "peak MB", "wall s", "load avg before",

@@ -9,11 +9,11 @@
 #   setup        install shardtune without touching the machine's torch (--no-deps, no build
 #                isolation; PYTHONPATH=src if that fails) + the wheels bench/gpu/wheels.sh put in
 #                .whl/; env.txt (GPU, driver, versions), a list of missing modules. ~20 s
-#   tests  210 s tests/e2e/test_cuda.py (-m cuda): bf16/fp16 through the CLI with eval/generate/export,
+#   tests  360 s tests/e2e/test_cuda.py (-m cuda): bf16/fp16 through the CLI with eval/generate/export,
 #                the chunked loss's CUDA layout, QLoRA, checkpointing/compile/offload, the step
 #                under set_sync_debug_mode("error") and its NaN skip on the device, NCCL under
 #                torchrun, NVML telemetry and the report's PNGs. cuda-tests.xml, tests/ (JSON
-#                records, PNGs). ~150 s: ~12 short CLI runs of tiny models, one torch.compile
+#                records, PNGs). 335 s measured on an H100 (2026-11-25): ~12 short CLI runs, one compile
 #   bench-llama 120 s, bench-opt 120 s   bench/vs_hf_trainer.py --gpu, Llama ~1B and OPT-1.3B
 #                shapes, seq 2048, bf16, random init, full_shard on 1 GPU against HF Trainer,
 #                shardtune/HF alternating, as many pairs as the cap allows (REPEATS, default 2).
@@ -21,6 +21,15 @@
 #                init of 1-1.3B parameters on the CPU, copy to the GPU) + BENCH_STEPS (8) steps of
 #                BENCH_GLOBAL (8) x 2048 tokens at 10-20k tokens/s (0.8-1.6 s each) = 35-40 s, a
 #                pair ~80 s: one pair (A B) fits the cap; A B A B needs a call of its own (below).
+#   curve  240 s bench/vs_hf_trainer.py --gpu --steps 30 --global-batch 32 --loss-tolerance 0.03: the
+#                Llama ~1B loss curve against HF Trainer's (its NaN filter off), every step finite and
+#                within 3 % (0.7 % apart at step 8 on the H100); per-step losses and gradient norms of
+#                both sides in curve.md; exit 1 otherwise. ~150 s (shardtune ~65 s, HF ~80 s)
+#   offload 240 s bench/gpu/variants.py: the Llama ~1B setup, 4 steps, plain and fsdp.cpu_offload=true,
+#                losses equal within 1e-3 at every step (offload.md). ~100 s (CPU AdamW over 1.1B params)
+#   nan-hunt 200 s bench/gpu/variants.py: global 8, 16 steps, on_nan=skip, with the chunked head loss and
+#                with the model's own head (loss_chunk_tokens=0): a step that goes non-finite names its
+#                gradients and samples (nan-hunt.md). ~90 s
 #   profile 90 s bench/profile_step.py: the Llama setup, global batch 8, 3 untraced + 3 traced
 #                steps (log.profile_steps): profile/{trace.json.gz, ops.txt, metrics.jsonl,
 #                train.log}, profile.md. ~50 s; the trace ~2-5 MB compressed
@@ -41,14 +50,18 @@
 #
 # On the device tool (at most 8 files of 16 MiB come back from $OUT): name $OUT as BRING_BACK_DIR,
 # and the stages done before a kill still come back; carry .whl (git-ignored) for the wheels:
-# A session has 30 minutes of device time (machine start included): calls 1-3 fit one session, in
-# this order of value; 4 and 5 wait for the next session if the first three used it up.
+# A session has had 15-30 minutes of device time (machine start included): the calls in this order
+# of value; what does not fit waits for the next GPU session.
 #   1st call (~9 min):  bash bench/gpu/run.sh /tmp/gpu "$OUT"
-#   2nd call (~9 min):  STAGES=plan PLAN_ROWS=12 CAP_PLAN=540 BUDGET_S=560 bash bench/gpu/run.sh /tmp/gpu-plan "$OUT"
+#                       (the CUDA tests, ~335 s, and one Llama shardtune/HF pair, ~80 s)
+#   2nd call (~8 min):  STAGES="curve offload nan-hunt" bash bench/gpu/run.sh /tmp/gpu-c "$OUT"
+#                       (the GPU-correctness issue: 30-step curve against HF, a real offloaded 1B run, the NaN)
+#   3rd call (~8 min):  STAGES="bench-opt profile plan" CAP_BENCH=240 bash bench/gpu/run.sh /tmp/gpu-p "$OUT"
+#   4th call (~9 min):  STAGES=plan PLAN_ROWS=12 CAP_PLAN=540 BUDGET_S=560 bash bench/gpu/run.sh /tmp/gpu-plan "$OUT"
 #                       (the planner's calibration rows: CUDA_OVERHEADS, the memory savers, float8)
-#   3rd call (~7 min):  STAGES="float8-tests float8" BUDGET_S=560 bash bench/gpu/run.sh /tmp/gpu-f8 "$OUT"
+#   5th call (~7 min):  STAGES="float8-tests float8" BUDGET_S=560 bash bench/gpu/run.sh /tmp/gpu-f8 "$OUT"
 #                       (float8's loss and speed; FLOAT8_EFFICIENCY in plan/cost.py is set from them)
-#   4th call (~6 min):  STAGES="bench-llama bench-opt" BUDGET_S=500 CAP_BENCH=240 REPEATS=2 \
+#   6th call (~6 min):  STAGES="bench-llama bench-opt" BUDGET_S=500 CAP_BENCH=240 REPEATS=2 \
 #                         bash bench/gpu/run.sh /tmp/gpu-ab "$OUT"        (A B A B for both models)
 #   5th, issue 20 (not yet run on a GPU; one call, ~8 min): memory savers on CUDA, device=auto
 #     python bench/memory_savers.py activations --micro-batch 8 --steps 6 precision=bf16 > "$OUT/savers_act.md"
@@ -85,7 +98,7 @@ started=$(date +%s)
 budget=$(( ${BUDGET_S:-540} + ${SOAK_MINUTES:-0} * 60 + (${SOAK_MINUTES:-0} > 0 ? 120 : 0) ))
 deadline=$(( started + budget ))
 reserve=15  # for the last summary and tarball
-stages=${STAGES:-tests bench-llama bench-opt profile plan${SOAK_MINUTES:+ soak}}
+stages=${STAGES:-tests bench-llama${SOAK_MINUTES:+ soak}}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export SHARDTUNE_BENCH_DIR=${SHARDTUNE_BENCH_DIR:-/tmp/shardtune-bench}
 rh=()  # what a script adds to rehearse
@@ -193,7 +206,7 @@ tee -a "$results/suite.log" < "$results/env.txt"
 
 # ---------------------------------------------------------------------------- stages
 export SHARDTUNE_GPU_RESULTS=$results/tests
-stage tests "$(time_for "${CAP_TESTS:-210}")" cuda-tests.log \
+stage tests "$(time_for "${CAP_TESTS:-360}")" cuda-tests.log \
   $python -m pytest -q -p no:cacheprovider -m cuda tests/e2e/test_cuda.py -k "not float8" \
   --junitxml "$results/cuda-tests.xml" "${collect[@]}"
 bench_args=(--repeats "${REPEATS:-2}" --sharding full_shard --nproc 1 --steps "${BENCH_STEPS:-8}"
@@ -205,6 +218,12 @@ for model in llama opt; do
   stage "bench-$model" "$limit" "vs_hf_$model.md" $python bench/vs_hf_trainer.py --setup $setup "${bench_args[@]}" \
     --budget-s $(( limit - 10 )) --json "$results/vs_hf_$model.json" "${rh[@]}"
 done
+stage curve "$(time_for "${CAP_CURVE:-240}")" curve.md $python bench/vs_hf_trainer.py --setup gpu --repeats 1 \
+  --sharding full_shard --nproc 1 --steps 30 --global-batch 32 --loss-tolerance 0.03 --json "$results/curve.json" "${rh[@]}"
+stage offload "$(time_for "${CAP_OFFLOAD:-240}")" offload.md $python bench/gpu/variants.py --steps 4 --equal 1e-3 \
+  plain= offload=fsdp.cpu_offload=true "${rh[@]}"
+stage nan-hunt "$(time_for "${CAP_NAN_HUNT:-200}")" nan-hunt.md $python bench/gpu/variants.py --steps 16 \
+  chunked-head=on_nan=skip model-head=on_nan=skip,loss_chunk_tokens=0 "${rh[@]}"
 stage profile "$(time_for "${CAP_PROFILE:-90}")" profile.md \
   $python bench/profile_step.py --setup gpu --global-batch 8 --out "$results/profile" "${rh[@]}"
 stage plan "$(time_for "${CAP_PLAN:-90}")" plan_accuracy.md \

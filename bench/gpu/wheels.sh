@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Run where pip reaches the registry: downloads into .whl/ (git-ignored) the wheels that GPU
-# machines without network lack (their image has torch, transformers, peft, accelerate, pyarrow,
+# machines without network lack (their image has torch, transformers 5.17, peft, accelerate, pyarrow,
 # xxhash, fsspec, huggingface-hub, tensorboard, matplotlib, nvidia-ml-py; not datasets and its
-# own needs, nor bitsandbytes, torchao). bench/gpu/run.sh installs them with --no-deps: nothing of the
+# own needs, nor bitsandbytes, torchao; nor the transformers the project pins). bench/gpu/run.sh installs them with --no-deps: nothing of the
 # machine's own torch is replaced.
 #   bash bench/gpu/wheels.sh [PYTHON_VERSION]   (default 3.12, the GPU image's python)
 set -euo pipefail
@@ -18,7 +18,11 @@ platforms=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --p
            --platform any)
 datasets=$(grep '^datasets==' constraints.txt)
 torchao=$(grep '^torchao==' constraints.txt)  # train.optimizer_state=bf16/8bit/4bit
-for wheel in "$datasets" dill multiprocess bitsandbytes "$torchao"; do
+# the project's transformers (pyproject needs >= 5.18: older OPT syncs the host every forward) with
+# what it needs above the image's; huggingface-hub stays 1.x like the image's other libraries
+transformers=$(grep '^transformers==' constraints.txt)
+for wheel in "$datasets" dill multiprocess bitsandbytes "$torchao" "$transformers" "tokenizers>=0.23.1,<0.24" \
+             "huggingface-hub>=1.31,<2"; do
   $pip download -q --no-deps --only-binary=:all: --python-version "$py" --implementation cp "${platforms[@]}" \
     -d .whl "$wheel"
 done

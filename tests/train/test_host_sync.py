@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import check_a_nonfinite_update_is_skipped, make_trainer, step, tiny_overrides
+from conftest import TINY, check_a_nonfinite_update_is_skipped, make_trainer, step, tiny_overrides
 
 SRC = str(Path(__file__).resolve().parents[2] / "src" / "shardtune")
 # ops whose result the host must read (.item(), bool(tensor), float(tensor)) or whose output
@@ -23,9 +23,10 @@ class HostReads(TorchDispatchMode):
     """Records every op that makes the host wait for the device whose innermost frame outside
     torch lies in src/shardtune (others, transformers' own checks, are not ours to count)."""
 
-    def __init__(self):
+    def __init__(self, everyone: bool = False):
         super().__init__()
         self.ours: list[str] = []
+        self.everyone: list[str] | None = [] if everyone else None  # transformers' reads too
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
@@ -34,6 +35,8 @@ class HostReads(TorchDispatchMode):
         if name in READS or bool_index:
             caller = next(f for f in reversed(traceback.extract_stack()[:-1])
                           if "/torch/" not in f.filename and f.filename != __file__)
+            if self.everyone is not None:
+                self.everyone.append(f"{name} at {caller.filename}:{caller.lineno}")
             if caller.filename.startswith(SRC):
                 self.ours.append(f"{name} at {Path(caller.filename).name}:{caller.lineno}")
         return func(*args, **(kwargs or {}))
@@ -114,3 +117,25 @@ def test_step_times_are_the_steps_own_though_read_late(assets, tmp_path, monkeyp
     timed = [(r["step"], r["step_time_s"]) for r in rows if "step_time_s" in r]
     assert timed == [(2, 1.0), (4, 1.0), (6, 1.0), (7, 1.0)]
     assert [r["tokens_per_s"] for r in rows if "tokens_per_s" in r] == [8 * 64] * 4  # 8 x 64 tokens a tick
+
+
+@pytest.mark.parametrize("arch", sorted(TINY))
+def test_a_packed_batch_reaches_the_model_without_an_attention_mask(assets, tmp_path, arch):
+    """A mask that says nothing (packed blocks, rows of one length) is not passed: given one,
+    transformers checks it on the host before every forward (`masking_utils`, a synchronisation
+    on CUDA) and attention loses its causal kernels. OPT, whose forward needs no other check,
+    then asks the host nothing at all (transformers before 5.18 made a mask of ones itself)."""
+    trainer = make_trainer(assets, tmp_path, arch=arch)
+    seen = []
+    trainer.model.register_forward_pre_hook(lambda m, args, kw: seen.append(kw.get("attention_mask", "absent")),
+                                            with_kwargs=True)
+    prefetcher = trainer.prefetcher()
+    try:
+        with HostReads(everyone=True) as reads:
+            step(trainer, prefetcher.take(0)[0])
+    finally:
+        prefetcher.close()
+        trainer.close()
+    assert seen and all(mask is None for mask in seen)
+    if arch == "opt":
+        assert reads.everyone == []

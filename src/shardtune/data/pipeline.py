@@ -281,7 +281,9 @@ def collate(ds, indices: list[int], device, pad_id: int = 0, padding_free: bool 
     is a row with no loss. Packed blocks are stacked (document-masked ones bring their
     position_ids). Rows of different lengths are right-padded with `pad_id` (labels with
     IGNORE_INDEX) to the longest, with an `attention_mask` (1 = real token) — or, with
-    `padding_free`, laid end to end in one row with restarting position_ids."""
+    `padding_free`, laid end to end in one row with restarting position_ids. A batch carries an
+    attention mask only where a row is padded: given one, transformers checks it on the host
+    (`masking_utils`: a synchronisation per forward) and attention cannot take the causal kernels."""
 
     real = [i if i >= 0 else 0 for i in indices]
     blank = [pos for pos, i in enumerate(indices) if i < 0]
