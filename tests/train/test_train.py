@@ -116,7 +116,23 @@ def test_quickstart_runs_offline_and_halves_perplexity(tmp_path):
     assert after <= before / 2, line
 
 
-def test_compile_per_block_matches_eager(assets, tmp_path):
-    eager = train(assets, tmp_path / "eager", **{"train.max_steps": 3})
-    compiled = train(assets, tmp_path / "compiled", **{"train.max_steps": 3, "compile": "true"})
+def test_compile_per_block_matches_eager_and_never_recompiles(assets, tmp_path, monkeypatch):
+    """Compiled blocks compute the eager losses, and compile once: the graphs dynamo holds after the
+    first step are all it ever makes (a recompiling step would cost seconds every step)."""
+    from torch._dynamo.utils import counters
+
+    import shardtune.train.trainer as trainer_mod
+
+    eager = train(assets, tmp_path / "eager", **{"train.max_steps": 4})
+    graphs, real_step = [], trainer_mod.train_step
+
+    def counted_step(*args, **kw):
+        out = real_step(*args, **kw)
+        graphs.append(counters["stats"]["unique_graphs"])
+        return out
+
+    monkeypatch.setattr(trainer_mod, "train_step", counted_step)
+    counters.clear()
+    compiled = train(assets, tmp_path / "compiled", **{"train.max_steps": 4, "compile": "true"})
     assert max(abs(a - b) for a, b in zip(eager, compiled, strict=True)) < 1e-4, (eager, compiled)
+    assert graphs[0] >= 1 and graphs == graphs[:1] * 4 and not counters["recompiles"], (graphs, counters)
