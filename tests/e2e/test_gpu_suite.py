@@ -60,3 +60,22 @@ def test_a_rehearsed_stage_end_to_end(tmp_path):
         names = set(tar.getnames())
     assert {"./env.txt", "./summary.md", "./profile/ops.txt", "./profile/trace.json.gz"} <= names
     assert "GPU suite finished with status 0" in (back / "suite.log").read_text()
+
+
+def test_the_curve_stage_fails_on_a_nan_or_a_gap_on_either_side(capsys):
+    """The curve stage's verdict (vs_hf_trainer.compare_curves): HF Trainer's NaN shows (its
+    logging_nan_inf_filter would log such a step's loss as a running mean, then 0.0: the first GPU
+    run saw no HF NaN for that reason alone), shardtune's stop fails it, a gap beyond the tolerance too."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from vs_hf_trainer import compare_curves
+
+    def pair(st: list, hf: list, **extra) -> list:
+        return [(1, "full_shard", {"shardtune": [{"losses": st, **extra}], "hf": [{"losses": hf}]})]
+
+    assert compare_curves(pair([10.0, 9.0, 8.0], [10.0, 9.1, 8.1]), 0.03) == 0
+    assert compare_curves(pair([10.0, 9.0, 8.0], [10.0, 9.0, float("nan")]), 0.03) == 1
+    assert compare_curves(pair([10.0, 9.0, None], [10.0, 9.0, 8.0]), 0.03) == 1  # skipped (on_nan=skip)
+    assert compare_curves(pair([10.0, 9.0], [10.0, 9.0, 8.0]), 0.03) == 1  # stopped early
+    assert compare_curves(pair([10.0, 8.0, 8.0], [10.0, 9.0, 8.0]), 0.03) == 1
+    assert compare_curves(pair([], [10.0], error="gradient norm nan at step 4"), 0.03) == 1
+    assert "❌" in capsys.readouterr().out
