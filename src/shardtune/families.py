@@ -38,6 +38,11 @@ class Family:
     # peft's prefix tuning fits its attention cache (one key and value per attention or key/value
     # head); False: multi-query or latent attention caches other shapes, so it is refused
     prefix_tuning: bool = True
+    # the block returns a view, which FSDP2 warns about (an in-place write by the caller would drop
+    # its pre-backward hook); True only where the model never writes into a block's output and the
+    # gradients are checked against the unwrapped model (tests/model/test_build.py): the warning is
+    # then silenced (distributed/fsdp.py)
+    view_output_checked: bool = False
 
 
 _QV = ("q_proj", "v_proj")
@@ -76,7 +81,8 @@ FAMILIES = {
     "bloom": Family("BloomBlock", _PEFT, True, None, tuple(f"self_{p}" for p in _FUSED_ATTENTION), _NEOX_MLP),
     # OPT and Falcon build their masks without the position ids: shardtune passes the 4-D mask
     "opt": Family("OPTDecoderLayer", _PEFT, True, _4D,
-                  ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj"), ("fc1", "fc2")),
+                  ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj"), ("fc1", "fc2"),
+                  view_output_checked=True),  # `(residual + h).view(shape)`; never written into
     "falcon": Family("FalconDecoderLayer", _PEFT, True, _4D, tuple(f"self_{p}" for p in _FUSED_ATTENTION), _NEOX_MLP,
                      prefix_tuning=False),  # multi-query (7B) or grouped key/values peft miscounts
     "gpt_neox": Family("GPTNeoXLayer", _PEFT, True, _POS, _FUSED_ATTENTION, _NEOX_MLP),

@@ -4,6 +4,8 @@ activation checkpointing (and offloading) -> compile -> fully_shard per unit -> 
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -120,6 +122,9 @@ def apply_parallelism(model, spec, block_cls: type, mesh, device) -> tuple[list,
         else OffloadPolicy(),
     )
     reshard = reshard_after_forward(fsdp.sharding, mesh.size(mesh.ndim - 1))
+    known = family(getattr(getattr(model, "config", None), "model_type", None))
+    if known and known.view_output_checked and known.block == block_cls.__name__:  # families.Family
+        warnings.filterwarnings("ignore", message=rf"FSDP2-wrapped module \(FSDP{block_cls.__name__}\) returned a view")
     units = blocks if fsdp.wrap == "block" else _size_based_units(model, fsdp.min_num_params)
     for unit in units:
         # the last unit's backward comes right after its forward: freeing it would only re-gather it
