@@ -64,7 +64,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return EXIT_USAGE
     from shardtune.launch.local import die_with_launcher
+    from shardtune.noise import quiet_third_party
 
+    quiet_third_party()
     die_with_launcher()  # a rank of `--nproc N` or torchrun: no training on after its launcher is gone
     try:
         return importlib.import_module(f"shardtune.cli.{args.command}").run(args)

@@ -1,0 +1,30 @@
+"""Third-party console lines a user cannot act on, kept off the console: a user sees shardtune's
+lines, and a library's warning only where it says something to do. Each entry names why it is
+noise; anything not listed here still shows."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+# loggers whose warnings say nothing a fine-tuning user can act on
+QUIET_LOGGERS = {
+    # torchao's import tries every prebuilt kernel library (mxfp8, CUTLASS for sm90a) and warns for
+    # each that does not load on this machine: it never uses them on a CPU or another GPU
+    "torchao": logging.ERROR,
+    # torch telling library authors (torchao) that their Enum registrations are no longer needed
+    "torch.utils._pytree": logging.ERROR,
+}
+# (message start, category) of warnings about other libraries' use of an API
+QUIET_WARNINGS = [
+    # peft asks transformers whether checkpointing is on under the deprecated name
+    ("`is_gradient_checkpointing` is deprecated", FutureWarning),
+]
+
+
+def quiet_third_party() -> None:
+    """Before the libraries are imported: their loggers are created here with these levels."""
+    for name, level in QUIET_LOGGERS.items():
+        logging.getLogger(name).setLevel(level)
+    for message, category in QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)
