@@ -24,6 +24,12 @@ class GPU:
     link_gbs: float  # effective per-GPU collective bandwidth inside a node, GB/s (NVLink, else PCIe)
     pcie_gbs: float  # effective host <-> GPU copy bandwidth per direction, GB/s (pinned memory)
     hbm_gbs: float  # memory bandwidth, GB/s (datasheet): what a memory-bound optimizer step streams
+    host_gib: int  # host RAM per GPU, GiB, of the machines that carry the card: `plan`'s default --host-mem / GPU
+    host_source: str  # where `host_gib` comes from: an instance type, its GPUs and its memory
+
+    @property
+    def host_bytes(self) -> int:
+        return self.host_gib * GIB
 
     @property
     def memory_bytes(self) -> int:
@@ -45,23 +51,43 @@ class GPU:
 # -> 50, PCIe 4 x16 32 -> 25, PCIe 3 x16 16 -> 12); SXM boards use the host's PCIe link too.
 # `hbm_gbs`: the datasheets' memory bandwidth. Order matters for `match`: the first fragment
 # found in a device name wins ("A10G" before "A10", "A100" before "A10").
+# Host RAM (`host_gib`, per GPU): the memory of a multi-GPU instance type that carries the card,
+# over its GPUs, as the provider lists it (where several sizes exist, the one with the least per
+# GPU: a bound that holds on the others). `plan` bounds every answer by it per node (CPU offload's
+# shards, offloaded activations, the load and save) unless --host-mem says otherwise.
 GPUS = [
-    GPU("H200", "H200", 143771, (989.4, 989.4, 66.9, 1978.9), 360.0, 50.0, 4800.0),
-    GPU("H100", "H100", 81559, (989.4, 989.4, 66.9, 1978.9), 360.0, 50.0, 3350.0),
-    GPU("H800", "H800", 81559, (989.4, 989.4, 66.9, 1978.9), 160.0, 50.0, 3350.0),  # SXM; PCIe: log.peak_tflops
-    GPU("A100-80GB", "A100-SXM4-80GB", 81920, (312.0, 312.0, 19.5, 0.0), 230.0, 25.0, 2039.0),
-    GPU("A100-80GB-PCIe", "A100 80GB PCIe", 81920, (312.0, 312.0, 19.5, 0.0), 24.0, 25.0, 1935.0),
-    GPU("A100-40GB", "A100", 40960, (312.0, 312.0, 19.5, 0.0), 230.0, 25.0, 1555.0),
-    GPU("L40S", "L40S", 46068, (362.1, 362.1, 91.6, 733.0), 24.0, 25.0, 864.0),
-    GPU("A10G", "A10G", 23028, (70.0, 70.0, 31.2, 0.0), 24.0, 25.0, 600.0),
-    GPU("A10", "A10", 23028, (125.0, 125.0, 31.2, 0.0), 24.0, 25.0, 600.0),
-    GPU("L4", "L4", 23034, (121.0, 121.0, 30.3, 242.0), 24.0, 25.0, 300.0),
-    GPU("RTX-4090", "RTX 4090", 24564, (165.2, 165.2, 82.6, 330.3), 24.0, 25.0, 1008.0),
-    GPU("RTX-3090", "RTX 3090", 24576, (71.0, 71.0, 35.6, 0.0), 24.0, 25.0, 936.0),
-    GPU("A6000", "A6000", 49140, (154.8, 154.8, 38.7, 0.0), 24.0, 25.0, 768.0),
-    GPU("V100-32GB", "V100-SXM2-32GB", 32768, (0.0, 125.0, 15.7, 0.0), 130.0, 12.0, 900.0),
-    GPU("V100-16GB", "V100", 16384, (0.0, 125.0, 15.7, 0.0), 12.0, 12.0, 900.0),
-    GPU("T4", "T4", 15360, (0.0, 65.0, 8.1, 0.0), 12.0, 12.0, 320.0),
+    GPU("H200", "H200", 143771, (989.4, 989.4, 66.9, 1978.9), 360.0, 50.0, 4800.0,
+        256, "AWS p5e.48xlarge: 8 x H200, 2,048 GiB"),
+    GPU("H100", "H100", 81559, (989.4, 989.4, 66.9, 1978.9), 360.0, 50.0, 3350.0,
+        256, "AWS p5.48xlarge: 8 x H100, 2,048 GiB"),
+    GPU("H800", "H800", 81559, (989.4, 989.4, 66.9, 1978.9), 160.0, 50.0, 3350.0,  # SXM; PCIe: log.peak_tflops
+        256, "NVIDIA DGX H800: 8 x H800, 2 TiB"),
+    GPU("A100-80GB", "A100-SXM4-80GB", 81920, (312.0, 312.0, 19.5, 0.0), 230.0, 25.0, 2039.0,
+        144, "AWS p4de.24xlarge: 8 x A100 80GB, 1,152 GiB"),
+    GPU("A100-80GB-PCIe", "A100 80GB PCIe", 81920, (312.0, 312.0, 19.5, 0.0), 24.0, 25.0, 1935.0,
+        220, "Azure NC96ads_A100_v4: 4 x A100 80GB PCIe, 880 GiB"),
+    GPU("A100-40GB", "A100", 40960, (312.0, 312.0, 19.5, 0.0), 230.0, 25.0, 1555.0,
+        144, "AWS p4d.24xlarge: 8 x A100 40GB, 1,152 GiB"),
+    GPU("L40S", "L40S", 46068, (362.1, 362.1, 91.6, 733.0), 24.0, 25.0, 864.0,
+        96, "AWS g6e.12xlarge: 4 x L40S, 384 GiB"),
+    GPU("A10G", "A10G", 23028, (70.0, 70.0, 31.2, 0.0), 24.0, 25.0, 600.0,
+        48, "AWS g5.12xlarge: 4 x A10G, 192 GiB"),
+    GPU("A10", "A10", 23028, (125.0, 125.0, 31.2, 0.0), 24.0, 25.0, 600.0,
+        223, "OCI VM.GPU.A10.2: 2 x A10, 480 GB (447 GiB)"),
+    GPU("L4", "L4", 23034, (121.0, 121.0, 30.3, 242.0), 24.0, 25.0, 300.0,
+        48, "AWS g6.12xlarge: 4 x L4, 192 GiB"),
+    GPU("RTX-4090", "RTX 4090", 24564, (165.2, 165.2, 82.6, 330.3), 24.0, 25.0, 1008.0,
+        64, "no hyperscaler instance type carries it; a workstation: 4 x RTX 4090, 256 GiB"),
+    GPU("RTX-3090", "RTX 3090", 24576, (71.0, 71.0, 35.6, 0.0), 24.0, 25.0, 936.0,
+        64, "no hyperscaler instance type carries it; a workstation: 4 x RTX 3090, 256 GiB"),
+    GPU("A6000", "A6000", 49140, (154.8, 154.8, 38.7, 0.0), 24.0, 25.0, 768.0,
+        46, "Lambda gpu_4x_a6000: 4 x RTX A6000, 184 GiB"),
+    GPU("V100-32GB", "V100-SXM2-32GB", 32768, (0.0, 125.0, 15.7, 0.0), 130.0, 12.0, 900.0,
+        96, "AWS p3dn.24xlarge: 8 x V100 32GB, 768 GiB"),
+    GPU("V100-16GB", "V100", 16384, (0.0, 125.0, 15.7, 0.0), 12.0, 12.0, 900.0,
+        61, "AWS p3.8xlarge: 4 x V100 16GB, 244 GiB"),
+    GPU("T4", "T4", 15360, (0.0, 65.0, 8.1, 0.0), 12.0, 12.0, 320.0,
+        48, "AWS g4dn.12xlarge: 4 x T4, 192 GiB"),
 ]
 
 

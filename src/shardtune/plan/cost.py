@@ -97,8 +97,9 @@ class Target:
     peak_tflops: float | None = None  # overrides the table (needed without --gpu for a speed estimate)
     bandwidth_gbs: float | None = None  # overrides the GPU's intra-node link
     inter_node_gbs: float = HOST_FACTS["inter_node_gbs"].value
-    host_bytes: int | None = None
+    host_bytes: int | None = None  # host RAM per node (None: unbounded)
     margin: float = 0.05  # share of GPU memory kept free
+    host_source: str = ""  # where host_bytes comes from (--host-mem, or the GPU's default and its source)
 
     @property
     def world(self) -> int:

@@ -50,14 +50,18 @@ def target_from_request(req: PlanRequest) -> Target:
         raise UserError("say which GPU: --gpu NAME (e.g. --gpu A100-80GB) or --gpu-mem SIZE (e.g. --gpu-mem 16GiB)")
     gpu = gpu_by_name(req.gpu) if req.gpu else None
     memory = parse_size(req.gpu_mem, "--gpu-mem") if req.gpu_mem else gpu.memory_bytes
-    host = parse_size(req.host_mem, "--host-mem") if req.host_mem else None
+    host, host_source = (parse_size(req.host_mem, "--host-mem"), "--host-mem") if req.host_mem else (None, "")
+    if host is None and gpu is not None:  # the machines that carry this card: hardware.GPUS
+        host = gpu.host_bytes * req.gpus
+        host_source = (f"the default for {gpu.name}: {gpu.host_gib} GiB per GPU, as on {gpu.host_source}; "
+                       "--host-mem to change")
     for name in ("bandwidth", "inter_node_bandwidth", "peak_tflops"):
         if getattr(req, name) is not None and getattr(req, name) <= 0:
             raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(req, name)}")
     if not 0 <= req.margin < 1:
         raise UserError(f"--margin is a share of GPU memory kept free, in [0, 1); got {req.margin}")
     target = Target(req.gpus, req.nodes, memory, gpu, req.peak_tflops, req.bandwidth, host_bytes=host,
-                    margin=req.margin)
+                    margin=req.margin, host_source=host_source)
     if req.inter_node_bandwidth:
         target.inter_node_gbs = req.inter_node_bandwidth
     return target
@@ -159,7 +163,7 @@ def float8_alternatives(cfg: RunConfig, hf_config, target: Target, best: Estimat
 def _target_json(t: Target) -> dict:
     return {"gpus_per_node": t.gpus_per_node, "nodes": t.nodes, "gpu": t.gpu.name if t.gpu else None,
             "gpu_memory_bytes": t.memory_bytes, "margin": t.margin, "link_gbs": t.link_gbs(),
-            "pcie_gbs": t.pcie_gbs(), "host_memory_bytes": t.host_bytes}
+            "pcie_gbs": t.pcie_gbs(), "host_memory_bytes": t.host_bytes, "host_memory_source": t.host_source or None}
 
 
 def render(answer: dict) -> str:
@@ -167,6 +171,9 @@ def render(answer: dict) -> str:
     gpu = t["gpu"] or "GPU"
     lines.append(f"{t['nodes']} node(s) x {t['gpus_per_node']} x {gpu} ({t['gpu_memory_bytes'] / GIB:.1f} GiB each), "
                  f"keeping {100 * t['margin']:.0f} % free")
+    lines.append(f"host RAM per node: {t['host_memory_bytes'] / GIB:.0f} GiB ({t['host_memory_source']}), bounding "
+                 "every answer" if t["host_memory_bytes"] else
+                 "host RAM per node: not bounded (no --gpu from the table): give --host-mem SIZE to bound it")
     best = answer["best"]
     if best:
         c, g, h, sec = best["candidate"], best["gpu_bytes"], best["host_bytes"], best["seconds_by_part"]
@@ -181,7 +188,9 @@ def render(answer: dict) -> str:
                   f"  {'total':<24}{g['total'] / GIB:8.2f} GiB",
                   f"host RAM per node: load {h['load'] / GIB:.1f} GiB ({h['load_path']}), "
                   f"final/ save {h['save'] / GIB:.1f} GiB ({h['save_path']}), CPU offload "
-                  f"{h['cpu_offload'] / GIB:.1f} GiB, offloaded activations {h['activation_offload'] / GIB:.1f} GiB",
+                  f"{h['cpu_offload'] / GIB:.1f} GiB, offloaded activations {h['activation_offload'] / GIB:.1f} GiB; "
+                  f"total {h['total'] / GIB:.1f} GiB" + (f" of {t['host_memory_bytes'] / GIB:.0f}"
+                                                        if t["host_memory_bytes"] else ""),
                   f"largest micro-batch per GPU that fits this layout: {best['largest_micro_batch']} (global batch "
                   "kept here; a larger one needs train.global_batch_size to be a multiple of it x GPUs)",
                   "run it:", f"  {best['command']}"]

@@ -257,7 +257,8 @@ def search(cfg: RunConfig, hf_config, target: Target, say=print) -> list[Estimat
             e.at = at
         estimates += batch
         fastest = max([fastest] + [e.tokens_per_s for e in batch if e.fits])
-        if not any(e.fits for e in batch):
+        budget = target.memory_bytes * (1 - target.margin)
+        if all(e.memory["total"] > budget for e in batch):  # GPU memory, not host RAM: heavier layouts fail too
             misfits.append(layout)
         if not bounds:  # the first trace gives the parameter counts every bound needs
             bounds = {c: best_speed(c, batch[0].trace, hf_config, cfg, target, sizes) for c in order}
