@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from shardtune.config.schema import RunConfig
 from shardtune.families import hidden_size
-from shardtune.hardware import GPU, HOST_FACTS, overhead
+from shardtune.hardware import GPU, HOST_FACTS, overhead, reserve_share
 from shardtune.plan.trace import HOST_ONLY, OFFLOADED, StepTrace
 
 STATE_PRECISIONS = ("fp32", "bf16", "8bit", "4bit")
@@ -71,6 +71,10 @@ class Candidate:
             setattr(setting(out, path) if path else out, name, value)
         return out
 
+    def technique(self, cfg: RunConfig) -> tuple:
+        """What the allocator's reserve depends on (hardware.MEASURED_RESERVE's key)."""
+        return self.checkpointing, cfg.peft.method, self.activation_offload or self.cpu_offload
+
     def label(self) -> str:
         ac = f"every {self.every}" if self.checkpointing == "every_n" else self.checkpointing
         return (f"{self.sharding}, {self.precision}, checkpointing {ac}"
@@ -124,15 +128,16 @@ class Target:
         return self.gpu.hbm_gbs if self.gpu else 1000.0  # a nominal card: the optimizer is a small term
 
 
-def gpu_memory(trace: StepTrace, offload: bool, world_size: int) -> dict:
+def gpu_memory(trace: StepTrace, offload: bool, world_size: int, technique: tuple = ()) -> dict:
     """One CUDA rank's memory from a trace: the peak of what stays on the GPU, by category, then
-    allocated (+ cuBLAS workspace), reserved (+ fragmentation) and the fixed overhead outside
-    torch's allocator (CUDA context, NCCL buffers), and their sum, what nvidia-smi would show."""
+    allocated (+ cuBLAS workspace), reserved (+ the allocator's reserve for `technique`, as
+    hardware.reserve_share takes it; none given: the widest measured) and the fixed overhead
+    outside torch's allocator (CUDA context, NCCL buffers), and their sum, what nvidia-smi shows."""
     leave_out = (OFFLOADED if offload else ()) + HOST_ONLY
     phase, cats = trace.peak(leave_out)
     on_gpu = {k: v for k, v in cats.items() if k not in leave_out}
     allocated = sum(on_gpu.values()) + int(overhead("cublas_workspace"))
-    reserved = int(allocated * (1 + overhead("fragmentation")))
+    reserved = int(allocated * (1 + reserve_share(*technique)))
     nccl = int(overhead("nccl_buffers") * overhead("nccl_channels") * 2) if world_size > 1 else 0
     fixed = int(overhead("cuda_context")) + nccl
     return {"phase": phase, "by_category": on_gpu, "allocated": allocated, "reserved": reserved,

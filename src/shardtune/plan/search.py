@@ -186,7 +186,7 @@ def estimate(trace: StepTrace, hf_config, cand: Candidate, cfg: RunConfig, targe
     trace = trace.with_state(cand.optimizer_state)
     if accum == 1:  # one micro-step per step: the second one's phases do not happen
         trace = dataclasses.replace(trace, phases={k: v for k, v in trace.phases.items() if k[0] < 1})
-    memory = gpu_memory(trace, cand.cpu_offload, target.world)
+    memory = gpu_memory(trace, cand.cpu_offload, target.world, cand.technique(cfg))
     host = host_memory(trace, cand.cpu_offload, target.gpus_per_node, target.world,
                        cfg.model.sharded_load and not cfg.model.random_init, cfg.checkpoint.sharded_final)
     seconds = step_time(trace, hf_config, cand, cfg, target, accum)
