@@ -145,21 +145,27 @@ def gpu_memory(trace: StepTrace, offload: bool, world_size: int, technique: tupl
 
 
 def host_memory(trace: StepTrace, offload: bool, ranks_per_node: int, world: int = 1,
-                sharded_load: bool = False, sharded_save: bool = False) -> dict:
+                sharded_load: bool = False, sharded_save: bool = False, cfg: RunConfig | None = None) -> dict:
     """Host RAM of one node. Load: rank 0 reads the full fp32 weights once (then hands out
-    shards), or with model.sharded_load every rank reads only its 1/world of them. Save
-    (final/): gathered whole on rank 0, or with checkpoint.sharded_final each rank writes its own
-    rows in place (a bound: the rows pass through the host a chunk at a time). CPU offload keeps every rank's shards,
-    activation offloading every rank's saved activations at their peak."""
+    shards; random weights are made there too), or with model.sharded_load every rank reads only
+    its 1/world of them. Save (final/): gathered whole on rank 0, or with checkpoint.sharded_final
+    each rank writes its own rows in place (a bound: the rows pass through the host a chunk at a
+    time); nothing with save_final=false. CPU offload keeps every rank's shards, activation
+    offloading every rank's saved activations at their peak, checkpoint.async_save a staged copy
+    of every rank's shards and optimizer state (DCP copies them to the host, then writes)."""
     full_fp32 = 4 * trace.params["total"]
     per_node = ranks_per_node * -(-full_fp32 // max(world, 1))
     load, save = (per_node if sharded_load else full_fp32), (per_node if sharded_save else full_fp32)
+    if cfg is not None and not cfg.save_final:
+        save = 0
     offloaded = ranks_per_node * sum(trace.steady.get(c, 0) for c in OFFLOADED) if offload else 0
     activations = ranks_per_node * offloaded_activation_bytes(trace)
+    staged = ranks_per_node * sum(trace.steady.get(c, 0) for c in ("sharded_params", "optimizer_state")) \
+        if cfg is not None and cfg.checkpoint.async_save else 0
     return {"load": load, "load_path": "sharded" if sharded_load else "rank 0",
             "save": save, "save_path": "sharded" if sharded_save else "rank 0",
-            "cpu_offload": offloaded, "activation_offload": activations,
-            "total": max(load, save) + offloaded + activations}
+            "cpu_offload": offloaded, "activation_offload": activations, "async_save": staged,
+            "total": max(load, save) + offloaded + activations + staged}
 
 
 def offloaded_activation_bytes(trace: StepTrace) -> int:
@@ -184,6 +190,10 @@ def step_time(trace: StepTrace, hf_config, cand: Candidate, cfg: RunConfig, targ
         compute += float8_seconds(p, cfg, cand, target, tokens)
     if cfg.peft.method == "prompt_tuning":  # its virtual tokens pass through every layer, unpredicted
         compute *= (seq + cfg.peft.virtual_tokens) / seq
+    if cfg.peft.quantize == "4bit":  # bitsandbytes dequantizes every 4-bit weight per use
+        from shardtune.plan.qlora import dequant_seconds
+
+        compute += dequant_seconds(p, recomputed_forwards(cand), accum, target.hbm_gbs())
     if cand.checkpointing == "selective":  # the cheap ops again: memory-bound passes over the hidden states
         act_bytes = 4 if cand.precision == "fp32" else 2
         compute += SELECTIVE_PASSES * tokens * trace.layers * _hidden(hf_config) * act_bytes / (target.hbm_gbs() * 1e9)

@@ -17,6 +17,7 @@ from shardtune.errors import UserError
 from shardtune.hardware import GIB, float8_needs, gpu_by_name, overhead, parse_size
 from shardtune.plan.cost import Candidate, Target, setting
 from shardtune.plan.fit import resolve_hf_config
+from shardtune.plan.keys import refuse_unpriced
 from shardtune.plan.search import Estimate, confirm, largest_micro_batch, search
 
 ROWS = [("sharded_params", "sharded parameters"), ("gathered_params", "gathered parameters"),
@@ -72,6 +73,7 @@ def run_plan(req: PlanRequest, cfg: RunConfig, recipe: str | None, overrides: li
     from shardtune.model.hf import check_seq_len
 
     target = target_from_request(req)
+    refuse_unpriced(cfg, target)
     if cfg.float8 != "none" and target.gpu is not None and not target.gpu.supports("fp8"):
         raise UserError(f"{float8_needs(cfg.float8)}; {target.gpu.name} has none: set float8=none, or plan for "
                         "one of those")
@@ -188,7 +190,9 @@ def render(answer: dict) -> str:
                   f"  {'total':<24}{g['total'] / GIB:8.2f} GiB",
                   f"host RAM per node: load {h['load'] / GIB:.1f} GiB ({h['load_path']}), "
                   f"final/ save {h['save'] / GIB:.1f} GiB ({h['save_path']}), CPU offload "
-                  f"{h['cpu_offload'] / GIB:.1f} GiB, offloaded activations {h['activation_offload'] / GIB:.1f} GiB; "
+                  f"{h['cpu_offload'] / GIB:.1f} GiB, offloaded activations {h['activation_offload'] / GIB:.1f} GiB"
+                  + (f", async checkpoint staging {h['async_save'] / GIB:.1f} GiB" if h.get("async_save") else "")
+                  + "; "
                   f"total {h['total'] / GIB:.1f} GiB" + (f" of {t['host_memory_bytes'] / GIB:.0f}"
                                                         if t["host_memory_bytes"] else ""),
                   f"largest micro-batch per GPU that fits this layout: {best['largest_micro_batch']} (global batch "
@@ -275,7 +279,8 @@ def what_would_fit(cfg: RunConfig, hf_config, target: Target, ranked: list[Estim
 
 
 def _lora_lines(cfg: RunConfig, hf_config, target: Target) -> list[str]:
-    """What LoRA (traced) and QLoRA (estimated: bitsandbytes needs CUDA) would need per rank."""
+    """What LoRA (traced) and, on one GPU, QLoRA (the LoRA trace with its base priced in NF4:
+    plan.qlora) would need per rank."""
     from shardtune.plan.search import estimate, screen, traced
 
     lora = copy.deepcopy(cfg)
@@ -286,12 +291,19 @@ def _lora_lines(cfg: RunConfig, hf_config, target: Target) -> list[str]:
     at = traced(lambda: screen(layout, hf_config, target))
     if isinstance(at, str):
         return [f"LoRA: {at}"]
-    trace = at(1)
-    est = estimate(trace, hf_config, cand, layout, target)
-    base = trace.params["total"] - trace.params["trainable"]
-    qlora = est.memory["total"] - est.memory["by_category"].get("sharded_params", 0) * target.world \
-        - est.memory["by_category"].get("gathered_params", 0) + int(0.53 * base)
-    return [f"LoRA (peft.method=lora activation_checkpointing=full train.micro_batch_size=1): "
-            f"{est.memory['total'] / GIB:.1f} GiB per rank ({'fits' if est.fits else 'does not fit'})",
-            f"QLoRA (peft.quantize=4bit, one GPU): about {max(qlora, 0) / GIB:.1f} GiB (estimated, not traced: "
-            "bitsandbytes needs CUDA)"]
+    est = estimate(at(1), hf_config, cand, layout, target)
+    out = [f"LoRA (peft.method=lora activation_checkpointing=full train.micro_batch_size=1): "
+           f"{est.memory['total'] / GIB:.1f} GiB per rank ({'fits' if est.fits else 'does not fit'})"]
+    one = dataclasses.replace(target, gpus_per_node=1, nodes=1)
+    if cfg.model.name_or_path is None or (target.gpu is not None and not target.gpu.supports("bf16")):
+        return out  # QLoRA quantizes pretrained weights and computes in bf16
+    qlora = copy.deepcopy(layout)
+    qlora.peft.quantize, qlora.precision = "4bit", "bf16"
+    cand = dataclasses.replace(cand, precision="bf16")
+    at = traced(lambda: screen(cand.apply(qlora, one), hf_config, one))
+    if isinstance(at, str):
+        return out + [f"QLoRA: {at}"]
+    est = estimate(at(1), hf_config, cand, cand.apply(qlora, one), one)
+    return out + [f"QLoRA (peft.method=lora peft.quantize=4bit precision=bf16 activation_checkpointing=full "
+                  f"train.micro_batch_size=1, one GPU): {est.memory['total'] / GIB:.1f} GiB "
+                  f"({'fits' if est.fits else 'does not fit'}; the LoRA trace, its base priced in NF4)"]

@@ -89,12 +89,14 @@ def micro_batches(cfg: RunConfig, world: int) -> list[int]:
 
 
 def layouts(cfg: RunConfig, target: Target) -> list[Candidate]:
-    """Every layout of the menu (as a Candidate at micro-batch 0 with fp32 state, no CPU offload)."""
+    """Every layout of the menu (as a Candidate at micro-batch 0 with fp32 state, no CPU offload);
+    QLoRA's (one GPU) take full checkpointing or none and no offloading, as train does."""
+    qlora = cfg.peft.quantize != "none"
     out = []
     for precision in precisions(cfg, target):
         for sharding in shardings(cfg, target):
-            for checkpointing in CHECKPOINTING:
-                for offload in (False, True):
+            for checkpointing in (("none", "full") if qlora else CHECKPOINTING):
+                for offload in ((False,) if qlora else (False, True)):
                     for reduce in (["fp32", "bf16"] if precision == "bf16" else ["fp32"]):
                         out.append(Candidate(sharding, precision, 0, checkpointing, cfg.activation_checkpointing_every,
                                              offload, reduce))
@@ -184,11 +186,15 @@ def estimate(trace: StepTrace, hf_config, cand: Candidate, cfg: RunConfig, targe
     """`cand` priced from a trace of its layout (any optimizer state: it is swapped in here)."""
     accum = check_world(cand.apply(cfg, target), target.world)
     trace = trace.with_state(cand.optimizer_state)
+    if cfg.peft.quantize == "4bit":  # the LoRA step's trace, its base priced as bitsandbytes holds it
+        from shardtune.plan.qlora import nf4_base, quantized
+
+        trace = quantized(trace, nf4_base(hf_config, cfg.model.trust_remote_code))
     if accum == 1:  # one micro-step per step: the second one's phases do not happen
         trace = dataclasses.replace(trace, phases={k: v for k, v in trace.phases.items() if k[0] < 1})
     memory = gpu_memory(trace, cand.cpu_offload, target.world, cand.technique(cfg))
     host = host_memory(trace, cand.cpu_offload, target.gpus_per_node, target.world,
-                       cfg.model.sharded_load and not cfg.model.random_init, cfg.checkpoint.sharded_final)
+                       cfg.model.sharded_load and not cfg.model.random_init, cfg.checkpoint.sharded_final, cfg)
     seconds = step_time(trace, hf_config, cand, cfg, target, accum)
     budget = target.memory_bytes * (1 - target.margin)
     why = ""
@@ -201,12 +207,13 @@ def estimate(trace: StepTrace, hf_config, cand: Candidate, cfg: RunConfig, targe
                     seconds=seconds, trace=trace)
 
 
-def variants(layout: Candidate, sizes: list[int]) -> list[Candidate]:
+def variants(layout: Candidate, sizes: list[int], cpu_offload: bool = True) -> list[Candidate]:
     """The candidates one trace of `layout` prices: every optimizer state x CPU offload (fp32 state
-    only: the offloaded optimizer is torch's CPU AdamW) x micro-batch."""
+    only: the offloaded optimizer is torch's CPU AdamW; none for QLoRA, which FSDP does not hold) x
+    micro-batch."""
     from shardtune.plan.priced import available_states
 
-    states = [(s, False) for s in available_states()] + [("fp32", True)]
+    states = [(s, False) for s in available_states()] + ([("fp32", True)] if cpu_offload else [])
     return [dataclasses.replace(layout, micro_batch=mb, optimizer_state=s, cpu_offload=off)
             for s, off in states for mb in sizes]
 
@@ -252,7 +259,8 @@ def search(cfg: RunConfig, hf_config, target: Target, say=print) -> list[Estimat
             estimates.append(_skipped(layout, sizes[0], at))
             continue
         run = layout_cfg(cfg, layout, target)
-        batch = [estimate(at(c.micro_batch), hf_config, c, run, target) for c in variants(layout, sizes)]
+        batch = [estimate(at(c.micro_batch), hf_config, c, run, target)
+                 for c in variants(layout, sizes, cfg.peft.quantize == "none")]
         for e in batch:
             e.at = at
         estimates += batch
