@@ -19,6 +19,7 @@ from shardtune.plan.cost import Candidate, Target, setting
 from shardtune.plan.fit import resolve_hf_config
 from shardtune.plan.keys import refuse_unpriced
 from shardtune.plan.search import Estimate, confirm, largest_micro_batch, search
+from shardtune.plan.trace_cache import TraceCache
 
 ROWS = [("sharded_params", "sharded parameters"), ("gathered_params", "gathered parameters"),
         ("gradients", "sharded gradients"), ("gathered_grads", "unsharded gradients"),
@@ -83,17 +84,20 @@ def run_plan(req: PlanRequest, cfg: RunConfig, recipe: str | None, overrides: li
     say = (lambda text: print(text, file=sys.stderr, flush=True)) if req.json else \
         (lambda text: print(text, flush=True))
     say(f"model config: {source}")
-    ranked = search(cfg, hf_config, target, say)
-    best = confirm([e for e in ranked if e.fits], cfg, hf_config, target)
+    cache = TraceCache.default()
+    ranked = search(cfg, hf_config, target, say, cache)
+    best = confirm([e for e in ranked if e.fits], cfg, hf_config, target, cache)
     ranked = [e for e in ranked if e is not best and not _same(e, best)]
     answer = {"target": _target_json(target), "model_config_source": source,
               "best": _json(best, cfg, target, recipe, overrides) if best else None,
               "others": [_json(e, cfg, target, recipe, overrides) for e in ranked]}
     if best is None:
-        answer["what_would_fit"] = what_would_fit(cfg, hf_config, target, ranked)
+        answer["what_would_fit"] = what_would_fit(cfg, hf_config, target, ranked, cache)
     else:
-        answer["best"]["largest_micro_batch"] = largest_micro_batch(best, cfg, hf_config, target)
+        answer["best"]["largest_micro_batch"] = largest_micro_batch(best, cfg, hf_config, target, cache=cache)
         answer["best"]["float8_alternatives"] = float8_alternatives(cfg, hf_config, target, best)
+    if cache.folder is not None:
+        say(f"traced steps: {cache.misses} traced, {cache.hits} read from {cache.folder} ($SHARDTUNE_PLAN_CACHE)")
     if req.json:
         print(json.dumps(answer, indent=1))
     else:
@@ -246,7 +250,8 @@ def _label(c: dict, batch: bool = True) -> str:
     return text if batch else text.rsplit(", micro-batch", 1)[0]
 
 
-def what_would_fit(cfg: RunConfig, hf_config, target: Target, ranked: list[Estimate]) -> list[str]:
+def what_would_fit(cfg: RunConfig, hf_config, target: Target, ranked: list[Estimate],
+                   cache: TraceCache | None = None) -> list[str]:
     """When nothing fits: the smallest change that would, each with its predicted memory."""
     budget = target.memory_bytes * (1 - target.margin)
     smallest = min((x.candidate.micro_batch for x in ranked if x.memory), default=None)  # None: nothing traced
@@ -265,7 +270,7 @@ def what_would_fit(cfg: RunConfig, hf_config, target: Target, ranked: list[Estim
                            f"{(fixed + sharded * grow * target.world / world) / GIB:.1f} GiB each")
                 break
     if not cfg.peft.low_rank:
-        out += _lora_lines(cfg, hf_config, target)
+        out += _lora_lines(cfg, hf_config, target, cache)
     if lean is not None:
         acts = sum(lean.memory["by_category"].get(k, 0) for k in ("activations", "temporaries"))
         seq = cfg.data.seq_len
@@ -278,7 +283,7 @@ def what_would_fit(cfg: RunConfig, hf_config, target: Target, ranked: list[Estim
     return out
 
 
-def _lora_lines(cfg: RunConfig, hf_config, target: Target) -> list[str]:
+def _lora_lines(cfg: RunConfig, hf_config, target: Target, cache: TraceCache | None = None) -> list[str]:
     """What LoRA (traced) and, on one GPU, QLoRA (the LoRA trace with its base priced in NF4:
     plan.qlora) would need per rank."""
     from shardtune.plan.search import estimate, screen, traced
@@ -288,7 +293,7 @@ def _lora_lines(cfg: RunConfig, hf_config, target: Target) -> list[str]:
     lora.freeze = type(cfg.freeze)()
     cand = Candidate("full_shard", lora.precision, 1, "full")
     layout = cand.apply(lora, target)
-    at = traced(lambda: screen(layout, hf_config, target))
+    at = traced(lambda: screen(layout, hf_config, target, cache=cache))
     if isinstance(at, str):
         return [f"LoRA: {at}"]
     est = estimate(at(1), hf_config, cand, layout, target)
@@ -300,7 +305,7 @@ def _lora_lines(cfg: RunConfig, hf_config, target: Target) -> list[str]:
     qlora = copy.deepcopy(layout)
     qlora.peft.quantize, qlora.precision = "4bit", "bf16"
     cand = dataclasses.replace(cand, precision="bf16")
-    at = traced(lambda: screen(cand.apply(qlora, one), hf_config, one))
+    at = traced(lambda: screen(cand.apply(qlora, one), hf_config, one, cache=cache))
     if isinstance(at, str):
         return out + [f"QLoRA: {at}"]
     est = estimate(at(1), hf_config, cand, cand.apply(qlora, one), one)
