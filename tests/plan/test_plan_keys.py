@@ -86,3 +86,4 @@ def test_plan_prices_qlora(tmp_path, capsys):
     for e in [qlora["best"], *qlora["others"]]:
         c = e["candidate"]
         assert not c["cpu_offload"] and not c["activation_offload"] and c["checkpointing"] in ("none", "full")
+        assert c["reduce_dtype"] == "fp32"  # one GPU, no FSDP: nothing is reduced

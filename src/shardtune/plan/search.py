@@ -92,14 +92,14 @@ def micro_batches(cfg: RunConfig, world: int) -> list[int]:
 
 def layouts(cfg: RunConfig, target: Target) -> list[Candidate]:
     """Every layout of the menu (as a Candidate at micro-batch 0 with fp32 state, no CPU offload);
-    QLoRA's (one GPU) take full checkpointing or none and no offloading, as train does."""
+    QLoRA's (one GPU, no FSDP) take full checkpointing or none, no offloading and no reduction."""
     qlora = cfg.peft.quantize != "none"
     out = []
     for precision in precisions(cfg, target):
         for sharding in shardings(cfg, target):
             for checkpointing in (("none", "full") if qlora else CHECKPOINTING):
                 for offload in ((False,) if qlora else (False, True)):
-                    for reduce in (["fp32", "bf16"] if precision == "bf16" else ["fp32"]):
+                    for reduce in (["fp32", "bf16"] if precision == "bf16" and not qlora else ["fp32"]):
                         out.append(Candidate(sharding, precision, 0, checkpointing, cfg.activation_checkpointing_every,
                                              offload, reduce))
     return out
