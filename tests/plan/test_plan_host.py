@@ -51,3 +51,19 @@ def test_the_7b_answer_that_needed_337_gib_of_host_ram_is_refused_on_v100s():
     assert est.memory["total"] < target.memory_bytes * (1 - target.margin)  # the GPU alone would take it
     roomy = target_from_request(PlanRequest(gpus=4, gpu="V100-16GB", host_mem="400GiB"))
     assert estimate(at(16), hf_config, old, old.apply(cfg, roomy), roomy).fits
+
+
+def test_the_answer_prints_the_host_budget_and_its_source():
+    from shardtune.plan.report import _target_json, render
+
+    def first_lines(req: PlanRequest) -> list[str]:
+        answer = {"target": _target_json(target_from_request(req)), "best": None, "others": [],
+                  "what_would_fit": []}
+        return render(answer).splitlines()[:2]
+
+    assert first_lines(PlanRequest(gpus=4, gpu="V100-16GB"))[1] == (
+        "host RAM per node: 244 GiB (the default for V100-16GB: 61 GiB per GPU, as on AWS p3.8xlarge: 4 x V100 "
+        "16GB, 244 GiB; --host-mem to change), bounding every answer")
+    assert first_lines(PlanRequest(gpus=2, gpu="T4", host_mem="100GiB"))[1] == \
+        "host RAM per node: 100 GiB (--host-mem), bounding every answer"
+    assert "not bounded" in first_lines(PlanRequest(gpus=2, gpu_mem="16GiB"))[1]
