@@ -150,26 +150,29 @@ def predict(spec: dict) -> dict:
     if _state_only(cfg):
         out["live_peak"] = trace.steady["optimizer_state"]
     if target == "cuda":
-        mem = gpu_memory(trace, cfg.fsdp.cpu_offload, spec["ranks"])
-        out.update(allocated=mem["allocated"], reserved=mem["reserved"])
+        technique = (cfg.activation_checkpointing, cfg.peft.method, cfg.activation_offload or cfg.fsdp.cpu_offload)
+        mem = gpu_memory(trace, cfg.fsdp.cpu_offload, spec["ranks"], technique)
+        out.update(allocated=mem["allocated"], reserved=mem["reserved"], technique=technique)
     return out
 
 
 def calibration(rows: list[tuple[dict, dict]]) -> str:
-    """What the measured rows say hardware.CUDA_OVERHEADS should be: the allocator's reserved over
-    allocated (its `fragmentation`), and what allocation adds beyond the traced tensors (the
-    prediction's allocated less its cuBLAS workspace, against the measured allocated)."""
+    """What the measured rows say hardware.MEASURED_RESERVE should be (per technique: measured
+    reserved over predicted allocated, rounded up to the next 1 %, never below 0), and what
+    allocation adds beyond the traced tensors (the prediction's allocated less its cuBLAS
+    workspace, against the measured allocated)."""
+    import math
     import statistics
 
-    from shardtune.hardware import overhead
+    from shardtune.hardware import overhead, reserve_share
 
-    ratios = [real["reserved"] / real["allocated"] for _, real in rows]
+    shares = [f"{pred.get('technique')}: {real['reserved'] / pred['allocated']:.3f} -> "
+              f"{max(0, math.ceil(100 * (real['reserved'] / pred['allocated'] - 1)) / 100):.2f} "
+              f"(now {reserve_share(*pred.get('technique', ())):.2f})" for pred, real in rows]
     extra = [(real["allocated"] - (pred["allocated"] - overhead("cublas_workspace"))) / 2 ** 20 for pred, real in rows]
-    return (f"calibration: measured reserved / allocated per row {', '.join(f'{r:.3f}' for r in ratios)} -> "
-            f"CUDA_OVERHEADS['fragmentation'] = {statistics.median(ratios) - 1:.3f} (now "
-            f"{overhead('fragmentation'):.3f}); measured allocated beyond the traced tensors, MiB: "
-            f"{', '.join(f'{e:,.0f}' for e in extra)} -> cublas_workspace = {statistics.median(extra):,.0f} MiB "
-            f"(now {overhead('cublas_workspace') / 2 ** 20:,.0f})")
+    return (f"calibration: MEASURED_RESERVE per row {'; '.join(shares)}; measured allocated beyond the traced "
+            f"tensors, MiB: {', '.join(f'{e:,.0f}' for e in extra)} -> cublas_workspace = "
+            f"{statistics.median(extra):,.0f} MiB (now {overhead('cublas_workspace') / 2 ** 20:,.0f})")
 
 
 def main() -> int:

@@ -12,6 +12,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# plan's on-disk trace cache is keyed by code and config, not by a test's monkeypatches: off in the
+# suite (and its child processes); tests/plan/test_trace_cache.py gives it a folder of its own
+os.environ["SHARDTUNE_PLAN_CACHE"] = "off"
 
 # Dropout off: equivalence tests compare runs step by step.
 TINY = {

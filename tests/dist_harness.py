@@ -61,6 +61,8 @@ def check_loading(folder: str) -> float:
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     dist.init_process_group("gloo")
+    if spec.get("eager_torchao"):  # torchao's low-bit steps uncompiled: a C++ build per shape costs minutes on CPU
+        torch.compile = lambda fn=None, **kw: fn if fn is not None else (lambda f: f)
     if spec.get("float8_on_cpu"):
         from conftest import lift_float8_device_check
 

@@ -24,6 +24,12 @@ class GPU:
     link_gbs: float  # effective per-GPU collective bandwidth inside a node, GB/s (NVLink, else PCIe)
     pcie_gbs: float  # effective host <-> GPU copy bandwidth per direction, GB/s (pinned memory)
     hbm_gbs: float  # memory bandwidth, GB/s (datasheet): what a memory-bound optimizer step streams
+    host_gib: int  # host RAM per GPU, GiB, of the machines that carry the card: `plan`'s default --host-mem / GPU
+    host_source: str  # where `host_gib` comes from: an instance type, its GPUs and its memory
+
+    @property
+    def host_bytes(self) -> int:
+        return self.host_gib * GIB
 
     @property
     def memory_bytes(self) -> int:
@@ -45,23 +51,43 @@ class GPU:
 # -> 50, PCIe 4 x16 32 -> 25, PCIe 3 x16 16 -> 12); SXM boards use the host's PCIe link too.
 # `hbm_gbs`: the datasheets' memory bandwidth. Order matters for `match`: the first fragment
 # found in a device name wins ("A10G" before "A10", "A100" before "A10").
+# Host RAM (`host_gib`, per GPU): the memory of a multi-GPU instance type that carries the card,
+# over its GPUs, as the provider lists it (where several sizes exist, the one with the least per
+# GPU: a bound that holds on the others). `plan` bounds every answer by it per node (CPU offload's
+# shards, offloaded activations, the load and save) unless --host-mem says otherwise.
 GPUS = [
-    GPU("H200", "H200", 143771, (989.4, 989.4, 66.9, 1978.9), 360.0, 50.0, 4800.0),
-    GPU("H100", "H100", 81559, (989.4, 989.4, 66.9, 1978.9), 360.0, 50.0, 3350.0),
-    GPU("H800", "H800", 81559, (989.4, 989.4, 66.9, 1978.9), 160.0, 50.0, 3350.0),  # SXM; PCIe: log.peak_tflops
-    GPU("A100-80GB", "A100-SXM4-80GB", 81920, (312.0, 312.0, 19.5, 0.0), 230.0, 25.0, 2039.0),
-    GPU("A100-80GB-PCIe", "A100 80GB PCIe", 81920, (312.0, 312.0, 19.5, 0.0), 24.0, 25.0, 1935.0),
-    GPU("A100-40GB", "A100", 40960, (312.0, 312.0, 19.5, 0.0), 230.0, 25.0, 1555.0),
-    GPU("L40S", "L40S", 46068, (362.1, 362.1, 91.6, 733.0), 24.0, 25.0, 864.0),
-    GPU("A10G", "A10G", 23028, (70.0, 70.0, 31.2, 0.0), 24.0, 25.0, 600.0),
-    GPU("A10", "A10", 23028, (125.0, 125.0, 31.2, 0.0), 24.0, 25.0, 600.0),
-    GPU("L4", "L4", 23034, (121.0, 121.0, 30.3, 242.0), 24.0, 25.0, 300.0),
-    GPU("RTX-4090", "RTX 4090", 24564, (165.2, 165.2, 82.6, 330.3), 24.0, 25.0, 1008.0),
-    GPU("RTX-3090", "RTX 3090", 24576, (71.0, 71.0, 35.6, 0.0), 24.0, 25.0, 936.0),
-    GPU("A6000", "A6000", 49140, (154.8, 154.8, 38.7, 0.0), 24.0, 25.0, 768.0),
-    GPU("V100-32GB", "V100-SXM2-32GB", 32768, (0.0, 125.0, 15.7, 0.0), 130.0, 12.0, 900.0),
-    GPU("V100-16GB", "V100", 16384, (0.0, 125.0, 15.7, 0.0), 12.0, 12.0, 900.0),
-    GPU("T4", "T4", 15360, (0.0, 65.0, 8.1, 0.0), 12.0, 12.0, 320.0),
+    GPU("H200", "H200", 143771, (989.4, 989.4, 66.9, 1978.9), 360.0, 50.0, 4800.0,
+        256, "AWS p5e.48xlarge: 8 x H200, 2,048 GiB"),
+    GPU("H100", "H100", 81559, (989.4, 989.4, 66.9, 1978.9), 360.0, 50.0, 3350.0,
+        256, "AWS p5.48xlarge: 8 x H100, 2,048 GiB"),
+    GPU("H800", "H800", 81559, (989.4, 989.4, 66.9, 1978.9), 160.0, 50.0, 3350.0,  # SXM; PCIe: log.peak_tflops
+        256, "NVIDIA DGX H800: 8 x H800, 2 TiB"),
+    GPU("A100-80GB", "A100-SXM4-80GB", 81920, (312.0, 312.0, 19.5, 0.0), 230.0, 25.0, 2039.0,
+        144, "AWS p4de.24xlarge: 8 x A100 80GB, 1,152 GiB"),
+    GPU("A100-80GB-PCIe", "A100 80GB PCIe", 81920, (312.0, 312.0, 19.5, 0.0), 24.0, 25.0, 1935.0,
+        220, "Azure NC96ads_A100_v4: 4 x A100 80GB PCIe, 880 GiB"),
+    GPU("A100-40GB", "A100", 40960, (312.0, 312.0, 19.5, 0.0), 230.0, 25.0, 1555.0,
+        144, "AWS p4d.24xlarge: 8 x A100 40GB, 1,152 GiB"),
+    GPU("L40S", "L40S", 46068, (362.1, 362.1, 91.6, 733.0), 24.0, 25.0, 864.0,
+        96, "AWS g6e.12xlarge: 4 x L40S, 384 GiB"),
+    GPU("A10G", "A10G", 23028, (70.0, 70.0, 31.2, 0.0), 24.0, 25.0, 600.0,
+        48, "AWS g5.12xlarge: 4 x A10G, 192 GiB"),
+    GPU("A10", "A10", 23028, (125.0, 125.0, 31.2, 0.0), 24.0, 25.0, 600.0,
+        223, "OCI VM.GPU.A10.2: 2 x A10, 480 GB (447 GiB)"),
+    GPU("L4", "L4", 23034, (121.0, 121.0, 30.3, 242.0), 24.0, 25.0, 300.0,
+        48, "AWS g6.12xlarge: 4 x L4, 192 GiB"),
+    GPU("RTX-4090", "RTX 4090", 24564, (165.2, 165.2, 82.6, 330.3), 24.0, 25.0, 1008.0,
+        64, "no hyperscaler instance type carries it; a workstation: 4 x RTX 4090, 256 GiB"),
+    GPU("RTX-3090", "RTX 3090", 24576, (71.0, 71.0, 35.6, 0.0), 24.0, 25.0, 936.0,
+        64, "no hyperscaler instance type carries it; a workstation: 4 x RTX 3090, 256 GiB"),
+    GPU("A6000", "A6000", 49140, (154.8, 154.8, 38.7, 0.0), 24.0, 25.0, 768.0,
+        46, "Lambda gpu_4x_a6000: 4 x RTX A6000, 184 GiB"),
+    GPU("V100-32GB", "V100-SXM2-32GB", 32768, (0.0, 125.0, 15.7, 0.0), 130.0, 12.0, 900.0,
+        96, "AWS p3dn.24xlarge: 8 x V100 32GB, 768 GiB"),
+    GPU("V100-16GB", "V100", 16384, (0.0, 125.0, 15.7, 0.0), 12.0, 12.0, 900.0,
+        61, "AWS p3.8xlarge: 4 x V100 16GB, 244 GiB"),
+    GPU("T4", "T4", 15360, (0.0, 65.0, 8.1, 0.0), 12.0, 12.0, 320.0,
+        48, "AWS g4dn.12xlarge: 4 x T4, 192 GiB"),
 ]
 
 
@@ -103,15 +129,33 @@ def parse_size(text: str, what: str, default_unit: str = "gib") -> int:
 
 
 # ---------------------------------------------------------------------------- fixed overheads
-# What a CUDA rank holds beyond the live tensors a trace sees. NOT YET CALIBRATED ON A GPU: the
-# values are the public defaults named in `source`; `bench/plan_accuracy.py --gpu` measures
-# torch.cuda.max_memory_allocated/reserved against the prediction and is where to set them.
+# What a CUDA rank holds beyond the live tensors a trace sees: the public defaults named in
+# `source`, and the caching allocator's reserve over allocated, measured per technique
+# (MEASURED_RESERVE). `bench/plan_accuracy.py --gpu` measures torch.cuda.max_memory_allocated /
+# reserved against the prediction and is where to set them.
 @dataclass(frozen=True)
 class Overhead:
     value: float
     unit: str
     source: str
 
+
+# Reserved over the planner's predicted allocated (+ cuBLAS workspace), per technique, keyed by
+# (activation checkpointing, peft method, offloading): measured on one H100 80GB, bf16, seq 1024,
+# torch 2.11 (../shared/gpu-runs/2026-11-25-h100/plan_accuracy.md, `bench/plan_accuracy.py --gpu`,
+# 2026-11-25). The rule: measured max_memory_reserved / predicted allocated, rounded up to the next
+# 1 %, so a measured row is never under-predicted; never below 0 (reserved >= allocated).
+PLAN_ACCURACY_H100 = "../shared/gpu-runs/2026-11-25-h100/plan_accuracy.md (one H100, bf16, seq 1024)"
+MEASURED_RESERVE = {
+    ("none", "none", False): Overhead(0.09, "share of predicted allocated", "gpt2-small, full fine-tune, "
+                                     "micro-batch 8: 7,832 MiB reserved / 7,243 predicted allocated = 1.081"),
+    ("full", "none", False): Overhead(0.20, "share of predicted allocated", "gpt2-small, full checkpointing, "
+                                     "micro-batch 16: 4,282 MiB reserved / 3,583 predicted allocated = 1.195 (the "
+                                     "recomputed blocks' transient buffers are cached apart)"),
+    ("none", "lora", False): Overhead(0.0, "share of predicted allocated", "llama-100m, LoRA, micro-batch 8: 4,004 "
+                                    "MiB reserved / 4,189 predicted allocated = 0.956 (the allocated prediction "
+                                    "is 7.3 % over already; reserved is never below allocated)"),
+}
 
 CUDA_OVERHEADS = {
     # Inside torch's allocator (counted by max_memory_allocated and reserved):
@@ -120,11 +164,12 @@ CUDA_OVERHEADS = {
         "PyTorch's default CUBLAS_WORKSPACE_CONFIG ':4096:8' on sm90 (8 x 4 MiB), one per stream that runs GEMMs"),
     "allocation_rounding": Overhead(
         512, "bytes", "CUDACachingAllocator rounds every block up to 512 B (kMinBlockSize)"),
-    # Reserved but not allocated:
+    # Reserved but not allocated, for a technique MEASURED_RESERVE has no row for (selective and
+    # every-n checkpointing, offloading, LoRA with checkpointing, the other peft methods):
     "fragmentation": Overhead(
-        0.08, "share of peak allocated",
-        "blocks cached by the caching allocator and not reusable at the peak; the usual 5-10 % "
-        "(PyTorch CUDA semantics notes, expandable_segments discussion)"),
+        max(o.value for o in MEASURED_RESERVE.values()), "share of predicted allocated",
+        "the top of the measured spread (MEASURED_RESERVE: 0.00-0.20), so an unmeasured technique is not "
+        "under-predicted by a smaller share than one measured"),
     # Outside torch's allocator (in nvidia-smi's figure, not in max_memory_reserved):
     "cuda_context": Overhead(
         500 * 2 ** 20, "bytes", "CUDA context + torch kernels loaded lazily: 300-600 MiB per process (CUDA "
@@ -134,6 +179,13 @@ CUDA_OVERHEADS = {
         "NCCL_BUFFSIZE default 4 MiB; the ring/tree uses about 2 channels per peer on PCIe, more on NVLink"),
     "nccl_channels": Overhead(16, "channels", "NCCL's typical channel count on NVLink systems (NCCL_MAX_NCHANNELS)"),
 }
+
+
+def reserve_share(checkpointing: str = "", peft_method: str = "", offloading: bool = False) -> float:
+    """Reserved over predicted allocated, minus 1, for a technique: measured where MEASURED_RESERVE
+    has its row, else the top of the measured spread."""
+    measured = MEASURED_RESERVE.get((checkpointing, peft_method, offloading))
+    return measured.value if measured else overhead("fragmentation")
 
 
 def overhead(name: str) -> float:

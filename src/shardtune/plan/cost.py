@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from shardtune.config.schema import RunConfig
 from shardtune.families import hidden_size
-from shardtune.hardware import GPU, HOST_FACTS, overhead
+from shardtune.hardware import GPU, HOST_FACTS, overhead, reserve_share
 from shardtune.plan.trace import HOST_ONLY, OFFLOADED, StepTrace
 
 STATE_PRECISIONS = ("fp32", "bf16", "8bit", "4bit")
@@ -71,6 +71,10 @@ class Candidate:
             setattr(setting(out, path) if path else out, name, value)
         return out
 
+    def technique(self, cfg: RunConfig) -> tuple:
+        """What the allocator's reserve depends on (hardware.MEASURED_RESERVE's key)."""
+        return self.checkpointing, cfg.peft.method, self.activation_offload or self.cpu_offload
+
     def label(self) -> str:
         ac = f"every {self.every}" if self.checkpointing == "every_n" else self.checkpointing
         return (f"{self.sharding}, {self.precision}, checkpointing {ac}"
@@ -97,8 +101,9 @@ class Target:
     peak_tflops: float | None = None  # overrides the table (needed without --gpu for a speed estimate)
     bandwidth_gbs: float | None = None  # overrides the GPU's intra-node link
     inter_node_gbs: float = HOST_FACTS["inter_node_gbs"].value
-    host_bytes: int | None = None
+    host_bytes: int | None = None  # host RAM per node (None: unbounded)
     margin: float = 0.05  # share of GPU memory kept free
+    host_source: str = ""  # where host_bytes comes from (--host-mem, or the GPU's default and its source)
 
     @property
     def world(self) -> int:
@@ -123,15 +128,16 @@ class Target:
         return self.gpu.hbm_gbs if self.gpu else 1000.0  # a nominal card: the optimizer is a small term
 
 
-def gpu_memory(trace: StepTrace, offload: bool, world_size: int) -> dict:
+def gpu_memory(trace: StepTrace, offload: bool, world_size: int, technique: tuple = ()) -> dict:
     """One CUDA rank's memory from a trace: the peak of what stays on the GPU, by category, then
-    allocated (+ cuBLAS workspace), reserved (+ fragmentation) and the fixed overhead outside
-    torch's allocator (CUDA context, NCCL buffers), and their sum, what nvidia-smi would show."""
+    allocated (+ cuBLAS workspace), reserved (+ the allocator's reserve for `technique`, as
+    hardware.reserve_share takes it; none given: the widest measured) and the fixed overhead
+    outside torch's allocator (CUDA context, NCCL buffers), and their sum, what nvidia-smi shows."""
     leave_out = (OFFLOADED if offload else ()) + HOST_ONLY
     phase, cats = trace.peak(leave_out)
     on_gpu = {k: v for k, v in cats.items() if k not in leave_out}
     allocated = sum(on_gpu.values()) + int(overhead("cublas_workspace"))
-    reserved = int(allocated * (1 + overhead("fragmentation")))
+    reserved = int(allocated * (1 + reserve_share(*technique)))
     nccl = int(overhead("nccl_buffers") * overhead("nccl_channels") * 2) if world_size > 1 else 0
     fixed = int(overhead("cuda_context")) + nccl
     return {"phase": phase, "by_category": on_gpu, "allocated": allocated, "reserved": reserved,
@@ -139,21 +145,27 @@ def gpu_memory(trace: StepTrace, offload: bool, world_size: int) -> dict:
 
 
 def host_memory(trace: StepTrace, offload: bool, ranks_per_node: int, world: int = 1,
-                sharded_load: bool = False, sharded_save: bool = False) -> dict:
+                sharded_load: bool = False, sharded_save: bool = False, cfg: RunConfig | None = None) -> dict:
     """Host RAM of one node. Load: rank 0 reads the full fp32 weights once (then hands out
-    shards), or with model.sharded_load every rank reads only its 1/world of them. Save
-    (final/): gathered whole on rank 0, or with checkpoint.sharded_final each rank writes its own
-    rows in place (a bound: the rows pass through the host a chunk at a time). CPU offload keeps every rank's shards,
-    activation offloading every rank's saved activations at their peak."""
+    shards; random weights are made there too), or with model.sharded_load every rank reads only
+    its 1/world of them. Save (final/): gathered whole on rank 0, or with checkpoint.sharded_final
+    each rank writes its own rows in place (a bound: the rows pass through the host a chunk at a
+    time); nothing with save_final=false. CPU offload keeps every rank's shards, activation
+    offloading every rank's saved activations at their peak, checkpoint.async_save a staged copy
+    of every rank's shards and optimizer state (DCP copies them to the host, then writes)."""
     full_fp32 = 4 * trace.params["total"]
     per_node = ranks_per_node * -(-full_fp32 // max(world, 1))
     load, save = (per_node if sharded_load else full_fp32), (per_node if sharded_save else full_fp32)
+    if cfg is not None and not cfg.save_final:
+        save = 0
     offloaded = ranks_per_node * sum(trace.steady.get(c, 0) for c in OFFLOADED) if offload else 0
     activations = ranks_per_node * offloaded_activation_bytes(trace)
+    staged = ranks_per_node * sum(trace.steady.get(c, 0) for c in ("sharded_params", "optimizer_state")) \
+        if cfg is not None and cfg.checkpoint.async_save else 0
     return {"load": load, "load_path": "sharded" if sharded_load else "rank 0",
             "save": save, "save_path": "sharded" if sharded_save else "rank 0",
-            "cpu_offload": offloaded, "activation_offload": activations,
-            "total": max(load, save) + offloaded + activations}
+            "cpu_offload": offloaded, "activation_offload": activations, "async_save": staged,
+            "total": max(load, save) + offloaded + activations + staged}
 
 
 def offloaded_activation_bytes(trace: StepTrace) -> int:
@@ -178,6 +190,10 @@ def step_time(trace: StepTrace, hf_config, cand: Candidate, cfg: RunConfig, targ
         compute += float8_seconds(p, cfg, cand, target, tokens)
     if cfg.peft.method == "prompt_tuning":  # its virtual tokens pass through every layer, unpredicted
         compute *= (seq + cfg.peft.virtual_tokens) / seq
+    if cfg.peft.quantize == "4bit":  # bitsandbytes dequantizes every 4-bit weight per use
+        from shardtune.plan.qlora import dequant_seconds
+
+        compute += dequant_seconds(p, recomputed_forwards(cand), accum, target.hbm_gbs())
     if cand.checkpointing == "selective":  # the cheap ops again: memory-bound passes over the hidden states
         act_bytes = 4 if cand.precision == "fp32" else 2
         compute += SELECTIVE_PASSES * tokens * trace.layers * _hidden(hf_config) * act_bytes / (target.hbm_gbs() * 1e9)

@@ -17,7 +17,9 @@ from shardtune.errors import UserError
 from shardtune.hardware import GIB, float8_needs, gpu_by_name, overhead, parse_size
 from shardtune.plan.cost import Candidate, Target, setting
 from shardtune.plan.fit import resolve_hf_config
+from shardtune.plan.keys import refuse_unpriced
 from shardtune.plan.search import Estimate, confirm, largest_micro_batch, search
+from shardtune.plan.trace_cache import TraceCache
 
 ROWS = [("sharded_params", "sharded parameters"), ("gathered_params", "gathered parameters"),
         ("gradients", "sharded gradients"), ("gathered_grads", "unsharded gradients"),
@@ -50,14 +52,18 @@ def target_from_request(req: PlanRequest) -> Target:
         raise UserError("say which GPU: --gpu NAME (e.g. --gpu A100-80GB) or --gpu-mem SIZE (e.g. --gpu-mem 16GiB)")
     gpu = gpu_by_name(req.gpu) if req.gpu else None
     memory = parse_size(req.gpu_mem, "--gpu-mem") if req.gpu_mem else gpu.memory_bytes
-    host = parse_size(req.host_mem, "--host-mem") if req.host_mem else None
+    host, host_source = (parse_size(req.host_mem, "--host-mem"), "--host-mem") if req.host_mem else (None, "")
+    if host is None and gpu is not None:  # the machines that carry this card: hardware.GPUS
+        host = gpu.host_bytes * req.gpus
+        host_source = (f"the default for {gpu.name}: {gpu.host_gib} GiB per GPU, as on {gpu.host_source}; "
+                       "--host-mem to change")
     for name in ("bandwidth", "inter_node_bandwidth", "peak_tflops"):
         if getattr(req, name) is not None and getattr(req, name) <= 0:
             raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(req, name)}")
     if not 0 <= req.margin < 1:
         raise UserError(f"--margin is a share of GPU memory kept free, in [0, 1); got {req.margin}")
     target = Target(req.gpus, req.nodes, memory, gpu, req.peak_tflops, req.bandwidth, host_bytes=host,
-                    margin=req.margin)
+                    margin=req.margin, host_source=host_source)
     if req.inter_node_bandwidth:
         target.inter_node_gbs = req.inter_node_bandwidth
     return target
@@ -68,6 +74,7 @@ def run_plan(req: PlanRequest, cfg: RunConfig, recipe: str | None, overrides: li
     from shardtune.model.hf import check_seq_len
 
     target = target_from_request(req)
+    refuse_unpriced(cfg, target)
     if cfg.float8 != "none" and target.gpu is not None and not target.gpu.supports("fp8"):
         raise UserError(f"{float8_needs(cfg.float8)}; {target.gpu.name} has none: set float8=none, or plan for "
                         "one of those")
@@ -77,17 +84,20 @@ def run_plan(req: PlanRequest, cfg: RunConfig, recipe: str | None, overrides: li
     say = (lambda text: print(text, file=sys.stderr, flush=True)) if req.json else \
         (lambda text: print(text, flush=True))
     say(f"model config: {source}")
-    ranked = search(cfg, hf_config, target, say)
-    best = confirm([e for e in ranked if e.fits], cfg, hf_config, target)
+    cache = TraceCache.default()
+    ranked = search(cfg, hf_config, target, say, cache)
+    best = confirm([e for e in ranked if e.fits], cfg, hf_config, target, cache)
     ranked = [e for e in ranked if e is not best and not _same(e, best)]
     answer = {"target": _target_json(target), "model_config_source": source,
               "best": _json(best, cfg, target, recipe, overrides) if best else None,
               "others": [_json(e, cfg, target, recipe, overrides) for e in ranked]}
     if best is None:
-        answer["what_would_fit"] = what_would_fit(cfg, hf_config, target, ranked)
+        answer["what_would_fit"] = what_would_fit(cfg, hf_config, target, ranked, cache)
     else:
-        answer["best"]["largest_micro_batch"] = largest_micro_batch(best, cfg, hf_config, target)
+        answer["best"]["largest_micro_batch"] = largest_micro_batch(best, cfg, hf_config, target, cache=cache)
         answer["best"]["float8_alternatives"] = float8_alternatives(cfg, hf_config, target, best)
+    if cache.folder is not None:
+        say(f"traced steps: {cache.misses} traced, {cache.hits} read from {cache.folder} ($SHARDTUNE_PLAN_CACHE)")
     if req.json:
         print(json.dumps(answer, indent=1))
     else:
@@ -159,7 +169,7 @@ def float8_alternatives(cfg: RunConfig, hf_config, target: Target, best: Estimat
 def _target_json(t: Target) -> dict:
     return {"gpus_per_node": t.gpus_per_node, "nodes": t.nodes, "gpu": t.gpu.name if t.gpu else None,
             "gpu_memory_bytes": t.memory_bytes, "margin": t.margin, "link_gbs": t.link_gbs(),
-            "pcie_gbs": t.pcie_gbs(), "host_memory_bytes": t.host_bytes}
+            "pcie_gbs": t.pcie_gbs(), "host_memory_bytes": t.host_bytes, "host_memory_source": t.host_source or None}
 
 
 def render(answer: dict) -> str:
@@ -167,6 +177,9 @@ def render(answer: dict) -> str:
     gpu = t["gpu"] or "GPU"
     lines.append(f"{t['nodes']} node(s) x {t['gpus_per_node']} x {gpu} ({t['gpu_memory_bytes'] / GIB:.1f} GiB each), "
                  f"keeping {100 * t['margin']:.0f} % free")
+    lines.append(f"host RAM per node: {t['host_memory_bytes'] / GIB:.0f} GiB ({t['host_memory_source']}), bounding "
+                 "every answer" if t["host_memory_bytes"] else
+                 "host RAM per node: not bounded (no --gpu from the table): give --host-mem SIZE to bound it")
     best = answer["best"]
     if best:
         c, g, h, sec = best["candidate"], best["gpu_bytes"], best["host_bytes"], best["seconds_by_part"]
@@ -176,12 +189,16 @@ def render(answer: dict) -> str:
                   f"per rank, at the peak ({best['peak_phase']}), traced whole:"]
         lines += [f"  {name:<24}{g['by_category'].get(key, 0) / GIB:8.2f} GiB" for key, name in ROWS]
         lines += [f"  {'peak allocated':<24}{g['allocated'] / GIB:8.2f} GiB  (+ cuBLAS workspace)",
-                  f"  {'peak reserved':<24}{g['reserved'] / GIB:8.2f} GiB  (+ allocator fragmentation)",
+                  f"  {'peak reserved':<24}{g['reserved'] / GIB:8.2f} GiB  (+ the allocator's reserve)",
                   f"  {'fixed overhead':<24}{g['fixed_overhead'] / GIB:8.2f} GiB  (CUDA context, NCCL buffers)",
                   f"  {'total':<24}{g['total'] / GIB:8.2f} GiB",
                   f"host RAM per node: load {h['load'] / GIB:.1f} GiB ({h['load_path']}), "
                   f"final/ save {h['save'] / GIB:.1f} GiB ({h['save_path']}), CPU offload "
-                  f"{h['cpu_offload'] / GIB:.1f} GiB, offloaded activations {h['activation_offload'] / GIB:.1f} GiB",
+                  f"{h['cpu_offload'] / GIB:.1f} GiB, offloaded activations {h['activation_offload'] / GIB:.1f} GiB"
+                  + (f", async checkpoint staging {h['async_save'] / GIB:.1f} GiB" if h.get("async_save") else "")
+                  + "; "
+                  f"total {h['total'] / GIB:.1f} GiB" + (f" of {t['host_memory_bytes'] / GIB:.0f}"
+                                                        if t["host_memory_bytes"] else ""),
                   f"largest micro-batch per GPU that fits this layout: {best['largest_micro_batch']} (global batch "
                   "kept here; a larger one needs train.global_batch_size to be a multiple of it x GPUs)",
                   "run it:", f"  {best['command']}"]
@@ -195,7 +212,8 @@ def render(answer: dict) -> str:
         for text in answer.get("what_would_fit", []):
             lines.append(f"  - {text}")
     lines += _others(answer["others"])
-    lines.append("(the CUDA overheads are public defaults, not yet calibrated on a GPU: see hardware.CUDA_OVERHEADS)")
+    lines.append("(reserved memory calibrated on one H100 for no checkpointing, full checkpointing and LoRA; other "
+                 "techniques take the widest measured reserve: hardware.MEASURED_RESERVE)")
     return "\n".join(lines)
 
 
@@ -232,7 +250,8 @@ def _label(c: dict, batch: bool = True) -> str:
     return text if batch else text.rsplit(", micro-batch", 1)[0]
 
 
-def what_would_fit(cfg: RunConfig, hf_config, target: Target, ranked: list[Estimate]) -> list[str]:
+def what_would_fit(cfg: RunConfig, hf_config, target: Target, ranked: list[Estimate],
+                   cache: TraceCache | None = None) -> list[str]:
     """When nothing fits: the smallest change that would, each with its predicted memory."""
     budget = target.memory_bytes * (1 - target.margin)
     smallest = min((x.candidate.micro_batch for x in ranked if x.memory), default=None)  # None: nothing traced
@@ -251,7 +270,7 @@ def what_would_fit(cfg: RunConfig, hf_config, target: Target, ranked: list[Estim
                            f"{(fixed + sharded * grow * target.world / world) / GIB:.1f} GiB each")
                 break
     if not cfg.peft.low_rank:
-        out += _lora_lines(cfg, hf_config, target)
+        out += _lora_lines(cfg, hf_config, target, cache)
     if lean is not None:
         acts = sum(lean.memory["by_category"].get(k, 0) for k in ("activations", "temporaries"))
         seq = cfg.data.seq_len
@@ -264,8 +283,9 @@ def what_would_fit(cfg: RunConfig, hf_config, target: Target, ranked: list[Estim
     return out
 
 
-def _lora_lines(cfg: RunConfig, hf_config, target: Target) -> list[str]:
-    """What LoRA (traced) and QLoRA (estimated: bitsandbytes needs CUDA) would need per rank."""
+def _lora_lines(cfg: RunConfig, hf_config, target: Target, cache: TraceCache | None = None) -> list[str]:
+    """What LoRA (traced) and, on one GPU, QLoRA (the LoRA trace with its base priced in NF4:
+    plan.qlora) would need per rank."""
     from shardtune.plan.search import estimate, screen, traced
 
     lora = copy.deepcopy(cfg)
@@ -273,15 +293,22 @@ def _lora_lines(cfg: RunConfig, hf_config, target: Target) -> list[str]:
     lora.freeze = type(cfg.freeze)()
     cand = Candidate("full_shard", lora.precision, 1, "full")
     layout = cand.apply(lora, target)
-    at = traced(lambda: screen(layout, hf_config, target))
+    at = traced(lambda: screen(layout, hf_config, target, cache=cache))
     if isinstance(at, str):
         return [f"LoRA: {at}"]
-    trace = at(1)
-    est = estimate(trace, hf_config, cand, layout, target)
-    base = trace.params["total"] - trace.params["trainable"]
-    qlora = est.memory["total"] - est.memory["by_category"].get("sharded_params", 0) * target.world \
-        - est.memory["by_category"].get("gathered_params", 0) + int(0.53 * base)
-    return [f"LoRA (peft.method=lora activation_checkpointing=full train.micro_batch_size=1): "
-            f"{est.memory['total'] / GIB:.1f} GiB per rank ({'fits' if est.fits else 'does not fit'})",
-            f"QLoRA (peft.quantize=4bit, one GPU): about {max(qlora, 0) / GIB:.1f} GiB (estimated, not traced: "
-            "bitsandbytes needs CUDA)"]
+    est = estimate(at(1), hf_config, cand, layout, target)
+    out = [f"LoRA (peft.method=lora activation_checkpointing=full train.micro_batch_size=1): "
+           f"{est.memory['total'] / GIB:.1f} GiB per rank ({'fits' if est.fits else 'does not fit'})"]
+    one = dataclasses.replace(target, gpus_per_node=1, nodes=1)
+    if cfg.model.name_or_path is None or (target.gpu is not None and not target.gpu.supports("bf16")):
+        return out  # QLoRA quantizes pretrained weights and computes in bf16
+    qlora = copy.deepcopy(layout)
+    qlora.peft.quantize, qlora.precision = "4bit", "bf16"
+    cand = dataclasses.replace(cand, precision="bf16")
+    at = traced(lambda: screen(cand.apply(qlora, one), hf_config, one, cache=cache))
+    if isinstance(at, str):
+        return out + [f"QLoRA: {at}"]
+    est = estimate(at(1), hf_config, cand, cand.apply(qlora, one), one)
+    return out + [f"QLoRA (peft.method=lora peft.quantize=4bit precision=bf16 activation_checkpointing=full "
+                  f"train.micro_batch_size=1, one GPU): {est.memory['total'] / GIB:.1f} GiB "
+                  f"({'fits' if est.fits else 'does not fit'}; the LoRA trace, its base priced in NF4)"]

@@ -7,8 +7,9 @@ extrapolated to the model's depth and every micro-batch; the optimizer state pre
 bf16, 8-bit, 4-bit) and FSDP's CPU offload are priced from that one trace (`cost.py`). So the
 search stays fast, layouts are traced in the order of the best speed they could reach, and not
 at all once one fits that they could not beat by more than 1 % (a bound), or once a layout
-needing less memory fits nowhere (a dominance): the lightest layout is traced first. The
-winner is traced whole to confirm it.
+needing less memory fits nowhere (a dominance): the lightest layout is traced first, and before
+any other, the lightest of its sharding that could rule it out. The winner is traced whole to
+confirm it. The traced copies are kept on disk per model shape (`trace_cache.py`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from shardtune.plan.cost import (
     step_time,
 )
 from shardtune.plan.trace import StepTrace
+from shardtune.plan.trace_cache import TraceCache
 
 SCREEN_DEPTHS = (3, 4)  # blocks in the copies the search traces; the phase peaks are linear beyond 2
 SCREEN_MICRO = (2, 4)  # micro-batches traced; where a peak sits inside a block settles by about 2
@@ -89,13 +91,15 @@ def micro_batches(cfg: RunConfig, world: int) -> list[int]:
 
 
 def layouts(cfg: RunConfig, target: Target) -> list[Candidate]:
-    """Every layout of the menu (as a Candidate at micro-batch 0 with fp32 state, no CPU offload)."""
+    """Every layout of the menu (as a Candidate at micro-batch 0 with fp32 state, no CPU offload);
+    QLoRA's (one GPU, no FSDP) take full checkpointing or none, no offloading and no reduction."""
+    qlora = cfg.peft.quantize != "none"
     out = []
     for precision in precisions(cfg, target):
         for sharding in shardings(cfg, target):
-            for checkpointing in CHECKPOINTING:
-                for offload in (False, True):
-                    for reduce in (["fp32", "bf16"] if precision == "bf16" else ["fp32"]):
+            for checkpointing in (("none", "full") if qlora else CHECKPOINTING):
+                for offload in ((False,) if qlora else (False, True)):
+                    for reduce in (["fp32", "bf16"] if precision == "bf16" and not qlora else ["fp32"]):
                         out.append(Candidate(sharding, precision, 0, checkpointing, cfg.activation_checkpointing_every,
                                              offload, reduce))
     return out
@@ -126,9 +130,10 @@ def layout_cfg(cfg: RunConfig, layout: Candidate, target: Target) -> RunConfig:
 # ----------------------------------------------------------------------------- tracing
 
 
-def screen(cfg: RunConfig, hf_config, target: Target, device: str = "cuda"):
+def screen(cfg: RunConfig, hf_config, target: Target, device: str = "cuda", cache: TraceCache | None = None):
     """A function micro-batch -> StepTrace of `cfg` on `device`, extrapolated from small traced
-    copies (two depths x two micro-batches; the model's own depth where it cannot be extrapolated)."""
+    copies (two depths x two micro-batches; the model's own depth where it cannot be extrapolated),
+    read from `cache` where traced before."""
     from shardtune.plan import trace as trace_lib
 
     layers = trace_lib.layer_count(hf_config)
@@ -138,8 +143,8 @@ def screen(cfg: RunConfig, hf_config, target: Target, device: str = "cuda"):
         for mb in SCREEN_MICRO:
             small = copy.deepcopy(cfg)
             small.train.micro_batch_size, small.train.global_batch_size = mb, 2 * mb * target.world  # 2 micro-steps
-            traces[(depth, mb)] = trace_lib.trace_step(small, hf_config, target.world, target.gpus_per_node, depth,
-                                                       device)
+            traces[(depth, mb)] = (cache or TraceCache(None)).trace(small, hf_config, target.world,
+                                                                    target.gpus_per_node, depth, device)
     return functools.lru_cache(lambda mb: trace_lib.extrapolate(traces, layers, mb))
 
 
@@ -184,11 +189,15 @@ def estimate(trace: StepTrace, hf_config, cand: Candidate, cfg: RunConfig, targe
     """`cand` priced from a trace of its layout (any optimizer state: it is swapped in here)."""
     accum = check_world(cand.apply(cfg, target), target.world)
     trace = trace.with_state(cand.optimizer_state)
+    if cfg.peft.quantize == "4bit":  # the LoRA step's trace, its base priced as bitsandbytes holds it
+        from shardtune.plan.qlora import nf4_base, quantized
+
+        trace = quantized(trace, nf4_base(hf_config, cfg.model.trust_remote_code))
     if accum == 1:  # one micro-step per step: the second one's phases do not happen
         trace = dataclasses.replace(trace, phases={k: v for k, v in trace.phases.items() if k[0] < 1})
-    memory = gpu_memory(trace, cand.cpu_offload, target.world)
+    memory = gpu_memory(trace, cand.cpu_offload, target.world, cand.technique(cfg))
     host = host_memory(trace, cand.cpu_offload, target.gpus_per_node, target.world,
-                       cfg.model.sharded_load and not cfg.model.random_init, cfg.checkpoint.sharded_final)
+                       cfg.model.sharded_load and not cfg.model.random_init, cfg.checkpoint.sharded_final, cfg)
     seconds = step_time(trace, hf_config, cand, cfg, target, accum)
     budget = target.memory_bytes * (1 - target.margin)
     why = ""
@@ -201,38 +210,42 @@ def estimate(trace: StepTrace, hf_config, cand: Candidate, cfg: RunConfig, targe
                     seconds=seconds, trace=trace)
 
 
-def variants(layout: Candidate, sizes: list[int]) -> list[Candidate]:
+def variants(layout: Candidate, sizes: list[int], cpu_offload: bool = True) -> list[Candidate]:
     """The candidates one trace of `layout` prices: every optimizer state x CPU offload (fp32 state
-    only: the offloaded optimizer is torch's CPU AdamW) x micro-batch."""
+    only: the offloaded optimizer is torch's CPU AdamW; none for QLoRA, which FSDP does not hold) x
+    micro-batch."""
     from shardtune.plan.priced import available_states
 
-    states = [(s, False) for s in available_states()] + [("fp32", True)]
+    states = [(s, False) for s in available_states()] + ([("fp32", True)] if cpu_offload else [])
     return [dataclasses.replace(layout, micro_batch=mb, optimizer_state=s, cpu_offload=off)
             for s, off in states for mb in sizes]
 
 
 def best_speed(layout: Candidate, params_trace: StepTrace, hf_config, cfg: RunConfig, target: Target,
-               sizes: list[int]) -> float:
-    """The most tokens/s any variant of `layout` could reach if it fit (memory unknown yet)."""
+               sizes: list[int], excluded: frozenset = frozenset()) -> float:
+    """The most tokens/s any variant of `layout` could reach if it fit (memory unknown yet), but
+    those `excluded` ((optimizer state, CPU offload, micro-batch) known not to fit); 0 if none is left."""
     bare = StepTrace({}, params_trace.layers, {}, {**params_trace.params, "offloaded_activations": 0})
     tokens = cfg.train.global_batch_size * cfg.data.seq_len
-    return max(tokens / step_time(bare, hf_config, c, cfg, target, cfg.train.global_batch_size //
-                                  (c.micro_batch * target.world))["total"]
-               for c in variants(layout, sizes[-1:]) if not c.cpu_offload)
+    return max((tokens / step_time(bare, hf_config, c, cfg, target, cfg.train.global_batch_size //
+                                   (c.micro_batch * target.world))["total"]
+                for c in variants(layout, sizes, cfg.peft.quantize == "none")
+                if (c.optimizer_state, c.cpu_offload, c.micro_batch) not in excluded), default=0.0)
 
 
 # ----------------------------------------------------------------------------- search
 
 
-def search(cfg: RunConfig, hf_config, target: Target, say=print) -> list[Estimate]:
+def search(cfg: RunConfig, hf_config, target: Target, say=print, cache: TraceCache | None = None) -> list[Estimate]:
     """Every candidate, best first: the fitting ones by predicted tokens/s, then the others."""
     sizes = micro_batches(cfg, target.world)
     menu = layouts(cfg, target)
-    lightest = min(menu, key=lambda c: (_SHARDING_ORDER[c.sharding], CHECKPOINTING[::-1].index(c.checkpointing),
-                                        not c.activation_offload, c.reduce_dtype != "bf16", c.precision == "fp32"))
+    lightest = min(menu, key=_lightness)
     estimates: list[Estimate] = []
     misfits: list[Candidate] = []
+    too_big: dict[Candidate, set] = {}  # traced layout -> its variants that exceed GPU memory
     bounds: dict[Candidate, float] = {}
+    first: StepTrace | None = None  # the first trace: the parameter counts every bound needs
     fastest = 0.0  # tokens/s of the fastest candidate that fits so far
     order = [lightest] + [c for c in menu if c != lightest]
     while order:
@@ -242,25 +255,46 @@ def search(cfg: RunConfig, hf_config, target: Target, say=print) -> list[Estimat
             estimates.append(_skipped(layout, sizes[0], f"not traced: needs at least the memory of "
                                       f"{_layout_label(heavier)}, which fits nowhere"))
             continue
+        if layout in bounds:  # its variants that a lighter layout's trace showed too big cannot fit either
+            bounds[layout] = best_speed(layout, first, hf_config, cfg, target, sizes, frozenset().union(
+                *(bad for m, bad in too_big.items() if needs_at_least(layout, m))))
+        if bounds.get(layout) == 0.0:
+            estimates.append(_skipped(layout, sizes[0], "not traced: each of its variants needs at least the "
+                                      "memory of one a lighter layout's trace found too big"))
+            continue
         if layout in bounds and bounds[layout] < fastest * (1 + TIE):  # at best a tie
             estimates.append(_skipped(layout, sizes[-1], f"not traced: at most {bounds[layout]:,.0f} tokens/s if it "
                                       f"fit, no faster than the {fastest:,.0f} of a layout that fits"))
             continue
+        # the first of a sharding: the lightest of its layouts, not yet ruled out, first; where that
+        # one fits nowhere, neither does any other of that sharding or a heavier one, untraced
+        lighter = [c for c in order if c.sharding == layout.sharding and needs_at_least(layout, c)
+                   and not (c in bounds and bounds[c] < fastest * (1 + TIE))]
+        if lighter and not any(t.sharding == layout.sharding for t in too_big):
+            light = min(lighter, key=_lightness)
+            order.remove(light)
+            order[:0] = [light, layout]
+            continue
         say(f"tracing {_layout_label(layout)}")
-        at = traced(lambda layout=layout: screen(layout_cfg(cfg, layout, target), hf_config, target))
+        at = traced(lambda layout=layout: screen(layout_cfg(cfg, layout, target), hf_config, target, cache=cache))
         if isinstance(at, str):  # this layout cannot be traced: its candidates say why
             estimates.append(_skipped(layout, sizes[0], at))
             continue
         run = layout_cfg(cfg, layout, target)
-        batch = [estimate(at(c.micro_batch), hf_config, c, run, target) for c in variants(layout, sizes)]
+        batch = [estimate(at(c.micro_batch), hf_config, c, run, target)
+                 for c in variants(layout, sizes, cfg.peft.quantize == "none")]
         for e in batch:
             e.at = at
         estimates += batch
         fastest = max([fastest] + [e.tokens_per_s for e in batch if e.fits])
-        if not any(e.fits for e in batch):
+        budget = target.memory_bytes * (1 - target.margin)
+        too_big[layout] = {(e.candidate.optimizer_state, e.candidate.cpu_offload, e.candidate.micro_batch)
+                           for e in batch if e.memory["total"] > budget}  # GPU memory: heavier layouts too
+        if all(e.memory["total"] > budget for e in batch):
             misfits.append(layout)
         if not bounds:  # the first trace gives the parameter counts every bound needs
-            bounds = {c: best_speed(c, batch[0].trace, hf_config, cfg, target, sizes) for c in order}
+            first = batch[0].trace
+            bounds = {c: best_speed(c, first, hf_config, cfg, target, sizes) for c in order}
             # fastest first; among speeds within a tie, the closest to the recipe (what the ranking
             # prefers), then the lighter (the likelier to fit)
             order.sort(key=lambda c: (-round(math.log(bounds[c]) / TIE), changes(c, cfg),
@@ -268,10 +302,11 @@ def search(cfg: RunConfig, hf_config, target: Target, say=print) -> list[Estimat
     return rank(estimates, cfg)
 
 
-def largest_micro_batch(est: Estimate, cfg: RunConfig, hf_config, target: Target, limit: int = 14) -> int:
+def largest_micro_batch(est: Estimate, cfg: RunConfig, hf_config, target: Target, limit: int = 14,
+                        cache: TraceCache | None = None) -> int:
     """The largest power-of-two micro-batch of `est`'s layout that fits, whatever the global batch."""
     c = est.candidate
-    at = est.at or screen(layout_cfg(cfg, c, target), hf_config, target)
+    at = est.at or screen(layout_cfg(cfg, c, target), hf_config, target, cache=cache)
     best = 0
     for mb in (2 ** i for i in range(limit)):
         big = copy.deepcopy(cfg)
@@ -280,6 +315,12 @@ def largest_micro_batch(est: Estimate, cfg: RunConfig, hf_config, target: Target
             break
         best = mb
     return best
+
+
+def _lightness(c: Candidate) -> tuple:
+    """Sorts the layouts that likely need the least memory first."""
+    return (_SHARDING_ORDER[c.sharding], CHECKPOINTING[::-1].index(c.checkpointing), not c.activation_offload,
+            c.reduce_dtype != "bf16", c.precision == "fp32")
 
 
 def _layout_label(c: Candidate) -> str:
@@ -312,15 +353,17 @@ def rank(estimates: list[Estimate], cfg: RunConfig) -> list[Estimate]:
                                             e.memory.get("total", 0)))
 
 
-def confirm(best: list[Estimate], cfg: RunConfig, hf_config, target: Target) -> Estimate | None:
+def confirm(best: list[Estimate], cfg: RunConfig, hf_config, target: Target,
+            cache: TraceCache | None = None) -> Estimate | None:
     """Trace the top candidates whole, in order, until one fits: the answer rests on a full trace."""
-    from shardtune.plan.trace import trace_step
+    from shardtune.plan import trace as trace_lib
 
+    whole = cache.trace if cache is not None else trace_lib.trace_step
     for est in best[:3]:
         if not est.fits:
             return None
         run = est.candidate.apply(cfg, target)
-        full = traced(lambda run=run: trace_step(run, hf_config, target.world, target.gpus_per_node, target="cuda"))
+        full = traced(lambda run=run: whole(run, hf_config, target.world, target.gpus_per_node, target="cuda"))
         if isinstance(full, str):
             est.fits, est.why_not = False, f"extrapolated fit, but the full trace {full}"
             continue
