@@ -28,7 +28,7 @@ def test_counted_attention_is_the_formulas_where_the_formula_knows_the_family(mo
     from archs import hf_config
 
     from shardtune.families import hidden_size, layer_count
-    from shardtune.telemetry.metrics import attention_flops
+    from shardtune.telemetry.flops import attention_flops
 
     cfg = hf_config(model_type)
     assert attention_flops(cfg, 48) == 4 * layer_count(cfg) * hidden_size(cfg) * 48
@@ -42,7 +42,7 @@ def test_counted_attention_is_the_formulas_where_the_formula_knows_the_family(mo
 def test_counted_attention_follows_what_the_formula_does_not_know(model_type, extra, per_layer):
     from archs import hf_config
 
-    from shardtune.telemetry.metrics import attention_flops
+    from shardtune.telemetry.flops import attention_flops
 
     cfg = hf_config(model_type, **extra)
     assert attention_flops(cfg, 48) == 2 * per_layer * 48  # 2 layers, seq_len 48

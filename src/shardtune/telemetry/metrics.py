@@ -12,11 +12,11 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 from torch.distributed._tools.mem_tracker import MemTracker
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardtune.diskspace import tensor_bytes
-from shardtune.families import config_value, hidden_size, layer_count
+from shardtune.families import config_value
 from shardtune.hardware import GIB
+from shardtune.telemetry.flops import attention_flops
 
 
 class MetricsLog:
@@ -142,46 +142,6 @@ def flops_per_token(num_params: int, hf_config, seq_len: int, trainable: int | N
     activation checkpointing is not counted: MFU measures useful work."""
     trainable = num_params if trainable is None else trainable
     return 4.0 * num_params + 2.0 * trainable + 3.0 * attention_flops(hf_config, seq_len)
-
-
-WEIGHT_MATMULS = {"aten.mm", "aten.addmm", "aten._grouped_mm"}  # what `matmul_params` counts
-
-
-def attention_flops(hf_config, seq_len: int) -> float:
-    """Forward FLOPs per token of the matmuls between activations (attention's scores and
-    weighted values, of whatever kind a family has: grouped, latent, per-head sizes of its own)
-    as torch's FlopCounterMode counts them in one forward of the real model on meta tensors with
-    `seq_len` tokens; counted once per config and length. A model that does not run there (remote
-    code) gets dense attention's 4 x layers x hidden x seq_len: telemetry never stops a run."""
-    key = (hf_config.to_json_string(), seq_len)
-    if key not in _COUNTED:
-        from torch.utils.flop_counter import FlopCounterMode
-        from transformers import AutoModelForCausalLM
-
-        try:
-            with torch.device("meta"):  # bf16: the grouped expert matmul takes nothing else
-                model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16)
-            ids = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
-            with FlopCounterMode(display=False) as counter, _MetaScalars(), torch.no_grad():
-                model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
-            counts = counter.get_flop_counts()["Global"]
-            _COUNTED[key] = sum(n for op, n in counts.items() if str(op) not in WEIGHT_MATMULS) / seq_len
-        except Exception:  # noqa: BLE001
-            _COUNTED[key] = 4.0 * (layer_count(hf_config) or 0) * (hidden_size(hf_config) or 0) * seq_len
-    return _COUNTED[key]
-
-
-_COUNTED: dict[tuple[str, int], float] = {}
-
-
-class _MetaScalars(TorchDispatchMode):
-    """A meta tensor has no value: where the forward reads one (is the mask all ones? one
-    sequence per row?) the answer is the plain case, True or 0."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            return True if args[0].dtype == torch.bool else 0
-        return func(*args, **(kwargs or {}))
 
 
 def matmul_params(model) -> tuple[int, int]:
