@@ -2,12 +2,13 @@
 version) calls to create a repo, a branch, upload a folder (preupload + one ndjson commit, every
 file "regular", i.e. inline base64) and list a repo's files. Files land in STORE/<ns>/<name>/<rev>/.
 
-    python tests/hub_server.py STORE PORT_FILE [--deny-commits] [--hang-commits]
+    python tests/hub_server.py STORE PORT_FILE [--deny-commits] [--hang-commits] [--fail-first-commit]
 
 Listens on 127.0.0.1 only, on a free port that it writes to PORT_FILE. Every commit is also
 appended to STORE/commits.jsonl ({"repo", "revision", "paths"}), so a test sees what arrived and
 when. --deny-commits answers every commit with 403 (a rejected push / full quota), and
---hang-commits never answers one (a hung server)."""
+--hang-commits never answers one (a hung server). --fail-first-commit answers the first commit
+with 503 (a passing outage) and notes it in STORE/failed.jsonl."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ REPO = r"(?P<ns>[^/]+)/(?P<name>[^/]+)"
 
 class Hub(BaseHTTPRequestHandler):
     store: Path
-    deny = hang = False
+    deny = hang = fail_first = False
     lock = threading.Lock()
 
     def log_message(self, *args) -> None:  # quiet
@@ -83,6 +84,12 @@ class Hub(BaseHTTPRequestHandler):
                 threading.Event().wait(3600)
             if self.deny:
                 return self.reply(403, {"error": "You have exceeded your storage quota"})
+            with self.lock:
+                fail, Hub.fail_first = Hub.fail_first, False
+            if fail:
+                with open(self.store / "failed.jsonl", "a") as f:
+                    f.write(json.dumps({"status": 503, "revision": unquote(m["rev"])}) + "\n")
+                return self.reply(503, {"error": "Service temporarily unavailable"})
             root = self.repo_dir(m, m["rev"])
             if not root.is_dir():
                 return self.reply(404, {"error": "Repository not found"}, {"X-Error-Code": "RepoNotFound"})
@@ -119,6 +126,7 @@ def main() -> None:
     store, port_file = Path(sys.argv[1]), Path(sys.argv[2])
     store.mkdir(parents=True, exist_ok=True)
     Hub.store, Hub.deny, Hub.hang = store, "--deny-commits" in sys.argv, "--hang-commits" in sys.argv
+    Hub.fail_first = "--fail-first-commit" in sys.argv
     server = ThreadingHTTPServer(("127.0.0.1", 0), Hub)
     server.daemon_threads = True
     tmp = port_file.with_suffix(".tmp")

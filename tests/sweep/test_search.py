@@ -89,6 +89,9 @@ def test_study_prunes_resumes_and_draws(assets, tmp_path, monkeypatch, capsys):
     assert study.best_value == min(complete) < max(complete)
     for stem in ("history", "importance", "param-train_lr"):
         assert (out / f"{stem}.png").read_bytes()[:8] == PNG
+    import matplotlib
+
+    assert matplotlib.rcParams["axes.facecolor"] == "white"  # optuna's ggplot style stayed inside its plots
     assert "best: trial" in (out / "search.md").read_text()
     assert len(csv_rows(out)) == 7
     # the same folder with another search space is another study: refused

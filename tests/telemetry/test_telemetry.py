@@ -21,6 +21,33 @@ def test_flops_per_token_is_six_n_plus_attention():
     assert flops_per_token(124_000_000, cfg, 1024) == 6 * 124e6 + 12 * 12 * 768 * 1024
 
 
+@pytest.mark.parametrize("model_type", ["gpt2", "llama", "opt"])
+def test_counted_attention_is_the_formulas_where_the_formula_knows_the_family(model_type):
+    """FlopCounterMode over the real model on meta tensors gives the hand formula's attention term
+    (4 x layers x hidden x seq_len per token forward; 3 x that in training) for these families."""
+    from archs import hf_config
+
+    from shardtune.families import hidden_size, layer_count
+    from shardtune.telemetry.flops import attention_flops
+
+    cfg = hf_config(model_type)
+    assert attention_flops(cfg, 48) == 4 * layer_count(cfg) * hidden_size(cfg) * 48
+    assert flops_per_token(1000, cfg, 48, 10) == 4 * 1000 + 2 * 10 + 12 * layer_count(cfg) * hidden_size(cfg) * 48
+
+
+@pytest.mark.parametrize("model_type, extra, per_layer", [
+    ("qwen3", {"head_dim": 32}, 4 * 4 * 32),  # 4 heads of 32 on a hidden size of 64: twice the formula's
+    ("deepseek_v3", {"v_head_dim": 32}, 2 * 4 * 16 + 2 * 4 * 32),  # latent attention: scores 16, values 32 wide
+])
+def test_counted_attention_follows_what_the_formula_does_not_know(model_type, extra, per_layer):
+    from archs import hf_config
+
+    from shardtune.telemetry.flops import attention_flops
+
+    cfg = hf_config(model_type, **extra)
+    assert attention_flops(cfg, 48) == 2 * per_layer * 48  # 2 layers, seq_len 48
+
+
 @pytest.mark.parametrize("model_type", ["mixtral", "deepseek_v3"])
 def test_matmul_params_are_the_weights_a_token_meets(model_type):
     """2 x matmul_params x tokens is the forward's matmul FLOPs as torch counts them (attention's

@@ -178,12 +178,13 @@ def step_time(trace: StepTrace, hf_config, cand: Candidate, cfg: RunConfig, targ
     communication overlapped with it (FSDP prefetches), activation copies on a side stream
     (overlapped too, but sharing a PCIe link with the collectives where that is the link), the
     optimizer step (memory-bound), and CPU offload's copies and host AdamW (not overlapped)."""
+    from shardtune.telemetry.flops import attention_flops
     from shardtune.telemetry.metrics import flops_per_token
 
     p, seq, world = trace.params, cfg.data.seq_len, target.world
     tokens = cand.micro_batch * accum * seq  # per rank per step
     fpt = flops_per_token(p["matmul"], hf_config, seq, p["matmul_trainable"])
-    forward = 2.0 * p["matmul"] + 4.0 * trace.layers * _hidden(hf_config) * seq  # blocks' matmuls and attention
+    forward = 2.0 * p["matmul"] + attention_flops(hf_config, seq)  # blocks' matmuls and attention (counted)
     peak, mfu = target.peak_flops(cand.precision), HOST_FACTS["mfu"].value
     compute = tokens * (fpt + forward * recomputed_forwards(cand)) / (peak * mfu)
     if cfg.float8 != "none":

@@ -5,7 +5,13 @@ as `shardtune export` does: no rank gathers anything) and uploaded to checkpoint
 final model goes to the repo's root with a model card. All of it happens on one background
 thread: the training step never waits for the network. A failure (no network, a bad token, a
 rejected push, a full quota) is one warning line, printed once; training and the local
-checkpoints are untouched. What was uploaded is kept in OUT/publish/ledger.json (and the repo's
+checkpoints are untouched. The thread is ours, not huggingface_hub's `run_as_future`: that
+executor's worker is joined when Python exits, and huggingface_hub's HTTP client has no timeout,
+so a hung Hub would keep a finished run's process alive for good (tests/publish/test_hub.py
+runs the CLI against a hung server); a daemon thread lets the run exit after publish.wait_s. The
+waits between attempts are huggingface_hub's own HTTP backoff (its preupload and file uploads
+retry 408, 429, 5xx and network errors); `publish.retries` repeats a whole commit that still
+failed. What was uploaded is kept in OUT/publish/ledger.json (and the repo's
 file list is read at start), so a resumed run does not upload it again.
 """
 
@@ -92,9 +98,7 @@ class HubPublisher:
         self.p, self.repo, self.revision, self.say = p, p.hub_repo, p.revision, say
         self.staging = out / "publish" / "staging"
         self.ledger = Ledger(out / "publish" / "ledger.json", self.repo, self.revision)
-        self.jobs: queue.Queue = queue.Queue()
-        self.pending = 0  # jobs queued or running
-        self.lock = threading.Lock()
+        self.jobs: queue.Queue = queue.Queue()  # unfinished_tasks: the uploads queued or running
         self.uploaded, self.failed, self.skipped = [], [], []
         self.warned = self.closed = False
         self.ready = False  # the repo (and branch) exist
@@ -107,30 +111,25 @@ class HubPublisher:
 
     def checkpoint(self, folder: Path, step: int) -> None:
         if self.p.checkpoints:
-            self._put(("checkpoint", f"checkpoints/{folder.name}", Path(folder), step, None))
+            self.jobs.put(("checkpoint", f"checkpoints/{folder.name}", Path(folder), step, None))
 
     def final(self, folder: Path, step: int, card: str, config_yaml: str) -> None:
-        self._put(("final", "final", Path(folder), step, {"README.md": card, "shardtune_config.yaml": config_yaml}))
-
-    def _put(self, job: tuple) -> None:
-        with self.lock:
-            self.pending += 1
-        self.jobs.put(job)
+        self.jobs.put(("final", "final", Path(folder), step, {"README.md": card, "shardtune_config.yaml": config_yaml}))
 
     def finish(self, limit: float | None = None) -> None:
         """Wait for the uploads in flight (at most publish.wait_s, or `limit` when shorter: a
         preempted run leaves what is left to its resume), with a progress line, then a summary."""
         wait = self.p.wait_s if limit is None else min(limit, self.p.wait_s)
         deadline, last_note = time.monotonic() + wait, 0.0
-        while self.pending and time.monotonic() < deadline:
+        while self.jobs.unfinished_tasks and time.monotonic() < deadline:
             if time.monotonic() - last_note > 10:
-                self.say(f"publish: waiting for {self.pending} upload(s) to {self.repo} "
+                self.say(f"publish: waiting for {self.jobs.unfinished_tasks} upload(s) to {self.repo} "
                          f"(at most {deadline - time.monotonic():.0f}s more, publish.wait_s)")
                 last_note = time.monotonic()
             time.sleep(0.05)
+        late = self.jobs.unfinished_tasks
         self.jobs.put(None)
         self.closed = True  # an upload that hung and fails later says nothing more
-        late = self.pending
         parts = [f"{len(self.uploaded)} uploaded"] + ([f"{len(self.failed)} failed"] if self.failed else []) + \
             ([f"{late} still in flight after {wait:g}s (publish.wait_s)"] if late else [])
         from huggingface_hub import constants
@@ -151,8 +150,7 @@ class HubPublisher:
                 self._warn(job[1], exc)
                 self.failed.append(job[1])
             finally:
-                with self.lock:
-                    self.pending -= 1
+                self.jobs.task_done()
 
     def _read_repo(self) -> None:
         """On a resume, the checkpoints already in the repo count as published (a ledger lost
@@ -216,7 +214,6 @@ class HubPublisher:
             except Exception as exc:
                 if _fatal(exc) or attempt == self.p.retries:
                     raise
-                time.sleep(min(2.0 ** attempt, 30.0))
 
     def _content(self, f: Path):
         """What is uploaded for file `f`: the file, or an adapter config naming the hub base."""

@@ -1,17 +1,18 @@
 """What `shardtune sweep --search` leaves in its folder: search.csv (one row per trial),
-search.md (the best config as a ready command line, the table of trials, the plots), and plots
-drawn with matplotlib: the optimization history, parameter importance, and the objective
-against each numeric parameter (the learning-rate vs loss curve)."""
+search.md (the best config as a ready command line, the table of trials, the plots), and the
+plots optuna.visualization.matplotlib draws: the optimization history, parameter importance,
+and the objective against each numeric parameter (the learning-rate vs loss curve)."""
 
 from __future__ import annotations
 
 import csv
 import io
 import shlex
+import warnings
 from pathlib import Path
 
 from shardtune.fsio import write_text_atomic
-from shardtune.telemetry.plots import fmt, save_bars, save_plot
+from shardtune.telemetry.plots import fmt
 
 
 def trial_rows(study) -> list[dict]:
@@ -61,35 +62,29 @@ def write_search_outputs(sweep, search, study, key: str) -> Path:
 
 
 def draw(out: Path, search, study, complete: list, key: str) -> list[str]:
-    """The plots there is data for; their file stems."""
+    """The plots there is data for, drawn by optuna.visualization.matplotlib; their file stems."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import optuna.visualization.matplotlib as vis
+
+    plots = {"history": lambda: vis.plot_optimization_history(study, target_name=key)} if complete else {}
+    if len(complete) >= 2 and search.space:
+        plots["importance"] = lambda: vis.plot_param_importances(study)  # fANOVA, as optuna.importance
+    plots.update({"param-" + p.key.replace(".", "_"): lambda k=p.key: vis.plot_slice(study, [k], target_name=key)
+                  for p in search.space if p.kind != "choice" and complete})  # log axis for log parameters
     stems = []
-    if complete:
-        xs = [t.number for t in complete]
-        ys = [t.value for t in complete]
-        best = [min(ys[:i + 1]) for i in range(len(ys))]
-        save_plot(out / "history.png", "Optimization history", "trial", key,
-                  [("trial", "C0", "none", xs, ys), ("best so far", "C1", "-", xs, best)])
-        stems.append("history")
-    if len(complete) >= 2 and len(search.space) >= 1:
+    for stem, plot in plots.items():
         try:
-            import optuna
-
-            importance = optuna.importance.get_param_importances(study)
-        except Exception:  # noqa: BLE001  too few distinct trials for the estimator: no plot
-            importance = {}
-        if importance:
-            save_bars(out / "importance.png", "Parameter importance (fANOVA)", "importance", list(importance),
-                      [("importance", None, ["C0"] * len(importance), list(importance.values()))])
-            stems.append("importance")
-    for param in search.space:
-        if param.kind == "choice":
+            with warnings.catch_warnings(), plt.rc_context():  # optuna sets its style process-wide
+                warnings.simplefilter("ignore")  # optuna's ExperimentalWarning on each plot
+                fig = plot().figure
+                fig.set_size_inches(7, 4)
+                fig.tight_layout()
+                fig.savefig(out / f"{stem}.png", dpi=110)
+                plt.close(fig)
+        except Exception:  # noqa: BLE001  e.g. too few distinct trials for fANOVA: no plot
             continue
-        points = sorted((t.params[param.key], t.value) for t in complete if param.key in t.params)
-        if points:
-            stem = "param-" + param.key.replace(".", "_")
-            save_plot(out / f"{stem}.png", f"{key} vs {param.key}", param.key, key,
-                      [("trials", "C0", "-", [p[0] for p in points], [p[1] for p in points])],
-                      log_x=param.kind.startswith("log"))
-            stems.append(stem)
+        stems.append(stem)
     return stems
-

@@ -14,8 +14,9 @@ import torch.nn as nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from shardtune.diskspace import tensor_bytes
-from shardtune.families import config_value, hidden_size, layer_count
+from shardtune.families import config_value
 from shardtune.hardware import GIB
+from shardtune.telemetry.flops import attention_flops
 
 
 class MetricsLog:
@@ -137,12 +138,10 @@ def device_peak_flops(device, precision: str, override_tflops: float | None = No
 def flops_per_token(num_params: int, hf_config, seq_len: int, trainable: int | None = None) -> float:
     """Useful training FLOPs per token for N matmul weights (`matmul_params`): 2N forward + 2N
     backward through the activations + 2N for weight gradients of the trainable ones (6N when
-    all train), plus the attention term 12 x layers x hidden x seq_len. Recomputation by
+    all train), plus 3 x the forward's attention FLOPs (`attention_flops`). Recomputation by
     activation checkpointing is not counted: MFU measures useful work."""
     trainable = num_params if trainable is None else trainable
-    layers = layer_count(hf_config) or 0
-    hidden = hidden_size(hf_config) or 0
-    return 4.0 * num_params + 2.0 * trainable + 12.0 * layers * hidden * seq_len
+    return 4.0 * num_params + 2.0 * trainable + 3.0 * attention_flops(hf_config, seq_len)
 
 
 def matmul_params(model) -> tuple[int, int]:

@@ -108,7 +108,9 @@ def build_grad_scaler(precision: str, device):
 
 
 def lr_factor(step: int, total: int, cfg: TrainConfig) -> float:
-    """Multiplier of cfg.lr at optimizer step `step` (0-based): linear warmup, then decay."""
+    """Multiplier of cfg.lr at optimizer step `step` (0-based): linear warmup, then decay. These are
+    transformers' schedules exactly, with its warmup read one step ahead (ours trains the first step at
+    lr/warmup, not 0): tests/train/test_lr_schedule.py; calling them takes more code than this."""
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
     if cfg.lr_schedule == "constant":

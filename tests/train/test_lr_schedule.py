@@ -1,0 +1,47 @@
+"""shardtune's learning-rate schedule against transformers' (`train/optim.lr_factor` keeps its own
+lines: calling transformers' takes a stand-in optimizer and two schedules). transformers' warmup
+trains its first step at lr 0, shardtune's at lr/warmup, so no one transformers schedule is it.
+Read one step ahead during warmup (constant-with-warmup) and from its warmup-stable-decay
+schedule after (no stable phase, `min_lr_ratio` as the floor), transformers gives the same factor
+at every step, exactly; the plain cosine-with-min-lr schedule differs in the warmup."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    get_constant_schedule_with_warmup,
+    get_cosine_with_min_lr_schedule_with_warmup,
+    get_wsd_schedule,
+)
+
+from shardtune.config.schema import TrainConfig
+from shardtune.train.optim import lr_factor
+
+
+def lambda_of(make, **kw):
+    """transformers' schedule as a function of the step (its LambdaLR's own lambda)."""
+    return make(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0), **kw).lr_lambdas[0]
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])
+@pytest.mark.parametrize("warmup, total, floor", [(10, 100, 0.1), (0, 37, 0.0), (5, 6, 0.25), (1, 50, 0.0)])
+def test_schedule_is_transformers_read_one_step_ahead_in_warmup(schedule, warmup, total, floor):
+    cfg = TrainConfig(lr=1.0, warmup_steps=warmup, lr_schedule=schedule, min_lr_ratio=floor)
+    ramp = lambda_of(get_constant_schedule_with_warmup, num_warmup_steps=warmup)
+    decay = (lambda s: 1.0) if schedule == "constant" else lambda_of(
+        get_wsd_schedule, num_warmup_steps=warmup, num_decay_steps=total - warmup, num_stable_steps=0,
+        decay_type=schedule, min_lr_ratio=floor)
+    ours = [lr_factor(s, total, cfg) for s in range(total + 1)]
+    theirs = [ramp(s + 1) if s < warmup else decay(s) for s in range(total + 1)]
+    assert ours == theirs  # exactly, float for float
+    if warmup:
+        assert ours[0] == 1 / warmup and ramp(0) == 0.0  # the one difference: transformers' first step
+
+
+def test_transformers_cosine_with_min_lr_differs_in_warmup_only():
+    cfg = TrainConfig(lr=1.0, warmup_steps=10, lr_schedule="cosine", min_lr_ratio=0.1)
+    theirs = lambda_of(get_cosine_with_min_lr_schedule_with_warmup, num_warmup_steps=10, num_training_steps=100,
+                       min_lr_rate=0.1)
+    differ = [s for s in range(101) if lr_factor(s, 100, cfg) != pytest.approx(theirs(s), abs=1e-12)]
+    assert differ == list(range(10))
