@@ -90,7 +90,8 @@ class Trainer:
         check_method(cfg.peft, hf_config)  # what the peft method needs of this model type
         docmask.check(cfg.data, hf_config)
         self.accum = check_world(cfg, dist.world_size)
-        self.train_ds, self.val_ds = rank0_first(dist, lambda: data_lib.prepare(cfg.data, tokenizer, cfg.train.seed))
+        self.train_ds, self.val_ds = rank0_first(dist, lambda: data_lib.prepare(cfg.data, tokenizer, cfg.train.seed,
+                                                                                  cfg.train.global_batch_size))
         t = cfg.train
         self.plan = data_lib.BatchPlan(len(self.train_ds), t.global_batch_size, t.micro_batch_size,
                                        dist.world_size, dist.rank, t.seed,
