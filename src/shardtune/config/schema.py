@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 import typing
 from dataclasses import dataclass, field
 from typing import Literal
@@ -234,6 +235,38 @@ class RunConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def config_keys(cls=None, prefix: str = "") -> list[str]:
+    """Every dotted key of the schema, walked from the dataclasses (`recipe` is the loader's)."""
+    cls = cls or RunConfig
+    keys = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            keys += config_keys(hints[f.name], prefix + f.name + ".")
+        elif f.name != "recipe":
+            keys.append(prefix + f.name)
+    return keys
+
+
+def key_type(key: str):
+    """The declared type of a dotted config key (`train.lr` -> float), or None for no such key."""
+    cls = RunConfig
+    *path, last = key.split(".")
+    for part in path:
+        cls = typing.get_type_hints(cls).get(part) if dataclasses.is_dataclass(cls) else None
+        if cls is None:
+            return None
+    hints = typing.get_type_hints(cls) if dataclasses.is_dataclass(cls) else {}
+    tp = hints.get(last)
+    return None if tp is None or dataclasses.is_dataclass(tp) or last == "recipe" else tp
+
+
+def number_types(tp) -> set[type]:
+    """The kinds of number (int, float) a key of type `tp` takes: none for text, choices, lists."""
+    args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+    return {a for a in args if a in (int, float)}
 
 
 @functools.cache  # parsing the source takes ~0.1 s, and every command's parser shows it
