@@ -25,19 +25,23 @@ def add_parser(sub) -> None:
     p.add_argument("--nproc", type=ranks, default=None, metavar="N", help="run on N local ranks")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     g = p.add_argument_group("generation quality (--generate N; one process, instead of loss/perplexity)")
-    g.add_argument("--generate", type=int, metavar="N", help="generate for the first N prompts of the split "
+    g.add_argument("--generate", type=positive_int, metavar="N", help="generate for the first N prompts of the split "
                    "and score them against the references (ROUGE, BLEU, chrF) and for diversity")
     g.add_argument("--format", choices=["text", "instruct", "chat"], help="how the split's rows become prompt and "
                    "reference (default: the run's data.format, else text)")
-    g.add_argument("--prompt-tokens", type=int, default=32, metavar="K",
+    g.add_argument("--prompt-tokens", type=positive_int, default=32, metavar="K",
                    help="text documents: the first K tokens are the prompt, the next ones the reference (default: 32)")
     add_decoding_args(g, temperature=0.0)
-    g.add_argument("--metrics", default="rouge,bleu,chrf,diversity",
+    g.add_argument("--metrics", type=nonempty_str, default="rouge,bleu,chrf,diversity",
                    help="comma-separated: rouge, bleu, chrf, diversity, mauve (default: all but mauve)")
-    g.add_argument("--mauve-featurizer", metavar="MODEL", help="model whose features MAUVE compares (local "
+    g.add_argument("--mauve-featurizer", type=nonempty_str, metavar="MODEL",
+                   help="model whose features MAUVE compares (local "
                    "folder or an already downloaded hub id; MAUVE needs `pip install 'shardtune[mauve]'`)")
-    g.add_argument("--out", help="JSON file for the scores and generations (default: RUN/generation.json for a "
+    g.add_argument("--out", type=nonempty_str,
+                   help="JSON file for the scores and generations (default: RUN/generation.json for a "
                    "run, else ./generation.json)")
+    g.add_argument("--overwrite", action="store_true", help="replace --out even if it is not an earlier output of "
+                   "`eval --generate`")
 
 
 def without_nproc(argv: list[str]) -> list[str]:
@@ -93,4 +97,4 @@ def quality_request(args):
                           temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                           micro_batch_size=args.micro_batch_size, metrics=args.metrics,
                           mauve_featurizer=args.mauve_featurizer, compare=args.compare, out=args.out,
-                          device=args.device)
+                          overwrite=args.overwrite, device=args.device)
