@@ -1,8 +1,9 @@
 """Outputs: nothing a command did not create is overwritten or removed without --overwrite (a
-resume that finds a run but no usable checkpoint moves it aside and starts over; export, report,
-sweep, slurm -o and eval --out write only into folders and files of their own kind), any filesystem failure at any output is
-one line naming the path (`shardtune.fsio.fs_failure_line`, the CLI's one handler), and a
-command that fails half-way leaves no folder that looks complete (`shardtune.fsio.atomic_dir`).
+resume that finds a run but no usable checkpoint moves it aside and starts over; export,
+report, sweep, slurm -o and eval --out write only into folders and files of their own kind),
+any filesystem failure at any output is one line naming the path
+(`shardtune.fsio.fs_failure_line`, the CLI's one handler), and a command that fails half-way
+leaves no folder that looks complete (`shardtune.fsio.atomic_dir`).
 In-process through `shardtune.cli.main.main`; one tiny run is trained per module and copied.
 """
 

@@ -64,10 +64,11 @@ def claim_output_dir(out: Path, overwrite: bool, check_only: bool = False, resum
         out.mkdir(parents=True, exist_ok=True)
 
 
-def prepare_run_dir(cfg, overwrite: bool, check_only: bool = False) -> str | None:
+def prepare_run_dir(cfg, overwrite: bool, check_only: bool = False, out: Path | None = None) -> str | None:
     """Rank 0, before anything is built: the checkpoint to resume from (or None), with the
-    output folder claimed. Conflicts and bad checkpoints are UserErrors here, not later."""
-    out = Path(cfg.output_dir)
+    output folder (`out`, default cfg.output_dir) claimed. Conflicts and bad checkpoints are
+    UserErrors here, not later."""
+    out = Path(out or cfg.output_dir)
     ckpt = None
     if cfg.resume is not None and overwrite:
         raise UserError(f"resume={cfg.resume} continues a run and --overwrite deletes it; drop one of them")
