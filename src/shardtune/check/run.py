@@ -46,6 +46,25 @@ def check_model(cfg: RunConfig, hf_config, tokenizer=None) -> None:
     docmask.check(cfg.data, hf_config)
 
 
+def local_tokenizer(model_cfg):
+    """The run's tokenizer where it is a local folder, else None: `plan` and `sweep`'s checks
+    read no network (a hub tokenizer is checked by the run that downloads it)."""
+    from pathlib import Path
+
+    from shardtune.model.hf import load_tokenizer
+
+    source = model_cfg.tokenizer or model_cfg.name_or_path
+    return load_tokenizer(model_cfg) if source is not None and Path(source).is_dir() else None
+
+
+def check_config(cfg: RunConfig, hf_config=None) -> None:
+    """check_model for a command that builds nothing yet (plan, sweep): the model's config as
+    given (else loaded), the tokenizer where it is a local folder."""
+    from shardtune.model.hf import load_hf_config
+
+    check_model(cfg, load_hf_config(cfg.model) if hf_config is None else hf_config, local_tokenizer(cfg.model))
+
+
 def job_world_size() -> int:
     """The ranks of this job: the process group's, else what torchrun/srun set, else 1."""
     import torch.distributed

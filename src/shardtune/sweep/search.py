@@ -156,8 +156,10 @@ def check(sweep: Sweep, search: Search) -> None:
             except UserError as exc:
                 raise UserError(f"--search {param.key}={value}: {exc}") from None
     from shardtune.config.load import check_world
+    from shardtune.sweep.grid import check_models
 
     check_world(cfg, sweep.nproc)
+    check_models(sweep, [{p.key: value} for p in search.space for value in p.corners()], "--search")
 
 
 def check_kind(param: Param) -> None:
