@@ -15,13 +15,13 @@ from conftest import TINY
 from shardtune.check.run import check_run
 from shardtune.config.load import load_config
 from shardtune.errors import UserError
+from shardtune.evaluation.evaluate import EvalRequest, check_eval
 from shardtune.plan.report import PlanRequest, check_plan
 from shardtune.resolve.run import resolve_run
 from shardtune.sweep.grid import Sweep
 from shardtune.sweep.grid import check as check_sweep
 from shardtune.sweep.search import Search, parse_space
 from shardtune.sweep.search import check as check_search
-from shardtune.train.evaluate import EvalRequest, check_eval
 
 # ways to break a run that only the model's config and the tokenizer can tell (TINY gpt2: 128 positions)
 BREAKERS = st.one_of(

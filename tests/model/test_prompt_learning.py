@@ -44,7 +44,7 @@ def test_resume_is_the_straight_run(peft_runs, name, assets, tmp_path):
 def test_eval_of_the_checkpoint_and_of_final_is_the_run_own_evaluation(peft_runs, name, assets):
     """`shardtune eval` shards the PeftModel like training does: the last checkpoint on the run's
     validation split gives the run's last evaluation, final/ on other data the checkpoint's numbers."""
-    from shardtune.train.evaluate import EvalRequest, run_eval
+    from shardtune.evaluation.evaluate import EvalRequest, run_eval
 
     out = peft_runs[name]["out"]
     ckpt = str(out / "checkpoints" / "step-000003")
@@ -69,7 +69,7 @@ def test_generate_goes_through_the_virtual_tokens(method, assets):
     import torch
     from transformers import AutoTokenizer
 
-    from shardtune.train.evaluate import generate
+    from shardtune.evaluation.evaluate import generate
 
     model = _wrapped(method, arch="gpt2").eval()
     tokenizer = AutoTokenizer.from_pretrained(assets["tokenizer"])

@@ -62,7 +62,7 @@ def run(args) -> int:
 
         if args.nproc and args.nproc > 1:
             raise UserError("--generate runs in one process; drop --nproc")
-        from shardtune.train.quality import run_quality
+        from shardtune.evaluation.quality import run_quality
 
         run_quality(quality_request(args))
         return 0
@@ -72,7 +72,7 @@ def run(args) -> int:
     if args.nproc and args.nproc > 1 and not launched_by_agent():
         check_nproc(args.nproc, args.device)
         return launch_local(args.nproc, without_nproc(args.argv))
-    from shardtune.train.evaluate import run_eval
+    from shardtune.evaluation.evaluate import run_eval
 
     run_eval(request(args))
     return 0
@@ -80,7 +80,7 @@ def run(args) -> int:
 
 def request(args):
     """The parsed flags as the library's typed request."""
-    from shardtune.train.evaluate import EvalRequest
+    from shardtune.evaluation.evaluate import EvalRequest
 
     return EvalRequest(model=args.model, data=args.data, data_name=args.data_name, split=args.split,
                        text_field=args.text_field, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
@@ -89,7 +89,7 @@ def request(args):
 
 def quality_request(args):
     """The parsed flags of `eval --generate` as the library's typed request."""
-    from shardtune.train.quality import QualityRequest
+    from shardtune.evaluation.quality import QualityRequest
 
     return QualityRequest(model=args.model, generate=args.generate, data=args.data, data_name=args.data_name,
                           split=args.split, text_field=args.text_field, format=args.format,

@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE
-    from shardtune.launch.local import die_with_launcher
+    from shardtune.rank.lifecycle import die_with_launcher
 
     die_with_launcher()  # a rank of `--nproc N` or torchrun: no training on after its launcher is gone
     try:

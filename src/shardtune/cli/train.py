@@ -46,7 +46,7 @@ def run(args) -> int:
     cfg = resolve_run(loaded, world, local)  # the one resolved run: nothing changes it after this
     if launched_by_agent() or nproc == 1:
         from shardtune.distributed.process_group import LAUNCHER_ENV
-        from shardtune.launch.signals import interrupted_line
+        from shardtune.rank.preemption import interrupted_line
         from shardtune.train.trainer import run
 
         checked = check_run(cfg, world)  # before the process group, the model and the data

@@ -173,7 +173,7 @@ class Trainer:
                         self.cfg.data.padding_free)
 
     def fit(self) -> dict:
-        from shardtune.launch.signals import Preemption
+        from shardtune.rank.preemption import Preemption
         from shardtune.telemetry.trackers import Trackers
 
         cfg, dist, t = self.cfg, self.dist, self.cfg.train
@@ -347,7 +347,7 @@ class Trainer:
     def close(self, code: int = 0) -> None:
         """The end of a run, in a fixed order: the checkpoint writer joined (and its group gone),
         every rank at one barrier, the launcher told the run completed with `code`, the group left."""
-        from shardtune.launch.local import mark_completed
+        from shardtune.rank.lifecycle import mark_completed
 
         self.publishing.close()
         self.ckpt.close()

@@ -122,7 +122,7 @@ def run_eval(req: EvalRequest) -> dict:
     from transformers.utils import logging as hf_logging
 
     from shardtune.distributed.process_group import init_distributed
-    from shardtune.launch.local import mark_completed
+    from shardtune.rank.lifecycle import mark_completed
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()

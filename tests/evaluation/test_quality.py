@@ -13,7 +13,7 @@ import torch
 from conftest import TINY
 from shardtune.cli.main import main
 from shardtune.errors import UserError
-from shardtune.train import textscores
+from shardtune.evaluation import textscores
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # generation is 5x slower with 2 threads here
 
@@ -82,7 +82,7 @@ def test_metric_names_are_checked():
 def test_batched_generation_equals_one_prompt_at_a_time(models):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from shardtune.train.evaluate import generate
+    from shardtune.evaluation.evaluate import generate
 
     model = AutoModelForCausalLM.from_pretrained(models[0]).eval()
     tok = AutoTokenizer.from_pretrained(models[0])
@@ -154,7 +154,7 @@ def test_chat_prompt_ends_with_the_generation_prompt(assets):
 
 
 @pytest.mark.parametrize("extra, needle", [
-    (["--generate", "0"], "--generate must be at least 1"),
+    (["--generate", "0"], "--generate: must be at least 1"),
     (["--generate", "2", "--metrics", "rouge,bleurt"], "unknown metric 'bleurt'"),
     (["--generate", "2", "--prompt-tokens", "0"], "--prompt-tokens"),
     (["--generate", "2", "--top-p", "0"], "--top-p"),

@@ -14,9 +14,9 @@ from pathlib import Path
 
 from shardtune.checkpoint.loading import load_model
 from shardtune.errors import UserError
+from shardtune.evaluation import textscores
+from shardtune.evaluation.evaluate import generate
 from shardtune.fsio import make_dir, refuse_foreign_file, write_text_atomic
-from shardtune.train import textscores
-from shardtune.train.evaluate import generate
 
 SHOWN_EXAMPLES = 3  # example generations in the printed table (the JSON has all)
 OUT_MARK = "\"generate_s\":"  # in every JSON `eval --generate` writes (each model's time): only those are replaced
