@@ -36,7 +36,7 @@ from shardtune.telemetry.metrics import (
     matmul_params,
     memory_stats,
 )
-from shardtune.train.state import QueuedStep, TrainState, seed_everything
+from shardtune.train.state import LoopParts, QueuedStep, TrainState, seed_everything
 from shardtune.train.step import evaluate, queue_numbers, read_numbers, train_step
 
 HISTOGRAMS = "_histograms"  # a record's log.watch histograms, for the trackers only
@@ -111,11 +111,11 @@ class Trainer:
         self.state = TrainState()
         rank0_first(dist, lambda: prepare_run_dir(cfg, overwrite, out=out) if dist.is_main else None)
         tensors = ModelOptimizerState(model, self.optimizer, hf_config if cfg.checkpoint.hf_format else None)
+        self.publishing = Publishing(cfg, out, run.publishes, dist.is_main, self.say, resuming=bool(resume_from))
         self.ckpt = Checkpointer(out / "checkpoints", cfg.checkpoint, tensors,
                                  {"train_state": self.state, **({"scaler": self.scaler} if self.scaler else {})},
                                  describe=self.describe, write_extras=self.write_checkpoint_extras,
-                                 committed=lambda folder, step: self.publishing.committed(folder, step))
-        self.publishing = Publishing(cfg, out, run.publishes, dist.is_main, self.say, resuming=bool(resume_from))
+                                 committed=self.publishing.committed)
         if note := space_warning(out / "checkpoints", cfg.checkpoint, checkpoint_bytes(model, dist.world_size),
                                  self.total_steps, self.plan.steps_per_epoch):
             self.say(note)
@@ -190,24 +190,17 @@ class Trainer:
             trackers.log(record, 0)
             self.say(f"step 0: validation loss {results['first']['eval_loss']:.4f}, "
                      f"perplexity {results['first']['eval_ppl']:.2f}")
-        progress = Progress(self.total_steps, self.state.step, dist.is_main, cfg.log.progress)
-        gpu = GPUSampler(dist.device)
         start, first_step = time.perf_counter(), self.state.step
-        preemption = Preemption()
-        prefetcher = self.prefetcher()
-        profiler = StepProfiler(cfg.log.profile_steps, self.state.step, self.total_steps, dist, self.out)
+        parts = LoopParts(log, trackers, Progress(self.total_steps, self.state.step, dist.is_main, cfg.log.progress),
+                          GPUSampler(dist.device), Preemption(), self.prefetcher(),
+                          StepProfiler(cfg.log.profile_steps, self.state.step, self.total_steps, dist, self.out))
         try:
-            results["tokens"] = self._loop(log, trackers, progress, gpu, results, preemption, prefetcher, profiler)
+            results["tokens"] = self._loop(parts, results)
         except BaseException:
             trackers.close()  # else open until the final model is logged (publishing.final) or close()
             raise
         finally:
-            profiler.close()
-            prefetcher.close()
-            preemption.restore()
-            progress.close()
-            log.close()
-            gpu.close()
+            parts.close()
             self.ckpt.wait()
         elapsed = time.perf_counter() - start
         results["train_seconds"] = elapsed
@@ -231,13 +224,15 @@ class Trainer:
 
         return data_lib.Prefetcher(assemble, self.dist.device, self.state.step, self.total_steps)
 
-    def _loop(self, log, trackers, progress, gpu, results: dict, preemption, prefetcher, profiler) -> float:
+    def _loop(self, parts: LoopParts, results: dict) -> float:
         """Steps until done or preempted; returns the number of tokens trained on. The host reads
         a step's numbers one step late, once the next step's work is queued, so the device never
         waits for the host; evaluation, checkpoints, a stop and the last step read them at once."""
         from shardtune.train.optim import lr_at, set_lr
 
         cfg, dist, plan, state = self.cfg, self.dist, self.plan, self.state
+        log, trackers, progress, gpu = parts.log, parts.trackers, parts.progress, parts.gpu
+        preemption, prefetcher, profiler = parts.preemption, parts.prefetcher, parts.profiler
         clock = StepClock(dist.device)
         meter = StepMeter(dist.world_size, self.flops_per_token,
                           device_peak_flops(dist.device, cfg.precision, cfg.log.peak_tflops), clock)
