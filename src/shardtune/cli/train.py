@@ -63,12 +63,12 @@ def run(args) -> int:
     # for the run's lifetime (the ranks it starts share the hold). The ranks take the resolved values.
     from shardtune.checkpoint.rundir import prepare_run_dir, release_run_dir
 
-    check_run(cfg, nproc, say=lambda line: None)  # one error here, not one per rank
     out = cfg.output_dir
     if used:
         print(used, flush=True)
     try:
-        prepare_run_dir(cfg, args.overwrite, check_only=True)
+        prepare_run_dir(cfg, args.overwrite, check_only=True)  # cheap: a live run's folder is refused at once
+        check_run(cfg, nproc, say=lambda line: None)  # one error here, not one per rank
         worker = ["train", *([recipe] if recipe else []), *overrides, f"output_dir={out}",
                   f"train.micro_batch_size={cfg.train.micro_batch_size}"]
         if args.overwrite:
