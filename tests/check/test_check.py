@@ -1,6 +1,7 @@
 """The one check (`check.run`): configs that `train`'s check refuses are refused by `plan`,
-`sweep` (before trial 1) and `eval` with the same line, whatever else the config holds; the
-resolved run is frozen and the trainer builds from it without changing it."""
+`sweep` (before trial 1) and `eval` with the same line, whatever else the config holds; a grid
+point is named; the resolved run is frozen (any write raises) and leaves the loaded config as
+it was."""
 
 from __future__ import annotations
 
