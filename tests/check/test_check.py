@@ -93,3 +93,19 @@ def test_the_resolved_run_is_frozen_and_its_source_unchanged(assets, tmp_path):
         run.output_dir = str(tmp_path)
     with pytest.raises(ValueError, match="resolved run"):
         check_run(cfg)
+
+
+def test_train_refuses_before_any_process_group_or_folder(assets, tmp_path, monkeypatch, capsys):
+    import shardtune.train.trainer as trainer_lib
+    from shardtune.cli.main import main
+
+    def no_group(device):
+        raise AssertionError("a process group was started for a run the check refuses")
+
+    monkeypatch.setattr(trainer_lib, "init_distributed", no_group)
+    out = tmp_path / "run"
+    words = overrides(assets, {"model.config": {**TINY["gpt2"], "vocab_size": 50}, "output_dir": str(out)})
+    assert main(["train", *words]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: the tokenizer has 300 tokens but the model only 50; use the model's own tokenizer or "
+                   "set model.config.vocab_size"] and not out.exists()
