@@ -11,8 +11,8 @@ from conftest import ROOT
 
 # Low -> high. "leaves" are the top-level modules (errors, diskspace, hardware, families): they
 # import nothing of shardtune. `__main__` only starts the CLI.
-LAYERS = ["leaves", "config", "telemetry", "distributed", "data", "model", "checkpoint", "publish", "launch", "train",
-          "plan", "sweep", "cli"]
+LAYERS = ["leaves", "config", "telemetry", "distributed", "data", "model", "checkpoint", "publish", "check", "rank",
+          "launch", "train", "evaluation", "plan", "resolve", "sweep", "cli"]
 RANK = {name: i for i, name in enumerate(LAYERS)}
 PACKAGE = ROOT / "src" / "shardtune"
 

@@ -5,13 +5,15 @@ for any filesystem failure at any output (the CLI's handler calls `fs_failure_li
   complete; a failure removes the partial folder (a half-written model folder would otherwise
   load as a model).
 - `write_text_atomic(path, text)`: the same for one file.
-- `refuse_foreign(folder, ...)`: a command replaces only a folder of its own kind.
+- `refuse_foreign(folder, ...)`, `refuse_foreign_file(path, ...)`: a command replaces only a folder
+  or a file of its own kind.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import glob
 import os
 import re
 import shutil
@@ -61,7 +63,8 @@ def atomic_dir(final: Path, replace: bool = False):
     final = Path(final)
     make_dir(final.parent)
     tmp = partial_name(final)
-    shutil.rmtree(tmp, ignore_errors=True)
+    for stale in [tmp, *dead_partials(final)]:
+        shutil.rmtree(stale, ignore_errors=True)
     tmp.mkdir()
     try:
         yield tmp
@@ -75,6 +78,26 @@ def atomic_dir(final: Path, replace: bool = False):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def dead_partials(final: Path) -> list[Path]:
+    """Partial siblings of `final` left by this machine's processes that are gone (a kill -9)."""
+    dead = []
+    for path in final.parent.glob(f".{glob.escape(final.name)}{PARTIAL}*"):
+        pid = path.name.rpartition(PARTIAL)[2]
+        if pid.isdigit() and not _alive(int(pid)):
+            dead.append(path)
+    return dead
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # alive, another user's
+        return True
+    return True
 
 
 def write_text_atomic(path: Path, text: str, sync: bool = False) -> None:
@@ -104,6 +127,24 @@ def refuse_foreign(folder: Path, option: str, kind: str, ours) -> None:
     if foreign:
         raise UserError(f"{option} {str(folder)!r} holds files that are not {kind} ({', '.join(foreign[:3])}"
                         f"{', ...' if len(foreign) > 3 else ''}); nothing was changed; choose a new or empty folder")
+
+
+def refuse_foreign_file(path: Path, option: str, kind: str, mark: str, overwrite: bool = False) -> None:
+    """Refuse to replace the file `path` unless its text holds `mark` (the command wrote it) or
+    `overwrite`: a command's output file never takes the place of a user's file unasked."""
+    path = Path(path)
+    if os.path.isdir(path):
+        raise UserError(f"{option} {str(path)!r} is a folder; give a file name")
+    if overwrite or not os.path.lexists(path):
+        return
+    try:
+        with open(path, errors="replace") as f:
+            ours = mark in f.read(1 << 20)
+    except OSError:
+        ours = False
+    if not ours:
+        raise UserError(f"{option} {str(path)!r} exists and is not {kind}; nothing was changed; choose another "
+                        "file name" + (" or pass --overwrite" if option.startswith("--") else ""))
 
 
 def fs_failure_line(exc: BaseException, fallback: str) -> str | None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from shardtune.config.schema import DataConfig
 from shardtune.data import pipeline as D
@@ -149,3 +151,36 @@ def test_the_prefetcher_hands_over_each_step_in_order_across_epochs():
     with pytest.raises(AssertionError, match="prefetched step 0, asked for 1"):
         prefetcher.take(1)
     prefetcher.close()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(docs=st.integers(1, 12), words=st.integers(1, 40), val_size=st.one_of(st.integers(0, 20), st.floats(0, 0.99)),
+       start=st.integers(0, 4), seq_len=st.sampled_from([8, 64]), batch=st.integers(1, 16))
+def test_a_training_split_too_small_names_what_made_it_small(tokenizer, monkeypatch, docs, words, val_size, start,
+                                                             seq_len, batch):
+    """Whatever the sizes, a refused training split names the hold-out (data.val_size) and the
+    slice where they took documents away, not only the batch size or seq_len it ran out for."""
+    import datasets
+
+    texts = [" ".join(["alpha beta gamma"] * words)] * docs
+    monkeypatch.setattr(D, "load_documents", lambda cfg: {"train": datasets.Dataset.from_dict({"text": texts})})
+    cfg = DataConfig(path="corpus", seq_len=seq_len, val_size=val_size, start_idx=start)
+    held = int(val_size) if val_size >= 1 else int(round(docs * val_size))
+    try:
+        train, _ = D.prepare(cfg, tokenizer, seed=0, global_batch=batch)
+    except UserError as exc:
+        line = str(exc)
+        assert "\n" not in line
+        if held:
+            assert "data.val_size" in line, line
+        if start and held < docs:  # else refused before the slice
+            assert "slice" in line, line
+        return
+    assert held < docs and len(train) >= batch
+
+
+def test_val_size_above_the_data_is_refused_as_such(tokenizer, tmp_path):
+    """The arxiv recipe (val_size: 2000) on a small file: the refusal names data.val_size."""
+    cfg = DataConfig(path=str(write_jsonl(tmp_path / "abstracts.jsonl", ["a short abstract"] * 50)), val_size=2000)
+    with pytest.raises(UserError, match=r"data.val_size=2000 holds out 2000 document\(s\).* only 50; lower"):
+        D.prepare(cfg, tokenizer, seed=0)

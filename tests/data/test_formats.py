@@ -11,6 +11,8 @@ import json
 import math
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from conftest import TINY, losses, tiny_overrides
 from shardtune.config.load import load_config
@@ -231,6 +233,25 @@ def test_chat_errors(chat_tokenizer, tokenizer):
     bad = [{"prompt": "x", "prompt_id": "y", "messages": "just text"}]
     with pytest.raises(UserError, match="row 0 .*not a list of"):
         chat_rows(bad, chat_tokenizer)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=st.lists(st.lists(st.tuples(st.sampled_from(["user", "assistant"]),
+                                        st.one_of(st.none(), st.text("ab ", min_size=1, max_size=5))),
+                              min_size=1, max_size=3), min_size=1, max_size=4))
+def test_a_message_without_content_is_refused_in_one_line(chat_tokenizer, rows):
+    """Whatever the rows, a null content anywhere is refused before tokenizing, naming the first
+    row that has one; rows whose messages all hold text tokenize."""
+    docs = dataset([{"messages": [{"role": r, "content": c} for r, c in row]} for row in rows])
+    cfg = DataConfig(path="x", format="chat", seq_len=512)
+    nulls = [i for i, row in enumerate(rows) if any(c is None for _, c in row)]
+    try:
+        D.tokenize_split(docs, cfg, chat_tokenizer, "ultrachat", warn=lambda line: None)
+    except UserError as exc:
+        assert nulls and "no content (null), the first in row " + str(nulls[0]) in str(exc), str(exc)
+        assert "\n" not in str(exc)
+        return
+    assert not nulls
 
 
 def test_chat_template_from_config_is_installed_and_used(tmp_path, assets):

@@ -198,9 +198,11 @@ def test_signal_stop_then_resume_auto_exact(reference, ck_assets, tmp_path, caps
     assert_same(got, losses(reference), EXACT)
 
 
-def test_kill9_mid_save_then_resume(reference, ck_assets, tmp_path):
-    """A process killed while writing its step-6 checkpoint leaves step-3 as latest; resume=auto
-    continues from it, removes the half-written folder, and matches the uninterrupted run."""
+def test_kill9_mid_first_save_then_resume_starts(reference, ck_assets, tmp_path):
+    """A process killed while writing its first checkpoint (step 3) leaves no usable one; a requeue
+    with resume=auto still starts: from step 0, the killed attempt's files kept in
+    earlier-attempt-1 (the half-written save among them), and it matches the uninterrupted run.
+    That a later kill resumes from the newest whole checkpoint: test_latest_gone_falls_back_..."""
     from shardtune.train.trainer import run
 
     script = (
@@ -208,7 +210,7 @@ def test_kill9_mid_save_then_resume(reference, ck_assets, tmp_path):
         "import shardtune.checkpoint.dcp as c\n"
         "real = c.write_text_atomic\n"
         "def killed(path, text, sync=False):\n"
-        "    if path.name == 'meta.json' and '000006' in str(path):\n"
+        "    if path.name == 'meta.json' and '000003' in str(path):\n"
         "        os.kill(os.getpid(), signal.SIGKILL)  # shards written, not yet committed\n"
         "    real(path, text, sync)\n"
         "c.write_text_atomic = killed\n"
@@ -218,13 +220,15 @@ def test_kill9_mid_save_then_resume(reference, ck_assets, tmp_path):
     output, _ = proc.communicate(timeout=240)
     assert proc.returncode == -signal.SIGKILL, output
     root = tmp_path / "checkpoints"
-    assert (root / ".tmp-step-000006" / ".metadata").is_file()  # the DCP part was complete
-    assert find_latest(root) == root / "step-000003"
+    assert (root / ".tmp-step-000003" / ".metadata").is_file() and find_latest(root) is None
     with pytest.raises(UserError, match="not a complete shardtune checkpoint"):
-        read_meta(root / ".tmp-step-000006")
+        read_meta(root / ".tmp-step-000003")
+    killed_metrics = (tmp_path / "metrics.jsonl").read_bytes()
 
     run(config(ck_assets, tmp_path, resume="auto", **{"checkpoint.every_steps": 3}))
-    assert not list(root.glob(".tmp-*"))
+    aside = tmp_path / "earlier-attempt-1"
+    assert (aside / "checkpoints" / ".tmp-step-000003" / ".metadata").is_file()
+    assert (aside / "metrics.jsonl").read_bytes() == killed_metrics
     assert_same(losses(tmp_path), losses(reference), EXACT)
 
 

@@ -65,7 +65,7 @@ def hand_metrics(folder: Path, jsonl: str) -> dict:
 
 def run_eval(*argv: str) -> dict:
     from shardtune.cli.eval import request
-    from shardtune.train.evaluate import run_eval as run
+    from shardtune.evaluation.evaluate import run_eval as run
 
     return run(request(build_parser().parse_args(["eval", *argv])))
 
@@ -76,8 +76,8 @@ def test_the_cli_builds_the_typed_requests_with_the_library_defaults():
     from shardtune.cli import eval as eval_cli
     from shardtune.cli import generate as generate_cli
     from shardtune.cli.plan import plan_request
+    from shardtune.evaluation.evaluate import EvalRequest, GenerateRequest
     from shardtune.plan.report import PlanRequest
-    from shardtune.train.evaluate import EvalRequest, GenerateRequest
 
     parser = build_parser()
     assert eval_cli.request(parser.parse_args(["eval", "m"])) == EvalRequest("m")
@@ -170,7 +170,7 @@ def test_generate_matches_transformers(trained, tmp_path, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from shardtune.checkpoint.loading import load_model
-    from shardtune.train.evaluate import generate
+    from shardtune.evaluation.evaluate import generate
 
     prompt = "Return the"
     tok = AutoTokenizer.from_pretrained(trained / "final")

@@ -13,13 +13,11 @@ CI runs a few examples per property with a fixed seed (derandomized); for a long
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import io
 import itertools
 import json
 import os
 import traceback
-import typing
 from pathlib import Path
 
 import pytest
@@ -30,7 +28,7 @@ from test_errors import TINY_GPT2, library_logs_to_stderr, qs_assets  # noqa: F4
 
 from conftest import AGENT_VARS
 from shardtune.cli.main import main
-from shardtune.config.schema import RunConfig
+from shardtune.config.schema import config_keys
 from shardtune.errors import EXIT_USAGE
 
 EXAMPLES = int(os.environ.get("SHARDTUNE_FUZZ_EXAMPLES", "0"))
@@ -42,18 +40,6 @@ settings.load_profile("ci")
 def examples(ci: int) -> settings:
     """`ci` examples in the suite; SHARDTUNE_FUZZ_EXAMPLES for a longer search (a share of it per property)."""
     return settings(max_examples=max(ci, EXAMPLES * ci // 40) if EXAMPLES else ci)
-
-
-def config_keys(cls=RunConfig, prefix: str = "") -> list[str]:
-    """Every dotted key of the schema, walked from the dataclasses (a new key is fuzzed by itself)."""
-    keys = []
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(hints[f.name]):
-            keys += config_keys(hints[f.name], prefix + f.name + ".")
-        elif f.name != "recipe":
-            keys.append(prefix + f.name)
-    return keys
 
 
 ODD_VALUES = ["", " ", "nan", ".nan", ".inf", "-.inf", "1e309", "-1", "0", "-0.0", "1", "2", str(2 ** 63),

@@ -1,8 +1,9 @@
 """Outputs: nothing a command did not create is overwritten or removed without --overwrite (a
-resume that finds a run but no usable checkpoint refuses; export, report, sweep and slurm -o
-write only into folders and files of their own kind), any filesystem failure at any output is
-one line naming the path (`shardtune.fsio.fs_failure_line`, the CLI's one handler), and a
-command that fails half-way leaves no folder that looks complete (`shardtune.fsio.atomic_dir`).
+resume that finds a run but no usable checkpoint moves it aside and starts over; export,
+report, sweep, slurm -o and eval --out write only into folders and files of their own kind),
+any filesystem failure at any output is one line naming the path
+(`shardtune.fsio.fs_failure_line`, the CLI's one handler), and a command that fails half-way
+leaves no folder that looks complete (`shardtune.fsio.atomic_dir`).
 In-process through `shardtune.cli.main.main`; one tiny run is trained per module and copied.
 """
 
@@ -19,8 +20,10 @@ from test_errors import _isolated, datasets_cache, fails, qs_assets, recipe, sna
 
 from conftest import tmpfs
 from shardtune.checkpoint.folders import find_latest, why_no_checkpoint
-from shardtune.checkpoint.rundir import claim_output_dir
+from shardtune.checkpoint.rundir import claim_output_dir, prepare_run_dir, release_run_dir
 from shardtune.cli.main import main
+from shardtune.config.load import load_config
+from shardtune.errors import UserError
 from shardtune.fsio import atomic_dir, fs_failure_line
 
 
@@ -112,17 +115,32 @@ BREAKAGES = {  # how a checkpoint can be unusable -> words the refusal must hold
 
 
 @pytest.mark.parametrize("how", list(BREAKAGES))
-def test_resume_auto_never_starts_over_on_a_run(capfd, earlier_run, recipe, tmp_path, how):  # noqa: F811
-    """The run's files are byte-identical after a refused resume=auto; --overwrite then starts over."""
+def test_resume_auto_without_a_usable_checkpoint_starts_over_and_keeps_the_attempt(capfd, earlier_run, recipe,
+                                                                                   tmp_path, how):  # noqa: F811
+    """A requeue always continues: with no usable checkpoint, resume=auto starts from step 0 and
+    moves what the attempt wrote, byte-identical, into earlier-attempt-N; a second such requeue
+    takes the next N and leaves the first alone."""
     run = tmp_path / "run"
     shutil.copytree(earlier_run, run, symlinks=True)
     breakage, words = BREAKAGES[how]
-    breakage(run, tmp_path)
-    before = tree(run)
-    line = fails(capfd, ["train", recipe, f"output_dir={run}", "resume=auto"], "resume=auto", "no usable checkpoint",
-                 words, "nothing was changed", "--overwrite", "config.yaml", "metrics.jsonl")
-    assert "starting from step 0" not in line
-    assert tree(run) == before
+    cfg = load_config(recipe, [f"output_dir={run}", "resume=auto"])
+    for attempt in (1, 2):
+        if attempt == 1:
+            breakage(run, tmp_path)
+        else:  # the first restart killed before its first checkpoint too
+            (run / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+        before = {k: v for k, v in tree(run).items() if not k.startswith("earlier-attempt-")}
+        kept = {k: v for k, v in tree(run).items() if k.startswith("earlier-attempt-")}
+        try:
+            assert prepare_run_dir(cfg, overwrite=False) is None
+        finally:
+            release_run_dir(run)
+        said = capfd.readouterr().out
+        assert "starting from step 0" in said and f"earlier-attempt-{attempt}" in said, said
+        assert attempt == 2 or words in said, said
+        assert tree(run / f"earlier-attempt-{attempt}") == before
+        assert {k: v for k, v in tree(run).items() if k.startswith("earlier-attempt-") and
+                not k.startswith(f"earlier-attempt-{attempt}")} == kept
 
 
 def test_latest_gone_falls_back_to_an_older_checkpoint(earlier_run, tmp_path):
@@ -175,6 +193,45 @@ def test_export_refuses_and_fails_in_one_line(capfd, earlier_run, tmp_path):
     assert (empty / "config.json").is_file() and not list(tmp_path.glob(".*partial*"))
 
 
+def test_export_checks_cheap_things_first_and_is_one_line(capfd, earlier_run, tmp_path):
+    """A bad --push-to-hub id is refused before anything is exported; a damaged DCP .metadata is
+    one line, without torch's warnings and tracebacks."""
+    fails(capfd, ["export", str(earlier_run), str(tmp_path / "out"), "--push-to-hub", "user/a b"],
+          "--push-to-hub", "'user/a b' is not a Hub repo id")
+    assert not (tmp_path / "out").exists()
+    step = tmp_path / "step"
+    shutil.copytree(earlier_run / "checkpoints" / "step-000002", step)
+    data = (step / ".metadata").read_bytes()
+    (step / ".metadata").write_bytes(data[:len(data) // 2])
+    fails(capfd, ["export", str(step), str(tmp_path / "out")], "damaged .metadata", "use another checkpoint")
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.partial-*"))
+
+
+def test_an_interrupted_export_leaves_no_partial_folder(capfd, earlier_run, monkeypatch, tmp_path):
+    """SIGTERM during an export removes its partial folder; one left by a killed export (kill -9:
+    its process is gone) is removed by the next."""
+    import signal
+    import time
+
+    import shardtune.checkpoint.export as export_lib
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    (tmp_path / f".out.partial-{gone.pid}").mkdir()
+
+    def killed(path, hf_config, tokenizer, out, max_shard_size):
+        (out / "model.safetensors").write_bytes(b"half")
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler runs before this ends
+
+    monkeypatch.setattr(export_lib, "export_streamed", killed)
+    with pytest.raises(SystemExit) as stopped:
+        main(["export", str(earlier_run), str(tmp_path / "out")])
+    assert stopped.value.code == 128 + signal.SIGTERM and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.partial-*"))
+    capfd.readouterr()
+
+
 def test_atomic_dir_keeps_nothing_of_a_failure(tmp_path):
     final = tmp_path / "final"
     with pytest.raises(OSError), atomic_dir(final) as tmp:
@@ -186,6 +243,21 @@ def test_atomic_dir_keeps_nothing_of_a_failure(tmp_path):
     with atomic_dir(final, replace=True) as tmp:
         (tmp / "new.png").write_text("new")
     assert os.listdir(final) == ["new.png"] and sorted(os.listdir(tmp_path)) == ["final"]
+
+
+def test_an_output_file_replaces_only_its_own_kind(tmp_path):
+    from shardtune.fsio import refuse_foreign_file
+
+    mine, ours = tmp_path / "notes.txt", tmp_path / "out.json"
+    mine.write_text("a user's notes")
+    ours.write_text('{"made": "by us"}')
+    with pytest.raises(UserError, match="not an output; nothing was changed; .* or pass --overwrite"):
+        refuse_foreign_file(mine, "--out", "an output", '"made":')
+    with pytest.raises(UserError, match="is a folder"):
+        refuse_foreign_file(tmp_path, "--out", "an output", '"made":', overwrite=True)
+    for path, overwrite in ((ours, False), (mine, True), (tmp_path / "new.json", False)):
+        refuse_foreign_file(path, "--out", "an output", '"made":', overwrite)
+    assert mine.read_text() == "a user's notes"
 
 
 def test_train_failing_in_final_leaves_no_final(capfd, monkeypatch, recipe, tmp_path):  # noqa: F811

@@ -154,3 +154,16 @@ def test_recipe_runs_offline_with_a_tiny_stand_in(recipe, assets, datasets_dir, 
     else:
         assert (out / "final" / "config.json").is_file()
         assert "trainable, 100%" in printed  # full fine-tune: everything trains
+
+
+def test_the_arxiv_recipe_on_a_small_file_names_val_size(assets, datasets_dir, tmp_path, capsys):
+    """The recipe holds out 2000 abstracts; a file of 160 is refused naming data.val_size (the
+    cause), not as "fewer tokens than one sequence" (its symptom), before any model is built."""
+    from shardtune.cli.main import main
+
+    words = [w for w in smoke_overrides("opt-1.3b-arxiv", "opt", datasets_dir["arxiv"], assets["tokenizer"],
+                                        tmp_path / "run") if not w.startswith("data.val_size=")]
+    assert main(["train", str(RECIPES / "opt-1.3b-arxiv.yaml"), *words]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "data.val_size=2000 holds out 2000 document(s)" in err[0], err
+    assert "lower data.val_size" in err[0] and not (tmp_path / "run" / "config.yaml").exists()

@@ -244,7 +244,7 @@ def interrupt_at(monkeypatch, step: int, times: int) -> None:
 @pytest.fixture(params=["handled", "ignored"])
 def sigint(request):
     """Run the test as from a terminal (Python's KeyboardInterrupt handler) and as under `nohup`
-    or `&` (SIGINT ignored, which a run keeps: launch/signals.py), whatever pytest started with."""
+    or `&` (SIGINT ignored, which a run keeps: rank/preemption.py), whatever pytest started with."""
     before = signal.signal(signal.SIGINT, signal.SIG_IGN if request.param == "ignored" else signal.default_int_handler)
     yield request.param
     signal.signal(signal.SIGINT, before)

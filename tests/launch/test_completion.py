@@ -8,7 +8,8 @@ import signal
 import pytest
 
 from shardtune.errors import EXIT_PREEMPTED, EXIT_USAGE
-from shardtune.launch.local import COMPLETED_ENV, failed_launch, mark_completed, read_completed
+from shardtune.launch.local import failed_launch, read_completed
+from shardtune.rank.lifecycle import COMPLETED_ENV, mark_completed
 
 ABRT, TERM = -int(signal.SIGABRT), -int(signal.SIGTERM)
 

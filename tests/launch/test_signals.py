@@ -1,4 +1,4 @@
-"""launch/signals.py in one process: the handlers a run installs go back to the ones the process
+"""rank/preemption.py and launch/signals.py in one process: the handlers a run installs go back to the ones the process
 had (an ignored SIGINT stays ignored), and a launcher's stop report says what is on disk."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import pytest
 
 from shardtune.distributed.process_group import LAUNCHER_ENV
 from shardtune.errors import EXIT_PREEMPTED
-from shardtune.launch.signals import Preemption, marker_stamp, stop_report
+from shardtune.launch.signals import marker_stamp, stop_report
+from shardtune.rank.preemption import Preemption
 
 
 @pytest.fixture

@@ -13,6 +13,8 @@ import io
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import TINY, losses, peft_overrides, tiny_overrides
 
@@ -42,7 +44,7 @@ def test_resume_is_the_straight_run(peft_runs, name, assets, tmp_path):
 def test_eval_of_the_checkpoint_and_of_final_is_the_run_own_evaluation(peft_runs, name, assets):
     """`shardtune eval` shards the PeftModel like training does: the last checkpoint on the run's
     validation split gives the run's last evaluation, final/ on other data the checkpoint's numbers."""
-    from shardtune.train.evaluate import EvalRequest, run_eval
+    from shardtune.evaluation.evaluate import EvalRequest, run_eval
 
     out = peft_runs[name]["out"]
     ckpt = str(out / "checkpoints" / "step-000003")
@@ -67,7 +69,7 @@ def test_generate_goes_through_the_virtual_tokens(method, assets):
     import torch
     from transformers import AutoTokenizer
 
-    from shardtune.train.evaluate import generate
+    from shardtune.evaluation.evaluate import generate
 
     model = _wrapped(method, arch="gpt2").eval()
     tokenizer = AutoTokenizer.from_pretrained(assets["tokenizer"])
@@ -213,3 +215,28 @@ def test_prefix_tuning_is_refused_where_the_model_breaks_it(model_type, extra):
     ids = torch.randint(2, 300, (2, 6))
     with pytest.raises(RuntimeError):
         model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+
+
+@settings(max_examples=200, deadline=None)
+@given(limit=st.integers(2, 4096), seq_len=st.integers(2, 10 ** 6), virtual=st.integers(1, 10 ** 12))
+def test_position_advice_is_always_a_setting_that_fits(limit, seq_len, virtual):
+    """Whatever the sizes, the numbers check_seq_len advises are settings that fit the model's
+    positions (no negative data.seq_len for a huge peft.num_virtual_tokens)."""
+    import re
+    from types import SimpleNamespace
+
+    from shardtune.errors import UserError
+    from shardtune.model.hf import check_seq_len
+
+    try:
+        check_seq_len(SimpleNamespace(model_type="gpt2", n_positions=limit), seq_len, virtual)
+    except UserError as exc:
+        line = str(exc)
+        assert seq_len + virtual > limit
+        if m := re.search(r"set data.seq_len=(\d+)", line):
+            assert 2 <= int(m[1]) and int(m[1]) + virtual <= limit, line
+        if m := re.search(r"set peft.num_virtual_tokens=(\d+)", line):
+            assert 1 <= int(m[1]) and seq_len + int(m[1]) <= limit, line
+        assert "-" not in re.sub(r"[a-z]-[a-z]", "", line), line
+        return
+    assert seq_len + virtual <= limit

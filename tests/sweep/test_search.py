@@ -14,9 +14,12 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import tiny_overrides
 from shardtune.cli.main import main
+from shardtune.config.schema import config_keys
 from shardtune.sweep import search as search_lib
 from shardtune.sweep.trial import _wait
 
@@ -123,7 +126,12 @@ def test_a_pruned_trial_process_is_stopped(tmp_path):
     (["--search", "train.lr=uniform:0.1:0.2", "--sampler", "grid"], "unknown --sampler 'grid'"),
     (["--search", "train.lr=uniform:0.1:0.2", "--pruner", "x"], "unknown --pruner 'x'"),
     (["--search", "train.lr=uniform:0.1:0.2", "--objective", "bleu"], "unknown --objective 'bleu'"),
-    (["--search", "train.lr=uniform:0.1:0.2", "--trials", "0"], "--trials must be at least 1"),
+    (["--search", "train.lr=uniform:0.1:0.2", "--trials", "0"], "--trials: must be at least 1"),
+    (["--search", "data.path=uniform:1:2"], "data.path is not a number"),
+    (["--search", "model.config=int:1:2"], "model.config is not a number"),
+    (["--search", "train.max_steps=uniform:1:9"], "train.max_steps is a whole number and uniform draws"),
+    (["--search", "train.micro_batch_size=loguniform:1:9"], "is a whole number"),
+    (["--search", "train.lr=uniform:0.1:0.2", "--study-name", ""], "--study-name: must not be empty"),
     (["--search", "train.lr=uniform:0.1:0.2", "--storage", "nosuchdb://x"], "cannot open --storage"),
     (["--search", "train.lr=uniform:0.1:0.2", "--grid", "train.seed=1,2"], "two kinds of sweep"),
 ])
@@ -134,3 +142,30 @@ def test_bad_search_input_is_one_line_before_any_trial(assets, tmp_path, monkeyp
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and needle in err[0], err
     assert calls == []
+
+
+@settings(max_examples=60, deadline=None)
+@given(key=st.sampled_from(config_keys()), kind=st.sampled_from(["uniform", "loguniform", "int", "logint"]),
+       low=st.integers(1, 50), span=st.integers(1, 50), share=st.floats(0, 1))
+def test_a_searched_number_loads_as_the_keys_type_or_is_refused_first(key, kind, low, span, share):
+    """Over every key of the schema: a numeric distribution the space check lets through draws
+    values that load as a number of the key's type, never as text (a path of 1.7)."""
+    from shardtune.config.load import load_config
+    from shardtune.errors import UserError
+
+    param = search_lib.Param(key, kind, low, low + span)
+    try:
+        search_lib.check_kind(param)
+    except UserError as exc:
+        assert key in str(exc) and "\n" not in str(exc)
+        return
+    drawn = low + span * share
+    value = round(drawn) if kind in ("int", "logint") else drawn
+    try:
+        cfg = load_config(None, [f"{key}={value}"])
+    except UserError:
+        return  # out of the key's range: the corners check refuses such a space before trial 1
+    node = cfg
+    for part in key.split("."):
+        node = getattr(node, part)
+    assert isinstance(node, (int, float)) and not isinstance(node, bool), (key, node)

@@ -19,6 +19,7 @@ DCP reshards on load, so a checkpoint of N ranks resumes on M ranks.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -277,9 +278,10 @@ def dcp_load(state: dict, path: Path, no_dist: bool) -> None:
         state = {k: v for k, v in state.items() if k != "model"}  # the same nested dicts: filled in place
         if not state:
             return
+    read_dcp_metadata(path)
     try:
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-            warnings.simplefilter("ignore", UserWarning)
+        with warnings.catch_warnings(), quiet_dcp_logs():  # "assuming the intent is to load in a single
+            warnings.simplefilter("ignore", UserWarning)  # process": it is
             dcp.load(state, checkpoint_id=path, no_dist=no_dist)
     except (CheckpointException, Exception) as exc:  # CheckpointException is a BaseException
         cause = next(iter((getattr(exc, "failures", None) or {}).values()), exc)  # rank -> (exception, traceback)
@@ -287,3 +289,30 @@ def dcp_load(state: dict, path: Path, no_dist: bool) -> None:
         raise UserError(f"checkpoint {str(path)!r} could not be loaded ({type(cause).__name__}: "
                         f"{first_line(cause, 160, last=True)}); it is damaged or from "
                         "another model: use another checkpoint") from None
+
+
+def read_dcp_metadata(path: Path):
+    """The checkpoint's DCP index (.metadata), or one line saying it is damaged: read before
+    dcp.load, which logs a warning with a traceback per failed read before its own error."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        with quiet_dcp_logs():
+            return FileSystemReader(str(path)).read_metadata()
+    except Exception as exc:  # noqa: BLE001 - a truncated pickle, a wrong type, an unreadable file
+        raise UserError(f"checkpoint {str(path)!r} has a damaged .metadata ({type(exc).__name__}: "
+                        f"{first_line(exc, 120)}); use another checkpoint") from None
+
+
+@contextlib.contextmanager
+def quiet_dcp_logs():
+    """torch.distributed.checkpoint's logger silenced: a refused checkpoint is one line, ours."""
+    import logging
+
+    logger = logging.getLogger("torch.distributed.checkpoint")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)

@@ -1,6 +1,7 @@
 """The output folder of a run: its default name, one live run at a time (an exclusive lock held
 for the run's lifetime), refusing to clobber an earlier run, and getting it ready for a fresh
-start or a resume (which checkpoint, stale partial saves, trimmed metrics)."""
+start or a resume (which checkpoint, stale partial saves, trimmed metrics, an attempt without a
+checkpoint moved aside)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from shardtune.fsio import PARTIAL, write_text_atomic
 PREEMPTED_MARKER = "PREEMPTED"
 RUN_FILES = ("config.yaml", "metrics.jsonl", PREEMPTED_MARKER)
 RUN_DIRS = ("final", "checkpoints", "profile", "publish")
+EARLIER = "earlier-attempt-"  # OUT/earlier-attempt-N: an attempt without a usable checkpoint, kept
 LOCK_FILE = ".shardtune.lock"  # "pid P on HOST since TIME" of the live run; removed when it ends
 
 
@@ -62,22 +64,22 @@ def claim_output_dir(out: Path, overwrite: bool, check_only: bool = False, resum
         out.mkdir(parents=True, exist_ok=True)
 
 
-def prepare_run_dir(cfg, overwrite: bool, check_only: bool = False) -> str | None:
+def prepare_run_dir(cfg, overwrite: bool, check_only: bool = False, out: Path | None = None) -> str | None:
     """Rank 0, before anything is built: the checkpoint to resume from (or None), with the
-    output folder claimed. Conflicts and bad checkpoints are UserErrors here, not later."""
-    out = Path(cfg.output_dir)
+    output folder (`out`, default cfg.output_dir) claimed. Conflicts and bad checkpoints are
+    UserErrors here, not later."""
+    out = Path(out or cfg.output_dir)
     ckpt = None
     if cfg.resume is not None and overwrite:
         raise UserError(f"resume={cfg.resume} continues a run and --overwrite deletes it; drop one of them")
     hold_run_dir(out)  # before looking inside: another live run's folder is refused as such
+    earlier: list[str] = []
     if cfg.resume == "auto":
         ckpt = find_latest(out / "checkpoints")
-        if ckpt is None and (found := run_traces(out)):
-            # never start over on top of a run: its files are all that is left of it
-            what = "a finished run" if "final" in found else "an earlier run"
-            raise UserError(f"resume=auto: output_dir {str(out)!r} holds {what} ({', '.join(found)}) but no "
-                            f"usable checkpoint: {why_no_checkpoint(out / 'checkpoints')}; nothing was changed; "
-                            "to start over on purpose pass --overwrite (without resume), or choose another output_dir")
+        if ckpt is None:
+            # a requeued run always continues: without a usable checkpoint it starts from step 0,
+            # and what the earlier attempt wrote is moved aside, never removed or written over
+            earlier = run_traces(out)
     elif cfg.resume:
         ckpt = resolve_checkpoint(cfg.resume)
         inside = out.resolve() in ckpt.resolve().parents
@@ -88,9 +90,14 @@ def prepare_run_dir(cfg, overwrite: bool, check_only: bool = False) -> str | Non
         check_compatible(read_meta(ckpt)["config"], cfg.to_dict(), ckpt)
     # resume=auto in a folder without a run starts from scratch, so a requeue script works from its first launch.
     claim_output_dir(out, overwrite, check_only,
-                     resuming=ckpt is not None)
+                     resuming=ckpt is not None or bool(earlier))
     if check_only:
         return str(ckpt) if ckpt else None
+    if earlier:
+        why = why_no_checkpoint(out / "checkpoints")
+        aside = move_aside(out, earlier)
+        print(f"resume=auto: no usable checkpoint in {out / 'checkpoints'} ({why}); the earlier attempt's "
+              f"{', '.join(earlier)} moved to {aside}; starting from step 0", flush=True)
     root = out / "checkpoints"
     for stale in [*root.glob(".tmp-*"), *root.glob(".old-*")] if root.is_dir() else []:
         shutil.rmtree(stale, ignore_errors=True)  # saves cut short by a kill
@@ -99,9 +106,30 @@ def prepare_run_dir(cfg, overwrite: bool, check_only: bool = False) -> str | Non
     if ckpt is not None:
         trim_metrics(out / "metrics.jsonl", step)
         print(f"resuming from {ckpt} (step {step})", flush=True)
-    elif cfg.resume == "auto":
+    elif cfg.resume == "auto" and not earlier:
         print(f"resume=auto: no checkpoint in {out / 'checkpoints'}; starting from step 0", flush=True)
     return str(ckpt) if ckpt else None
+
+
+def move_aside(out: Path, names: list[str]) -> Path:
+    """Move the run files `names` of `out` into a new folder OUT/earlier-attempt-N (the first N
+    not taken: nothing is written over) and return it."""
+    n = 1
+    while True:
+        aside = out / f"{EARLIER}{n}"
+        try:
+            aside.mkdir()
+            break
+        except FileExistsError:
+            n += 1
+    for name in names:
+        try:
+            os.rename(out / name, aside / name)
+        except OSError as exc:
+            raise UserError(f"resume=auto: could not move {str(out / name)!r} aside into {str(aside)!r} "
+                            f"({exc.strerror}); nothing was removed; fix the folder's permissions or pass "
+                            "--overwrite (without resume) to start over") from None
+    return aside
 
 
 def trim_metrics(path: Path, step: int) -> None:

@@ -86,6 +86,16 @@ def size(text: str) -> str:
     return text
 
 
+def hub_repo(text: str) -> str:
+    """A Hub repo id (namespace/name), checked by the rule publish.hub_repo follows."""
+    from shardtune.config.validation import is_repo_id
+
+    if not is_repo_id(str(text).strip()):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a Hub repo id; write namespace/name (letters, digits, "
+                                         "- _ .), e.g. my-user/my-model")
+    return text.strip()
+
+
 def slurm_time(text: str) -> str:
     """A Slurm time limit: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS."""
     if not re.fullmatch(r"(\d+-)?\d{1,7}(:\d{1,2}){0,2}", str(text).strip()) or not any(c in "123456789" for c in text):

@@ -25,19 +25,23 @@ def add_parser(sub) -> None:
     p.add_argument("--nproc", type=ranks, default=None, metavar="N", help="run on N local ranks")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     g = p.add_argument_group("generation quality (--generate N; one process, instead of loss/perplexity)")
-    g.add_argument("--generate", type=int, metavar="N", help="generate for the first N prompts of the split "
+    g.add_argument("--generate", type=positive_int, metavar="N", help="generate for the first N prompts of the split "
                    "and score them against the references (ROUGE, BLEU, chrF) and for diversity")
     g.add_argument("--format", choices=["text", "instruct", "chat"], help="how the split's rows become prompt and "
                    "reference (default: the run's data.format, else text)")
-    g.add_argument("--prompt-tokens", type=int, default=32, metavar="K",
+    g.add_argument("--prompt-tokens", type=positive_int, default=32, metavar="K",
                    help="text documents: the first K tokens are the prompt, the next ones the reference (default: 32)")
     add_decoding_args(g, temperature=0.0)
-    g.add_argument("--metrics", default="rouge,bleu,chrf,diversity",
+    g.add_argument("--metrics", type=nonempty_str, default="rouge,bleu,chrf,diversity",
                    help="comma-separated: rouge, bleu, chrf, diversity, mauve (default: all but mauve)")
-    g.add_argument("--mauve-featurizer", metavar="MODEL", help="model whose features MAUVE compares (local "
+    g.add_argument("--mauve-featurizer", type=nonempty_str, metavar="MODEL",
+                   help="model whose features MAUVE compares (local "
                    "folder or an already downloaded hub id; MAUVE needs `pip install 'shardtune[mauve]'`)")
-    g.add_argument("--out", help="JSON file for the scores and generations (default: RUN/generation.json for a "
+    g.add_argument("--out", type=nonempty_str,
+                   help="JSON file for the scores and generations (default: RUN/generation.json for a "
                    "run, else ./generation.json)")
+    g.add_argument("--overwrite", action="store_true", help="replace --out even if it is not an earlier output of "
+                   "`eval --generate`")
 
 
 def without_nproc(argv: list[str]) -> list[str]:
@@ -58,7 +62,7 @@ def run(args) -> int:
 
         if args.nproc and args.nproc > 1:
             raise UserError("--generate runs in one process; drop --nproc")
-        from shardtune.train.quality import run_quality
+        from shardtune.evaluation.quality import run_quality
 
         run_quality(quality_request(args))
         return 0
@@ -68,7 +72,7 @@ def run(args) -> int:
     if args.nproc and args.nproc > 1 and not launched_by_agent():
         check_nproc(args.nproc, args.device)
         return launch_local(args.nproc, without_nproc(args.argv))
-    from shardtune.train.evaluate import run_eval
+    from shardtune.evaluation.evaluate import run_eval
 
     run_eval(request(args))
     return 0
@@ -76,7 +80,7 @@ def run(args) -> int:
 
 def request(args):
     """The parsed flags as the library's typed request."""
-    from shardtune.train.evaluate import EvalRequest
+    from shardtune.evaluation.evaluate import EvalRequest
 
     return EvalRequest(model=args.model, data=args.data, data_name=args.data_name, split=args.split,
                        text_field=args.text_field, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
@@ -85,7 +89,7 @@ def request(args):
 
 def quality_request(args):
     """The parsed flags of `eval --generate` as the library's typed request."""
-    from shardtune.train.quality import QualityRequest
+    from shardtune.evaluation.quality import QualityRequest
 
     return QualityRequest(model=args.model, generate=args.generate, data=args.data, data_name=args.data_name,
                           split=args.split, text_field=args.text_field, format=args.format,
@@ -93,4 +97,4 @@ def quality_request(args):
                           temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                           micro_batch_size=args.micro_batch_size, metrics=args.metrics,
                           mauve_featurizer=args.mauve_featurizer, compare=args.compare, out=args.out,
-                          device=args.device)
+                          overwrite=args.overwrite, device=args.device)

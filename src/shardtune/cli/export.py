@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shardtune.cli.argtypes import nonempty_str, size
+from shardtune.cli.argtypes import hub_repo, nonempty_str, size
 
 
 def add_parser(sub) -> None:
@@ -15,19 +15,27 @@ def add_parser(sub) -> None:
     p.add_argument("out", type=nonempty_str, help="new folder for the model (safetensors, config, tokenizer)")
     p.add_argument("--max-shard-size", type=size, default="2GB", help="split weights into files of at most this "
                         "size (default: 2GB)")
-    p.add_argument("--push-to-hub", metavar="REPO", type=nonempty_str, help="then upload the folder to this hub repo")
+    p.add_argument("--push-to-hub", metavar="REPO", type=hub_repo, help="then upload the folder to this hub repo")
     p.add_argument("--private", action="store_true", help="create the hub repo as private")
     p.add_argument("--merge", action="store_true", help="CHECKPOINT is the final/ adapter folder of a "
                         "LoRA run: fold the adapter into the base and write a plain model")
 
 
 def run(args) -> int:
+    import signal
+    import sys
+
     from shardtune.checkpoint.export import export_checkpoint, merge_adapter_folder, push_to_hub
 
-    if args.merge:
-        out = merge_adapter_folder(Path(args.checkpoint), Path(args.out), args.max_shard_size)
-    else:
-        out = export_checkpoint(args.checkpoint, Path(args.out), args.max_shard_size)
+    # SIGTERM (a job's time limit, `kill`) ends the export like Ctrl-C: its partial folder is removed
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        if args.merge:
+            out = merge_adapter_folder(Path(args.checkpoint), Path(args.out), args.max_shard_size)
+        else:
+            out = export_checkpoint(args.checkpoint, Path(args.out), args.max_shard_size)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     if args.push_to_hub:
         push_to_hub(out, args.push_to_hub, args.private)
     return 0

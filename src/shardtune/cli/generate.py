@@ -18,7 +18,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from shardtune.train.evaluate import run_generate
+    from shardtune.evaluation.evaluate import run_generate
 
     run_generate(request(args))
     return 0
@@ -26,7 +26,7 @@ def run(args) -> int:
 
 def request(args):
     """The parsed flags as the library's typed request."""
-    from shardtune.train.evaluate import GenerateRequest
+    from shardtune.evaluation.evaluate import GenerateRequest
 
     return GenerateRequest(model=args.model, prompts=args.prompt or [], prompts_file=args.prompts_file,
                            max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,

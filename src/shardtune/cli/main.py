@@ -63,8 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE
-    from shardtune.launch.local import die_with_launcher
     from shardtune.noise import quiet_third_party
+    from shardtune.rank.lifecycle import die_with_launcher
 
     quiet_third_party()
     die_with_launcher()  # a rank of `--nproc N` or torchrun: no training on after its launcher is gone

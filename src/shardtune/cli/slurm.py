@@ -44,12 +44,10 @@ def run(args) -> int:
                          job_name=args.job_name, time=args.time, partition=args.partition, account=args.account,
                          signal_lead_s=args.signal_lead, offline=not args.online)
     if args.out:
-        from shardtune.fsio import write_text_atomic
+        from shardtune.fsio import refuse_foreign_file, write_text_atomic
 
         target = Path(args.out)
-        if target.is_file() and MARK not in target.read_text(errors="replace"):
-            raise UserError(f"-o {args.out!r} exists and is not a script of `shardtune slurm`; nothing was "
-                            "changed; choose another file name")
+        refuse_foreign_file(target, "-o", "a script of `shardtune slurm`", MARK)
         write_text_atomic(target, text)
         print(f"wrote {args.out}; submit it with: sbatch {args.out}")
     else:

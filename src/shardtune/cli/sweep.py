@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shardtune.cli.argtypes import nonempty_str, positive_int, ranks, size
+from shardtune.cli.argtypes import non_negative_int, nonempty_str, positive_int, ranks, size
 from shardtune.cli.common import recipe_and_defaults
 
 
@@ -26,19 +26,23 @@ def add_parser(sub) -> None:
     p.add_argument("--out", type=nonempty_str, help="folder for sweep.csv, sweep.md, plots and trials (default: "
                     "runs/sweep-<recipe>); rerunning with the same folder continues the sweep")
     s = p.add_argument_group("hyperparameter search (--search; instead of --grid)")
-    s.add_argument("--search", action="append", default=[], metavar="KEY=DIST:LOW:HIGH",
+    s.add_argument("--search", action="append", type=nonempty_str, default=[], metavar="KEY=DIST:LOW:HIGH",
                    help="a config key and its distribution: loguniform, uniform, int, logint (LOW:HIGH) or "
                    "choice:A,B,C (repeatable), e.g. train.lr=loguniform:1e-5:1e-3")
-    s.add_argument("--trials", type=int, default=20, help="finished trials the study should have (default: 20)")
-    s.add_argument("--objective", default="val_loss", help="what to minimize: val_loss or val_ppl, the last "
+    s.add_argument("--trials", type=positive_int, default=20,
+                   help="finished trials the study should have (default: 20)")
+    s.add_argument("--objective", type=nonempty_str, default="val_loss",
+                   help="what to minimize: val_loss or val_ppl, the last "
                    "validation value of a trial (default: val_loss); --eval-steps E reports it every E steps to "
                    "the pruner (default: E = --steps)")
-    s.add_argument("--sampler", default="tpe", help="tpe or random (default: tpe)")
-    s.add_argument("--pruner", default="median", help="median, halving or none (default: median)")
-    s.add_argument("--storage", metavar="URL", help="SQLAlchemy URL of the study's database, shared by several "
+    s.add_argument("--sampler", type=nonempty_str, default="tpe", help="tpe or random (default: tpe)")
+    s.add_argument("--pruner", type=nonempty_str, default="median", help="median, halving or none (default: median)")
+    s.add_argument("--storage", type=nonempty_str, metavar="URL",
+                   help="SQLAlchemy URL of the study's database, shared by several "
                    "machines (default: sqlite:///OUT/study.db)")
-    s.add_argument("--study-name", help="the study in --storage (default: the name of the --out folder)")
-    s.add_argument("--seed", type=int, default=0, help="sampler seed (default: 0)")
+    s.add_argument("--study-name", type=nonempty_str,
+                   help="the study in --storage (default: the name of the --out folder)")
+    s.add_argument("--seed", type=non_negative_int, default=0, help="sampler seed (default: 0)")
 
 
 def run(args) -> int:

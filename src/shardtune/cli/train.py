@@ -27,65 +27,55 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    """Resolve the run, check it, then build and train it here or in `--nproc N` ranks."""
+    from shardtune.check.run import check_run
     from shardtune.config.load import load_config
     from shardtune.distributed.process_group import check_nproc, launched_by_agent
+    from shardtune.resolve.run import resolve_run
 
     recipe, overrides, defaults, used = recipe_and_defaults(args.recipe, args.overrides)
-    cfg = load_config(recipe, overrides, defaults)
+    loaded = load_config(recipe, overrides, defaults)
     nproc = 1 if args.nproc is None else args.nproc
-    if cfg.train.micro_batch_size == "auto":
-        overrides = [*overrides, f"train.micro_batch_size={_resolve_auto(cfg, nproc)}"]  # the ranks take the number
-    if launched_by_agent() or nproc == 1:
-        if args.nproc and launched_by_agent() and args.nproc != int(os.environ.get("LOCAL_WORLD_SIZE", nproc)):
+    world, local = nproc, nproc
+    if launched_by_agent():
+        if args.nproc and args.nproc != int(os.environ.get("LOCAL_WORLD_SIZE", nproc)):
             raise UserError("--nproc conflicts with the ranks torchrun/srun started; drop --nproc")
+        world, local = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    elif nproc > 1:
+        check_nproc(nproc, loaded.device)
+    cfg = resolve_run(loaded, world, local)  # the one resolved run: nothing changes it after this
+    if launched_by_agent() or nproc == 1:
         from shardtune.distributed.process_group import LAUNCHER_ENV
-        from shardtune.launch.signals import interrupted_line
+        from shardtune.rank.preemption import interrupted_line
         from shardtune.train.trainer import run
 
+        checked = check_run(cfg, world)  # before the process group, the model and the data
         if used and os.environ.get("RANK", "0") == "0" and LAUNCHER_ENV not in os.environ:  # else: the launcher's
             print(used, flush=True)
         try:
-            results = run(cfg, overwrite=args.overwrite)
+            results = run(checked, overwrite=args.overwrite)
         except KeyboardInterrupt:  # a second Ctrl-C, or one before training started
             if os.environ.get("RANK", "0") == "0":
                 print(interrupted_line(cfg.output_dir), file=sys.stderr, flush=True)
             return EXIT_INTERRUPTED
         return EXIT_PREEMPTED if results.get("preempted") else 0
-    # Parent of N local ranks: check what can be checked before starting anything, and hold the
-    # output folder for the run's lifetime (the ranks it starts share the hold).
-    from shardtune.checkpoint.rundir import default_output_dir, prepare_run_dir, release_run_dir
+    # Parent of N local ranks: check the run before starting anything, and hold the output folder
+    # for the run's lifetime (the ranks it starts share the hold). The ranks take the resolved values.
+    from shardtune.checkpoint.rundir import prepare_run_dir, release_run_dir
 
-    check_nproc(nproc, cfg.device)
-    from shardtune.publish.hub import check_ready
-
-    check_ready(cfg.publish, say=lambda line: None)  # no Hub token: one error here, not one per rank
-    out = cfg.output_dir = cfg.output_dir or default_output_dir(cfg.recipe)
+    out = cfg.output_dir
     if used:
         print(used, flush=True)
     try:
-        prepare_run_dir(cfg, args.overwrite, check_only=True)
-        worker = ["train", *([recipe] if recipe else []), *overrides, f"output_dir={out}"]
+        prepare_run_dir(cfg, args.overwrite, check_only=True)  # cheap: a live run's folder is refused at once
+        check_run(cfg, nproc, say=lambda line: None)  # one error here, not one per rank
+        worker = ["train", *([recipe] if recipe else []), *overrides, f"output_dir={out}",
+                  f"train.micro_batch_size={cfg.train.micro_batch_size}"]
         if args.overwrite:
             worker.append("--overwrite")
         return _launch_preemptible(nproc, worker, Path(out))
     finally:
         release_run_dir(out)
-
-
-def _resolve_auto(cfg, nproc: int) -> int:
-    """train.micro_batch_size=auto: the planner's largest micro-batch that fits this device (set in
-    `cfg`, said on rank 0). A global batch the ranks cannot divide is refused before any model is built."""
-    from shardtune.distributed.process_group import launched_by_agent
-    from shardtune.plan.fit import auto_micro_batches, resolve_auto
-
-    world, local = nproc, nproc
-    if launched_by_agent():
-        world, local = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    auto_micro_batches(cfg.train.global_batch_size, world)
-    cfg.train.micro_batch_size, line = resolve_auto(cfg, world, local)
-    if os.environ.get("RANK", "0") == "0":
-        print(line, flush=True)
-    return cfg.train.micro_batch_size
 
 
 def _launch_preemptible(nproc: int, worker: list[str], out: Path) -> int:

@@ -5,13 +5,38 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
 
+class Section:
+    """A part of the run config. A resolved run is frozen (`freeze`): nothing after resolving
+    rewrites it; a copy (dataclasses.replace, copy.deepcopy) is a new, unfrozen config."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if self.__dict__.get("_frozen"):
+            raise dataclasses.FrozenInstanceError(f"cannot set {type(self).__name__}.{name}: a resolved run is "
+                                                  "frozen; resolve another one")
+        object.__setattr__(self, name, value)
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_frozen"}
+
+
+def freeze(cfg: RunConfig) -> RunConfig:
+    """`cfg` (and every section of it) frozen in place; returned for chaining."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if isinstance(value, Section):
+            freeze(value)
+    object.__setattr__(cfg, "_frozen", True)
+    return cfg
+
+
 @dataclass
-class ModelConfig:
+class ModelConfig(Section):
     name_or_path: str | None = None  # hub id or local folder; None = random init from `config`
     config: dict = field(default_factory=dict)  # overrides of the model config (or the whole config)
     random_init: bool = False  # build from the config with fresh weights instead of loading them
@@ -21,7 +46,7 @@ class ModelConfig:
 
 
 @dataclass
-class DataConfig:
+class DataConfig(Section):
     path: str | None = None  # hub dataset id, local file, or local folder of files
     name: str | None = None  # hub dataset config name (e.g. wikitext-2-raw-v1)
     split: str = "train"  # the split to train on
@@ -63,7 +88,7 @@ class DataConfig:
 
 
 @dataclass
-class FSDPConfig:
+class FSDPConfig(Section):
     sharding: Literal["full_shard", "shard_grad_op", "hybrid_shard", "no_shard"] = "full_shard"  # see the FSDP1 map in the README
     wrap: Literal["block", "size"] = "block"  # FSDP units: one per decoder block, or by parameter count
     min_num_params: int = 100_000_000  # wrap="size": a unit per subtree with at least this many
@@ -77,7 +102,7 @@ class FSDPConfig:
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(Section):
     micro_batch_size: int | Literal["auto"] = 8  # sequences per rank per forward/backward; auto: the planner's largest that fits
     global_batch_size: int = 32  # sequences per optimizer step, over all ranks
     lr: float = 3e-4  # peak learning rate
@@ -95,7 +120,7 @@ class TrainConfig:
 
 
 @dataclass
-class EvalConfig:
+class EvalConfig(Section):
     every_steps: int = 0  # 0: only before and after training
     max_batches: int = 0  # evaluate the first N x micro_batch_size sequences (any world size); 0: all
     micro_batch_size: int | None = None  # default: train.micro_batch_size
@@ -103,7 +128,7 @@ class EvalConfig:
 
 
 @dataclass
-class LogConfig:
+class LogConfig(Section):
     every_steps: int = 10  # a metrics.jsonl record (and tracker point) every N optimizer steps
     progress: bool = True  # progress bar on rank 0
     trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = field(default_factory=list)  # beside metrics.jsonl
@@ -116,7 +141,7 @@ class LogConfig:
 
 
 @dataclass
-class PeftConfig:
+class PeftConfig(Section):
     method: Literal["none", "lora", "dora", "ia3", "prefix_tuning", "prompt_tuning", "adaption_prompt"] = "none"  # parameter-efficient method (peft), base frozen: lora, dora (weight-decomposed LoRA), ia3 (learned scales), prefix_tuning, prompt_tuning, adaption_prompt (LLaMA-Adapter)
     r: int = 8  # lora/dora: rank
     alpha: int = 16  # lora/dora: scaling numerator (scale = alpha / r; alpha / sqrt(r) with rslora)
@@ -173,14 +198,14 @@ class PeftConfig:
 
 
 @dataclass
-class FreezeConfig:
+class FreezeConfig(Section):
     trainable_blocks: int | None = None  # train only the top N decoder blocks (and the final norm)
     head_only: bool = False  # train only the output head
     embeddings: bool = False  # freeze the input (and position) embeddings
 
 
 @dataclass
-class CheckpointConfig:
+class CheckpointConfig(Section):
     every_steps: int = 0  # save a sharded checkpoint every N optimizer steps (0: never)
     at_epoch_end: bool = False  # also save when an epoch of the training data ends
     keep_last: int = 2  # complete checkpoints kept in output_dir/checkpoints (0: keep all)
@@ -192,7 +217,7 @@ class CheckpointConfig:
 
 
 @dataclass
-class PublishConfig:
+class PublishConfig(Section):
     hub_repo: str | None = None  # upload to this Hub model repo (namespace/name) while training; token from HF_TOKEN or `hf auth login`
     private: bool = True  # create the repo private (an existing repo keeps its visibility)
     revision: str = "main"  # the branch uploads go to (created from main if missing)
@@ -204,7 +229,7 @@ class PublishConfig:
 
 
 @dataclass
-class RunConfig:
+class RunConfig(Section):
     output_dir: str | None = None  # default runs/<recipe>-<time>
     save_final: bool = True  # write final/ (a plain HF folder) at the end; sweep trials turn it off
     precision: Literal["bf16", "fp16", "fp32"] = "fp32"  # compute dtype; master weights and reductions stay fp32
@@ -234,6 +259,38 @@ class RunConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def config_keys(cls=None, prefix: str = "") -> list[str]:
+    """Every dotted key of the schema, walked from the dataclasses (`recipe` is the loader's)."""
+    cls = cls or RunConfig
+    keys = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            keys += config_keys(hints[f.name], prefix + f.name + ".")
+        elif f.name != "recipe":
+            keys.append(prefix + f.name)
+    return keys
+
+
+def key_type(key: str):
+    """The declared type of a dotted config key (`train.lr` -> float), or None for no such key."""
+    cls = RunConfig
+    *path, last = key.split(".")
+    for part in path:
+        cls = typing.get_type_hints(cls).get(part) if dataclasses.is_dataclass(cls) else None
+        if cls is None:
+            return None
+    hints = typing.get_type_hints(cls) if dataclasses.is_dataclass(cls) else {}
+    tp = hints.get(last)
+    return None if tp is None or dataclasses.is_dataclass(tp) or last == "recipe" else tp
+
+
+def number_types(tp) -> set[type]:
+    """The kinds of number (int, float) a key of type `tp` takes: none for text, choices, lists."""
+    args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+    return {a for a in args if a in (int, float)}
 
 
 @functools.cache  # parsing the source takes ~0.1 s, and every command's parser shows it

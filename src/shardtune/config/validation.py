@@ -264,6 +264,10 @@ def _validate_memory_savers(cfg) -> None:
 REPO_ID = re.compile(r"[A-Za-z0-9](?:[\w.-]{0,94}[A-Za-z0-9])?/[A-Za-z0-9](?:[\w.-]{0,94}[A-Za-z0-9])?")
 
 
+def is_repo_id(text: str) -> bool:
+    return bool(REPO_ID.fullmatch(text)) and "--" not in text and ".." not in text
+
+
 def _validate_publish(cfg) -> None:
     p = cfg.publish
     if p.wandb_artifacts != "none" and "wandb" not in cfg.log.trackers:
@@ -271,7 +275,7 @@ def _validate_publish(cfg) -> None:
                         "or set publish.wandb_artifacts=none")
     if p.hub_repo is None:
         return
-    if not REPO_ID.fullmatch(p.hub_repo) or "--" in p.hub_repo or ".." in p.hub_repo:
+    if not is_repo_id(p.hub_repo):
         raise UserError(f"publish.hub_repo={p.hub_repo!r} is not a Hub repo id; write namespace/name "
                         "(letters, digits, - _ .), e.g. publish.hub_repo=my-user/opt-arxiv")
     if not p.revision or p.revision.startswith(("/", "-")) or ".." in p.revision or " " in p.revision:

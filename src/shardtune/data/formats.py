@@ -86,11 +86,29 @@ def check_cells(docs, cfg: DataConfig, what: str, warn) -> None:
         else:
             raise UserError(f"column {column!r} of {what} ({key}) holds {kind}, not {wants}; point {key} at the "
                             "right column, or use data.template to format other columns")
+        if cfg.format == "chat" and lists and pa.types.is_struct(kind.value_type):
+            check_message_contents(cells, f"column {column!r} of {what} ({key})")
         if empty == len(docs):
             raise UserError(f"column {column!r} of {what} ({key}) is null or empty in all {empty} rows; point "
                             f"{key} at the column that holds the {'messages' if cfg.format == 'chat' else 'text'}")
         if empty:
             warn(f"warning: column {column!r} of {what} ({key}) is null or empty in {empty} of {len(docs)} rows")
+
+
+def check_message_contents(cells, what: str) -> None:
+    """Chat messages without text: a template renders a null content as the text "None" (or
+    nothing) and trains on it without a word, so every message must hold its content."""
+    import pyarrow.compute as pc
+
+    struct = cells.type.value_type
+    if struct.get_field_index("content") < 0:
+        raise UserError(f"the messages of {what} have no 'content' field (fields: "
+                        f"{', '.join(struct.field(i).name for i in range(struct.num_fields))}); fix the data")
+    content = pc.struct_field(pc.list_flatten(cells), "content")
+    if content.null_count:
+        row = pc.list_parent_indices(cells).filter(pc.is_null(content))[0].as_py()
+        raise UserError(f"{content.null_count} message(s) in {what} have no content (null), the first in row "
+                        f"{row}; fix or drop those rows (a chat template would train on its rendering of null)")
 
 
 def fill(template: str, row: dict, sep: str = " ") -> str:
@@ -211,7 +229,8 @@ def check_chat_template(cfg: DataConfig, tokenizer) -> None:
 
 def _messages(value, index: int, field: str) -> list[dict]:
     """Messages of one row, checked; keys that arrow filled with None for other rows dropped."""
-    ok = isinstance(value, list) and value and all(isinstance(m, dict) and "role" in m for m in value)
+    ok = isinstance(value, list) and value and all(isinstance(m, dict) and "role" in m and m.get("content")
+                                                   is not None for m in value)
     if not ok:
         raise UserError(f"row {index} of data.messages_field={field!r} is not a list of {{role, content}} "
                         f"messages (got {str(value)[:80]!r}); fix the data or set data.messages_field")

@@ -76,6 +76,13 @@ def split_files(cfg: DataConfig, split: str | None) -> str:
 def split_documents(cfg: DataConfig, splits, seed: int):
     """(train, validation) documents: the dataset's own validation split if it has one, else a
     seeded hold-out of `val_size` training documents; then `start_idx:end_idx` of the rest."""
+    train, val, _ = _split(cfg, splits, seed)
+    return train, val
+
+
+def _split(cfg: DataConfig, splits, seed: int):
+    """split_documents, and (what, fix) for what took training documents away (the hold-out, the
+    slice): a refusal of a training split too small to use names its cause, not its symptom."""
     if cfg.split not in splits:
         raise UserError(f"dataset {cfg.path!r} has no split {cfg.split!r}; choose data.split from "
                         f"{', '.join(splits)}")
@@ -84,23 +91,37 @@ def split_documents(cfg: DataConfig, splits, seed: int):
     if cfg.val_split and cfg.val_split not in splits:
         raise UserError(f"dataset {cfg.path!r} has no split {cfg.val_split!r}; choose data.val_split from "
                         f"{', '.join(splits)}")
+    causes = []
     if val_name is not None:
         val = splits[val_name]
     else:
         n = len(train)
         k = int(cfg.val_size) if cfg.val_size >= 1 else int(round(n * cfg.val_size))
-        k = min(k, n - 1) if n > 1 else 0
+        if k and k >= n:
+            raise UserError(f"data.val_size={cfg.val_size:g} holds out {k} document(s) for validation but "
+                            f"dataset {cfg.path!r} has only {n}; lower data.val_size (a count, or a fraction "
+                            "below 1) or add data")
         import numpy as np
 
         held = np.random.default_rng(seed).permutation(n)[:k]
         held_set = set(held.tolist())
         val = train.select(sorted(held_set))
         train = train.select([i for i in range(n) if i not in held_set])
+        if k:
+            causes.append((f"data.val_size={cfg.val_size:g} held out {k} of its {n} documents", "lower data.val_size"))
     start = cfg.start_idx or 0
     end = len(train) if cfg.end_idx is None else min(cfg.end_idx, len(train))
     if start or end < len(train):
-        train = train.select(range(start, end))
-    return train, val
+        causes.append((f"data.start_idx:end_idx kept {max(end - start, 0)} of {len(train)}", "widen the slice"))
+        train = train.select(range(start, end) if start < end else [])  # datasets refuses range(n, n)
+    return train, val, causes
+
+
+def too_small(causes: list[tuple[str, str]], remedy: str) -> str:
+    """The end of a refusal of a training split too small to use: what made it so, and the fix."""
+    if not causes:
+        return f"; {remedy}"
+    return f" ({'; '.join(c for c, _ in causes)}); {', '.join(f for _, f in causes)}, or {remedy}"
 
 
 # ----------------------------------------------------------------------------- tokens
@@ -150,13 +171,14 @@ def tokenize_split(docs, cfg: DataConfig, tokenizer, what: str, warn=None, requi
     return rows
 
 
-def prepare(cfg: DataConfig, tokenizer, seed: int):
+def prepare(cfg: DataConfig, tokenizer, seed: int, global_batch: int = 1):
     """(train, val) torch datasets with `input_ids` (and `labels` where some tokens get no loss).
     text: packed blocks of seq_len; instruct/chat: one example per row, at most cutoff_len long,
-    with a `length` column (see `lengths`), unless data.packing."""
+    with a `length` column (see `lengths`), unless data.packing. A training split of fewer than
+    `global_batch` sequences is refused here, where what made it small is known."""
     notes: list[str] = []
     try:
-        prepared = _prepare(cfg, tokenizer, seed, notes.append)
+        prepared = _prepare(cfg, tokenizer, seed, notes.append, global_batch)
     except Exception as exc:  # no room for the `datasets` cache or the packed blocks beside it: one line
         if (why := no_room(exc, 0, None)) is None:
             raise
@@ -169,17 +191,21 @@ def prepare(cfg: DataConfig, tokenizer, seed: int):
     return prepared
 
 
-def _prepare(cfg: DataConfig, tokenizer, seed: int, warn):
+def _prepare(cfg: DataConfig, tokenizer, seed: int, warn, global_batch: int = 1):
     splits = load_documents(cfg)
-    train_docs, val_docs = split_documents(cfg, splits, seed)
+    train_docs, val_docs, causes = _split(cfg, splits, seed)
     if len(train_docs) == 0:
-        raise UserError(f"dataset {cfg.path!r} has no training documents (after start_idx/end_idx); "
-                        "check data.path and the slice")
+        raise UserError(f"dataset {cfg.path!r} has no training documents left"
+                        + too_small(causes, "check data.path"))
     train = tokenize_split(train_docs, cfg, tokenizer, f"dataset {cfg.path!r}{split_files(cfg, cfg.split)}", warn,
                            required=True)
     if len(train) == 0:
-        raise UserError(f"dataset {cfg.path!r} has fewer tokens than one sequence of data.seq_len={cfg.seq_len}; "
-                        "add data or lower data.seq_len")
+        raise UserError(f"dataset {cfg.path!r} has fewer tokens than one sequence of data.seq_len="
+                        f"{cfg.seq_len}" + too_small(causes, "add data or lower data.seq_len"))
+    if len(train) < global_batch:
+        raise UserError(f"the training split of {cfg.path!r} has {len(train)} sequences, fewer than "
+                        f"train.global_batch_size={global_batch}"
+                        + too_small(causes, "lower the batch size or data.seq_len, or add data"))
     val = None
     if len(val_docs):
         what = f"the validation split of {cfg.path!r}{split_files(cfg, validation_split(cfg, splits))}"

@@ -5,7 +5,6 @@ Joining the process group (here, under `torchrun` or under `srun`) is `shardtune
 
 from __future__ import annotations
 
-import atexit
 import os
 import shutil
 import signal
@@ -17,13 +16,9 @@ from pathlib import Path
 
 from shardtune.distributed.process_group import LAUNCHER_ENV
 from shardtune.errors import EXIT_PREEMPTED, EXIT_USAGE
-from shardtune.launch.signals import sigint_ignored
+from shardtune.rank.lifecycle import COMPLETED_ENV
+from shardtune.rank.preemption import sigint_ignored
 
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-# A folder the launcher makes for each launch: a rank that has passed the run's closing barrier
-# writes rank-N there, holding the exit code it means to end with. A rank that then dies during
-# the interpreter's shutdown (a C++ thread of a library alive at exit) has not failed the run.
-COMPLETED_ENV = "SHARDTUNE_COMPLETED_DIR"
 
 def launch_local(nproc: int, worker_argv: list[str],
                  interrupt_note: str = "Ctrl-C: stopping the ranks; Ctrl-C again stops them at once") -> int:
@@ -32,7 +27,7 @@ def launch_local(nproc: int, worker_argv: list[str],
 
     SIGTERM (and SIGHUP, SIGQUIT) go to the ranks through the agent, which waits for them. So does
     the first Ctrl-C (SIGINT), after `interrupt_note`; a second Ctrl-C is passed on again, and
-    the ranks stop at once; started with SIGINT ignored, it ignores it (launch/signals.py). The
+    the ranks stop at once; started with SIGINT ignored, it ignores it (rank/preemption.py). The
     workers die with this process (`die_with_launcher`)."""
     import logging
 
@@ -124,45 +119,6 @@ def read_completed(folder: Path) -> dict[int, int]:
         except (OSError, ValueError):
             continue  # being written as the rank was killed: not a mark
     return found
-
-
-def mark_completed(code: int) -> None:
-    """A rank of `launch_local`, after the run's closing barrier: tell the launcher the run
-    completed with `code`, whatever happens to this process from here on."""
-    folder = os.environ.get(COMPLETED_ENV)
-    if folder:
-        tmp = Path(folder) / f".rank-{os.environ.get('RANK', '0')}"
-        tmp.write_text(str(code))
-        os.replace(tmp, tmp.with_name(tmp.name[1:]))
-
-
-def leave_rank(code: int) -> None:
-    """A rank of an elastic agent (ours or torchrun) whose command has returned: end now, after
-    Python's exit handlers, without the interpreter's teardown, where a library's C++ thread
-    still alive at exit aborts the process (`terminate called without an active exception`)."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
-        return
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def die_with_launcher() -> None:
-    """In a worker of an elastic agent (ours or torchrun): be killed when the agent dies, so a
-    `kill -9` of the launcher leaves no ranks training on (Linux's parent-death signal)."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        return
-    launcher = os.environ.get(LAUNCHER_ENV)
-    if launcher and int(launcher) != os.getppid():  # it died before the prctl took effect
-        os._exit(1)
 
 
 def _child_pids() -> list[int]:

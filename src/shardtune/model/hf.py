@@ -239,9 +239,15 @@ def check_seq_len(hf_config, seq_len: int, virtual_tokens: int = 0) -> None:
     """`virtual_tokens`: prefix/prompt tuning's, which take positions before the sequence's."""
     limit = max_positions(hf_config)
     if limit is not None and seq_len + virtual_tokens > limit:
+        room = limit - virtual_tokens  # positions left for the sequence, which needs at least 2
+        if virtual_tokens and room < 2:
+            fix = (f"set peft.num_virtual_tokens={limit - seq_len} or less" if seq_len < limit else
+                   f"set data.seq_len below {limit} and peft.num_virtual_tokens to fit beside it")
+            raise UserError(f"peft.num_virtual_tokens={virtual_tokens} takes all of the model's {limit} positions, "
+                            f"leaving none for data.seq_len={seq_len}; {fix}")
         if virtual_tokens:
             raise UserError(f"data.seq_len={seq_len} plus peft's {virtual_tokens} virtual tokens is above the "
-                            f"model's maximum of {limit} positions; set data.seq_len={limit - virtual_tokens} or "
+                            f"model's maximum of {limit} positions; set data.seq_len={room} or "
                             "less, or lower peft.num_virtual_tokens")
         raise UserError(f"data.seq_len={seq_len} is above the model's maximum of {limit} positions; "
                         f"set data.seq_len={limit} or less")

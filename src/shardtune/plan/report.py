@@ -69,9 +69,10 @@ def target_from_request(req: PlanRequest) -> Target:
     return target
 
 
-def run_plan(req: PlanRequest, cfg: RunConfig, recipe: str | None, overrides: list[str]) -> int:
-    from shardtune.model.adapters import check_method
-    from shardtune.model.hf import check_seq_len
+def check_plan(req: PlanRequest, cfg: RunConfig):
+    """(target, model config, where it came from), or the refusal: the target's, then what train's
+    check refuses of the model's config and tokenizer (`check.run`), with the same line."""
+    from shardtune.check.run import check_config
 
     target = target_from_request(req)
     refuse_unpriced(cfg, target)
@@ -79,8 +80,12 @@ def run_plan(req: PlanRequest, cfg: RunConfig, recipe: str | None, overrides: li
         raise UserError(f"{float8_needs(cfg.float8)}; {target.gpu.name} has none: set float8=none, or plan for "
                         "one of those")
     hf_config, source = resolve_hf_config(cfg)
-    check_seq_len(hf_config, cfg.data.seq_len, cfg.peft.virtual_tokens)
-    check_method(cfg.peft, hf_config)
+    check_config(cfg, hf_config)
+    return target, hf_config, source
+
+
+def run_plan(req: PlanRequest, cfg: RunConfig, recipe: str | None, overrides: list[str]) -> int:
+    target, hf_config, source = check_plan(req, cfg)
     say = (lambda text: print(text, file=sys.stderr, flush=True)) if req.json else \
         (lambda text: print(text, flush=True))
     say(f"model config: {source}")

@@ -5,16 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shardtune.publish.hub import HubPublisher, check_ready
+from shardtune.publish.hub import HubPublisher
 
 
 class Publishing:
-    """`Publishing.check(cfg)` before anything is built; then one per rank (only rank 0's does
-    anything). `trackers` is set once the trainer opens them."""
-
-    @staticmethod
-    def check(cfg, say=print) -> bool:
-        return check_ready(cfg.publish, say)
+    """One per rank (only rank 0's does anything), once the run's check (`check.run`: a Hub
+    token at hand, `hub`) passed. `trackers` is set once the trainer opens them."""
 
     def __init__(self, cfg, out: Path, hub: bool, is_main: bool, say=print, resuming: bool = False):
         from shardtune.checkpoint.folders import complete_checkpoints, step_of

@@ -154,6 +154,35 @@ def check(sweep: Sweep) -> None:
             machine_checks(cfg, sweep.device)
         except UserError as exc:
             raise UserError(f"--grid {where}: {exc}") from None
+    check_models(sweep, sweep.points(), "--grid")
+
+
+def check_models(sweep: Sweep, points: list[dict], option: str) -> None:
+    """`train`'s check of the model's config and tokenizer (`check.run.check_model`), on the
+    recipe and overrides (the same line as train's) and on every point (the point named), before
+    the first trial; the model config and tokenizer are loaded once per distinct model. A point
+    whose model transformers cannot build is left to its trial, which records the crash."""
+    from shardtune.check.run import check_model, local_tokenizer
+    from shardtune.model.hf import load_hf_config
+
+    loaded: dict[str, tuple | None] = {}
+    for point in [{}, *points]:
+        cfg = sweep.config(point)
+        key = json.dumps(dataclasses.asdict(cfg.model), sort_keys=True, default=str)
+        try:
+            if key not in loaded:
+                try:
+                    loaded[key] = (load_hf_config(cfg.model), local_tokenizer(cfg.model))
+                except UserError:
+                    if not point:
+                        raise
+                    loaded[key] = None
+            if loaded[key] is not None:
+                check_model(cfg, *loaded[key])
+        except UserError as exc:
+            if not point:
+                raise
+            raise UserError(f"{option} {' '.join(f'{k}={v}' for k, v in point.items())}: {exc}") from None
 
 
 def machine_checks(cfg, device_type: str) -> None:

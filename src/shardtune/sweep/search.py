@@ -149,14 +149,34 @@ def check(sweep: Sweep, search: Search) -> None:
             raise UserError(f"{word!r}: the sweep sets output_dir and resume for each trial; use --out for the sweep")
     sweep.config({})  # the recipe and overrides alone: their errors are not the search space's
     for param in search.space:
+        check_kind(param)
         for value in param.corners():
             try:
                 cfg = sweep.config({param.key: value})
             except UserError as exc:
                 raise UserError(f"--search {param.key}={value}: {exc}") from None
     from shardtune.config.load import check_world
+    from shardtune.sweep.grid import check_models
 
     check_world(cfg, sweep.nproc)
+    check_models(sweep, [{p.key: value} for p in search.space for value in p.corners()], "--search")
+
+
+def check_kind(param: Param) -> None:
+    """A distribution the key's declared type can take: numbers only for a number key, whole
+    numbers only for an int key; a text key, a choice or a list is searched with choice:A,B."""
+    from shardtune.config.schema import key_type, number_types
+
+    tp = key_type(param.key)
+    if tp is None or param.kind == "choice":
+        return  # an unknown key: loading its corners says so, with a suggestion; choices load as written
+    numbers = number_types(tp)
+    if not numbers:
+        raise UserError(f"--search {param.key}={param.spec()}: {param.key} is not a number "
+                        f"({str(tp).replace('typing.', '')}); search it with choice:A,B")
+    if param.kind in ("uniform", "loguniform") and float not in numbers:
+        raise UserError(f"--search {param.key}={param.spec()}: {param.key} is a whole number and {param.kind} "
+                        f"draws fractions; use int:LOW:HIGH or logint:LOW:HIGH")
 
 
 def open_study(sweep: Sweep, search: Search):

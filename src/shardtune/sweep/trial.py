@@ -70,7 +70,7 @@ def run_trial(sweep, point: dict, name: str, cap: int | None, micro_batch: int |
 
 def _wait(proc: subprocess.Popen, folder: Path, watch) -> tuple[int, bool]:
     """(exit code, whether `watch` stopped it). A stopped trial is killed: its ranks follow their
-    launcher (die_with_launcher), and a trial has nothing to save. A trial that ended before
+    launcher (rank.lifecycle.die_with_launcher), and a trial has nothing to save. A trial that ended before
     `watch` saw its last lines is judged on them too (as if it had been watched in time)."""
     try:
         while True:

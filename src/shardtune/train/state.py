@@ -1,10 +1,12 @@
 """What the training loop carries between steps, as explicit objects: the seeded RNGs, the
-train state every checkpoint saves, and a step whose numbers are still on the device."""
+train state every checkpoint saves, a step whose numbers are still on the device, and the parts
+one `fit` assembles for the loop."""
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -43,3 +45,26 @@ class QueuedStep:
     done: float | torch.cuda.Event  # telemetry.StepClock mark queued behind the step
     watch: torch.Tensor | None = None  # log.watch's per-block norms, still on the device
     grad_norms: object = None  # step.GradNorms: read only when the step was not finite
+
+
+@dataclass
+class LoopParts:
+    """What one `Trainer.fit` assembles for its loop (metrics file, trackers, progress bar, GPU
+    sampler, stop request, batch prefetcher, profiler), closed together in reverse order."""
+
+    log: Any
+    trackers: Any
+    progress: Any
+    gpu: Any
+    preemption: Any
+    prefetcher: Any
+    profiler: Any
+
+    def close(self) -> None:
+        """The trackers stay open: publishing logs the final model to them."""
+        self.profiler.close()
+        self.prefetcher.close()
+        self.preemption.restore()
+        self.progress.close()
+        self.log.close()
+        self.gpu.close()

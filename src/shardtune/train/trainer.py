@@ -9,28 +9,20 @@ from pathlib import Path
 import torch
 import torch.distributed
 
-from shardtune.checkpoint.rundir import PREEMPTED_MARKER, default_output_dir
-from shardtune.config.load import check_world, dump_yaml
+from shardtune.check.run import CheckedRun, check_run
+from shardtune.checkpoint.rundir import PREEMPTED_MARKER
+from shardtune.config.load import dump_yaml
 from shardtune.config.schema import RunConfig
-from shardtune.data import docmask
 from shardtune.data import pipeline as data_lib
 from shardtune.distributed.activation_memory import describe_memory_savers
 from shardtune.distributed.collectives import broadcast_value, rank0_first
 from shardtune.distributed.fsdp import build_mesh
 from shardtune.distributed.process_group import init_distributed
 from shardtune.errors import EXIT_PREEMPTED, UserError
-from shardtune.families import config_value
 from shardtune.model import float8
-from shardtune.model.adapters import check_method, load_qlora_model
-from shardtune.model.build import BuiltModel, ModelSpec, build_model, check_machine
-from shardtune.model.hf import (
-    check_seq_len,
-    count_params,
-    load_hf_config,
-    load_source_model,
-    load_tokenizer,
-    match_tokenizer,
-)
+from shardtune.model.adapters import load_qlora_model
+from shardtune.model.build import BuiltModel, ModelSpec, build_model
+from shardtune.model.hf import count_params, load_source_model
 from shardtune.telemetry.metrics import (
     GPUSampler,
     LiveMemory,
@@ -44,53 +36,47 @@ from shardtune.telemetry.metrics import (
     matmul_params,
     memory_stats,
 )
-from shardtune.train.state import QueuedStep, TrainState, seed_everything
+from shardtune.train.state import LoopParts, QueuedStep, TrainState, seed_everything
 from shardtune.train.step import evaluate, queue_numbers, read_numbers, train_step
 
 HISTOGRAMS = "_histograms"  # a record's log.watch histograms, for the trackers only
 
 
 class Trainer:
-    """One rank's view of a run: `Trainer(cfg)` sets everything up, `fit()` trains and
-    evaluates, `export()` writes final/, `close()` leaves the process group."""
+    """One rank's view of a run: `Trainer(checked)` builds it from the checked run (a resolved
+    RunConfig is checked first), `fit()` trains and evaluates, `export()` writes final/,
+    `close()` leaves the process group."""
 
-    def __init__(self, cfg: RunConfig, overwrite: bool = False):
+    def __init__(self, run: CheckedRun | RunConfig, overwrite: bool = False):
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()  # its padding/attention-mask advice does not apply to packed blocks
         from huggingface_hub.utils import logging as hub_logging
 
         hub_logging.set_verbosity_error()  # no retry chatter: a hub failure ends in one UserError line
-        self.cfg = cfg
+        run = check_run(run) if isinstance(run, RunConfig) else run  # an in-process caller's resolved run
+        self.cfg = cfg = run.cfg
         self.owns_group = not torch.distributed.is_initialized()
         self.dist = dist = init_distributed(cfg.device)
-        check_machine(cfg, dist.device)
-        cfg.output_dir = broadcast_value(dist, cfg.output_dir or default_output_dir(cfg.recipe))
-        self.out = out = Path(cfg.output_dir)
-        from shardtune.publish.session import Publishing
-
-        hub = Publishing.check(cfg, self.say)  # a missing Hub token: before anything is built
+        if run.world_size != dist.world_size:
+            raise ValueError(f"checked for {run.world_size} rank(s), running on {dist.world_size}")
+        # a default output_dir names the time: rank 0's, where torchrun's ranks resolved their own
+        self.out = out = Path(broadcast_value(dist, cfg.output_dir))
         from shardtune.checkpoint.dcp import Checkpointer
         from shardtune.checkpoint.rundir import prepare_run_dir
         from shardtune.diskspace import checkpoint_bytes, space_warning
+        from shardtune.publish.session import Publishing
 
         # Check the folder now, but change it (overwrite, trim, clean) only once all input is valid.
         resume_from = broadcast_value(dist, rank0_first(
-            dist, lambda: prepare_run_dir(cfg, overwrite, check_only=True) if dist.is_main else None))
+            dist, lambda: prepare_run_dir(cfg, overwrite, check_only=True, out=out) if dist.is_main else None))
 
-        # ---- model config, tokenizer and data (rank 0 tokenizes first; the others hit the cache)
-        self.tokenizer = tokenizer = load_tokenizer(cfg.model)
-        self.hf_config = hf_config = load_hf_config(cfg.model)
-        match_tokenizer(hf_config, tokenizer, cfg.model)
-        vocab = config_value(hf_config, "vocab_size")
-        if vocab is not None and len(tokenizer) > vocab:
-            raise UserError(f"the tokenizer has {len(tokenizer)} tokens but the model only {vocab}; "
-                            "use the model's own tokenizer or set model.config.vocab_size")
-        check_seq_len(hf_config, cfg.data.seq_len, cfg.peft.virtual_tokens)
-        check_method(cfg.peft, hf_config)  # what the peft method needs of this model type
-        docmask.check(cfg.data, hf_config)
-        self.accum = check_world(cfg, dist.world_size)
-        self.train_ds, self.val_ds = rank0_first(dist, lambda: data_lib.prepare(cfg.data, tokenizer, cfg.train.seed))
+        # ---- data (rank 0 tokenizes first; the others hit the cache)
+        self.tokenizer = tokenizer = run.tokenizer
+        self.hf_config = hf_config = run.hf_config
+        self.accum = run.accum
+        self.train_ds, self.val_ds = rank0_first(dist, lambda: data_lib.prepare(cfg.data, tokenizer, cfg.train.seed,
+                                                                                  cfg.train.global_batch_size))
         t = cfg.train
         self.plan = data_lib.BatchPlan(len(self.train_ds), t.global_batch_size, t.micro_batch_size,
                                        dist.world_size, dist.rank, t.seed,
@@ -123,13 +109,13 @@ class Trainer:
         float8.keep_scales_precomputed(model, self.optimizer, cfg.float8)
         self.scaler = build_grad_scaler(cfg.precision, dist.device)
         self.state = TrainState()
-        rank0_first(dist, lambda: prepare_run_dir(cfg, overwrite) if dist.is_main else None)
+        rank0_first(dist, lambda: prepare_run_dir(cfg, overwrite, out=out) if dist.is_main else None)
         tensors = ModelOptimizerState(model, self.optimizer, hf_config if cfg.checkpoint.hf_format else None)
+        self.publishing = Publishing(cfg, out, run.publishes, dist.is_main, self.say, resuming=bool(resume_from))
         self.ckpt = Checkpointer(out / "checkpoints", cfg.checkpoint, tensors,
                                  {"train_state": self.state, **({"scaler": self.scaler} if self.scaler else {})},
                                  describe=self.describe, write_extras=self.write_checkpoint_extras,
-                                 committed=lambda folder, step: self.publishing.committed(folder, step))
-        self.publishing = Publishing(cfg, out, hub, dist.is_main, self.say, resuming=bool(resume_from))
+                                 committed=self.publishing.committed)
         if note := space_warning(out / "checkpoints", cfg.checkpoint, checkpoint_bytes(model, dist.world_size),
                                  self.total_steps, self.plan.steps_per_epoch):
             self.say(note)
@@ -187,7 +173,7 @@ class Trainer:
                         self.cfg.data.padding_free)
 
     def fit(self) -> dict:
-        from shardtune.launch.signals import Preemption
+        from shardtune.rank.preemption import Preemption
         from shardtune.telemetry.trackers import Trackers
 
         cfg, dist, t = self.cfg, self.dist, self.cfg.train
@@ -204,24 +190,17 @@ class Trainer:
             trackers.log(record, 0)
             self.say(f"step 0: validation loss {results['first']['eval_loss']:.4f}, "
                      f"perplexity {results['first']['eval_ppl']:.2f}")
-        progress = Progress(self.total_steps, self.state.step, dist.is_main, cfg.log.progress)
-        gpu = GPUSampler(dist.device)
         start, first_step = time.perf_counter(), self.state.step
-        preemption = Preemption()
-        prefetcher = self.prefetcher()
-        profiler = StepProfiler(cfg.log.profile_steps, self.state.step, self.total_steps, dist, self.out)
+        parts = LoopParts(log, trackers, Progress(self.total_steps, self.state.step, dist.is_main, cfg.log.progress),
+                          GPUSampler(dist.device), Preemption(), self.prefetcher(),
+                          StepProfiler(cfg.log.profile_steps, self.state.step, self.total_steps, dist, self.out))
         try:
-            results["tokens"] = self._loop(log, trackers, progress, gpu, results, preemption, prefetcher, profiler)
+            results["tokens"] = self._loop(parts, results)
         except BaseException:
             trackers.close()  # else open until the final model is logged (publishing.final) or close()
             raise
         finally:
-            profiler.close()
-            prefetcher.close()
-            preemption.restore()
-            progress.close()
-            log.close()
-            gpu.close()
+            parts.close()
             self.ckpt.wait()
         elapsed = time.perf_counter() - start
         results["train_seconds"] = elapsed
@@ -245,13 +224,15 @@ class Trainer:
 
         return data_lib.Prefetcher(assemble, self.dist.device, self.state.step, self.total_steps)
 
-    def _loop(self, log, trackers, progress, gpu, results: dict, preemption, prefetcher, profiler) -> float:
+    def _loop(self, parts: LoopParts, results: dict) -> float:
         """Steps until done or preempted; returns the number of tokens trained on. The host reads
         a step's numbers one step late, once the next step's work is queued, so the device never
         waits for the host; evaluation, checkpoints, a stop and the last step read them at once."""
         from shardtune.train.optim import lr_at, set_lr
 
         cfg, dist, plan, state = self.cfg, self.dist, self.plan, self.state
+        log, trackers, progress, gpu = parts.log, parts.trackers, parts.progress, parts.gpu
+        preemption, prefetcher, profiler = parts.preemption, parts.prefetcher, parts.profiler
         clock = StepClock(dist.device)
         meter = StepMeter(dist.world_size, self.flops_per_token,
                           device_peak_flops(dist.device, cfg.precision, cfg.log.peak_tflops), clock)
@@ -370,7 +351,7 @@ class Trainer:
     def close(self, code: int = 0) -> None:
         """The end of a run, in a fixed order: the checkpoint writer joined (and its group gone),
         every rank at one barrier, the launcher told the run completed with `code`, the group left."""
-        from shardtune.launch.local import mark_completed
+        from shardtune.rank.lifecycle import mark_completed
 
         self.publishing.close()
         self.ckpt.close()
@@ -380,25 +361,27 @@ class Trainer:
             torch.distributed.destroy_process_group()
 
 
-def run(cfg: RunConfig, overwrite: bool = False) -> dict:
+def run(checked: CheckedRun | RunConfig, overwrite: bool = False) -> dict:
     """Train as one rank of the job: set up, fit, export final/, leave."""
 
     from shardtune.checkpoint.rundir import release_run_dir
 
     owns_group = not torch.distributed.is_initialized()
+    trainer = None
     try:
         try:
-            trainer = Trainer(cfg, overwrite)
+            trainer = Trainer(checked, overwrite)
         except BaseException:
             if owns_group and torch.distributed.is_initialized():  # leave no group behind a failed set-up
                 torch.distributed.destroy_process_group()
             raise
         results = trainer.fit()
         final = None
-        if cfg.save_final and not results.get("preempted"):  # a preempted run is finished by its resume
+        if trainer.cfg.save_final and not results.get("preempted"):  # a preempted run is finished by its resume
             final = trainer.export()
         trainer.publishing.final(final, trainer.state.step, results)
         trainer.close(EXIT_PREEMPTED if results.get("preempted") else 0)
         return results
-    finally:
-        release_run_dir(cfg.output_dir)  # the output folder's lock (rank 0's, taken by prepare_run_dir)
+    finally:  # the output folder's lock (rank 0's, taken by prepare_run_dir)
+        cfg = checked if isinstance(checked, RunConfig) else checked.cfg
+        release_run_dir(trainer.out if trainer is not None else cfg.output_dir)

@@ -8,6 +8,7 @@ perplexity and next-token accuracy. generate runs in one process.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +38,22 @@ class EvalRequest:
     device: str = "auto"
 
 
+def eval_config(req: EvalRequest, run_cfg):
+    """The evaluated run's config as eval reads its data: --seq-len in place of the run's (a copy)."""
+    if run_cfg is None or not req.seq_len:
+        return run_cfg
+    return dataclasses.replace(run_cfg, data=dataclasses.replace(run_cfg.data, seq_len=req.seq_len))
+
+
+def check_eval(req: EvalRequest, run_cfg, hf_config, tokenizer) -> None:
+    """`train`'s check of the model's config and tokenizer (`check.run.check_model`) on the run
+    config eval uses, before any process group: the same line as train's. An HF folder has none."""
+    from shardtune.check.run import check_model
+
+    if run_cfg is not None:
+        check_model(eval_config(req, run_cfg), hf_config, tokenizer)
+
+
 def eval_blocks(req: EvalRequest, run_cfg, tokenizer):
     """Packed blocks to evaluate on: --data's split, else the validation split the run of
     `run_cfg` (the evaluated checkpoint's) used, tokenized with `tokenizer`."""
@@ -46,9 +63,7 @@ def eval_blocks(req: EvalRequest, run_cfg, tokenizer):
     if req.data is None:
         if run_cfg is None:
             raise UserError(f"{req.model!r} is not a shardtune checkpoint, so it has no dataset; pass --data PATH")
-        d = run_cfg.data
-        if req.seq_len:
-            d.seq_len = req.seq_len
+        d = eval_config(req, run_cfg).data
         if req.split is None:
             _, val = data_lib.prepare(d, tokenizer, run_cfg.train.seed)
             if val is None:
@@ -107,11 +122,12 @@ def run_eval(req: EvalRequest) -> dict:
     from transformers.utils import logging as hf_logging
 
     from shardtune.distributed.process_group import init_distributed
-    from shardtune.launch.local import mark_completed
+    from shardtune.rank.lifecycle import mark_completed
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    data_cfg = load_model(req.model, weights=False)[3]  # --compare BASE is evaluated on the same data
+    _, tokenizer, hf_config, data_cfg = load_model(req.model, weights=False)  # --compare BASE: the same data
+    check_eval(req, data_cfg, hf_config, tokenizer)
     owns = not tdist.is_initialized()
     dist = init_distributed(req.device)
     try:

@@ -13,7 +13,7 @@ import torch
 from conftest import TINY
 from shardtune.cli.main import main
 from shardtune.errors import UserError
-from shardtune.train import textscores
+from shardtune.evaluation import textscores
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # generation is 5x slower with 2 threads here
 
@@ -82,7 +82,7 @@ def test_metric_names_are_checked():
 def test_batched_generation_equals_one_prompt_at_a_time(models):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from shardtune.train.evaluate import generate
+    from shardtune.evaluation.evaluate import generate
 
     model = AutoModelForCausalLM.from_pretrained(models[0]).eval()
     tok = AutoTokenizer.from_pretrained(models[0])
@@ -98,6 +98,7 @@ def test_text_prompts_are_deterministic_compare_and_report(assets, models, tmp_p
             "--compare", str(models[1])]
     code, out, _ = quality([*argv, "--out", str(tmp_path / "a" / "generation.json")], capsys)
     assert code == 0 and "fine-tuned" in out and "base" in out and "--- example 1" in out
+    (tmp_path / "b.json").write_text((tmp_path / "a" / "generation.json").read_text())  # its own: replaced
     code, _, _ = quality([*argv, "--out", str(tmp_path / "b.json")], capsys)
     first = json.loads((tmp_path / "a" / "generation.json").read_text())
     second = json.loads((tmp_path / "b.json").read_text())
@@ -153,7 +154,7 @@ def test_chat_prompt_ends_with_the_generation_prompt(assets):
 
 
 @pytest.mark.parametrize("extra, needle", [
-    (["--generate", "0"], "--generate must be at least 1"),
+    (["--generate", "0"], "--generate: must be at least 1"),
     (["--generate", "2", "--metrics", "rouge,bleurt"], "unknown metric 'bleurt'"),
     (["--generate", "2", "--prompt-tokens", "0"], "--prompt-tokens"),
     (["--generate", "2", "--top-p", "0"], "--top-p"),
@@ -165,6 +166,17 @@ def test_bad_input_is_one_line_before_generating(models, tmp_path, capsys, extra
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and needle in lines[0], err
     assert not (tmp_path / "g.json").exists()
+
+
+def test_a_users_file_is_not_replaced_by_generations(models, tmp_path, capsys):
+    """--out naming a file `eval --generate` did not write: refused before any model loads, the file
+    unchanged; --overwrite is how to replace it on purpose."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    code, _, err = quality([str(models[0]), "--generate", "2", "--data", str(tmp_path), "--out", str(notes)], capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "is not an output of `eval --generate`" in lines[0], err
+    assert "--overwrite" in lines[0] and notes.read_text() == "my notes\n"
 
 
 def test_mauve_without_its_extra_says_how_to_get_it(capsys, models):

@@ -14,11 +14,12 @@ from pathlib import Path
 
 from shardtune.checkpoint.loading import load_model
 from shardtune.errors import UserError
-from shardtune.fsio import make_dir, write_text_atomic
-from shardtune.train import textscores
-from shardtune.train.evaluate import generate
+from shardtune.evaluation import textscores
+from shardtune.evaluation.evaluate import generate
+from shardtune.fsio import make_dir, refuse_foreign_file, write_text_atomic
 
 SHOWN_EXAMPLES = 3  # example generations in the printed table (the JSON has all)
+OUT_MARK = "\"generate_s\":"  # in every JSON `eval --generate` writes (each model's time): only those are replaced
 
 
 @dataclasses.dataclass
@@ -41,6 +42,7 @@ class QualityRequest:
     mauve_featurizer: str | None = None
     compare: str | None = None  # a base model on the same prompts
     out: str | None = None  # the JSON file; None: RUN/generation.json, else ./generation.json
+    overwrite: bool = False  # replace `out` even if this command did not write it
     device: str = "auto"
 
 
@@ -177,6 +179,8 @@ def run_quality(req: QualityRequest) -> dict:
     from shardtune.distributed.process_group import resolve_device
 
     metrics = check_request(req)
+    out = Path(req.out) if req.out else default_out(req.model)
+    refuse_foreign_file(out, "--out", "an output of `eval --generate`", OUT_MARK, req.overwrite)  # before any work
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     featurizer = textscores.load_featurizer(req.mauve_featurizer) if "mauve" in metrics else None
@@ -201,7 +205,6 @@ def run_quality(req: QualityRequest) -> dict:
         result["models"][role] = {"spec": spec, "scores": scores, "generate_s": seconds}
     result["examples"] = [{"prompt": e.prompt, "reference": e.reference, **{r: g[i] for r, g in generations.items()}}
                           for i, e in enumerate(prompts)]
-    out = Path(req.out) if req.out else default_out(req.model)
     make_dir(out.parent)
     write_text_atomic(out, json.dumps(result, indent=1))
     print(format_scores(result), flush=True)

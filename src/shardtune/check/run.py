@@ -1,0 +1,96 @@
+"""The one check of a resolved run, called by every command before it builds anything: `train`
+(and each of its ranks), `plan`, `sweep` (every grid point, the search space's corners, before
+trial 1) and `eval`. What needs only the config was validated when it loaded
+(`config.validation`); here: the model's HF config, the tokenizer, the ranks, the machine, the
+Hub. The data's contents are checked where they are read (`data.pipeline`, `data.formats`),
+and name the config key that caused a refusal."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from shardtune.config.load import check_world
+from shardtune.config.schema import RunConfig
+from shardtune.errors import UserError
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckedRun:
+    """A resolved run that passed the check, with what the check loaded: the build starts here."""
+    cfg: RunConfig
+    hf_config: Any
+    tokenizer: Any
+    accum: int  # gradient-accumulation steps on `world_size` ranks
+    world_size: int
+    publishes: bool  # uploads to the Hub (a token is at hand)
+
+
+def check_model(cfg: RunConfig, hf_config, tokenizer=None) -> None:
+    """What the model's config and its tokenizer (where at hand) must allow: the vocabulary, the
+    positions, the peft method, document masking. The same lines for every command."""
+    from shardtune.data import docmask
+    from shardtune.families import config_value
+    from shardtune.model.adapters import check_method
+    from shardtune.model.hf import check_seq_len, match_tokenizer
+
+    if tokenizer is not None:
+        match_tokenizer(hf_config, tokenizer, cfg.model)
+        vocab = config_value(hf_config, "vocab_size")
+        if vocab is not None and len(tokenizer) > vocab:
+            raise UserError(f"the tokenizer has {len(tokenizer)} tokens but the model only {vocab}; "
+                            "use the model's own tokenizer or set model.config.vocab_size")
+    check_seq_len(hf_config, cfg.data.seq_len, cfg.peft.virtual_tokens)
+    check_method(cfg.peft, hf_config)
+    docmask.check(cfg.data, hf_config)
+
+
+def local_tokenizer(model_cfg):
+    """The run's tokenizer where it is a local folder, else None: `plan` and `sweep`'s checks
+    read no network (a hub tokenizer is checked by the run that downloads it)."""
+    from pathlib import Path
+
+    from shardtune.model.hf import load_tokenizer
+
+    source = model_cfg.tokenizer or model_cfg.name_or_path
+    return load_tokenizer(model_cfg) if source is not None and Path(source).is_dir() else None
+
+
+def check_config(cfg: RunConfig, hf_config=None) -> None:
+    """check_model for a command that builds nothing yet (plan, sweep): the model's config as
+    given (else loaded), the tokenizer where it is a local folder."""
+    from shardtune.model.hf import load_hf_config
+
+    check_model(cfg, load_hf_config(cfg.model) if hf_config is None else hf_config, local_tokenizer(cfg.model))
+
+
+def job_world_size() -> int:
+    """The ranks of this job: the process group's, else what torchrun/srun set, else 1."""
+    import torch.distributed
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
+
+
+def check_run(cfg: RunConfig, world_size: int | None = None, device=None, say=None) -> CheckedRun:
+    """`train`'s check of a resolved run (micro-batch a number, output_dir set) on `world_size`
+    ranks of `device` (a torch device; default: the one the run asks for on this machine)."""
+    from shardtune.distributed.process_group import resolve_device
+    from shardtune.model.build import check_machine
+    from shardtune.model.hf import load_hf_config, load_tokenizer
+    from shardtune.publish.hub import check_ready
+
+    if cfg.train.micro_batch_size == "auto" or cfg.output_dir is None:
+        raise ValueError("check_run takes a resolved run (resolve.run.resolve_run): micro_batch_size a number, "
+                         "output_dir set")
+    world_size = job_world_size() if world_size is None else world_size
+    check_machine(cfg, resolve_device(cfg.device) if device is None else device)
+    accum = check_world(cfg, world_size)
+    main = os.environ.get("RANK", "0") == "0"
+    publishes = check_ready(cfg.publish, say or (lambda text: print(text, flush=True) if main else None))
+    tokenizer = load_tokenizer(cfg.model)
+    hf_config = load_hf_config(cfg.model)
+    check_model(cfg, hf_config, tokenizer)
+    return CheckedRun(cfg, hf_config, tokenizer, accum, world_size, publishes)

@@ -1,0 +1,34 @@
+"""The first of the three stages every command goes through (resolve -> check -> build): one
+frozen RunConfig from the recipe, the overrides, the quickstart's defaults (where there is no
+recipe) and the values left to shardtune: `output_dir` (runs/RECIPE-TIME) and
+`train.micro_batch_size=auto` (the planner's largest that fits). Nothing changes it afterwards
+(`config.schema.freeze`); the check (`check.run`) and the build (`train.trainer`) only read it."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+from shardtune.config.schema import RunConfig, freeze
+
+
+def resolve_run(cfg: RunConfig, world_size: int = 1, local_world_size: int | None = None, say=None) -> RunConfig:
+    """A frozen copy of `cfg` (`config.load.load_config`: the recipe or the quickstart's defaults,
+    and the overrides) with its default output folder and `auto` values filled in for
+    `world_size` ranks (`local_world_size` on this node); micro_batch_size=auto's start-up line
+    goes to `say` (default: printed on rank 0)."""
+    from shardtune.checkpoint.rundir import default_output_dir
+
+    resolved = copy.deepcopy(cfg)  # the caller's config stays as it was
+    if cfg.train.micro_batch_size == "auto":
+        from shardtune.plan.fit import resolve_auto
+
+        resolved.train.micro_batch_size, line = resolve_auto(cfg, world_size, local_world_size or world_size)
+        (say or _rank0_print)(line)
+    resolved.output_dir = cfg.output_dir or default_output_dir(cfg.recipe)
+    return freeze(resolved)
+
+
+def _rank0_print(line: str) -> None:
+    if os.environ.get("RANK", "0") == "0":
+        print(line, flush=True)

@@ -1,0 +1,111 @@
+"""The one check (`check.run`): configs that `train`'s check refuses are refused by `plan`,
+`sweep` (before trial 1) and `eval` with the same line, whatever else the config holds; a grid
+point is named; the resolved run is frozen (any write raises) and leaves the loaded config as
+it was."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from conftest import TINY
+from shardtune.check.run import check_run
+from shardtune.config.load import load_config
+from shardtune.errors import UserError
+from shardtune.evaluation.evaluate import EvalRequest, check_eval
+from shardtune.plan.report import PlanRequest, check_plan
+from shardtune.resolve.run import resolve_run
+from shardtune.sweep.grid import Sweep
+from shardtune.sweep.grid import check as check_sweep
+from shardtune.sweep.search import Search, parse_space
+from shardtune.sweep.search import check as check_search
+
+# ways to break a run that only the model's config and the tokenizer can tell (TINY gpt2: 128 positions)
+BREAKERS = st.one_of(
+    st.integers(2, 299).map(lambda v: {"model.config": {**TINY["gpt2"], "vocab_size": v}}),  # tokenizer: 300
+    st.integers(129, 100_000).map(lambda n: {"data.seq_len": n}),
+    st.integers(1, 10 ** 12).map(lambda v: {"peft.method": "prefix_tuning", "peft.num_virtual_tokens": v}),
+    st.integers(1, 10 ** 12).map(lambda v: {"peft.method": "prompt_tuning", "peft.num_virtual_tokens": v}),
+    st.just({"peft.method": "adaption_prompt"}),  # not for gpt2
+)
+NOISE = st.fixed_dictionaries({}, optional={
+    "train.lr": st.floats(1e-6, 1e-2), "train.seed": st.integers(0, 2 ** 31), "data.seq_len": st.integers(2, 128),
+    "log.every_steps": st.integers(1, 50), "train.global_batch_size": st.sampled_from([8, 16])})
+
+
+def overrides(assets, settings_: dict) -> list[str]:
+    base = {"model.config": TINY["gpt2"], "model.tokenizer": assets["tokenizer"], "data.path": "corpus",
+            "train.micro_batch_size": 2, "train.global_batch_size": 8, "device": "cpu"}
+    return [f"{k}={json.dumps(v) if isinstance(v, dict) else v}" for k, v in {**base, **settings_}.items()]
+
+
+def refusal(check) -> str:
+    with pytest.raises(UserError) as exc:
+        check()
+    return str(exc.value)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(breaker=BREAKERS, noise=NOISE)
+def test_what_train_refuses_plan_sweep_and_eval_refuse_with_the_same_line(assets, tmp_path, breaker, noise):
+    words = overrides(assets, {**noise, **breaker})
+    try:
+        cfg = load_config(None, words, defaults={})
+    except UserError:
+        assume(False)  # refused by the config alone: every command loads it the same way
+    try:
+        check_run(resolve_run(cfg, 1, say=lambda line: None), 1)
+    except UserError as exc:
+        line = str(exc)
+    else:
+        assume(False)
+        return
+    assert "\n" not in line
+    assert refusal(lambda: check_plan(PlanRequest(gpus=1, gpu="A100-80GB"), cfg)) == line
+    sweep = Sweep(None, words, [("train.seed", ["1", "2"])], defaults={})
+    assert refusal(lambda: check_sweep(sweep)) == line
+    sweep.grid = []
+    assert refusal(lambda: check_search(sweep, Search(parse_space(["train.lr=loguniform:1e-5:1e-3"])))) == line
+    from shardtune.model.hf import load_hf_config, load_tokenizer
+
+    assert refusal(lambda: check_eval(EvalRequest(model="run"), cfg, load_hf_config(cfg.model),
+                                      load_tokenizer(cfg.model))) == line
+
+
+def test_a_grid_point_train_would_refuse_is_named_before_trial_1(assets):
+    sweep = Sweep(None, overrides(assets, {"data.seq_len": 64}), [("data.seq_len", ["64", "512"])], defaults={})
+    line = refusal(lambda: check_sweep(sweep))
+    assert line.startswith("--grid data.seq_len=512: data.seq_len=512 is above the model's maximum of 128")
+
+
+def test_the_resolved_run_is_frozen_and_its_source_unchanged(assets, tmp_path):
+    cfg = load_config(None, overrides(assets, {"train.micro_batch_size": "auto"}), defaults={})
+    run = resolve_run(cfg, 1, say=lambda line: None)
+    assert cfg.output_dir is None and cfg.train.micro_batch_size == "auto"  # the loaded config as it was
+    assert run.output_dir.startswith("runs/quickstart-") and isinstance(run.train.micro_batch_size, int)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        run.train.micro_batch_size = 1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        run.output_dir = str(tmp_path)
+    with pytest.raises(ValueError, match="resolved run"):
+        check_run(cfg)
+
+
+def test_train_refuses_before_any_process_group_or_folder(assets, tmp_path, monkeypatch, capsys):
+    import shardtune.train.trainer as trainer_lib
+    from shardtune.cli.main import main
+
+    def no_group(device):
+        raise AssertionError("a process group was started for a run the check refuses")
+
+    monkeypatch.setattr(trainer_lib, "init_distributed", no_group)
+    out = tmp_path / "run"
+    words = overrides(assets, {"model.config": {**TINY["gpt2"], "vocab_size": 50}, "output_dir": str(out)})
+    assert main(["train", *words]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: the tokenizer has 300 tokens but the model only 50; use the model's own tokenizer or "
+                   "set model.config.vocab_size"] and not out.exists()

@@ -1,0 +1,37 @@
+"""Every option of every command takes its value through a declared type (`cli/argtypes.py`) or
+a list of choices, so a value no command can use is refused while the command line is parsed."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from shardtune.cli.main import build_parser, main
+
+
+def value_options():
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for command, p in sub.choices.items():
+        for action in p._actions:
+            if action.option_strings and action.nargs != 0 and not isinstance(action, argparse._HelpAction):
+                yield command, action
+
+
+def test_every_option_has_a_declared_type():
+    untyped = [f"{command} {'/'.join(a.option_strings)}" for command, a in value_options()
+               if a.choices is None and getattr(a.type, "__module__", None) != "shardtune.cli.argtypes"]
+    assert list(value_options()) and untyped == []
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["sweep", "--search", "train.lr=uniform:0.1:0.2", "--study-name", ""], "--study-name: must not be empty"),
+    (["sweep", "--search", "train.lr=uniform:0.1:0.2", "--trials", "1.5"], "--trials: '1.5' is not a whole number"),
+    (["eval", "model", "--generate", "2", "--out", " "], "--out: must not be empty"),
+    (["export", "ck", "out", "--push-to-hub", "user/a b"], "is not a Hub repo id"),
+])
+def test_a_value_of_the_wrong_type_is_refused_while_parsing(capsys, argv, needle):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err
