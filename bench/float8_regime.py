@@ -28,6 +28,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--recipes", nargs="+", default=["tensorwise"], choices=["tensorwise", "rowwise"])
     p.add_argument("--out", type=Path, default=Path("/tmp/float8_regime"))
+    p.add_argument("--regimes", nargs="+", type=int, default=list(range(len(REGIMES))),
+                   help="which regimes, by position (default: all)")
     a = p.parse_args()
     import torch
 
@@ -39,7 +41,7 @@ def main() -> int:
     torch.set_num_threads(1)
     lift_float8_device_check()
     assets = build_quickstart_assets(a.out / "assets", vocab_size=300, max_docs=400)
-    for regime, extra in REGIMES.items():
+    for regime, extra in [list(REGIMES.items())[i] for i in a.regimes]:
         curves = {}
         for recipe in ("none", *a.recipes):
             t0, folder = time.time(), a.out / f"{regime.split(',')[0].replace(' ', '')}-{recipe}"

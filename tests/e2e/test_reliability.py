@@ -82,6 +82,18 @@ def test_quickstart_defaults_step_aside(monkeypatch, qs_assets):
     assert tree["model"]["tokenizer"] == qs_assets["tokenizer"] and "path" not in tree["data"]
     assert "your data replace" in line
 
+    # a model of your own design (its model_type): only the tokenizer and data fit it, not the tiny
+    # GPT-2's config, seq_len or lr 3e-3; a model.config without one tweaks the quickstart's GPT-2
+    for design in (['model.config={"model_type": "llama", "hidden_size": 64}'], ["model.config.model_type=llama"]):
+        tree, line = qs.quickstart_defaults(design)
+        assert tree["model"] == {"tokenizer": qs_assets["tokenizer"]} and "train" not in tree
+        assert tree["data"] == {"path": str(Path(qs_assets["train"]).parent)}
+        assert line.startswith("quickstart defaults: tokenizer (docstring BPE), data (docstring corpus)")
+        assert "GPT-2" not in line and "your model.config's model and shardtune's training settings" in line
+    tree, line = qs.quickstart_defaults(["model.config.n_layer=4"])
+    assert tree["model"]["config"]["model_type"] == "gpt2" and tree["train"]["lr"] == 3e-3
+    assert "random-init GPT-2" in line
+
     builds.clear()
     tree, line = qs.quickstart_defaults(["model={name_or_path: /my/model}", "data.path=c.jsonl"])
     assert set(tree) == {"eval", "log"} and not builds  # nothing of the quickstart's is built

@@ -211,39 +211,51 @@ def build_quickstart_assets(cache_dir: str | Path, vocab_size: int = 2048, max_d
 
 def quickstart_defaults(overrides: list[str] = ()) -> tuple[dict, str]:
     """The embedded default run, less what the user's `overrides` replace, and the start-up line
-    saying which defaults apply.
+    saying exactly which defaults apply.
 
-    Its parts: the model (a ~0.9M-parameter random-init GPT-2, its docstring tokenizer, and the
-    training settings and seq_len sized for it), the data (the docstring corpus), and the run's
-    shape (eval and log cadence). Naming a model (model.name_or_path) drops the model part;
-    naming data (data.path) drops the data part. The assets are built only when used."""
+    Its parts: the model (a ~0.9M-parameter random-init GPT-2 and its docstring tokenizer), the
+    training settings and seq_len sized for that GPT-2, the data (the docstring corpus), and the
+    run's shape (eval and log cadence). Naming a model (model.name_or_path) drops the model and its
+    training settings; a model.config that names its own model_type (a random-init model of your
+    design) drops the GPT-2 and its training settings but keeps the docstring tokenizer unless
+    model.tokenizer is given (model.config without a model_type tweaks the quickstart's GPT-2);
+    naming data (data.path) drops the data. The assets are built only when used."""
     from shardtune.config.load import parse_override, set_dotted
 
     named: dict = {}
     for text in overrides:
         set_dotted(named, *parse_override(text))
     own_model = _names(named, "model", "name_or_path")
+    own_design = not own_model and _names(named, "model", "config", "model_type")
+    own_tokenizer = own_model or _names(named, "model", "tokenizer")
     own_data = _names(named, "data", "path")
     tree: dict = {"eval": {"every_steps": 50, "max_batches": 8}, "log": {"every_steps": 10}}
-    assets = build_quickstart_assets(default_cache_dir()) if not (own_model and own_data) else None
-    if not own_model:
-        tree["model"] = {"tokenizer": assets["tokenizer"],
-                         "config": {"model_type": "gpt2", "n_layer": 2, "n_embd": 128, "n_head": 4,
-                                    "n_positions": 256, "vocab_size": 2048}}
+    assets = build_quickstart_assets(default_cache_dir()) if not (own_tokenizer and own_data) else None
+    if not own_tokenizer:
+        tree["model"] = {"tokenizer": assets["tokenizer"]}
+    if not (own_model or own_design):
+        tree["model"]["config"] = {"model_type": "gpt2", "n_layer": 2, "n_embd": 128, "n_head": 4,
+                                   "n_positions": 256, "vocab_size": 2048}
         tree["data"] = {"seq_len": 128}
         tree["train"] = {"micro_batch_size": 16, "global_batch_size": 32, "lr": 3e-3, "warmup_steps": 15,
                          "max_steps": 150, "weight_decay": 0.01}
     if not own_data:
         tree.setdefault("data", {})["path"] = str(Path(assets["train"]).parent)
-    used = [part for part, mine in (("model and training settings (random-init GPT-2)", own_model),
-                                    ("data (docstring corpus)", own_data)) if not mine]
-    yours = [part for part, mine in (("model", own_model), ("data", own_data)) if mine]
+    parts = [("model and training settings (random-init GPT-2)", own_model or own_design),
+             ("tokenizer (docstring BPE)", own_tokenizer or not own_design), ("data (docstring corpus)", own_data)]
+    used = [part for part, mine in parts if not mine]
+    yours = [part for part, mine in (("model", own_model), ("model.config's model and shardtune's training "
+                                                            "settings", own_design), ("data", own_data)) if mine]
     return tree, (f"quickstart defaults: {', '.join(used + ['eval and log cadence'])}"
                   + (f"; your {' and '.join(yours)} replace the quickstart's" if yours else ""))
 
 
-def _names(tree: dict, section: str, key: str) -> bool:
-    """True when the overrides give `section.key` a value (directly or as part of the section)."""
+def _names(tree: dict, section: str, *keys: str) -> bool:
+    """True when the overrides give `section.key[.key...]` a value (directly or as part of the section)."""
     node = tree.get(section)
-    node = getattr(node, "parsed", node)
-    return isinstance(node, dict) and node.get(key) is not None
+    for key in keys:
+        node = getattr(node, "parsed", node)
+        if not isinstance(node, dict):
+            return False
+        node = node.get(key)
+    return node is not None
