@@ -156,8 +156,16 @@ def test_eval_two_ranks_equals_one(trained, ck_assets):  # noqa: F811
     assert abs(float(rows["accuracy"]) - want["eval_acc"]) <= 1e-4
 
 
+def test_anything_of_a_run_evaluates_on_the_runs_data(trained, ck_assets):  # noqa: F811
+    """One rule wherever a model is asked for: the run folder, its final/, checkpoints/, a
+    checkpoint or the `latest` pointer all bring the run's data (no --data needed)."""
+    want = hand_metrics(trained / "final", ck_assets["validation"])
+    for spec in (trained, trained / "final", trained / "checkpoints" / "latest"):
+        assert_metrics(run_eval(str(spec))["model"], want)
+
+
 def test_eval_bad_input(trained, tmp_path, capsys):
-    one_line_error(*cli(["eval", str(trained / "final")], capsys), "--data")
+    one_line_error(*cli(["eval", str(trained.parent / "base-model")], capsys), "--data")  # no run: no data
     one_line_error(*cli(["eval", str(tmp_path / "nothing-here")], capsys), "not found")
     (tmp_path / "empty").mkdir()
     one_line_error(*cli(["eval", str(tmp_path / "empty")], capsys), "neither a model folder")

@@ -13,10 +13,23 @@ from shardtune.checkpoint.folders import read_meta, resolve_checkpoint
 from shardtune.errors import UserError
 
 
-def resolve_model(spec: str) -> tuple[str, Path | str]:
-    """("checkpoint", folder) or ("hf", folder or hub id). A run folder means its final/
-    export if it has one, else its newest checkpoint."""
+def run_folder(spec: str) -> Path | None:
+    """The shardtune run folder that `spec` (a run folder, its final/, checkpoints/, one of its
+    checkpoints or their `latest` pointer) is part of, or None."""
     path = Path(spec).expanduser()
+    for folder in (path, path.parent, path.parent.parent):
+        if (folder / "metrics.jsonl").is_file() and (folder / "config.yaml").is_file():
+            return folder
+    return None
+
+
+def resolve_model(spec: str) -> tuple[str, Path | str]:
+    """("checkpoint", folder), ("adapter", folder) or ("hf", folder or hub id). A run folder means
+    its final/ export if it has one, else its newest checkpoint; checkpoints/latest the checkpoint
+    it names."""
+    path = Path(spec).expanduser()
+    if path.name == "latest" and path.is_file():  # the pointer file: the checkpoint it names
+        return "checkpoint", resolve_checkpoint(path.parent)
     if (path / "final" / "config.json").is_file():
         return "hf", path / "final"
     for folder in (path, path / "final"):  # a peft run's final/: adapter (+ base)
@@ -32,7 +45,17 @@ def resolve_model(spec: str) -> tuple[str, Path | str]:
 
 def load_model(spec: str, device: str = "cpu", weights: bool = True):
     """(model or None, tokenizer, hf_config, run config or None) in this process. Without
-    `weights` only the small parts are read; a checkpoint brings the config of its run."""
+    `weights` only the small parts are read. Anything of a run (its folder, final/, a checkpoint)
+    brings the config of its run, so its data is found the same way wherever the model comes from."""
+    model, tokenizer, hf_config, run_cfg = _load(spec, device, weights)
+    if run_cfg is None and (run := run_folder(spec)) is not None:
+        from shardtune.config.load import load_config
+
+        run_cfg = load_config(run / "config.yaml")
+    return model, tokenizer, hf_config, run_cfg
+
+
+def _load(spec: str, device: str, weights: bool):
     kind, where = resolve_model(spec)
     if kind == "checkpoint":
         from shardtune.config.load import load_config

@@ -12,7 +12,7 @@ import json
 import time
 from pathlib import Path
 
-from shardtune.checkpoint.loading import load_model
+from shardtune.checkpoint.loading import load_model, run_folder
 from shardtune.errors import UserError
 from shardtune.evaluation import textscores
 from shardtune.evaluation.evaluate import generate
@@ -155,16 +155,6 @@ def generate_for(spec: str, req: QualityRequest, device: str, prompts: list[Exam
     return texts, time.perf_counter() - start
 
 
-def run_folder(spec: str) -> Path | None:
-    """The shardtune run folder that `spec` (a run folder, its final/ or one of its checkpoints) is
-    part of, or None."""
-    path = Path(spec).expanduser()
-    for folder in (path, path.parent, path.parent.parent):
-        if (folder / "metrics.jsonl").is_file() and (folder / "config.yaml").is_file():
-            return folder
-    return None
-
-
 def default_out(spec: str) -> Path:
     """generation.json in the run folder (where `shardtune report RUN` finds it), else in the
     working folder."""
@@ -185,10 +175,6 @@ def run_quality(req: QualityRequest) -> dict:
     hf_logging.disable_progress_bar()
     featurizer = textscores.load_featurizer(req.mauve_featurizer) if "mauve" in metrics else None
     _, tokenizer, _, run_cfg = load_model(req.model, weights=False)
-    if run_cfg is None and (run := run_folder(req.model)) is not None:  # final/ of a run: the run's data
-        from shardtune.config.load import load_config
-
-        run_cfg = load_config(run / "config.yaml")
     cfg = data_config(req, run_cfg)
     prompts = examples(req, cfg, documents(req, cfg, run_cfg), tokenizer)
     device = str(resolve_device(req.device))
