@@ -55,17 +55,18 @@ def test_a_4bit_7b_base_is_about_4_gib():
     assert base_bytes(base) / GIB == pytest.approx(4.1, abs=0.15)
 
 
-def test_plan_prices_qlora(tmp_path, capsys):
+def test_plan_prices_qlora(assets, tmp_path, capsys):
     """The same LoRA recipe with and without peft.quantize=4bit on one GPU: the 4-bit answer holds
     the NF4 bytes of every linear instead of their fp32 (the rest alike), keeps the key in its
     command line, and takes only what QLoRA's run takes (no offloading, full checkpointing or none)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from shardtune.cli.main import main
     from shardtune.plan.qlora import NF4_BYTES, nf4_base
 
-    folder = tmp_path / "tiny-llama"  # QLoRA quantizes pretrained weights: a folder of them
+    folder = tmp_path / "tiny-llama"  # QLoRA quantizes pretrained weights: a folder of them (and its tokenizer)
     AutoModelForCausalLM.from_config(AutoConfig.for_model(**TINY["llama"], vocab_size=512)).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(assets["tokenizer"]).save_pretrained(folder)
     args = [f"model.name_or_path={folder}", "data.path=unused", "data.seq_len=64", "train.micro_batch_size=2",
             "train.global_batch_size=4", "peft.method=lora", "precision=bf16", "--gpus", "1", "--gpu", "A10G",
             "--json"]

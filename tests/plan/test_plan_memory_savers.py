@@ -99,8 +99,8 @@ def test_auto_with_a_batch_the_ranks_cannot_divide_is_one_line(capsys):
 def test_sweep_grid_over_the_new_keys_loads():
     from shardtune.sweep.grid import Sweep, check, parse_grid
 
-    base = [f"model.config={json.dumps(TINY['gpt2'])}", "data.path=unused", "precision=bf16",
-            "train.micro_batch_size=auto"]
+    base = [f"model.config={json.dumps(TINY['gpt2'])}", "data.path=unused", "data.seq_len=64", "precision=bf16",
+            "train.micro_batch_size=auto"]  # a seq_len the tiny model takes: sweep checks every point's model
     grid = parse_grid(["activation_checkpointing=none,selective,every_n,full", "train.optimizer_state=fp32,bf16",
                        "fsdp.reduce_dtype=fp32,bf16", "activation_offload=false,true"])
     sweep = Sweep(None, base, grid, defaults={})
