@@ -64,25 +64,24 @@ def read_columns(cfg: DataConfig) -> list[tuple[str, str]]:
 def check_cells(docs, cfg: DataConfig, what: str, warn) -> None:
     """Refuse a column the format reads that is null or empty in every row, or that holds no text
     (numbers, records), naming the column and the count; `warn` gets the count when only some
-    rows are empty (those rows train on nothing, or on an empty response)."""
+    rows are empty (those rows train on nothing, or on an empty response). Read a chunk of rows at
+    a time (scan.py): a column read whole would be a copy of the corpus."""
     import pyarrow as pa
-    import pyarrow.compute as pc
+
+    from shardtune.data.scan import ArrowChunks
 
     for column, key in read_columns(cfg):
         if column not in docs.column_names or len(docs) == 0:
             continue  # check_columns names a missing column
-        cells = docs.with_format("arrow")[column]
-        kind = cells.type
+        kind = docs.data.schema.field(column).type
         texts = pa.types.is_string(kind) or pa.types.is_large_string(kind)
         lists = pa.types.is_list(kind) or pa.types.is_large_list(kind)
         wants = "lists of {role, content} messages" if cfg.format == "chat" else "text (or lists of text)"
         if pa.types.is_null(kind):
-            empty = len(cells)
-        elif cfg.format != "chat" and texts:
-            empty = cells.null_count + pc.sum(pc.equal(pc.utf8_trim_whitespace(cells.fill_null("")), "")).as_py()
-        elif lists and (cfg.format == "chat" or pa.types.is_string(kind.value_type)
-                        or pa.types.is_large_string(kind.value_type)):
-            empty = cells.null_count + pc.sum(pc.equal(pc.list_value_length(cells).fill_null(0), 0)).as_py()
+            empty = len(docs)
+        elif (cfg.format != "chat" and texts) or (lists and (cfg.format == "chat" or pa.types.is_string(
+                kind.value_type) or pa.types.is_large_string(kind.value_type))):
+            empty = sum(_empty_cells(chunk.column(column), texts) for chunk in ArrowChunks(docs, [column]))
         else:
             raise UserError(f"column {column!r} of {what} ({key}) holds {kind}, not {wants}; point {key} at the "
                             "right column, or use data.template to format other columns")
@@ -91,6 +90,14 @@ def check_cells(docs, cfg: DataConfig, what: str, warn) -> None:
                             f"{key} at the column that holds the {'messages' if cfg.format == 'chat' else 'text'}")
         if empty:
             warn(f"warning: column {column!r} of {what} ({key}) is null or empty in {empty} of {len(docs)} rows")
+
+
+def _empty_cells(cells, texts: bool) -> int:
+    """How many of these cells (strings, or lists) are null, blank text or an empty list."""
+    import pyarrow.compute as pc
+
+    blank = pc.equal(pc.utf8_trim_whitespace(cells), "") if texts else pc.equal(pc.list_value_length(cells), 0)
+    return cells.null_count + pc.sum(blank, min_count=0).as_py()
 
 
 def fill(template: str, row: dict, sep: str = " ") -> str:

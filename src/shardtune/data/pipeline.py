@@ -92,10 +92,9 @@ def split_documents(cfg: DataConfig, splits, seed: int):
         k = min(k, n - 1) if n > 1 else 0
         import numpy as np
 
-        held = np.random.default_rng(seed).permutation(n)[:k]
-        held_set = set(held.tolist())
-        val = train.select(sorted(held_set))
-        train = train.select([i for i in range(n) if i not in held_set])
+        held = np.zeros(n, dtype=bool)  # index arrays, not Python lists: 1 byte a document, not ~40
+        held[np.random.default_rng(seed).permutation(n)[:k]] = True
+        val, train = train.select(np.flatnonzero(held)), train.select(np.flatnonzero(~held))
     start = cfg.start_idx or 0
     end = len(train) if cfg.end_idx is None else min(cfg.end_idx, len(train))
     if start or end < len(train):
