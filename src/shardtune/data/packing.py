@@ -147,7 +147,9 @@ class _Writer:
 
 def _cached(dataset, key_parts: tuple, fill, labels: bool, dtype: str) -> tuple[Path, bool]:
     """(folder, owned): the finished folder for this key, written by `fill(writer)` unless an
-    earlier run (or rank) already did. Written under a temporary name and renamed when whole."""
+    earlier run (or rank) already did. Written under a temporary name and renamed when whole; an
+    exception or Ctrl-C removes the temporary folder, and one whose process was killed (SIGTERM,
+    SIGKILL) is removed by the next preparation in the same cache."""
     from datasets.fingerprint import Hasher
 
     key = Hasher.hash((FORMAT_VERSION, dataset._fingerprint, *key_parts))
@@ -155,24 +157,64 @@ def _cached(dataset, key_parts: tuple, fill, labels: bool, dtype: str) -> tuple[
     folder = parent / f"shardtune-tokens-{key}" if parent is not None else None
     if folder is not None and (folder / "meta.json").is_file():
         return folder, False
+    lock = None
     try:
-        tmp = Path(tempfile.mkdtemp(prefix=f"shardtune-tokens-{key}.tmp-", dir=parent))
-    except OSError:  # a read-only dataset cache: keep the tokens for this process only
+        if parent is None:
+            raise OSError("no cache folder")
+        _remove_abandoned(parent)
+        tmp, lock = _locked_tmp(parent, f"shardtune-tokens-{key}.tmp-")
+    except OSError:  # a read-only dataset cache (or none): keep the tokens for this process only
         folder, tmp = None, Path(tempfile.mkdtemp(prefix="shardtune-tokens-"))
     try:
         writer = _Writer(tmp, dtype, labels)
         fill(writer)
         writer.close()
+        if folder is None:
+            return tmp, True
+        try:
+            os.rename(tmp, folder)
+        except OSError:  # another process finished the same folder first
+            shutil.rmtree(tmp, ignore_errors=True)
+        return folder, False
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if folder is None:
-        return tmp, True
-    try:
-        os.rename(tmp, folder)
-    except OSError:  # another process finished the same folder first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return folder, False
+    finally:
+        if lock is not None:
+            os.close(lock)
+
+
+def _locked_tmp(parent: Path, prefix: str) -> tuple[Path, int]:
+    """(a new temporary folder in parent, a descriptor that holds an exclusive lock on it): the
+    kernel drops the lock when this process ends, however it ends, which marks the folder abandoned."""
+    import fcntl
+
+    while True:
+        tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+        lock = os.open(tmp, os.O_RDONLY)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if tmp.is_dir():
+            return tmp, lock
+        os.close(lock)  # found abandoned and removed between its creation and the lock: again
+
+
+def _remove_abandoned(parent: Path) -> None:
+    """Remove the temporary token folders in `parent` that no process holds a lock on: left by a
+    preparation that was killed (one still being written is locked by its writer)."""
+    import fcntl
+
+    for tmp in parent.glob("shardtune-tokens-*.tmp-*"):
+        try:
+            lock = os.open(tmp, os.O_RDONLY)
+        except OSError:
+            continue  # gone already
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            shutil.rmtree(tmp, ignore_errors=True)
+        except OSError:
+            pass  # its writer is alive
+        finally:
+            os.close(lock)
 
 
 # ----------------------------------------------------------------------------- text
