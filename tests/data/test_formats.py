@@ -346,3 +346,17 @@ def test_instruct_run_trains_three_steps(assets, tmp_path):
     got = losses(tmp_path / "run")
     assert len(got) == 3 and all(math.isfinite(x) for x in got)
     assert math.isfinite(results["last"]["eval_loss"]) and (tmp_path / "run" / "final").is_dir()
+
+
+def test_empty_cells_are_counted_once_each_across_chunks():
+    """Nulls and blank texts are counted once each (a null is not also blank), chunk after chunk
+    (the first chunk here is all null), for text and for lists of messages."""
+    import datasets
+
+    for fmt, column, blank in (("text", "text", " "), ("chat", "messages", [])):
+        filled = "text" if fmt == "text" else [{"role": "user", "content": "hi"}]
+        docs = datasets.Dataset.from_dict({column: [None] * 1200 + [blank] * 300 + [filled] * 500})
+        warned = []
+        F.check_cells(docs, DataConfig(path="x", format=fmt), "the data", warned.append)
+        key = "data.text_field" if fmt == "text" else "data.messages_field"
+        assert warned == [f"warning: column {column!r} of the data ({key}) is null or empty in 1500 of 2000 rows"]

@@ -93,3 +93,74 @@ def test_packed_instruct_blocks_equal_concatenated_examples(tmp_path, tokenizer)
         if mask:
             restarts = {i for i, p in enumerate(packed[:]["position_ids"].flatten().tolist()) if p == 0}
             assert restarts == inner | set(range(0, n * 128, 128))
+
+
+KILLED_MID_TOKENIZATION = r"""
+import sys, time
+from transformers import AutoTokenizer
+from shardtune.config.schema import DataConfig
+from shardtune.data import packing, pipeline
+
+def stuck(*args):
+    print("tokenizing", flush=True)
+    time.sleep(120)
+
+packing.encode = stuck
+docs = pipeline.load_documents(DataConfig(path=sys.argv[1]))["train"]
+pipeline.pack(docs, AutoTokenizer.from_pretrained(sys.argv[2]), "text", 32)
+"""
+
+
+@pytest.fixture
+def own_cache(tmp_path, monkeypatch):
+    """A datasets cache of this test's own, for this process and the ones it starts."""
+    import datasets
+
+    cache = tmp_path / "hf-datasets"
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(cache))
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(cache))
+    return cache
+
+
+def test_a_killed_tokenization_leaves_a_folder_the_next_preparation_removes(assets, tokenizer, own_cache):
+    """SIGTERM (or SIGKILL) runs no cleanup: the half-written folder stays, unlocked, until the next
+    preparation in that cache; a folder whose writer is alive stays."""
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import child_env
+    from shardtune.data import packing
+
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_MID_TOKENIZATION, assets["train"], assets["tokenizer"]],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
+    try:
+        assert proc.stdout.readline() == "tokenizing\n", proc.stderr.read()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGTERM
+    docs = D.load_documents(DataConfig(path=assets["train"]))["train"]
+    cache = Path(docs.cache_files[0]["filename"]).parent
+    [left] = cache.glob("shardtune-tokens-*.tmp-*")  # what the issue saw
+    live, lock = packing._locked_tmp(cache, "shardtune-tokens-other.tmp-")  # another process, still writing
+    try:
+        blocks = D.pack(docs, tokenizer, "text", 32)
+        assert len(blocks) > 0 and blocks.folder.parent == cache and not left.exists() and live.is_dir()
+        assert list(cache.glob("shardtune-tokens-*.tmp-*")) == [live]
+    finally:
+        os.close(lock)
+
+
+def test_an_interrupted_tokenization_removes_its_folder_at_once(assets, tokenizer, own_cache, monkeypatch):
+    """Ctrl-C (KeyboardInterrupt) or an error mid-tokenization: the temporary folder goes at once."""
+    from shardtune.data import packing
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    docs = D.load_documents(DataConfig(path=assets["train"]))["train"]
+    monkeypatch.setattr(packing, "encode", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        D.pack(docs, tokenizer, "text", 32)
+    assert list(Path(docs.cache_files[0]["filename"]).parent.glob("shardtune-tokens-*")) == []

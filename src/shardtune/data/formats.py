@@ -64,30 +64,34 @@ def read_columns(cfg: DataConfig) -> list[tuple[str, str]]:
 def check_cells(docs, cfg: DataConfig, what: str, warn) -> None:
     """Refuse a column the format reads that is null or empty in every row, or that holds no text
     (numbers, records), naming the column and the count; `warn` gets the count when only some
-    rows are empty (those rows train on nothing, or on an empty response)."""
+    rows are empty (those rows train on nothing, or on an empty response). Read a chunk of rows at
+    a time (scan.py): a column read whole would be a copy of the corpus."""
     import pyarrow as pa
-    import pyarrow.compute as pc
+
+    from shardtune.data.scan import ArrowChunks
 
     for column, key in read_columns(cfg):
         if column not in docs.column_names or len(docs) == 0:
             continue  # check_columns names a missing column
-        cells = docs.with_format("arrow")[column]
-        kind = cells.type
+        kind = docs.data.schema.field(column).type
         texts = pa.types.is_string(kind) or pa.types.is_large_string(kind)
         lists = pa.types.is_list(kind) or pa.types.is_large_list(kind)
         wants = "lists of {role, content} messages" if cfg.format == "chat" else "text (or lists of text)"
         if pa.types.is_null(kind):
-            empty = len(cells)
-        elif cfg.format != "chat" and texts:
-            empty = cells.null_count + pc.sum(pc.equal(pc.utf8_trim_whitespace(cells.fill_null("")), "")).as_py()
-        elif lists and (cfg.format == "chat" or pa.types.is_string(kind.value_type)
-                        or pa.types.is_large_string(kind.value_type)):
-            empty = cells.null_count + pc.sum(pc.equal(pc.list_value_length(cells).fill_null(0), 0)).as_py()
+            empty = len(docs)
+        elif (cfg.format != "chat" and texts) or (lists and (cfg.format == "chat" or pa.types.is_string(
+                kind.value_type) or pa.types.is_large_string(kind.value_type))):
+            messages = cfg.format == "chat" and lists and pa.types.is_struct(kind.value_type)
+            empty = first = 0
+            for chunk in ArrowChunks(docs, [column]):
+                cells = chunk.column(column)
+                empty += _empty_cells(cells, texts)
+                if messages:
+                    check_message_contents(cells, f"column {column!r} of {what} ({key})", first)
+                first += len(cells)
         else:
             raise UserError(f"column {column!r} of {what} ({key}) holds {kind}, not {wants}; point {key} at the "
                             "right column, or use data.template to format other columns")
-        if cfg.format == "chat" and lists and pa.types.is_struct(kind.value_type):
-            check_message_contents(cells, f"column {column!r} of {what} ({key})")
         if empty == len(docs):
             raise UserError(f"column {column!r} of {what} ({key}) is null or empty in all {empty} rows; point "
                             f"{key} at the column that holds the {'messages' if cfg.format == 'chat' else 'text'}")
@@ -95,9 +99,10 @@ def check_cells(docs, cfg: DataConfig, what: str, warn) -> None:
             warn(f"warning: column {column!r} of {what} ({key}) is null or empty in {empty} of {len(docs)} rows")
 
 
-def check_message_contents(cells, what: str) -> None:
+def check_message_contents(cells, what: str, first_row: int = 0) -> None:
     """Chat messages without text: a template renders a null content as the text "None" (or
-    nothing) and trains on it without a word, so every message must hold its content."""
+    nothing) and trains on it without a word, so every message must hold its content. `cells`
+    are rows `first_row`, ... of the data (a chunk of them)."""
     import pyarrow.compute as pc
 
     struct = cells.type.value_type
@@ -106,9 +111,18 @@ def check_message_contents(cells, what: str) -> None:
                         f"{', '.join(struct.field(i).name for i in range(struct.num_fields))}); fix the data")
     content = pc.struct_field(pc.list_flatten(cells), "content")
     if content.null_count:
-        row = pc.list_parent_indices(cells).filter(pc.is_null(content))[0].as_py()
-        raise UserError(f"{content.null_count} message(s) in {what} have no content (null), the first in row "
-                        f"{row}; fix or drop those rows (a chat template would train on its rendering of null)")
+        row = first_row + pc.list_parent_indices(cells).filter(pc.is_null(content))[0].as_py()
+        raise UserError(f"message(s) in {what} have no content (null), the first in row {row} ({content.null_count} "
+                        f"in rows {first_row}-{first_row + len(cells) - 1}); fix or drop those rows (a chat "
+                        "template would train on its rendering of null)")
+
+
+def _empty_cells(cells, texts: bool) -> int:
+    """How many of these cells (strings, or lists) are null, blank text or an empty list."""
+    import pyarrow.compute as pc
+
+    blank = pc.equal(pc.utf8_trim_whitespace(cells), "") if texts else pc.equal(pc.list_value_length(cells), 0)
+    return cells.null_count + pc.sum(blank, min_count=0).as_py()
 
 
 def fill(template: str, row: dict, sep: str = " ") -> str:

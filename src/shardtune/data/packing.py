@@ -20,8 +20,8 @@ from pathlib import Path
 
 from shardtune.data import docmask
 from shardtune.data.formats import IGNORE_INDEX
+from shardtune.data.scan import CHUNK_ROWS, ArrowChunks
 
-CHUNK_DOCS = 1000  # documents per tokenizer call: bounds memory whatever the corpus size
 FORMAT_VERSION = 1  # bump when the files' layout or content changes
 
 
@@ -156,7 +156,9 @@ class _Writer:
 
 def _cached(dataset, key_parts: tuple, fill, labels: bool, dtype: str) -> tuple[Path, bool]:
     """(folder, owned): the finished folder for this key, written by `fill(writer)` unless an
-    earlier run (or rank) already did. Written under a temporary name and renamed when whole."""
+    earlier run (or rank) already did. Written under a temporary name and renamed when whole; an
+    exception or Ctrl-C removes the temporary folder, and one whose process was killed (SIGTERM,
+    SIGKILL) is removed by the next preparation in the same cache."""
     from datasets.fingerprint import Hasher
 
     key = Hasher.hash((FORMAT_VERSION, dataset._fingerprint, *key_parts))
@@ -164,24 +166,64 @@ def _cached(dataset, key_parts: tuple, fill, labels: bool, dtype: str) -> tuple[
     folder = parent / f"shardtune-tokens-{key}" if parent is not None else None
     if folder is not None and (folder / "meta.json").is_file():
         return folder, False
+    lock = None
     try:
-        tmp = Path(tempfile.mkdtemp(prefix=f"shardtune-tokens-{key}.tmp-", dir=parent))
-    except OSError:  # a read-only dataset cache: keep the tokens for this process only
+        if parent is None:
+            raise OSError("no cache folder")
+        _remove_abandoned(parent)
+        tmp, lock = _locked_tmp(parent, f"shardtune-tokens-{key}.tmp-")
+    except OSError:  # a read-only dataset cache (or none): keep the tokens for this process only
         folder, tmp = None, Path(tempfile.mkdtemp(prefix="shardtune-tokens-"))
     try:
         writer = _Writer(tmp, dtype, labels)
         fill(writer)
         writer.close()
+        if folder is None:
+            return tmp, True
+        try:
+            os.rename(tmp, folder)
+        except OSError:  # another process finished the same folder first
+            shutil.rmtree(tmp, ignore_errors=True)
+        return folder, False
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if folder is None:
-        return tmp, True
-    try:
-        os.rename(tmp, folder)
-    except OSError:  # another process finished the same folder first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return folder, False
+    finally:
+        if lock is not None:
+            os.close(lock)
+
+
+def _locked_tmp(parent: Path, prefix: str) -> tuple[Path, int]:
+    """(a new temporary folder in parent, a descriptor that holds an exclusive lock on it): the
+    kernel drops the lock when this process ends, however it ends, which marks the folder abandoned."""
+    import fcntl
+
+    while True:
+        tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+        lock = os.open(tmp, os.O_RDONLY)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if tmp.is_dir():
+            return tmp, lock
+        os.close(lock)  # found abandoned and removed between its creation and the lock: again
+
+
+def _remove_abandoned(parent: Path) -> None:
+    """Remove the temporary token folders in `parent` that no process holds a lock on: left by a
+    preparation that was killed (one still being written is locked by its writer)."""
+    import fcntl
+
+    for tmp in parent.glob("shardtune-tokens-*.tmp-*"):
+        try:
+            lock = os.open(tmp, os.O_RDONLY)
+        except OSError:
+            continue  # gone already
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            shutil.rmtree(tmp, ignore_errors=True)
+        except OSError:
+            pass  # its writer is alive
+        finally:
+            os.close(lock)
 
 
 # ----------------------------------------------------------------------------- text
@@ -211,64 +253,29 @@ def encode(texts: list, tokenizer, eos: int, dtype: str):
     return out, lengths
 
 
-class _ReadPages:
-    """Keeps the pages of memory-mapped dataset files that were read out of this process's
-    resident set: `datasets` reads its arrow files through a memory map, and every page of the
-    corpus read once would otherwise stay counted in RSS (reclaimable, but RSS would grow with the
-    corpus). `release()` asks Linux to page them out (MADV_PAGEOUT, a hint: nothing changes for
-    the program; elsewhere, or on kernels before 5.4, it does nothing)."""
-
-    MADV_PAGEOUT = 21
-
-    def __init__(self, paths: list[str]):
-        self.ranges, self.madvise = [], None
-        wanted = {os.path.realpath(p) for p in paths}
-        try:
-            with open("/proc/self/maps") as f:
-                for line in f:
-                    fields = line.split(None, 5)
-                    if len(fields) == 6 and fields[5].strip() in wanted:
-                        start, end = (int(x, 16) for x in fields[0].split("-"))
-                        self.ranges.append((start, end - start))
-            import ctypes
-
-            self.madvise = ctypes.CDLL(None, use_errno=True).madvise
-            self.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        except (OSError, AttributeError):
-            self.ranges = []
-
-    def release(self) -> None:
-        for start, length in self.ranges:
-            if self.madvise(start, length, self.MADV_PAGEOUT) != 0:
-                self.ranges = []  # not supported here: stop asking
-                return
-
-
 _WORKER: dict = {}
 
 
 def _worker_init(docs, field: str, tokenizer, eos: int, dtype: str, in_worker: bool = True) -> None:
     if in_worker:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the worker processes are the parallelism
-    _WORKER.update(docs=docs.with_format("arrow"), field=field, tokenizer=tokenizer, eos=eos, dtype=dtype,
-                   pages=_ReadPages([f["filename"] for f in docs.cache_files]))
+    _WORKER.update(chunks=ArrowChunks(docs, [field]), field=field, tokenizer=tokenizer, eos=eos, dtype=dtype)
 
 
-def _worker_encode(start: int):
+def _worker_encode(i: int):
     w = _WORKER
-    texts = w["docs"][start:start + CHUNK_DOCS].column(w["field"]).to_pylist()
-    w["pages"].release()
+    texts = w["chunks"][i].column(w["field"]).to_pylist()
     return encode(texts, w["tokenizer"], w["eos"], w["dtype"])
 
 
 def _encoded_chunks(docs, field: str, tokenizer, num_proc: int | None, dtype: str):
     """(ids, lengths) of every chunk of documents, in order."""
     eos = tokenizer.eos_token_id
-    starts = range(0, len(docs), CHUNK_DOCS)
+    numbers = range(-(-len(docs) // CHUNK_ROWS))  # of the chunks
     if not num_proc or num_proc <= 1:
         _worker_init(docs, field, tokenizer, eos, dtype, in_worker=False)  # the tokenizer's own threads
         try:
-            yield from map(_worker_encode, starts)
+            yield from map(_worker_encode, numbers)
         finally:
             _WORKER.clear()
         return
@@ -279,8 +286,8 @@ def _encoded_chunks(docs, field: str, tokenizer, num_proc: int | None, dtype: st
     with ProcessPoolExecutor(num_proc, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init,
                              initargs=(docs, field, tokenizer, eos, dtype)) as pool:
         pending: deque = deque()
-        for start in starts:  # a bounded window of chunks in flight keeps memory flat
-            pending.append(pool.submit(_worker_encode, start))
+        for i in numbers:  # a bounded window of chunks in flight keeps memory flat
+            pending.append(pool.submit(_worker_encode, i))
             if len(pending) >= 4 * num_proc:
                 yield pending.popleft().result()
         while pending:
@@ -311,14 +318,11 @@ def pack_rows(rows, seq_len: int, dtype: str, document_mask: bool = False) -> Pa
     has_labels = "labels" in rows.column_names
 
     def fill(writer: _Writer) -> None:
-        table, pages = rows.with_format("arrow"), _ReadPages([f["filename"] for f in rows.cache_files])
-        for start in range(0, len(rows), CHUNK_DOCS):
-            chunk = table[start:start + CHUNK_DOCS]
+        for chunk in ArrowChunks(rows, ["input_ids", "labels"] if has_labels else ["input_ids"]):
             ids = pc.list_flatten(chunk.column("input_ids")).to_numpy()
             lengths = pc.list_value_length(chunk.column("input_ids")).to_numpy().astype("int64")
             labels = pc.list_flatten(chunk.column("labels")).to_numpy() if has_labels else None
             writer.add(ids, lengths, labels)
-            pages.release()
 
     folder, owned = _cached(rows, ("rows",), fill, has_labels, dtype)
     return PackedBlocks(folder, seq_len, document_mask, owned)
