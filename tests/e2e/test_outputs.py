@@ -10,6 +10,7 @@ In-process through `shardtune.cli.main.main`; one tiny run is trained per module
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import subprocess
@@ -205,6 +206,15 @@ def test_export_checks_cheap_things_first_and_is_one_line(capfd, earlier_run, tm
     (step / ".metadata").write_bytes(data[:len(data) // 2])
     fails(capfd, ["export", str(step), str(tmp_path / "out")], "damaged .metadata", "use another checkpoint")
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.partial-*"))
+    # the check stage: a checkpoint whose saved run no longer loads is refused with train's line,
+    # before any weight is read or any folder made
+    edited = tmp_path / "edited"
+    shutil.copytree(earlier_run / "checkpoints" / "step-000002", edited)
+    meta = json.loads((edited / "meta.json").read_text())
+    meta["config"]["train"]["lr_warmup"] = 3
+    (edited / "meta.json").write_text(json.dumps(meta))
+    fails(capfd, ["export", str(edited), str(tmp_path / "out")], "train.lr_warmup")
+    assert not (tmp_path / "out").exists()
 
 
 def test_an_interrupted_export_leaves_no_partial_folder(capfd, earlier_run, monkeypatch, tmp_path):

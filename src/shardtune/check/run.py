@@ -94,3 +94,16 @@ def check_run(cfg: RunConfig, world_size: int | None = None, device=None, say=No
     hf_config = load_hf_config(cfg.model)
     check_model(cfg, hf_config, tokenizer)
     return CheckedRun(cfg, hf_config, tokenizer, accum, world_size, publishes)
+
+
+def check_export(spec: str, out) -> None:
+    """`export`'s check, before any weight is read: the checkpoint (complete; its meta.json and the
+    run config it saved still load, with train's lines where they do not) and an output folder of
+    its own (new, or empty)."""
+    from shardtune.checkpoint.folders import read_meta, resolve_checkpoint
+    from shardtune.config.load import load_config
+
+    path = resolve_checkpoint(spec)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"export folder {str(out)!r} is not empty; choose a new folder")
+    load_config(None, None, defaults=read_meta(path)["config"])

@@ -25,8 +25,11 @@ def run(args) -> int:
     import signal
     import sys
 
+    from shardtune.check.run import check_export
     from shardtune.checkpoint.export import export_checkpoint, merge_adapter_folder, push_to_hub
 
+    if not args.merge:  # resolve -> check -> build, as every command: nothing is read before the check
+        check_export(args.checkpoint, Path(args.out))
     # SIGTERM (a job's time limit, `kill`) ends the export like Ctrl-C: its partial folder is removed
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
