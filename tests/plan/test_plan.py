@@ -48,7 +48,7 @@ def test_prediction_matches_a_real_cpu_step():
 
     from shardtune.distributed.process_group import init_distributed
     from shardtune.model.hf import load_hf_config
-    from shardtune.plan.trace import measure_step
+    from shardtune.plan.measure import measure_step
 
     cfg = tiny_cfg("llama", "peft.method=lora", "activation_checkpointing=true", "train.global_batch_size=4")
     hf_config = load_hf_config(cfg.model)

@@ -1,0 +1,88 @@
+"""A real training step measured, what `trace.trace_step` predicts: the planner's accuracy checks
+(bench/plan_accuracy.py, tests/plan) compare the two.
+
+On CPU the measure is the allocator's: every byte the step allocates and frees on this rank,
+from torch profiler's memory events, on top of the tensors held when it starts (parameters,
+optimizer state). It sees what a tensor-level count (torch's MemTracker, which sees the
+operators the step calls, not what runs inside them) misses: the copies a collective makes
+inside the backend (gloo clones a reduce-scatter's input). On CUDA the step is measured with
+MemTracker (the bench reads torch.cuda's own counters beside it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardtune.config.schema import RunConfig
+
+
+def measure_step(cfg: RunConfig, hf_config, dist, state_only: bool = False) -> int:
+    """Peak bytes held during one steady training step of `cfg`, really run on this rank of the
+    current process group: a first step creates the optimizer state, the second is measured.
+    Collective. `state_only`: the bytes of the optimizer state after the first step instead
+    (torchao's compiled step refuses to run under the tracker's dispatch mode, so a
+    low-precision state is measured this way)."""
+
+    from shardtune.config.load import check_world
+    from shardtune.distributed.fsdp import build_mesh
+    from shardtune.model.build import ModelSpec, build_model
+    from shardtune.model.hf import load_source_model
+    from shardtune.plan.trace import shape_only_batches
+    from shardtune.train.optim import build_grad_scaler, build_optimizer
+    from shardtune.train.step import train_step
+
+    accum = check_world(cfg, dist.world_size)
+    built = build_model(ModelSpec.of_run(cfg, hf_config), build_mesh(cfg.fsdp, dist), dist.device,
+                        source=lambda: load_source_model(cfg.model, hf_config, cfg.train.seed), seed=cfg.train.seed)
+    model = built.model.train()
+    optimizer = build_optimizer(model, cfg.train, dist.device, cfg.precision, cfg.peft.lora_plus_ratio)
+    scaler = build_grad_scaler(cfg.precision, dist.device)
+    micro = [[0] * cfg.train.micro_batch_size for _ in range(accum)]
+
+    def step() -> None:  # the batches are made inside, as in the traced step
+        batches, labels_vary = shape_only_batches(cfg, micro, dist.device)
+        train_step(model, optimizer, scaler, batches, cfg, dist, labels_vary,
+                   sync_each=built.sync_grads_each_micro_step)
+
+    step()
+    if state_only:
+        from shardtune.train.optim import optimizer_state_bytes
+
+        return optimizer_state_bytes(optimizer)
+    if dist.device.type == "cpu":
+        return allocator_peak(step, held_bytes(model, optimizer, dist.device))
+    from shardtune.telemetry.metrics import LiveMemory
+
+    live = LiveMemory(model, optimizer, dist.device, steps=1)  # the trainer's own live-bytes tracker
+    torch.cuda.reset_peak_memory_stats(dist.device)  # torch.cuda.max_memory_* then cover this step only
+    with live.track():
+        step()
+    return live.peak or 0
+
+
+def held_bytes(model, optimizer, device) -> int:
+    """Bytes of the storages `model` and `optimizer` hold on `device` (parameters, buffers,
+    gradients, optimizer state; each storage once)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer)
+    return tracker.get_tracker_snapshot().get(torch.device(device), {}).get("Total", 0)
+
+
+def allocator_peak(run, held: int) -> int:
+    """`held` plus the highest running total of the CPU allocator's allocations less its frees
+    while `run()` runs (profiler memory events in time order; a free of a block allocated before
+    `run` reports nothing, so a step that frees what it did not allocate is counted high)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]" and e.device_type() == DeviceType.CPU)
+    now = peak = 0
+    for _, nbytes in events:
+        now += nbytes
+        peak = max(peak, now)
+    return held + peak
