@@ -16,12 +16,13 @@ import torch
 from shardtune.config.schema import RunConfig
 
 
-def measure_step(cfg: RunConfig, hf_config, dist, state_only: bool = False) -> int:
+def measure_step(cfg: RunConfig, hf_config, dist, state_only: bool = False, optimizer_only: bool = False) -> int:
     """Peak bytes held during one steady training step of `cfg`, really run on this rank of the
     current process group: a first step creates the optimizer state, the second is measured.
     Collective. `state_only`: the bytes of the optimizer state after the first step instead
-    (torchao's compiled step refuses to run under the tracker's dispatch mode, so a
-    low-precision state is measured this way)."""
+    (on CUDA torchao's compiled step refuses to run under MemTracker's dispatch mode, so a
+    low-precision state is measured this way). `optimizer_only` (CPU): the peak of the second
+    step's optimizer step alone (the optimizer phase of a trace)."""
 
     from shardtune.config.load import check_world
     from shardtune.distributed.fsdp import build_mesh
@@ -49,6 +50,18 @@ def measure_step(cfg: RunConfig, hf_config, dist, state_only: bool = False) -> i
         from shardtune.train.optim import optimizer_state_bytes
 
         return optimizer_state_bytes(optimizer)
+    if dist.device.type == "cpu" and optimizer_only:
+        peaks, update = [], optimizer.step
+
+        def measured(*args, **kwargs):
+            done = []
+            peaks.append(allocator_peak(lambda: done.append(update(*args, **kwargs)),
+                                        held_bytes(model, optimizer, dist.device)))
+            return done[0]
+
+        optimizer.step = measured  # train_step calls optimizer.step()
+        step()
+        return max(peaks)
     if dist.device.type == "cpu":
         return allocator_peak(step, held_bytes(model, optimizer, dist.device))
     from shardtune.telemetry.metrics import LiveMemory

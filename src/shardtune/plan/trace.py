@@ -62,15 +62,23 @@ class StepTrace:
 
     def with_state(self, state: str) -> StepTrace:
         """This step with its optimizer state in `state` precision: the traced bytes less those of
-        the precision traced, plus this one's (counted per parameter shard in `trace_step`)."""
+        the precision traced, plus this one's (counted per parameter shard in `trace_step`), and
+        in the optimizer phase the step's own transient (priced.step_transient)."""
+        from shardtune.plan.priced import step_transient
+
         traced = self.params.get("state_traced", "fp32")
         if state == traced:
             return self
         delta = self.params[f"state_{state}"] - self.params[f"state_{traced}"]
+        largest = self.params.get("largest_shard", 0)
+        transient = step_transient(state, largest) - step_transient(traced, largest)
 
-        def swap(cats: dict[str, int]) -> dict[str, int]:
-            return {**cats, "optimizer_state": max(0, cats.get("optimizer_state", 0) + delta)}
-        return StepTrace({k: swap(v) for k, v in self.phases.items()}, self.layers, swap(self.steady),
+        def swap(cats: dict[str, int], phase: tuple = ()) -> dict[str, int]:
+            out = {**cats, "optimizer_state": max(0, cats.get("optimizer_state", 0) + delta)}
+            if "optimizer" in phase:
+                out["temporaries"] = max(0, cats.get("temporaries", 0) + transient)
+            return out
+        return StepTrace({k: swap(v, k) for k, v in self.phases.items()}, self.layers, swap(self.steady),
                          {**self.params, "state_traced": state})
 
 
