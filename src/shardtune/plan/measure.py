@@ -86,16 +86,46 @@ def held_bytes(model, optimizer, device) -> int:
 def allocator_peak(run, held: int) -> int:
     """`held` plus the highest running total of the CPU allocator's allocations less its frees
     while `run()` runs (profiler memory events in time order; a free of a block allocated before
-    `run` reports nothing, so a step that frees what it did not allocate is counted high)."""
-    from torch.autograd import DeviceType
+    `run` reports nothing, so a step that frees what it did not allocate is counted high).
+
+    One free the profiler cannot see is taken from the collective instead: a copy gloo makes
+    inside a blocking collective (the reduce-scatter's clone) is owned by the work, and the
+    work's last owner is, by timing, the caller or gloo's worker thread, where the profiler is
+    off; a block made inside a `c10d::` op and never seen freed is freed when that op returns
+    (what the caller waited for). Without this the measure grows with the machine's load."""
+    from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         run()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]" and e.device_type() == DeviceType.CPU)
+    changes, live = [], {}  # (time, bytes); ptr -> (bytes, end of the collective it was made in)
+
+    def unseen_free(ptr: int) -> None:
+        size, collective_end = live.pop(ptr)
+        if collective_end is not None:
+            changes.append((collective_end, -size))
+
+    def walk(event, collective_end) -> None:
+        if event.name.startswith("c10d::"):
+            collective_end = event.end_time_ns
+        if event.tag == _EventType.Allocation and event.extra_fields.device.type == "cpu":
+            ptr, size = event.extra_fields.ptr, event.extra_fields.alloc_size
+            changes.append((event.start_time_ns, size))
+            if size > 0:
+                if ptr in live:  # the address is handed out again: its block was freed unseen
+                    unseen_free(ptr)
+                live[ptr] = (size, collective_end)
+            else:
+                live.pop(ptr, None)
+        for child in event.children:
+            walk(child, collective_end)
+
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        walk(root, None)
+    for ptr in list(live):
+        unseen_free(ptr)
     now = peak = 0
-    for _, nbytes in events:
-        now += nbytes
+    for _, size in sorted(changes):
+        now += size
         peak = max(peak, now)
     return held + peak
