@@ -67,9 +67,15 @@ def main() -> None:
         from conftest import lift_float8_device_check
 
         lift_float8_device_check()
-    result = {"loading": {}, "export_logit_diff": None}
+    result = {"loading": {}, "export_logit_diff": None, "measured": {}}
     for folder in spec.get("load", []):
         result["loading"][folder] = check_loading(folder)
+    for name, overrides in spec.get("measure", {}).items():  # plan.measure: what the step really holds
+        from shardtune.model.hf import load_hf_config
+        from shardtune.plan.measure import measure_step
+
+        cfg = load_config(None, overrides, defaults={})
+        result["measured"][name] = measure_step(cfg, load_hf_config(cfg.model), init_distributed("cpu"))
     for i, overrides in enumerate(spec.get("jobs", [])):
         resuming = any(o.startswith("resume=") for o in overrides)  # into a new folder: nothing to overwrite
         trainer = Trainer(load_config(None, overrides, defaults={}), overwrite=not resuming)

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 from archs import arch_config
+from plan_measured import MEASURED, OVER, UNDER, traced_error
 
 from conftest import (
     PEFT_METHODS,
@@ -147,6 +148,8 @@ def test_two_ranks_match_one_process_for_every_sharding(assets, baseline, baseli
     float8 tensorwise with its float8 all-gather (on CPU, conftest.lift_float8_device_check);
     each peft method (DoRA with rsLoRA, PiSSA with LoRA+, OLoRA, IA3, adaption prompt, prefix and
     prompt tuning);
+    the planner's traced peak agrees with the step really run on 2 ranks where gloo's own copies
+    decide the peak (tests/plan_measured.py);
     a locally saved GPT-2 and Llama load on 2 ranks exactly (rank 0's broadcast and model.sharded_load)
     and, written back by both ranks (checkpoint.sharded_final), load bitwise equal; final/ round-trips
     (job 0 writes it sharded); a checkpoint.hf_format checkpoint resumes on 2 ranks."""
@@ -179,6 +182,7 @@ def test_two_ranks_match_one_process_for_every_sharding(assets, baseline, baseli
         "hf_resume": {"resume": str(tmp_path / "full_shard" / "checkpoints" / "step-000003")},
     }
     spec = {"result": str(tmp_path / "result.json"), "load": saved, "export": True, "float8_on_cpu": True,
+            "measure": MEASURED,
             "jobs": [tiny_overrides(assets, tmp_path / name, **extra) for name, extra in jobs.items()]
             + [peft_overrides(assets, tmp_path / name, name) for name in PEFT_METHODS]}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
@@ -200,6 +204,9 @@ def test_two_ranks_match_one_process_for_every_sharding(assets, baseline, baseli
         assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < TOL, (name, got, want)
     for name in ("full_shard", "no_shard"):
         same_watch(tmp_path / name, baseline_dir)
+    for name, overrides in MEASURED.items():
+        error = traced_error(overrides, result["measured"][name], world_size=2)
+        assert -UNDER <= error <= OVER, (name, error)
 
 
 def test_two_nodes_hybrid_shard_matches_one_process(assets, baseline, baseline_dir, tmp_path):

@@ -181,3 +181,25 @@ def test_a_router_loss_the_model_did_not_compute_is_refused_in_one_line():
     assert "\n" not in str(refused.value)
     assert router_loss(model, SimpleNamespace(aux_loss=None)) is None
     assert float(router_loss(model, SimpleNamespace(aux_loss=torch.tensor(2.0)))) == pytest.approx(0.02)
+
+
+@pytest.mark.parametrize("grads", [True, False])
+def test_at_most_two_chunks_of_logits_live_at_once(grads):
+    """Each chunk's logits and softmax are freed before the next chunk's logits are made: the
+    loss holds two chunks at most (the logits and their log-softmax), not the previous chunk's
+    softmax as a third (issue 36: a step held one chunk more at two or more chunks than at one,
+    so the planner's micro-batch extrapolation was over by a chunk)."""
+    import torch
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    vocab, width, tokens, chunk = 4096, 16, 64, 16  # four chunks of 256 KiB of fp32 logits
+    hidden, weight = torch.randn(tokens, width), torch.randn(vocab, width)
+    labels = torch.randint(0, vocab, (tokens,))
+    tracker = MemTracker()
+    tracker.track_external(hidden, weight, labels)
+    with tracker:
+        _, _, d_hidden, d_weight = loss_lib.head_loss(hidden, weight, labels, chunk, grads, grads)
+        before = tracker.get_tracker_snapshot()[torch.device("cpu")]["Total"]  # inputs and the gradients
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    chunk_bytes = 4 * vocab * chunk
+    assert 1.9 * chunk_bytes < peak - before <= 2.1 * chunk_bytes, (peak - before) / chunk_bytes

@@ -48,7 +48,7 @@ def test_prediction_matches_a_real_cpu_step():
 
     from shardtune.distributed.process_group import init_distributed
     from shardtune.model.hf import load_hf_config
-    from shardtune.plan.trace import measure_step
+    from shardtune.plan.measure import measure_step
 
     cfg = tiny_cfg("llama", "peft.method=lora", "activation_checkpointing=true", "train.global_batch_size=4")
     hf_config = load_hf_config(cfg.model)
@@ -60,6 +60,31 @@ def test_prediction_matches_a_real_cpu_step():
         dist.destroy_process_group()
     assert measured > 0
     assert abs(predicted - measured) / measured < 0.15
+
+
+def test_the_extrapolated_plan_matches_a_real_step_of_one_loss_chunk():
+    """`plan` extrapolates from traces at micro-batches 2 and 4; a micro-batch of one loss chunk
+    (GPT-2's 50k vocabulary: 125 tokens of 24 MiB of logits on CPU) must not be priced with the
+    chunks those hold (issue 36: the loss kept a third chunk alive from two chunks on, +10 %)."""
+    import torch.distributed as dist
+
+    from shardtune.distributed.process_group import init_distributed
+    from shardtune.model.hf import load_hf_config
+    from shardtune.plan.cost import Target
+    from shardtune.plan.measure import measure_step
+    from shardtune.plan.search import screen
+
+    model = {"model_type": "gpt2", "n_layer": 6, "n_embd": 64, "n_head": 4, "vocab_size": 50257, "n_positions": 256}
+    cfg = load_config(None, [f"model.config={json.dumps(model)}", "data.path=unused", "data.seq_len=128",
+                             "train.micro_batch_size=1", "train.global_batch_size=2", "device=cpu"])
+    hf_config = load_hf_config(cfg.model)
+    predicted = screen(cfg, hf_config, Target(1, 1, 0, None), "cpu")(1).peak_bytes()
+    d = init_distributed("cpu")
+    try:
+        measured = measure_step(cfg, hf_config, d)
+    finally:
+        dist.destroy_process_group()
+    assert -0.01 <= (predicted - measured) / measured <= 0.03, (predicted, measured)
 
 
 def test_plan_prints_a_command_line_that_loads(tmp_path):

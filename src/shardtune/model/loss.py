@@ -52,15 +52,17 @@ def head_loss(hidden, weight, labels, chunk: int, want_hidden_grad: bool, want_w
     d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight_grad else None
     for start in range(0, hidden.size(0), chunk):
         h, y = hidden[start:start + chunk], labels[start:start + chunk]
-        logits = weight @ h.t() if dim == 0 else h @ weight.t()
-        # one fused log-softmax pass gives the loss; exp of it, in place, the softmax
-        logp = torch.log_softmax(logits.float(), dim=dim)
+        # one fused log-softmax pass gives the loss; exp of it, in place, the softmax. The logits
+        # die with the pass, and each chunk's softmax before the next chunk's logits are made: at
+        # most two chunks live at once (the logits and their log-softmax), never a third.
+        logp = torch.log_softmax((weight @ h.t() if dim == 0 else h @ weight.t()).float(), dim=dim)
         valid = (y != IGNORE_INDEX).unsqueeze(dim)
         target = y.clamp(min=0).unsqueeze(dim)
         loss -= (logp.gather(dim, target) * valid).sum()
         if accuracy:
             correct += ((logp.argmax(dim, keepdim=True) == y.unsqueeze(dim)) & valid).sum()
         if not (want_hidden_grad or want_weight_grad):
+            del logp
             continue
         # d loss / d logits = softmax - one_hot(target), zero on ignored positions
         probs = logp.exp_().scatter_add_(dim, target, torch.full_like(target, -1.0, dtype=logp.dtype))
@@ -74,6 +76,7 @@ def head_loss(hidden, weight, labels, chunk: int, want_hidden_grad: bool, want_w
                 d_weight.addmm_(g_vocab_first, h)  # no V x d temporary
             else:
                 d_weight += (g_vocab_first @ h).float()
+        del logp, probs, g, g_vocab_first
     if d_weight is not None:
         d_weight = d_weight.to(grad_dtype)
     return loss, correct, d_hidden, d_weight

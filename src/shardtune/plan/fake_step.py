@@ -115,3 +115,19 @@ def fused_adamw_on_shards():
                         **kwargs)
 
     return mock.patch.object(torch, "_fused_adamw_", on_shards)  # torch.optim looks it up at each step
+
+
+# What a collective allocates inside the process-group backend beside its own input and output,
+# by backend: {c10d op name: index of the argument whose size it copies}. gloo (CPU runs)
+# reduce-scatters through an all-reduce of a clone of the input, then copies this rank's slice
+# out, and all-gathers into a temporary of the output's size before copying it in (measured on
+# torch 2.13: the profiler shows the clone / empty inside `_reduce_scatter_base_` /
+# `_allgather_base_`, and the process's high-water mark grows by that size). NCCL (CUDA runs)
+# works in the tensors it is given. A trace runs on torch's "fake" backend, which copies nothing.
+BACKEND_COPIES = {"gloo": {"c10d::_reduce_scatter_base_": 1, "c10d::_allgather_base_": 0}, "nccl": {}}
+
+
+def backend_of(target: str) -> str:
+    """The process-group backend a run on `target` ("cpu" or "cuda") uses for its collectives
+    (distributed.process_group: gloo on CPU, NCCL on CUDA)."""
+    return "nccl" if target == "cuda" else "gloo"

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
 from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
 from shardtune import families
@@ -62,15 +62,23 @@ class StepTrace:
 
     def with_state(self, state: str) -> StepTrace:
         """This step with its optimizer state in `state` precision: the traced bytes less those of
-        the precision traced, plus this one's (counted per parameter shard in `trace_step`)."""
+        the precision traced, plus this one's (counted per parameter shard in `trace_step`), and
+        in the optimizer phase the step's own transient (priced.step_transient)."""
+        from shardtune.plan.priced import step_transient
+
         traced = self.params.get("state_traced", "fp32")
         if state == traced:
             return self
         delta = self.params[f"state_{state}"] - self.params[f"state_{traced}"]
+        largest = self.params.get("largest_shard", 0)
+        transient = step_transient(state, largest) - step_transient(traced, largest)
 
-        def swap(cats: dict[str, int]) -> dict[str, int]:
-            return {**cats, "optimizer_state": max(0, cats.get("optimizer_state", 0) + delta)}
-        return StepTrace({k: swap(v) for k, v in self.phases.items()}, self.layers, swap(self.steady),
+        def swap(cats: dict[str, int], phase: tuple = ()) -> dict[str, int]:
+            out = {**cats, "optimizer_state": max(0, cats.get("optimizer_state", 0) + delta)}
+            if "optimizer" in phase:
+                out["temporaries"] = max(0, cats.get("temporaries", 0) + transient)
+            return out
+        return StepTrace({k: swap(v, k) for k, v in self.phases.items()}, self.layers, swap(self.steady),
                          {**self.params, "state_traced": state})
 
 
@@ -146,7 +154,9 @@ def trace_step(cfg: RunConfig, hf_config, world_size: int, local_world_size: int
     from shardtune.model.build import ModelSpec, build_model
     from shardtune.model.hf import count_params
     from shardtune.plan.fake_step import (
+        BACKEND_COPIES,
         AnswerScalars,
+        backend_of,
         cuda_attention,
         dtensor_meta_outside_trace,
         fake_grouped_mm,
@@ -178,7 +188,7 @@ def trace_step(cfg: RunConfig, hf_config, world_size: int, local_world_size: int
                   if isinstance(m, built.block_cls)]
         # two micro-steps show what accumulation holds across them (unsharded gradients)
         micro = [[0] * cfg.train.micro_batch_size for _ in range(min(accum, 2))]
-        real_batches, labels_vary = _shape_only_batches(cfg, micro, dist.device)
+        real_batches, labels_vary = shape_only_batches(cfg, micro, dist.device)
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device=dist.device)
             if hasattr(model, "tie_weights"):
@@ -187,7 +197,7 @@ def trace_step(cfg: RunConfig, hf_config, world_size: int, local_world_size: int
             optimizer = build_optimizer(model, cfg.train, dist.device, cfg.precision, cfg.peft.lora_plus_ratio)
             _create_optimizer_state(model, optimizer)
             scaler = build_grad_scaler(cfg.precision, dist.device)
-            tracker = PhaseTracker(model, optimizer, blocks)
+            tracker = PhaseTracker(model, optimizer, blocks, BACKEND_COPIES[backend_of(target)])
             attention = cuda_attention() if target == "cuda" else contextlib.nullcontext()
             # a CUDA run's offloaded activations go to the host; on CPU offloading moves nothing
             offload = offloaded_activations(tracker, model) if target == "cuda" and cfg.activation_offload \
@@ -206,45 +216,6 @@ def trace_step(cfg: RunConfig, hf_config, world_size: int, local_world_size: int
     return StepTrace(tracker.peaks, layer_count(hf_config), steady, params).with_state(state)
 
 
-def measure_step(cfg: RunConfig, hf_config, dist, state_only: bool = False) -> int:
-    """Peak bytes of live tensors during one steady training step of `cfg`, really run on this
-    rank of the current process group (what `trace_step` predicts): a first step creates the
-    optimizer state, the second is measured with torch's MemTracker (every storage allocated and
-    freed, not the process RSS, which the C allocator inflates). Collective. `state_only`: the
-    bytes of the optimizer state after the first step instead (torchao's compiled step refuses
-    to run under the tracker's dispatch mode, so a low-precision state is measured this way)."""
-
-    from shardtune.config.load import check_world
-    from shardtune.distributed.fsdp import build_mesh
-    from shardtune.model.build import ModelSpec, build_model
-    from shardtune.model.hf import load_source_model
-    from shardtune.telemetry.metrics import LiveMemory
-    from shardtune.train.optim import build_grad_scaler, build_optimizer
-    from shardtune.train.step import train_step
-
-    accum = check_world(cfg, dist.world_size)
-    built = build_model(ModelSpec.of_run(cfg, hf_config), build_mesh(cfg.fsdp, dist), dist.device,
-                        source=lambda: load_source_model(cfg.model, hf_config, cfg.train.seed), seed=cfg.train.seed)
-    model = built.model.train()
-    optimizer = build_optimizer(model, cfg.train, dist.device, cfg.precision, cfg.peft.lora_plus_ratio)
-    scaler = build_grad_scaler(cfg.precision, dist.device)
-    micro = [[0] * cfg.train.micro_batch_size for _ in range(accum)]
-    batches, labels_vary = _shape_only_batches(cfg, micro, dist.device)
-    train_step(model, optimizer, scaler, batches, cfg, dist, labels_vary, sync_each=built.sync_grads_each_micro_step)
-    if state_only:
-        from shardtune.train.optim import optimizer_state_bytes
-
-        return optimizer_state_bytes(optimizer)
-    live = LiveMemory(model, optimizer, dist.device, steps=1)  # the trainer's own live-bytes tracker
-    if dist.device.type == "cuda":  # torch.cuda.max_memory_* then cover the measured step only
-        torch.cuda.reset_peak_memory_stats(dist.device)
-    with live.track():  # the batches are made inside, as in the traced step
-        batches, labels_vary = _shape_only_batches(cfg, micro, dist.device)
-        train_step(model, optimizer, scaler, batches, cfg, dist, labels_vary,
-                   sync_each=built.sync_grads_each_micro_step)
-    return live.peak or 0
-
-
 def _create_optimizer_state(model, optimizer) -> None:
     """AdamW creates its state on its first step; make it now, so the traced step is a steady one."""
 
@@ -255,7 +226,7 @@ def _create_optimizer_state(model, optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def _shape_only_batches(cfg: RunConfig, micro: list[list[int]], device) -> tuple[list[dict], bool]:
+def shape_only_batches(cfg: RunConfig, micro: list[list[int]], device) -> tuple[list[dict], bool]:
     """(micro-batches of the recipe's shape, whether its labels vary), made as training makes
     them (data.collate)."""
     from shardtune.data.pipeline import collate
@@ -300,8 +271,9 @@ class PhaseTracker(FSDPMemTracker):
     """FSDPMemTracker with a peak per phase of the step instead of per module (whose
     bookkeeping grows with the square of the number of modules)."""
 
-    def __init__(self, model, optimizer, block_names: list[str]):
+    def __init__(self, model, optimizer, block_names: list[str], backend_copies: dict[str, int] | None = None):
         super().__init__(model, optimizer)
+        self.backend_copies = backend_copies or {}  # fake_step.BACKEND_COPIES of the run's backend
         self.block_index = {name: j for j, name in enumerate(block_names)}
         self.peaks: dict[tuple, dict[str, int]] = {}
         self.micro = -1
@@ -340,6 +312,16 @@ class PhaseTracker(FSDPMemTracker):
                 if reftype in CATEGORY:  # str enums: "Sharded Param", ...; skips "Total"
                     out[CATEGORY[reftype]] += value
         return out
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        """A collective whose real backend copies a tensor inside (gloo) holds that copy, as
+        communication, while it runs: the fake backend makes none."""
+        index = self.backend_copies.get(func.name())
+        if index is None:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        copy = torch.empty_like(args[index])  # the tracker's mode is off in here: counted below
+        self._update_and_maybe_create_winfos(copy, _FSDPRefType.REDUCE_SCATTER)  # freed with `copy`
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
     def _update_peak_stats(self, peak_state) -> None:
         total = sum(snap["Total"] for snap in self._curr_mem_snap.values())  # what stays on the device
