@@ -61,8 +61,8 @@ def test_a_sweep_grid_over_methods_builds_every_trial_and_plan_refuses_a_method_
                   grid=[("peft.method", METHODS)], defaults={})
     assert [sweep.config(point).peft.method for point in sweep.points()] == METHODS
     # adaption_prompt exists in peft for a few model types only: opt gets one line, exit 2
-    code = main(["plan", f"model.config={json.dumps(TINY['opt'])}", "data.path=unused", "peft.method=adaption_prompt",
-                 "--gpus", "1", "--gpu", "T4"])
+    code = main(["plan", f"model.config={json.dumps(TINY['opt'])}", "data.path=unused", "data.seq_len=64",
+                 "peft.method=adaption_prompt", "--gpus", "1", "--gpu", "T4"])  # own model: no quickstart seq_len
     err = capsys.readouterr().err.strip()
     line = err.splitlines()[-1]  # after the quickstart's note of which defaults apply
     assert code == 2 and "Traceback" not in err and line.startswith("error: peft.method=adaption_prompt") \
