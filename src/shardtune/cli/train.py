@@ -69,7 +69,7 @@ def run(args) -> int:
     try:
         prepare_run_dir(cfg, args.overwrite, check_only=True)  # cheap: a live run's folder is refused at once
         check_run(cfg, nproc, say=lambda line: None)  # one error here, not one per rank
-        worker = ["train", *([recipe] if recipe else []), *overrides, f"output_dir={out}",
+        worker = ["train", *([recipe] if recipe else []), *overrides, f"output_dir={out}", f"device={cfg.device}",
                   f"train.micro_batch_size={cfg.train.micro_batch_size}"]
         if args.overwrite:
             worker.append("--overwrite")

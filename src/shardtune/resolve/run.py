@@ -1,8 +1,9 @@
 """The first of the three stages every command goes through (resolve -> check -> build): one
 frozen RunConfig from the recipe, the overrides, the quickstart's defaults (where there is no
-recipe) and the values left to shardtune: `output_dir` (runs/RECIPE-TIME) and
-`train.micro_batch_size=auto` (the planner's largest that fits). Nothing changes it afterwards
-(`config.schema.freeze`); the check (`check.run`) and the build (`train.trainer`) only read it."""
+recipe) and the values left to shardtune: `output_dir` (runs/RECIPE-TIME), `device=auto` (CUDA
+where one is visible, else CPU) and `train.micro_batch_size=auto` (the planner's largest that
+fits). Nothing changes it afterwards (`config.schema.freeze`); the check (`check.run`) and the
+build (`train.trainer`) only read it."""
 
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ def resolve_run(cfg: RunConfig, world_size: int = 1, local_world_size: int | Non
     from shardtune.checkpoint.rundir import default_output_dir
 
     resolved = copy.deepcopy(cfg)  # the caller's config stays as it was
+    if cfg.device == "auto":  # what the run will use here: its config.yaml says which
+        from shardtune.distributed.process_group import resolve_device
+
+        resolved.device = resolve_device("auto").type
     if cfg.train.micro_batch_size == "auto":
         from shardtune.plan.fit import resolve_auto
 
