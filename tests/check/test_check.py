@@ -86,9 +86,10 @@ def test_a_grid_point_train_would_refuse_is_named_before_trial_1(assets):
 def test_the_resolved_run_is_frozen_and_its_source_unchanged(assets, tmp_path):
     cfg = load_config(None, overrides(assets, {"train.micro_batch_size": "auto"}), defaults={})
     run = resolve_run(cfg, 1, say=lambda line: None)
-    assert cfg.output_dir is None and cfg.train.micro_batch_size == "auto" and cfg.device == "auto"  # as loaded
+    assert cfg.output_dir is None and cfg.train.micro_batch_size == "auto"  # the loaded config as it was
     assert run.output_dir.startswith("runs/quickstart-") and isinstance(run.train.micro_batch_size, int)
-    assert run.device == ("cuda" if torch.cuda.is_available() else "cpu")  # what this machine will use
+    auto = load_config(None, overrides(assets, {"device": "auto"}), defaults={})
+    assert resolve_run(auto, 1).device == ("cuda" if torch.cuda.is_available() else "cpu") and auto.device == "auto"
     with pytest.raises(dataclasses.FrozenInstanceError):
         run.train.micro_batch_size = 1
     with pytest.raises(dataclasses.FrozenInstanceError):
