@@ -102,8 +102,9 @@ def read_numbers(numbers: torch.Tensor) -> StepNumbers:
 def clip_gradients(model, max_grad_norm: float):
     """(the global gradient norm, GradNorms), the gradients clipped to `max_grad_norm` (0: not
     clipped). torch's clip_grad_norm_ computes each gradient's norm and drops them; kept here (one
-    float per parameter, on the device), they name the first parameter whose gradient is not
-    finite when a step goes wrong, at no extra pass over the gradients and no host sync."""
+    float per parameter, on the device), they name the parameters whose gradients are not finite
+    when a step goes wrong (GradNorms.nonfinite), at no extra pass over the gradients and no host
+    synchronisation on healthy steps."""
 
     params = [p for p in model.parameters() if p.requires_grad]
     present = [i for i, p in enumerate(params) if p.grad is not None]  # known on the host
