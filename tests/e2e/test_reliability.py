@@ -90,6 +90,8 @@ def test_quickstart_defaults_step_aside(monkeypatch, qs_assets):
         assert tree["data"] == {"path": str(Path(qs_assets["train"]).parent)}
         assert line.startswith("quickstart defaults: tokenizer (docstring BPE), data (docstring corpus)")
         assert "GPT-2" not in line and "your model.config's model and shardtune's training settings" in line
+    tree, line = qs.quickstart_defaults(["model.tokenizer=/my/tokenizer"])  # your tokenizer, the quickstart's GPT-2
+    assert "tokenizer" not in tree["model"] and tree["model"]["config"]["model_type"] == "gpt2"
     tree, line = qs.quickstart_defaults(["model.config.n_layer=4"])
     assert tree["model"]["config"]["model_type"] == "gpt2" and tree["train"]["lr"] == 3e-3
     assert "random-init GPT-2" in line

@@ -234,7 +234,7 @@ def quickstart_defaults(overrides: list[str] = ()) -> tuple[dict, str]:
     if not own_tokenizer:
         tree["model"] = {"tokenizer": assets["tokenizer"]}
     if not (own_model or own_design):
-        tree["model"]["config"] = {"model_type": "gpt2", "n_layer": 2, "n_embd": 128, "n_head": 4,
+        tree.setdefault("model", {})["config"] = {"model_type": "gpt2", "n_layer": 2, "n_embd": 128, "n_head": 4,
                                    "n_positions": 256, "vocab_size": 2048}
         tree["data"] = {"seq_len": 128}
         tree["train"] = {"micro_batch_size": 16, "global_batch_size": 32, "lr": 3e-3, "warmup_steps": 15,
