@@ -5,6 +5,7 @@ checkpoint moved aside)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -205,10 +206,8 @@ class RunLock:
 
     def release(self) -> None:
         if self.lock.is_locked:
-            try:
+            with contextlib.suppress(OSError):
                 self.path.unlink(missing_ok=True)  # while still locked: the next run makes a new file
-            except OSError:
-                pass
             self.lock.release()
         self._remove_created()
 
