@@ -194,11 +194,12 @@ def test_mauve_end_to_end_separates_and_repeats(assets, models, capsys, tmp_path
     """With the extra installed: a text set scores high against itself, far lower against unrelated text,
     and the CLI gives the same MAUVE twice (seeded PCA and k-means). The featurizer's folder name has
     no "gpt2" (mauve-text's own loader would refuse it), an empty generation is scored (mauve-text
-    drops empty texts), and mauve-text's progress bar stays off the console."""
+    drops empty texts), one longer than the featurizer's positions is cut to them, and mauve-text's
+    progress bar stays off the console."""
     pytest.importorskip("mauve")
     featurizer = textscores.load_featurizer(str(models[1]))
     texts = [f"Return the value number {i} of the given object." for i in range(20)]
-    junk = [""] + ["zq " * (3 + i % 5) for i in range(1, 20)]
+    junk = ["", "zq " * 400] + ["zq " * (3 + i % 5) for i in range(2, 20)]  # longer than the featurizer's 128 positions
     assert "gpt2" not in str(models[1])
     same = textscores.mauve_score(texts, texts, featurizer)["mauve"]
     apart = textscores.mauve_score(junk, texts, featurizer)["mauve"]

@@ -129,9 +129,10 @@ def mauve_score(generations: list[str], references: list[str], featurizer, seed:
     from mauve.utils import featurize_tokens_from_model
 
     model, tok = featurizer
+    limit = min(max_tokens, getattr(model.config, "max_position_embeddings", None) or max_tokens)
 
     def features(texts: list[str]):
-        ids = [tok(t or tok.eos_token or " ", return_tensors="pt", truncation=True, max_length=max_tokens).input_ids
+        ids = [tok(t or tok.eos_token or " ", return_tensors="pt", truncation=True, max_length=limit).input_ids
                for t in texts]
         return featurize_tokens_from_model(model, ids, batch_size=8).float().numpy()
 
