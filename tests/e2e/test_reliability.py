@@ -28,6 +28,7 @@ from shardtune.checkpoint.rundir import LOCK_FILE, hold_run_dir, release_run_dir
 from shardtune.cli.main import main
 from shardtune.config.schema import CheckpointConfig
 from shardtune.diskspace import space_warning
+from shardtune.distributed.process_group import LAUNCHER_ENV
 from shardtune.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 
@@ -210,6 +211,34 @@ def test_lock_is_exclusive_and_released(tmp_path):
     hold_run_dir(out)
     release_run_dir(out)
     assert not (tmp_path / "new").exists()
+
+
+def test_lock_of_a_killed_run_and_the_launchers_ranks(monkeypatch, tmp_path):
+    """A lock file left by a kill -9 (its flock gone with the process) is taken over, its holder
+    line rewritten; a rank whose launcher (its parent, named in LAUNCHER_ENV) holds the folder
+    shares the hold and leaves the launcher's file alone; any other process is refused by name."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / LOCK_FILE).write_text("pid 4242 on node7 since 2026-01-01 00:00:00\n")
+    hold_run_dir(out)
+    line = (out / LOCK_FILE).read_text()
+    assert line.startswith(f"pid {os.getpid()} on ") and "4242" not in line
+    rank = ("import sys\nfrom shardtune.checkpoint.rundir import hold_run_dir, release_run_dir\n"
+            "from shardtune.errors import UserError\n"
+            f"try:\n    hold_run_dir({str(out)!r})\nexcept UserError as exc:\n    sys.exit(str(exc))\n"
+            f"release_run_dir({str(out)!r})\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    try:
+        shared = subprocess.run([sys.executable, "-c", rank], env={**env, LAUNCHER_ENV: str(os.getpid())},
+                                capture_output=True, text=True, timeout=60)
+        assert shared.returncode == 0, shared.stderr
+        assert (out / LOCK_FILE).read_text() == line
+        other = subprocess.run([sys.executable, "-c", rank], env={**env, LAUNCHER_ENV: "1"},
+                               capture_output=True, text=True, timeout=60)
+        assert other.returncode == 1 and f"in use by a live run ({line.strip()})" in other.stderr, other.stderr
+    finally:
+        release_run_dir(out)
+    assert not (out / LOCK_FILE).exists() and out.is_dir()
 
 
 def test_live_run_refused_by_name(capfd, recipe, tmp_path):

@@ -5,6 +5,7 @@ checkpoint moved aside)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -170,51 +171,44 @@ def release_run_dir(out: Path | str | None) -> None:
 
 
 class RunLock:
-    """fcntl.flock on OUT/.shardtune.lock. The file is removed on release; a lock taken on a file
-    that another process removed meanwhile is retried on the new file."""
+    """filelock's flock on OUT/.shardtune.lock, with the holder's line written into it. The file
+    is removed on release, while still held; filelock retries a waiter that locked the removed file."""
 
     def __init__(self, out: Path):
+        from filelock import FileLock
+
         self.out, self.path = out, out / LOCK_FILE
-        self.fd: int | None = None
+        self.lock = FileLock(self.path, mode=0o644, thread_local=False, on_acquired=_write_holder)
         self.created: Path | None = None  # the outermost folder made for the run
 
     def acquire(self) -> None:
-        import fcntl
+        from filelock import Timeout
 
         self.created = make_output_dir(self.out)
-        try:
-            while True:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        while True:
+            try:
+                self.lock.acquire(blocking=False)
+                return
+            except Timeout:
                 try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    holder = os.read(fd, 200).decode(errors="replace").strip() or "another process"
-                    os.close(fd)
-                    if holder.startswith(f"pid {os.environ.get(LAUNCHER_ENV, '-')} ") and \
-                            os.environ.get(LAUNCHER_ENV) == str(os.getppid()):
-                        return  # the launcher that started this rank holds it for the run
-                    raise UserError(f"output_dir {str(self.out)!r} is in use by a live run ({holder}); wait for it "
-                                    "to finish or stop it, or choose another output_dir") from None
-                if _same_file(fd, self.path):
-                    break
-                os.close(fd)  # its holder removed it as we opened it: lock the new one
-        except OSError as exc:
-            self._remove_created()
-            raise UserError(f"output_dir {str(self.out)!r} is not writable ({exc.strerror}); "
-                            "choose another output_dir") from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
-                 .encode())
-        self.fd = fd
+                    holder = self.path.read_text(errors="replace").strip() or "another process"
+                except FileNotFoundError:
+                    continue  # released as we looked: try again
+            except OSError as exc:
+                self._remove_created()
+                raise UserError(f"output_dir {str(self.out)!r} is not writable ({exc.strerror}); "
+                                "choose another output_dir") from None
+            launcher = os.environ.get(LAUNCHER_ENV)
+            if launcher == str(os.getppid()) and holder.startswith(f"pid {launcher} "):
+                return  # the launcher that started this rank holds it for the run
+            raise UserError(f"output_dir {str(self.out)!r} is in use by a live run ({holder}); wait for it "
+                            "to finish or stop it, or choose another output_dir")
 
     def release(self) -> None:
-        if self.fd is not None:
-            try:
+        if self.lock.is_locked:
+            with contextlib.suppress(OSError):
                 self.path.unlink(missing_ok=True)  # while still locked: the next run makes a new file
-            except OSError:
-                pass
-            os.close(self.fd)
-            self.fd = None
+            self.lock.release()
         self._remove_created()
 
     def _remove_created(self) -> None:
@@ -231,6 +225,14 @@ class RunLock:
                 break
             folder = folder.parent
         self.created = None
+
+
+def _write_holder(fd: int) -> None:
+    """Who holds the folder, for the line that refuses a second run (a killed holder's line stays
+    until the next run locks the file and writes its own)."""
+    os.ftruncate(fd, 0)
+    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+             .encode())
 
 
 def make_output_dir(out: Path) -> Path | None:
@@ -255,9 +257,3 @@ def make_output_dir(out: Path) -> Path | None:
                         f"{exc.filename or out}); choose another output_dir") from None
     return first
 
-
-def _same_file(fd: int, path: Path) -> bool:
-    try:
-        return os.fstat(fd).st_ino == os.stat(path).st_ino
-    except FileNotFoundError:
-        return False

@@ -108,7 +108,8 @@ def diversity(generations: list[str], seed: int = 0) -> dict:
 
 def load_featurizer(name: str):
     """(model, tokenizer) of a MAUVE featurizer from a local folder or the local hub cache only:
-    a hub id not downloaded yet is refused, never fetched."""
+    a hub id not downloaded yet is refused, never fetched. Ours, not mauve-text's loader, which
+    takes only names containing "gpt2" or "bert" and fetches from the hub (BENCHMARKS.md, issue 35)."""
     from transformers import AutoModel, AutoTokenizer
 
     try:
@@ -120,25 +121,23 @@ def load_featurizer(name: str):
     return model, tok
 
 
-def featurize(texts: list[str], featurizer, max_tokens: int = 256):
-    """One vector per text: the featurizer's last hidden state at the text's last token."""
-    import torch
+def mauve_score(generations: list[str], references: list[str], featurizer, seed: int = 0,
+                max_tokens: int = 256) -> dict:
+    """mauve-text featurises (the last hidden state at each text's last token) and scores. An
+    empty generation is its EOS, not dropped as mauve-text drops empty texts: it counts."""
+    import mauve
+    from mauve.utils import featurize_tokens_from_model
 
     model, tok = featurizer
-    rows = []
-    with torch.no_grad():
-        for text in texts:
-            ids = tok(text or (tok.eos_token or " "), return_tensors="pt", truncation=True,
-                      max_length=max_tokens).input_ids
-            rows.append(model(input_ids=ids).last_hidden_state[0, -1].float())
-    return torch.stack(rows).numpy()
+    limit = min(max_tokens, getattr(model.config, "max_position_embeddings", None) or max_tokens)
 
+    def features(texts: list[str]):
+        ids = [tok(t or tok.eos_token or " ", return_tensors="pt", truncation=True, max_length=limit).input_ids
+               for t in texts]
+        return featurize_tokens_from_model(model, ids, batch_size=8).float().numpy()
 
-def mauve_score(generations: list[str], references: list[str], featurizer, seed: int = 0) -> dict:
-    import mauve
-
-    result = mauve.compute_mauve(p_features=featurize(references, featurizer),
-                                 q_features=featurize(generations, featurizer), seed=seed, verbose=False)
+    result = mauve.compute_mauve(p_features=features(references), q_features=features(generations),
+                                 seed=seed, verbose=False)
     return {"mauve": float(result.mauve)}
 
 
