@@ -26,8 +26,9 @@ pytestmark = pytest.mark.multiproc
 
 def launch(recipe: str, out: Path, datasets_cache, *extra: str, sigint=signal.SIG_DFL) -> subprocess.Popen:
     """`sigint`: the launcher's SIGINT disposition at its start, whatever pytest's is (SIG_IGN
-    under `nohup` or `&`): SIG_DFL as from a terminal, or SIG_IGN."""
-    return subprocess.Popen([sys.executable, "-m", "shardtune", "train", recipe, "device=cpu", "train.max_steps=400",
+    under `nohup` or `&`): SIG_DFL as from a terminal, or SIG_IGN. Every test stops the run itself:
+    its steps are many (a tiny model takes ~30 a second) so that it cannot end before the test acts."""
+    return subprocess.Popen([sys.executable, "-m", "shardtune", "train", recipe, "device=cpu", "train.max_steps=4000",
                              "eval.at_start=false", f"output_dir={out}", "--nproc", "2", *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=out.parent,
                             env=subprocess_env(datasets_cache), preexec_fn=lambda: signal.signal(signal.SIGINT, sigint))
