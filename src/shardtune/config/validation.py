@@ -199,7 +199,7 @@ def _validate_adapters(cfg) -> None:
         raise UserError(f"peft.method={p.method} puts learned tokens before each sequence, which the document mask "
                         "would hide from every document but the first; set data.document_mask=false (and "
                         "data.padding_free=false), or use peft.method=lora")
-    if p.method == "prefix_tuning" and cfg.activation_checkpointing != "none":
+    if p.method == "prefix_tuning" and cfg.activation_checkpointing not in ("none", "auto"):  # auto: none
         # the prefix is the attention cache, which a recomputed block would extend a second time
         raise UserError(f"peft.method=prefix_tuning does not combine with activation_checkpointing="
                         f"{cfg.activation_checkpointing} (recomputing a block would add to its prefix cache "

@@ -146,6 +146,9 @@ def check(sweep: Sweep) -> None:
 
                 auto_micro_batches(cfg.train.global_batch_size, sweep.nproc)
             elif sweep.max_batch:
+                if cfg.activation_checkpointing == "auto":  # its trials' memory follows the mode auto picks per size
+                    raise UserError("--max-batch searches the micro-batch of one layout; set activation_checkpointing "
+                                    "to a mode, or drop --max-batch to let train.micro_batch_size=auto choose both")
                 if not micro_batch_candidates(cfg, sweep.nproc):
                     raise UserError(f"train.global_batch_size={cfg.train.global_batch_size} is not divisible by "
                                     f"--nproc {sweep.nproc}; change one of them")
