@@ -93,6 +93,10 @@ def check_run(cfg: RunConfig, world_size: int | None = None, device=None, say=No
     tokenizer = load_tokenizer(cfg.model)
     hf_config = load_hf_config(cfg.model)
     check_model(cfg, hf_config, tokenizer)
+    if cfg.kernels != "none":  # the family Liger has kernels for (its list needs Liger, so only here)
+        from shardtune.model.kernels import check
+
+        check(cfg.kernels, "cuda", getattr(hf_config, "model_type", None))
     return CheckedRun(cfg, hf_config, tokenizer, accum, world_size, publishes)
 
 

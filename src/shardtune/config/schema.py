@@ -238,6 +238,7 @@ class RunConfig(Section):
     activation_checkpointing_every: int = 2  # every_n: checkpoint blocks 0, n, 2n, ...
     activation_offload: bool = False  # move saved activations to pinned host memory in forward, back in backward (CUDA; CPU: same hooks, no move)
     compile: bool = False  # torch.compile each decoder block before sharding
+    kernels: Literal["none", "liger"] = "none"  # liger: Liger-Kernel's fused RMSNorm, rotary, SwiGLU and linear cross-entropy (the head loss) for its model families (CUDA; pip install 'shardtune[liger]')
     loss_chunk_tokens: int | None = None  # LM head + loss in chunks of N tokens (no full logits); default ~24 MB CPU, 64 MB CUDA; 0: off
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when present, else CPU (gloo)
     model: ModelConfig = field(default_factory=ModelConfig)

@@ -48,6 +48,9 @@ REFUSED = {
     "compile": (lambda cfg: cfg.compile and cfg.float8 == "none",
                 "compile=true is not priced by plan: it traces and times the eager step (compiled blocks hold "
                 "less and run faster); plan without it, then add compile=true"),
+    "kernels": (lambda cfg: cfg.kernels != "none",
+                "kernels=liger is not priced by plan: it traces the step on fake tensors, which Liger's Triton "
+                "kernels do not run on; plan without it (the chunked head loss), then add kernels=liger"),
     "eval.micro_batch_size": (lambda cfg: cfg.eval.micro_batch_size is not None,
                               "eval.micro_batch_size is not priced by plan: it traces the training step; drop it "
                               "(evaluation then uses train.micro_batch_size, which plan checks)"),

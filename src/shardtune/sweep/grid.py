@@ -189,9 +189,10 @@ def check_models(sweep: Sweep, points: list[dict], option: str) -> None:
 
 
 def machine_checks(cfg, device_type: str) -> None:
-    """What `train` refuses on this machine before it builds anything (QLoRA, float8 need CUDA, float8
-    a recent GPU): refused here, before the first trial, instead of once per trial."""
-    if cfg.float8 == "none" and cfg.peft.quantize == "none":
+    """What `train` refuses on this machine before it builds anything (QLoRA, float8, kernels=liger
+    need CUDA, float8 a recent GPU, kernels=liger Liger-Kernel): refused here, before the first
+    trial, instead of once per trial."""
+    if cfg.float8 == "none" and cfg.peft.quantize == "none" and cfg.kernels == "none":
         return  # no torch import: a bad grid is refused before anything loads
     import torch
 
