@@ -155,6 +155,7 @@ def resolve_layout(cfg: RunConfig, world_size: int, local_world_size: int, host_
     def run_of(mode: str, mb: int) -> RunConfig:
         run = copy.deepcopy(cfg)
         run.activation_checkpointing, run.train.micro_batch_size = mode, mb
+        run.kernels = "none"  # Liger's Triton kernels do not run on the trace's fake tensors: the chunked path's
         return run
 
     def priced(trace, mode: str, mb: int) -> tuple[int, float]:
@@ -183,6 +184,8 @@ def resolve_layout(cfg: RunConfig, world_size: int, local_world_size: int, host_
             f"{f', {chosen.tokens_per_s:,.0f} tokens/s' if auto_ck and device == 'cuda' else ''})")
     if auto_ck and chosen.need_none is not None:
         line += f"; without checkpointing it needs {chosen.need_none / GIB:.2f} GiB at micro-batch {sizes[0]}"
+    if cfg.kernels != "none":
+        line += f"; traced without kernels={cfg.kernels} (HF's modules and the chunked head loss)"
     return mb, mode, line + f"; gradient accumulation {accum} keeps the global batch of {cfg.train.global_batch_size}"
 
 
