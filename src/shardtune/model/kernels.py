@@ -50,7 +50,8 @@ def apply(model, kernels: str) -> bool:
         return False
     from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
 
-    # Liger's rotary embedding replaces the family module's function: process-wide (a run trains one model)
+    # Liger also swaps the family module's rotary function and norm/MLP classes: process-wide, so any
+    # model of this family built later in the process has them too (a rank trains one model)
     _apply_liger_kernel_to_instance(model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
                                     fused_linear_cross_entropy=False)
     model.__dict__["_shardtune_kernels"] = kernels
