@@ -173,6 +173,9 @@ def test_sweep_grid_over_the_new_keys_loads():
     assert len(sweep.points()) == 32
     with pytest.raises(UserError, match="drop"):
         check(Sweep(None, base, grid, max_batch=True, defaults={}))
+    fixed = [*base[:-1], "train.micro_batch_size=2", "activation_checkpointing=auto"]
+    with pytest.raises(UserError, match="searches the micro-batch of one layout; set activation_checkpointing"):
+        check(Sweep(None, fixed, [("train.seed", ["1", "2"])], max_batch=True, defaults={}))
 
 
 def test_the_8bit_optimizer_step_holds_what_the_plan_prices():
