@@ -78,7 +78,7 @@ def main() -> int:
         base = next((r for r in runs.get(twin, []) if "steps" in r), None) if arm.startswith("liger") else None
         rows += [row(arm, i, run, tokens_per_step, skip, base) for i, run in enumerate(results)]
     print(C.markdown_table(["arm", "repeat", "tok/s", "peak GiB reserved / allocated", "last loss",
-                            "max |Δloss| vs its plain twin", "Liger applied", "note"], rows))
+                            "max relative Δloss vs its plain twin", "Liger applied", "note"], rows))
     speed = {arm: statistics.mean(tokens_per_s(r, tokens_per_step, skip) for r in results if "steps" in r)
              for arm, results in runs.items() if any("steps" in r for r in results)}
     for liger, plain in (("liger", "plain"), ("liger-compiled", "plain-compiled")):
