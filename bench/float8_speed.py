@@ -39,7 +39,8 @@ def train(out: Path, overrides: list[str]) -> dict:
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     started = next((line for line in proc.stdout.splitlines() if line.startswith("model:")), "")
     layers = started.split("float8 ")[1].split(" |")[0] if "float8 " in started else "none"
-    return {"steps": [r for r in rows if "loss" in r and "step_time_s" in r], "float8_layers": layers}
+    return {"steps": [r for r in rows if "loss" in r and "step_time_s" in r], "float8_layers": layers,
+            "started": started}
 
 
 def predicted_gains(overrides: list[str]) -> dict[str, float]:

@@ -14,6 +14,7 @@
 #                under set_sync_debug_mode("error") and its NaN skip on the device, NCCL under
 #                torchrun, NVML telemetry and the report's PNGs. cuda-tests.xml, tests/ (JSON
 #                records, PNGs). 335 s measured on an H100 (2026-11-25): ~12 short CLI runs, one compile
+#                (float8 and liger tests: stages of their own)
 #   bench-llama 120 s, bench-opt 120 s   bench/vs_hf_trainer.py --gpu, Llama ~1B and OPT-1.3B
 #                shapes, seq 2048, bf16, random init, full_shard on 1 GPU against HF Trainer,
 #                shardtune/HF alternating, as many pairs as the cap allows (REPEATS, default 2).
@@ -41,6 +42,13 @@
 #                bench/float8_speed.py: the Llama ~1B setup, compiled, bf16 / rowwise / tensorwise,
 #                FLOAT8_STEPS (50) steps each, FLOAT8_REPEATS (1) rounds -> float8.md (tok/s, peak,
 #                loss against bf16). Estimate ~25 s set-up + ~40 s compile + 50 x ~0.7 s per arm.
+#   liger-tests 120 s, liger 420 s   only when STAGES names them (issue 34, a call of their own):
+#                tests/e2e/test_cuda.py -k liger (kernels=liger's losses within 1e-3 (fp32) / 2 % (bf16)
+#                of the plain run's over 6 steps on a tiny Llama) -> liger-tests.log/.xml;
+#                bench/liger_speed.py: the Llama ~1B setup, plain / liger / both compiled, LIGER_STEPS
+#                (20) steps each -> liger.md (tok/s, peak reserved/allocated, losses against the plain
+#                twin). Needs the liger wheel from bench/gpu/wheels.sh in .whl/ (the image's torch brings
+#                triton). Estimate ~25 s set-up per arm + ~40 s compile in two arms + 20 x ~0.4 s.
 #   soak         only with SOAK_MINUTES=N: bench/soak.py --device cuda, N minutes more (the
 #                budget grows by N minutes + 2). soak.md
 # STAGES="tests bench-llama ..." runs only those (setup always runs). After every stage the
@@ -63,12 +71,14 @@
 #                       (float8's loss and speed; FLOAT8_EFFICIENCY in plan/cost.py is set from them)
 #   6th call (~6 min):  STAGES="bench-llama bench-opt" BUDGET_S=500 CAP_BENCH=240 REPEATS=2 \
 #                         bash bench/gpu/run.sh /tmp/gpu-ab "$OUT"        (A B A B for both models)
+#   7th call (~8 min):  STAGES="liger-tests liger" BUDGET_S=560 bash bench/gpu/run.sh /tmp/gpu-liger "$OUT"
+#                       (issue 34: Liger-Kernel's losses and its speed against the chunked loss, eager and compiled)
 #   5th, issue 20 (not yet run on a GPU; one call, ~8 min): memory savers on CUDA, device=auto
 #     python bench/memory_savers.py activations --micro-batch 8 --steps 6 precision=bf16 > "$OUT/savers_act.md"
 #     python bench/memory_savers.py quality --steps 300 > "$OUT/savers_quality.md"   (compiled torchao step)
 #     python bench/memory_savers.py activations --micro-batch 8 --steps 6 precision=bf16 fsdp.reduce_dtype=bf16 \
 #       train.optimizer_state=8bit > "$OUT/savers_act_8bit.md"
-# Knobs: PYTHON, BUDGET_S, REPEATS, BENCH_STEPS, BENCH_GLOBAL, PLAN_ROWS, SOAK_MINUTES, CAP_<STAGE>.
+# Knobs: PYTHON, BUDGET_S, REPEATS, BENCH_STEPS, BENCH_GLOBAL, PLAN_ROWS, SOAK_MINUTES, LIGER_STEPS, CAP_<STAGE>.
 # The CPU rehearsal (no install; .venv/bin/python) takes about 4 minutes on 2 cores (BENCHMARKS.md).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -192,7 +202,8 @@ torch.version.cuda, '|', torch.cuda.get_device_name(0) if torch.cuda.is_availabl
   $python - <<'EOF' 2>&1
 import importlib
 found, missing = [], []
-for name in ("shardtune", "transformers", "datasets", "peft", "accelerate", "bitsandbytes", "pynvml", "tensorboard"):
+for name in ("shardtune", "transformers", "datasets", "peft", "accelerate", "bitsandbytes", "pynvml", "tensorboard",
+             "triton", "liger_kernel"):
     try:
         module = importlib.import_module(name)
         found.append(f"{name} {getattr(module, '__version__', '')}".strip())
@@ -207,7 +218,7 @@ tee -a "$results/suite.log" < "$results/env.txt"
 # ---------------------------------------------------------------------------- stages
 export SHARDTUNE_GPU_RESULTS=$results/tests
 stage tests "$(time_for "${CAP_TESTS:-360}")" cuda-tests.log \
-  $python -m pytest -q -p no:cacheprovider -m cuda tests/e2e/test_cuda.py -k "not float8" \
+  $python -m pytest -q -p no:cacheprovider -m cuda tests/e2e/test_cuda.py -k "not float8 and not liger" \
   --junitxml "$results/cuda-tests.xml" "${collect[@]}"
 bench_args=(--repeats "${REPEATS:-2}" --sharding full_shard --nproc 1 --steps "${BENCH_STEPS:-8}"
             --global-batch "${BENCH_GLOBAL:-8}")
@@ -233,6 +244,11 @@ stage float8-tests "$(time_for "${CAP_FLOAT8_TESTS:-120}")" float8-tests.log \
   --junitxml "$results/float8-tests.xml" "${collect[@]}"
 stage float8 "$(time_for "${CAP_FLOAT8:-420}")" float8.md \
   $python bench/float8_speed.py --steps "${FLOAT8_STEPS:-50}" --repeats "${FLOAT8_REPEATS:-1}" "${rh[@]}"
+stage liger-tests "$(time_for "${CAP_LIGER_TESTS:-120}")" liger-tests.log \
+  $python -m pytest -q -p no:cacheprovider -m cuda tests/e2e/test_cuda.py -k liger \
+  --junitxml "$results/liger-tests.xml" "${collect[@]}"
+stage liger "$(time_for "${CAP_LIGER:-420}")" liger.md \
+  $python bench/liger_speed.py --steps "${LIGER_STEPS:-20}" --repeats "${LIGER_REPEATS:-1}" "${rh[@]}"
 if [ -n "${SOAK_MINUTES:-}" ]; then
   m=$SOAK_MINUTES
   if [ "$rehearse" = 1 ]; then soak_args=(--device cpu --sample-s 2); else soak_args=(--device cuda); fi

@@ -81,6 +81,11 @@ def main() -> int:
         out += ["", "## float8 vs bf16", "", *float8.read_text().strip().splitlines()[2:]]
     if "float8-tests" in ran and (results / "float8-tests.log").is_file():
         out += ["", "## float8 CUDA tests", "", *(results / "float8-tests.log").read_text().strip().splitlines()[-3:]]
+    liger = results / "liger.md"
+    if liger.is_file():
+        out += ["", "## Liger-Kernel vs shardtune's own path", "", *liger.read_text().strip().splitlines()[2:]]
+    if "liger-tests" in ran and (results / "liger-tests.log").is_file():
+        out += ["", "## Liger CUDA tests", "", *(results / "liger-tests.log").read_text().strip().splitlines()[-3:]]
     soak = results / "soak.md"
     if soak.is_file():
         out += ["", "## Soak", "", *soak.read_text().strip().splitlines()[-6:]]

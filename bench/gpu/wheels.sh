@@ -21,8 +21,10 @@ torchao=$(grep '^torchao==' constraints.txt)  # train.optimizer_state=bf16/8bit/
 # the project's transformers (pyproject needs >= 5.18: older OPT syncs the host every forward) with
 # what it needs above the image's; huggingface-hub stays 1.x like the image's other libraries
 transformers=$(grep '^transformers==' constraints.txt)
+# kernels=liger: pure Python over Triton, which the image's CUDA torch brings (its own pinned triton)
+liger=$(grep '^liger-kernel==' constraints.txt)
 for wheel in "$datasets" dill multiprocess bitsandbytes "$torchao" "$transformers" "tokenizers>=0.23.1,<0.24" \
-             "huggingface-hub>=1.31,<2"; do
+             "huggingface-hub>=1.31,<2" "$liger"; do
   $pip download -q --no-deps --only-binary=:all: --python-version "$py" --implementation cp "${platforms[@]}" \
     -d .whl "$wheel"
 done

@@ -97,6 +97,11 @@ def float8_needs(recipe: str) -> str:
     return f"float8={recipe} needs an NVIDIA GPU with float8 units (compute capability 8.9+: {cards})"
 
 
+# every refusal of kernels=liger off a GPU (config validation for device=cpu, model.kernels for the machine)
+LIGER_NEEDS_CUDA = ("kernels=liger needs a CUDA GPU: Liger-Kernel's kernels are Triton kernels with no CPU path; "
+                    "set kernels=none")
+
+
 def gpu_by_name(name: str) -> GPU:
     """The table entry for a name given on the command line (case-insensitive)."""
     wanted = name.strip().lower().replace(" ", "-")

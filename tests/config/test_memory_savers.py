@@ -15,7 +15,8 @@ BASE = ["model.config={model_type: gpt2}", "data.path=x"]
 
 
 @pytest.mark.parametrize("value, kind", [("true", "full"), ("false", "none"), ("full", "full"),
-                                         ("selective", "selective"), ("every_n", "every_n"), ("none", "none")])
+                                         ("selective", "selective"), ("every_n", "every_n"), ("none", "none"),
+                                         ("auto", "auto")])
 def test_checkpointing_takes_the_kinds_and_the_old_booleans(value, kind):
     assert load_config(None, [*BASE, f"activation_checkpointing={value}"]).activation_checkpointing == kind
 

@@ -248,3 +248,26 @@ def test_float8_tracks_bf16_or_is_refused_in_one_line(assets, tmp_path):
         worst = max(abs(a - b) / abs(b) for a, b in zip(runs[recipe], runs["bf16"], strict=True))
         assert worst < 0.02, (recipe, runs)
     record("float8_losses", runs)
+
+
+@pytest.mark.parametrize("precision, tol", [("fp32", 1e-3), ("bf16", 2e-2)])
+def test_liger_kernels_track_the_plain_losses_or_are_refused_in_one_line(assets, tmp_path, precision, tol):
+    """kernels=liger (Liger-Kernel's RMSNorm, rotary, SwiGLU and fused linear cross-entropy as the
+    head loss) on a tiny Llama: each of 6 steps' losses within `tol` (relative) of the same run
+    without it (chunked head loss, HF's modules). Off CUDA, or without Liger-Kernel: one line, exit 2."""
+    import importlib.util
+
+    extra = {"precision": precision, "eval.at_start": "false"}
+    proc = run_cli(["train", *tiny_overrides(assets, tmp_path / "liger", "llama", device=DEVICE, kernels="liger",
+                                             **extra)])
+    if not CUDA or importlib.util.find_spec("liger_kernel") is None:
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and "kernels=liger" in lines[0], proc.stderr[-2000:]
+        return
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = "Liger kernels: 7 modules" in proc.stdout and "fused linear cross-entropy" in proc.stdout
+    assert said, proc.stdout[-2000:]
+    runs = {"liger": losses(tmp_path / "liger"), "plain": cuda_run(assets, tmp_path / "plain", "llama", **extra)}
+    worst = max(abs(a - b) / abs(b) for a, b in zip(runs["liger"], runs["plain"], strict=True))
+    assert len(runs["plain"]) == 6 and worst < tol, runs
+    record(f"liger_losses_{precision}", runs)

@@ -19,7 +19,7 @@ import pytest
 from conftest import ROOT, child_env
 
 STAGES = ["tests", "bench-llama", "bench-opt", "curve", "offload", "nan-hunt", "profile", "plan", "float8-tests",
-          "float8", "soak"]
+          "float8", "liger-tests", "liger", "soak"]
 
 
 def suite(tmp_path, *args: str, **env: str) -> subprocess.CompletedProcess:
@@ -39,7 +39,8 @@ def test_every_stage_command_line_is_accepted(tmp_path, mode):
     proc = suite(tmp_path, *mode, str(results), ARGS_ONLY="1", SOAK_MINUTES="1", STAGES=" ".join(STAGES))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert stages(results) == [(name, "0") for name in STAGES]
-    for log, kept in (("cuda-tests.log", "deselected"), ("float8-tests.log", "deselected")):
+    for log, kept in (("cuda-tests.log", "deselected"), ("float8-tests.log", "deselected"),
+                      ("liger-tests.log", "deselected")):
         assert re.search(rf"\b[1-9]\d*/\d+ tests collected \([1-9]\d* {kept}\)", (results / log).read_text())
     assert "| soak | 0 |" in (results / "summary.md").read_text()
 

@@ -77,14 +77,79 @@ def test_each_technique_is_traced():
     assert offloaded.peak_bytes() < none.peak_bytes()
 
 
-def test_auto_micro_batch_is_the_largest_that_fits():
-    from shardtune.plan.fit import resolve_auto
+def test_auto_micro_batch_and_checkpointing_are_the_fastest_pair_that_fits(monkeypatch):
+    """micro_batch_size=auto alone: the largest that fits. With activation_checkpointing=auto: no
+    checkpointing where it fits (recomputation only costs), a checkpointing mode where only that
+    fits, and one line where nothing does. Each trace is made once for the whole test."""
+    from shardtune.plan import fit, trace
 
-    cfg = tiny("train.micro_batch_size=auto")
-    mb, line = resolve_auto(cfg, 1, 1, host_budget=1 << 40)
+    screens, wholes, uncached, uncached_whole = {}, {}, fit._screened, trace.trace_step
+
+    def screened(mode, cfg=None, *rest):
+        if mode not in screens:
+            screens[mode] = uncached(cfg, *rest)
+        return screens[mode]
+
+    def whole(cfg, *rest, **kw):
+        key = (cfg.activation_checkpointing, cfg.train.micro_batch_size)
+        wholes[key] = wholes.get(key) or uncached_whole(cfg, *rest, **kw)
+        return wholes[key]
+
+    monkeypatch.setattr(fit, "_screened", lambda cfg, *rest: screened(cfg.activation_checkpointing, cfg, *rest))
+    monkeypatch.setattr(trace, "trace_step", whole)
+    mb, line = fit.resolve_auto(tiny("train.micro_batch_size=auto"), 1, 1, host_budget=1 << 40)
     assert mb == 8 and "accumulation 1 keeps the global batch of 8" in line
     with pytest.raises(UserError, match="not even 1 sequence per rank fits"):
-        resolve_auto(cfg, 1, 1, host_budget=1)
+        fit.resolve_auto(tiny("train.micro_batch_size=auto"), 1, 1, host_budget=1)
+
+    both = tiny("train.micro_batch_size=auto", "activation_checkpointing=auto")
+    assert fit.resolve_layout(both, 1, 1, host_budget=1 << 40)[:2] == (8, "none")
+    need_none = screened("none")(1).peak_bytes()
+    mb, mode, line = fit.resolve_layout(both, 1, 1, host_budget=need_none - 1)
+    assert mb == 1 and mode != "none", (mb, mode)
+    assert line.startswith(f"train.micro_batch_size=auto: 1 per rank, activation_checkpointing=auto: {mode}, the "
+                           "fastest predicted that fits") and "without checkpointing it needs" in line, line
+    with pytest.raises(UserError, match="activation_checkpointing=auto: not even activation checkpointing full at "
+                                        "micro-batch 1 fits"):
+        fit.resolve_layout(both, 1, 1, host_budget=1)
+
+
+def test_auto_checkpointing_prefers_the_fastest_then_the_least_recomputation():
+    """choose_layout alone, on made-up sizes and speeds: the fastest pair that fits wins; within 1 %
+    the lighter recomputation, then the larger micro-batch; only what is needed is traced."""
+    from shardtune.plan.fit import choose_layout
+
+    need = {"none": 10, "selective": 6, "every_n": 7, "full": 4}  # bytes per sequence
+    slow = {"none": 1.0, "selective": 0.9, "every_n": 0.85, "full": 0.75}
+    traced = []
+
+    def screened(mode):
+        traced.append(mode)
+        return lambda mb: (mode, mb)
+
+    def priced(trace, mode, mb):
+        return need[trace[0]] * trace[1], 100 * slow[mode] * (1 + 0.001 * mb)  # bigger micro-batches: a tie
+
+    modes, sizes = ("none", "selective", "every_n", "full"), [1, 2, 4]
+    whole = lambda mode, mb: (mode, mb)  # noqa: E731
+    assert choose_layout(modes, sizes, screened, priced, 40, whole).__dict__ == {
+        "mode": "none", "micro_batch": 4, "need": 40, "tokens_per_s": pytest.approx(100.4), "fits": True,
+        "need_none": None}
+    assert traced == ["none"]
+    got = choose_layout(modes, sizes, screened, priced, 25, whole)
+    assert (got.mode, got.micro_batch, got.need_none) == ("none", 2, None)  # a tie with 4: fits, no recomputation
+    got = choose_layout(modes, sizes, screened, priced, 9, whole)
+    assert (got.mode, got.micro_batch, got.need_none) == ("selective", 1, 10)
+    got = choose_layout(modes, sizes, screened, priced, 3, whole)
+    assert (got.mode, got.micro_batch, got.need, got.fits) == ("full", 1, 4, False)
+    traced.clear()
+    choose_layout(modes, sizes, screened, priced, 3, whole)
+    assert traced == ["none", "full"]  # the lightest does not fit: nothing else is traced
+    # auto chooses among the modes the rest of the config takes (config.validation)
+    from shardtune.plan.fit import checkpointing_modes
+
+    assert checkpointing_modes(tiny("activation_checkpointing=auto", "peft.method=prefix_tuning")) == ("none",)
+    assert checkpointing_modes(tiny("activation_checkpointing=auto")) == modes
 
 
 def test_auto_with_a_batch_the_ranks_cannot_divide_is_one_line(capsys):
@@ -108,6 +173,9 @@ def test_sweep_grid_over_the_new_keys_loads():
     assert len(sweep.points()) == 32
     with pytest.raises(UserError, match="drop"):
         check(Sweep(None, base, grid, max_batch=True, defaults={}))
+    fixed = [*base[:-1], "train.micro_batch_size=2", "activation_checkpointing=auto"]
+    with pytest.raises(UserError, match="searches the micro-batch of one layout; set activation_checkpointing"):
+        check(Sweep(None, fixed, [("train.seed", ["1", "2"])], max_batch=True, defaults={}))
 
 
 def test_the_8bit_optimizer_step_holds_what_the_plan_prices():
@@ -139,3 +207,18 @@ def test_the_8bit_optimizer_step_holds_what_the_plan_prices():
     finally:
         dist.destroy_process_group()
     assert -0.01 <= (predicted - measured) / measured <= 0.03, (predicted, measured)
+
+
+def test_plan_ranks_no_mode_as_a_change_to_a_recipe_with_auto_and_check_wants_it_resolved():
+    """plan agrees with train's auto: every mode is the recipe's (none is a change to rank below
+    an equally fast one); check_run refuses an unresolved auto (a programming error, not input)."""
+    from shardtune.check.run import check_run
+    from shardtune.plan.cost import Candidate
+    from shardtune.plan.search import changes
+
+    auto, fixed = tiny("activation_checkpointing=auto"), tiny("activation_checkpointing=none")
+    modes = ("none", "selective", "every_n", "full")
+    assert [changes(Candidate("full_shard", "fp32", 2, m), auto) for m in modes] == [0, 0, 0, 0]
+    assert [changes(Candidate("full_shard", "fp32", 2, m), fixed) for m in modes] == [0, 1, 1, 1]
+    with pytest.raises(ValueError, match="checkpointing a mode"):
+        check_run(auto)

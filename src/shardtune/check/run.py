@@ -75,16 +75,16 @@ def job_world_size() -> int:
 
 
 def check_run(cfg: RunConfig, world_size: int | None = None, device=None, say=None) -> CheckedRun:
-    """`train`'s check of a resolved run (micro-batch a number, output_dir set) on `world_size`
+    """`train`'s check of a resolved run (micro-batch a number, checkpointing a mode, output_dir set) on `world_size`
     ranks of `device` (a torch device; default: the one the run asks for on this machine)."""
     from shardtune.distributed.process_group import resolve_device
     from shardtune.model.build import check_machine
     from shardtune.model.hf import load_hf_config, load_tokenizer
     from shardtune.publish.hub import check_ready
 
-    if cfg.train.micro_batch_size == "auto" or cfg.output_dir is None:
+    if "auto" in (cfg.train.micro_batch_size, cfg.activation_checkpointing) or cfg.output_dir is None:
         raise ValueError("check_run takes a resolved run (resolve.run.resolve_run): micro_batch_size a number, "
-                         "output_dir set")
+                         "activation_checkpointing a mode, output_dir set")
     world_size = job_world_size() if world_size is None else world_size
     check_machine(cfg, resolve_device(cfg.device) if device is None else device)
     accum = check_world(cfg, world_size)
@@ -93,6 +93,10 @@ def check_run(cfg: RunConfig, world_size: int | None = None, device=None, say=No
     tokenizer = load_tokenizer(cfg.model)
     hf_config = load_hf_config(cfg.model)
     check_model(cfg, hf_config, tokenizer)
+    if cfg.kernels != "none":  # the family Liger has kernels for (its list needs Liger, so only here)
+        from shardtune.model.kernels import check
+
+        check(cfg.kernels, "cuda", getattr(hf_config, "model_type", None))
     return CheckedRun(cfg, hf_config, tokenizer, accum, world_size, publishes)
 
 

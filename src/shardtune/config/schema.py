@@ -234,10 +234,11 @@ class RunConfig(Section):
     save_final: bool = True  # write final/ (a plain HF folder) at the end; sweep trials turn it off
     precision: Literal["bf16", "fp16", "fp32"] = "fp32"  # compute dtype; master weights and reductions stay fp32
     float8: Literal["none", "rowwise", "tensorwise"] = "none"  # decoder-block linears in float8 (torchao; needs precision=bf16 and a GPU of compute capability 8.9+); rowwise: a scale per row; tensorwise: a scale per tensor, weights gathered in float8
-    activation_checkpointing: Literal["none", "full", "selective", "every_n"] = "none"  # recompute in backward: full = every block; selective = keep matmul outputs, recompute the rest; every_n = every n-th block (true/false = full/none)
+    activation_checkpointing: Literal["none", "full", "selective", "every_n", "auto"] = "none"  # recompute in backward: full = every block; selective = keep matmul outputs, recompute the rest; every_n = every n-th block (true/false = full/none); auto: the planner's fastest that fits (with train.micro_batch_size=auto: the fastest pair)
     activation_checkpointing_every: int = 2  # every_n: checkpoint blocks 0, n, 2n, ...
     activation_offload: bool = False  # move saved activations to pinned host memory in forward, back in backward (CUDA; CPU: same hooks, no move)
     compile: bool = False  # torch.compile each decoder block before sharding
+    kernels: Literal["none", "liger"] = "none"  # liger: Liger-Kernel's fused RMSNorm, rotary, SwiGLU and linear cross-entropy (the head loss) for its model families (CUDA; pip install 'shardtune[liger]')
     loss_chunk_tokens: int | None = None  # LM head + loss in chunks of N tokens (no full logits); default ~24 MB CPU, 64 MB CUDA; 0: off
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when present, else CPU (gloo)
     model: ModelConfig = field(default_factory=ModelConfig)

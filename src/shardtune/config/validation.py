@@ -10,7 +10,7 @@ import re
 import string
 
 from shardtune.errors import UserError
-from shardtune.hardware import float8_needs
+from shardtune.hardware import LIGER_NEEDS_CUDA, float8_needs
 
 MAX_TEMPLATE_WIDTH = 10_000  # characters a template may pad one column to
 
@@ -199,7 +199,7 @@ def _validate_adapters(cfg) -> None:
         raise UserError(f"peft.method={p.method} puts learned tokens before each sequence, which the document mask "
                         "would hide from every document but the first; set data.document_mask=false (and "
                         "data.padding_free=false), or use peft.method=lora")
-    if p.method == "prefix_tuning" and cfg.activation_checkpointing != "none":
+    if p.method == "prefix_tuning" and cfg.activation_checkpointing not in ("none", "auto"):  # auto: none
         # the prefix is the attention cache, which a recomputed block would extend a second time
         raise UserError(f"peft.method=prefix_tuning does not combine with activation_checkpointing="
                         f"{cfg.activation_checkpointing} (recomputing a block would add to its prefix cache "
@@ -251,6 +251,15 @@ def _validate_memory_savers(cfg) -> None:
                             "keeps frozen; set float8=none (precision=bf16) for adapters")
         if cfg.device == "cpu":
             raise UserError(f"{float8_needs(cfg.float8)}; with device=cpu set float8=none")
+    if cfg.kernels == "liger":
+        if cfg.device == "cpu":
+            raise UserError(LIGER_NEEDS_CUDA)
+        if cfg.loss_chunk_tokens is not None:  # one head-loss path per job
+            raise UserError(f"kernels=liger computes the head loss with Liger's fused linear cross-entropy, not in "
+                            f"chunks; drop loss_chunk_tokens={cfg.loss_chunk_tokens}, or set kernels=none")
+        if cfg.peft.quantize != "none":  # QLoRA builds its one-GPU model apart, without Liger's patches
+            raise UserError("kernels=liger does not combine with peft.quantize=4bit (QLoRA's model is built apart, "
+                            "for bitsandbytes); drop one of them")
     if cfg.activation_offload and cfg.compile:
         raise UserError("activation_offload does not combine with compile (its hooks would run inside compiled "
                         "blocks); drop one of them")

@@ -39,6 +39,8 @@ def apply_checkpointing(model, blocks: list, kind: str, every: int) -> None:
     transformers' per-layer checkpointing, which keeps parameter names unchanged."""
     if kind == "none":
         return
+    if kind == "auto":  # a programming error: resolve.run turns auto into a mode before anything is built
+        raise ValueError("activation_checkpointing=auto reached the build unresolved; resolve the run first")
     if not getattr(model, "supports_gradient_checkpointing", False):
         raise UserError(f"{type(model).__name__} does not support activation checkpointing; "
                         "set activation_checkpointing=none")

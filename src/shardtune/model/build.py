@@ -1,8 +1,9 @@
 """The one way a model is built for a command: train, eval, plan and sweep all call
 `build_model`, so what they run (and what the planner traces) is the same model.
 
-The sequence: the model's structure on the meta device -> peft adapters / freezing -> the chunked
-head loss -> float8 linear layers -> parallelism (distributed.fsdp.apply_parallelism) -> weights,
+The sequence: the model's structure on the meta device -> Liger-Kernel's fused kernels
+(kernels=liger) -> peft adapters / freezing -> the chunked (or Liger's fused) head loss -> float8
+linear layers -> parallelism (distributed.fsdp.apply_parallelism) -> weights,
 read on rank 0 only and handed out shard by shard. Without a weight source the parameters stay
 on meta, for the caller to give storage (the planner does so under fake tensors).
 """
@@ -30,6 +31,7 @@ class ModelSpec:
     activation_checkpointing_every: int = 2
     activation_offload: bool = False
     compile: bool = False
+    kernels: str = "none"  # none, liger (model/kernels.py)
     loss_chunk_tokens: int | None = None
     peft: PeftConfig = field(default_factory=PeftConfig)
     freeze: FreezeConfig = field(default_factory=FreezeConfig)
@@ -41,7 +43,7 @@ class ModelSpec:
         return cls(hf_config, fsdp=cfg.fsdp, precision=cfg.precision, float8=cfg.float8,
                    activation_checkpointing=cfg.activation_checkpointing,
                    activation_checkpointing_every=cfg.activation_checkpointing_every,
-                   activation_offload=cfg.activation_offload, compile=cfg.compile,
+                   activation_offload=cfg.activation_offload, compile=cfg.compile, kernels=cfg.kernels,
                    loss_chunk_tokens=cfg.loss_chunk_tokens, peft=cfg.peft, freeze=cfg.freeze,
                    trust_remote_code=cfg.model.trust_remote_code,
                    tokenizer=cfg.model.tokenizer or cfg.model.name_or_path)
@@ -66,12 +68,14 @@ class BuiltModel:
 
 def check_machine(cfg: RunConfig, device) -> None:
     """The machine's part of the config checks (config validation did the config's part), before
-    anything is built: QLoRA and float8 need CUDA, float8 compute capability 8.9+."""
-    from shardtune.model import float8
+    anything is built: QLoRA, float8 and kernels=liger need CUDA, float8 compute capability 8.9+,
+    kernels=liger Liger-Kernel installed."""
+    from shardtune.model import float8, kernels
     from shardtune.model.adapters import check_quantize
 
     check_quantize(cfg.peft, device)
     float8.check_device(cfg.float8, device)
+    kernels.check(cfg.kernels, device)
 
 
 def build_model(spec: ModelSpec, mesh, device, source: Callable[[], Any] | None = None,
@@ -81,15 +85,16 @@ def build_model(spec: ModelSpec, mesh, device, source: Callable[[], Any] | None 
     `folder` (safetensors): each rank reads its own slices from it instead, where the keys allow."""
 
     from shardtune.distributed.fsdp import apply_parallelism, detect_block_class
-    from shardtune.model import float8
+    from shardtune.model import float8, kernels
     from shardtune.model import loss as loss_lib
     from shardtune.model.adapters import adapt
     from shardtune.model.hf import build_meta_model, materialize
 
     model = build_meta_model(spec.hf_config, spec.trust_remote_code)
     block_cls = detect_block_class(model, spec.fsdp.block_class)
+    kernels.apply(model, spec.kernels)  # the plain HF modules, before adapters wrap them
     model = adapt(model, spec.peft, spec.freeze, block_cls, init=False)  # structure only: values come from rank 0
-    loss_lib.install(model, spec.loss_chunk_tokens)  # before sharding: it checks the head's class
+    loss_lib.install(model, spec.loss_chunk_tokens, spec.kernels)  # before sharding: it checks the head's class
     float8.convert(model, block_cls, spec.float8)  # before compile and sharding: both see the float8 layers
     units, reshard = apply_parallelism(model, spec, block_cls, mesh, device)
     if folder is not None and not spec.peft.adapter:  # peft bases: names differ, broadcast

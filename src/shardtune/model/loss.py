@@ -6,7 +6,9 @@ The gradients of the hidden states and of the head weight are produced chunk by 
 during the forward pass (each chunk's logits are needed for both anyway) and handed to
 autograd in backward, scaled by the incoming gradient. transformers calls the head with the
 hidden states only, so the labels reach it through `head_labels`; every other call of the
-head (generation, a plain forward) is the ordinary linear layer.
+head (generation, a plain forward) is the ordinary linear layer. With kernels=liger the same
+head computes Liger-Kernel's fused linear cross-entropy instead (model/kernels.py): one of the
+two per job, never both.
 """
 
 from __future__ import annotations
@@ -106,26 +108,30 @@ def _autograd_function():
     return ChunkedHeadLoss
 
 
-def _head_forward(head, plain_forward, setting: int | None, hidden):
+def _head_forward(head, plain_forward, setting: int | None, kernels: str, hidden):
     request = head.__dict__.get("_shardtune_labels")
     if request is None:
         return plain_forward(hidden)
 
     labels, accuracy = request
-    chunk = chunk_tokens(setting, head.out_features, hidden.device.type)
     # k-bit preparation (QLoRA) keeps the head in fp32: meet its dtype, autograd casts back
     flat = hidden.reshape(-1, hidden.size(-1)).to(head.weight.dtype)
+    if kernels == "liger":
+        from shardtune.model.kernels import head_loss as liger_head_loss
+
+        return liger_head_loss(flat, head.weight, labels, accuracy, IGNORE_INDEX)
+    chunk = chunk_tokens(setting, head.out_features, hidden.device.type)
     if torch.is_grad_enabled() and (flat.requires_grad or head.weight.requires_grad):
         return _autograd_function().apply(flat, head.weight, labels, chunk)
     loss, correct, _, _ = head_loss(flat, head.weight, labels, chunk, False, False, accuracy)
     return torch.stack([loss, correct.float()]) if accuracy else loss
 
 
-def install(model, setting: int | None) -> bool:
-    """Make the model's LM head compute the loss in chunks when `head_labels` is active.
-    Returns False (and leaves the model alone) where that would not be the model's own loss:
-    switched off (setting 0), a head with a bias or wrapped by an adapter, or a model type that
-    transforms the logits after the head."""
+def install(model, setting: int | None, kernels: str = "none") -> bool:
+    """Make the model's LM head compute the loss in chunks (kernels=liger: with Liger's fused
+    linear cross-entropy) when `head_labels` is active. Returns False (and leaves the model alone)
+    where that would not be the model's own loss: switched off (setting 0), a head with a bias or
+    wrapped by an adapter, or a model type that transforms the logits after the head."""
 
     if is_installed(model):
         return True
@@ -134,7 +140,7 @@ def install(model, setting: int | None) -> bool:
     if setting == 0 or type(head) is not nn.Linear or head.bias is not None or not (known and known.plain_head):
         return False
     # an instance attribute: FSDP's hooks still wrap the call; parameter names are unchanged
-    head.forward = functools.partial(_head_forward, head, head.forward, setting)
+    head.forward = functools.partial(_head_forward, head, head.forward, setting, kernels)
     head.__dict__["_shardtune_chunked"] = True
     return True
 

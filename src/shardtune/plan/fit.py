@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -90,21 +92,43 @@ def auto_micro_batches(global_batch: int, world_size: int) -> list[int]:
     return [m for m in range(1, per_rank + 1) if per_rank % m == 0]
 
 
+def checkpointing_modes(cfg: RunConfig) -> tuple[str, ...]:
+    """The activation checkpointing modes activation_checkpointing=auto chooses from: those the
+    rest of the config takes (config.validation: prefix tuning recomputes nothing; QLoRA full or none)."""
+    from shardtune.plan.cost import CHECKPOINTING
+
+    if cfg.peft.method == "prefix_tuning":
+        return ("none",)
+    if cfg.peft.quantize != "none":
+        return ("none", "full")
+    return CHECKPOINTING
+
+
 def resolve_auto(cfg: RunConfig, world_size: int, local_world_size: int, host_budget: int | None = None) \
         -> tuple[int, str]:
-    """(micro-batch, start-up line) for train.micro_batch_size=auto: the largest that keeps the
-    global batch and that the planner predicts fits this device for the configured layout. On
-    CUDA: this GPU's memory (5 % kept free, CUDA's overheads counted, as `plan`). On CPU the
-    tensors live in host RAM: the available RAM shared by this node's ranks (`host_budget` per
-    rank where given, e.g. sweep --mem-limit), 20 % and 1 GiB per rank kept for everything else."""
-    import dataclasses
+    """(micro-batch, start-up line) of `resolve_layout`, for a caller that resolves the micro-batch
+    only (sweep's trials; an activation_checkpointing=auto is resolved, and said, by the trial's train)."""
+    micro_batch, _, line = resolve_layout(cfg, world_size, local_world_size, host_budget)
+    return micro_batch, line
 
+
+def resolve_layout(cfg: RunConfig, world_size: int, local_world_size: int, host_budget: int | None = None) \
+        -> tuple[int, str, str]:
+    """(micro-batch, activation checkpointing, start-up line) for train.micro_batch_size=auto and/or
+    activation_checkpointing=auto: of the pairs that keep the global batch, the one the planner
+    predicts fastest (cost.step_time: recomputation costs, fewer accumulation steps save
+    communication) among those it predicts fit this device for the configured layout; within 1 %
+    the least recomputation, then the larger micro-batch. On CUDA: this GPU's memory (5 % kept
+    free, CUDA's overheads counted, as `plan`). On CPU the tensors live in host RAM: the available
+    RAM shared by this node's ranks (`host_budget` per rank where given, e.g. sweep --mem-limit),
+    20 % and 1 GiB per rank kept for everything else."""
     from shardtune.hardware import GIB, gpu_by_device_name
     from shardtune.plan.cost import Candidate, Target
-    from shardtune.plan.search import estimate, screen
-    from shardtune.plan.trace import trace_step
+    from shardtune.plan.search import estimate
 
-    sizes = auto_micro_batches(cfg.train.global_batch_size, world_size)
+    auto_mb, auto_ck = cfg.train.micro_batch_size == "auto", cfg.activation_checkpointing == "auto"
+    sizes = auto_micro_batches(cfg.train.global_batch_size, world_size) if auto_mb else [cfg.train.micro_batch_size]
+    modes = checkpointing_modes(cfg) if auto_ck else (cfg.activation_checkpointing,)
     hf_config, _ = resolve_hf_config(cfg)
     device = trace_target(cfg)
     if device == "cuda":
@@ -113,13 +137,6 @@ def resolve_auto(cfg: RunConfig, world_size: int, local_world_size: int, host_bu
                         gpu_by_device_name(props.name))
         budget = target.memory_bytes * (1 - target.margin)
         where = f"this GPU ({props.name}, {props.total_memory / GIB:.1f} GiB, 5 % kept free)"
-        layout = Candidate(cfg.fsdp.sharding, cfg.precision, 1, cfg.activation_checkpointing,
-                           cfg.activation_checkpointing_every, cfg.activation_offload, cfg.fsdp.reduce_dtype,
-                           cfg.train.optimizer_state, cfg.fsdp.cpu_offload)
-
-        def need(trace, mb) -> int:
-            run = dataclasses.replace(layout, micro_batch=mb).apply(cfg)
-            return estimate(trace, hf_config, dataclasses.replace(layout, micro_batch=mb), run, target).memory["total"]
     else:
         target = Target(local_world_size, max(1, world_size // local_world_size), 0, None)
         if host_budget is None:
@@ -131,24 +148,102 @@ def resolve_auto(cfg: RunConfig, world_size: int, local_world_size: int, host_bu
             where = f"the memory limit of {host_budget / GIB:.1f} GiB per rank"
         budget = host_budget
 
-        def need(trace, mb) -> int:
-            return trace.peak_bytes()
-    first = copy.deepcopy(cfg)
-    first.train.micro_batch_size = 1
-    at = screen(first, hf_config, target, device)
-    fitting = [mb for mb in sizes if need(at(mb), mb) <= budget]
-    for mb in reversed(fitting):  # the extrapolated choice, confirmed by a whole trace
+    def candidate(mode: str, mb: int) -> Candidate:
+        return Candidate(cfg.fsdp.sharding, cfg.precision, mb, mode, cfg.activation_checkpointing_every,
+                         cfg.activation_offload, cfg.fsdp.reduce_dtype, cfg.train.optimizer_state, cfg.fsdp.cpu_offload)
+
+    def run_of(mode: str, mb: int) -> RunConfig:
         run = copy.deepcopy(cfg)
-        run.train.micro_batch_size = mb
-        peak = need(trace_step(run, hf_config, world_size, local_world_size, target=device), mb)
-        if peak <= budget:
-            accum = cfg.train.global_batch_size // (mb * world_size)
-            return mb, (f"train.micro_batch_size=auto: {mb} per rank, the largest that fits {where} "
-                        f"(predicted {peak / GIB:.2f} GiB of {budget / GIB:.2f} GiB); gradient accumulation {accum} "
-                        f"keeps the global batch of {cfg.train.global_batch_size}")
-    raise UserError(f"train.micro_batch_size=auto: not even 1 sequence per rank fits {where} (needs "
-                    f"{need(at(1), 1) / GIB:.2f} GiB of {budget / GIB:.2f} GiB); run `shardtune plan` for a layout "
-                    "that fits, or use more ranks")
+        run.activation_checkpointing, run.train.micro_batch_size = mode, mb
+        run.kernels = "none"  # Liger's Triton kernels do not run on the trace's fake tensors: the chunked path's
+        return run
+
+    def priced(trace, mode: str, mb: int) -> tuple[int, float]:
+        """(predicted bytes on the device, predicted tokens/s) of `mode` at `mb` from its trace."""
+        est = estimate(trace, hf_config, candidate(mode, mb), run_of(mode, mb), target)
+        return (est.memory["total"] if device == "cuda" else trace.peak_bytes()), est.tokens_per_s
+
+    from shardtune.plan.trace import trace_step
+
+    chosen = choose_layout(modes, sizes, lambda mode: _screened(run_of(mode, 1), hf_config, target, device),
+                           priced, budget,
+                           lambda mode, mb: trace_step(run_of(mode, mb), hf_config, world_size, local_world_size,
+                                                       target=device))
+    names = " and ".join(n for n, on in (("train.micro_batch_size=auto", auto_mb),
+                                         ("activation_checkpointing=auto", auto_ck)) if on)
+    mode, mb = chosen.mode, chosen.micro_batch
+    if not chosen.fits:
+        what = f"activation checkpointing {mode} at micro-batch {mb}" if auto_ck else f"{mb} sequence per rank"
+        raise UserError(f"{names}: not even {what} fits {where} (needs {chosen.need / GIB:.2f} GiB of "
+                        f"{budget / GIB:.2f} GiB); run `shardtune plan` for a layout that fits, or use more ranks")
+    accum = cfg.train.global_batch_size // (mb * world_size)
+    said = ([f"train.micro_batch_size=auto: {mb} per rank"] if auto_mb else []) + \
+        ([f"activation_checkpointing=auto: {mode}"] if auto_ck else [])
+    which = "the fastest predicted that fits" if auto_ck else "the largest that fits"
+    line = (f"{', '.join(said)}, {which} {where} (predicted {chosen.need / GIB:.2f} GiB of {budget / GIB:.2f} GiB"
+            f"{f', {chosen.tokens_per_s:,.0f} tokens/s' if auto_ck and device == 'cuda' else ''})")
+    if auto_ck and chosen.need_none is not None:
+        line += f"; without checkpointing it needs {chosen.need_none / GIB:.2f} GiB at micro-batch {sizes[0]}"
+    if cfg.kernels != "none":
+        line += f"; traced without kernels={cfg.kernels} (HF's modules and the chunked head loss)"
+    return mb, mode, line + f"; gradient accumulation {accum} keeps the global batch of {cfg.train.global_batch_size}"
+
+
+def _screened(cfg: RunConfig, hf_config, target, device: str):
+    from shardtune.plan.search import screen
+
+    return screen(cfg, hf_config, target, device)
+
+
+@dataclass
+class Choice:
+    """resolve_layout's answer: the pair chosen, or (fits False) the lightest that did not fit."""
+    mode: str
+    micro_batch: int
+    need: int  # predicted bytes on the device
+    tokens_per_s: float
+    fits: bool
+    need_none: int | None = None  # a checkpointing mode chosen: the bytes without it at the smallest micro-batch
+
+
+def choose_layout(modes, sizes, screened, priced, budget: float, whole) -> Choice:
+    """The fastest (mode, micro-batch) that fits `budget`. `screened(mode)` is a function
+    micro-batch -> extrapolated trace; `priced(trace, mode, mb)` its (bytes, tokens/s); `whole(mode,
+    mb)` the full trace that confirms a choice. Modes are traced only where needed: the speed model
+    reads the parameter counts only, so every pair's speed is known from the first trace; where the
+    lightest mode at the smallest micro-batch does not fit, nothing does, and nothing else is traced."""
+    from shardtune.plan.cost import CHECKPOINTING
+    from shardtune.plan.search import TIE
+
+    traces = {}
+
+    def price(mode, mb):
+        if mode not in traces:
+            traces[mode] = screened(mode)
+        return priced(traces[mode](mb), mode, mb)
+
+    first = screened(modes[0])
+    traces[modes[0]] = first
+    speeds = {(mode, mb): priced(first(mb), mode, mb)[1] for mode in modes for mb in sizes}
+    top = max(speeds.values())
+    # speeds within TIE of each other tie: the least recomputation, then the larger micro-batch (one
+    # mode: the largest micro-batch that fits, as micro_batch_size=auto has always chosen)
+    order = sorted(speeds, key=lambda p: (-round(math.log(speeds[p] / top) / TIE) if len(modes) > 1 else 0,
+                                          CHECKPOINTING.index(p[0]), -p[1]))
+    lightest = min(modes, key=CHECKPOINTING[::-1].index)
+    light = None
+    for mode, mb in order:
+        need, speed = price(mode, mb)
+        if need > budget:
+            light = light or price(lightest, sizes[0])[0]
+            if light > budget:  # nothing needs less: refuse without tracing the rest
+                return Choice(lightest, sizes[0], light, 0.0, False)
+            continue
+        need = priced(whole(mode, mb), mode, mb)[0]  # the extrapolated choice, confirmed by a whole trace
+        if need <= budget:
+            need_none = price("none", sizes[0])[0] if mode != "none" and "none" in modes else None
+            return Choice(mode, mb, need, speed, True, need_none)
+    return Choice(lightest, sizes[0], price(lightest, sizes[0])[0], 0.0, False)
 
 
 def available_host_bytes() -> int:

@@ -17,7 +17,11 @@ LOOP = "the training loop around the step: no tensor of the step, no time of it"
 WEIGHTS = "the weights' values or their init, not their shape"
 
 PRICED = {
-    "precision": SEARCHED, "activation_checkpointing": SEARCHED, "activation_checkpointing_every": SEARCHED,
+    "precision": SEARCHED,
+    # auto: plan searches the modes as for any value and ranks none of them as a change to the
+    # recipe; train resolves auto with the same speed model on its own device (plan.fit.resolve_layout)
+    "activation_checkpointing": SEARCHED + " (auto: a mode left to the search, as train.micro_batch_size=auto)",
+    "activation_checkpointing_every": SEARCHED,
     "activation_offload": SEARCHED, "fsdp.sharding": SEARCHED, "fsdp.cpu_offload": SEARCHED,
     "fsdp.reduce_dtype": SEARCHED, "train.micro_batch_size": SEARCHED, "train.optimizer_state": SEARCHED,
     "train.global_batch_size": "priced: the accumulation and the tokens per step",
@@ -44,6 +48,9 @@ REFUSED = {
     "compile": (lambda cfg: cfg.compile and cfg.float8 == "none",
                 "compile=true is not priced by plan: it traces and times the eager step (compiled blocks hold "
                 "less and run faster); plan without it, then add compile=true"),
+    "kernels": (lambda cfg: cfg.kernels != "none",
+                "kernels=liger is not priced by plan: it traces the step on fake tensors, which Liger's Triton "
+                "kernels do not run on; plan without it (the chunked head loss), then add kernels=liger"),
     "eval.micro_batch_size": (lambda cfg: cfg.eval.micro_batch_size is not None,
                               "eval.micro_batch_size is not priced by plan: it traces the training step; drop it "
                               "(evaluation then uses train.micro_batch_size, which plan checks)"),

@@ -335,8 +335,10 @@ def _skipped(layout: Candidate, micro_batch: int, reason: str) -> Estimate:
 
 
 def changes(c: Candidate, cfg: RunConfig) -> int:
-    """How many settings of the recipe `c` changes (its micro-batch aside)."""
-    return sum(v != setting(cfg, k) for k, v in c.settings().items() if k != "train.micro_batch_size")
+    """How many settings of the recipe `c` changes (its micro-batch aside, and a mode the recipe's
+    activation_checkpointing=auto leaves to the planner)."""
+    return sum(v != setting(cfg, k) for k, v in c.settings().items() if k != "train.micro_batch_size"
+               and setting(cfg, k) != "auto")
 
 
 def rank(estimates: list[Estimate], cfg: RunConfig) -> list[Estimate]:

@@ -1,8 +1,9 @@
 """The first of the three stages every command goes through (resolve -> check -> build): one
 frozen RunConfig from the recipe, the overrides, the quickstart's defaults (where there is no
 recipe) and the values left to shardtune: `output_dir` (runs/RECIPE-TIME), `device=auto` (CUDA
-where one is visible, else CPU) and `train.micro_batch_size=auto` (the planner's largest that
-fits). Nothing changes it afterwards (`config.schema.freeze`); the check (`check.run`) and the
+where one is visible, else CPU), `train.micro_batch_size=auto` (the planner's largest that
+fits) and `activation_checkpointing=auto` (the planner's fastest mode that fits; with both, the
+fastest pair). Nothing changes it afterwards (`config.schema.freeze`); the check (`check.run`) and the
 build (`train.trainer`) only read it."""
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from shardtune.config.schema import RunConfig, freeze
 def resolve_run(cfg: RunConfig, world_size: int = 1, local_world_size: int | None = None, say=None) -> RunConfig:
     """A frozen copy of `cfg` (`config.load.load_config`: the recipe or the quickstart's defaults,
     and the overrides) with its default output folder and `auto` values filled in for
-    `world_size` ranks (`local_world_size` on this node); micro_batch_size=auto's start-up line
-    goes to `say` (default: printed on rank 0)."""
+    `world_size` ranks (`local_world_size` on this node); the start-up line saying what auto
+    chose goes to `say` (default: printed on rank 0)."""
     from shardtune.checkpoint.rundir import default_output_dir
 
     resolved = copy.deepcopy(cfg)  # the caller's config stays as it was
@@ -25,10 +26,11 @@ def resolve_run(cfg: RunConfig, world_size: int = 1, local_world_size: int | Non
         from shardtune.distributed.process_group import resolve_device
 
         resolved.device = resolve_device("auto").type
-    if cfg.train.micro_batch_size == "auto":
-        from shardtune.plan.fit import resolve_auto
+    if "auto" in (cfg.train.micro_batch_size, cfg.activation_checkpointing):
+        from shardtune.plan.fit import resolve_layout
 
-        resolved.train.micro_batch_size, line = resolve_auto(cfg, world_size, local_world_size or world_size)
+        resolved.train.micro_batch_size, resolved.activation_checkpointing, line = resolve_layout(
+            resolved, world_size, local_world_size or world_size)  # the resolved device: the one it plans for
         (say or _rank0_print)(line)
     resolved.output_dir = cfg.output_dir or default_output_dir(cfg.recipe)
     return freeze(resolved)

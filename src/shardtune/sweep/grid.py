@@ -146,6 +146,9 @@ def check(sweep: Sweep) -> None:
 
                 auto_micro_batches(cfg.train.global_batch_size, sweep.nproc)
             elif sweep.max_batch:
+                if cfg.activation_checkpointing == "auto":  # its trials' memory follows the mode auto picks per size
+                    raise UserError("--max-batch searches the micro-batch of one layout; set activation_checkpointing "
+                                    "to a mode, or drop --max-batch to let train.micro_batch_size=auto choose both")
                 if not micro_batch_candidates(cfg, sweep.nproc):
                     raise UserError(f"train.global_batch_size={cfg.train.global_batch_size} is not divisible by "
                                     f"--nproc {sweep.nproc}; change one of them")
@@ -186,9 +189,10 @@ def check_models(sweep: Sweep, points: list[dict], option: str) -> None:
 
 
 def machine_checks(cfg, device_type: str) -> None:
-    """What `train` refuses on this machine before it builds anything (QLoRA, float8 need CUDA, float8
-    a recent GPU): refused here, before the first trial, instead of once per trial."""
-    if cfg.float8 == "none" and cfg.peft.quantize == "none":
+    """What `train` refuses on this machine before it builds anything (QLoRA, float8, kernels=liger
+    need CUDA, float8 a recent GPU, kernels=liger Liger-Kernel): refused here, before the first
+    trial, instead of once per trial."""
+    if cfg.float8 == "none" and cfg.peft.quantize == "none" and cfg.kernels == "none":
         return  # no torch import: a bad grid is refused before anything loads
     import torch
 

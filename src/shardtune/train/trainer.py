@@ -19,7 +19,8 @@ from shardtune.distributed.collectives import broadcast_value, rank0_first
 from shardtune.distributed.fsdp import build_mesh
 from shardtune.distributed.process_group import init_distributed
 from shardtune.errors import EXIT_PREEMPTED, UserError
-from shardtune.model import float8
+from shardtune.model import float8, kernels
+from shardtune.model import loss as loss_lib
 from shardtune.model.adapters import load_qlora_model
 from shardtune.model.build import BuiltModel, ModelSpec, build_model
 from shardtune.model.hf import count_params, load_source_model
@@ -100,7 +101,9 @@ class Trainer:
                  f"({trainable:,} trainable, {100 * trainable / max(total, 1):.3g}%) | "
                  f"{dist.world_size} rank(s) on {dist.device.type} | {cfg.fsdp.sharding} | {cfg.precision} | "
                  f"accumulation {self.accum} | {self.total_steps} steps | weights: {self.built.loaded}"
-                 f"{float8.describe(model, cfg.float8, cfg.compile)}{describe_memory_savers(cfg, dist.device.type)}")
+                 f"{float8.describe(model, cfg.float8, cfg.compile)}"
+                 f"{kernels.describe(model, loss_lib.is_installed(model))}"
+                 f"{describe_memory_savers(cfg, dist.device.type)}")
 
         from shardtune.checkpoint.dcp import ModelOptimizerState
         from shardtune.train.optim import build_grad_scaler, build_optimizer
