@@ -128,8 +128,10 @@ def mauve_score(generations: list[str], references: list[str], featurizer, seed:
     import mauve
     from mauve.utils import featurize_tokens_from_model
 
+    from shardtune.model.hf import max_positions
+
     model, tok = featurizer
-    limit = min(max_tokens, getattr(model.config, "max_position_embeddings", None) or max_tokens)
+    limit = min(max_tokens, max_positions(model.config) or max_tokens)
 
     def features(texts: list[str]):
         ids = [tok(t or tok.eos_token or " ", return_tensors="pt", truncation=True, max_length=limit).input_ids
