@@ -72,7 +72,7 @@ def measure(setup: dict, work: Path, name: str, extra: list[str], skip: int, clo
 
 def this_cpu():
     """A `hardware.GPU` describing this CPU for the planner's speed model: fp32 matmul FLOP/s and
-    copy bandwidth measured here, on one thread."""
+    copy bandwidth measured here, on one thread, in CPU seconds (as the runs are measured)."""
     import torch
 
     from shardtune.hardware import GPU
@@ -80,16 +80,16 @@ def this_cpu():
     torch.set_num_threads(1)  # as the measured runs (--clock cpu)
     a = torch.randn(1024, 1024)
     a @ a
-    t = time.perf_counter()
+    t = time.process_time()
     for _ in range(8):
         a @ a
-    flops = 8 * 2 * 1024 ** 3 / (time.perf_counter() - t)
+    flops = 8 * 2 * 1024 ** 3 / (time.process_time() - t)
     big = torch.empty(64 * 2 ** 20 // 4)
     other = torch.empty_like(big)
-    t = time.perf_counter()
+    t = time.process_time()
     for _ in range(8):
         other.copy_(big)
-    gbs = 8 * 2 * big.nbytes / (time.perf_counter() - t) / 1e9
+    gbs = 8 * 2 * big.nbytes / (time.process_time() - t) / 1e9
     tf = flops / 1e12
     return GPU("this CPU", "", 1 << 30, (tf, tf, tf, 0.0), gbs, gbs, gbs, 1 << 20, "measured here")
 
