@@ -36,6 +36,11 @@
 #                train.log}, profile.md. ~50 s; the trace ~2-5 MB compressed
 #   plan   90 s  bench/plan_accuracy.py --gpu --rows PLAN_ROWS (3): the planner's predictions
 #                against max_memory_allocated/reserved. plan_accuracy.md. ~25 s a row
+#   speed-order 300 s bench/speed_order.py --gpu: the Llama ~1B setup, 1 GPU, activation checkpointing
+#                none / selective / every 2nd / full and activation offload, SPEED_STEPS (6) steps each,
+#                SPEED_ROUNDS (1) rounds: measured s/step and its order against the planner's
+#                predicted order (issue 33, item 5); exit 1 on a pair ordered the other way beyond 5 %.
+#                speed_order.md. ~25 s set-up + 6 x ~1 s per technique, ~170 s; only when STAGES names it
 #   float8-tests 120 s, float8 420 s   only when STAGES names them (a call of their own, below):
 #                tests/e2e/test_cuda.py -k float8 (rowwise/tensorwise within 2 % of bf16 over 12
 #                steps, or refused in one line below compute capability 8.9) -> float8-tests.log/.xml;
@@ -67,6 +72,8 @@
 #   3rd call (~8 min):  STAGES="bench-opt profile plan" CAP_BENCH=240 bash bench/gpu/run.sh /tmp/gpu-p "$OUT"
 #   4th call (~9 min):  STAGES=plan PLAN_ROWS=12 CAP_PLAN=540 BUDGET_S=560 bash bench/gpu/run.sh /tmp/gpu-plan "$OUT"
 #                       (the planner's calibration rows: CUDA_OVERHEADS, the memory savers, float8)
+#   then (~5 min):      STAGES=speed-order BUDGET_S=320 bash bench/gpu/run.sh /tmp/gpu-so "$OUT"
+#                       (issue 33 item 5: the memory savers' measured speed order against plan's)
 #   5th call (~7 min):  STAGES="float8-tests float8" BUDGET_S=560 bash bench/gpu/run.sh /tmp/gpu-f8 "$OUT"
 #                       (float8's loss and speed; FLOAT8_EFFICIENCY in plan/cost.py is set from them)
 #   6th call (~6 min):  STAGES="bench-llama bench-opt" BUDGET_S=500 CAP_BENCH=240 REPEATS=2 \
@@ -239,6 +246,8 @@ stage profile "$(time_for "${CAP_PROFILE:-90}")" profile.md \
   $python bench/profile_step.py --setup gpu --global-batch 8 --out "$results/profile" "${rh[@]}"
 stage plan "$(time_for "${CAP_PLAN:-90}")" plan_accuracy.md \
   $python bench/plan_accuracy.py --gpu --rows "${PLAN_ROWS:-3}" "${rh[@]}"
+stage speed-order "$(time_for "${CAP_SPEED_ORDER:-300}")" speed_order.md \
+  $python bench/speed_order.py --gpu --steps "${SPEED_STEPS:-6}" --rounds "${SPEED_ROUNDS:-1}" "${rh[@]}"
 stage float8-tests "$(time_for "${CAP_FLOAT8_TESTS:-120}")" float8-tests.log \
   $python -m pytest -q -p no:cacheprovider -m cuda tests/e2e/test_cuda.py -k float8 \
   --junitxml "$results/float8-tests.xml" "${collect[@]}"

@@ -158,3 +158,25 @@ def test_the_traced_copies_hold_whole_periods_of_the_layers(model_type, extra, d
     model_type, fields = ("llama", wide) if model_type == "llama-odd-wide" else (model_type, {})
     cfg = load_config(None, [f"model.config={json.dumps({'model_type': model_type})}", "data.path=unused", *extra])
     assert screen_depths(cfg, AutoConfig.for_model(model_type, **fields)) == depths
+
+
+def test_a_layout_too_big_at_micro_batch_2_is_not_traced_further_unless_micro_batch_1_could_win():
+    """The screen's copies at micro-batch 2 decide alone where every variant is too big there (a
+    larger micro-batch holds more) and micro-batch 1 could not beat what fits; else it traces on."""
+    from shardtune.model.hf import load_hf_config
+    from shardtune.plan.cost import Candidate, Target
+    from shardtune.plan.search import _none_fit_from, layout_cfg, micro_batches, screen
+
+    cfg = tiny_cfg("gpt2")
+    hf_config = load_hf_config(cfg.model)
+    layout = Candidate("full_shard", "fp32", 0, "none")
+    sizes = micro_batches(cfg, 2)  # 1, 2, 4, 8
+    run = layout_cfg(cfg, layout, Target(2, 1, 1 << 40, None))
+    low = screen(run, hf_config, Target(2, 1, 1 << 40, None), micro=(2,))  # traced once: 2 depths
+    for budget, fastest, lean in ((1 << 40, 1e30, False), (1 << 20, 0.0, False), (1 << 20, 1e30, True)):
+        target = Target(2, 1, budget, None)
+        out = _none_fit_from(low, layout, sizes, hf_config, cfg, run, target, budget, fastest, low(2), {})
+        assert (out is not None) == lean
+        if lean:
+            assert {e.candidate.micro_batch for e in out} == {2} and all(not e.fits for e in out)
+            assert all("traced at micro-batch 2 only" in e.why_not for e in out)

@@ -31,7 +31,9 @@ def test_counted_attention_is_the_formulas_where_the_formula_knows_the_family(mo
     from shardtune.telemetry.flops import attention_flops
 
     cfg = hf_config(model_type)
+    before = cfg.to_dict()
     assert attention_flops(cfg, 48) == 4 * layer_count(cfg) * hidden_size(cfg) * 48
+    assert cfg.to_dict() == before  # counting leaves the caller's config as it was (plan's cache keys it)
     assert flops_per_token(1000, cfg, 48, 10) == 4 * 1000 + 2 * 10 + 12 * layer_count(cfg) * hidden_size(cfg) * 48
 
 

@@ -18,7 +18,7 @@ from shardtune.hardware import GIB, float8_needs, gpu_by_name, overhead, parse_s
 from shardtune.plan.cost import Candidate, Target, setting
 from shardtune.plan.fit import resolve_hf_config
 from shardtune.plan.keys import refuse_unpriced
-from shardtune.plan.search import Estimate, confirm, largest_micro_batch, search
+from shardtune.plan.search import Estimate, confirm, estimate, layout_cfg, screen, search
 from shardtune.plan.trace_cache import TraceCache
 
 ROWS = [("sharded_params", "sharded parameters"), ("gathered_params", "gathered parameters"),
@@ -108,6 +108,21 @@ def run_plan(req: PlanRequest, cfg: RunConfig, recipe: str | None, overrides: li
     else:
         print(render(answer))
     return 0
+
+
+def largest_micro_batch(est: Estimate, cfg: RunConfig, hf_config, target: Target, limit: int = 14,
+                        cache: TraceCache | None = None) -> int:
+    """The largest power-of-two micro-batch of `est`'s layout that fits, whatever the global batch."""
+    c = est.candidate
+    at = est.at or screen(layout_cfg(cfg, c, target), hf_config, target, cache=cache)
+    best = 0
+    for mb in (2 ** i for i in range(limit)):
+        big = copy.deepcopy(cfg)
+        big.train.global_batch_size = 2 * mb * target.world
+        if not estimate(at(mb), hf_config, dataclasses.replace(c, micro_batch=mb), big, target).fits:
+            break
+        best = mb
+    return best
 
 
 def _same(e: Estimate, best: Estimate | None) -> bool:

@@ -8,7 +8,9 @@ bf16, 8-bit, 4-bit) and FSDP's CPU offload are priced from that one trace (`cost
 search stays fast, layouts are traced in the order of the best speed they could reach, and not
 at all once one fits that they could not beat by more than 1 % (a bound), or once a layout
 needing less memory fits nowhere (a dominance): the lightest layout is traced first, and before
-any other, the lightest of its sharding that could rule it out. The winner is traced whole to
+any other, the lightest of its sharding that could rule it out. Once one fits, a layout's copies
+at the smaller micro-batch come first: where all its variants are too big there and the smaller
+micro-batches could not win, the larger copies are not traced. The winner is traced whole to
 confirm it. The traced copies are kept on disk per model shape (`trace_cache.py`).
 """
 
@@ -130,22 +132,31 @@ def layout_cfg(cfg: RunConfig, layout: Candidate, target: Target) -> RunConfig:
 # ----------------------------------------------------------------------------- tracing
 
 
-def screen(cfg: RunConfig, hf_config, target: Target, device: str = "cuda", cache: TraceCache | None = None):
+def screen(cfg: RunConfig, hf_config, target: Target, device: str = "cuda", cache: TraceCache | None = None,
+           micro: tuple[int, ...] = SCREEN_MICRO, traces: dict | None = None):
     """A function micro-batch -> StepTrace of `cfg` on `device`, extrapolated from small traced
     copies (two depths x two micro-batches; the model's own depth where it cannot be extrapolated),
-    read from `cache` where traced before."""
+    read from `cache` where traced before. With one of `micro`, the copies at that micro-batch only
+    (the function then answers for it alone); `traces`: copies already traced, kept (.traces)."""
     from shardtune.plan import trace as trace_lib
 
     layers = trace_lib.layer_count(hf_config)
-    depths = screen_depths(cfg, hf_config)
-    traces = {}
-    for depth in depths:
-        for mb in SCREEN_MICRO:
+    traces = dict(traces or {})
+    for depth in screen_depths(cfg, hf_config):
+        for mb in micro:
+            if (depth, mb) in traces:
+                continue
             small = copy.deepcopy(cfg)
             small.train.micro_batch_size, small.train.global_batch_size = mb, 2 * mb * target.world  # 2 micro-steps
             traces[(depth, mb)] = (cache or TraceCache(None)).trace(small, hf_config, target.world,
                                                                     target.gpus_per_node, depth, device)
-    return functools.lru_cache(lambda mb: trace_lib.extrapolate(traces, layers, mb))
+    if len(micro) == 1:  # linear in depth alone (extrapolate's second micro-batch is the first)
+        at = functools.lru_cache(lambda mb: trace_lib.extrapolate(
+            {**traces, **{(d, m + 1): t for (d, m), t in traces.items()}}, layers, micro[0]))
+    else:
+        at = functools.lru_cache(lambda mb: trace_lib.extrapolate(traces, layers, mb))
+    at.traces = traces
+    return at
 
 
 def screen_depths(cfg: RunConfig, hf_config) -> tuple[int, ...]:
@@ -276,18 +287,31 @@ def search(cfg: RunConfig, hf_config, target: Target, say=print, cache: TraceCac
             order[:0] = [light, layout]
             continue
         say(f"tracing {_layout_label(layout)}")
-        at = traced(lambda layout=layout: screen(layout_cfg(cfg, layout, target), hf_config, target, cache=cache))
+        run = layout_cfg(cfg, layout, target)
+        budget = target.memory_bytes * (1 - target.margin)
+        low = None
+        if bounds and SCREEN_MICRO[0] in sizes:  # the copies at the smaller micro-batch first
+            low = traced(lambda run=run: screen(run, hf_config, target, cache=cache, micro=SCREEN_MICRO[:1]))
+            lean = None if isinstance(low, str) else _none_fit_from(low, layout, sizes, hf_config, cfg, run, target,
+                                                                     budget, fastest, first, too_big)
+            if lean is not None:  # too big from that micro-batch up, no faster below it: no more copies
+                estimates += lean
+                too_big[layout] = {(e.candidate.optimizer_state, e.candidate.cpu_offload, mb)
+                                   for e in lean for mb in sizes if mb >= SCREEN_MICRO[0]}
+                if min(sizes) >= SCREEN_MICRO[0]:
+                    misfits.append(layout)
+                continue
+        kept = None if low is None or isinstance(low, str) else low.traces
+        at = traced(lambda run=run, kept=kept: screen(run, hf_config, target, cache=cache, traces=kept))
         if isinstance(at, str):  # this layout cannot be traced: its candidates say why
             estimates.append(_skipped(layout, sizes[0], at))
             continue
-        run = layout_cfg(cfg, layout, target)
         batch = [estimate(at(c.micro_batch), hf_config, c, run, target)
                  for c in variants(layout, sizes, cfg.peft.quantize == "none")]
         for e in batch:
             e.at = at
         estimates += batch
         fastest = max([fastest] + [e.tokens_per_s for e in batch if e.fits])
-        budget = target.memory_bytes * (1 - target.margin)
         too_big[layout] = {(e.candidate.optimizer_state, e.candidate.cpu_offload, e.candidate.micro_batch)
                            for e in batch if e.memory["total"] > budget}  # GPU memory: heavier layouts too
         if all(e.memory["total"] > budget for e in batch):
@@ -302,19 +326,24 @@ def search(cfg: RunConfig, hf_config, target: Target, say=print, cache: TraceCac
     return rank(estimates, cfg)
 
 
-def largest_micro_batch(est: Estimate, cfg: RunConfig, hf_config, target: Target, limit: int = 14,
-                        cache: TraceCache | None = None) -> int:
-    """The largest power-of-two micro-batch of `est`'s layout that fits, whatever the global batch."""
-    c = est.candidate
-    at = est.at or screen(layout_cfg(cfg, c, target), hf_config, target, cache=cache)
-    best = 0
-    for mb in (2 ** i for i in range(limit)):
-        big = copy.deepcopy(cfg)
-        big.train.global_batch_size = 2 * mb * target.world
-        if not estimate(at(mb), hf_config, dataclasses.replace(c, micro_batch=mb), big, target).fits:
-            break
-        best = mb
-    return best
+def _none_fit_from(low, layout: Candidate, sizes: list[int], hf_config, cfg: RunConfig, run: RunConfig,
+                   target: Target, budget: float, fastest: float, first: StepTrace, too_big: dict):
+    """`layout`'s variants at the smaller screened micro-batch (from copies traced at that one only),
+    if every one of them is too big there (a larger micro-batch never holds less) and those at
+    smaller micro-batches could not beat `fastest` by more than a tie; else None (trace on)."""
+    mb = SCREEN_MICRO[0]
+    batch = [estimate(low(mb), hf_config, c, run, target) for c in variants(layout, [mb], cfg.peft.quantize == "none")]
+    if any(e.memory["total"] <= budget for e in batch):
+        return None
+    over = {(e.candidate.optimizer_state, e.candidate.cpu_offload, m) for e in batch for m in sizes if m >= mb}
+    known = frozenset().union(over, *(bad for m, bad in too_big.items() if needs_at_least(layout, m)))
+    below = best_speed(layout, first, hf_config, cfg, target, sizes, known)
+    if below >= fastest * (1 + TIE):
+        return None
+    for e in batch:
+        e.why_not += (f" at micro-batch {mb}, more above it; below it at most {below:,.0f} tokens/s, no faster "
+                      f"than the {fastest:,.0f} of a layout that fits (traced at micro-batch {mb} only)")
+    return batch
 
 
 def _lightness(c: Candidate) -> tuple:

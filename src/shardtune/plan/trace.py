@@ -40,6 +40,7 @@ HOST_ONLY = ("host_activations",)
 # parameters and the full gradients backward computes stay on the GPU, as do (not traced: a
 # CPU trace copies nothing) each unit's shard on its way in and its gradient shard on its way out.
 OFFLOADED = ("sharded_params", "gradients", "optimizer_state")
+_DEVICE = torch.ops.prim.device.default
 
 
 @dataclass
@@ -316,6 +317,8 @@ class PhaseTracker(FSDPMemTracker):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         """A collective whose real backend copies a tensor inside (gloo) holds that copy, as
         communication, while it runs: the fake backend makes none."""
+        if func is _DEVICE:  # a query that allocates nothing: half of a step's ops (autograd asks it)
+            return func(*args, **(kwargs or {}))
         index = self.backend_copies.get(func.name())
         if index is None:
             return super().__torch_dispatch__(func, types, args, kwargs)

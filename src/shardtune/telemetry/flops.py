@@ -3,6 +3,8 @@ rest of MFU's FLOPs per token is `metrics.flops_per_token`)."""
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -23,8 +25,10 @@ def attention_flops(hf_config, seq_len: int) -> float:
         from transformers import AutoModelForCausalLM
 
         try:
+            # on a copy: from_config writes its dtype into the config it is given, and the caller's
+            # config keys plan's trace cache (a changed one misses it)
             with torch.device("meta"):  # bf16: the grouped expert matmul takes nothing else
-                model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16)
+                model = AutoModelForCausalLM.from_config(copy.deepcopy(hf_config), dtype=torch.bfloat16)
             ids = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
             with FlopCounterMode(display=False) as counter, _MetaScalars(), torch.no_grad():
                 model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
