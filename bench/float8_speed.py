@@ -77,29 +77,40 @@ def summary(run: dict, tokens_per_step: int, skip: int, base: dict | None) -> li
     return row + [f"{statistics.mean(rel) * 100:.2f} %", f"{max(rel) * 100:.2f} %"]
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=50, help="optimizer steps per run (default 50)")
-    p.add_argument("--skip", type=int, default=5, help="first steps left out of tokens/s (compilation)")
+def arms_parser(arms: dict, steps: int, workdir: str) -> argparse.ArgumentParser:
+    """The options of a bench that trains `arms` (name -> overrides) of the same Llama ~1B run."""
+    p = argparse.ArgumentParser(description=sys.modules["__main__"].__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=steps, help=f"optimizer steps per run (default {steps})")
+    p.add_argument("--skip", type=int, default=5, help="first steps left out of tokens/s (compilation, warm-up)")
     p.add_argument("--global-batch", type=int, default=8, help="sequences per optimizer step (default 8)")
-    p.add_argument("--repeats", type=int, default=1, help="rounds of the three arms (default 1)")
-    p.add_argument("--arms", nargs="+", choices=sorted(ARMS), default=list(ARMS))
+    p.add_argument("--repeats", type=int, default=1, help="rounds of the arms (default 1)")
+    p.add_argument("--arms", nargs="+", choices=sorted(arms), default=list(arms))
     p.add_argument("--rehearse", action="store_true", help="tiny, on CPU: checks the plumbing without a GPU")
-    p.add_argument("--workdir", type=Path, default=C.default_workdir() / "float8")
-    a = p.parse_args()
-    if C.args_only():
-        return 0
+    p.add_argument("--workdir", type=Path, default=C.default_workdir() / workdir)
+    return p
+
+
+def run_arms(a, arms: dict, common: list[str]) -> tuple[dict, int, int, dict[str, list[dict]]]:
+    """Each arm in order, `a.repeats` rounds (drift hits all): (setup, steps not timed, tokens per
+    step, the runs of each arm)."""
     setup = resolve_setup("gpu", a.steps, a.global_batch, a.rehearse)
     skip = min(a.skip, setup["steps"] - 2) if a.rehearse else a.skip
     assets = C.quickstart_assets()
-    tokens_per_step = setup["global"] * setup["seq_len"]
     runs: dict[str, list[dict]] = {arm: [] for arm in a.arms}
     for repeat in range(a.repeats):
         for arm in a.arms:
             out = a.workdir / f"{arm}-{repeat}"
             base = shardtune_overrides(setup, assets["tokenizer"], str(Path(assets["train"]).parent), out, 1,
                                        "full_shard")
-            runs[arm].append(train(out, [*base, "compile=true", "save_final=false", *ARMS[arm]]))
+            runs[arm].append(train(out, [*base, *common, "save_final=false", *arms[arm]]))
+    return setup, skip, setup["global"] * setup["seq_len"], runs
+
+
+def main() -> int:
+    a = arms_parser(ARMS, 50, "float8").parse_args()
+    if C.args_only():
+        return 0
+    setup, skip, tokens_per_step, runs = run_arms(a, ARMS, ["compile=true"])
     print(f"# float8 vs bf16 ({'rehearsal on CPU' if a.rehearse else 'GPU'})\n\n{C.machine_line()}\n\n"
           f"model {json.dumps(setup['model'])} | seq {setup['seq_len']} | micro {setup['micro']} | global "
           f"{setup['global']} | {setup['steps']} steps (first {skip} not timed) | compile=true | "
@@ -116,6 +127,7 @@ def main() -> int:
     print(C.markdown_table(["arm", "repeat", "float8 layers", "tok/s", "peak GiB", "last loss", "mean |Δloss|",
                             "max |Δloss|", "note"], rows))
     # the planner's prediction for the same fine-tune, against the measurement (plan/cost.FLOAT8_EFFICIENCY)
+    assets = C.quickstart_assets()
     predicted = predicted_gains([*shardtune_overrides(setup, assets["tokenizer"], str(Path(assets["train"]).parent),
                                                       a.workdir / "plan", 1, "full_shard"), "compile=true"])
     speed = {arm: statistics.mean(tokens_per_s(r, tokens_per_step, skip) for r in results if "steps" in r)

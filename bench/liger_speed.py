@@ -13,15 +13,13 @@ linear cross-entropy), and both with compile=true (decoder blocks compiled).
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from float8_speed import tokens_per_s, train  # noqa: E402
-from vs_hf_trainer import resolve_setup, shardtune_overrides  # noqa: E402
+from float8_speed import arms_parser, run_arms, tokens_per_s  # noqa: E402
 
 import _common as C  # noqa: E402
 
@@ -45,28 +43,10 @@ def row(arm: str, repeat: int, run: dict, tokens_per_step: int, skip: int, base:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=20, help="optimizer steps per run (default 20)")
-    p.add_argument("--skip", type=int, default=5, help="first steps left out of tokens/s (compilation, warm-up)")
-    p.add_argument("--global-batch", type=int, default=8, help="sequences per optimizer step (default 8)")
-    p.add_argument("--repeats", type=int, default=1, help="rounds of the arms (default 1)")
-    p.add_argument("--arms", nargs="+", choices=sorted(ARMS), default=list(ARMS))
-    p.add_argument("--rehearse", action="store_true", help="tiny, on CPU: checks the plumbing without a GPU")
-    p.add_argument("--workdir", type=Path, default=C.default_workdir() / "liger")
-    a = p.parse_args()
+    a = arms_parser(ARMS, 20, "liger").parse_args()
     if C.args_only():
         return 0
-    setup = resolve_setup("gpu", a.steps, a.global_batch, a.rehearse)
-    skip = min(a.skip, setup["steps"] - 2) if a.rehearse else a.skip
-    assets = C.quickstart_assets()
-    tokens_per_step = setup["global"] * setup["seq_len"]
-    runs: dict[str, list[dict]] = {arm: [] for arm in a.arms}
-    for repeat in range(a.repeats):
-        for arm in a.arms:
-            out = a.workdir / f"{arm}-{repeat}"
-            base = shardtune_overrides(setup, assets["tokenizer"], str(Path(assets["train"]).parent), out, 1,
-                                       "full_shard")
-            runs[arm].append(train(out, [*base, "save_final=false", *ARMS[arm]]))
+    setup, skip, tokens_per_step, runs = run_arms(a, ARMS, [])
     print(f"# Liger-Kernel vs shardtune's own path ({'rehearsal on CPU' if a.rehearse else 'GPU'})\n\n"
           f"{C.machine_line()}\n\nmodel {json.dumps(setup['model'])} | seq {setup['seq_len']} | micro "
           f"{setup['micro']} | global {setup['global']} | {setup['precision']} | {setup['steps']} steps (first "
