@@ -286,6 +286,31 @@ class PhaseTracker(FSDPMemTracker):
         self.totals: dict[tuple, int] = {}
         self.host_bytes = self.host_peak = 0  # saved activations moved to host memory (priced.offloaded_activations)
 
+    def _instrument_fsdp_module(self) -> None:
+        """The base class swaps each FSDP module's forward hooks for its own wrappers of the
+        per-module FSDPState hooks, which drops a grouped unit's (fully_shard([embedding, head]),
+        distributed/fsdp: a tied pair): its post-backward hook is then registered at every module
+        of the group, so the group is resharded right after the head's backward and gathered again
+        at the embedding's, where a real run keeps it gathered through backward (issue 36: one
+        vocab x hidden missing from every block's backward). Wrap the group's own hooks instead."""
+        from torch.distributed.fsdp import FSDPModule
+
+        grouped = {}  # module -> (its state, the group's pre-forward hook, the group's post-forward hook)
+        for module in self._root_mod.modules():
+            state = module._get_fsdp_state() if isinstance(module, FSDPModule) else None
+            if state is not None and len(state._modules) > 1:
+                ids = {h.id for h in state._pre_forward_hook_handle.handles}
+                grouped[module] = (state, next(f for i, f in module._forward_pre_hooks.items() if i in ids),
+                                   next(f for i, f in module._forward_hooks.items() if i in ids))
+        super()._instrument_fsdp_module()
+        for module, (state, pre, post) in grouped.items():
+            for hooks, per_module, group_hook, wrap in (
+                    (module._forward_pre_hooks, state._pre_forward, pre, self._fsdp_state_pre_forward),
+                    (module._forward_hooks, state._post_forward, post, self._fsdp_state_post_forward)):
+                for i, hook in list(hooks.items()):
+                    if getattr(hook, "__wrapped__", None) == per_module:
+                        hooks[i] = wrap(module, group_hook)
+
     def next_micro_step(self, *args) -> None:
         self.reset_mod_stats()  # the base class refuses a second root forward otherwise
         self.micro += 1
