@@ -159,9 +159,10 @@ def host_memory(trace: StepTrace, offload: bool, ranks_per_node: int, world: int
     load, save = (per_node if sharded_load else full_fp32), (per_node if sharded_save else full_fp32)
     if cfg is not None and not cfg.save_final:
         save = 0
-    # the states, and the optimizer step's transient: the step runs on the host beside them
-    step = max((cats.get("optimizer_step", 0) for cats in trace.phases.values()), default=0)
-    offloaded = ranks_per_node * (sum(trace.steady.get(c, 0) for c in OFFLOADED) + step) if offload else 0
+    offloaded = 0
+    if offload:  # the states, and the optimizer step's transient: the step runs on the host beside them
+        step = max((cats.get("optimizer_step", 0) for cats in trace.phases.values()), default=0)
+        offloaded = ranks_per_node * (sum(trace.steady.get(c, 0) for c in OFFLOADED) + step)
     activations = ranks_per_node * offloaded_activation_bytes(trace)
     staged = ranks_per_node * sum(trace.steady.get(c, 0) for c in ("sharded_params", "optimizer_state")) \
         if cfg is not None and cfg.checkpoint.async_save else 0
