@@ -4,6 +4,7 @@ reduction; and train.micro_batch_size=auto picks the largest micro-batch that fi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -182,13 +183,15 @@ def test_the_8bit_optimizer_step_holds_what_the_plan_prices():
     """torchao's compiled 8-bit step holds both moments of the parameter it updates in fp32 (two
     fp32 copies beside the fp32 gradient): the plan's optimizer phase counts it on the largest
     shard, against the optimizer step really run (issue 36: it was left out, -19 % here; where
-    activations are small and one matrix is large it can be the step's peak)."""
+    activations are small and one matrix is large it can be the step's peak). Under CPU offload
+    the step runs on the host, beside the states: the transient is host memory there."""
     import torch.distributed as dist
 
     from shardtune.distributed.process_group import init_distributed
     from shardtune.model.hf import load_hf_config
+    from shardtune.plan.cost import gpu_memory, host_memory
     from shardtune.plan.measure import measure_step
-    from shardtune.plan.priced import available_states
+    from shardtune.plan.priced import available_states, step_transient
     from shardtune.plan.trace import trace_step
 
     if "8bit" not in available_states():
@@ -207,6 +210,15 @@ def test_the_8bit_optimizer_step_holds_what_the_plan_prices():
     finally:
         dist.destroy_process_group()
     assert -0.01 <= (predicted - measured) / measured <= 0.03, (predicted, measured)
+    # The step runs where the states are: under CPU offload its transient is host memory, not the GPU's.
+    transient = step_transient("8bit", trace.params["largest_shard"])
+    optimizer = max((k for k in trace.phases if k[1] == "optimizer"), key=lambda k: sum(trace.phases[k].values()))
+    alone = dataclasses.replace(trace, phases={optimizer: trace.phases[optimizer]})
+    on_gpu = {offload: gpu_memory(alone, offload, world_size=2)["by_category"] for offload in (False, True)}
+    assert on_gpu[False]["optimizer_step"] == transient > 0 and "optimizer_step" not in on_gpu[True]
+    states = sum(trace.steady[c] for c in ("sharded_params", "gradients", "optimizer_state"))
+    host = {offload: host_memory(trace, offload, ranks_per_node=2)["cpu_offload"] for offload in (False, True)}
+    assert host == {False: 0, True: 2 * (states + transient)}
 
 
 def test_plan_ranks_no_mode_as_a_change_to_a_recipe_with_auto_and_check_wants_it_resolved():

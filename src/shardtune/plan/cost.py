@@ -150,15 +150,19 @@ def host_memory(trace: StepTrace, offload: bool, ranks_per_node: int, world: int
     shards; random weights are made there too), or with model.sharded_load every rank reads only
     its 1/world of them. Save (final/): gathered whole on rank 0, or with checkpoint.sharded_final
     each rank writes its own rows in place (a bound: the rows pass through the host a chunk at a
-    time); nothing with save_final=false. CPU offload keeps every rank's shards, activation
-    offloading every rank's saved activations at their peak, checkpoint.async_save a staged copy
-    of every rank's shards and optimizer state (DCP copies them to the host, then writes)."""
+    time); nothing with save_final=false. CPU offload keeps every rank's shards (and the optimizer
+    step's transient beside them), activation offloading every rank's saved activations at their
+    peak, checkpoint.async_save a staged copy of every rank's shards and optimizer state (DCP
+    copies them to the host, then writes)."""
     full_fp32 = 4 * trace.params["total"]
     per_node = ranks_per_node * -(-full_fp32 // max(world, 1))
     load, save = (per_node if sharded_load else full_fp32), (per_node if sharded_save else full_fp32)
     if cfg is not None and not cfg.save_final:
         save = 0
-    offloaded = ranks_per_node * sum(trace.steady.get(c, 0) for c in OFFLOADED) if offload else 0
+    offloaded = 0
+    if offload:  # the states, and the optimizer step's transient: the step runs on the host beside them
+        step = max((cats.get("optimizer_step", 0) for cats in trace.phases.values()), default=0)
+        offloaded = ranks_per_node * (sum(trace.steady.get(c, 0) for c in OFFLOADED) + step)
     activations = ranks_per_node * offloaded_activation_bytes(trace)
     staged = ranks_per_node * sum(trace.steady.get(c, 0) for c in ("sharded_params", "optimizer_state")) \
         if cfg is not None and cfg.checkpoint.async_save else 0

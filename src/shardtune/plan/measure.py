@@ -5,8 +5,10 @@ On CPU the measure is the allocator's: every byte the step allocates and frees o
 from torch profiler's memory events, on top of the tensors held when it starts (parameters,
 optimizer state). It sees what a tensor-level count (torch's MemTracker, which sees the
 operators the step calls, not what runs inside them) misses: the copies a collective makes
-inside the backend (gloo clones a reduce-scatter's input). On CUDA the step is measured with
-MemTracker (the bench reads torch.cuda's own counters beside it).
+inside the backend (gloo clones a reduce-scatter's input). On CUDA it is the caching allocator's
+peak of allocated bytes (torch.cuda.max_memory_allocated). Neither runs the step under a
+dispatch mode, which changes it: autograd then sums a tensor's gradients out of place (one
+vocab x hidden more at a tied embedding).
 """
 
 from __future__ import annotations
@@ -64,13 +66,10 @@ def measure_step(cfg: RunConfig, hf_config, dist, state_only: bool = False, opti
         return max(peaks)
     if dist.device.type == "cpu":
         return allocator_peak(step, held_bytes(model, optimizer, dist.device))
-    from shardtune.telemetry.metrics import LiveMemory
-
-    live = LiveMemory(model, optimizer, dist.device, steps=1)  # the trainer's own live-bytes tracker
+    # untracked: under a dispatch mode (MemTracker's) autograd sums a tensor's gradients out of place
     torch.cuda.reset_peak_memory_stats(dist.device)  # torch.cuda.max_memory_* then cover this step only
-    with live.track():
-        step()
-    return live.peak or 0
+    step()
+    return torch.cuda.max_memory_allocated(dist.device)
 
 
 def held_bytes(model, optimizer, device) -> int:

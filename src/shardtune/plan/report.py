@@ -23,7 +23,8 @@ from shardtune.plan.trace_cache import TraceCache
 
 ROWS = [("sharded_params", "sharded parameters"), ("gathered_params", "gathered parameters"),
         ("gradients", "sharded gradients"), ("gathered_grads", "unsharded gradients"),
-        ("optimizer_state", "optimizer state"), ("activations", "activations"),
+        ("optimizer_state", "optimizer state"), ("optimizer_step", "optimizer step"),
+        ("activations", "activations"),
         ("temporaries", "temporaries"), ("communication", "communication buffers"), ("buffers", "model buffers")]
 # offloaded activations are host memory: the host line shows them
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
 from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
@@ -32,14 +33,16 @@ CATEGORY = {"Sharded Param": "sharded_params", "Unsharded Param": "gathered_para
             "Sharded Grad": "gradients", "Unsharded Grad": "gathered_grads", "OptState": "optimizer_state",
             "Activation": "activations", "Inputs": "activations", "Temp": "temporaries",
             "All Gather": "communication", "Reduce Scatter": "communication"}
-CATEGORIES = ("sharded_params", "gathered_params", "gradients", "gathered_grads", "optimizer_state", "activations",
-              "temporaries", "communication", "buffers", "host_activations")
+CATEGORIES = ("sharded_params", "gathered_params", "gradients", "gathered_grads", "optimizer_state", "optimizer_step",
+              "activations", "temporaries", "communication", "buffers", "host_activations")
 # Saved activations that activation offloading keeps in host memory (`OffloadedActivations`).
 HOST_ONLY = ("host_activations",)
-# What CPU offload keeps in host memory instead of on the GPU: the sharded states. Gathered
-# parameters and the full gradients backward computes stay on the GPU, as do (not traced: a
-# CPU trace copies nothing) each unit's shard on its way in and its gradient shard on its way out.
-OFFLOADED = ("sharded_params", "gradients", "optimizer_state")
+# What CPU offload keeps in host memory instead of on the GPU: the sharded states, and so what
+# the optimizer step holds beside them (it runs where they are: "optimizer_step", the low-bit
+# step's transient, priced.STEP_TRANSIENT). Gathered parameters and the full gradients backward
+# computes stay on the GPU, as do (not traced: a CPU trace copies nothing) each unit's shard on
+# its way in and its gradient shard on its way out.
+OFFLOADED = ("sharded_params", "gradients", "optimizer_state", "optimizer_step")
 _DEVICE = torch.ops.prim.device.default
 
 
@@ -64,7 +67,8 @@ class StepTrace:
     def with_state(self, state: str) -> StepTrace:
         """This step with its optimizer state in `state` precision: the traced bytes less those of
         the precision traced, plus this one's (counted per parameter shard in `trace_step`), and
-        in the optimizer phase the step's own transient (priced.step_transient)."""
+        in the optimizer phase the step's own transient (priced.step_transient) as
+        "optimizer_step": held where the states are (host memory under CPU offload)."""
         from shardtune.plan.priced import step_transient
 
         traced = self.params.get("state_traced", "fp32")
@@ -77,7 +81,7 @@ class StepTrace:
         def swap(cats: dict[str, int], phase: tuple = ()) -> dict[str, int]:
             out = {**cats, "optimizer_state": max(0, cats.get("optimizer_state", 0) + delta)}
             if "optimizer" in phase:
-                out["temporaries"] = max(0, cats.get("temporaries", 0) + transient)
+                out["optimizer_step"] = max(0, cats.get("optimizer_step", 0) + transient)
             return out
         return StepTrace({k: swap(v, k) for k, v in self.phases.items()}, self.layers, swap(self.steady),
                          {**self.params, "state_traced": state})
@@ -283,6 +287,31 @@ class PhaseTracker(FSDPMemTracker):
         self.totals: dict[tuple, int] = {}
         self.host_bytes = self.host_peak = 0  # saved activations moved to host memory (priced.offloaded_activations)
 
+    def _instrument_fsdp_module(self) -> None:
+        """The base class swaps each FSDP module's forward hooks for its own wrappers of the
+        per-module FSDPState hooks, which drops a grouped unit's (fully_shard([embedding, head]),
+        distributed/fsdp: a tied pair): its post-backward hook is then registered at every module
+        of the group, so the group is resharded right after the head's backward and gathered again
+        at the embedding's, where a real run keeps it gathered through backward (issue 36: one
+        vocab x hidden missing from every block's backward). Wrap the group's own hooks instead."""
+        from torch.distributed.fsdp import FSDPModule
+
+        grouped = {}  # module -> (its state, the group's pre-forward hook, the group's post-forward hook)
+        for module in self._root_mod.modules():
+            state = module._get_fsdp_state() if isinstance(module, FSDPModule) else None
+            if state is not None and len(state._modules) > 1:
+                ids = {h.id for h in state._pre_forward_hook_handle.handles}
+                grouped[module] = (state, next(f for i, f in module._forward_pre_hooks.items() if i in ids),
+                                   next(f for i, f in module._forward_hooks.items() if i in ids))
+        super()._instrument_fsdp_module()
+        for module, (state, pre, post) in grouped.items():
+            for hooks, per_module, group_hook, wrap in (
+                    (module._forward_pre_hooks, state._pre_forward, pre, self._fsdp_state_pre_forward),
+                    (module._forward_hooks, state._post_forward, post, self._fsdp_state_post_forward)):
+                for i, hook in list(hooks.items()):
+                    if getattr(hook, "__wrapped__", None) == per_module:
+                        hooks[i] = wrap(module, group_hook)
+
     def next_micro_step(self, *args) -> None:
         self.reset_mod_stats()  # the base class refuses a second root forward otherwise
         self.micro += 1
@@ -316,9 +345,12 @@ class PhaseTracker(FSDPMemTracker):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         """A collective whose real backend copies a tensor inside (gloo) holds that copy, as
-        communication, while it runs: the fake backend makes none."""
+        communication, while it runs: the fake backend makes none. A gradient sum that autograd
+        makes in place in a real run is made in place here too (`accumulates_in_place`)."""
         if func is _DEVICE:  # a query that allocates nothing: half of a step's ops (autograd asks it)
             return func(*args, **(kwargs or {}))
+        if accumulates_in_place(func, args, kwargs):
+            return super().__torch_dispatch__(torch.ops.aten.add_.Tensor, types, args, kwargs)
         index = self.backend_copies.get(func.name())
         if index is None:
             return super().__torch_dispatch__(func, types, args, kwargs)
@@ -331,3 +363,26 @@ class PhaseTracker(FSDPMemTracker):
         key = self.phase()
         if total > self.totals.get(key, -1):
             self.totals[key], self.peaks[key] = total, self.current()
+
+
+def accumulates_in_place(func, args, kwargs) -> bool:
+    """Whether `func(*args)` is autograd summing two gradients of one tensor (its `InputBuffer`:
+    a tied embedding's two uses, a residual stream's two branches) that a real run sums in place.
+    The engine adds in place when it holds the only reference to the first gradient's storage,
+    unless a dispatch mode is active (`isTensorSubclassLike` is then true for every tensor), as
+    under this trace: without this, each such sum costs one extra gradient (a vocab x hidden
+    temporary at a tied embedding, issue 36)."""
+    if func is not torch.ops.aten.add.Tensor or kwargs or len(args) != 2 or torch.is_grad_enabled() \
+            or torch._C._current_graph_task_id() == -1:  # only inside backward, without create_graph
+        return False
+    old, new = args
+    if not (isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor) and old.shape == new.shape
+            and old.dtype == new.dtype and old._base is None and old.layout == torch.strided
+            and is_non_overlapping_and_dense_or_false(old)):
+        return False
+    # the storage shared with no other tensor (a fresh one's count: its own and our handle's)
+    return _storage_uses(old) == _storage_uses(torch.empty(0, dtype=old.dtype, device=old.device))
+
+
+def _storage_uses(t: torch.Tensor) -> int:
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)

@@ -195,7 +195,9 @@ class LiveMemory:
     (`log.live_memory`), counted by torch's MemTracker as storages are created and freed. It is
     what a memory planner predicts: CPU has no allocator statistics, and RSS also holds pages the
     C allocator keeps after tensors are freed. Tracked steps run slower (every op passes through
-    Python: +35 % step time for a 3M-parameter GPT-2 on CPU), hence opt-in and only the first steps."""
+    Python: +35 % step time for a 3M-parameter GPT-2 on CPU), hence opt-in and only the first steps.
+    They also hold a little more than untracked ones: under a dispatch mode autograd sums a
+    tensor's gradients out of place (at a tied embedding, one vocab x hidden more)."""
 
     def __init__(self, model, optimizer, device, steps: int):
         self.device, self.remaining, self.peak = device, steps, None
