@@ -136,6 +136,7 @@ def test_plan_prints_a_command_line_that_loads(tmp_path):
     (["--gpus", "0", "--gpu", "T4"], "--gpus: must be at least 1"),
     (["--gpus", "4", "--gpu-mem", "lots"], "--gpu-mem: 'lots' is not a memory size"),
     (["--gpus", "4"], "say which GPU"),
+    (["--gpu", "T4"], "plan needs the GPUs per node: --gpus N"),
     (["--gpus", "4", "--gpu", "T4", "model.name_or_path=nobody/no-such-model"], "is not available offline"),
     (["--gpus", "4", "--gpu", "T4", "train.lr_schedual=cosine"], "did you mean train.lr_schedule"),
 ])

@@ -45,7 +45,9 @@ class PlanRequest:
 
 
 def target_from_request(req: PlanRequest) -> Target:
-    if req.gpus is None or req.gpus < 1:
+    if req.gpus is None:
+        raise UserError("plan needs the GPUs per node: --gpus N (e.g. --gpus 4)")
+    if req.gpus < 1:
         raise UserError(f"--gpus must be at least 1, got {req.gpus}; give the GPUs per node, e.g. --gpus 4")
     if req.nodes < 1:
         raise UserError(f"--nodes must be at least 1, got {req.nodes}")
