@@ -19,6 +19,20 @@ def tiny_cfg(arch: str, *extra: str):
                               "train.micro_batch_size=2", "train.global_batch_size=16", "device=cpu", *extra])
 
 
+def measured_step(cfg, hf_config) -> int:
+    """The allocator's peak of one real step of `cfg` in a world of one (plan.measure)."""
+    import torch.distributed as dist
+
+    from shardtune.distributed.process_group import init_distributed
+    from shardtune.plan.measure import measure_step
+
+    d = init_distributed("cpu")
+    try:
+        return measure_step(cfg, hf_config, d)
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("arch", ["gpt2", "opt", "llama"])
 def test_fake_trace_of_a_step_on_four_ranks(arch):
     from shardtune.model.hf import load_hf_config
@@ -44,20 +58,12 @@ def test_fake_trace_of_a_step_on_four_ranks(arch):
 def test_prediction_matches_a_real_cpu_step():
     """The traced peak against the peak of live tensors of the same step really run (loose bound;
     bench/plan_accuracy.py holds the real comparison)."""
-    import torch.distributed as dist
-
-    from shardtune.distributed.process_group import init_distributed
     from shardtune.model.hf import load_hf_config
-    from shardtune.plan.measure import measure_step
 
     cfg = tiny_cfg("llama", "peft.method=lora", "activation_checkpointing=true", "train.global_batch_size=4")
     hf_config = load_hf_config(cfg.model)
     predicted = trace_step(cfg, hf_config, world_size=1).peak_bytes()
-    d = init_distributed("cpu")
-    try:
-        measured = measure_step(cfg, hf_config, d)
-    finally:
-        dist.destroy_process_group()
+    measured = measured_step(cfg, hf_config)
     assert measured > 0
     assert abs(predicted - measured) / measured < 0.15
 
@@ -66,12 +72,8 @@ def test_the_extrapolated_plan_matches_a_real_step_of_one_loss_chunk():
     """`plan` extrapolates from traces at micro-batches 2 and 4; a micro-batch of one loss chunk
     (GPT-2's 50k vocabulary: 125 tokens of 24 MiB of logits on CPU) must not be priced with the
     chunks those hold (issue 36: the loss kept a third chunk alive from two chunks on, +10 %)."""
-    import torch.distributed as dist
-
-    from shardtune.distributed.process_group import init_distributed
     from shardtune.model.hf import load_hf_config
     from shardtune.plan.cost import Target
-    from shardtune.plan.measure import measure_step
     from shardtune.plan.search import screen
 
     model = {"model_type": "gpt2", "n_layer": 6, "n_embd": 64, "n_head": 4, "vocab_size": 50257, "n_positions": 256}
@@ -79,11 +81,7 @@ def test_the_extrapolated_plan_matches_a_real_step_of_one_loss_chunk():
                              "train.micro_batch_size=1", "train.global_batch_size=2", "device=cpu"])
     hf_config = load_hf_config(cfg.model)
     predicted = screen(cfg, hf_config, Target(1, 1, 0, None), "cpu")(1).peak_bytes()
-    d = init_distributed("cpu")
-    try:
-        measured = measure_step(cfg, hf_config, d)
-    finally:
-        dist.destroy_process_group()
+    measured = measured_step(cfg, hf_config)
     assert -0.01 <= (predicted - measured) / measured <= 0.03, (predicted, measured)
 
 
@@ -92,11 +90,7 @@ def test_a_tied_embedding_gradient_is_summed_in_place_as_in_a_real_step():
     buffer, which a real step sums in place; under the trace's dispatch mode autograd sums out of
     place (issue 36: one vocab x hidden too many, +16 % here, +4.8 % on GPT-2 small's 2-rank
     checkpointed row). The other sums of the step (residual streams) are traced as run too."""
-    import torch.distributed as dist
-
-    from shardtune.distributed.process_group import init_distributed
     from shardtune.model.hf import load_hf_config
-    from shardtune.plan.measure import measure_step
 
     model = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
              "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 32000, "max_position_embeddings": 64,
@@ -105,11 +99,7 @@ def test_a_tied_embedding_gradient_is_summed_in_place_as_in_a_real_step():
                              "train.micro_batch_size=1", "train.global_batch_size=1", "device=cpu"])
     hf_config = load_hf_config(cfg.model)
     predicted = trace_step(cfg, hf_config, world_size=1).peak_bytes()
-    d = init_distributed("cpu")
-    try:
-        measured = measure_step(cfg, hf_config, d)
-    finally:
-        dist.destroy_process_group()
+    measured = measured_step(cfg, hf_config)
     assert -0.01 <= (predicted - measured) / measured <= 0.03, (predicted, measured)
 
 
