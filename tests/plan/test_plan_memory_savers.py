@@ -82,9 +82,9 @@ def test_auto_micro_batch_and_checkpointing_are_the_fastest_pair_that_fits(monke
     """micro_batch_size=auto alone: the largest that fits. With activation_checkpointing=auto: no
     checkpointing where it fits (recomputation only costs), a checkpointing mode where only that
     fits, and one line where nothing does. Each trace is made once for the whole test."""
-    from shardtune.plan import fit, trace
+    from shardtune.plan import fit, search, trace
 
-    screens, wholes, uncached, uncached_whole = {}, {}, fit._screened, trace.trace_step
+    screens, wholes, uncached, uncached_whole = {}, {}, search.screen, trace.trace_step
 
     def screened(mode, cfg=None, *rest):
         if mode not in screens:
@@ -96,7 +96,7 @@ def test_auto_micro_batch_and_checkpointing_are_the_fastest_pair_that_fits(monke
         wholes[key] = wholes.get(key) or uncached_whole(cfg, *rest, **kw)
         return wholes[key]
 
-    monkeypatch.setattr(fit, "_screened", lambda cfg, *rest: screened(cfg.activation_checkpointing, cfg, *rest))
+    monkeypatch.setattr(search, "screen", lambda cfg, *rest: screened(cfg.activation_checkpointing, cfg, *rest))
     monkeypatch.setattr(trace, "trace_step", whole)
     mb, line = fit.resolve_auto(tiny("train.micro_batch_size=auto"), 1, 1, host_budget=1 << 40)
     assert mb == 8 and "accumulation 1 keeps the global batch of 8" in line

@@ -86,7 +86,8 @@ def check_run(cfg: RunConfig, world_size: int | None = None, device=None, say=No
         raise ValueError("check_run takes a resolved run (resolve.run.resolve_run): micro_batch_size a number, "
                          "activation_checkpointing a mode, output_dir set")
     world_size = job_world_size() if world_size is None else world_size
-    check_machine(cfg, resolve_device(cfg.device) if device is None else device)
+    device = resolve_device(cfg.device) if device is None else device
+    check_machine(cfg, device)
     accum = check_world(cfg, world_size)
     main = os.environ.get("RANK", "0") == "0"
     publishes = check_ready(cfg.publish, say or (lambda text: print(text, flush=True) if main else None))
@@ -96,7 +97,7 @@ def check_run(cfg: RunConfig, world_size: int | None = None, device=None, say=No
     if cfg.kernels != "none":  # the family Liger has kernels for (its list needs Liger, so only here)
         from shardtune.model.kernels import check
 
-        check(cfg.kernels, "cuda", getattr(hf_config, "model_type", None))
+        check(cfg.kernels, device, getattr(hf_config, "model_type", None))
     return CheckedRun(cfg, hf_config, tokenizer, accum, world_size, publishes)
 
 

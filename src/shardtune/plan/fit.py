@@ -124,7 +124,7 @@ def resolve_layout(cfg: RunConfig, world_size: int, local_world_size: int, host_
     20 % and 1 GiB per rank kept for everything else."""
     from shardtune.hardware import GIB, gpu_by_device_name
     from shardtune.plan.cost import Candidate, Target
-    from shardtune.plan.search import estimate
+    from shardtune.plan.search import estimate, screen
 
     auto_mb, auto_ck = cfg.train.micro_batch_size == "auto", cfg.activation_checkpointing == "auto"
     sizes = auto_micro_batches(cfg.train.global_batch_size, world_size) if auto_mb else [cfg.train.micro_batch_size]
@@ -165,7 +165,7 @@ def resolve_layout(cfg: RunConfig, world_size: int, local_world_size: int, host_
 
     from shardtune.plan.trace import trace_step
 
-    chosen = choose_layout(modes, sizes, lambda mode: _screened(run_of(mode, 1), hf_config, target, device),
+    chosen = choose_layout(modes, sizes, lambda mode: screen(run_of(mode, 1), hf_config, target, device),
                            priced, budget,
                            lambda mode, mb: trace_step(run_of(mode, mb), hf_config, world_size, local_world_size,
                                                        target=device))
@@ -187,12 +187,6 @@ def resolve_layout(cfg: RunConfig, world_size: int, local_world_size: int, host_
     if cfg.kernels != "none":
         line += f"; traced without kernels={cfg.kernels} (HF's modules and the chunked head loss)"
     return mb, mode, line + f"; gradient accumulation {accum} keeps the global batch of {cfg.train.global_batch_size}"
-
-
-def _screened(cfg: RunConfig, hf_config, target, device: str):
-    from shardtune.plan.search import screen
-
-    return screen(cfg, hf_config, target, device)
 
 
 @dataclass
