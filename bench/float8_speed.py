@@ -77,9 +77,10 @@ def summary(run: dict, tokens_per_step: int, skip: int, base: dict | None) -> li
     return row + [f"{statistics.mean(rel) * 100:.2f} %", f"{max(rel) * 100:.2f} %"]
 
 
-def arms_parser(arms: dict, steps: int, workdir: str) -> argparse.ArgumentParser:
-    """The options of a bench that trains `arms` (name -> overrides) of the same Llama ~1B run."""
-    p = argparse.ArgumentParser(description=sys.modules["__main__"].__doc__.splitlines()[0])
+def arms_parser(doc: str, arms: dict, steps: int, workdir: str) -> argparse.ArgumentParser:
+    """The options of a bench (its docstring `doc`) that trains `arms` (name -> overrides) of the
+    same Llama ~1B run."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--steps", type=int, default=steps, help=f"optimizer steps per run (default {steps})")
     p.add_argument("--skip", type=int, default=5, help="first steps left out of tokens/s (compilation, warm-up)")
     p.add_argument("--global-batch", type=int, default=8, help="sequences per optimizer step (default 8)")
@@ -107,7 +108,7 @@ def run_arms(a, arms: dict, common: list[str]) -> tuple[dict, int, int, dict[str
 
 
 def main() -> int:
-    a = arms_parser(ARMS, 50, "float8").parse_args()
+    a = arms_parser(__doc__, ARMS, 50, "float8").parse_args()
     if C.args_only():
         return 0
     setup, skip, tokens_per_step, runs = run_arms(a, ARMS, ["compile=true"])

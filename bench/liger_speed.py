@@ -43,7 +43,7 @@ def row(arm: str, repeat: int, run: dict, tokens_per_step: int, skip: int, base:
 
 
 def main() -> int:
-    a = arms_parser(ARMS, 20, "liger").parse_args()
+    a = arms_parser(__doc__, ARMS, 20, "liger").parse_args()
     if C.args_only():
         return 0
     setup, skip, tokens_per_step, runs = run_arms(a, ARMS, [])
