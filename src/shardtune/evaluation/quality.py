@@ -174,7 +174,8 @@ def run_quality(req: QualityRequest) -> dict:
     refuse_foreign_file(out, "--out", "an output of `eval --generate`", OUT_MARK, req.overwrite)  # before any work
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    os.environ.setdefault("DISABLE_TQDM", "1")  # mauve-text's featurizing bar
+    if "mauve" in metrics:
+        os.environ.setdefault("DISABLE_TQDM", "1")  # mauve-text's featurizing bar
     featurizer = textscores.load_featurizer(req.mauve_featurizer) if "mauve" in metrics else None
     _, tokenizer, _, run_cfg = load_model(req.model, weights=False)
     cfg = data_config(req, run_cfg)
