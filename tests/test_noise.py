@@ -16,9 +16,13 @@ warnings.simplefilter("default")  # what a console shows, as outside pytest
 import torchao  # noqa: F401  (imports torch; warns for each prebuilt kernel library it cannot load)
 # what peft's call of transformers' deprecated property warns (the model itself costs seconds to import)
 warnings.warn("`is_gradient_checkpointing` is deprecated and will be removed in v6", FutureWarning)
+# what torch's DTensor dispatch warns when torch's ShardedGradScaler hands it its found-inf tensor (fp16)
+warnings.warn("Found a non-scalar tensor with numel=1 and ndim!=0, we are implicitly creating a replicated "
+              "DTensor for it.", UserWarning)
 warnings.warn("a warning nobody listed")
 """
-NOISE = ("Failed to load", "is an Enum subclass and is now natively supported", "`is_gradient_checkpointing`")
+NOISE = ("Failed to load", "is an Enum subclass and is now natively supported", "`is_gradient_checkpointing`",
+         "Found a non-scalar tensor with numel=1")
 
 
 def console(quiet: bool) -> str:

@@ -19,6 +19,10 @@ QUIET_LOGGERS = {
 QUIET_WARNINGS = [
     # peft asks transformers whether checkpointing is on under the deprecated name
     ("`is_gradient_checkpointing` is deprecated", FutureWarning),
+    # torch's ShardedGradScaler (fp16) hands its found-inf tensor, shape [1], to a DTensor op, and
+    # torch's DTensor dispatch asks for a scalar: torch's code talking to torch's, in every fp16 step
+    # (and plan's fp16 traces)
+    ("Found a non-scalar tensor with numel=1 and ndim!=0", UserWarning),
 ]
 
 

@@ -93,7 +93,11 @@ def smoke_overrides(recipe: str, arch: str, data_path: str, tokenizer: str, out:
 
 
 def test_every_reference_recipe_exists_with_real_hub_ids_and_a_header():
-    from shardtune.config.load import load_config
+    """...and passes plan's check with its real model's config (the copy shipped with shardtune)
+    on the GPU count its header documents: positions, peft targets, document masking, batch."""
+    from shardtune.check.run import check_config
+    from shardtune.config.load import check_world, load_config
+    from shardtune.plan.fit import resolve_hf_config
 
     assert sorted(p.stem for p in RECIPES.glob("*.yaml")) == sorted(EXPECTED)
     for name, (model, _, dataset, _) in EXPECTED.items():
@@ -108,6 +112,10 @@ def test_every_reference_recipe_exists_with_real_hub_ids_and_a_header():
         gpus = int(nproc.group(1)) if nproc else 1
         # the global batch is reachable on the documented GPU count
         assert cfg.train.global_batch_size % (cfg.train.micro_batch_size * gpus) == 0, name
+        hf_config, where = resolve_hf_config(cfg)
+        assert "shipped with shardtune" in where or "cache" in where, (name, where)
+        check_config(cfg, hf_config)
+        assert check_world(cfg, gpus) >= 1
 
 
 def test_recipes_say_what_the_reference_systems_use():

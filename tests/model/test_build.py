@@ -216,3 +216,27 @@ def test_opt_blocks_returning_views_still_get_the_unsharded_gradients(one_rank):
             model.zero_grad(set_to_none=True)
             reference.zero_grad(set_to_none=True)
     assert not [w for w in caught if "returned a view tensor" in str(w.message)]
+
+
+def test_a_random_init_config_raises_no_warning_about_ids_the_tokenizer_replaces():
+    """The quickstart's GPT-2 (vocab 2048) keeps GPT-2's eos id 50256 until match_tokenizer sets the
+    tokenizer's: transformers warned about that id at construction, above the run's first line."""
+    import logging
+
+    from shardtune.config.schema import ModelConfig
+    from shardtune.model.hf import load_hf_config
+
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger = logging.getLogger("transformers.configuration_utils")
+    logger.addHandler(handler)
+    try:
+        # a vocabulary no other test uses: transformers warns once per message
+        hf = load_hf_config(ModelConfig(config={"model_type": "gpt2", "vocab_size": 1999, "n_layer": 1}))
+        assert hf.eos_token_id == 50256  # unchanged until match_tokenizer
+        load_hf_config(ModelConfig(config={"model_type": "gpt2", "vocab_size": 1998, "pad_token_id": 5000}))
+    finally:
+        logger.removeHandler(handler)
+    assert not [m for m in seen if "bos_token_id" in m or "eos_token_id" in m], seen
+    assert any("pad_token_id" in m and "got 5000" in m for m in seen), seen  # the user's own id still warns

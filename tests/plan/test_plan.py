@@ -197,3 +197,18 @@ def test_a_layout_too_big_at_micro_batch_2_is_not_traced_further_unless_micro_ba
         if lean:
             assert {e.candidate.micro_batch for e in out} == {2} and all(not e.fits for e in out)
             assert all("traced at micro-batch 2 only" in e.why_not for e in out)
+
+
+def test_a_layout_within_1_percent_of_the_best_is_a_tie_not_slower():
+    """GPT-2 on 4 x T4 printed 'fits, slower: ... bf16 optimizer state ...: 145,595 tokens/s' under a
+    best of 145,177: within 1 % the fewer changes win (README), so that layout tied; it was not slower."""
+    from shardtune.plan.report import _others
+
+    def fitting(optimizer_state: str, checkpointing: str, tokens_per_s: float) -> dict:
+        c = {"sharding": "full_shard", "precision": "fp16", "micro_batch": 24, "checkpointing": checkpointing,
+             "every": 2, "activation_offload": False, "reduce_dtype": "fp32", "optimizer_state": optimizer_state,
+             "cpu_offload": False}
+        return {"fits": True, "tokens_per_s": tokens_per_s, "candidate": c}
+
+    lines = _others([fitting("bf16", "none", 145_595), fitting("fp32", "full", 109_393)], best_tokens_per_s=145_177)
+    assert [line.split(":")[0].strip() for line in lines[2:]] == ["fits, a tie (within 1 %)", "fits, slower"], lines

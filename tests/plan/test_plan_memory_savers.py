@@ -162,6 +162,31 @@ def test_auto_with_a_batch_the_ranks_cannot_divide_is_one_line(capsys):
     assert code == 2 and len(err.splitlines()) == 1 and "2 ranks do not divide" in err, err
 
 
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_train_resolves_the_autos_once_and_says_the_quickstart_line_first(nproc, assets, tmp_path, monkeypatch,
+                                                                         capsys):
+    """The parent of --nproc N hands its ranks the checkpointing mode it chose, as it does the
+    micro-batch (each rank planned the mode again on its own reading of free RAM, and rank 0 said
+    it a second time); the quickstart's line stays the run's first (README), the auto line next."""
+    import shardtune.cli.train as cli_train
+    import shardtune.plan.fit as fit
+    import shardtune.train.trainer as trainer
+    from conftest import tiny_overrides
+    from shardtune.cli.main import main
+
+    monkeypatch.setattr(fit, "resolve_layout", lambda cfg, world, local: (2, "full", "auto chose 2, full"))
+    workers = []
+    monkeypatch.setattr(cli_train, "_launch_preemptible", lambda n, worker, out: workers.append(worker) or 0)
+    monkeypatch.setattr(trainer, "run", lambda checked, overwrite: {})
+    words = tiny_overrides(assets, tmp_path / "run", **{"train.micro_batch_size": "auto",
+                                                        "activation_checkpointing": "auto"})
+    assert main(["train", *words, "--nproc", str(nproc)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("quickstart defaults: ") and lines[1] == "auto chose 2, full", lines
+    if nproc > 1:
+        assert {"train.micro_batch_size=2", "activation_checkpointing=full"} <= set(workers[0]), workers
+
+
 def test_sweep_grid_over_the_new_keys_loads():
     from shardtune.sweep.grid import Sweep, check, parse_grid
 

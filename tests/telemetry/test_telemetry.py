@@ -87,7 +87,9 @@ def test_trackers_write_offline(tmp_path, monkeypatch):
     config = {"train": {"lr": 0.1, "betas": [0.9, 0.95]}, "precision": "fp32"}
     t = Trackers(["tensorboard", "wandb", "mlflow"], tmp_path, config, "shardtune-test", "run1")
     for step in (1, 2):
-        t.log({"step": step, "loss": 3.0 / step, "skipped": True, "note": "x"}, step)
+        # log.watch's per-block norms beside the step's own grad_norm
+        t.log({"step": step, "loss": 3.0 / step, "skipped": True, "note": "x", "grad_norm": 1.0,
+               "grad_norm/h.0": 0.5}, step)
         t.histograms({"grad_hist/h.0": Histogram(-1.0, 1.0, [1.0, 0.0, 2.0, 1.0], 0.5, 1.5)}, step)  # not MLflow
     t.close()
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
@@ -96,6 +98,9 @@ def test_trackers_write_offline(tmp_path, monkeypatch):
                for f in (tmp_path / "wandb").rglob("*.wandb"))
     metric_files = list((tmp_path / "mlruns").rglob("metrics/loss"))
     assert metric_files and len(metric_files[0].read_text().splitlines()) == 2
+    # MLflow's file store cannot hold a metric grad_norm (a file) and grad_norm/h.0 (a folder of that name)
+    assert {f.name for f in (tmp_path / "mlruns").rglob("metrics/*") if f.is_file()} == \
+        {"loss", "grad_norm", "grad_norm.h.0"}
     params = list((tmp_path / "mlruns").rglob("params/train.lr"))
     assert params and params[0].read_text().strip() == "0.1"
 

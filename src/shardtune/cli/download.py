@@ -12,7 +12,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("download", help="fill the Hugging Face cache (for compute nodes without network)")
     p.add_argument("targets", nargs="+", metavar="TARGET", type=nonempty_str,
                    help="a recipe YAML (its model, tokenizer and "
-                    "dataset), or hub ids: model:ID or dataset:ID (a bare ID is a model)")
+                    "dataset), or hub ids: model:ID, dataset:ID or dataset:ID:CONFIG (a bare ID is a model)")
     p.add_argument("--cache-dir", type=nonempty_str, help="cache folder (default: the HF cache, $HF_HOME)")
 
 

@@ -22,7 +22,8 @@ def add_parser(sub) -> None:
                     "loss and perplexity then")
     p.add_argument("--nproc", type=ranks, default=1, metavar="N", help="ranks per trial (default: 1)")
     p.add_argument("--mem-limit", type=size, metavar="SIZE", help="memory per rank, e.g. 2GiB: on CPU a real cap on "
-                    "each trial process; on a GPU the budget a trial must stay under (default: the GPU's memory)")
+                    "each trial process; on a GPU the budget a trial must stay under (default: the GPU's memory; on "
+                    "CPU with --max-batch, the machine's memory over the ranks)")
     p.add_argument("--out", type=nonempty_str, help="folder for sweep.csv, sweep.md, plots and trials (default: "
                     "runs/sweep-<recipe>); rerunning with the same folder continues the sweep")
     s = p.add_argument_group("hyperparameter search (--search; instead of --grid)")

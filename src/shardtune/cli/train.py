@@ -43,15 +43,19 @@ def run(args) -> int:
         world, local = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     elif nproc > 1:
         check_nproc(nproc, loaded.device)
-    cfg = resolve_run(loaded, world, local)  # the one resolved run: nothing changes it after this
+    said: list[str] = []  # what the autos chose: said after the quickstart's line, which stays the run's first
+    cfg = resolve_run(loaded, world, local, say=said.append)  # the one resolved run: nothing changes it after this
     if launched_by_agent() or nproc == 1:
         from shardtune.distributed.process_group import LAUNCHER_ENV
         from shardtune.rank.preemption import interrupted_line
         from shardtune.train.trainer import run
 
         checked = check_run(cfg, world)  # before the process group, the model and the data
-        if used and os.environ.get("RANK", "0") == "0" and LAUNCHER_ENV not in os.environ:  # else: the launcher's
-            print(used, flush=True)
+        if os.environ.get("RANK", "0") == "0":
+            if used and LAUNCHER_ENV not in os.environ:  # else: the launcher's
+                print(used, flush=True)
+            for line in said:
+                print(line, flush=True)
         try:
             results = run(checked, overwrite=args.overwrite)
         except KeyboardInterrupt:  # a second Ctrl-C, or one before training started
@@ -64,13 +68,15 @@ def run(args) -> int:
     from shardtune.checkpoint.rundir import prepare_run_dir, release_run_dir
 
     out = cfg.output_dir
-    if used:
-        print(used, flush=True)
+    for line in ([used] if used else []) + said:
+        print(line, flush=True)
     try:
         prepare_run_dir(cfg, args.overwrite, check_only=True)  # cheap: a live run's folder is refused at once
         check_run(cfg, nproc, say=lambda line: None)  # one error here, not one per rank
+        # the ranks take what the autos chose: planning again, each on its own reading of free RAM, could differ
         worker = ["train", *([recipe] if recipe else []), *overrides, f"output_dir={out}", f"device={cfg.device}",
-                  f"train.micro_batch_size={cfg.train.micro_batch_size}"]
+                  f"train.micro_batch_size={cfg.train.micro_batch_size}",
+                  f"activation_checkpointing={cfg.activation_checkpointing}"]
         if args.overwrite:
             worker.append("--overwrite")
         return _launch_preemptible(nproc, worker, Path(out))

@@ -213,7 +213,7 @@ def quickstart_defaults(overrides: list[str] = ()) -> tuple[dict, str]:
     """The embedded default run, less what the user's `overrides` replace, and the start-up line
     saying exactly which defaults apply.
 
-    Its parts: the model (a ~0.9M-parameter random-init GPT-2 and its docstring tokenizer), the
+    Its parts: the model (a ~0.7M-parameter random-init GPT-2 and its docstring tokenizer), the
     training settings and seq_len sized for that GPT-2, the data (the docstring corpus), and the
     run's shape (eval and log cadence). Naming a model (model.name_or_path) drops the model and its
     training settings; a model.config that names its own model_type (a random-init model of your

@@ -7,7 +7,9 @@ initialises) the full weights, which are then broadcast shard by shard after `fu
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -46,7 +48,8 @@ def load_hf_config(cfg: ModelConfig, local_files_only: bool = False):
             raise UserError(f"model.config must map field names to values with a model_type name, got "
                             f"model_type={model_type!r} and keys {list(overrides)[:5]}; check model.config")
         try:
-            hf_config = AutoConfig.for_model(model_type, **overrides)
+            with _quiet_type_default_ids(overrides):
+                hf_config = AutoConfig.for_model(model_type, **overrides)
         except ValueError as exc:
             if "Unrecognized model" in str(exc):
                 raise UserError(f"model.config.model_type={model_type!r} is unknown to transformers "
@@ -88,6 +91,29 @@ def load_hf_config(cfg: ModelConfig, local_files_only: bool = False):
     check_buildable(hf_config, cfg.trust_remote_code, f"model {cfg.name_or_path!r}"
                     + (" with model.config" if overrides else ""))
     return hf_config
+
+
+# the special-token ids match_tokenizer sets from the tokenizer on a config built from model.config
+TOKENIZER_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+@contextlib.contextmanager
+def _quiet_type_default_ids(overrides: dict):
+    """transformers warns at construction about a model type's default special-token ids outside
+    a smaller model.config.vocab_size (GPT-2's 50256 in the quickstart's 2048); match_tokenizer
+    replaces them with the tokenizer's, so those lines are about values no run uses. An id the
+    user gave still warns."""
+    starts = tuple(f"Model config: {name} must be" for name in TOKENIZER_IDS if name not in overrides)
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(starts)
+
+    logger = logging.getLogger("transformers.configuration_utils")
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
 
 
 def _reason(exc: BaseException) -> str:
@@ -152,7 +178,7 @@ def match_tokenizer(hf_config, tokenizer, cfg: ModelConfig) -> None:
     text = text_config(hf_config)  # a multimodal config's language model holds its vocabulary
     if "vocab_size" not in cfg.config:
         text.vocab_size = len(tokenizer)
-    for obj in {id(o): o for o in (hf_config, text)}.values():
+    for obj in {id(o): o for o in (hf_config, text)}.values():  # TOKENIZER_IDS
         obj.bos_token_id = tokenizer.bos_token_id
         obj.eos_token_id = tokenizer.eos_token_id
         obj.pad_token_id = tokenizer.pad_token_id

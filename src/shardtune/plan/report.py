@@ -18,7 +18,7 @@ from shardtune.hardware import GIB, float8_needs, gpu_by_name, overhead, parse_s
 from shardtune.plan.cost import Candidate, Target, setting
 from shardtune.plan.fit import resolve_hf_config
 from shardtune.plan.keys import refuse_unpriced
-from shardtune.plan.search import Estimate, confirm, estimate, layout_cfg, screen, search
+from shardtune.plan.search import TIE, Estimate, confirm, estimate, layout_cfg, screen, search
 from shardtune.plan.trace_cache import TraceCache
 
 ROWS = [("sharded_params", "sharded parameters"), ("gathered_params", "gathered parameters"),
@@ -234,15 +234,15 @@ def render(answer: dict) -> str:
         lines += ["", "nothing fits."]
         for text in answer.get("what_would_fit", []):
             lines.append(f"  - {text}")
-    lines += _others(answer["others"])
+    lines += _others(answer["others"], best["tokens_per_s"] if best else None)
     lines.append("(reserved memory calibrated on one H100 for no checkpointing, full checkpointing and LoRA; other "
                  "techniques take the widest measured reserve: hardware.MEASURED_RESERVE)")
     return "\n".join(lines)
 
 
-def _others(others: list[dict], shown_fitting: int = 10) -> list[str]:
-    """Per traced layout its fastest variant that fits, else the shortfall of its leanest; the
-    layouts not traced, counted by reason."""
+def _others(others: list[dict], best_tokens_per_s: float | None = None, shown_fitting: int = 10) -> list[str]:
+    """Per traced layout its fastest variant that fits (a tie where within 1 % of the best: the
+    tie-breaks chose the best), else the shortfall of its leanest; the layouts not traced, counted by reason."""
     fitting, dropped, untraced, seen = [], [], {}, set()
     for e in sorted(others, key=lambda e: (not e["fits"], -e.get("tokens_per_s", 0) if e["fits"]
                                            else e.get("gpu_bytes", {}).get("total", 0))):
@@ -252,7 +252,9 @@ def _others(others: list[dict], shown_fitting: int = 10) -> list[str]:
             continue
         seen.add(layout)
         if e["fits"]:
-            fitting.append(f"  fits, slower: {_label(c)}: {e['tokens_per_s']:,.0f} tokens/s")
+            tie = best_tokens_per_s is not None and e["tokens_per_s"] >= best_tokens_per_s * (1 - TIE)
+            fitting.append(f"  fits, {'a tie (within 1 %)' if tie else 'slower'}: {_label(c)}: "
+                           f"{e['tokens_per_s']:,.0f} tokens/s")
         elif e["why_not"].startswith("not traced: "):
             kind = "slower at best than" if "tokens/s if it fit" in e["why_not"] else "heavier than"
             untraced.setdefault(kind, []).append(e)

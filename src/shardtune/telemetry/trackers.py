@@ -37,6 +37,12 @@ def flatten(tree: dict, prefix: str = "") -> dict:
     return flat
 
 
+def mlflow_names(scalars: dict) -> dict:
+    """MLflow's file store keeps a metric as a file named by its key: `grad_norm` and log.watch's
+    `grad_norm/h.0` (a file in a folder `grad_norm`) cannot both be, so MLflow gets `grad_norm.h.0`."""
+    return {key.replace("/", "."): value for key, value in scalars.items()}
+
+
 class Sink(NamedTuple):
     log: Callable[[dict, int], object]  # (scalars, step)
     close: Callable[[], object]
@@ -117,7 +123,7 @@ class Trackers:
                 mlflow.set_experiment(project)
                 mlflow.start_run(run_name=run_name)
                 mlflow.log_params({k[:250]: str(v)[:500] for k, v in hparams.items()})
-                self.sinks.append(Sink(lambda scalars, step, m=mlflow: m.log_metrics(scalars, step=step),
+                self.sinks.append(Sink(lambda scalars, step, m=mlflow: m.log_metrics(mlflow_names(scalars), step=step),
                                        mlflow.end_run))
 
     def log(self, metrics: dict, step: int) -> None:
