@@ -14,12 +14,13 @@ from shardtune.distributed.fsdp import build_mesh, reshard_after_forward
 from shardtune.model.build import ModelSpec, build_model
 
 
-@pytest.mark.parametrize("sharding,group,expected", [
-    ("full_shard", 4, True), ("hybrid_shard", 2, True),
-    ("full_shard", 1, False), ("hybrid_shard", 1, False),  # a shard group of one: nothing to free
-    ("shard_grad_op", 4, False), ("no_shard", 1, False)])
-def test_one_policy_decides_resharding_and_gradient_sync(sharding, group, expected):
-    assert reshard_after_forward(sharding, group) is expected
+@pytest.mark.parametrize("sharding,group,device,expected", [
+    ("full_shard", 4, "cpu", True), ("hybrid_shard", 2, "cuda", True),
+    ("full_shard", 1, "cuda", True), ("hybrid_shard", 1, "cuda", True),  # one rank's gathered copy: GPU memory
+    ("full_shard", 1, "cpu", False), ("hybrid_shard", 1, "cpu", False),  # a CPU keeps it (a copy costs time)
+    ("shard_grad_op", 4, "cuda", False), ("shard_grad_op", 1, "cuda", False), ("no_shard", 1, "cuda", False)])
+def test_one_policy_decides_resharding_and_gradient_sync(sharding, group, device, expected):
+    assert reshard_after_forward(sharding, group, device) is expected
 
 
 def hf_config(arch: str):

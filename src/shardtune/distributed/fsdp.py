@@ -91,12 +91,16 @@ def mixed_precision(precision: str, reduce_dtype: str = "fp32"):
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce)
 
 
-def reshard_after_forward(sharding: str, shard_group_size: int) -> bool:
+def reshard_after_forward(sharding: str, shard_group_size: int, device_type: str) -> bool:
     """The sharding policy, decided here only: free gathered parameters after forward (and keep
-    gradients sharded between micro-batches) for full_shard and hybrid_shard, where a shard
-    group has several ranks. With one rank in the group there is nothing to free, and
-    re-gathering would only copy (10 % of a 1-rank step on CPU)."""
-    return sharding in ("full_shard", "hybrid_shard") and shard_group_size > 1
+    gradients sharded between micro-batches) for full_shard and hybrid_shard. With one rank in the
+    shard group the gathered copy is still a second copy of the unit (bf16 beside fp32 weights: a
+    7B model's 12.6 GiB held from forward into backward), so a GPU frees it, as FSDP2 does by
+    default: there memory is the limit and gathering again is a copy on the device. A CPU run keeps
+    it: RAM is plentiful and the copy is 10 % of a 1-rank step (shard_grad_op keeps it anywhere)."""
+    if sharding not in ("full_shard", "hybrid_shard"):
+        return False
+    return shard_group_size > 1 or device_type != "cpu"
 
 
 def apply_parallelism(model, spec, block_cls: type, mesh, device) -> tuple[list, bool]:
@@ -121,7 +125,7 @@ def apply_parallelism(model, spec, block_cls: type, mesh, device) -> tuple[list,
         offload_policy=CPUOffloadPolicy(pin_memory=device.type == "cuda") if fsdp.cpu_offload
         else OffloadPolicy(),
     )
-    reshard = reshard_after_forward(fsdp.sharding, mesh.size(mesh.ndim - 1))
+    reshard = reshard_after_forward(fsdp.sharding, mesh.size(mesh.ndim - 1), spec.device_type or device.type)
     known = family(getattr(getattr(model, "config", None), "model_type", None))
     if known and known.view_output_checked and known.block == block_cls.__name__:  # families.Family
         warnings.filterwarnings("ignore", message=rf"FSDP2-wrapped module \(FSDP{block_cls.__name__}\) returned a view")

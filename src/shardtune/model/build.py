@@ -37,6 +37,7 @@ class ModelSpec:
     freeze: FreezeConfig = field(default_factory=FreezeConfig)
     trust_remote_code: bool = False
     tokenizer: str | None = None  # the run's tokenizer (folder or hub id): peft.prompt_init_text reads it
+    device_type: str | None = None  # whose sharding policy: None, the device built on (plan traces CUDA on CPU)
 
     @classmethod
     def of_run(cls, cfg: RunConfig, hf_config) -> ModelSpec:

@@ -182,7 +182,9 @@ def trace_step(cfg: RunConfig, hf_config, world_size: int, local_world_size: int
         families.set_layer_count(hf_config, layers)
     accum = check_world(cfg, world_size)
     with fake_world(world_size, local_world_size or world_size) as dist:
-        built = build_model(ModelSpec.of_run(cfg, hf_config), build_mesh(cfg.fsdp, dist), dist.device)
+        spec = ModelSpec.of_run(cfg, hf_config)
+        spec.device_type = target  # the target's sharding policy (fsdp.reshard_after_forward)
+        built = build_model(spec, build_mesh(cfg.fsdp, dist), dist.device)
         model = built.model
         total, trainable = count_params(model)
         params = dict(zip(("total", "trainable", "matmul", "matmul_trainable"),
