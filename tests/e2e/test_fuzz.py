@@ -76,6 +76,22 @@ def test_overrides_of_every_key(world, overrides):
     run_and_check(world, ["slurm", world.recipe, *words, "--nodes", "1", "--gpus-per-node", "1"])
 
 
+# the values that broke a check before (an int too large for a float, one over Python's 4300-digit limit);
+# every key takes each, deterministically: a draw from VALUES x config_keys() may miss a key for long
+WORST = ["9" * 400, "9" * 5000, "1e309", "[]", "{}", "[" + "9" * 400 + "]"]
+
+
+def test_every_key_takes_the_worst_values(world):
+    from shardtune.config.load import load_config
+    from shardtune.errors import UserError
+
+    for key, value in itertools.product(config_keys(), WORST):
+        try:
+            load_config(world.recipe, [f"{key}={value}"])
+        except UserError as exc:
+            assert "\n" not in str(exc), (key, value, str(exc))
+
+
 OPTIONS = {
     "eval": ["--seq-len", "--micro-batch-size", "--max-batches", "--text-field", "--split", "--data"],
     "generate": ["--max-new-tokens", "--temperature", "--top-p", "--seed", "--prompt", "--prompts-file"],
@@ -139,6 +155,22 @@ def test_corrupt_checkpoints(world, name, data):
     shutil.copytree(world.checkpoint, folder)
     (folder / name).write_bytes(data.draw(corruptions((folder / name).read_bytes())))
     run_and_check(world, ["export", str(folder), str(world.fresh_path("exported"))])
+
+
+@examples(3)
+@given(name=st.sampled_from(["rng-rank00000.pt", "__0_0.distcp", "meta.json"]), data=st.data())
+def test_corrupt_checkpoints_on_resume(world, name, data):
+    """One file of a run's newest checkpoint damaged, then `train resume=auto`: refused with the run
+    as it was (metrics of steps after the checkpoint kept), or resumed."""
+    import shutil
+
+    run = world.fresh_path("run")
+    shutil.copytree(world.trained_run(), run)
+    folder = run / "checkpoints" / "step-000001"
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 5.0}) + "\n" for s in (1, 2, 3)))
+    (folder / name).write_bytes(data.draw(corruptions((folder / name).read_bytes())))
+    run_and_check(world, ["train", world.recipe, "resume=auto", "train.max_steps=2", f"output_dir={run}"],
+                  resumed=True)
 
 
 @examples(3)
@@ -251,6 +283,15 @@ class FuzzWorld:
         shutil.copytree(tokenizer, folder / "tokenizer")
         return folder
 
+    def trained_run(self) -> Path:
+        """The output folder of a real one-step run with its checkpoint (made once, on first use)."""
+        folder = self.root / "trained"
+        if not folder.is_dir():
+            with contextlib.redirect_stdout(io.StringIO()):
+                rc = main(["train", self.recipe, "checkpoint.every_steps=1", f"output_dir={folder}"])
+            assert rc == 0 and (folder / "checkpoints" / "step-000001" / "rng-rank00000.pt").is_file()
+        return folder
+
     def fresh_path(self, name: str) -> Path:
         return self.root / "scratch" / f"{next(self.counter)}-{name}"
 
@@ -283,9 +324,10 @@ def snapshot(root: Path) -> dict:
     return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*") if p.is_file()}
 
 
-def run_and_check(world: FuzzWorld, argv: list[str], must_fail: bool = False, main=main) -> int:
+def run_and_check(world: FuzzWorld, argv: list[str], must_fail: bool = False, main=main, resumed=False) -> int:
     """Run `shardtune argv` in-process and assert the property: exit 0 or 2 (2 when `must_fail`),
-    no traceback, at most two lines on stderr, no file that existed before changed."""
+    no traceback, at most two lines on stderr, no file that existed before changed (`resumed`: unless
+    it exits 0, a resume that continues the run's files)."""
     before = snapshot(world.root)
     err, out = io.StringIO(), io.StringIO()
     try:
@@ -302,7 +344,7 @@ def run_and_check(world: FuzzWorld, argv: list[str], must_fail: bool = False, ma
     assert rc in ((EXIT_USAGE,) if must_fail else (0, EXIT_USAGE)), f"rc={rc} for {argv!r}: {err.getvalue()}"
     assert "Traceback" not in err.getvalue(), f"{argv!r}: {err.getvalue()}"
     assert len(lines) <= 2, f"{len(lines)} lines on stderr for {argv!r}:\n{err.getvalue()[:3000]}"
-    changed = [p for p, stamp in before.items() if snapshot_one(Path(p)) != stamp]
+    changed = [p for p, stamp in before.items() if snapshot_one(Path(p)) != stamp and not (resumed and rc == 0)]
     assert not changed, f"{argv!r} changed {changed[:3]}"
     return rc
 

@@ -117,7 +117,7 @@ def _check_value(key: str, value) -> None:
         if "\x00" in value:
             raise UserError(f"{key} contains a NUL character; give plain text")
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        if not math.isfinite(value):  # NaN passes every comparison: refuse it first
+        if isinstance(value, float) and not math.isfinite(value):  # NaN passes every comparison: refuse it first
             raise UserError(f"{key}={value} is not a finite number; give a real value")
         rng = BOUNDS.get(key, Range())
         why = rng.refuse(value) or ("must be at most 2**63-1" if isinstance(value, int) and value > INT_LIMIT
