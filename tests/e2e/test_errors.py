@@ -343,6 +343,11 @@ def test_data_path_that_is_a_fifo(capfd, recipe, out, tmp_path):
     ({**TINY_GPT2, "n_embd": 33}, ["cannot build", "divisible"]),
     ({**TINY_GPT2, "n_head": 0}, ["cannot build", "ZeroDivisionError"]),
     ({**TINY_GPT2, "layer_norm_epsilon": float("nan")}, ["model.config.layer_norm_epsilon=nan"]),
+    # builds, then failed at the first forward (shapes) or trained a model that sees the next token
+    ({"model_type": "llama", "hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 3,
+      "intermediate_size": 64, "num_hidden_layers": 1}, ["2 attention heads", "3 key/value heads"]),
+    ({"model_type": "bert", "hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64,
+      "num_hidden_layers": 1}, ["is_decoder=false", "model.config.is_decoder=true"]),
 ])
 def test_model_config_that_cannot_be_built(capfd, recipe, out, config, words):
     fails(capfd, ["train", recipe, f"model.config={yaml.safe_dump(config, default_flow_style=True).strip()}",
