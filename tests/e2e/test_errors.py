@@ -394,6 +394,21 @@ def test_nproc_above_gpus_cli(capfd, monkeypatch, recipe, out):
     assert snapshot(out) == before
 
 
+@pytest.mark.parametrize("env, name", [
+    ({"RANK": "0", "WORLD_SIZE": "abc"}, "WORLD_SIZE='abc'"),
+    ({"RANK": "0", "WORLD_SIZE": "0"}, "WORLD_SIZE='0'"),
+    ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "x"}, "LOCAL_WORLD_SIZE='x'"),
+    ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x'"),  # printed, though no rank 0 is known
+    ({"SLURM_PROCID": "x"}, "SLURM_PROCID='x'"),  # srun without torchrun
+])
+def test_launcher_variables_that_are_not_numbers(capfd, monkeypatch, recipe, out, env, name):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    before = snapshot(out)
+    fails(capfd, ["train", recipe, f"output_dir={out}"], name, "torchrun or srun")
+    assert snapshot(out) == before
+
+
 def test_nproc_not_positive(capfd, recipe, out):
     fails(capfd, ["train", recipe, "--nproc", "0", f"output_dir={out}"], "--nproc", "at least 1")
     fails(capfd, ["train", recipe, "--nproc", "-2", f"output_dir={out}"], "--nproc", "at least 1")

@@ -71,7 +71,9 @@ def job_world_size() -> int:
 
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
+    from shardtune.distributed.process_group import env_int
+
+    return env_int("WORLD_SIZE", env_int("SLURM_NTASKS", 1, least=1), least=1)
 
 
 def check_run(cfg: RunConfig, world_size: int | None = None, device=None, say=None) -> CheckedRun:
