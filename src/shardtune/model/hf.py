@@ -129,9 +129,11 @@ def check_buildable(hf_config, trust_remote_code: bool, what: str) -> None:
     finally:
         hf_logging.set_verbosity(level)
     # an encoder with an LM head (BERT, RoBERTa) attends both ways unless told it decodes: it
-    # would learn to copy the next token it sees, not to predict it (the model's config, which a
-    # decoder-only class such as BartForCausalLM sets itself)
-    if getattr(model.config, "is_decoder", None) is False:
+    # would learn to copy the next token it sees, not to predict it. The built model's config (a
+    # class such as BartForCausalLM sets it itself); a causal attention (GPT-NeoX keeps a stale
+    # is_decoder=false) settles it
+    if getattr(model.config, "is_decoder", None) is False and not any(
+            getattr(m, "is_causal", None) is True for m in model.modules()):
         raise UserError(f"{what} is a {hf_config.model_type!r} model with is_decoder=false: it attends to later "
                         "tokens, so it cannot learn to predict them; set model.config.is_decoder=true")
 
