@@ -161,6 +161,7 @@ def subprocess_env(datasets_cache) -> dict:
     ("train.lr=abc", ["train.lr", "must be a number", "abc"]),
     ("train.max_steps=1.5", ["train.max_steps", "must be an integer", "1.5"]),
     ("train.betas=0.9", ["train.betas", "must be a list", "train.betas=[0.9,0.95]"]),
+    ("log.trackers=tensorboard", ["log.trackers", "must be a list", "log.trackers=[tensorboard]"]),
     ("log.progress=maybe", ["log.progress", "true or false"]),
     ("model.config=5", ["model.config", "mapping"]),
     ("fsdp.sharding=ful_shard", ["fsdp.sharding", "did you mean full_shard?", "choose one of"]),

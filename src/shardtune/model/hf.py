@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from shardtune.config.schema import ModelConfig
 from shardtune.errors import UserError, first_line
 from shardtune.families import HEADS, KV_HEADS, LANGUAGE_FIELDS, config_value, set_layer_count, text_config
+from shardtune.noise import transformers_warnings
 
 # The JSON files a model or tokenizer folder may hold; each is checked before a library reads it.
 MODEL_JSON = ("config.json", "generation_config.json", "model.safetensors.index.json")
@@ -116,24 +117,16 @@ def check_buildable(hf_config, trust_remote_code: bool, what: str) -> None:
     if heads and kv_heads and heads % kv_heads:  # builds, then fails at its first forward
         raise UserError(f"{what} has {heads} attention heads, not a multiple of its {kv_heads} key/value heads; "
                         f"set model.config.num_key_value_heads (or the model's name for it) to a divisor of {heads}")
-    from transformers.utils import logging as hf_logging
-
     shallow = copy.deepcopy(hf_config)
-    level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # the build's warnings come again at the real build, if it is not refused
-    try:
-        set_layer_count(shallow, 1)
-        model = build_meta_model(shallow, trust_remote_code)
-    except Exception:
-        model = build_meta_model(hf_config, trust_remote_code, what)
-    finally:
-        hf_logging.set_verbosity(level)
-    # an encoder with an LM head (BERT, RoBERTa) attends both ways unless told it decodes: it
-    # would learn to copy the next token it sees, not to predict it. The built model's config (a
-    # class such as BartForCausalLM sets it itself); a causal attention (GPT-NeoX keeps a stale
-    # is_decoder=false) settles it
-    if getattr(model.config, "is_decoder", None) is False and not any(
-            getattr(m, "is_causal", None) is True for m in model.modules()):
+    with transformers_warnings() as said:  # they come again at the real build, if it is not refused
+        try:
+            set_layer_count(shallow, 1)
+            model = build_meta_model(shallow, trust_remote_code)
+        except Exception:
+            model = build_meta_model(hf_config, trust_remote_code, what)
+    # an encoder with an LM head (BERT, RoBERTa) attends both ways unless told it decodes, as the
+    # library says when it builds one: it would learn to copy the next token, not to predict it
+    if getattr(model.config, "is_decoder", None) is False and any("is_decoder=True" in line for line in said):
         raise UserError(f"{what} is a {hf_config.model_type!r} model with is_decoder=false: it attends to later "
                         "tokens, so it cannot learn to predict them; set model.config.is_decoder=true")
 
