@@ -16,9 +16,11 @@ warnings.simplefilter("default")  # what a console shows, as outside pytest
 import torchao  # noqa: F401  (imports torch; warns for each prebuilt kernel library it cannot load)
 # what peft's call of transformers' deprecated property warns (the model itself costs seconds to import)
 warnings.warn("`is_gradient_checkpointing` is deprecated and will be removed in v6", FutureWarning)
+warnings.warn("Found a non-scalar tensor with numel=1 and ndim!=0, we are implicitly creating a replicated DTensor")
 warnings.warn("a warning nobody listed")
 """
-NOISE = ("Failed to load", "is an Enum subclass and is now natively supported", "`is_gradient_checkpointing`")
+NOISE = ("Failed to load", "is an Enum subclass and is now natively supported", "`is_gradient_checkpointing`",
+         "Found a non-scalar tensor")
 
 
 def console(quiet: bool) -> str:

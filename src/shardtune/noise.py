@@ -20,6 +20,9 @@ QUIET_LOGGERS = {
 QUIET_WARNINGS = [
     # peft asks transformers whether checkpointing is on under the deprecated name
     ("`is_gradient_checkpointing` is deprecated", FutureWarning),
+    # torch's own ShardedGradScaler (precision=fp16, and plan's fp16 candidates) hands DTensor a
+    # one-element tensor and is told to make it a scalar
+    ("Found a non-scalar tensor with numel=1 and ndim!=0", UserWarning),
 ]
 
 
