@@ -355,6 +355,40 @@ def test_model_config_that_cannot_be_built(capfd, recipe, out, config, words):
                   f"output_dir={out}"], *words)
 
 
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory, qs_assets) -> Path:
+    """A saved tiny GPT-2 (weights, config, tokenizer), as a user's model folder."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = tmp_path_factory.mktemp("model")
+    config = dict(TINY_GPT2)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(config.pop("model_type"), vocab_size=300, **config)
+                                     ).save_pretrained(folder)
+    for file in Path(qs_assets["tokenizer"]).iterdir():
+        shutil.copy(file, folder)
+    return folder
+
+
+@pytest.mark.parametrize("edit, words", [
+    ({"n_embd": 64}, ["in model.safetensors has shape", "but the config makes it"]),
+    ({"n_layer": 2}, ["lacks 12 weight(s)", "transformer.h.1.", "start random"]),  # loaded, with layer 1 random
+    ({"tie_word_embeddings": False}, ["lm_head.weight", "start random"]),
+    # a 7B Llama's config beside GPT-2's weights: the load was killed for memory
+    ({"model_type": "llama"}, ["a model of 6,477,500,416 parameters but its weights hold 24,416"]),
+])
+def test_model_folder_whose_weights_do_not_fit_its_config(capfd, tmp_path, model_folder, edit, words):
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(model_folder, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **edit}))
+    fails(capfd, ["generate", str(folder), "--prompt", "hi", "--max-new-tokens", "2"], str(folder), *words,
+          "config.json")
+
+
 def test_model_path_that_is_a_file(capfd, recipe, out, tmp_path):
     (tmp_path / "model.bin").write_bytes(b"")
     fails(capfd, ["train", recipe, f"model.name_or_path={tmp_path / 'model.bin'}", f"output_dir={out}"],

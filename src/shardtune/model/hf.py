@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from shardtune.config.schema import ModelConfig
 from shardtune.errors import UserError, first_line
 from shardtune.families import HEADS, KV_HEADS, LANGUAGE_FIELDS, config_value, set_layer_count, text_config
+from shardtune.model.weights_fit import check_weights_fit
 from shardtune.noise import transformers_warnings
 
 # The JSON files a model or tokenizer folder may hold; each is checked before a library reads it.
@@ -88,6 +89,8 @@ def load_hf_config(cfg: ModelConfig, local_files_only: bool = False):
         setattr(hf_config, key, value)
     check_buildable(hf_config, cfg.trust_remote_code, f"model {cfg.name_or_path!r}"
                     + (" with model.config" if overrides else ""))
+    if folder.is_dir() and not cfg.random_init and (files := weight_files(folder)):
+        check_weights_fit(folder, files, build_meta_model(hf_config, cfg.trust_remote_code))
     return hf_config
 
 
