@@ -389,6 +389,17 @@ def test_model_folder_whose_weights_do_not_fit_its_config(capfd, tmp_path, model
           "config.json")
 
 
+def test_model_folder_with_a_generation_config_transformers_refuses(capfd, tmp_path, model_folder):
+    """Its values were checked only once the weights had loaded, and blamed on the weights."""
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(model_folder, folder)
+    (folder / "generation_config.json").write_text(json.dumps({"max_new_tokens": -5}))
+    fails(capfd, ["generate", str(folder), "--prompt", "hi", "--max-new-tokens", "2"],
+          "generation_config.json", "max_new_tokens", "fix or remove it")
+
+
 def test_model_path_that_is_a_file(capfd, recipe, out, tmp_path):
     (tmp_path / "model.bin").write_bytes(b"")
     fails(capfd, ["train", recipe, f"model.name_or_path={tmp_path / 'model.bin'}", f"output_dir={out}"],

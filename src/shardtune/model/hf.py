@@ -204,6 +204,14 @@ def check_model_folder(folder: Path, weights: bool = True) -> None:
     if weights:
         for path in weight_files(folder):
             check_safetensors(path)
+    if (folder / "generation_config.json").is_file():  # its values are checked only after the weights load
+        from transformers import GenerationConfig
+
+        try:
+            GenerationConfig.from_pretrained(folder)
+        except Exception as exc:  # noqa: BLE001 - transformers' own validation of the values
+            raise UserError(f"{str(folder / 'generation_config.json')!r} is refused by transformers ({_reason(exc)}); "
+                            "fix or remove it") from None
 
 
 def weight_files(folder: Path) -> list[Path]:
