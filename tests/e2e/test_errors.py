@@ -494,6 +494,10 @@ def test_output_dir_holding_a_run(capfd, recipe, out):
     # a bad input together with the refusal still leaves everything as it was
     fails(capfd, ["train", recipe, "data.seq_len=128", f"output_dir={out}"])
     assert snapshot(out) == before
+    # and so does one found after the folder's check: --overwrite replaces the run once all input is read
+    fails(capfd, ["train", recipe, f"data.path={out / 'final' / 'data.jsonl'}", f"output_dir={out}", "--overwrite"],
+          "not found")
+    assert snapshot(out) == before
 
     # --overwrite replaces the run, and only the run
     rc = main(["train", recipe, "device=cpu", f"output_dir={out}", "--overwrite"])
