@@ -145,6 +145,27 @@ def test_corrupt_model_folders(world, data):
                           "--gpus", "1", "--gpu", "T4"])
 
 
+CONFIG_NUMBERS = st.sampled_from([0, 1, 2, 3, 7, 33, 64, 300, 2 ** 20, -1])
+
+
+@examples(6)
+@given(edits=st.dictionaries(st.sampled_from(["n_embd", "n_layer", "n_head", "n_positions", "vocab_size",
+                                              "n_inner", "tie_word_embeddings", "model_type"]),
+                             st.one_of(CONFIG_NUMBERS, st.booleans(), st.sampled_from(["llama", "opt", "gpt2"])),
+                             min_size=1, max_size=2))
+def test_model_folder_config_that_does_not_fit_its_weights(world, edits):
+    """A saved model's config.json edited (sizes, depth, ties, another model type), then `generate`
+    loads it: refused in one line, or run (test_errors' test_model_folder_whose_weights_do_not_fit_its_config
+    pins which edits are refused before the weights load)."""
+    folder = world.fresh_path("model")
+    import shutil
+
+    shutil.copytree(world.model_folder(), folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **edits}))
+    run_and_check(world, ["generate", str(folder), "--prompt", "hi", "--max-new-tokens", "2"])
+
+
 @examples(8)
 @given(name=st.sampled_from(["meta.json", "config.json", ".metadata", "tokenizer/tokenizer.json"]), data=st.data())
 def test_corrupt_checkpoints(world, name, data):
@@ -290,6 +311,21 @@ class FuzzWorld:
             with contextlib.redirect_stdout(io.StringIO()):
                 rc = main(["train", self.recipe, "checkpoint.every_steps=1", f"output_dir={folder}"])
             assert rc == 0 and (folder / "checkpoints" / "step-000001" / "rng-rank00000.pt").is_file()
+        return folder
+
+    def model_folder(self) -> Path:
+        """A saved model (weights, config, tokenizer) of the tiny GPT-2, made on first use."""
+        folder = self.root / "saved-model"
+        if not folder.is_dir():
+            import shutil
+
+            from transformers import AutoConfig, AutoModelForCausalLM
+
+            config = AutoConfig.from_pretrained(self.scratch_folder("cfg", {"config.json": self.model_config}))
+            config.vocab_size = 300
+            AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+            for file in Path(yaml.safe_load(Path(self.recipe).read_text())["model"]["tokenizer"]).iterdir():
+                shutil.copy(file, folder)
         return folder
 
     def fresh_path(self, name: str) -> Path:
