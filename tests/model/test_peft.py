@@ -203,6 +203,7 @@ def test_qlora_without_a_gpu_is_refused_in_one_line(assets, tmp_path):
     ({"peft.method": "ia3", "peft.target_modules": "[c_attn]", "peft.feedforward_modules": "[c_fc]"}, "c_fc"),
     ({"peft.method": "lora", "peft.init": "pissa", "peft.quantize": "4bit", "device": "cuda"}, "residual"),
     ({"peft.method": "lora", "peft.init": "olora"}, "Conv1D"),
+    ({"peft.method": "dora", "peft.init": "pissa", "peft.r": 1000}, "peft.r=1000 directions"),  # SVD's rank failed
     ({"peft.method": "ia3", "peft.target_modules": "[q_proj]"}, "q_proj"),
     ({"peft.method": "adaption_prompt", "model.config": json.dumps(TINY["opt"])}, "gpt2, llama, mistral"),
     ({"peft.method": "adaption_prompt", "peft.adapter_layers": 3}, "1..2"),
