@@ -219,6 +219,23 @@ def test_corrupt_run_files(world, name, data):
         run_and_check(world, ["sweep", world.recipe, *world.sweep_args, "--out", str(folder)])
 
 
+NUMBERS = st.one_of(st.floats(), st.integers(-2 ** 1100, 2 ** 1100), st.sampled_from([1e308, -1e308, 5e-324]))
+
+
+@examples(3)
+@given(rows=st.lists(st.fixed_dictionaries({"step": st.one_of(st.integers(0, 10), st.integers(0, 2 ** 1100))},
+                                           optional={k: NUMBERS for k in ("loss", "eval_loss", "lr", "tokens_per_s",
+                                                                          "mem_rss_peak_gib", "grad_norm")}),
+                     min_size=1, max_size=6))
+def test_metrics_with_extreme_numbers(world, rows):
+    """metrics.jsonl whole but holding numbers no run writes (1e308, NaN, 2**1100): `report` plots what it
+    can and summarises, or refuses in one line."""
+    folder = world.fresh_path("run")
+    folder.mkdir(parents=True)
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run_and_check(world, ["report", str(folder), "--out", str(world.fresh_path("report"))])
+
+
 def test_the_checks_see_a_traceback(world):
     """The property can fail: an exception that escapes main is reported, not swallowed."""
     with pytest.raises(AssertionError, match="escaped"):
