@@ -169,6 +169,8 @@ def with_document_mask() -> list[str]:
 # decoder, keeps the decoder's depth in decoder_layers. Every reader of a size goes through these.
 LAYERS = ("decoder_layers", "num_hidden_layers", "n_layer", "num_layers", "n_layers")
 HIDDEN = ("hidden_size", "n_embd", "d_model")
+HEADS = ("num_attention_heads", "n_head", "num_heads", "n_heads")
+KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num", "n_kv_heads")
 
 
 def text_config(hf_config):

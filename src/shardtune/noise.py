@@ -4,6 +4,7 @@ noise; anything not listed here still shows."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 
@@ -32,3 +33,24 @@ def quiet_third_party() -> None:
         logging.getLogger(name).setLevel(level)
     for message, category in QUIET_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category)
+
+
+@contextlib.contextmanager
+def transformers_warnings():
+    """Yield a list that collects what transformers logs inside the block (kept off the console):
+    a check that builds a model reads what the library says about it."""
+    logger = logging.getLogger("transformers")
+    said: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+
+    saved = logger.handlers[:], logger.level, logger.propagate
+    logger.handlers, logger.propagate = [Keep()], False
+    logger.setLevel(logging.WARNING)
+    try:
+        yield said
+    finally:
+        logger.handlers, logger.propagate = saved[0], saved[2]
+        logger.setLevel(saved[1])

@@ -130,7 +130,9 @@ def test_bad_document_mask_input_is_one_line_before_any_data_work(assets, tmp_pa
     bloom = json.dumps({"model_type": "bloom", "n_layer": 1, "hidden_size": 32, "n_head": 2})
     missing = str(tmp_path / "missing.jsonl")
     for extra, words in [({"model.config": bloom, "data.document_mask": "true"}, "model type 'bloom'"),
-                         ({"data.padding_free": "true"}, "no padding to remove"),
+                         ({"data.padding_free": "true", "data.packing": "false"}, "data.format=text is packed"),
+                         ({"data.padding_free": "true", "data.format": "chat", "data.packing": "true"},
+                          "(or data.packing=false)"),
                          ({"data.padding_free": "true", "data.format": "instruct", "data.document_mask": "false"},
                           "needs the document mask")]:
         rc = main(["train", *tiny_overrides(assets, tmp_path / "run", **{**extra, "data.path": missing})])

@@ -161,6 +161,7 @@ def subprocess_env(datasets_cache) -> dict:
     ("train.lr=abc", ["train.lr", "must be a number", "abc"]),
     ("train.max_steps=1.5", ["train.max_steps", "must be an integer", "1.5"]),
     ("train.betas=0.9", ["train.betas", "must be a list", "train.betas=[0.9,0.95]"]),
+    ("log.trackers=tensorboard", ["log.trackers", "must be a list", "log.trackers=[tensorboard]"]),
     ("log.progress=maybe", ["log.progress", "true or false"]),
     ("model.config=5", ["model.config", "mapping"]),
     ("fsdp.sharding=ful_shard", ["fsdp.sharding", "did you mean full_shard?", "choose one of"]),
@@ -343,10 +344,60 @@ def test_data_path_that_is_a_fifo(capfd, recipe, out, tmp_path):
     ({**TINY_GPT2, "n_embd": 33}, ["cannot build", "divisible"]),
     ({**TINY_GPT2, "n_head": 0}, ["cannot build", "ZeroDivisionError"]),
     ({**TINY_GPT2, "layer_norm_epsilon": float("nan")}, ["model.config.layer_norm_epsilon=nan"]),
+    # builds, then failed at the first forward (shapes) or trained a model that sees the next token
+    ({"model_type": "llama", "hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 3,
+      "intermediate_size": 64, "num_hidden_layers": 1}, ["2 attention heads", "3 key/value heads"]),
+    ({"model_type": "bert", "hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64,
+      "num_hidden_layers": 1}, ["is_decoder=false", "model.config.is_decoder=true"]),
 ])
 def test_model_config_that_cannot_be_built(capfd, recipe, out, config, words):
     fails(capfd, ["train", recipe, f"model.config={yaml.safe_dump(config, default_flow_style=True).strip()}",
                   f"output_dir={out}"], *words)
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory, qs_assets) -> Path:
+    """A saved tiny GPT-2 (weights, config, tokenizer), as a user's model folder."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = tmp_path_factory.mktemp("model")
+    config = dict(TINY_GPT2)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(config.pop("model_type"), vocab_size=300, **config)
+                                     ).save_pretrained(folder)
+    for file in Path(qs_assets["tokenizer"]).iterdir():
+        shutil.copy(file, folder)
+    return folder
+
+
+@pytest.mark.parametrize("edit, words", [
+    ({"n_embd": 64}, ["in model.safetensors has shape", "but the config makes it"]),
+    ({"n_layer": 2}, ["lacks 12 weight(s)", "transformer.h.1.", "start random"]),  # loaded, with layer 1 random
+    ({"tie_word_embeddings": False}, ["lm_head.weight", "start random"]),
+    # a 7B Llama's config beside GPT-2's weights: the load was killed for memory
+    ({"model_type": "llama"}, ["a model of 6,477,500,416 parameters but its weights hold 24,416"]),
+])
+def test_model_folder_whose_weights_do_not_fit_its_config(capfd, tmp_path, model_folder, edit, words):
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(model_folder, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **edit}))
+    fails(capfd, ["generate", str(folder), "--prompt", "hi", "--max-new-tokens", "2"], str(folder), *words,
+          "config.json")
+
+
+def test_model_folder_with_a_generation_config_transformers_refuses(capfd, tmp_path, model_folder):
+    """Its values were checked only once the weights had loaded, and blamed on the weights."""
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(model_folder, folder)
+    (folder / "generation_config.json").write_text(json.dumps({"max_new_tokens": -5}))
+    fails(capfd, ["generate", str(folder), "--prompt", "hi", "--max-new-tokens", "2"],
+          "generation_config.json", "max_new_tokens", "fix or remove it")
 
 
 def test_model_path_that_is_a_file(capfd, recipe, out, tmp_path):
@@ -389,6 +440,21 @@ def test_nproc_above_gpus_cli(capfd, monkeypatch, recipe, out):
     assert snapshot(out) == before
 
 
+@pytest.mark.parametrize("env, name", [
+    ({"RANK": "0", "WORLD_SIZE": "abc"}, "WORLD_SIZE='abc'"),
+    ({"RANK": "0", "WORLD_SIZE": "0"}, "WORLD_SIZE='0'"),
+    ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "x"}, "LOCAL_WORLD_SIZE='x'"),
+    ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x'"),  # printed, though no rank 0 is known
+    ({"SLURM_PROCID": "x"}, "SLURM_PROCID='x'"),  # srun without torchrun
+])
+def test_launcher_variables_that_are_not_numbers(capfd, monkeypatch, recipe, out, env, name):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    before = snapshot(out)
+    fails(capfd, ["train", recipe, f"output_dir={out}"], name, "torchrun or srun")
+    assert snapshot(out) == before
+
+
 def test_nproc_not_positive(capfd, recipe, out):
     fails(capfd, ["train", recipe, "--nproc", "0", f"output_dir={out}"], "--nproc", "at least 1")
     fails(capfd, ["train", recipe, "--nproc", "-2", f"output_dir={out}"], "--nproc", "at least 1")
@@ -427,6 +493,10 @@ def test_output_dir_holding_a_run(capfd, recipe, out):
     assert snapshot(out) == before
     # a bad input together with the refusal still leaves everything as it was
     fails(capfd, ["train", recipe, "data.seq_len=128", f"output_dir={out}"])
+    assert snapshot(out) == before
+    # and so does one found after the folder's check: --overwrite replaces the run once all input is read
+    fails(capfd, ["train", recipe, f"data.path={out / 'final' / 'data.jsonl'}", f"output_dir={out}", "--overwrite"],
+          "not found")
     assert snapshot(out) == before
 
     # --overwrite replaces the run, and only the run

@@ -97,7 +97,7 @@ def assert_metrics(got: dict, want: dict, tol: float = 1e-5) -> None:
 # ----------------------------------------------------------------------------- export
 
 
-def test_export_round_trip(trained, tmp_path, capsys):
+def test_export_round_trip(trained, tmp_path, capsys, monkeypatch):
     out = tmp_path / "hf"
     code, err = cli(["export", str(trained), str(out), "--max-shard-size", "100KB"], capsys)
     assert code == 0, err
@@ -114,6 +114,12 @@ def test_export_round_trip(trained, tmp_path, capsys):
 
     one_line_error(*cli(["export", str(trained), str(out)], capsys), "not empty")
     hub = tmp_path / "hub"
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))  # no stored token either
+    one_line_error(*cli(["export", str(trained / "checkpoints" / "step-000006"), str(hub),
+                         "--push-to-hub", "nobody/shardtune-test"], capsys), "needs a Hub token", "HF_TOKEN")
+    assert not hub.exists()  # refused before the export, not after it
+    monkeypatch.setenv("HF_TOKEN", "hf_not_a_real_token")  # the upload itself fails (no network, or 401)
     one_line_error(*cli(["export", str(trained / "checkpoints" / "step-000006"), str(hub),
                          "--push-to-hub", "nobody/shardtune-test"], capsys), "could not push", str(hub))
     assert (hub / "config.json").is_file()  # the export itself is kept

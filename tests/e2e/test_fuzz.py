@@ -76,6 +76,22 @@ def test_overrides_of_every_key(world, overrides):
     run_and_check(world, ["slurm", world.recipe, *words, "--nodes", "1", "--gpus-per-node", "1"])
 
 
+# the values that broke a check before (an int too large for a float, one over Python's 4300-digit limit);
+# every key takes each, deterministically: a draw from VALUES x config_keys() may miss a key for long
+WORST = ["9" * 400, "9" * 5000, "1e309", "[]", "{}", "[" + "9" * 400 + "]"]
+
+
+def test_every_key_takes_the_worst_values(world):
+    from shardtune.config.load import load_config
+    from shardtune.errors import UserError
+
+    for key, value in itertools.product(config_keys(), WORST):
+        try:
+            load_config(world.recipe, [f"{key}={value}"])
+        except UserError as exc:
+            assert "\n" not in str(exc), (key, value, str(exc))
+
+
 OPTIONS = {
     "eval": ["--seq-len", "--micro-batch-size", "--max-batches", "--text-field", "--split", "--data"],
     "generate": ["--max-new-tokens", "--temperature", "--top-p", "--seed", "--prompt", "--prompts-file"],
@@ -129,6 +145,27 @@ def test_corrupt_model_folders(world, data):
                           "--gpus", "1", "--gpu", "T4"])
 
 
+CONFIG_NUMBERS = st.sampled_from([0, 1, 2, 3, 7, 33, 64, 300, 2 ** 20, -1])
+
+
+@examples(6)
+@given(edits=st.dictionaries(st.sampled_from(["n_embd", "n_layer", "n_head", "n_positions", "vocab_size",
+                                              "n_inner", "tie_word_embeddings", "model_type"]),
+                             st.one_of(CONFIG_NUMBERS, st.booleans(), st.sampled_from(["llama", "opt", "gpt2"])),
+                             min_size=1, max_size=2))
+def test_model_folder_config_that_does_not_fit_its_weights(world, edits):
+    """A saved model's config.json edited (sizes, depth, ties, another model type), then `generate`
+    loads it: refused in one line, or run (test_errors' test_model_folder_whose_weights_do_not_fit_its_config
+    pins which edits are refused before the weights load)."""
+    folder = world.fresh_path("model")
+    import shutil
+
+    shutil.copytree(world.model_folder(), folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **edits}))
+    run_and_check(world, ["generate", str(folder), "--prompt", "hi", "--max-new-tokens", "2"])
+
+
 @examples(8)
 @given(name=st.sampled_from(["meta.json", "config.json", ".metadata", "tokenizer/tokenizer.json"]), data=st.data())
 def test_corrupt_checkpoints(world, name, data):
@@ -139,6 +176,22 @@ def test_corrupt_checkpoints(world, name, data):
     shutil.copytree(world.checkpoint, folder)
     (folder / name).write_bytes(data.draw(corruptions((folder / name).read_bytes())))
     run_and_check(world, ["export", str(folder), str(world.fresh_path("exported"))])
+
+
+@examples(3)
+@given(name=st.sampled_from(["rng-rank00000.pt", "__0_0.distcp", "meta.json"]), data=st.data())
+def test_corrupt_checkpoints_on_resume(world, name, data):
+    """One file of a run's newest checkpoint damaged, then `train resume=auto`: refused with the run
+    as it was (metrics of steps after the checkpoint kept), or resumed."""
+    import shutil
+
+    run = world.fresh_path("run")
+    shutil.copytree(world.trained_run(), run)
+    folder = run / "checkpoints" / "step-000001"
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 5.0}) + "\n" for s in (1, 2, 3)))
+    (folder / name).write_bytes(data.draw(corruptions((folder / name).read_bytes())))
+    run_and_check(world, ["train", world.recipe, "resume=auto", "train.max_steps=2", f"output_dir={run}"],
+                  resumed=True)
 
 
 @examples(3)
@@ -164,6 +217,23 @@ def test_corrupt_run_files(world, name, data):
         run_and_check(world, ["report", str(folder), "--out", str(world.fresh_path("report"))])
     else:
         run_and_check(world, ["sweep", world.recipe, *world.sweep_args, "--out", str(folder)])
+
+
+NUMBERS = st.one_of(st.floats(), st.integers(-2 ** 1100, 2 ** 1100), st.sampled_from([1e308, -1e308, 5e-324]))
+
+
+@examples(3)
+@given(rows=st.lists(st.fixed_dictionaries({"step": st.one_of(st.integers(0, 10), st.integers(0, 2 ** 1100))},
+                                           optional={k: NUMBERS for k in ("loss", "eval_loss", "lr", "tokens_per_s",
+                                                                          "mem_rss_peak_gib", "grad_norm")}),
+                     min_size=1, max_size=6))
+def test_metrics_with_extreme_numbers(world, rows):
+    """metrics.jsonl whole but holding numbers no run writes (1e308, NaN, 2**1100): `report` plots what it
+    can and summarises, or refuses in one line."""
+    folder = world.fresh_path("run")
+    folder.mkdir(parents=True)
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run_and_check(world, ["report", str(folder), "--out", str(world.fresh_path("report"))])
 
 
 def test_the_checks_see_a_traceback(world):
@@ -251,6 +321,30 @@ class FuzzWorld:
         shutil.copytree(tokenizer, folder / "tokenizer")
         return folder
 
+    def trained_run(self) -> Path:
+        """The output folder of a real one-step run with its checkpoint (made once, on first use)."""
+        folder = self.root / "trained"
+        if not folder.is_dir():
+            with contextlib.redirect_stdout(io.StringIO()):
+                rc = main(["train", self.recipe, "checkpoint.every_steps=1", f"output_dir={folder}"])
+            assert rc == 0 and (folder / "checkpoints" / "step-000001" / "rng-rank00000.pt").is_file()
+        return folder
+
+    def model_folder(self) -> Path:
+        """A saved model (weights, config, tokenizer) of the tiny GPT-2, made on first use."""
+        folder = self.root / "saved-model"
+        if not folder.is_dir():
+            import shutil
+
+            from transformers import AutoConfig, AutoModelForCausalLM
+
+            config = AutoConfig.from_pretrained(self.scratch_folder("cfg", {"config.json": self.model_config}))
+            config.vocab_size = 300
+            AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+            for file in Path(yaml.safe_load(Path(self.recipe).read_text())["model"]["tokenizer"]).iterdir():
+                shutil.copy(file, folder)
+        return folder
+
     def fresh_path(self, name: str) -> Path:
         return self.root / "scratch" / f"{next(self.counter)}-{name}"
 
@@ -283,9 +377,10 @@ def snapshot(root: Path) -> dict:
     return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*") if p.is_file()}
 
 
-def run_and_check(world: FuzzWorld, argv: list[str], must_fail: bool = False, main=main) -> int:
+def run_and_check(world: FuzzWorld, argv: list[str], must_fail: bool = False, main=main, resumed=False) -> int:
     """Run `shardtune argv` in-process and assert the property: exit 0 or 2 (2 when `must_fail`),
-    no traceback, at most two lines on stderr, no file that existed before changed."""
+    no traceback, at most two lines on stderr, no file that existed before changed (`resumed`: unless
+    it exits 0, a resume that continues the run's files)."""
     before = snapshot(world.root)
     err, out = io.StringIO(), io.StringIO()
     try:
@@ -302,7 +397,7 @@ def run_and_check(world: FuzzWorld, argv: list[str], must_fail: bool = False, ma
     assert rc in ((EXIT_USAGE,) if must_fail else (0, EXIT_USAGE)), f"rc={rc} for {argv!r}: {err.getvalue()}"
     assert "Traceback" not in err.getvalue(), f"{argv!r}: {err.getvalue()}"
     assert len(lines) <= 2, f"{len(lines)} lines on stderr for {argv!r}:\n{err.getvalue()[:3000]}"
-    changed = [p for p, stamp in before.items() if snapshot_one(Path(p)) != stamp]
+    changed = [p for p, stamp in before.items() if snapshot_one(Path(p)) != stamp and not (resumed and rc == 0)]
     assert not changed, f"{argv!r} changed {changed[:3]}"
     return rc
 

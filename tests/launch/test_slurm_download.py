@@ -86,6 +86,22 @@ def test_slurm_refuses_bad_input_in_one_line(capsys):
     assert "--nodes" in _one_line_error(capsys.readouterr().err)
     assert main(["slurm", "recipes/gpt2-wikitext2.yaml", "--nodes", "1", "--gpus-per-node", "4", "train.lr=x"]) == 2
     assert "train.lr" in _one_line_error(capsys.readouterr().err)
+    # an #SBATCH value with a newline would put a command line into the script; a space splits it
+    for option, value in (("--account", "x\ntouch /tmp/pwned"), ("--job-name", "a b"), ("--partition", "p\tq")):
+        assert main(["slurm", "recipes/gpt2-wikitext2.yaml", "--nodes", "1", "--gpus-per-node", "4", option,
+                     value]) == 2
+        assert option in _one_line_error(capsys.readouterr().err)
+
+
+def test_slurm_script_of_a_recipe_with_a_space_into_new_folders(tmp_path, capsys):
+    from shardtune.cli.main import main
+
+    recipe, script = tmp_path / "my recipe.yaml", tmp_path / "new" / "deep" / "job.sbatch"
+    recipe.write_text((ROOT / "recipes" / "gpt2-wikitext2.yaml").read_text())
+    assert main(["slurm", str(recipe), "--nodes", "1", "--gpus-per-node", "4", "-o", str(script)]) == 0
+    capsys.readouterr()
+    assert "#SBATCH --job-name=my-recipe\n" in script.read_text()
+    subprocess.run(["bash", "-n", str(script)], check=True)
 
 
 # ----------------------------------------------------------------------------- download

@@ -241,3 +241,27 @@ def test_a_random_init_config_raises_no_warning_about_ids_the_tokenizer_replaces
         logger.removeHandler(handler)
     assert not [m for m in seen if "bos_token_id" in m or "eos_token_id" in m], seen
     assert any("pad_token_id" in m and "got 5000" in m for m in seen), seen  # the user's own id still warns
+
+
+def test_a_head_sharing_a_parameter_beyond_the_embedding_stays_in_the_root(one_rank):
+    """BERT's LM head ties its weight to the input embedding and its bias to its parent's `bias`:
+    a unit of [embedding, head] would split that bias between two units (FSDP2 refused it at the
+    first forward). Kept in the root, it trains with an unwrapped model's gradients."""
+    import copy
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("bert", vocab_size=300, hidden_size=32, num_attention_heads=2,
+                                  intermediate_size=64, num_hidden_layers=1, is_decoder=True,
+                                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    spec = ModelSpec(config)
+    torch.manual_seed(0)
+    plain = AutoModelForCausalLM.from_config(config)
+    reference = copy.deepcopy(plain)
+    model = build_model(spec, build_mesh(spec.fsdp, one_rank), one_rank.device, source=lambda: plain).model
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    reference(input_ids=ids, labels=ids).loss.backward()
+    expected = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        assert torch.allclose(p.grad.full_tensor(), expected[name].grad, atol=1e-6), name

@@ -138,6 +138,33 @@ def test_merge_finds_the_base_beside_a_moved_adapter_and_refuses_bad_folders(lor
         assert err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.parametrize("damage, words", [
+    (lambda d: _edit_adapter_config(d, r=16), ["does not fit its base", "size mismatch"]),
+    (lambda d: _edit_adapter_config(d, target_modules=["nope"]), ["does not fit its base", "nope"]),
+    (lambda d: _edit_adapter_config(d, peft_type="NOPE"), ["peft_type='NOPE'"]),
+    (lambda d: (d / "adapter_model.safetensors").unlink(), ["has no adapter_model.safetensors"]),
+    (lambda d: (d / "adapter_model.safetensors").write_bytes(b"\x10"), ["truncated or damaged"]),
+])
+@pytest.mark.parametrize("command", ["generate", "export"])
+def test_a_damaged_adapter_folder_is_one_line(lora_run, tmp_path, capsys, damage, words, command):
+    """peft's and torch's errors (a size mismatch, an unknown type, a missing file) escaped as tracebacks."""
+    from shardtune.cli.main import main
+
+    folder = tmp_path / "final"
+    shutil.copytree(lora_run["final"], folder)
+    damage(folder)
+    argv = {"generate": ["generate", str(folder), "--prompt", "hi", "--max-new-tokens", "2"],
+            "export": ["export", str(folder), str(tmp_path / "merged"), "--merge"]}[command]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1 and all(w in err for w in words), err
+
+
+def _edit_adapter_config(folder, **values):
+    config = json.loads((folder / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps({**config, **values}))
+
+
 def test_hub_base_adapter_points_at_the_hub_id_and_saves_no_base(tmp_path):
     """A hub base is not copied: adapter_config.json names it, as peft's own save would."""
     import torch
@@ -203,6 +230,7 @@ def test_qlora_without_a_gpu_is_refused_in_one_line(assets, tmp_path):
     ({"peft.method": "ia3", "peft.target_modules": "[c_attn]", "peft.feedforward_modules": "[c_fc]"}, "c_fc"),
     ({"peft.method": "lora", "peft.init": "pissa", "peft.quantize": "4bit", "device": "cuda"}, "residual"),
     ({"peft.method": "lora", "peft.init": "olora"}, "Conv1D"),
+    ({"peft.method": "dora", "peft.init": "pissa", "peft.r": 1000}, "peft.r=1000 directions"),  # SVD's rank failed
     ({"peft.method": "ia3", "peft.target_modules": "[q_proj]"}, "q_proj"),
     ({"peft.method": "adaption_prompt", "model.config": json.dumps(TINY["opt"])}, "gpt2, llama, mistral"),
     ({"peft.method": "adaption_prompt", "peft.adapter_layers": 3}, "1..2"),

@@ -111,6 +111,19 @@ def test_missing_tracker_package_is_a_one_line_error(tmp_path, monkeypatch):
         Trackers(["wandb"], tmp_path, {}, "p", "r")
 
 
+@pytest.mark.parametrize("tracker, env, words", [
+    ("wandb", {"WANDB_MODE": "bogus"}, ["wandb could not start", "'online'", "WANDB_MODE"]),
+    ("mlflow", {"MLFLOW_TRACKING_URI": "bogus://x"}, ["mlflow could not start", "bogus://x", "MLFLOW_TRACKING_URI"]),
+])
+def test_a_tracker_refusing_its_settings_is_a_one_line_error(tmp_path, monkeypatch, tracker, env, words):
+    pytest.importorskip(tracker)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(UserError) as caught:
+        Trackers(["tensorboard", tracker], tmp_path, {"a": 1}, "p", "r")
+    assert "\n" not in str(caught.value) and all(w in str(caught.value) for w in words), str(caught.value)
+
+
 def _fake_run(folder, scale):
     folder.mkdir()
     rows = [{"step": 0, "eval_loss": 5.0, "eval_ppl": 148.4}]

@@ -71,7 +71,9 @@ def job_world_size() -> int:
 
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
+    from shardtune.distributed.process_group import env_int
+
+    return env_int("WORLD_SIZE", env_int("SLURM_NTASKS", 1, least=1), least=1)
 
 
 def check_run(cfg: RunConfig, world_size: int | None = None, device=None, say=None) -> CheckedRun:
@@ -112,3 +114,17 @@ def check_export(spec: str, out) -> None:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"export folder {str(out)!r} is not empty; choose a new folder")
     load_config(None, None, defaults=read_meta(path)["config"])
+
+
+def check_push(repo: str) -> None:
+    """`export --push-to-hub`'s check, before the export: the network allowed and a token at hand
+    (else the whole export ran first and only the upload failed)."""
+    from huggingface_hub import constants
+
+    from shardtune.publish.hub import TOKEN_FIX, hub_token
+
+    if constants.HF_HUB_OFFLINE:
+        raise UserError(f"--push-to-hub {repo} needs the network, but HF_HUB_OFFLINE is set; unset it, or export "
+                        "without --push-to-hub and upload the folder later")
+    if not hub_token():
+        raise UserError(f"--push-to-hub {repo} needs a Hub token with write access; {TOKEN_FIX}")

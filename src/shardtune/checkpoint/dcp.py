@@ -64,6 +64,23 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def read_rng(path: Path) -> dict:
+    """A rank's saved RNG states, tried on the generators (then put back): a truncated, missing or
+    foreign file is one line before the resume changes anything."""
+    import torch
+
+    now = rng_state()
+    try:
+        state = torch.load(path, weights_only=True)
+        set_rng_state(state)
+    except Exception as exc:  # noqa: BLE001 - a truncated pickle, a wrong structure, an unreadable file
+        raise UserError(f"checkpoint {str(path.parent)!r} has a damaged {path.name} ({type(exc).__name__}: "
+                        f"{first_line(exc, 120)}); use another checkpoint") from None
+    finally:
+        set_rng_state(now)
+    return state
+
+
 # ----------------------------------------------------------------------------- save and load
 
 
@@ -231,8 +248,6 @@ class Checkpointer:
     def load(self, path: str | Path) -> dict:
         """Collective: restore the tensors and the states from `path`; returns its meta.json.
         This rank's RNG states are kept for `restore_rng` when the world size is the same."""
-        import torch
-
         path = Path(path)
         meta = read_meta(path)
         tensors = self.tensors.state_dict()
@@ -242,7 +257,7 @@ class Checkpointer:
             if meta.get(name) is not None:
                 state.load_state_dict(meta[name])
         if meta["world_size"] == self.world_size:
-            self.rng = torch.load(path / f"rng-rank{self.rank:05d}.pt", weights_only=True)
+            self.rng = read_rng(path / f"rng-rank{self.rank:05d}.pt")
         return meta
 
     def restore_rng(self, reseed: int | None) -> None:

@@ -161,8 +161,8 @@ def merge_adapter_folder(adapter: Path, out: Path, max_shard_size: str = "2GB") 
     weights, in the base's own dtype. The base is the one the adapter config names; if that folder is gone (the
     run folder was moved or copied to another machine), the copy in ADAPTER/base is used. A method
     that cannot merge is refused before anything is loaded."""
+    from shardtune.checkpoint.adapter_folder import adapter_parts, fit_adapter, load_base
     from shardtune.model.adapters import MERGEABLE_PEFT_TYPES
-    from shardtune.model.hf import _hub_hint, read_json_object
 
     if not (adapter / "adapter_config.json").is_file() and (adapter / "final" / "adapter_config.json").is_file():
         adapter = adapter / "final"  # a run folder: its final adapter
@@ -171,29 +171,17 @@ def merge_adapter_folder(adapter: Path, out: Path, max_shard_size: str = "2GB") 
                         "--merge takes the final/ folder of a peft.method=lora/dora/ia3 run")
     if out.exists() and any(out.iterdir()):
         raise UserError(f"export folder {str(out)!r} is not empty; choose a new folder")
-    config = read_json_object(adapter / "adapter_config.json")
+    config, base = adapter_parts(adapter)
     kind = str(config.get("peft_type", "?"))
     if kind not in MERGEABLE_PEFT_TYPES:
         raise UserError(f"a {kind} adapter cannot be merged into its base (its learned tokens/gates are no "
                         "weights of the base); only lora, dora and ia3 merge: use the adapter folder as it is")
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    base = config.get("base_model_name_or_path")
-    beside = adapter / "base"
-    if (not base or not Path(base).is_dir()) and (beside / "config.json").is_file():
-        base = str(beside)
-    if not base:
-        raise UserError(f"{str(adapter / 'adapter_config.json')!r} names no base model "
-                        "(base_model_name_or_path); set it to the hub id or folder the adapter was trained on")
-    try:
-        model = AutoModelForCausalLM.from_pretrained(base, dtype="auto")
-    except OSError:
-        raise UserError(f"base model {base!r} of the adapter not found; {_hub_hint(base)}") from None
-    model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
+    model = fit_adapter(load_base(base, dtype="auto"), adapter, base).merge_and_unload()
     with atomic_dir(out) as tmp:
         model.save_pretrained(tmp, max_shard_size=max_shard_size, safe_serialization=True)
         for source in (adapter, base):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 from pathlib import Path
 
 from shardtune.config.schema import RunConfig
@@ -103,7 +104,13 @@ def _meta_shape_ok(meta) -> bool:
     state, sections = meta.get("train_state"), [meta["config"].get(k, {}) for k in ("model", "peft", "data")]
     return (_whole(meta.get("format", 1)) and _whole(meta.get("world_size", 1)) and meta.get("world_size") != 0
             and all(isinstance(s, dict) for s in sections)
-            and (state is None or (isinstance(state, dict) and _whole(state.get("step")))))
+            and (state is None or (isinstance(state, dict) and _whole(state.get("step"))
+                                   and _count(state.get("tokens_seen", 0)))))
+
+
+def _count(value) -> bool:
+    """A number 0 or more that a float holds (a count kept as one)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= sys.float_info.max
 
 
 def read_meta(path: Path) -> dict:

@@ -73,17 +73,17 @@ def _load(spec: str, device: str, weights: bool):
                 run_cfg)
 
     if kind == "adapter":  # evaluate/generate with the adapter folded into its base where it can be
-        import json
+        from transformers import AutoConfig
 
-        from transformers import AutoConfig, AutoTokenizer
+        from shardtune.checkpoint.adapter_folder import adapter_parts, fit_adapter, load_base
+        from shardtune.config.schema import ModelConfig
+        from shardtune.model.hf import load_tokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(where)
+        _, base = adapter_parts(where)
+        tokenizer = load_tokenizer(ModelConfig(tokenizer=str(where)))
         if not weights:
-            base = json.loads((where / "adapter_config.json").read_text())["base_model_name_or_path"]
             return None, tokenizer, AutoConfig.from_pretrained(base), None
-        from peft import AutoPeftModelForCausalLM
-
-        model = _folded(AutoPeftModelForCausalLM.from_pretrained(str(where)))
+        model = _folded(fit_adapter(load_base(base), where, base))
         return model.to(torch.device(device)).eval(), tokenizer, model.config, None
 
     from shardtune.config.schema import ModelConfig

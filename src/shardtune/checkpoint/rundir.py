@@ -53,6 +53,8 @@ def claim_output_dir(out: Path, overwrite: bool, check_only: bool = False, resum
         if not overwrite:
             raise UserError(f"output_dir {str(out)!r} already holds a run; choose another output_dir "
                             "or pass --overwrite to replace it")
+        if check_only:  # the run it replaces may be this one's input (its final/ as the model): kept till then
+            return
         for name in RUN_FILES:
             (out / name).unlink(missing_ok=True)
         for name in RUN_DIRS:

@@ -20,8 +20,10 @@ def _int(text: str, least: int, most: int) -> int:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
     if not least <= value <= most:
-        upper = f" and at most {most}" if most < INT_LIMIT else ""
-        raise argparse.ArgumentTypeError(f"must be at least {least}{upper}, got {value}")
+        shown = value if abs(value) < 10 ** 30 else f"a number of {len(str(abs(value)))} digits"
+        why = f"at least {least}" + (f" and at most {most}" if most < INT_LIMIT else "") if value < least \
+            else f"at most {most}" + (" (2**63-1)" if most == INT_LIMIT else "")
+        raise argparse.ArgumentTypeError(f"must be {why}, got {shown}")
     return value
 
 

@@ -25,9 +25,11 @@ def run(args) -> int:
     import signal
     import sys
 
-    from shardtune.check.run import check_export
+    from shardtune.check.run import check_export, check_push
     from shardtune.checkpoint.export import export_checkpoint, merge_adapter_folder, push_to_hub
 
+    if args.push_to_hub:
+        check_push(args.push_to_hub)
     if not args.merge:  # resolve -> check -> build, as every command: nothing is read before the check
         check_export(args.checkpoint, Path(args.out))
     # SIGTERM (a job's time limit, `kill`) ends the export like Ctrl-C: its partial folder is removed

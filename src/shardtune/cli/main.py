@@ -28,6 +28,13 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"error: {self.prog}: {text}; see `{self.prog} --help`\n")
 
 
+def prints_errors() -> bool:
+    """Rank 0 prints the one error line for all ranks; so does a process whose RANK is not a
+    number (the line may be about that very variable)."""
+    rank = os.environ.get("RANK", "0").strip()
+    return rank == "0" or not rank.isdigit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     from shardtune import __version__
 
@@ -71,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return importlib.import_module(f"shardtune.cli.{args.command}").run(args)
     except UserError as exc:
-        if os.environ.get("RANK", "0") == "0":
+        if prints_errors():
             print(f"error: {one_line(str(exc))}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
@@ -86,6 +93,6 @@ def main(argv: list[str] | None = None) -> int:
         line = fs_failure_line(exc, getattr(args, "out", None) or f"the output of `shardtune {args.command}`")
         if line is None:
             raise
-        if os.environ.get("RANK", "0") == "0":
+        if prints_errors():
             print(f"error: {line}", file=sys.stderr)
         return EXIT_USAGE

@@ -44,10 +44,11 @@ def run(args) -> int:
                          job_name=args.job_name, time=args.time, partition=args.partition, account=args.account,
                          signal_lead_s=args.signal_lead, offline=not args.online)
     if args.out:
-        from shardtune.fsio import refuse_foreign_file, write_text_atomic
+        from shardtune.fsio import make_dir, refuse_foreign_file, write_text_atomic
 
         target = Path(args.out)
         refuse_foreign_file(target, "-o", "a script of `shardtune slurm`", MARK)
+        make_dir(target.parent)  # like every other output: its folders are made
         write_text_atomic(target, text)
         print(f"wrote {args.out}; submit it with: sbatch {args.out}")
     else:

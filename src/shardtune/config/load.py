@@ -150,7 +150,8 @@ def _coerce(tp, value: Any, key: str):
     if origin is list:
         (inner,) = typing.get_args(tp)
         if not isinstance(value, list):
-            example = "[3,5]" if inner is int else "[0.9,0.95]"
+            example = {int: "[3,5]", float: "[0.9,0.95]"}.get(inner) or (  # a list of names: the one given, listed
+                f"[{value}]" if isinstance(value, str) and len(value) < 40 and value.isprintable() else "[a,b]")
             raise UserError(f"{key} must be a list, got {_short(value)}; write it like {key}={example}")
         return [_coerce(inner, v, key) for v in value]
     if tp is dict:

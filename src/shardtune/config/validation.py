@@ -117,7 +117,7 @@ def _check_value(key: str, value) -> None:
         if "\x00" in value:
             raise UserError(f"{key} contains a NUL character; give plain text")
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        if not math.isfinite(value):  # NaN passes every comparison: refuse it first
+        if isinstance(value, float) and not math.isfinite(value):  # NaN passes every comparison: refuse it first
             raise UserError(f"{key}={value} is not a finite number; give a real value")
         rng = BOUNDS.get(key, Range())
         why = rng.refuse(value) or ("must be at most 2**63-1" if isinstance(value, int) and value > INT_LIMIT
@@ -176,7 +176,10 @@ def _validate_format(d) -> None:
     if d.format != "text" and not 2 <= d.example_cutoff <= d.seq_len:
         raise UserError(f"data.cutoff_len={d.cutoff_len} must be between 2 and data.seq_len={d.seq_len}; "
                         "lower it, or raise data.seq_len (the model's position limit is checked against seq_len)")
-    if d.padding_free and (d.format == "text" or d.packing):
+    if d.padding_free and d.format == "text":  # text is always packed into full blocks, whatever data.packing says
+        raise UserError("data.padding_free lays unpacked instruct/chat examples end to end, but data.format=text is "
+                        "packed into full blocks with no padding to remove; set data.padding_free=false")
+    if d.padding_free and d.packing:
         raise UserError("data.padding_free lays unpacked instruct/chat examples end to end, but packed blocks have "
                         "no padding to remove; set data.padding_free=false (or data.packing=false)")
     if d.padding_free and d.document_mask is False:

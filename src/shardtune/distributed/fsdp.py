@@ -151,6 +151,8 @@ def _shard_embeddings(model, reshard: bool, kwargs: dict) -> None:
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     if emb is None or any(isinstance(p, DTensor) for p in emb.parameters()):
         return
+    if _shared_outside(model, [emb, head] if head is not None else [emb]):
+        return  # BERT's head bias is its parent's too: a unit of its own would split one parameter
     if head is not None and head.weight is emb.weight:
         # Gathered from the first forward op to the last anyway, and the head opens backward:
         # resharding after forward would only gather the largest unit again at once.
@@ -159,6 +161,17 @@ def _shard_embeddings(model, reshard: bool, kwargs: dict) -> None:
     fully_shard(emb, reshard_after_forward=reshard and not reads_embedding_weight(model, emb), **kwargs)
     if head is not None and not any(isinstance(p, DTensor) for p in head.parameters()):
         fully_shard(head, reshard_after_forward=False, **kwargs)  # backward starts with it
+
+
+def _shared_outside(model, group: list) -> bool:
+    """Whether a parameter of the modules in `group` is also registered by a module outside it."""
+    from collections import Counter
+
+    def uses(modules):
+        return Counter(id(p) for m in modules for _, p in m.named_parameters(remove_duplicate=False))
+
+    inside, everywhere = uses(group), uses([model])
+    return any(everywhere[pid] > n for pid, n in inside.items())
 
 
 def reads_embedding_weight(model, emb) -> bool:

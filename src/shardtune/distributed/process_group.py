@@ -30,14 +30,31 @@ def launched_by_agent() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ or "SLURM_PROCID" in os.environ
 
 
+def env_int(name: str, default: int, least: int = 0) -> int:
+    """A whole-number variable that torchrun or Slurm sets (a rank, a count): one line naming it
+    where it holds something else, not a ValueError deep in torch."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = None
+    if value is None or value < least:
+        raise UserError(f"environment variable {name}={raw!r} is not a whole number"
+                        f"{f' of at least {least}' if least else ''}; "
+                        "unset it, or leave it to torchrun or srun, which set it")
+    return value
+
+
 def _adopt_slurm_env() -> None:
     """srun without torchrun: translate Slurm's variables into torch.distributed's."""
     if "RANK" in os.environ or "SLURM_PROCID" not in os.environ:
         return
     env = os.environ
-    env["RANK"] = env["SLURM_PROCID"]
-    env["WORLD_SIZE"] = env.get("SLURM_NTASKS", "1")
-    env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+    env["RANK"] = str(env_int("SLURM_PROCID", 0))
+    env["WORLD_SIZE"] = str(env_int("SLURM_NTASKS", 1, least=1))
+    env["LOCAL_RANK"] = str(env_int("SLURM_LOCALID", 0))
     env["LOCAL_WORLD_SIZE"] = env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0]
     if "MASTER_ADDR" not in env:
         nodes = env.get("SLURM_JOB_NODELIST", "127.0.0.1")
@@ -47,7 +64,7 @@ def _adopt_slurm_env() -> None:
             env["MASTER_ADDR"] = out[0]
         except (OSError, subprocess.CalledProcessError, IndexError):
             env["MASTER_ADDR"] = nodes.split(",")[0]
-    env.setdefault("MASTER_PORT", str(29500 + int(env.get("SLURM_JOB_ID", "0")) % 1000))
+    env.setdefault("MASTER_PORT", str(29500 + env_int("SLURM_JOB_ID", 0) % 1000))
 
 
 def resolve_device(requested: str) -> torch.device:  # noqa: F821
@@ -57,7 +74,7 @@ def resolve_device(requested: str) -> torch.device:  # noqa: F821
         raise UserError("device=cuda but no CUDA GPU is visible; use device=cpu or run on a GPU machine")
     if requested == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cuda", env_int("LOCAL_RANK", 0))
 
 
 def check_nproc(nproc: int, requested_device: str) -> None:
@@ -81,6 +98,8 @@ def init_distributed(requested_device: str) -> Dist:
     import torch.distributed as dist
 
     _adopt_slurm_env()
+    if launched_by_agent():  # what torch reads next, checked first
+        env_int("RANK", 0), env_int("WORLD_SIZE", 1, least=1)
     device = resolve_device(requested_device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -92,5 +111,5 @@ def init_distributed(requested_device: str) -> Dist:
             dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
     world = dist.get_world_size()
     return Dist(rank=dist.get_rank(), world_size=world,
-                local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", str(world))),
+                local_world_size=env_int("LOCAL_WORLD_SIZE", world, least=1),
                 device=device)

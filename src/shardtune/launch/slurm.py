@@ -12,6 +12,7 @@ again with `resume=auto`.
 
 from __future__ import annotations
 
+import re
 import shlex
 from pathlib import Path
 
@@ -25,7 +26,13 @@ def sbatch_script(recipe: str, output_dir: str, nodes: int, gpus_per_node: int, 
                   port: int = 29500, offline: bool = True) -> str:
     if nodes < 1 or gpus_per_node < 1:
         raise UserError(f"--nodes and --gpus-per-node must be at least 1, got {nodes} and {gpus_per_node}")
-    job_name = job_name or Path(recipe).stem
+    job_name = job_name or re.sub(r"[^\w.-]", "-", Path(recipe).stem)  # a recipe's file name may hold a space
+    for option, value in (("--job-name", job_name), ("--partition", partition), ("--account", account),
+                          ("--time", time)):
+        if value is not None and re.search(r"[\s\x00-\x1f\x7f]", value):
+            # an #SBATCH line ends at a newline (the rest would run as a command) and splits at a space
+            raise UserError(f"{option} {value!r} holds a space or a control character, which an #SBATCH line "
+                            "cannot carry; give a name without them")
     out = shlex.quote(output_dir)
     train_args = " ".join(shlex.quote(a) for a in [recipe, *overrides, f"output_dir={output_dir}", "resume=auto"])
     optional = "".join(f"#SBATCH --{key}={value}\n" for key, value in

@@ -113,6 +113,13 @@ def _lora_config(model, cfg: PeftConfig, init: bool):
         if fused:  # peft's OLoRA decomposes W as stored, which Conv1D keeps transposed
             raise UserError(f"peft.init=olora cannot adapt {', '.join(fused)} of this {model.config.model_type} "
                             "model (Conv1D layers, weights stored transposed); use peft.init=pissa or default")
+    if cfg.residual_init:  # the adapter is r singular vectors (PiSSA) or r columns of Q (OLoRA) of each weight
+        sides = {n.rsplit(".", 1)[-1]: min(m.weight.shape) for n, m in model.named_modules()
+                 if _matches(n, targets) and getattr(m, "weight", None) is not None and m.weight.dim() == 2}
+        name, side = min(sides.items(), key=lambda item: item[1], default=(None, cfg.r))
+        if cfg.r > side:
+            raise UserError(f"peft.init={cfg.init} takes peft.r={cfg.r} directions from each adapted weight, but "
+                            f"{name} has only {side}; set peft.r={side} or less, or peft.init=default")
     return LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
                       use_dora=cfg.method == "dora", use_rslora=cfg.rslora,
                       init_lora_weights={"default": True}.get(cfg.init, cfg.init) if init else True,

@@ -19,7 +19,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 
 from shardtune.config.schema import ModelConfig
 from shardtune.errors import UserError, first_line
-from shardtune.families import LANGUAGE_FIELDS, config_value, set_layer_count, text_config
+from shardtune.families import HEADS, KV_HEADS, LANGUAGE_FIELDS, config_value, set_layer_count, text_config
+from shardtune.model.weights_fit import check_weights_fit
+from shardtune.noise import transformers_warnings
 
 # The JSON files a model or tokenizer folder may hold; each is checked before a library reads it.
 MODEL_JSON = ("config.json", "generation_config.json", "model.safetensors.index.json")
@@ -90,6 +92,8 @@ def load_hf_config(cfg: ModelConfig, local_files_only: bool = False):
         setattr(hf_config, key, value)
     check_buildable(hf_config, cfg.trust_remote_code, f"model {cfg.name_or_path!r}"
                     + (" with model.config" if overrides else ""))
+    if folder.is_dir() and not cfg.random_init and (files := weight_files(folder)):
+        check_weights_fit(folder, files, build_meta_model(hf_config, cfg.trust_remote_code))
     return hf_config
 
 
@@ -138,14 +142,22 @@ def check_buildable(hf_config, trust_remote_code: bool, what: str) -> None:
         raise UserError(f"{what} is a {hf_config.model_type!r} model, which has no causal-LM head in transformers "
                         "(AutoModelForCausalLM); pick a decoder (causal) language model")
     check_input_language(hf_config)
+    heads, kv_heads = config_value(hf_config, *HEADS), config_value(hf_config, *KV_HEADS)
+    if heads and kv_heads and heads % kv_heads:  # builds, then fails at its first forward
+        raise UserError(f"{what} has {heads} attention heads, not a multiple of its {kv_heads} key/value heads; "
+                        f"set model.config.num_key_value_heads (or the model's name for it) to a divisor of {heads}")
     shallow = copy.deepcopy(hf_config)
-    try:
-        set_layer_count(shallow, 1)
-        build_meta_model(shallow, trust_remote_code)
-        return
-    except Exception:
-        pass
-    build_meta_model(hf_config, trust_remote_code, what)
+    with transformers_warnings() as said:  # they come again at the real build, if it is not refused
+        try:
+            set_layer_count(shallow, 1)
+            model = build_meta_model(shallow, trust_remote_code)
+        except Exception:
+            model = build_meta_model(hf_config, trust_remote_code, what)
+    # an encoder with an LM head (BERT, RoBERTa) attends both ways unless told it decodes, as the
+    # library says when it builds one: it would learn to copy the next token, not to predict it
+    if getattr(model.config, "is_decoder", None) is False and any("is_decoder=True" in line for line in said):
+        raise UserError(f"{what} is a {hf_config.model_type!r} model with is_decoder=false: it attends to later "
+                        "tokens, so it cannot learn to predict them; set model.config.is_decoder=true")
 
 
 def check_input_language(hf_config) -> None:
@@ -218,6 +230,14 @@ def check_model_folder(folder: Path, weights: bool = True) -> None:
     if weights:
         for path in weight_files(folder):
             check_safetensors(path)
+    if (folder / "generation_config.json").is_file():  # its values are checked only after the weights load
+        from transformers import GenerationConfig
+
+        try:
+            GenerationConfig.from_pretrained(folder)
+        except Exception as exc:  # noqa: BLE001 - transformers' own validation of the values
+            raise UserError(f"{str(folder / 'generation_config.json')!r} is refused by transformers ({_reason(exc)}); "
+                            "fix or remove it") from None
 
 
 def weight_files(folder: Path) -> list[Path]:

@@ -4,7 +4,6 @@ runs' metrics.jsonl, several runs overlaid for comparison."""
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 from shardtune.errors import UserError
@@ -46,10 +45,16 @@ def read_metrics(run: Path) -> list[dict]:
     return rows
 
 
+PLOTTABLE = 1e300  # beyond it a plot's axis margins overflow to inf (matplotlib fails on 1e308)
+
+
 def series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
-    points = [(r.get("step", 0), r[key]) for r in rows if isinstance(r.get(key), (int, float))
-              and not isinstance(r.get(key), bool) and math.isfinite(r[key])]
+    points = [(r.get("step", 0), r[key]) for r in rows if _plottable(r.get(key)) and _plottable(r.get("step", 0))]
     return [p[0] for p in points], [p[1] for p in points]
+
+
+def _plottable(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) < PLOTTABLE
 
 
 def summarize(name: str, rows: list[dict]) -> dict:

@@ -15,6 +15,8 @@ from shardtune.errors import UserError
 
 HISTOGRAM_TRACKERS = {"tensorboard", "wandb"}  # MLflow logs no histograms
 EXTRAS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+SETTINGS = {"tensorboard": "the run folder", "wandb": "WANDB_MODE, WANDB_API_KEY, log.project",
+            "mlflow": "MLFLOW_TRACKING_URI, log.project"}  # where a tracker that fails to start is set up
 
 
 def _require(module: str, tracker: str):
@@ -90,41 +92,54 @@ class Trackers:
             return
         hparams = flatten(config)
         for name in names:
-            if name == "tensorboard":
-                _require("tensorboard", name)
-                from torch.utils.tensorboard import SummaryWriter
+            try:
+                self._start(name, out, hparams, project, run_name, artifacts)
+            except Exception as exc:  # noqa: BLE001 - the tracker's own refusal of its settings (a bad WANDB_MODE or URI)
+                self.close()
+                if isinstance(exc, UserError):
+                    raise
+                why = " ".join(str(exc).split())[:200] or type(exc).__name__  # pydantic's reason is on later lines
+                raise UserError(f"log.trackers: {name} could not start ({type(exc).__name__}: {why}); "
+                                f"fix its settings ({SETTINGS[name]}) or drop {name} from log.trackers") from None
 
-                writer = SummaryWriter(log_dir=str(out / "tensorboard"))
-                writer.add_text("config", "\n".join(f"    {k}: {v}" for k, v in hparams.items()))
-                def add_scalars(scalars: dict, step: int, w=writer) -> None:
-                    for key, value in scalars.items():
-                        w.add_scalar(key, value, step)
+    def _start(self, name: str, out: Path, hparams: dict, project: str, run_name: str, artifacts: str) -> None:
+        if name == "tensorboard":
+            _require("tensorboard", name)
+            from torch.utils.tensorboard import SummaryWriter
 
-                def add_histograms(histograms: dict, step: int, w=writer) -> None:
-                    for tag, h in histograms.items():
-                        w.add_histogram_raw(tag, h.low, h.high, sum(h.counts), h.sum, h.sum_squares,
-                                            h.edges()[1:], h.counts, step)
+            writer = SummaryWriter(log_dir=str(out / "tensorboard"))
+            writer.add_text("config", "\n".join(f"    {k}: {v}" for k, v in hparams.items()))
+            def add_scalars(scalars: dict, step: int, w=writer) -> None:
+                for key, value in scalars.items():
+                    w.add_scalar(key, value, step)
 
-                self.sinks.append(Sink(add_scalars, writer.close, histograms=add_histograms))
-            elif name == "wandb":
-                wandb = _require("wandb", name)
-                run = wandb.init(project=project, name=run_name, dir=str(out), config=hparams,
-                                 mode=os.environ.get("WANDB_MODE", "online"))
-                self.sinks.append(Sink(lambda scalars, step, r=run: r.log(scalars, step=step), run.finish,
-                                       wandb_artifact(run, artifacts) if artifacts != "none" else None,
-                                       lambda hists, step, r=run, w=wandb: r.log(
-                                           {tag: w.Histogram(np_histogram=(h.counts, h.edges()))
-                                            for tag, h in hists.items()}, step=step)))
-            elif name == "mlflow":
-                mlflow = _require("mlflow", name)
-                if "MLFLOW_TRACKING_URI" not in os.environ:
-                    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # local files: no server needed
-                    mlflow.set_tracking_uri((out / "mlruns").resolve().as_uri())
-                mlflow.set_experiment(project)
-                mlflow.start_run(run_name=run_name)
-                mlflow.log_params({k[:250]: str(v)[:500] for k, v in hparams.items()})
-                self.sinks.append(Sink(lambda scalars, step, m=mlflow: m.log_metrics(mlflow_names(scalars), step=step),
-                                       mlflow.end_run))
+            def add_histograms(histograms: dict, step: int, w=writer) -> None:
+                for tag, h in histograms.items():
+                    w.add_histogram_raw(tag, h.low, h.high, sum(h.counts), h.sum, h.sum_squares,
+                                        h.edges()[1:], h.counts, step)
+
+            self.sinks.append(Sink(add_scalars, writer.close, histograms=add_histograms))
+        elif name == "wandb":
+            wandb = _require("wandb", name)
+            run = wandb.init(project=project, name=run_name, dir=str(out), config=hparams,
+                             mode=os.environ.get("WANDB_MODE", "online"))
+            self.sinks.append(Sink(lambda scalars, step, r=run: r.log(scalars, step=step), run.finish,
+                                   wandb_artifact(run, artifacts) if artifacts != "none" else None,
+                                   lambda hists, step, r=run, w=wandb: r.log(
+                                       {tag: w.Histogram(np_histogram=(h.counts, h.edges()))
+                                        for tag, h in hists.items()}, step=step)))
+        elif name == "mlflow":
+            mlflow = _require("mlflow", name)
+            if "MLFLOW_TRACKING_URI" in os.environ:  # said again: an earlier run of this process set its own
+                mlflow.set_tracking_uri(os.environ["MLFLOW_TRACKING_URI"])
+            else:
+                os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # local files: no server needed
+                mlflow.set_tracking_uri((out / "mlruns").resolve().as_uri())
+            mlflow.set_experiment(project)
+            mlflow.start_run(run_name=run_name)
+            mlflow.log_params({k[:250]: str(v)[:500] for k, v in hparams.items()})
+            self.sinks.append(Sink(lambda scalars, step, m=mlflow: m.log_metrics(mlflow_names(scalars), step=step),
+                                   mlflow.end_run))
 
     def log(self, metrics: dict, step: int) -> None:
         scalars = {k: float(v) for k, v in metrics.items()

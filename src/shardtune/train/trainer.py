@@ -112,22 +112,22 @@ class Trainer:
         float8.keep_scales_precomputed(model, self.optimizer, cfg.float8)
         self.scaler = build_grad_scaler(cfg.precision, dist.device)
         self.state = TrainState()
-        rank0_first(dist, lambda: prepare_run_dir(cfg, overwrite, out=out) if dist.is_main else None)
         tensors = ModelOptimizerState(model, self.optimizer, hf_config if cfg.checkpoint.hf_format else None)
-        self.publishing = Publishing(cfg, out, run.publishes, dist.is_main, self.say, resuming=bool(resume_from))
         self.ckpt = Checkpointer(out / "checkpoints", cfg.checkpoint, tensors,
                                  {"train_state": self.state, **({"scaler": self.scaler} if self.scaler else {})},
                                  describe=self.describe, write_extras=self.write_checkpoint_extras,
-                                 committed=self.publishing.committed)
+                                 committed=lambda folder, step: self.publishing.committed(folder, step))
+        # the checkpoint is input too: read whole before the folder changes (metrics trimmed, stale saves removed)
+        meta = self.ckpt.load(resume_from) if resume_from else None
+        rank0_first(dist, lambda: prepare_run_dir(cfg, overwrite, out=out) if dist.is_main else None)
+        self.publishing = Publishing(cfg, out, run.publishes, dist.is_main, self.say, resuming=bool(resume_from))
         if note := space_warning(out / "checkpoints", cfg.checkpoint, checkpoint_bytes(model, dist.world_size),
                                  self.total_steps, self.plan.steps_per_epoch):
             self.say(note)
-        if resume_from:
-            meta = self.ckpt.load(resume_from)
-            if meta["world_size"] != dist.world_size:
-                self.say(f"checkpoint written by {meta['world_size']} rank(s), resuming on {dist.world_size}: "
-                         "model, optimizer and data order carry over; RNG streams (dropout) are re-seeded from "
-                         "seed+step+rank")
+        if meta is not None and meta["world_size"] != dist.world_size:
+            self.say(f"checkpoint written by {meta['world_size']} rank(s), resuming on {dist.world_size}: "
+                     "model, optimizer and data order carry over; RNG streams (dropout) are re-seeded from "
+                     "seed+step+rank")
         if dist.is_main:
             (out / "config.yaml").write_text(dump_yaml(cfg))
             (out / PREEMPTED_MARKER).unlink(missing_ok=True)
