@@ -265,3 +265,24 @@ def test_a_head_sharing_a_parameter_beyond_the_embedding_stays_in_the_root(one_r
     expected = dict(reference.named_parameters())
     for name, p in model.named_parameters():
         assert torch.allclose(p.grad.full_tensor(), expected[name].grad, atol=1e-6), name
+
+
+def test_a_pre_quantized_folder_s_packed_weights_fit_and_a_wrong_shape_does_not(tmp_path):
+    """model/weights_fit: a weight packed into fewer integers (bitsandbytes' 4-bit as [n, 1] uint8)
+    is not another shape; the same tensor in a float dtype is refused."""
+    from safetensors.torch import save_file
+
+    from shardtune.errors import UserError
+    from shardtune.model.hf import build_meta_model
+    from shardtune.model.weights_fit import check_weights_fit
+
+    model = build_meta_model(hf_config("gpt2"), False)
+    tensors = {name: torch.zeros(p.shape) for name, p in model.state_dict().items() if name != "lm_head.weight"}
+    name = next(n for n in tensors if n.endswith("attn.c_attn.weight"))
+    tensors[name] = torch.zeros(tensors[name].numel() // 2, 1, dtype=torch.uint8)
+    save_file(tensors, tmp_path / "model.safetensors")
+    check_weights_fit(tmp_path, [tmp_path / "model.safetensors"], model)
+    tensors[name] = tensors[name].float()
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(UserError, match=f"weight {name} in model.safetensors has shape"):
+        check_weights_fit(tmp_path, [tmp_path / "model.safetensors"], model)

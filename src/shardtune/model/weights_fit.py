@@ -48,7 +48,8 @@ def check_weights_fit(folder: Path, files: list[Path], model) -> None:
     fix = "re-download or re-export the model, or correct its config.json (or model.config)"
     for name, key in placed.items():
         shape, file = stored[name]
-        if shape != expected[key]:
+        # a pre-quantized folder stores a weight packed into fewer elements (bitsandbytes' 4-bit: [n, 1])
+        if shape != expected[key] and not (packed and _numel(shape) < _numel(expected[key])):
             raise UserError(f"{where}: weight {name} in {file} has shape {list(shape)} but the config makes it "
                             f"{list(expected[key])}; {fix}")
     if len(placed) == len(stored):  # every stored tensor has its place: what the model has beyond them is missing
