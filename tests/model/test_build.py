@@ -224,6 +224,8 @@ def test_a_random_init_config_raises_no_warning_about_ids_the_tokenizer_replaces
     tokenizer's: transformers warned about that id at construction, above the run's first line."""
     import logging
 
+    from transformers.utils import logging as hf_logging
+
     from shardtune.config.schema import ModelConfig
     from shardtune.model.hf import load_hf_config
 
@@ -232,6 +234,8 @@ def test_a_random_init_config_raises_no_warning_about_ids_the_tokenizer_replaces
     handler.emit = lambda record: seen.append(record.getMessage())
     logger = logging.getLogger("transformers.configuration_utils")
     logger.addHandler(handler)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_warning()  # an in-process run earlier in this worker may have set it to errors
     try:
         # a vocabulary no other test uses: transformers warns once per message
         hf = load_hf_config(ModelConfig(config={"model_type": "gpt2", "vocab_size": 1999, "n_layer": 1}))
@@ -239,6 +243,7 @@ def test_a_random_init_config_raises_no_warning_about_ids_the_tokenizer_replaces
         load_hf_config(ModelConfig(config={"model_type": "gpt2", "vocab_size": 1998, "pad_token_id": 5000}))
     finally:
         logger.removeHandler(handler)
+        hf_logging.set_verbosity(verbosity)
     assert not [m for m in seen if "bos_token_id" in m or "eos_token_id" in m], seen
     assert any("pad_token_id" in m and "got 5000" in m for m in seen), seen  # the user's own id still warns
 

@@ -104,7 +104,7 @@ TOKENIZER_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 @contextlib.contextmanager
 def _quiet_type_default_ids(overrides: dict):
     """transformers warns at construction about a model type's default special-token ids outside
-    a smaller model.config.vocab_size (GPT-2's 50256 in the quickstart's 2048); match_tokenizer
+    a smaller vocabulary given in model.config (GPT-2's 50256 in the quickstart's 2048); match_tokenizer
     replaces them with the tokenizer's, so those lines are about values no run uses. An id the
     user gave still warns."""
     starts = tuple(f"Model config: {name} must be" for name in TOKENIZER_IDS if name not in overrides)
