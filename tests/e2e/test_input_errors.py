@@ -1,0 +1,202 @@
+"""Bad input files, with test_errors.py's harness: data files and folders, model configs, model
+folders and tokenizers. Each is one `error: ...` line naming the problem and the fix, exit code 2,
+no traceback, nothing already written destroyed."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+from test_errors import (  # noqa: F401 - fixtures used by name (and the autouse isolation)
+    TINY_GPT2,
+    _isolated,
+    datasets_cache,
+    fails,
+    out,
+    qs_assets,
+    recipe,
+    snapshot,
+    write_jsonl,
+)
+
+# ----------------------------------------------------------------------------- data
+
+
+def test_missing_data_file(capfd, recipe, out, tmp_path):
+    fails(capfd, ["train", recipe, f"data.path={tmp_path / 'nope' / 'train.jsonl'}", f"output_dir={out}"],
+          "train.jsonl", "not found", "data.path")
+    fails(capfd, ["train", recipe, "data.path=missing.jsonl", f"output_dir={out}"],
+          "missing.jsonl", "not found", "data.path")
+    assert (out / "notes.txt").read_text() == "mine, keep me\n"
+
+
+def test_data_folder_without_data_files(capfd, recipe, out, tmp_path):
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "README.md").write_text("no data here\n")
+    fails(capfd, ["train", recipe, f"data.path={folder}", f"output_dir={out}"], "corpus", "holds no", "data file")
+
+
+@pytest.mark.parametrize("content", ["", "\n\n  \n"], ids=["zero-bytes", "blank-lines"])
+def test_empty_data_file(capfd, recipe, out, tmp_path, content):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(content)
+    before = snapshot(out)
+    fails(capfd, ["train", recipe, f"data.path={empty}", f"output_dir={out}"], "empty.jsonl", "empty",
+          "add documents")
+    assert snapshot(out) == before
+
+
+def test_dataset_shorter_than_one_sequence(capfd, recipe, out, tmp_path):
+    short = write_jsonl(tmp_path / "short.jsonl", [{"text": ""}, {"text": "hi"}, {"text": "ok"}])
+    fails(capfd, ["train", recipe, f"data.path={short}", f"output_dir={out}"], "short.jsonl",
+          "fewer tokens than one sequence", "data.seq_len=32", "lower data.seq_len")
+
+
+def test_dataset_smaller_than_global_batch(capfd, recipe, out):
+    fails(capfd, ["train", recipe, "train.global_batch_size=4096", f"output_dir={out}"],
+          "train.global_batch_size=4096", "lower the batch size")
+
+
+def test_missing_text_field(capfd, recipe, out, tmp_path):
+    rows = [{"content": f"document number {i} " * 20} for i in range(10)]
+    path = write_jsonl(tmp_path / "content.jsonl", rows)
+    fails(capfd, ["train", recipe, f"data.path={path}", f"output_dir={out}"], "no column 'text'",
+          "data.text_field", "content")
+    # ... and naming the right field makes the same data acceptable to that check
+    fails(capfd, ["train", recipe, f"data.path={path}", "data.text_field=body", f"output_dir={out}"],
+          "no column 'body'", "content")
+
+
+def test_malformed_jsonl(capfd, recipe, out, tmp_path):
+    bad = tmp_path / "broken.jsonl"
+    bad.write_text('{"text": "fine"}\n{"text": not json\n')
+    fails(capfd, ["train", recipe, f"data.path={bad}", f"output_dir={out}"], "broken.jsonl", "could not read")
+
+
+@pytest.mark.parametrize("rows, extra, words", [
+    ([{"text": 5}] * 20, [], ["column 'text'", "holds int64", "data.text_field"]),
+    ([{"text": None}] * 20, [], ["null or empty in all"]),
+    ([{"text": " "}] * 20, [], ["null or empty in all"]),
+    ([{"instruction": "say hi", "output": ""}] * 20, ["data.format=instruct"],
+     ["column 'output'", "data.output_field"]),
+    ([{"messages": None}] * 20, ["data.format=chat"], ["column 'messages'", "null or empty in all"]),
+])
+def test_columns_that_hold_no_text(capfd, recipe, out, tmp_path, rows, extra, words):
+    path = write_jsonl(tmp_path / "rows.jsonl", rows)
+    fails(capfd, ["train", recipe, f"data.path={path}", *extra, f"output_dir={out}"], "rows.jsonl", *words)
+
+
+def test_splits_whose_columns_disagree_name_the_file(capfd, recipe, out, tmp_path):
+    """A folder's validation file lacking the text column (or holding none) is named by file."""
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    write_jsonl(folder / "train.jsonl", [{"text": f"document number {i} " * 20} for i in range(20)])
+    write_jsonl(folder / "validation.jsonl", [{"body": "held out " * 20}] * 5)
+    fails(capfd, ["train", recipe, f"data.path={folder}", f"output_dir={out}"], "validation.jsonl",
+          "no column 'text'", "data.text_field")
+    write_jsonl(folder / "validation.jsonl", [{"text": None}] * 5)
+    fails(capfd, ["train", recipe, f"data.path={folder}", f"output_dir={out}"], "validation.jsonl",
+          "null or empty in all 5 rows")
+
+
+@pytest.mark.parametrize("raw, words", [
+    (b'null\n{"text": "a"}\n', ["line 1 is `null`"]),  # pyarrow's JSON reader would crash the process
+    ('{"text": "a"}\n{"text": "café"}\n'.encode("latin-1"), ["not UTF-8 text", "line 2"]),
+])
+def test_data_file_bytes(capfd, recipe, out, tmp_path, raw, words):
+    (tmp_path / "train.jsonl").write_bytes(raw)
+    fails(capfd, ["train", recipe, f"data.path={tmp_path / 'train.jsonl'}", f"output_dir={out}"], *words)
+
+
+def test_data_path_that_is_a_fifo(capfd, recipe, out, tmp_path):
+    os.mkfifo(tmp_path / "train.txt")
+    fails(capfd, ["train", recipe, f"data.path={tmp_path / 'train.txt'}", f"output_dir={out}"], "not a regular file")
+    fails(capfd, ["train", recipe, f"data.path={tmp_path}", f"output_dir={out}"], "not a regular file")
+
+
+# ----------------------------------------------------------------------------- model
+
+
+@pytest.mark.parametrize("config, words", [
+    ({"model_type": "t5"}, ["no causal-LM head"]),
+    ({**TINY_GPT2, "n_embd": 33}, ["cannot build", "divisible"]),
+    ({**TINY_GPT2, "n_head": 0}, ["cannot build", "ZeroDivisionError"]),
+    ({**TINY_GPT2, "layer_norm_epsilon": float("nan")}, ["model.config.layer_norm_epsilon=nan"]),
+    # builds, then failed at the first forward (shapes) or trained a model that sees the next token
+    ({"model_type": "llama", "hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 3,
+      "intermediate_size": 64, "num_hidden_layers": 1}, ["2 attention heads", "3 key/value heads"]),
+    ({"model_type": "bert", "hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64,
+      "num_hidden_layers": 1}, ["is_decoder=false", "model.config.is_decoder=true"]),
+])
+def test_model_config_that_cannot_be_built(capfd, recipe, out, config, words):
+    fails(capfd, ["train", recipe, f"model.config={yaml.safe_dump(config, default_flow_style=True).strip()}",
+                  f"output_dir={out}"], *words)
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory, qs_assets) -> Path:
+    """A saved tiny GPT-2 (weights, config, tokenizer), as a user's model folder."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = tmp_path_factory.mktemp("model")
+    config = dict(TINY_GPT2)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(config.pop("model_type"), vocab_size=300, **config)
+                                     ).save_pretrained(folder)
+    for file in Path(qs_assets["tokenizer"]).iterdir():
+        shutil.copy(file, folder)
+    return folder
+
+
+@pytest.mark.parametrize("edit, words", [
+    ({"n_embd": 64}, ["in model.safetensors has shape", "but the config makes it"]),
+    ({"n_layer": 2}, ["lacks 12 weight(s)", "transformer.h.1.", "start random"]),  # loaded, with layer 1 random
+    ({"tie_word_embeddings": False}, ["lm_head.weight", "start random"]),
+    # a 7B Llama's config beside GPT-2's weights: the load was killed for memory
+    ({"model_type": "llama"}, ["a model of 6,477,500,416 parameters but its weights hold 24,416"]),
+])
+def test_model_folder_whose_weights_do_not_fit_its_config(capfd, tmp_path, model_folder, edit, words):
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(model_folder, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **edit}))
+    fails(capfd, ["generate", str(folder), "--prompt", "hi", "--max-new-tokens", "2"], str(folder), *words,
+          "config.json")
+
+
+def test_model_folder_with_a_generation_config_transformers_refuses(capfd, tmp_path, model_folder):
+    """Its values were checked only once the weights had loaded, and blamed on the weights."""
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(model_folder, folder)
+    (folder / "generation_config.json").write_text(json.dumps({"max_new_tokens": -5}))
+    fails(capfd, ["generate", str(folder), "--prompt", "hi", "--max-new-tokens", "2"],
+          "generation_config.json", "max_new_tokens", "fix or remove it")
+
+
+def test_model_path_that_is_a_file(capfd, recipe, out, tmp_path):
+    (tmp_path / "model.bin").write_bytes(b"")
+    fails(capfd, ["train", recipe, f"model.name_or_path={tmp_path / 'model.bin'}", f"output_dir={out}"],
+          "is a file, not a folder")
+
+
+def test_seq_len_above_model_maximum(capfd, recipe, out):
+    before = snapshot(out)
+    fails(capfd, ["train", recipe, "data.seq_len=128", f"output_dir={out}"],
+          "data.seq_len=128", "maximum of 64", "data.seq_len=64 or less")
+    assert snapshot(out) == before
+
+
+def test_missing_tokenizer(capfd, recipe, out, tmp_path):
+    fails(capfd, ["train", recipe, f"model.tokenizer={tmp_path / 'no-tokenizer'}", f"output_dir={out}"],
+          "no-tokenizer", "not found")
+
+
