@@ -201,6 +201,29 @@ def test_srun_without_torchrun_maps_slurm_variables(monkeypatch):
     assert os.environ["MASTER_PORT"] == str(29500 + 1234 % 1000)
 
 
+def test_a_task_of_srun_without_torchrun_plans_and_checks_for_the_whole_job(monkeypatch, capsys, tmp_path):
+    """Under `srun` alone the task read WORLD_SIZE before Slurm's variables were translated, took
+    itself for a world of one and checked the batch for one rank (the job then failed later, in
+    the trainer). The check now sees the job's 8 ranks."""
+    import os
+
+    from shardtune.cli.main import main
+
+    torch_keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k not in torch_keys})
+    for name, value in {"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_LOCALID": "0", "SLURM_NTASKS_PER_NODE": "4",
+                        "SLURM_JOB_NODELIST": "127.0.0.1", "PATH": "/nonexistent"}.items():
+        monkeypatch.setenv(name, value)
+    import shardtune.distributed.process_group as pg
+
+    def unchecked(*args):
+        raise AssertionError("the task reached its process group with the batch checked for another world")
+    monkeypatch.setattr(pg, "init_distributed", unchecked)
+    code = main(["train", "train.global_batch_size=4", "train.micro_batch_size=1", f"data.path={tmp_path / 'no.jsonl'}",
+                 f"output_dir={tmp_path / 'out'}"])
+    assert code == 2 and "1 x 8" in capsys.readouterr().err
+
+
 def test_slurm_script_command_starts_shardtune_train(tmp_path):
     """The script's own command line, run with stand-ins for srun and torchrun that start the real
     `python -m shardtune` it names (as torchrun's workers do): shardtune parses the recipe and the

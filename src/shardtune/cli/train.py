@@ -30,7 +30,7 @@ def run(args) -> int:
     """Resolve the run, check it, then build and train it here or in `--nproc N` ranks."""
     from shardtune.check.run import check_run
     from shardtune.config.load import load_config
-    from shardtune.distributed.process_group import check_nproc, env_int, launched_by_agent
+    from shardtune.distributed.process_group import agent_world, check_nproc, launched_by_agent
     from shardtune.resolve.run import resolve_run
 
     recipe, overrides, defaults, used = recipe_and_defaults(args.recipe, args.overrides)
@@ -38,9 +38,9 @@ def run(args) -> int:
     nproc = 1 if args.nproc is None else args.nproc
     world, local = nproc, nproc
     if launched_by_agent():
-        if args.nproc and args.nproc != env_int("LOCAL_WORLD_SIZE", nproc, least=1):
+        world, local = agent_world()
+        if args.nproc and args.nproc != local:
             raise UserError("--nproc conflicts with the ranks torchrun/srun started; drop --nproc")
-        world, local = env_int("WORLD_SIZE", 1, least=1), env_int("LOCAL_WORLD_SIZE", 1, least=1)
     elif nproc > 1:
         check_nproc(nproc, loaded.device)
     said: list[str] = []  # what the autos chose: said after the quickstart's line, which stays the run's first

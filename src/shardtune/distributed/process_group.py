@@ -47,6 +47,14 @@ def env_int(name: str, default: int, least: int = 0) -> int:
     return value
 
 
+def agent_world() -> tuple[int, int]:
+    """(world size, ranks on this node) of a torchrun/elastic worker or an srun task, read before
+    anything is planned or checked: srun without torchrun sets Slurm's variables only, so they
+    are translated first (else such a task took itself for a world of one)."""
+    _adopt_slurm_env()
+    return env_int("WORLD_SIZE", 1, least=1), env_int("LOCAL_WORLD_SIZE", 1, least=1)
+
+
 def _adopt_slurm_env() -> None:
     """srun without torchrun: translate Slurm's variables into torch.distributed's."""
     if "RANK" in os.environ or "SLURM_PROCID" not in os.environ:
