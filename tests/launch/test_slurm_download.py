@@ -214,11 +214,11 @@ def test_a_task_of_srun_without_torchrun_plans_and_checks_for_the_whole_job(monk
     for name, value in {"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_LOCALID": "0", "SLURM_NTASKS_PER_NODE": "4",
                         "SLURM_JOB_NODELIST": "127.0.0.1", "PATH": "/nonexistent"}.items():
         monkeypatch.setenv(name, value)
-    import shardtune.distributed.process_group as pg
+    import shardtune.train.trainer as trainer  # imported unpatched: the name it holds is the one patched
 
     def unchecked(*args):
         raise AssertionError("the task reached its process group with the batch checked for another world")
-    monkeypatch.setattr(pg, "init_distributed", unchecked)
+    monkeypatch.setattr(trainer, "init_distributed", unchecked)
     code = main(["train", "train.global_batch_size=4", "train.micro_batch_size=1", f"data.path={tmp_path / 'no.jsonl'}",
                  f"output_dir={tmp_path / 'out'}"])
     assert code == 2 and "1 x 8" in capsys.readouterr().err
