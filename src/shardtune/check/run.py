@@ -71,9 +71,9 @@ def job_world_size() -> int:
 
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_world_size()
-    from shardtune.distributed.process_group import env_int
+    from shardtune.distributed.process_group import agent_world
 
-    return env_int("WORLD_SIZE", env_int("SLURM_NTASKS", 1, least=1), least=1)
+    return agent_world()[0]
 
 
 def check_run(cfg: RunConfig, world_size: int | None = None, device=None, say=None) -> CheckedRun:
