@@ -86,7 +86,7 @@
 #     python bench/memory_savers.py quality --steps 300 > "$OUT/savers_quality.md"   (compiled torchao step)
 #     python bench/memory_savers.py activations --micro-batch 8 --steps 6 precision=bf16 fsdp.reduce_dtype=bf16 \
 #       train.optimizer_state=8bit > "$OUT/savers_act_8bit.md"
-# Knobs: PYTHON, BUDGET_S, REPEATS, BENCH_STEPS, BENCH_GLOBAL, PLAN_ROWS, SOAK_MINUTES, LIGER_STEPS, CAP_<STAGE>.
+# Knobs: PYTHON, BUDGET_S, TESTS_WORKERS (pytest-xdist workers for the tests stage; the image has xdist), REPEATS, BENCH_STEPS, BENCH_GLOBAL, PLAN_ROWS, SOAK_MINUTES, LIGER_STEPS, CAP_<STAGE>.
 # The CPU rehearsal (no install; .venv/bin/python) takes about 4 minutes on 2 cores (BENCHMARKS.md).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -227,7 +227,7 @@ tee -a "$results/suite.log" < "$results/env.txt"
 export SHARDTUNE_GPU_RESULTS=$results/tests
 stage tests "$(time_for "${CAP_TESTS:-360}")" cuda-tests.log \
   $python -m pytest -q -p no:cacheprovider -m cuda tests/e2e/test_cuda.py -k "not float8 and not liger" \
-  --junitxml "$results/cuda-tests.xml" "${collect[@]}"
+  ${TESTS_WORKERS:+-n "$TESTS_WORKERS"} --junitxml "$results/cuda-tests.xml" "${collect[@]}"
 bench_args=(--repeats "${REPEATS:-2}" --sharding full_shard --nproc 1 --steps "${BENCH_STEPS:-8}"
             --global-batch "${BENCH_GLOBAL:-8}")
 [ "$rehearse" = 1 ] && bench_args+=(--peak-tflops 1)  # the MFU columns, against a nominal peak
