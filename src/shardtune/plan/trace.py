@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -274,6 +275,17 @@ class _ShapeOnlyData:
         return rows
 
 
+def _inputs_when_none(hook):
+    """A forward pre-hook that returns its (args, kwargs) where it returned None: the tracker's
+    wrapper unpacks what the hook returns, and torch 2.11's group hook returns None at every module
+    of the group but the first (2.13's returns the inputs)."""
+    @functools.wraps(hook)
+    def call(module, args, kwargs):
+        out = hook(module, args, kwargs)
+        return (args, kwargs) if out is None else out
+    return call
+
+
 class PhaseTracker(FSDPMemTracker):
     """FSDPMemTracker with a peak per phase of the step instead of per module (whose
     bookkeeping grows with the square of the number of modules)."""
@@ -307,6 +319,7 @@ class PhaseTracker(FSDPMemTracker):
                                    next(f for i, f in module._forward_hooks.items() if i in ids))
         super()._instrument_fsdp_module()
         for module, (state, pre, post) in grouped.items():
+            pre = _inputs_when_none(pre)
             for hooks, per_module, group_hook, wrap in (
                     (module._forward_pre_hooks, state._pre_forward, pre, self._fsdp_state_pre_forward),
                     (module._forward_hooks, state._post_forward, post, self._fsdp_state_post_forward)):
