@@ -63,25 +63,20 @@
 #
 # On the device tool (at most 8 files of 16 MiB come back from $OUT): name $OUT as BRING_BACK_DIR,
 # and the stages done before a kill still come back; carry .whl (git-ignored) for the wheels:
-# A session has 15 minutes of device time (machine start, 2-3 min, included; 10 min a call): the
-# calls in this order of value; what does not fit waits for the next GPU session.
-#   1st call (~9 min):  STAGES="curve offload nan-hunt" BUDGET_S=560 bash bench/gpu/run.sh /tmp/gpu-c "$OUT"
-#                       (the GPU-correctness issue's open questions: the 30-step curve against HF with
-#                       HF's NaN filter off, a real offloaded 1B run, the NaN's two head-loss paths)
-#   2nd call (~7 min):  bash bench/gpu/run.sh /tmp/gpu "$OUT"
-#                       (the CUDA tests, ~335 s: host sync, offload, compile, float8, and one Llama pair, ~80 s)
-#   3rd call (~8 min):  STAGES="bench-opt profile plan" CAP_BENCH=240 bash bench/gpu/run.sh /tmp/gpu-p "$OUT"
-#   4th call (~9 min):  STAGES=plan PLAN_ROWS=12 CAP_PLAN=540 BUDGET_S=560 bash bench/gpu/run.sh /tmp/gpu-plan "$OUT"
-#                       (the planner's calibration rows: CUDA_OVERHEADS, the memory savers, float8)
-#   then (~5 min):      STAGES=speed-order BUDGET_S=320 bash bench/gpu/run.sh /tmp/gpu-so "$OUT"
-#                       (issue 33 item 5: the memory savers' measured speed order against plan's)
-#   5th call (~7 min):  STAGES="float8-tests float8" BUDGET_S=560 bash bench/gpu/run.sh /tmp/gpu-f8 "$OUT"
-#                       (float8's loss and speed; FLOAT8_EFFICIENCY in plan/cost.py is set from them)
-#   6th call (~6 min):  STAGES="bench-llama bench-opt" BUDGET_S=500 CAP_BENCH=240 REPEATS=2 \
-#                         bash bench/gpu/run.sh /tmp/gpu-ab "$OUT"        (A B A B for both models)
-#   7th call (~8 min):  STAGES="liger-tests liger" BUDGET_S=560 bash bench/gpu/run.sh /tmp/gpu-liger "$OUT"
-#                       (issue 34: Liger-Kernel's losses and its speed against the chunked loss, eager and compiled)
-#   5th, issue 20 (not yet run on a GPU; one call, ~8 min): memory savers on CUDA, device=auto
+# A session has 15 minutes of device time (machine start, 1-2 min, included; 10 min a call; a warm
+# machine waits only 30 s for the next call, so send the next one at once). Done on the H200 on
+# 2026-11-26 (bench/gpu/results/2026-11-26-h200/): tests, curve, offload, nan-hunt, one Llama A B A B,
+# profile. The calls left, in order of value (issue 34's measurements first, then the planner's rows):
+#   1st call (~9 min):  STAGES="liger-tests liger" BUDGET_S=560 bash bench/gpu/run.sh /tmp/gpu-liger "$OUT"
+#                       (compile's and Liger-Kernel's gains: plain / liger / both compiled, and Liger's losses)
+#   2nd call (~7 min):  STAGES="float8-tests float8" BUDGET_S=420 bash bench/gpu/run.sh /tmp/gpu-f8 "$OUT"
+#                       (float8's loss in the stable regime and its speed; FLOAT8_EFFICIENCY in plan/cost.py)
+#   3rd call (~9 min):  STAGES="plan speed-order" PLAN_ROWS=8 CAP_PLAN=300 BUDGET_S=560 bash bench/gpu/run.sh /tmp/gpu-plan "$OUT"
+#                       (the planner's rows against max_memory_allocated/reserved; the memory savers' order)
+#   4th call (~6 min):  STAGES="bench-opt" CAP_BENCH=300 REPEATS=2 BUDGET_S=320 bash bench/gpu/run.sh /tmp/gpu-opt "$OUT"
+#                       (OPT-1.3B A B A B; bench-llama again with --shardtune-set compile=true once 1st call says it pays)
+#   QLoRA's CUDA test:  QLORA=1 bash bench/gpu/wheels.sh, then carry .whl with a lighter tree (bitsandbytes is 43 MB)
+#   issue 20 (one call, ~8 min): memory savers on CUDA, device=auto
 #     python bench/memory_savers.py activations --micro-batch 8 --steps 6 precision=bf16 > "$OUT/savers_act.md"
 #     python bench/memory_savers.py quality --steps 300 > "$OUT/savers_quality.md"   (compiled torchao step)
 #     python bench/memory_savers.py activations --micro-batch 8 --steps 6 precision=bf16 fsdp.reduce_dtype=bf16 \

@@ -36,7 +36,8 @@ def stages(results) -> list[tuple[str, str]]:
 @pytest.mark.parametrize("mode", [[], ["--rehearse"]], ids=["gpu", "rehearsal"])
 def test_every_stage_command_line_is_accepted(tmp_path, mode):
     results = tmp_path / "results"
-    proc = suite(tmp_path, *mode, str(results), ARGS_ONLY="1", SOAK_MINUTES="1", STAGES=" ".join(STAGES))
+    proc = suite(tmp_path, *mode, str(results), ARGS_ONLY="1", SOAK_MINUTES="1", STAGES=" ".join(STAGES),
+                 TESTS_WORKERS="2")  # the tests stage under pytest-xdist, as on the H200
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert stages(results) == [(name, "0") for name in STAGES]
     for log, kept in (("cuda-tests.log", "deselected"), ("float8-tests.log", "deselected"),
