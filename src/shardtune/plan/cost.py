@@ -189,7 +189,7 @@ def step_time(trace: StepTrace, hf_config, cand: Candidate, cfg: RunConfig, targ
     tokens = cand.micro_batch * accum * seq  # per rank per step
     fpt = flops_per_token(p["matmul"], hf_config, seq, p["matmul_trainable"])
     forward = 2.0 * p["matmul"] + attention_flops(hf_config, seq)  # blocks' matmuls and attention (counted)
-    peak, mfu = target.peak_flops(cand.precision), HOST_FACTS["mfu"].value
+    peak, mfu = target.peak_flops(cand.precision), assumed_mfu(cfg)
     compute = tokens * (fpt + forward * recomputed_forwards(cand)) / (peak * mfu)
     if cfg.float8 != "none":
         compute += float8_seconds(p, cfg, cand, target, tokens)
@@ -241,6 +241,11 @@ def step_time(trace: StepTrace, hf_config, cand: Candidate, cfg: RunConfig, targ
             "optimizer": optimizer, "total": total}
 
 
+def assumed_mfu(cfg: RunConfig) -> float:
+    """The share of the 16-bit peak the step's matmuls reach: measured eager, assumed compiled."""
+    return HOST_FACTS["mfu_compiled" if cfg.compile else "mfu"].value
+
+
 def recomputed_forwards(cand: Candidate) -> float:
     """The blocks' forward passes backward runs again: full 1, every n-th block 1/n, none 0, and
     selective 0 (its cheap recomputed ops are priced apart, by the bytes they stream)."""
@@ -252,7 +257,7 @@ def float8_seconds(p: dict, cfg: RunConfig, cand: Candidate, target: Target, tok
     at the float8 peak instead of the 16-bit one (forward, backward's two, and a recomputed
     forward), plus their casts (FLOAT8_CAST_BYTES)."""
     flops = tokens * (6 + 2 * recomputed_forwards(cand)) * p.get("float8_matmul", 0)
-    mfu = HOST_FACTS["mfu"].value
+    mfu = assumed_mfu(cfg)
     faster = flops / (target.peak_flops("fp8") * mfu * FLOAT8_EFFICIENCY[cfg.float8]) \
         - flops / (target.peak_flops(cand.precision) * mfu)
     cast = FLOAT8_CAST_BYTES["compiled" if cfg.compile else "eager"] * FLOAT8_CASTS[cfg.float8]
