@@ -185,7 +185,8 @@ def float8_alternatives(cfg: RunConfig, hf_config, target: Target, best: Estimat
         trace = dataclasses.replace(best.trace, params={**best.trace.params, **shapes})
         seconds = step_time(trace, hf_config, best.candidate, trial, target, best.accumulation)["total"]
         out.append({"recipe": recipe, "tokens_per_s": best.tokens_per_s * best.step_seconds / seconds,
-                    "layers": len(float8.converted(model)), "compile": trial.compile})
+                    "layers": len(float8.converted(model)), "compile": trial.compile,
+                    "compile_added": trial.compile and not cfg.compile})
     return out
 
 
@@ -229,7 +230,8 @@ def render(answer: dict) -> str:
             keys = f"float8={alt['recipe']}" + (" compile=true" if alt["compile"] else "")
             lines.append(f"  with {keys} ({alt['layers']} linear layers in float8; it changes the numerics, so it "
                          f"is yours to choose): ~{alt['tokens_per_s']:,.0f} tokens/s "
-                         f"({alt['tokens_per_s'] / best['tokens_per_s'] - 1:+.0%}, from torchao's published gains)")
+                         f"({alt['tokens_per_s'] / best['tokens_per_s'] - 1:+.0%}, from torchao's published gains"
+                         + (" and torchtitan's for compile)" if alt.get("compile_added") else ")"))
     else:
         lines += ["", "nothing fits."]
         for text in answer.get("what_would_fit", []):
