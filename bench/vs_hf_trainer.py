@@ -206,8 +206,12 @@ def worker_hf(spec: dict) -> None:
 # ----------------------------------------------------------------------------- driver
 
 
-def build_blocks(overrides: list[str], steps: int, path: Path) -> int:
-    """The packed blocks shardtune will train on, in the order it consumes them; returns the count."""
+def build_blocks(overrides: list[str], steps: int, path: Path) -> tuple[int, str]:
+    """The packed blocks shardtune will train on, in the order it consumes them; returns the
+    corpus's block count and a fingerprint of the blocks the run consumes, in order (two runs
+    train on the same data exactly when it matches: a replay of a NaN needs that)."""
+    import hashlib
+
     import torch
 
     from shardtune.config.load import load_config
@@ -222,7 +226,7 @@ def build_blocks(overrides: list[str], steps: int, path: Path) -> int:
              for e, s in (divmod(step, plan.steps_per_epoch) for step in range(steps))]
     blocks = train[torch.cat(order).tolist()]["input_ids"]
     torch.save(blocks.clone(), path)
-    return len(train)
+    return len(train), hashlib.sha256(blocks.to(torch.int64).numpy().tobytes()).hexdigest()[:12]
 
 
 def run_side(side: str, spec: dict, workdir: Path) -> dict:
@@ -299,14 +303,15 @@ def main() -> int:
     data_dir = str(Path(assets["train"]).parent)
     base = shardtune_overrides(setup, assets["tokenizer"], data_dir, a.workdir / "st", 1, "full_shard")
     blocks_path = a.workdir / "blocks.pt"
-    n_blocks = build_blocks(base, setup["steps"], blocks_path)
+    n_blocks, fingerprint = build_blocks(base, setup["steps"], blocks_path)
     tokens_per_step = setup["global"] * setup["seq_len"]
     print(f"# shardtune vs transformers.Trainer ({name}{', rehearsal' if a.rehearse else ''} on {device})\n\n"
           f"{C.machine_line()}\n\n"
           f"model {json.dumps(setup['model'])} | seq {setup['seq_len']} | micro {setup['micro']} | "
           f"global {setup['global']} | {setup['steps']} steps (first {a.skip} not timed) | {setup['precision']} | "
           f"AdamW lr {setup.get('lr', TRAIN['lr'])} cosine warmup {TRAIN['warmup_steps']} | "
-          f"{n_blocks} packed blocks in the corpus | {a.repeats} alternating pair(s) per row\n", flush=True)
+          f"{n_blocks} packed blocks in the corpus (those trained on: sha256 {fingerprint}) | "
+          f"{a.repeats} alternating pair(s) per row\n", flush=True)
 
     results, raw, walls = [], [], {"shardtune": 0.0, "hf": 0.0}
     fpt = C.flops_per_token(setup["model"], assets["tokenizer"], setup["seq_len"]) if a.gpu else None
