@@ -367,3 +367,22 @@ def test_permission_denied_in_any_command_is_one_line(capfd, monkeypatch, earlie
     fails(capfd, ["export", str(earlier_run), str(tmp_path / "locked" / "model")], "cannot write",
           str(tmp_path / "locked"), "Permission denied")
     assert not (tmp_path / "locked").exists()
+
+
+def test_an_output_dir_inside_another_runs_own_folders_is_refused(earlier_run, tmp_path):
+    """Inside a run's checkpoints/ or final/, a new run would be deleted by that run's --overwrite
+    or replaced by its saves: refused in one line, nothing created. A user's own folder that is
+    only named final/ (no run beside it) is fine."""
+    run = tmp_path / "run"
+    shutil.copytree(earlier_run, run)
+    before = tree(run)
+    for inner in ("checkpoints", "final"):
+        target = run / inner / "new" / "deeper"
+        with pytest.raises(UserError, match=rf"inside {inner}/ of the run in '{run}'"):
+            claim_output_dir(target, overwrite=True)
+    assert tree(run) == before
+    mine = tmp_path / "projects" / "final" / "new"
+    (tmp_path / "projects" / "config.yaml").parent.mkdir(parents=True)
+    (tmp_path / "projects" / "config.yaml").write_text("mine: 1\n")  # no metrics.jsonl: not a run
+    claim_output_dir(mine, overwrite=False)
+    assert mine.is_dir()

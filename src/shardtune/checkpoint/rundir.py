@@ -39,11 +39,27 @@ def holds_run(out: Path) -> bool:
     return bool(run_traces(out))
 
 
+def enclosing_run(out: Path) -> tuple[Path, str] | None:
+    """(a run's folder, which of its RUN_DIRS) when `out` lies inside a folder of another run that
+    the run itself replaces (--overwrite, checkpoint rotation, its final save); a run is a folder
+    with both config.yaml and metrics.jsonl, so a user's own folder named final/ is not one."""
+    path = out.resolve()
+    for inner in path.parents:
+        if inner.name in RUN_DIRS and all((inner.parent / name).is_file() for name in RUN_FILES[:2]):
+            return inner.parent, inner.name
+    return None
+
+
 def claim_output_dir(out: Path, overwrite: bool, check_only: bool = False, resuming: bool = False) -> None:
-    """Refuse a folder that already holds a run unless `overwrite` (or `resuming` it); then remove
-    only the run's own files (never anything else the user keeps there). `check_only` changes nothing."""
+    """Refuse a folder that already holds a run unless `overwrite` (or `resuming` it), or that lies
+    inside another run's own folders; then remove only the run's own files (never anything else the
+    user keeps there). `check_only` changes nothing."""
     if out.exists() and not out.is_dir():
         raise UserError(f"output_dir {str(out)!r} is a file; choose another output_dir")
+    if (owner := enclosing_run(out)) is not None:
+        run, inner = owner
+        raise UserError(f"output_dir {str(out)!r} lies inside {inner}/ of the run in {str(run)!r}, which that "
+                        "run's --overwrite or its saves replace; choose an output_dir outside it")
     if resuming:
         overwrite = False  # a resumed run keeps its files
     elif holds_run(out):
