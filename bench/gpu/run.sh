@@ -63,6 +63,8 @@
 #
 # On the device tool (at most 8 files of 16 MiB come back from $OUT): name $OUT as BRING_BACK_DIR,
 # and the stages done before a kill still come back; carry .whl (git-ignored) for the wheels:
+# Before a GPU session's first call, on the CPU: `bash bench/torch_compat.sh 2.11.0` (the suite under
+# the image's torch) and `bash bench/gpu/run.sh --rehearse DIR` with PYTHON= that venv's python.
 # A session has 15 minutes of device time (machine start, 1-2 min, included; 10 min a call; a warm
 # machine waits only 30 s for the next call, so send the next one at once). Done on the H200 on
 # 2026-11-26 (bench/gpu/results/2026-11-26-h200/): tests, curve, offload, nan-hunt, one Llama A B A B,
