@@ -13,8 +13,9 @@
 #                the chunked loss's CUDA layout, QLoRA, checkpointing/compile/offload, the step
 #                under set_sync_debug_mode("error") and its NaN skip on the device, NCCL under
 #                torchrun, NVML telemetry and the report's PNGs. cuda-tests.xml, tests/ (JSON
-#                records, PNGs). 335 s measured on an H100 (2026-11-25): ~12 short CLI runs, one compile
-#                (float8 and liger tests: stages of their own)
+#                records, PNGs). ~12 short CLI runs, one compile: 335 s serially on an H100 (2026-11-25),
+#                159 s on 4 pytest-xdist workers on an H200 (2026-11-26; TESTS_WORKERS, default 4 on a
+#                GPU where xdist imports, 0 = serial, as the rehearsal) (float8 and liger: stages of their own)
 #   bench-llama 120 s, bench-opt 120 s   bench/vs_hf_trainer.py --gpu, Llama ~1B and OPT-1.3B
 #                shapes, seq 2048, bf16, random init, full_shard on 1 GPU against HF Trainer,
 #                shardtune/HF alternating, as many pairs as the cap allows (REPEATS, default 2).
@@ -83,7 +84,7 @@
 #     python bench/memory_savers.py quality --steps 300 > "$OUT/savers_quality.md"   (compiled torchao step)
 #     python bench/memory_savers.py activations --micro-batch 8 --steps 6 precision=bf16 fsdp.reduce_dtype=bf16 \
 #       train.optimizer_state=8bit > "$OUT/savers_act_8bit.md"
-# Knobs: PYTHON, BUDGET_S, TESTS_WORKERS (pytest-xdist workers for the tests stage; the image has xdist), REPEATS, BENCH_STEPS, BENCH_GLOBAL, PLAN_ROWS, SOAK_MINUTES, LIGER_STEPS, CAP_<STAGE>.
+# Knobs: PYTHON, BUDGET_S, TESTS_WORKERS, REPEATS, BENCH_STEPS, BENCH_GLOBAL, PLAN_ROWS, SOAK_MINUTES, LIGER_STEPS, CAP_<STAGE>.
 # The CPU rehearsal (no install; .venv/bin/python) takes about 4 minutes on 2 cores (BENCHMARKS.md).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -222,9 +223,12 @@ tee -a "$results/suite.log" < "$results/env.txt"
 
 # ---------------------------------------------------------------------------- stages
 export SHARDTUNE_GPU_RESULTS=$results/tests
+workers=${TESTS_WORKERS:-$([ "$rehearse" = 1 ] && echo 0 || echo 4)}
+xdist=()  # the image has pytest-xdist; without it the tests run serially
+if [ "$workers" -gt 0 ] && $python -c "import xdist" 2> /dev/null; then xdist=(-n "$workers"); fi
 stage tests "$(time_for "${CAP_TESTS:-360}")" cuda-tests.log \
   $python -m pytest -q -p no:cacheprovider -m cuda tests/e2e/test_cuda.py -k "not float8 and not liger" \
-  ${TESTS_WORKERS:+-n "$TESTS_WORKERS"} --junitxml "$results/cuda-tests.xml" "${collect[@]}"
+  "${xdist[@]}" --junitxml "$results/cuda-tests.xml" "${collect[@]}"
 bench_args=(--repeats "${REPEATS:-2}" --sharding full_shard --nproc 1 --steps "${BENCH_STEPS:-8}"
             --global-batch "${BENCH_GLOBAL:-8}")
 [ "$rehearse" = 1 ] && bench_args+=(--peak-tflops 1)  # the MFU columns, against a nominal peak
