@@ -311,7 +311,8 @@ def main() -> int:
           f"global {setup['global']} | {setup['steps']} steps (first {a.skip} not timed) | {setup['precision']} | "
           f"AdamW lr {setup.get('lr', TRAIN['lr'])} cosine warmup {TRAIN['warmup_steps']} | "
           f"{n_blocks} packed blocks in the corpus (those trained on: sha256 {fingerprint}) | "
-          f"{a.repeats} alternating pair(s) per row\n", flush=True)
+          f"{a.repeats} alternating pair(s) per row"
+          + (f" | shardtune also {' '.join(a.shardtune_set)}" if a.shardtune_set else "") + "\n", flush=True)
 
     results, raw, walls = [], [], {"shardtune": 0.0, "hf": 0.0}
     fpt = C.flops_per_token(setup["model"], assets["tokenizer"], setup["seq_len"]) if a.gpu else None

@@ -77,14 +77,15 @@
 #   3rd call (~9 min):  STAGES="plan speed-order" PLAN_ROWS=8 CAP_PLAN=300 BUDGET_S=560 bash bench/gpu/run.sh /tmp/gpu-plan "$OUT"
 #                       (the planner's rows against max_memory_allocated/reserved; the memory savers' order)
 #   4th call (~6 min):  STAGES="bench-opt" CAP_BENCH=300 REPEATS=2 BUDGET_S=320 bash bench/gpu/run.sh /tmp/gpu-opt "$OUT"
-#                       (OPT-1.3B A B A B; bench-llama again with --shardtune-set compile=true once 1st call says it pays)
+#                       (OPT-1.3B A B A B; then BENCH_SET=compile=true STAGES="bench-llama bench-opt": shardtune
+#                       compiled against HF, once the 1st call says compile pays)
 #   QLoRA's CUDA test:  QLORA=1 bash bench/gpu/wheels.sh, then carry .whl with a lighter tree (bitsandbytes is 43 MB)
 #   issue 20 (one call, ~8 min): memory savers on CUDA, device=auto
 #     python bench/memory_savers.py activations --micro-batch 8 --steps 6 precision=bf16 > "$OUT/savers_act.md"
 #     python bench/memory_savers.py quality --steps 300 > "$OUT/savers_quality.md"   (compiled torchao step)
 #     python bench/memory_savers.py activations --micro-batch 8 --steps 6 precision=bf16 fsdp.reduce_dtype=bf16 \
 #       train.optimizer_state=8bit > "$OUT/savers_act_8bit.md"
-# Knobs: PYTHON, BUDGET_S, TESTS_WORKERS, REPEATS, BENCH_STEPS, BENCH_GLOBAL, PLAN_ROWS, SOAK_MINUTES, LIGER_STEPS, CAP_<STAGE>.
+# Knobs: PYTHON, BUDGET_S, TESTS_WORKERS, BENCH_SET (shardtune settings for the bench stages), REPEATS, BENCH_STEPS, BENCH_GLOBAL, PLAN_ROWS, SOAK_MINUTES, LIGER_STEPS, CAP_<STAGE>.
 # The CPU rehearsal (no install; .venv/bin/python) takes about 4 minutes on 2 cores (BENCHMARKS.md).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -232,6 +233,7 @@ stage tests "$(time_for "${CAP_TESTS:-360}")" cuda-tests.log \
 bench_args=(--repeats "${REPEATS:-2}" --sharding full_shard --nproc 1 --steps "${BENCH_STEPS:-8}"
             --global-batch "${BENCH_GLOBAL:-8}")
 [ "$rehearse" = 1 ] && bench_args+=(--peak-tflops 1)  # the MFU columns, against a nominal peak
+for setting in ${BENCH_SET:-}; do bench_args+=(--shardtune-set "$setting"); done  # e.g. BENCH_SET=compile=true
 for model in llama opt; do
   setup=gpu; [ $model = opt ] && setup=gpu-opt
   limit=$(time_for "${CAP_BENCH:-120}")
