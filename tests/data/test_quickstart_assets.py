@@ -111,3 +111,28 @@ def test_default_cache_dir(monkeypatch, tmp_path):
     assert default_cache_dir() == tmp_path / "x" / "shardtune" / "quickstart"
     monkeypatch.delenv("XDG_CACHE_HOME")
     assert default_cache_dir() == Path.home() / ".cache" / "shardtune" / "quickstart"
+
+
+def test_the_corpus_does_not_depend_on_what_the_process_imported(monkeypatch):
+    """A library that adds a documented method to a standard-library class (transformers does so to
+    logging.Logger) or replaces one of its functions must not change the documents: the corpus of
+    one Python is the same in every process (3 of 4,503 documents differed once torch and
+    transformers were imported)."""
+    import logging
+
+    before = quickstart.collect_documents()
+
+    def shouted(self, msg):
+        """A method some library added to logging.Logger, with a docstring long enough to be a document."""
+
+    monkeypatch.setattr(logging.Logger, "shout", shouted, raising=False)
+    original = logging.getLogger
+
+    def wrapped(name=None):  # a library's wrapper in its place
+        return original(name)
+
+    monkeypatch.setattr(logging, "getLogger", wrapped)
+    after = quickstart.collect_documents()
+    assert after == before
+    assert not any("some library added" in d for d in after)
+    assert any("Return a logger with the specified name" in d for d in after)  # logging.getLogger's own

@@ -12,13 +12,15 @@ import inspect
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import warnings
 from pathlib import Path
 
 # Bump when the corpus recipe or file layout changes, so old caches are not reused.
-ASSETS_VERSION = 1
+# 2: documents collected in a fresh interpreter (version 1's depended on what the process had imported)
+ASSETS_VERSION = 2
 EOS = "<|endoftext|>"
 MIN_DOC_CHARS = 40
 VALIDATION_EVERY = 20
@@ -93,7 +95,23 @@ def _language_reference() -> list[str]:
 
 
 def collect_documents() -> list[str]:
-    """Deterministic, deduplicated list of documents (one docstring or reference chunk each)."""
+    """Deterministic, deduplicated list of documents (one docstring or reference chunk each), the
+    same for every process of a given Python: collected in a fresh interpreter without site-packages
+    (`-I -S`), because libraries change the standard library they import into (transformers adds
+    methods to logging.Logger, others wrap inspect and typing functions), and in a process that had
+    imported them the corpus was another (the same Python packed 222 blocks on one GPU machine and
+    223 on the next, whose libraries differed).
+    Where no such interpreter can be started (a frozen executable), collected here."""
+    code = (f"import json, runpy, sys; json.dump(runpy.run_path({__file__!r})['_collect_here'](), sys.stdout)")
+    try:
+        proc = subprocess.run([sys.executable, "-I", "-S", "-c", code], capture_output=True, text=True,
+                              timeout=600, check=True)
+        return json.loads(proc.stdout)
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return _collect_here()
+
+
+def _collect_here() -> list[str]:
     docs: list[str] = []
     seen: set[str] = set()
 
