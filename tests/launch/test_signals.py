@@ -89,3 +89,37 @@ def test_stop_report_says_what_is_on_disk(tmp_path):
     (out / "PREEMPTED").write_text("7\n")
     code, line = stop_report(signal.SIGTERM, out, stamp, launched)
     assert code == EXIT_PREEMPTED and f"saved {out / 'checkpoints' / 'step-000007'}" in line, line
+
+
+@pytest.mark.parametrize("signum, error, dies", [
+    (signal.SIGINT, RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:2988: Connection reset "
+                                 "by peer. This is typically caused by a remote worker hanging"), True),
+    (signal.SIGINT, "DistBackendError", True),
+    (signal.SIGINT, ValueError("a bug of ours"), False),
+    (signal.SIGTERM, RuntimeError("NCCL error: remote process exited"), False),  # no Ctrl-C: a real failure
+    (None, RuntimeError("Connection reset by peer"), False),
+], ids=["gloo-reset", "dist-error", "other-error", "after-sigterm", "no-stop"])
+def test_a_collective_that_fails_after_ctrl_c_dies_by_sigint_without_a_traceback(signum, error, dies):
+    """Ctrl-C twice on N ranks: the launcher stops the ranks one after another, and a rank in a
+    collective can see its peer's connection close before its own SIGINT arrives (CI, once). After
+    a Ctrl-C that failure is the stop itself: the rank dies by SIGINT, as the second Ctrl-C would
+    have made it, instead of printing a traceback. Any other error, or one without a Ctrl-C, is
+    left to propagate. In a child process: dying is the point."""
+    import multiprocessing
+
+    import torch.distributed
+
+    def child():
+        preemption = Preemption()
+        preemption.signum = signum
+        if signum == signal.SIGINT:  # what the first Ctrl-C left a rank with
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+        exc = torch.distributed.DistBackendError("peer gone") if error == "DistBackendError" else error
+        preemption.stopped_with_a_peer(exc, world_size=1)  # a lone process has no peer: it goes on
+        preemption.stopped_with_a_peer(exc, world_size=2)
+        os._exit(7)
+
+    process = multiprocessing.get_context("fork").Process(target=child)
+    process.start()
+    process.join(60)
+    assert process.exitcode == (-signal.SIGINT if dies else 7)

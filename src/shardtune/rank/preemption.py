@@ -69,11 +69,33 @@ class Preemption:
     def name(self) -> str:
         return signal.Signals(self.signum).name if self.signum else "a preemption request"
 
+    def stopped_with_a_peer(self, exc: BaseException, world_size: int) -> None:
+        """After a Ctrl-C, in a run of several ranks, a collective that failed (gloo's "Connection
+        reset by peer", NCCL's errors, DCP's failed save) failed because the launcher is stopping
+        the ranks at once and another rank died first: this rank dies by SIGINT too, as the second
+        Ctrl-C would have made it a moment later, with no traceback (the launcher says what is on
+        disk). Any other error, or one before a Ctrl-C, is left to propagate."""
+        if world_size < 2 or self.signum != signal.SIGINT or not _from_the_process_group(exc):
+            return
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+
     def restore(self) -> None:
         for sig, old in self._old.items():
             if sig != signal.SIGINT or signal.getsignal(sig) == self._handle:  # not yet pressed once
                 signal.signal(sig, old)
         self._old = {}
+
+
+def _from_the_process_group(exc: BaseException) -> bool:
+    from torch.distributed import DistError
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(exc, DistError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError | CheckpointException) and any(
+        word in text for word in ("gloo", "NCCL", "Connection reset by peer", "Connection closed by peer"))
 
 
 def last_good(out: Path | str | None) -> str:

@@ -199,8 +199,9 @@ class Trainer:
                           StepProfiler(cfg.log.profile_steps, self.state.step, self.total_steps, dist, self.out))
         try:
             results["tokens"] = self._loop(parts, results)
-        except BaseException:
+        except BaseException as exc:
             trackers.close()  # else open until the final model is logged (publishing.final) or close()
+            parts.preemption.stopped_with_a_peer(exc, dist.world_size)  # Ctrl-C twice: dies here, quietly
             raise
         finally:
             parts.close()
