@@ -116,6 +116,8 @@ budget=$(( ${BUDGET_S:-540} + ${SOAK_MINUTES:-0} * 60 + (${SOAK_MINUTES:-0} > 0 
 deadline=$(( started + budget ))
 reserve=15  # for the last summary and tarball
 stages=${STAGES:-tests bench-llama${SOAK_MINUTES:+ soak}}
+workers=${TESTS_WORKERS:-$([ "$rehearse" = 1 ] && echo 0 || echo 4)}
+[[ $workers =~ ^[0-9]+$ ]] || { echo "TESTS_WORKERS=$workers is not a count; use 0 (serial) or a number of workers" >&2; exit 2; }
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export SHARDTUNE_BENCH_DIR=${SHARDTUNE_BENCH_DIR:-/tmp/shardtune-bench}
 rh=()  # what a script adds to rehearse
@@ -224,7 +226,6 @@ tee -a "$results/suite.log" < "$results/env.txt"
 
 # ---------------------------------------------------------------------------- stages
 export SHARDTUNE_GPU_RESULTS=$results/tests
-workers=${TESTS_WORKERS:-$([ "$rehearse" = 1 ] && echo 0 || echo 4)}
 xdist=()  # the image has pytest-xdist; without it the tests run serially
 if [ "$workers" -gt 0 ] && $python -c "import xdist" 2> /dev/null; then xdist=(-n "$workers"); fi
 stage tests "$(time_for "${CAP_TESTS:-360}")" cuda-tests.log \
