@@ -43,9 +43,9 @@ def test_predicted_tokens_per_second_is_within_15_percent_of_the_measured_gpu_ro
 
     from shardtune.config.load import load_config
     from shardtune.hardware import gpu_by_name
-    from shardtune.model.hf import build_meta_model, count_params
+    from shardtune.model.hf import build_meta_model
     from shardtune.plan.cost import Candidate, Target, step_time
-    from shardtune.telemetry.metrics import matmul_params
+    from shardtune.plan.trace import parameter_counts
 
     measured = measured or measured_h200()
     model = SETUPS[setup]["model"]
@@ -53,9 +53,7 @@ def test_predicted_tokens_per_second_is_within_15_percent_of_the_measured_gpu_ro
                              f"data.path={Path(assets['train']).parent}", "data.seq_len=2048", "precision=bf16",
                              "train.micro_batch_size=4", "train.global_batch_size=8"])
     hf_config = AutoConfig.for_model(**model)
-    meta = build_meta_model(hf_config)
-    params = dict(zip(("total", "trainable", "matmul", "matmul_trainable"),
-                      (*count_params(meta), *matmul_params(meta)), strict=True))
+    params = parameter_counts(build_meta_model(hf_config))  # what a trace records of the model
     gpu = gpu_by_name(gpu_name)
     seconds = step_time(SimpleNamespace(params=params, layers=model["num_hidden_layers"]), hf_config,
                         Candidate("full_shard", "bf16", 4), cfg, Target(1, 1, gpu.memory_bytes, gpu), accum=2)

@@ -20,7 +20,8 @@ from shardtune.fsio import PARTIAL, write_text_atomic
 
 # left in the output folder by a preempted run, for job scripts that cannot see the ranks' exit code
 PREEMPTED_MARKER = "PREEMPTED"
-RUN_FILES = ("config.yaml", "metrics.jsonl", PREEMPTED_MARKER)
+RUN_MARKS = ("config.yaml", "metrics.jsonl")  # every run writes both: a folder with them is a run
+RUN_FILES = (*RUN_MARKS, PREEMPTED_MARKER)
 RUN_DIRS = ("final", "checkpoints", "profile", "publish")
 EARLIER = "earlier-attempt-"  # OUT/earlier-attempt-N: an attempt without a usable checkpoint, kept
 LOCK_FILE = ".shardtune.lock"  # "pid P on HOST since TIME" of the live run; removed when it ends
@@ -42,10 +43,10 @@ def holds_run(out: Path) -> bool:
 def enclosing_run(out: Path) -> tuple[Path, str] | None:
     """(a run's folder, which of its RUN_DIRS) when `out` lies inside a folder of another run that
     the run itself replaces (--overwrite, checkpoint rotation, its final save); a run is a folder
-    with both config.yaml and metrics.jsonl, so a user's own folder named final/ is not one."""
+    with all of RUN_MARKS, so a user's own folder named final/ is not one."""
     path = out.resolve()
     for inner in path.parents:
-        if inner.name in RUN_DIRS and all((inner.parent / name).is_file() for name in RUN_FILES[:2]):
+        if inner.name in RUN_DIRS and all((inner.parent / name).is_file() for name in RUN_MARKS):
             return inner.parent, inner.name
     return None
 

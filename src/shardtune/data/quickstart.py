@@ -102,7 +102,7 @@ def collect_documents() -> list[str]:
     imported them the corpus was another (the same Python packed 222 blocks on one GPU machine and
     223 on the next, whose libraries differed).
     Where no such interpreter can be started (a frozen executable), collected here."""
-    code = (f"import json, runpy, sys; json.dump(runpy.run_path({__file__!r})['_collect_here'](), sys.stdout)")
+    code = f"import json, runpy, sys; json.dump(runpy.run_path({__file__!r})['_collect_here'](), sys.stdout)"
     try:
         proc = subprocess.run([sys.executable, "-I", "-S", "-c", code], capture_output=True, text=True,
                               timeout=600, check=True)

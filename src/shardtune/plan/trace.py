@@ -158,7 +158,6 @@ def trace_step(cfg: RunConfig, hf_config, world_size: int, local_world_size: int
     from shardtune.model import float8
     from shardtune.model import loss as loss_lib
     from shardtune.model.build import ModelSpec, build_model
-    from shardtune.model.hf import count_params
     from shardtune.plan.fake_step import (
         BACKEND_COPIES,
         AnswerScalars,
@@ -169,7 +168,6 @@ def trace_step(cfg: RunConfig, hf_config, world_size: int, local_world_size: int
         fused_adamw_on_shards,
     )
     from shardtune.plan.priced import offloaded_activations, state_bytes
-    from shardtune.telemetry.metrics import matmul_params
     from shardtune.train.optim import build_grad_scaler, build_optimizer
     from shardtune.train.step import train_step
 
@@ -187,9 +185,7 @@ def trace_step(cfg: RunConfig, hf_config, world_size: int, local_world_size: int
         spec.device_type = target  # the target's sharding policy (fsdp.reshard_after_forward)
         built = build_model(spec, build_mesh(cfg.fsdp, dist), dist.device)
         model = built.model
-        total, trainable = count_params(model)
-        params = dict(zip(("total", "trainable", "matmul", "matmul_trainable"),
-                          (total, trainable, *matmul_params(model)), strict=True))
+        params = parameter_counts(model)
         params.update(state_bytes(model))  # state_fp32, state_bf16, ...: this rank's moments per precision
         params.update(float8.matmul_shapes(model))  # float8_matmul, float8_widths: what float8 changes in time
         blocks = [f"{type(model).__name__}.{name}" for name, m in model.named_modules()
@@ -273,6 +269,16 @@ class _ShapeOnlyData:
         if self.positions:  # document-masked packing: positions restart per document
             rows["position_ids"] = torch.arange(self.seq).expand(len(indices), -1).contiguous()
         return rows
+
+
+def parameter_counts(model) -> dict[str, int]:
+    """What the speed model reads of a model: its parameters ("total", "trainable") and the weights
+    a token is multiplied by ("matmul", "matmul_trainable": telemetry.metrics.matmul_params)."""
+    from shardtune.model.hf import count_params
+    from shardtune.telemetry.metrics import matmul_params
+
+    return dict(zip(("total", "trainable", "matmul", "matmul_trainable"),
+                    (*count_params(model), *matmul_params(model)), strict=True))
 
 
 def _inputs_when_none(hook):
