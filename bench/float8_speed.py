@@ -91,10 +91,10 @@ def arms_parser(doc: str, arms: dict, steps: int, workdir: str) -> argparse.Argu
     return p
 
 
-def run_arms(a, arms: dict, common: list[str]) -> tuple[dict, int, int, dict[str, list[dict]]]:
-    """Each arm in order, `a.repeats` rounds (drift hits all): (setup, steps not timed, tokens per
-    step, the runs of each arm)."""
-    setup = resolve_setup("gpu", a.steps, a.global_batch, a.rehearse)
+def run_arms(a, arms: dict, common: list[str], setup_name: str = "gpu") -> tuple[dict, int, int, dict[str, list[dict]]]:
+    """Each arm in order, `a.repeats` rounds (drift hits all), on vs_hf_trainer's setup
+    `setup_name`: (setup, steps not timed, tokens per step, the runs of each arm)."""
+    setup = resolve_setup(setup_name, a.steps, a.global_batch, a.rehearse)
     skip = min(a.skip, setup["steps"] - 2) if a.rehearse else a.skip
     assets = C.quickstart_assets()
     runs: dict[str, list[dict]] = {arm: [] for arm in a.arms}

@@ -55,6 +55,10 @@
 #                (20) steps each -> liger.md (tok/s, peak reserved/allocated, losses against the plain
 #                twin). Needs the liger wheel from bench/gpu/wheels.sh in .whl/ (the image's torch brings
 #                triton). Estimate ~25 s set-up per arm + ~40 s compile in two arms + 20 x ~0.4 s.
+#   head-chunks 300 s   only when STAGES names it: bench/head_chunks.py, the Llama ~1B setup, the
+#                chunked head loss at its default chunk, HEAD_CHUNKS (1024 2048 4096) tokens and full
+#                logits, HEAD_STEPS (12) steps each -> head_chunks.md (tok/s, peak reserved, losses
+#                against full logits): the CUDA default chunk by measurement. ~25 s set-up + 12 x ~0.4 s an arm.
 #   soak         only with SOAK_MINUTES=N: bench/soak.py --device cuda, N minutes more (the
 #                budget grows by N minutes + 2). soak.md
 # STAGES="tests bench-llama ..." runs only those (setup always runs). After every stage the
@@ -76,8 +80,8 @@
 #                       (float8's loss in the stable regime and its speed; FLOAT8_EFFICIENCY in plan/cost.py)
 #   3rd call (~9 min):  STAGES="plan speed-order" PLAN_ROWS=8 CAP_PLAN=300 BUDGET_S=560 bash bench/gpu/run.sh /tmp/gpu-plan "$OUT"
 #                       (the planner's rows against max_memory_allocated/reserved; the memory savers' order)
-#   4th call (~6 min):  STAGES="bench-opt" CAP_BENCH=300 REPEATS=2 BUDGET_S=320 bash bench/gpu/run.sh /tmp/gpu-opt "$OUT"
-#                       (OPT-1.3B A B A B; then BENCH_SET=compile=true STAGES="bench-llama bench-opt": shardtune
+#   4th call (~9 min):  STAGES="bench-opt head-chunks" CAP_BENCH=300 REPEATS=2 BUDGET_S=560 bash bench/gpu/run.sh /tmp/gpu-opt "$OUT"
+#                       (OPT-1.3B A B A B, the head's chunk sizes; then BENCH_SET=compile=true STAGES="bench-llama bench-opt": shardtune
 #                       compiled against HF, once the 1st call says compile pays)
 #   QLoRA's CUDA test:  QLORA=1 bash bench/gpu/wheels.sh, then carry .whl with a lighter tree (bitsandbytes is 43 MB)
 #   issue 20 (one call, ~8 min): memory savers on CUDA, device=auto
@@ -85,7 +89,7 @@
 #     python bench/memory_savers.py quality --steps 300 > "$OUT/savers_quality.md"   (compiled torchao step)
 #     python bench/memory_savers.py activations --micro-batch 8 --steps 6 precision=bf16 fsdp.reduce_dtype=bf16 \
 #       train.optimizer_state=8bit > "$OUT/savers_act_8bit.md"
-# Knobs: PYTHON, BUDGET_S, TESTS_WORKERS, BENCH_SET (shardtune settings for the bench stages), REPEATS, BENCH_STEPS, BENCH_GLOBAL, PLAN_ROWS, SOAK_MINUTES, LIGER_STEPS, CAP_<STAGE>.
+# Knobs: PYTHON, BUDGET_S, TESTS_WORKERS, BENCH_SET (shardtune settings for the bench stages), REPEATS, BENCH_STEPS, BENCH_GLOBAL, PLAN_ROWS, SOAK_MINUTES, LIGER_STEPS, HEAD_CHUNKS, HEAD_STEPS, CAP_<STAGE>.
 # The CPU rehearsal (no install; .venv/bin/python) takes about 4 minutes on 2 cores (BENCHMARKS.md).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -263,6 +267,8 @@ stage liger-tests "$(time_for "${CAP_LIGER_TESTS:-120}")" liger-tests.log \
   --junitxml "$results/liger-tests.xml" "${collect[@]}"
 stage liger "$(time_for "${CAP_LIGER:-420}")" liger.md \
   $python bench/liger_speed.py --steps "${LIGER_STEPS:-20}" --repeats "${LIGER_REPEATS:-1}" "${rh[@]}"
+stage head-chunks "$(time_for "${CAP_HEAD_CHUNKS:-300}")" head_chunks.md \
+  $python bench/head_chunks.py --steps "${HEAD_STEPS:-12}" --skip 4 --chunks ${HEAD_CHUNKS:-1024 2048 4096} "${rh[@]}"
 if [ -n "${SOAK_MINUTES:-}" ]; then
   m=$SOAK_MINUTES
   if [ "$rehearse" = 1 ]; then soak_args=(--device cpu --sample-s 2); else soak_args=(--device cuda); fi

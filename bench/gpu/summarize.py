@@ -86,6 +86,9 @@ def main() -> int:
         out += ["", "## Liger-Kernel vs shardtune's own path", "", *liger.read_text().strip().splitlines()[2:]]
     if "liger-tests" in ran and (results / "liger-tests.log").is_file():
         out += ["", "## Liger CUDA tests", "", *(results / "liger-tests.log").read_text().strip().splitlines()[-3:]]
+    chunks = results / "head_chunks.md"
+    if chunks.is_file():
+        out += ["", "## The head loss by chunk size", "", *chunks.read_text().strip().splitlines()[2:]]
     soak = results / "soak.md"
     if soak.is_file():
         out += ["", "## Soak", "", *soak.read_text().strip().splitlines()[-6:]]

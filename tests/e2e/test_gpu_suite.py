@@ -19,7 +19,7 @@ import pytest
 from conftest import ROOT, child_env
 
 STAGES = ["tests", "bench-llama", "bench-opt", "curve", "offload", "nan-hunt", "profile", "plan", "speed-order",
-          "float8-tests", "float8", "liger-tests", "liger", "soak"]
+          "float8-tests", "float8", "liger-tests", "liger", "head-chunks", "soak"]
 
 
 def suite(tmp_path, *args: str, **env: str) -> subprocess.CompletedProcess:

@@ -7,6 +7,8 @@ import copy
 import functools
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import TINY
 from shardtune.model import loss as loss_lib
@@ -149,12 +151,25 @@ def test_both_logit_layouts_give_the_same_loss_and_gradients(dtype):
 
 
 def test_default_chunk_fits_the_device():
-    """About 24 MB of fp32 logits on CPU (an L3 cache), 64 MB on CUDA; an explicit size wins."""
-    assert loss_lib.chunk_tokens(None, 50257, "cpu") == 125
-    assert loss_lib.chunk_tokens(None, 50257, "cuda") == 333
-    assert loss_lib.chunk_tokens(None, 32000, "cuda") == 524
+    """About 24 MB of fp32 logits on CPU (an L3 cache), 64 MB on CUDA, in whole multiples of 64
+    tokens; an explicit size wins."""
+    assert loss_lib.chunk_tokens(None, 50257, "cpu") == 128  # 125 fit: rounded to 64s
+    assert loss_lib.chunk_tokens(None, 50257, "cuda") == 320  # 333
+    assert loss_lib.chunk_tokens(None, 32000, "cuda") == 512  # 524
     assert loss_lib.chunk_tokens(None, 300, "cpu") == 8192  # capped
+    assert loss_lib.chunk_tokens(None, 10 ** 6, "cpu") == 64  # at least one aligned chunk
     assert loss_lib.chunk_tokens(5, 50257, "cpu") == 5
+
+
+@settings(max_examples=200, deadline=None)
+@given(vocab=st.integers(2, 2 ** 21), device=st.sampled_from(["cpu", "cuda", "mps"]))
+def test_default_chunk_is_aligned_and_near_its_budget(vocab, device):
+    """Whatever the vocabulary: a multiple of 64 tokens (an odd chunk misaligns every row of the
+    logits: 12 % slower steps on CPU), and within half an alignment step of the byte budget."""
+    tokens = loss_lib.chunk_tokens(None, vocab, device)
+    assert tokens % loss_lib.CHUNK_ALIGN == 0 and 64 <= tokens <= 8192
+    fits = loss_lib.CHUNK_BYTES.get(device, loss_lib.CHUNK_BYTES["cuda"]) / (4 * vocab)
+    assert tokens in (64, 8192) or abs(tokens - fits) <= loss_lib.CHUNK_ALIGN / 2
 
 
 def test_training_with_and_without_chunks_is_the_same_run(assets, tmp_path):
