@@ -176,6 +176,7 @@ class Trainer:
                         self.cfg.data.padding_free)
 
     def fit(self) -> dict:
+        from shardtune.rank.host_memory import keep_freed_memory
         from shardtune.rank.preemption import Preemption
         from shardtune.telemetry.trackers import Trackers
 
@@ -193,6 +194,8 @@ class Trainer:
             trackers.log(record, 0)
             self.say(f"step 0: validation loss {results['first']['eval_loss']:.4f}, "
                      f"perplexity {results['first']['eval_ppl']:.2f}")
+        if dist.device.type == "cpu":  # every step's tensors live in host memory: keep their pages mapped
+            keep_freed_memory()
         start, first_step = time.perf_counter(), self.state.step
         parts = LoopParts(log, trackers, Progress(self.total_steps, self.state.step, dist.is_main, cfg.log.progress),
                           GPUSampler(dist.device), Preemption(), self.prefetcher(),

@@ -1,0 +1,32 @@
+"""Inside a rank that trains on the CPU: the C library's allocator keeps what a step frees.
+
+By default glibc hands large freed blocks back to the kernel: blocks above its mmap threshold
+are unmapped, and the heap is trimmed once enough at its top is free. A training step frees
+and allocates the same activations, logits and gradients every step, so each step faulted
+their pages in again; on a 2-core VM that was 13 % of a GPT-2 step's time (BENCHMARKS.md,
+thirteenth session). Fixing the mmap threshold at glibc's ceiling and never trimming keeps
+blocks up to 32 MiB in the process for the next step; larger ones are still mapped per use.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (malloc.h)
+MMAP_THRESHOLD_MAX = 32 * 2 ** 20  # glibc's ceiling on 64-bit (4 MiB * sizeof(long)); larger is refused
+NEVER_TRIM = 2 ** 31 - 1  # mallopt takes a C int
+
+
+def keep_freed_memory() -> bool:
+    """Tune glibc's allocator for a training loop (process-wide, idempotent). False, and nothing
+    changed, where the C library is not glibc (macOS, musl)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version  # noqa: B018  glibc's alone: elsewhere mallopt may be a stub
+    except (OSError, AttributeError):
+        return False
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)) and bool(libc.mallopt(M_TRIM_THRESHOLD,
+                                                                                         NEVER_TRIM))
