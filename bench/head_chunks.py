@@ -50,11 +50,12 @@ def main() -> int:
         if not done:
             rows.append([arm, "", "", "", "", "", next(r.get("refused") or r.get("error") for r in results)])
             continue
-        speed[arm] = statistics.median(tokens_per_s(r, tokens_per_step, skip) for r in done)
+        each = [tokens_per_s(r, tokens_per_step, skip) for r in done]
+        speed[arm] = statistics.median(each)
         peak = max(s.get("mem_reserved_gib", s.get("mem_rss_peak_gib", 0)) for r in done for s in r["steps"])
         rel = [abs(x["loss"] - y["loss"]) / abs(y["loss"]) for r in done
                for x, y in zip(r["steps"], full["steps"] if full else [], strict=False)]
-        rows.append([arm, f"{speed[arm]:,.0f} ({', '.join(f'{tokens_per_s(r, tokens_per_step, skip):,.0f}' for r in done)})",
+        rows.append([arm, f"{speed[arm]:,.0f} ({', '.join(f'{x:,.0f}' for x in each)})",
                      f"{speed[arm] / speed['full']:.3f}x" if "full" in speed else "", f"{peak:.2f}",
                      f"{done[0]['steps'][-1]['loss']:.4f}", f"{max(rel) * 100:.3f} %" if rel else "", ""])
     print(C.markdown_table(["arm", "tok/s (median; runs)", "vs full logits", "peak GiB (reserved on CUDA, RSS on CPU)",
