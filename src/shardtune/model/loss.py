@@ -82,8 +82,6 @@ def head_loss(hidden, weight, labels, chunk: int, want_hidden_grad: bool, want_w
         if want_weight_grad:
             if g.dtype == d_weight.dtype:
                 d_weight.addmm_(g_vocab_first, h)  # no V x d temporary
-            elif g.is_cuda:  # the GEMM sums bf16/fp16 products into fp32 itself: no V x d temporaries
-                d_weight = torch.addmm(d_weight, g_vocab_first, h, out_dtype=torch.float32)
             else:
                 d_weight += (g_vocab_first @ h).float()
         del logp, probs, g, g_vocab_first
