@@ -33,9 +33,9 @@ print(tuned, *counts)
 PAGES_PER_STEP = 4 * 24 * 2 ** 20 // 4096
 
 
-def faults_per_step(mode: str) -> tuple[str, list[int]]:
-    proc = subprocess.run([sys.executable, "-c", STEPS, mode], capture_output=True, text=True, env=child_env(),
-                          timeout=120)
+def faults_per_step(mode: str, **env: str) -> tuple[str, list[int]]:
+    proc = subprocess.run([sys.executable, "-c", STEPS, mode], capture_output=True, text=True,
+                          env=child_env(**env), timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     tuned, *counts = proc.stdout.split()
     return tuned, [int(c) for c in counts]
@@ -50,3 +50,16 @@ def test_a_tuned_rank_faults_no_pages_in_once_warm():
     # the first steps map the heap; from the fourth on nothing more (glibc's default: about half of
     # a step's pages at every step)
     assert max(counts[3:]) < 0.02 * PAGES_PER_STEP, (counts, default)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
+def test_an_allocator_tuned_by_the_environment_is_left_as_it_is():
+    """`sweep --mem-limit`'s trials ask glibc to return freed memory (sweep/trial.CAPPED_ENV), so
+    that their cap binds on tensors: a rank must not undo that (it did: a 4-layer GPT-2 that fits at
+    micro-batch 16 under the cap ran out of memory at 8)."""
+    from shardtune.sweep.trial import CAPPED_ENV
+
+    tuned, counts = faults_per_step("tuned", **CAPPED_ENV)
+    assert tuned == "False"
+    assert min(counts[3:]) > 0.25 * PAGES_PER_STEP, counts  # glibc returns the pages: they fault in again
+    assert faults_per_step("tuned", GLIBC_TUNABLES="glibc.malloc.trim_threshold=131072")[0] == "False"
