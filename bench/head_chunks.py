@@ -36,7 +36,7 @@ def main() -> int:
     a = p.parse_args()
     if C.args_only():
         return 0
-    arms = {**ARMS, **{f"chunk {n}": [f"loss_chunk_tokens={n}"] for n in a.chunks}}
+    arms = {**ARMS, **{f"chunk-{n}": [f"loss_chunk_tokens={n}"] for n in a.chunks}}  # also folder names
     a.arms = [*a.arms, *(arm for arm in arms if arm not in ARMS)]
     setup, skip, tokens_per_step, runs = run_arms(a, arms, [], a.setup)
     print(f"# The chunked head loss by chunk size ({a.setup}{', rehearsal on CPU' if a.rehearse else ''})\n\n"
