@@ -9,6 +9,7 @@ EXIT_USAGE = 2  # bad input: one line on stderr, nothing written destroyed
 # e.g. `[ $? -eq 75 ] && scontrol requeue $SLURM_JOB_ID`.
 EXIT_PREEMPTED = 75
 EXIT_INTERRUPTED = 128 + signal.SIGINT  # the shell's code for a process stopped by Ctrl-C
+EXIT_READER_LEFT = 128 + signal.SIGPIPE  # the shell's code for a writer whose reader left (`| head`)
 
 
 class UserError(Exception):

@@ -51,6 +51,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from shardtune.console import guarded_console
+
+    with guarded_console() as console:
+        return _main(argv, console)
+
+
+PRINTS_ITS_PRODUCT = ("plan", "generate", "eval", "slurm")
+
+
+def stops_when_reader_leaves(args: argparse.Namespace) -> bool:
+    """A command whose product is what it prints (unless --out names a file) ends when nobody reads
+    it any more: the rest of its work would be lost. The others make files, which a closed console
+    does not touch, and a rank of several goes on with its peers whatever its command."""
+    return (args.command in PRINTS_ITS_PRODUCT and not getattr(args, "out", None)
+            and os.environ.get("WORLD_SIZE", "1").strip() == "1")
+
+
+def _main(argv: list[str] | None, console) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
@@ -70,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE
+    console.stop = stops_when_reader_leaves(args)
     from shardtune.noise import quiet_third_party
     from shardtune.rank.lifecycle import die_with_launcher
 
