@@ -1,4 +1,4 @@
-"""The console when its reader leaves: `shardtune plan … | head -3`, a `tee` that was stopped.
+"""The console when its reader leaves: `shardtune plan … | head -3`.
 
 Python ignores SIGPIPE, so a write to a pipe whose reader has gone raises BrokenPipeError in
 whichever line printed next, deep in any command, and the interpreter's own flush at exit prints

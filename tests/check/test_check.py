@@ -32,6 +32,10 @@ BREAKERS = st.one_of(
     st.integers(1, 10 ** 12).map(lambda v: {"peft.method": "prefix_tuning", "peft.num_virtual_tokens": v}),
     st.integers(1, 10 ** 12).map(lambda v: {"peft.method": "prompt_tuning", "peft.num_virtual_tokens": v}),
     st.just({"peft.method": "adaption_prompt"}),  # not for gpt2
+    # a model or tokenizer that is neither a folder here nor a Hub id: no lookup on the Hub names it
+    st.tuples(st.sampled_from(["model.tokenizer", "model.name_or_path"]),
+              st.sampled_from(["./", "../", "/", "~/", "a/b/", "x y/", "./a/"]),
+              st.text("abc-_. ", min_size=1, max_size=8)).map(lambda t: {t[0]: f"{t[1]}{t[2]}-gone"}),
 )
 NOISE = st.fixed_dictionaries({}, optional={
     "train.lr": st.floats(1e-6, 1e-2), "train.seed": st.integers(0, 2 ** 31), "data.seq_len": st.integers(2, 128),

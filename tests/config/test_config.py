@@ -194,3 +194,32 @@ def test_every_method_specific_peft_key_is_refused_for_every_other_method():
                                                           f"not of peft.method={method}")):
                 load_config(None, ["model.config={model_type: gpt2}", "data.path=x", f"peft.method={method}",
                                    f"peft.{key}={other_value[key]}"])
+
+
+# text keys whose comment speaks of files or folders but whose value is not a path
+NOT_PATHS = {"data.name": "a Hub dataset's config name", "data.chat_template": "Jinja template text",
+             "publish.hub_repo": "a Hub repo id", "log.project": "a tracker's project name"}
+
+
+def test_every_key_that_names_a_file_or_folder_expands_the_home_folder(tmp_path, monkeypatch):
+    """A new key that names a path must join PATH_KEYS (or NOT_PATHS, with why): its `~` is then
+    the home folder in a recipe and in an override alike, not a folder named `~` in the cwd."""
+    from shardtune.config.schema import PATH_KEYS, config_keys, key_type
+
+    comments = {line.split()[0]: line for line in reference_lines()}
+    looks_like_a_path = {key for key in config_keys() if key_type(key) in (str, str | None)
+                         and re.search(r"path|dir|folder|file|tokenizer|resume", comments[key], re.I)}
+    assert looks_like_a_path - set(NOT_PATHS) == PATH_KEYS
+    monkeypatch.setenv("HOME", str(tmp_path))
+    overrides = [f"{key}=~/x/{key}" for key in sorted(PATH_KEYS)]
+    cfg = load_config(None, [*overrides, "model.config={model_type: gpt2}"])
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("output_dir: ~/runs/a\ndata:\n  path: ~user-that-is-not/x\n"
+                      "model:\n  config: {model_type: gpt2}\n")
+    from_yaml = load_config(recipe)
+    for key in PATH_KEYS:
+        section, _, name = key.rpartition(".")
+        value = getattr(getattr(cfg, section) if section else cfg, name)
+        assert value == f"{tmp_path}/x/{key}", key
+    assert from_yaml.output_dir == f"{tmp_path}/runs/a"
+    assert from_yaml.data.path == "~user-that-is-not/x"  # no such user: left as written, as a shell does

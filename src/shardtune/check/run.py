@@ -51,9 +51,11 @@ def local_tokenizer(model_cfg):
     read no network (a hub tokenizer is checked by the run that downloads it)."""
     from pathlib import Path
 
-    from shardtune.model.hf import load_tokenizer
+    from shardtune.model.hf import check_model_source, load_tokenizer
 
     source = model_cfg.tokenizer or model_cfg.name_or_path
+    if source is not None:  # a folder that is not there is refused here as by train, a Hub id is not read
+        check_model_source(source, "model.tokenizer" if model_cfg.tokenizer else "model.name_or_path")
     return load_tokenizer(model_cfg) if source is not None and Path(source).is_dir() else None
 
 

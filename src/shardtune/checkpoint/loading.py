@@ -11,6 +11,7 @@ import torch
 from shardtune.checkpoint.dcp import dcp_load
 from shardtune.checkpoint.folders import read_meta, resolve_checkpoint
 from shardtune.errors import UserError
+from shardtune.names import hub_id
 
 
 def run_folder(spec: str) -> Path | None:
@@ -40,6 +41,11 @@ def resolve_model(spec: str) -> tuple[str, Path | str]:
         return "checkpoint", resolve_checkpoint(path)
     if path.is_dir() and not (path / "config.json").is_file():
         raise UserError(f"{spec!r} is neither a model folder (config.json) nor a shardtune checkpoint or run folder")
+    if path.exists():
+        return "hf", path
+    if hub_id(spec) is None:
+        raise UserError(f"{spec!r} is no folder on this machine, and not a Hub id (org/name); give a model folder, "
+                        "a shardtune run or checkpoint folder, or a Hub id")
     return "hf", spec
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import types
 import typing
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import Any, Literal
 import yaml
 
 from shardtune.config.recipe_yaml import YAMLSyntaxError, load_yaml
-from shardtune.config.schema import RunConfig
+from shardtune.config.schema import PATH_KEYS, RunConfig
 from shardtune.config.validation import validate
 from shardtune.errors import UserError, first_line
 
@@ -114,6 +115,8 @@ def _build(cls, data: Any, prefix: str):
         aliases = getattr(cls, "VALUE_ALIASES", {}).get(key, {})
         value = next((new for old, new in aliases.items() if value is old), value)
         kwargs[key] = _coerce(hints[key], value, f"{prefix}{key}")
+        if f"{prefix}{key}" in PATH_KEYS and isinstance(kwargs[key], str):
+            kwargs[key] = os.path.expanduser(kwargs[key])
     return cls(**kwargs)
 
 

@@ -262,6 +262,11 @@ class RunConfig(Section):
         return dataclasses.asdict(self)
 
 
+# the keys whose value names a file or folder here (or a Hub id): a leading `~` is the user's home,
+# as in a shell, however the value arrived (a recipe, a dotted override the shell left alone, a saved config)
+PATH_KEYS = frozenset({"output_dir", "resume", "model.name_or_path", "model.tokenizer", "data.path"})
+
+
 def config_keys(cls=None, prefix: str = "") -> list[str]:
     """Every dotted key of the schema, walked from the dataclasses (`recipe` is the loader's)."""
     cls = cls or RunConfig

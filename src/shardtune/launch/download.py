@@ -15,6 +15,7 @@ from pathlib import Path
 
 from shardtune.errors import UserError, first_line
 from shardtune.fsio import make_dir
+from shardtune.names import hub_id
 
 # Weights in formats shardtune never reads: skipped so a 7B download is not three 7B downloads.
 IGNORE = ["*.h5", "*.msgpack", "*.ot", "*.onnx", "*.onnx_data", "onnx/*", "coreml/*", "*.tflite", "*.mlmodel",
@@ -30,7 +31,7 @@ def _is_local(path: str) -> bool:
     """A data.path / model name that data/pipeline.py or transformers would read from disk, not the hub."""
     from shardtune.data.pipeline import BUILDERS
 
-    return Path(path).expanduser().exists() or path.startswith((".", "/", "~")) or Path(path).suffix in BUILDERS
+    return hub_id(path) is None or Path(path).suffix in BUILDERS
 
 
 def targets_from_recipe(recipe: str, overrides: list[str] | None = None) -> list[tuple[str, str, str | None]]:

@@ -21,6 +21,7 @@ from shardtune.config.schema import ModelConfig
 from shardtune.errors import UserError, first_line
 from shardtune.families import HEADS, KV_HEADS, LANGUAGE_FIELDS, config_value, set_layer_count, text_config
 from shardtune.model.weights_fit import check_weights_fit
+from shardtune.names import hub_id
 from shardtune.noise import transformers_warnings
 
 # The JSON files a model or tokenizer folder may hold; each is checked before a library reads it.
@@ -62,7 +63,7 @@ def load_hf_config(cfg: ModelConfig, local_files_only: bool = False):
         check_buildable(hf_config, cfg.trust_remote_code, "model.config")
         return hf_config
     folder = Path(cfg.name_or_path)
-    not_a_folder(folder, "model.name_or_path")
+    check_model_source(cfg.name_or_path, "model.name_or_path")
     if folder.is_dir():  # checked whole now, on every rank, so none starts building on a broken folder
         check_model_folder(folder, weights=not cfg.random_init)
     try:
@@ -175,11 +176,17 @@ def check_input_language(hf_config) -> None:
                         f"model.config.{field}={languages[0]} (or the language of your data)")
 
 
-def not_a_folder(path: Path, key: str) -> None:
-    """A path that exists but is a file (or FIFO, device) where a model folder or hub id is expected."""
+def check_model_source(name: str, key: str) -> None:
+    """`key` names a folder here or a Hub id: a path to a file (or FIFO, device), or a name that is
+    neither (`./gone`, `/a/b`, `runs/x/final/` where that folder is not there) is refused now, the
+    same for every command, rather than looked up on the Hub, whose error names something else."""
+    path = Path(name)
     if path.exists() and not path.is_dir():
-        raise UserError(f"{key}={str(path)!r} is a file, not a folder; give the model's folder (with config.json) "
+        raise UserError(f"{key}={name!r} is a file, not a folder; give the model's folder (with config.json) "
                         "or a hub id")
+    if not path.exists() and hub_id(name) is None:
+        raise UserError(f"{key}={name!r} is no folder on this machine, and not a Hub id (org/name); check the "
+                        "path")
 
 
 def match_tokenizer(hf_config, tokenizer, cfg: ModelConfig) -> None:
@@ -305,7 +312,7 @@ def load_tokenizer(cfg: ModelConfig):
     source = cfg.tokenizer or cfg.name_or_path
     if source is None:
         raise UserError("a random-init model needs a tokenizer: set model.tokenizer=<hub id or folder>")
-    not_a_folder(Path(source), "model.tokenizer" if cfg.tokenizer else "model.name_or_path")
+    check_model_source(source, "model.tokenizer" if cfg.tokenizer else "model.name_or_path")
     local = Path(source).is_dir()
     if local:
         check_json_files(Path(source), TOKENIZER_JSON)

@@ -24,7 +24,7 @@ SHIPPED_CONFIGS = Path(__file__).parent / "model_configs"
 def resolve_hf_config(cfg: RunConfig):
     """(transformers config, where it came from), without the network: model.config, a local
     folder, the Hugging Face cache, or a config shipped with shardtune for the recipes' models."""
-    from shardtune.model.hf import load_hf_config
+    from shardtune.model.hf import check_model_source, load_hf_config
 
     m = cfg.model
     if m.name_or_path is None:  # as train builds it: the vocabulary of its tokenizer, where that is at hand
@@ -38,6 +38,7 @@ def resolve_hf_config(cfg: RunConfig):
         return hf_config, "model.config"
     if Path(m.name_or_path).is_dir():
         return load_hf_config(m), f"local folder {m.name_or_path}"
+    check_model_source(m.name_or_path, "model.name_or_path")  # train's line, not "not available offline"
     try:
         return load_hf_config(m, local_files_only=True), "the Hugging Face cache"
     except UserError:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from shardtune.publish.card import _hub_id
+from shardtune.names import hub_id
 
 
 def hub_base(model_cfg) -> tuple[str | None, str | None]:
@@ -18,12 +18,12 @@ def hub_base(model_cfg) -> tuple[str | None, str | None]:
     name = model_cfg.name_or_path
     if name and not model_cfg.random_init:
         if not Path(name).expanduser().exists():
-            return _hub_id(name), None
+            return hub_id(name), None
         try:
             origin = json.loads((Path(name).expanduser() / "config.json").read_text()).get("_name_or_path")
         except (OSError, ValueError, AttributeError):
             origin = None
-        if _hub_id(origin):
+        if hub_id(origin):
             return origin, None
         where = f"the local folder {name!r}, which names no hub id (config.json has no _name_or_path)"
     else:

@@ -4,14 +4,8 @@ on, how, how well, and the command that trains it again."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
-
-def _hub_id(name: str | None) -> str | None:
-    """A hub id (not a local path) for the card's metadata, else None."""
-    if not name or Path(name).expanduser().exists() or name.startswith(("/", ".", "~")) or name.count("/") > 1:
-        return None
-    return name
+from shardtune.names import hub_id
 
 
 def model_card(cfg: dict, step: int, evals: dict | None, config_name: str = "shardtune_config.yaml") -> str:
@@ -19,8 +13,8 @@ def model_card(cfg: dict, step: int, evals: dict | None, config_name: str = "sha
     from shardtune import __version__
 
     model, data, train, peft = cfg["model"], cfg["data"], cfg["train"], cfg["peft"]
-    base = _hub_id(model.get("name_or_path")) if not model.get("random_init") else None
-    dataset = _hub_id(data.get("path"))
+    base = hub_id(model.get("name_or_path")) if not model.get("random_init") else None
+    dataset = hub_id(data.get("path"))
     method = peft.get("method", "none")
     header = ["---", f"library_name: {'peft' if method != 'none' else 'transformers'}", "tags:", "- shardtune",
               "- fine-tuned" if base else "- trained-from-scratch"]
