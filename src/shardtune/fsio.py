@@ -100,6 +100,13 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def looks_like_path(text: str) -> bool:
+    """A name that can only be a path on this machine, never a Hub id (`name` or `namespace/name`):
+    absolute, relative to `.`/`..`/`~`, or deeper than one slash. A missing one is a wrong path,
+    not something to download."""
+    return text.startswith(("/", ".", "~")) or text.count("/") > 1 or "\\" in text
+
+
 def write_text_atomic(path: Path, text: str, sync: bool = False) -> None:
     """`path` holds either its old text or all of `text`, never a part."""
     path = Path(path)

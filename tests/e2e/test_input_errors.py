@@ -118,6 +118,58 @@ def test_data_path_that_is_a_fifo(capfd, recipe, out, tmp_path):
     fails(capfd, ["train", recipe, f"data.path={tmp_path}", f"output_dir={out}"], "not a regular file")
 
 
+def _docs(folder: Path, name: str, n: int = 20) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    write_jsonl(folder / name, [{"text": f"document number {i} " * 20} for i in range(n)])
+
+
+def _parquet(path: Path, **columns) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table(columns), path)
+
+
+# A data folder or file laid out in a way the readers cannot take: each is the file's fault (named,
+# with the fix), never a write failure, a network hint or the reader's own words about "instructions".
+ODD_LAYOUTS = {
+    "a-folder-named-train.jsonl": (lambda d: ((d / "train.jsonl").mkdir(), _docs(d, "validation.jsonl")),
+                                   ["train.jsonl", "is a folder, not a file"]),
+    "a-dangling-link": (lambda d: (_docs(d, "train.jsonl"), (d / "validation.jsonl").symlink_to(d / "gone.jsonl")),
+                        ["validation.jsonl", "is a link to", "does not exist"]),
+    "files-only-in-a-subfolder": (lambda d: _docs(d / "sub", "train.jsonl"), ["subfolders are not read"]),
+    "json-objects-without-fields": (lambda d: (d / "train.jsonl").write_text("{}\n" * 20),
+                                    ["train.jsonl", "no records with fields"]),
+    "a-csv-header-alone": (lambda d: (d / "train.csv").write_text("text\n"), ["train.csv", "no records"]),
+    "a-parquet-of-no-rows": (lambda d: _parquet(d / "train.parquet", text=__import__("pyarrow").array([], "string")),
+                             ["train.parquet", "is empty"]),
+    "not-a-parquet-file": (lambda d: (d / "train.parquet").write_bytes(b"PAR1 not really"),
+                           ["train.parquet", "not a readable parquet file"]),
+}
+
+
+@pytest.mark.parametrize("layout", ODD_LAYOUTS)
+def test_odd_data_layouts_name_the_file_and_the_fix(capfd, recipe, out, tmp_path, layout):
+    make, words = ODD_LAYOUTS[layout]
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    make(folder)
+    before = snapshot(folder)
+    line = fails(capfd, ["train", recipe, f"data.path={folder}", f"output_dir={out}"], *words)
+    assert "cannot write" not in line and "network" not in line and "Instruction" not in line, line
+    assert snapshot(folder) == before and (out / "notes.txt").read_text() == "mine, keep me\n"
+
+
+def test_data_file_suffixes_in_any_case_are_read(tmp_path):
+    """TRAIN.JSONL is a jsonl file: it was skipped, and the folder said to hold no data files."""
+    from shardtune.data.files import local_files
+
+    _docs(tmp_path, "TRAIN.JSONL")
+    _docs(tmp_path, "Validation.Jsonl", 5)
+    assert local_files(tmp_path) == {"train": [str(tmp_path / "TRAIN.JSONL")],
+                                     "validation": [str(tmp_path / "Validation.Jsonl")]}
+
+
 # ----------------------------------------------------------------------------- model
 
 
