@@ -11,6 +11,7 @@ import torch
 from shardtune.checkpoint.dcp import dcp_load
 from shardtune.checkpoint.folders import read_meta, resolve_checkpoint
 from shardtune.errors import UserError
+from shardtune.fsio import looks_like_path
 
 
 def run_folder(spec: str) -> Path | None:
@@ -40,6 +41,9 @@ def resolve_model(spec: str) -> tuple[str, Path | str]:
         return "checkpoint", resolve_checkpoint(path)
     if path.is_dir() and not (path / "config.json").is_file():
         raise UserError(f"{spec!r} is neither a model folder (config.json) nor a shardtune checkpoint or run folder")
+    if not path.exists() and looks_like_path(spec):  # not a hub id: nothing to download
+        raise UserError(f"{spec!r} not found: no such folder, and not a hub id; give a model folder, a run or "
+                        "checkpoint folder, or a hub id")
     return "hf", spec
 
 
@@ -64,13 +68,8 @@ def _load(spec: str, device: str, weights: bool):
         if weights:
             model, tokenizer, _ = load_plain_model(where, device)
             return _folded(model), tokenizer, model.config, run_cfg
-        from shardtune.config.schema import ModelConfig
-        from shardtune.model.hf import load_hf_config, load_tokenizer
-
-        trust = run_cfg.model.trust_remote_code
-        return (None, load_tokenizer(ModelConfig(tokenizer=str(where / "tokenizer"), trust_remote_code=trust)),
-                load_hf_config(ModelConfig(name_or_path=str(where), random_init=True, trust_remote_code=trust)),
-                run_cfg)
+        hf_config, tokenizer = checkpoint_config(where, read_meta(where))
+        return None, tokenizer, hf_config, run_cfg
 
     if kind == "adapter":  # evaluate/generate with the adapter folded into its base where it can be
         from transformers import AutoConfig
@@ -137,6 +136,9 @@ def checkpoint_config(path: Path, meta: dict):
     from shardtune.model.hf import load_hf_config, load_tokenizer
 
     trust = bool(meta["config"].get("model", {}).get("trust_remote_code"))
+    if not (path / "tokenizer").is_dir():
+        raise UserError(f"checkpoint {str(path)!r} has no tokenizer/ folder (damaged, or copied in part); use "
+                        "another checkpoint of the run, or copy the run's tokenizer folder into it")
     hf_config = load_hf_config(ModelConfig(name_or_path=str(path), random_init=True, trust_remote_code=trust))
     return hf_config, load_tokenizer(ModelConfig(tokenizer=str(path / "tokenizer"), trust_remote_code=trust))
 

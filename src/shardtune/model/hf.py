@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from shardtune.config.schema import ModelConfig
 from shardtune.errors import UserError, first_line
 from shardtune.families import HEADS, KV_HEADS, LANGUAGE_FIELDS, config_value, set_layer_count, text_config
+from shardtune.fsio import looks_like_path
 from shardtune.model.weights_fit import check_weights_fit
 from shardtune.noise import transformers_warnings
 
@@ -62,7 +63,7 @@ def load_hf_config(cfg: ModelConfig, local_files_only: bool = False):
         check_buildable(hf_config, cfg.trust_remote_code, "model.config")
         return hf_config
     folder = Path(cfg.name_or_path)
-    not_a_folder(folder, "model.name_or_path")
+    not_a_folder(cfg.name_or_path, "model.name_or_path")
     if folder.is_dir():  # checked whole now, on every rank, so none starts building on a broken folder
         check_model_folder(folder, weights=not cfg.random_init)
     try:
@@ -175,11 +176,18 @@ def check_input_language(hf_config) -> None:
                         f"model.config.{field}={languages[0]} (or the language of your data)")
 
 
-def not_a_folder(path: Path, key: str) -> None:
-    """A path that exists but is a file (or FIFO, device) where a model folder or hub id is expected."""
+def not_a_folder(source: str, key: str) -> None:
+    """`source` (as written) where a model folder or hub id is expected: refused when it exists but is
+    a file (or FIFO, device), or is a path that does not exist (`fsio.looks_like_path`: never a hub
+    id, so not something to download)."""
+    path = Path(source)
     if path.exists() and not path.is_dir():
-        raise UserError(f"{key}={str(path)!r} is a file, not a folder; give the model's folder (with config.json) "
+        raise UserError(f"{key}={source!r} is a file, not a folder; give the model's folder (with config.json) "
                         "or a hub id")
+    if not path.exists() and looks_like_path(source):
+        home = " (~ is not expanded here: write the full path)" if path.expanduser().exists() else ""
+        raise UserError(f"{key}={source!r} not found: no such folder{home}, and not a hub id; give an existing "
+                        "folder, or a hub id (name or namespace/name)")
 
 
 def match_tokenizer(hf_config, tokenizer, cfg: ModelConfig) -> None:
@@ -299,13 +307,16 @@ def check_seq_len(hf_config, seq_len: int, virtual_tokens: int = 0) -> None:
                         f"set data.seq_len={limit} or less")
 
 
+VOCABULARY_PROBE = "The quick brown fox jumps over the lazy dog."  # any real tokenizer makes tokens of it
+
+
 def load_tokenizer(cfg: ModelConfig):
     from transformers import AutoTokenizer
 
     source = cfg.tokenizer or cfg.name_or_path
     if source is None:
         raise UserError("a random-init model needs a tokenizer: set model.tokenizer=<hub id or folder>")
-    not_a_folder(Path(source), "model.tokenizer" if cfg.tokenizer else "model.name_or_path")
+    not_a_folder(source, "model.tokenizer" if cfg.tokenizer else "model.name_or_path")
     local = Path(source).is_dir()
     if local:
         check_json_files(Path(source), TOKENIZER_JSON)
@@ -323,6 +334,12 @@ def load_tokenizer(cfg: ModelConfig):
                         "re-download or re-save the tokenizer") from None
     if tokenizer.eos_token_id is None:
         raise UserError(f"tokenizer {source!r} has no end-of-sequence token; pick a tokenizer that has one")
+    if not tokenizer(VOCABULARY_PROBE, add_special_tokens=False)["input_ids"]:
+        # a folder without tokenizer files still loads (transformers makes an empty one of the model's
+        # class): every document would become nothing, and the run train on end-of-sequence tokens alone
+        raise UserError(f"tokenizer {source!r} has no vocabulary ({len(tokenizer)} token(s): text becomes no "
+                        "tokens; no tokenizer.json or vocabulary files?); copy the model's tokenizer files there, "
+                        "or set model.tokenizer to a folder or hub id that has them")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
