@@ -21,6 +21,10 @@ from test_errors import (  # noqa: F401 - fixtures used by name (and the autouse
     snapshot,
     write_jsonl,
 )
+from test_outputs import earlier_run, tree  # noqa: F401 - a finished run with checkpoints
+
+from shardtune.cli.main import main
+from shardtune.fsio import looks_like_path
 
 # ----------------------------------------------------------------------------- data
 
@@ -252,3 +256,91 @@ def test_missing_tokenizer(capfd, recipe, out, tmp_path):
           "no-tokenizer", "not found")
 
 
+
+
+# ----------------------------------------------------------------------------- paths that are not there
+
+
+@pytest.mark.parametrize("missing", ["{tmp}/no-such/model", "./no-such-model", "../no-such-model", "a/b/c"])
+@pytest.mark.parametrize("argv", [
+    ["generate", "{path}", "--prompt", "hi"],
+    ["eval", "{path}", "--data", "{data}"],
+    ["eval", "{model}", "--compare", "{path}", "--data", "{data}", "--seq-len", "32"],
+    ["train", "{recipe}", "model.config={{}}", "model.name_or_path={path}", "output_dir={out}"],
+    ["train", "{recipe}", "model.tokenizer={path}", "output_dir={out}"],
+], ids=["generate", "eval", "eval-compare", "model.name_or_path", "model.tokenizer"])
+def test_a_path_that_is_not_there_is_not_a_hub_id(capfd, recipe, out, tmp_path, qs_assets, model_folder, missing,
+                                                   argv):
+    """A missing folder was looked up on the Hub: 'not found ... run `shardtune download /abs/path`'
+    (or, for eval's MODEL, a missing *tokenizer*)."""
+    path = missing.format(tmp=tmp_path)
+    assert looks_like_path(path) and not looks_like_path("gpt2") and not looks_like_path("org/model")
+    line = fails(capfd, [a.format(path=path, data=qs_assets["validation"], model=model_folder, recipe=recipe,
+                                  out=out) for a in argv], repr(path), "not found: no such folder")
+    assert "download" not in line, line
+
+
+@pytest.fixture
+def folder_without_tokenizer(tmp_path, model_folder) -> Path:
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(model_folder, folder, ignore=shutil.ignore_patterns("tokenizer*", "vocab*", "merges*",
+                                                                         "special_tokens*"))
+    assert (folder / "config.json").is_file() and not list(folder.glob("tokenizer*"))
+    return folder
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", "{model}", "--prompt", "hi", "--max-new-tokens", "2"],
+    ["eval", "{model}", "--data", "{data}", "--seq-len", "32"],
+    ["train", "{recipe}", "model.tokenizer={model}", "output_dir={out}"],
+], ids=["generate", "eval", "train"])
+def test_a_tokenizer_without_vocabulary_is_refused(capfd, recipe, out, qs_assets, folder_without_tokenizer, argv):
+    """transformers loads a folder without tokenizer files as an empty tokenizer: generate answered
+    from no prompt, eval said the data was shorter than one block, train trained on EOS tokens."""
+    fails(capfd, [a.format(model=folder_without_tokenizer, data=qs_assets["validation"], recipe=recipe, out=out)
+                  for a in argv], "has no vocabulary", "tokenizer files")
+    assert not (out / "metrics.jsonl").exists()
+
+
+# ----------------------------------------------------------------------------- checkpoints given to export
+
+
+def _step(run: Path) -> Path:
+    return run / "checkpoints" / "step-000002"
+
+
+@pytest.mark.parametrize("source, target, words", [
+    (_step, lambda run: _step(run) / "hf", ["lies inside checkpoint"]),
+    (_step, _step, ["lies inside checkpoint"]),
+    (lambda run: run, lambda run: run / "checkpoints" / "hf", ["inside checkpoints/ of the run"]),
+    (_step, lambda run: run / "final" / "hf", ["inside final/ of the run"]),
+    (_step, lambda run: run / "metrics.jsonl", ["is a file"]),
+    (lambda run: run / "final", lambda run: run.parent / "hf", ["a Hugging Face model folder", "use it as it is"]),
+], ids=["inside-the-checkpoint", "the-checkpoint-itself", "inside-checkpoints", "inside-final", "a-file",
+        "final-is-no-checkpoint"])
+def test_export_refuses_an_out_the_run_would_take_and_a_folder_that_is_no_checkpoint(capfd, earlier_run, tmp_path,
+                                                                                      source, target, words):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(earlier_run, run, symlinks=True)
+    before = tree(run)
+    fails(capfd, ["export", str(source(run)), str(target(run))], *words)
+    assert tree(run) == before and not (run.parent / "hf").exists()
+
+
+def test_export_takes_the_latest_pointer_and_names_a_missing_tokenizer(capfd, earlier_run, tmp_path):
+    """eval and generate took checkpoints/latest, export said it was an incomplete checkpoint; a
+    checkpoint without its tokenizer/ was a tokenizer to download."""
+    import shutil
+
+    assert main(["export", str(earlier_run / "checkpoints" / "latest"), str(tmp_path / "hf")]) == 0
+    capfd.readouterr()
+    assert (tmp_path / "hf" / "config.json").is_file()
+    step = tmp_path / "step"
+    shutil.copytree(_step(earlier_run), step, ignore=shutil.ignore_patterns("tokenizer"))
+    for argv in (["export", str(step), str(tmp_path / "out")], ["generate", str(step), "--prompt", "hi"]):
+        fails(capfd, argv, "has no tokenizer/ folder", "another checkpoint")
+    assert not (tmp_path / "out").exists()
