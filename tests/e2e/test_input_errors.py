@@ -21,6 +21,10 @@ from test_errors import (  # noqa: F401 - fixtures used by name (and the autouse
     snapshot,
     write_jsonl,
 )
+from test_outputs import earlier_run, tree  # noqa: F401 - a finished run with checkpoints
+
+from shardtune.cli.main import main
+from shardtune.names import hub_id
 
 # ----------------------------------------------------------------------------- data
 
@@ -118,6 +122,58 @@ def test_data_path_that_is_a_fifo(capfd, recipe, out, tmp_path):
     fails(capfd, ["train", recipe, f"data.path={tmp_path}", f"output_dir={out}"], "not a regular file")
 
 
+def _docs(folder: Path, name: str, n: int = 20) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    write_jsonl(folder / name, [{"text": f"document number {i} " * 20} for i in range(n)])
+
+
+def _parquet(path: Path, **columns) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table(columns), path)
+
+
+# A data folder or file laid out in a way the readers cannot take: each is the file's fault (named,
+# with the fix), never a write failure, a network hint or the reader's own words about "instructions".
+ODD_LAYOUTS = {
+    "a-folder-named-train.jsonl": (lambda d: ((d / "train.jsonl").mkdir(), _docs(d, "validation.jsonl")),
+                                   ["train.jsonl", "is a folder, not a file"]),
+    "a-dangling-link": (lambda d: (_docs(d, "train.jsonl"), (d / "validation.jsonl").symlink_to(d / "gone.jsonl")),
+                        ["validation.jsonl", "is a link to", "does not exist"]),
+    "files-only-in-a-subfolder": (lambda d: _docs(d / "sub", "train.jsonl"), ["subfolders are not read"]),
+    "json-objects-without-fields": (lambda d: (d / "train.jsonl").write_text("{}\n" * 20),
+                                    ["train.jsonl", "no records with fields"]),
+    "a-csv-header-alone": (lambda d: (d / "train.csv").write_text("text\n"), ["train.csv", "no records"]),
+    "a-parquet-of-no-rows": (lambda d: _parquet(d / "train.parquet", text=__import__("pyarrow").array([], "string")),
+                             ["train.parquet", "is empty"]),
+    "not-a-parquet-file": (lambda d: (d / "train.parquet").write_bytes(b"PAR1 not really"),
+                           ["train.parquet", "not a readable parquet file"]),
+}
+
+
+@pytest.mark.parametrize("layout", ODD_LAYOUTS)
+def test_odd_data_layouts_name_the_file_and_the_fix(capfd, recipe, out, tmp_path, layout):
+    make, words = ODD_LAYOUTS[layout]
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    make(folder)
+    before = snapshot(folder)
+    line = fails(capfd, ["train", recipe, f"data.path={folder}", f"output_dir={out}"], *words)
+    assert "cannot write" not in line and "network" not in line and "Instruction" not in line, line
+    assert snapshot(folder) == before and (out / "notes.txt").read_text() == "mine, keep me\n"
+
+
+def test_data_file_suffixes_in_any_case_are_read(tmp_path):
+    """TRAIN.JSONL is a jsonl file: it was skipped, and the folder said to hold no data files."""
+    from shardtune.data.files import local_files
+
+    _docs(tmp_path, "TRAIN.JSONL")
+    _docs(tmp_path, "Validation.Jsonl", 5)
+    assert local_files(tmp_path) == {"train": [str(tmp_path / "TRAIN.JSONL")],
+                                     "validation": [str(tmp_path / "Validation.Jsonl")]}
+
+
 # ----------------------------------------------------------------------------- model
 
 
@@ -200,3 +256,91 @@ def test_missing_tokenizer(capfd, recipe, out, tmp_path):
           "no-tokenizer", "not found")
 
 
+
+
+# ----------------------------------------------------------------------------- paths that are not there
+
+
+@pytest.mark.parametrize("missing", ["{tmp}/no-such/model", "./no-such-model", "../no-such-model", "a/b/c"])
+@pytest.mark.parametrize("argv", [
+    ["generate", "{path}", "--prompt", "hi"],
+    ["eval", "{path}", "--data", "{data}"],
+    ["eval", "{model}", "--compare", "{path}", "--data", "{data}", "--seq-len", "32"],
+    ["train", "{recipe}", "model.config={{}}", "model.name_or_path={path}", "output_dir={out}"],
+    ["train", "{recipe}", "model.tokenizer={path}", "output_dir={out}"],
+], ids=["generate", "eval", "eval-compare", "model.name_or_path", "model.tokenizer"])
+def test_a_path_that_is_not_there_is_not_a_hub_id(capfd, recipe, out, tmp_path, qs_assets, model_folder, missing,
+                                                   argv):
+    """A missing folder was looked up on the Hub: 'not found ... run `shardtune download /abs/path`'
+    (or, for eval's MODEL, a missing *tokenizer*)."""
+    path = missing.format(tmp=tmp_path)
+    assert hub_id(path) is None and hub_id("gpt2") == "gpt2" and hub_id("org/model") == "org/model"
+    line = fails(capfd, [a.format(path=path, data=qs_assets["validation"], model=model_folder, recipe=recipe,
+                                  out=out) for a in argv], repr(path), "not found: no such folder")
+    assert "download" not in line, line
+
+
+@pytest.fixture
+def folder_without_tokenizer(tmp_path, model_folder) -> Path:
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(model_folder, folder, ignore=shutil.ignore_patterns("tokenizer*", "vocab*", "merges*",
+                                                                         "special_tokens*"))
+    assert (folder / "config.json").is_file() and not list(folder.glob("tokenizer*"))
+    return folder
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", "{model}", "--prompt", "hi", "--max-new-tokens", "2"],
+    ["eval", "{model}", "--data", "{data}", "--seq-len", "32"],
+    ["train", "{recipe}", "model.tokenizer={model}", "output_dir={out}"],
+], ids=["generate", "eval", "train"])
+def test_a_tokenizer_without_vocabulary_is_refused(capfd, recipe, out, qs_assets, folder_without_tokenizer, argv):
+    """transformers loads a folder without tokenizer files as an empty tokenizer: generate answered
+    from no prompt, eval said the data was shorter than one block, train trained on EOS tokens."""
+    fails(capfd, [a.format(model=folder_without_tokenizer, data=qs_assets["validation"], recipe=recipe, out=out)
+                  for a in argv], "has no vocabulary", "tokenizer files")
+    assert not (out / "metrics.jsonl").exists()
+
+
+# ----------------------------------------------------------------------------- checkpoints given to export
+
+
+def _step(run: Path) -> Path:
+    return run / "checkpoints" / "step-000002"
+
+
+@pytest.mark.parametrize("source, target, words", [
+    (_step, lambda run: _step(run) / "hf", ["lies inside checkpoint"]),
+    (_step, _step, ["lies inside checkpoint"]),
+    (lambda run: run, lambda run: run / "checkpoints" / "hf", ["inside checkpoints/ of the run"]),
+    (_step, lambda run: run / "final" / "hf", ["inside final/ of the run"]),
+    (_step, lambda run: run / "metrics.jsonl", ["is a file"]),
+    (lambda run: run / "final", lambda run: run.parent / "hf", ["a Hugging Face model folder", "use it as it is"]),
+], ids=["inside-the-checkpoint", "the-checkpoint-itself", "inside-checkpoints", "inside-final", "a-file",
+        "final-is-no-checkpoint"])
+def test_export_refuses_an_out_the_run_would_take_and_a_folder_that_is_no_checkpoint(capfd, earlier_run, tmp_path,
+                                                                                      source, target, words):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(earlier_run, run, symlinks=True)
+    before = tree(run)
+    fails(capfd, ["export", str(source(run)), str(target(run))], *words)
+    assert tree(run) == before and not (run.parent / "hf").exists()
+
+
+def test_export_takes_the_latest_pointer_and_names_a_missing_tokenizer(capfd, earlier_run, tmp_path):
+    """eval and generate took checkpoints/latest, export said it was an incomplete checkpoint; a
+    checkpoint without its tokenizer/ was a tokenizer to download."""
+    import shutil
+
+    assert main(["export", str(earlier_run / "checkpoints" / "latest"), str(tmp_path / "hf")]) == 0
+    capfd.readouterr()
+    assert (tmp_path / "hf" / "config.json").is_file()
+    step = tmp_path / "step"
+    shutil.copytree(_step(earlier_run), step, ignore=shutil.ignore_patterns("tokenizer"))
+    for argv in (["export", str(step), str(tmp_path / "out")], ["generate", str(step), "--prompt", "hi"]):
+        fails(capfd, argv, "has no tokenizer/ folder", "another checkpoint")
+    assert not (tmp_path / "out").exists()

@@ -110,10 +110,19 @@ def check_export(spec: str, out) -> None:
     run config it saved still load, with train's lines where they do not) and an output folder of
     its own (new, or empty)."""
     from shardtune.checkpoint.folders import read_meta, resolve_checkpoint
+    from shardtune.checkpoint.rundir import enclosing_run
     from shardtune.config.load import load_config
 
     path = resolve_checkpoint(spec)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if os.path.lexists(out) and not out.is_dir():
+        raise UserError(f"export folder {str(out)!r} is a file; choose a new folder")
+    if out.resolve() == path.resolve() or path.resolve() in out.resolve().parents:
+        raise UserError(f"export folder {str(out)!r} lies inside checkpoint {str(path)!r} (removing that checkpoint "
+                        "would remove the export); choose a folder outside it")
+    if (owner := enclosing_run(out)) is not None:
+        raise UserError(f"export folder {str(out)!r} lies inside {owner[1]}/ of the run in {str(owner[0])!r}, which "
+                        "that run's --overwrite or its saves replace; choose a folder outside it")
+    if out.exists() and any(out.iterdir()):
         raise UserError(f"export folder {str(out)!r} is not empty; choose a new folder")
     load_config(None, None, defaults=read_meta(path)["config"])
 

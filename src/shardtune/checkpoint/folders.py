@@ -113,11 +113,22 @@ def _count(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= sys.float_info.max
 
 
+def is_model_folder(path: Path) -> bool:
+    """A plain Hugging Face model folder (config.json and weights), not a checkpoint or a part of one
+    (no meta.json, DCP .metadata or shards)."""
+    return ((path / "config.json").is_file() and not (path / "meta.json").exists()
+            and not (path / ".metadata").exists() and not any(path.glob("*.distcp"))
+            and (any(path.glob("*.safetensors")) or any(path.glob("pytorch_model*.bin"))))
+
+
 def read_meta(path: Path) -> dict:
     """meta.json of a checkpoint, or a one-line UserError saying what is wrong with it."""
     if not path.exists():
         raise UserError(f"checkpoint {str(path)!r} not found; give a checkpoint folder "
                         "(OUTPUT_DIR/checkpoints/step-N) or a run's output_dir")
+    if is_model_folder(path):
+        raise UserError(f"{str(path)!r} is a Hugging Face model folder, not a shardtune checkpoint (no meta.json); "
+                        "use it as it is (model.name_or_path, eval, generate), or give a checkpoint folder")
     if not (path / "meta.json").is_file() or not (path / ".metadata").is_file():
         raise UserError(f"{str(path)!r} is not a complete shardtune checkpoint (meta.json or .metadata missing: "
                         "an interrupted save?); use another checkpoint of the run")
@@ -138,6 +149,8 @@ def read_meta(path: Path) -> dict:
 def resolve_checkpoint(spec: str | Path) -> Path:
     """A checkpoint folder, or the newest complete checkpoint of a run folder."""
     path = Path(spec).expanduser()
+    if path.name == "latest" and path.is_file():  # the pointer file: the checkpoint it names
+        path = path.parent
     root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     if root.is_dir() and not (path / "meta.json").exists() and (root != path or path.name == "checkpoints"):
         latest = find_latest(root)

@@ -44,8 +44,8 @@ def resolve_model(spec: str) -> tuple[str, Path | str]:
     if path.exists():
         return "hf", path
     if hub_id(spec) is None:
-        raise UserError(f"{spec!r} is no folder on this machine, and not a Hub id (org/name); give a model folder, "
-                        "a shardtune run or checkpoint folder, or a Hub id")
+        raise UserError(f"{spec!r} not found: no such folder here, and not a Hub id (org/name); give a model "
+                        "folder, a shardtune run or checkpoint folder, or a Hub id")
     return "hf", spec
 
 
@@ -70,13 +70,8 @@ def _load(spec: str, device: str, weights: bool):
         if weights:
             model, tokenizer, _ = load_plain_model(where, device)
             return _folded(model), tokenizer, model.config, run_cfg
-        from shardtune.config.schema import ModelConfig
-        from shardtune.model.hf import load_hf_config, load_tokenizer
-
-        trust = run_cfg.model.trust_remote_code
-        return (None, load_tokenizer(ModelConfig(tokenizer=str(where / "tokenizer"), trust_remote_code=trust)),
-                load_hf_config(ModelConfig(name_or_path=str(where), random_init=True, trust_remote_code=trust)),
-                run_cfg)
+        hf_config, tokenizer = checkpoint_config(where, read_meta(where))
+        return None, tokenizer, hf_config, run_cfg
 
     if kind == "adapter":  # evaluate/generate with the adapter folded into its base where it can be
         from transformers import AutoConfig
@@ -143,6 +138,9 @@ def checkpoint_config(path: Path, meta: dict):
     from shardtune.model.hf import load_hf_config, load_tokenizer
 
     trust = bool(meta["config"].get("model", {}).get("trust_remote_code"))
+    if not (path / "tokenizer").is_dir():
+        raise UserError(f"checkpoint {str(path)!r} has no tokenizer/ folder (damaged, or copied in part); use "
+                        "another checkpoint of the run, or copy the run's tokenizer folder into it")
     hf_config = load_hf_config(ModelConfig(name_or_path=str(path), random_init=True, trust_remote_code=trust))
     return hf_config, load_tokenizer(ModelConfig(tokenizer=str(path / "tokenizer"), trust_remote_code=trust))
 

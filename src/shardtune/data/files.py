@@ -3,10 +3,11 @@ UTF-8 file that the `datasets` readers can take without crashing. Checked before
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
-from shardtune.errors import UserError
+from shardtune.errors import UserError, first_line
 
 BUILDERS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".csv": "csv",
             ".parquet": "parquet"}
@@ -53,6 +54,11 @@ def _check_text_file(path: Path, json_lines: bool) -> None:
                 return
 
 
+def builder_of(path) -> str | None:
+    """The `datasets` reader of a data file, by its suffix (any case: TRAIN.JSONL is a jsonl file)."""
+    return BUILDERS.get(Path(path).suffix.lower())
+
+
 def _not_regular(path: Path) -> bool:
     """A FIFO, device or socket: reading one hangs or never ends."""
     import stat
@@ -60,28 +66,53 @@ def _not_regular(path: Path) -> bool:
     return not stat.S_ISREG(path.stat().st_mode) and not path.is_dir()
 
 
+def _check_entry(path: Path) -> None:
+    """One data file as the readers need it: there (a link that leads somewhere), a file (a folder
+    named train.jsonl is not one), a regular one (reading a FIFO or device hangs)."""
+    if not path.exists():
+        target = f"a link to {os.readlink(path)!r}, which does not exist" if path.is_symlink() else "gone"
+        raise UserError(f"data file {str(path)!r} is {target}; fix or remove it, or point data.path elsewhere")
+    if path.is_dir():
+        raise UserError(f"data file {str(path)!r} is a folder, not a file; rename or move it out of "
+                        f"{str(path.parent)!r}, or point data.path at the files inside it")
+    if _not_regular(path):
+        raise UserError(f"data file {str(path)!r} is not a regular file (a FIFO, device or socket); point "
+                        "data.path at a file or a folder of files")
+
+
+def _no_rows(path: Path) -> bool:
+    """True for a parquet file of no rows (its footer says so; the reader fails on one)."""
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(path).metadata.num_rows == 0
+    except Exception as exc:  # noqa: BLE001 - pyarrow's ArrowInvalid and friends: not a parquet file
+        raise UserError(f"data file {str(path)!r} is not a readable parquet file ({first_line(exc)}); fix or "
+                        "re-write it, or point data.path elsewhere") from None
+
+
 def local_files(path: Path) -> dict[str, list[str]]:
     """Files of a local dataset, by split. A folder's `train*`/`validation*` files are splits."""
-    if path.is_file() or _not_regular(path):
-        files = [path]
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if builder_of(p) and not p.name.startswith("."))
     else:
-        files = sorted(p for p in path.iterdir() if p.suffix in BUILDERS and not p.name.startswith("."))
-    odd = [p for p in files if _not_regular(p)]
-    if odd:
-        raise UserError(f"data file {str(odd[0])!r} is not a regular file (a FIFO, device or socket); point "
-                        "data.path at a file or a folder of files")
+        files = [path]
+    for p in files:
+        _check_entry(p)
     if not files:
-        raise UserError(f"data.path={str(path)!r} holds no {'/'.join(sorted(BUILDERS))} files; "
-                        "point it at a data file or a folder of them")
-    blank = [p for p in files if _is_blank(p)]
+        inner = any(builder_of(q) for q in path.glob("*/*"))
+        raise UserError(f"data.path={str(path)!r} holds no {'/'.join(sorted(BUILDERS))} files"
+                        + ("; its subfolders are not read: point data.path at the subfolder that holds them"
+                           if inner else "; point it at a data file or a folder of them"))
+    blank = [p for p in files if _is_blank(p) or (builder_of(p) == "parquet" and _no_rows(p))]
     if blank:
         raise UserError(f"data file {str(blank[0])!r} is empty (no documents); add documents to it "
                         "or point data.path elsewhere")
     for p in files:
-        if BUILDERS.get(p.suffix) in ("json", "text", "csv"):
-            _check_text_file(p, json_lines=BUILDERS[p.suffix] == "json")
+        if builder_of(p) in ("json", "text", "csv"):
+            _check_text_file(p, json_lines=builder_of(p) == "json")
     suffixes = {p.suffix for p in files}
-    if len({BUILDERS[s] for s in suffixes if s in BUILDERS}) != 1 or not suffixes <= BUILDERS.keys():
+    if len({builder_of(p) for p in files}) != 1 or not all(builder_of(p) for p in files):
         raise UserError(f"data.path={str(path)!r} mixes or has unsupported file types ({', '.join(sorted(suffixes))}); "
                         f"use one of {', '.join(sorted(BUILDERS))}")
     splits: dict[str, list[str]] = {}

@@ -29,9 +29,9 @@ def env_flag(name: str) -> bool:
 
 def _is_local(path: str) -> bool:
     """A data.path / model name that data/pipeline.py or transformers would read from disk, not the hub."""
-    from shardtune.data.pipeline import BUILDERS
+    from shardtune.data.files import builder_of
 
-    return hub_id(path) is None or Path(path).suffix in BUILDERS
+    return hub_id(path) is None or builder_of(path) is not None
 
 
 def targets_from_recipe(recipe: str, overrides: list[str] | None = None) -> list[tuple[str, str, str | None]]:

@@ -185,8 +185,8 @@ def check_model_source(name: str, key: str) -> None:
         raise UserError(f"{key}={name!r} is a file, not a folder; give the model's folder (with config.json) "
                         "or a hub id")
     if not path.exists() and hub_id(name) is None:
-        raise UserError(f"{key}={name!r} is no folder on this machine, and not a Hub id (org/name); check the "
-                        "path")
+        raise UserError(f"{key}={name!r} not found: no such folder here, and not a Hub id (org/name); check "
+                        "the path")
 
 
 def match_tokenizer(hf_config, tokenizer, cfg: ModelConfig) -> None:
@@ -306,6 +306,9 @@ def check_seq_len(hf_config, seq_len: int, virtual_tokens: int = 0) -> None:
                         f"set data.seq_len={limit} or less")
 
 
+VOCABULARY_PROBE = "The quick brown fox jumps over the lazy dog."  # any real tokenizer makes tokens of it
+
+
 def load_tokenizer(cfg: ModelConfig):
     from transformers import AutoTokenizer
 
@@ -330,6 +333,12 @@ def load_tokenizer(cfg: ModelConfig):
                         "re-download or re-save the tokenizer") from None
     if tokenizer.eos_token_id is None:
         raise UserError(f"tokenizer {source!r} has no end-of-sequence token; pick a tokenizer that has one")
+    if not tokenizer(VOCABULARY_PROBE, add_special_tokens=False)["input_ids"]:
+        # a folder without tokenizer files still loads (transformers makes an empty one of the model's
+        # class): every document would become nothing, and the run train on end-of-sequence tokens alone
+        raise UserError(f"tokenizer {source!r} has no vocabulary ({len(tokenizer)} token(s): text becomes no "
+                        "tokens; no tokenizer.json or vocabulary files?); copy the model's tokenizer files there, "
+                        "or set model.tokenizer to a folder or hub id that has them")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
