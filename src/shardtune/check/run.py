@@ -51,7 +51,8 @@ def local_tokenizer(model_cfg):
     read no network (a hub tokenizer is checked by the run that downloads it)."""
     from pathlib import Path
 
-    from shardtune.model.hf import check_model_source, load_tokenizer
+    from shardtune.model.files import check_model_source
+    from shardtune.model.hf import load_tokenizer
 
     source = model_cfg.tokenizer or model_cfg.name_or_path
     if source is not None:  # a folder that is not there is refused here as by train, a Hub id is not read

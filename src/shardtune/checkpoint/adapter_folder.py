@@ -16,7 +16,7 @@ def adapter_parts(adapter: Path) -> tuple[dict, str]:
     """(adapter_config.json, the base model to load it on), with the weights file checked."""
     from peft import PeftType
 
-    from shardtune.model.hf import check_safetensors, read_json_object
+    from shardtune.model.files import check_safetensors, read_json_object
 
     config = read_json_object(adapter / "adapter_config.json")
     kind = config.get("peft_type")
@@ -43,12 +43,12 @@ def load_base(base: str, **kwargs):
     """The base model an adapter goes on, or one line saying it is not there."""
     from transformers import AutoModelForCausalLM
 
-    from shardtune.model.hf import _hub_hint
+    from shardtune.model.files import hub_hint
 
     try:
         return AutoModelForCausalLM.from_pretrained(base, **kwargs)
     except OSError:
-        raise UserError(f"base model {base!r} of the adapter not found; {_hub_hint(base)}") from None
+        raise UserError(f"base model {base!r} of the adapter not found; {hub_hint(base)}") from None
 
 
 def fit_adapter(model, adapter: Path, base: str):

@@ -118,7 +118,7 @@ def adapter_structure(spec: str):
     if kind == "checkpoint":
         peft = known_fields(PeftConfig, read_meta(where)["config"].get("peft", {}))
     elif kind == "adapter":
-        from shardtune.model.hf import read_json_object
+        from shardtune.model.files import read_json_object
 
         peft = peft_config_of(read_json_object(where / "adapter_config.json"))
     else:

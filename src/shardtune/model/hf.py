@@ -8,9 +8,7 @@ initialises) the full weights, which are then broadcast shard by shard after `fu
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import os
 from pathlib import Path
 
 import torch
@@ -20,20 +18,17 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from shardtune.config.schema import ModelConfig
 from shardtune.errors import UserError, first_line
 from shardtune.families import HEADS, KV_HEADS, LANGUAGE_FIELDS, config_value, set_layer_count, text_config
+from shardtune.model.files import (
+    TOKENIZER_JSON,
+    check_json_files,
+    check_model_folder,
+    check_model_source,
+    hub_hint,
+    reason,
+    weight_files,
+)
 from shardtune.model.weights_fit import check_weights_fit
-from shardtune.names import hub_id
 from shardtune.noise import transformers_warnings
-
-# The JSON files a model or tokenizer folder may hold; each is checked before a library reads it.
-MODEL_JSON = ("config.json", "generation_config.json", "model.safetensors.index.json")
-TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json")
-
-
-def _hub_hint(name: str) -> str:
-    if os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in {"1", "ON", "YES", "TRUE"}:
-        return (f"HF_HUB_OFFLINE=1 and {name!r} is not in the local cache ($HF_HOME); run "
-                f"`shardtune download {name}` where there is network, or give a local folder")
-    return f"check the name, or give a local folder (no network? run `shardtune download {name}` where there is)"
 
 
 def load_hf_config(cfg: ModelConfig, local_files_only: bool = False):
@@ -56,10 +51,10 @@ def load_hf_config(cfg: ModelConfig, local_files_only: bool = False):
         except ValueError as exc:
             if "Unrecognized model" in str(exc):
                 raise UserError(f"model.config.model_type={model_type!r} is unknown to transformers "
-                                f"({_reason(exc)})") from None
-            raise UserError(f"model.config is refused by transformers ({_reason(exc)}); check model.config") from None
+                                f"({reason(exc)})") from None
+            raise UserError(f"model.config is refused by transformers ({reason(exc)}); check model.config") from None
         except Exception as exc:  # the config class's own validation (TypeError, strict-dataclass errors)
-            raise UserError(f"model.config is refused by transformers ({_reason(exc)}); check model.config") from None
+            raise UserError(f"model.config is refused by transformers ({reason(exc)}); check model.config") from None
         check_buildable(hf_config, cfg.trust_remote_code, "model.config")
         return hf_config
     folder = Path(cfg.name_or_path)
@@ -73,19 +68,19 @@ def load_hf_config(cfg: ModelConfig, local_files_only: bool = False):
         if folder.is_dir():
             raise UserError(f"model folder {cfg.name_or_path!r} could not be read ({first_line(exc)}); "
                             "give a Hugging Face model folder (config.json and weights)") from None
-        raise UserError(f"model {cfg.name_or_path!r} not found; {_hub_hint(cfg.name_or_path)}") from None
+        raise UserError(f"model {cfg.name_or_path!r} not found; {hub_hint(cfg.name_or_path)}") from None
     except ValueError as exc:
         if "trust_remote_code" in str(exc):
             raise UserError(f"model {cfg.name_or_path!r} needs custom code; set model.trust_remote_code=true "
                             "if you trust it") from None
         if not folder.is_dir():
             raise
-        raise UserError(f"{str(folder / 'config.json')!r} is not a config transformers can read ({_reason(exc)}); "
+        raise UserError(f"{str(folder / 'config.json')!r} is not a config transformers can read ({reason(exc)}); "
                         "re-download or re-export the model") from None
     except Exception as exc:  # a config class's own validation of the file's values
         if not folder.is_dir():
             raise
-        raise UserError(f"{str(folder / 'config.json')!r} is refused by transformers ({_reason(exc)}); "
+        raise UserError(f"{str(folder / 'config.json')!r} is refused by transformers ({reason(exc)}); "
                         "re-download or re-export the model") from None
     for key, value in overrides.items():
         if not isinstance(key, str) or not hasattr(hf_config, key):
@@ -119,14 +114,6 @@ def _quiet_type_default_ids(overrides: dict):
         yield
     finally:
         logger.removeFilter(keep)
-
-
-def _reason(exc: BaseException) -> str:
-    """The line of a library error that says what is wrong (strict-dataclass errors put it last)."""
-    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
-    if not lines:
-        return type(exc).__name__
-    return (lines[-1] if lines[0].endswith(":") else lines[0])[:160]
 
 
 def check_buildable(hf_config, trust_remote_code: bool, what: str) -> None:
@@ -176,19 +163,6 @@ def check_input_language(hf_config) -> None:
                         f"model.config.{field}={languages[0]} (or the language of your data)")
 
 
-def check_model_source(name: str, key: str) -> None:
-    """`key` names a folder here or a Hub id: a path to a file (or FIFO, device), or a name that is
-    neither (`./gone`, `/a/b`, `runs/x/final/` where that folder is not there) is refused now, the
-    same for every command, rather than looked up on the Hub, whose error names something else."""
-    path = Path(name)
-    if path.exists() and not path.is_dir():
-        raise UserError(f"{key}={name!r} is a file, not a folder; give the model's folder (with config.json) "
-                        "or a hub id")
-    if not path.exists() and hub_id(name) is None:
-        raise UserError(f"{key}={name!r} not found: no such folder here, and not a Hub id (org/name); check "
-                        "the path")
-
-
 def match_tokenizer(hf_config, tokenizer, cfg: ModelConfig) -> None:
     """A model built from a config alone (no weights) takes its vocabulary and special tokens
     from the tokenizer, unless model.config names a vocab_size."""
@@ -201,86 +175,6 @@ def match_tokenizer(hf_config, tokenizer, cfg: ModelConfig) -> None:
         obj.bos_token_id = tokenizer.bos_token_id
         obj.eos_token_id = tokenizer.eos_token_id
         obj.pad_token_id = tokenizer.pad_token_id
-
-
-def check_json_files(folder: Path, names: tuple[str, ...]) -> None:
-    """Each of these files the folder holds must be readable JSON: one line naming the one that is not."""
-    for name in names:
-        path = folder / name
-        if not path.is_file():
-            continue
-        read_json_object(path)
-
-
-def read_json_object(path: Path) -> dict:
-    """A JSON file that must hold an object: one line naming it when it is unreadable, not JSON, or another type."""
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise UserError(f"{str(path)!r} is damaged (not valid JSON: {first_line(exc, 100)}); re-download "
-                        "or re-export the folder") from None
-    except OSError as exc:
-        raise UserError(f"{str(path)!r} cannot be read ({exc.strerror}); fix its permissions") from None
-    if not isinstance(value, dict):
-        raise UserError(f"{str(path)!r} is damaged (it holds a JSON {type(value).__name__}, not an object); "
-                        "re-download or re-export the folder")
-    return value
-
-
-def check_model_folder(folder: Path, weights: bool = True) -> None:
-    """A local model folder: config.json present and readable, and (when its weights will be read)
-    every weight file present and complete (safetensors headers cover the files)."""
-    if not (folder / "config.json").is_file():
-        raise UserError(f"model folder {str(folder)!r} has no config.json; give a Hugging Face model folder "
-                        "(config.json and weights)")
-    check_json_files(folder, MODEL_JSON)
-    if weights:
-        for path in weight_files(folder):
-            check_safetensors(path)
-    if (folder / "generation_config.json").is_file():  # its values are checked only after the weights load
-        from transformers import GenerationConfig
-
-        try:
-            GenerationConfig.from_pretrained(folder)
-        except Exception as exc:  # noqa: BLE001 - transformers' own validation of the values
-            raise UserError(f"{str(folder / 'generation_config.json')!r} is refused by transformers ({_reason(exc)}); "
-                            "fix or remove it") from None
-
-
-def weight_files(folder: Path) -> list[Path]:
-    """The weight files a load of this folder reads (a sharded index names them)."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = read_json_object(index).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map or not all(
-                isinstance(n, str) and n.strip() for n in weight_map.values()):
-            raise UserError(f"{str(index)!r} is damaged (its weight_map does not map tensor names to weight files "
-                            "of the folder); re-download or re-export the model")
-        names = sorted(set(weight_map.values()))
-        missing = [n for n in names if not (folder / n).is_file()]
-        if missing:
-            raise UserError(f"model folder {str(folder)!r} lacks {missing[0]} (named in {index.name}"
-                            f"{f' with {len(missing) - 1} more' if len(missing) > 1 else ''}); "
-                            "re-download or re-export the model")
-        return [folder / n for n in names]
-    if (folder / "model.safetensors").is_file():
-        return [folder / "model.safetensors"]
-    if any(folder.glob("*.safetensors")) or any(folder.glob("pytorch_model*.bin")):
-        return []  # other layouts: the loader's own errors apply
-    raise UserError(f"model folder {str(folder)!r} has no weights (model.safetensors or pytorch_model.bin); "
-                    "add them, or set model.random_init=true to train it from fresh weights")
-
-
-def check_safetensors(path: Path) -> None:
-    """Reads only the header: a truncated or damaged file is refused before anything is built."""
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt"):
-            pass
-    except Exception as exc:  # SafetensorError, or OSError for an unreadable file
-        raise UserError(f"weights file {str(path)!r} is truncated or damaged ({first_line(exc, 100)}); "
-                        "re-download or re-export the model") from None
 
 
 def max_positions(hf_config) -> int | None:
@@ -325,7 +219,7 @@ def load_tokenizer(cfg: ModelConfig):
         if local:
             raise UserError(f"tokenizer folder {source!r} could not be read ({first_line(exc)}); give a folder "
                             "with tokenizer.json or the tokenizer's vocabulary files") from None
-        raise UserError(f"tokenizer {source!r} not found; {_hub_hint(source)}") from None
+        raise UserError(f"tokenizer {source!r} not found; {hub_hint(source)}") from None
     except Exception as exc:  # the tokenizers library's parse errors are plain Exceptions
         if not local:
             raise
@@ -353,7 +247,7 @@ def build_meta_model(hf_config, trust_remote_code: bool = False, what: str = "th
             return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32,
                                                     trust_remote_code=trust_remote_code)
     except Exception as exc:  # its modules' own checks: ValueError, ZeroDivisionError, strict-dataclass errors
-        raise UserError(f"transformers cannot build {what} ({type(exc).__name__}: {_reason(exc)}); "
+        raise UserError(f"transformers cannot build {what} ({type(exc).__name__}: {reason(exc)}); "
                         "fix the config (e.g. hidden size a multiple of the attention heads)") from None
 
 

@@ -24,7 +24,8 @@ SHIPPED_CONFIGS = Path(__file__).parent / "model_configs"
 def resolve_hf_config(cfg: RunConfig):
     """(transformers config, where it came from), without the network: model.config, a local
     folder, the Hugging Face cache, or a config shipped with shardtune for the recipes' models."""
-    from shardtune.model.hf import check_model_source, load_hf_config
+    from shardtune.model.files import check_model_source
+    from shardtune.model.hf import load_hf_config
 
     m = cfg.model
     if m.name_or_path is None:  # as train builds it: the vocabulary of its tokenizer, where that is at hand
