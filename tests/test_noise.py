@@ -20,9 +20,14 @@ warnings.warn("`is_gradient_checkpointing` is deprecated and will be removed in 
 warnings.warn("Found a non-scalar tensor with numel=1 and ndim!=0, we are implicitly creating a replicated "
               "DTensor for it.", UserWarning)
 warnings.warn("a warning nobody listed")
+from huggingface_hub.utils import http_backoff
+try:  # the Hub client's line per failed try of a request (port 1: nobody listens, refused at once)
+    http_backoff("HEAD", "http://127.0.0.1:1/config.json", max_retries=0)
+except Exception:
+    pass
 """
 NOISE = ("Failed to load", "is an Enum subclass and is now natively supported", "`is_gradient_checkpointing`",
-         "Found a non-scalar tensor with numel=1")
+         "Found a non-scalar tensor with numel=1", "thrown while requesting")
 
 
 def console(quiet: bool) -> str:

@@ -15,6 +15,9 @@ QUIET_LOGGERS = {
     "torchao": logging.ERROR,
     # torch telling library authors (torchao) that their Enum registrations are no longer needed
     "torch.utils._pytree": logging.ERROR,
+    # the Hub client's line per failed try of a request ("'[Errno -2] Name or service not known' thrown
+    # while requesting HEAD …"): a retry that works needs nothing, and the last failure is shardtune's one line
+    "huggingface_hub.utils._http": logging.ERROR,
 }
 # (message start, category) of warnings about other libraries' use of an API
 QUIET_WARNINGS = [

@@ -247,3 +247,20 @@ def test_slurm_script_command_starts_shardtune_train(tmp_path):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     line = _one_line_error(proc.stderr)
     assert "train.lrr" in line and "did you mean train.lr?" in line, line
+
+
+@pytest.mark.parametrize("args, names", [
+    (["download", "model:some-org/m"], "some-org/m"),
+    (["download", "dataset:some-org/d"], "some-org/d"),
+    (["train", "model.name_or_path=some-org/m", "train.max_steps=1"], "some-org/m"),
+], ids=["download-model", "download-dataset", "train"])
+def test_a_failing_hub_client_is_one_line_whatever_it_raises(tmp_path, args, names):
+    """HF_HUB_OFFLINE unset and the Hub's client failing with its HTTP library's own error (httpx's,
+    not an OSError: here an endpoint of a scheme it does not speak, which it does not retry; a
+    refused connection is the same kind after ~25 s of retries, each a line that noise.py keeps off)."""
+    env = {"HF_ENDPOINT": "hf-test://127.0.0.1:1", "HF_HOME": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "0",
+           "HF_DATASETS_OFFLINE": "0"}
+    proc = run_cli([*args, f"output_dir={tmp_path / 'run'}"] if args[0] == "train" else args, env=env,
+                   cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert names in _one_line_error(proc.stderr)
