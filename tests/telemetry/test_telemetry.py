@@ -124,6 +124,63 @@ def test_a_tracker_refusing_its_settings_is_a_one_line_error(tmp_path, monkeypat
     assert "\n" not in str(caught.value) and all(w in str(caught.value) for w in words), str(caught.value)
 
 
+def _refused_url() -> str:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"  # closed again: connections are refused
+
+
+@pytest.fixture
+def answering_url():
+    """A server that answers every request with 404 (answering at all is what counts)."""
+    import http.server
+    import threading
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+@pytest.mark.parametrize("tracker, env, fix", [
+    ("mlflow", {"MLFLOW_TRACKING_URI": "{url}"}, "MLFLOW_TRACKING_URI"),
+    ("wandb", {"WANDB_BASE_URL": "{url}", "WANDB_MODE": "online"}, "WANDB_MODE=offline"),
+])
+def test_a_tracker_server_that_does_not_answer_is_refused_before_the_run(monkeypatch, answering_url, tracker, env,
+                                                                          fix):
+    """The clients retry an unreachable server for minutes, after the model is built (MLflow ~4 min)."""
+    from shardtune.telemetry.trackers import check_trackers
+
+    pytest.importorskip(tracker)
+    url = _refused_url()
+    for name, value in env.items():
+        monkeypatch.setenv(name, value.format(url=url))
+    with pytest.raises(UserError) as caught:
+        check_trackers(["tensorboard", tracker], timeout=2)
+    assert url in str(caught.value) and fix in str(caught.value) and "\n" not in str(caught.value)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value.format(url=answering_url))
+    check_trackers([tracker], timeout=2)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "file:///nowhere")
+    monkeypatch.setenv("WANDB_BASE_URL", url)
+    check_trackers([tracker], timeout=2)  # local: no server asked
+
+
+def test_train_checks_the_trackers_before_it_builds_anything(assets, tmp_path, monkeypatch, capsys):
+    from conftest import tiny_overrides
+    from shardtune.cli.main import main
+
+    pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", _refused_url())
+    out = tmp_path / "run"
+    assert main(["train", *tiny_overrides(assets, out), "log.trackers=[mlflow]"]) == 2
+    assert "mlflow server" in capsys.readouterr().err
+    assert not out.exists()
+
+
 def _fake_run(folder, scale):
     folder.mkdir()
     rows = [{"step": 0, "eval_loss": 5.0, "eval_ppl": 148.4}]

@@ -86,6 +86,7 @@ def check_run(cfg: RunConfig, world_size: int | None = None, device=None, say=No
     from shardtune.model.build import check_machine
     from shardtune.model.hf import load_hf_config, load_tokenizer
     from shardtune.publish.hub import check_ready
+    from shardtune.telemetry.trackers import check_trackers
 
     if "auto" in (cfg.train.micro_batch_size, cfg.activation_checkpointing) or cfg.output_dir is None:
         raise ValueError("check_run takes a resolved run (resolve.run.resolve_run): micro_batch_size a number, "
@@ -96,6 +97,8 @@ def check_run(cfg: RunConfig, world_size: int | None = None, device=None, say=No
     accum = check_world(cfg, world_size)
     main = os.environ.get("RANK", "0") == "0"
     publishes = check_ready(cfg.publish, say or (lambda text: print(text, flush=True) if main else None))
+    if main:  # only rank 0 logs to the trackers
+        check_trackers(cfg.log.trackers)
     tokenizer = load_tokenizer(cfg.model)
     hf_config = load_hf_config(cfg.model)
     check_model(cfg, hf_config, tokenizer)

@@ -29,6 +29,39 @@ def _require(module: str, tracker: str):
                         f"pip install 'shardtune[{EXTRAS[tracker]}]'") from None
 
 
+def servers(names: list[str]) -> list[tuple[str, str, str]]:
+    """(tracker, URL, what to do when it does not answer) for each tracker that will talk to a server as
+    `Trackers` starts it: MLflow at an http(s) MLFLOW_TRACKING_URI, W&B online at WANDB_BASE_URL."""
+    found = []
+    uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+    if "mlflow" in names and uri.lower().startswith(("http://", "https://")):
+        found.append(("mlflow", uri, "start the server or fix MLFLOW_TRACKING_URI"))
+    if "wandb" in names and os.environ.get("WANDB_MODE", "online") in ("online", "run"):
+        found.append(("wandb", os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai"),
+                      "check the network or WANDB_BASE_URL, or set WANDB_MODE=offline to log to the run folder"))
+    return found
+
+
+def check_trackers(names: list[str], timeout: float = 5.0) -> None:
+    """Before anything is built: each tracker installed, and each tracker's server answering at
+    all (any HTTP status will do). The clients themselves retry an unreachable server for minutes
+    (MLflow ~4, W&B 1.5) and only once the model is built and the data read."""
+    import urllib.error
+    import urllib.request
+
+    for name in names:
+        _require(EXTRAS[name], name)
+    for name, url, fix in servers(names):
+        try:
+            urllib.request.urlopen(url, timeout=timeout).close()
+        except urllib.error.HTTPError:
+            continue  # it answered
+        except (OSError, ValueError) as exc:  # URLError, a timeout, a malformed URL
+            why = getattr(exc, "reason", None) or exc
+            raise UserError(f"log.trackers: the {name} server {url} does not answer ({why}); {fix}, or drop {name} "
+                            "from log.trackers") from None
+
+
 def flatten(tree: dict, prefix: str = "") -> dict:
     flat = {}
     for key, value in tree.items():
