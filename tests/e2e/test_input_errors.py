@@ -344,3 +344,34 @@ def test_export_takes_the_latest_pointer_and_names_a_missing_tokenizer(capfd, ea
     for argv in (["export", str(step), str(tmp_path / "out")], ["generate", str(step), "--prompt", "hi"]):
         fails(capfd, argv, "has no tokenizer/ folder", "another checkpoint")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture
+def lora_run(tmp_path, model_folder) -> Path:
+    """A run folder (its marks) whose final/ is a LoRA adapter of `model_folder`, as a peft run leaves it."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    run = tmp_path / "lora-run"
+    (run / "final").mkdir(parents=True)
+    (run / "config.yaml").write_text("{}\n")
+    (run / "metrics.jsonl").write_text("")
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_folder),
+                           LoraConfig(r=2, target_modules=["c_attn"]))
+    model.save_pretrained(run / "final")
+    return run
+
+
+@pytest.mark.parametrize("source, target, words", [
+    (lambda run: run / "final", lambda run: run / "final" / "hf", ["lies inside adapter folder"]),
+    (lambda run: run / "final", lambda run: run / "final", ["lies inside adapter folder"]),
+    (lambda run: run, lambda run: run / "checkpoints" / "hf", ["inside checkpoints/ of the run"]),
+    (lambda run: run / "final", lambda run: run / "metrics.jsonl", ["is a file"]),
+    (lambda run: run / "final", lambda run: run, ["is not empty"]),
+], ids=["inside-the-adapter", "the-adapter-itself", "inside-checkpoints", "a-file", "not-empty"])
+def test_export_merge_refuses_the_outs_export_refuses(capfd, lora_run, source, target, words):
+    """--merge skipped check_export's output-folder checks: it wrote into final/ (which the run's
+    --overwrite replaces) and loaded the whole model before finding OUT was a file."""
+    before = tree(lora_run)
+    fails(capfd, ["export", str(source(lora_run)), str(target(lora_run)), "--merge"], *words)
+    assert tree(lora_run) == before
