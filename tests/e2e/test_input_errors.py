@@ -227,6 +227,49 @@ def test_model_folder_whose_weights_do_not_fit_its_config(capfd, tmp_path, model
           "config.json")
 
 
+# a size of 0 (or less) in a model folder's config.json: eval said "set fsdp.block_class" (an option
+# it has not), generate answered from the embeddings alone, torch warned before the line
+SIZE_EDITS = {"n_layer": (0, "no decoder blocks"), "num_hidden_layers": (0, "no decoder blocks"),
+              "vocab_size": (0, "no vocabulary"), "n_embd": (0, "no hidden units"), "n_head": (0, "no attention heads"),
+              "n_inner": (0, "weight transformer.h.0.mlp.c_fc.weight empty")}
+SIZE_COMMANDS = {
+    "generate": ["generate", "{model}", "--prompt", "hi", "--max-new-tokens", "2"],
+    "eval": ["eval", "{model}", "--data", "{data}", "--seq-len", "32"],
+    "train": ["train", "{recipe}", "model.config={{}}", "model.name_or_path={model}", "output_dir={out}"],
+    "plan": ["plan", "{recipe}", "model.config={{}}", "model.name_or_path={model}", "--gpus", "1", "--gpu-mem",
+             "16GiB"],
+}
+
+
+@pytest.mark.parametrize("command", SIZE_COMMANDS)
+@pytest.mark.parametrize("field", SIZE_EDITS)
+def test_a_size_of_zero_in_config_json_is_refused_by_every_command(capfd, recwarn, tmp_path, recipe, out, qs_assets,
+                                                                    model_folder, field, command):
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(model_folder, folder)
+    value, words = SIZE_EDITS[field]
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, field: value}))
+    argv = [a.format(model=folder, data=qs_assets["validation"], recipe=recipe, out=out)
+            for a in SIZE_COMMANDS[command]]
+    named = [] if field == "n_inner" else [f"{'n_layer' if field == 'num_hidden_layers' else field}={value} in "
+                                           f"{str(folder / 'config.json')!r}"]
+    line = fails(capfd, argv, words, *named)
+    assert "fsdp.block_class" not in line and not (out / "metrics.jsonl").exists()
+    assert not [w for w in recwarn if issubclass(w.category, UserWarning)], [str(w.message) for w in recwarn]
+
+
+@pytest.mark.parametrize("override, words", [
+    ("model.config.n_layer=0", ["model.config.n_layer=0", "no decoder blocks", "model.config.n_layer to 1"]),
+    ("model.config.vocab_size=0", ["model.config.vocab_size=0", "no vocabulary"]),
+])
+def test_a_size_of_zero_in_model_config_names_the_override(capfd, recwarn, recipe, out, override, words):
+    fails(capfd, ["train", recipe, override, f"output_dir={out}"], *words)
+    assert not [w for w in recwarn if issubclass(w.category, UserWarning)], [str(w.message) for w in recwarn]
+
+
 def test_model_folder_with_a_generation_config_transformers_refuses(capfd, tmp_path, model_folder):
     """Its values were checked only once the weights had loaded, and blamed on the weights."""
     import shutil
