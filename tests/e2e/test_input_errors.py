@@ -270,6 +270,30 @@ def test_a_size_of_zero_in_model_config_names_the_override(capfd, recwarn, recip
     assert not [w for w in recwarn if issubclass(w.category, UserWarning)], [str(w.message) for w in recwarn]
 
 
+@pytest.mark.parametrize("argv", [
+    ["generate", "{big}", "--prompt", "zzqx hi", "--max-new-tokens", "2"],
+    ["eval", "{big}", "--data", "{data}", "--seq-len", "32"],
+    ["eval", "{model}", "--compare", "{big}", "--data", "{data}", "--seq-len", "32"],
+    ["eval", "{big}", "--data", "{data}", "--generate", "1", "--max-new-tokens", "2"],
+    ["train", "{recipe}", "model.config={{}}", "model.name_or_path={big}", "model.tokenizer={big}",
+     "output_dir={out}"],
+], ids=["generate", "eval", "eval-compare", "eval-generate", "train"])
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(capfd, tmp_path, recipe, out, model_folder, argv):
+    """eval and generate on a plain model folder skipped train's check: an IndexError deep in torch."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    big = tmp_path / "big"
+    shutil.copytree(model_folder, big)
+    tokenizer = AutoTokenizer.from_pretrained(big)
+    tokenizer.add_tokens(["zzqx", "qqxz"])
+    tokenizer.save_pretrained(big)
+    data = write_jsonl(tmp_path / "data.jsonl", [{"text": "zzqx qqxz hello zzqx world " * 8}] * 40)
+    fails(capfd, [a.format(big=big, model=model_folder, data=data, recipe=recipe, out=out) for a in argv],
+          f"has {len(tokenizer)} tokens but the model only 300")
+
+
 def test_model_folder_with_a_generation_config_transformers_refuses(capfd, tmp_path, model_folder):
     """Its values were checked only once the weights had loaded, and blamed on the weights."""
     import shutil

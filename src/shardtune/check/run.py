@@ -31,16 +31,12 @@ def check_model(cfg: RunConfig, hf_config, tokenizer=None) -> None:
     """What the model's config and its tokenizer (where at hand) must allow: the vocabulary, the
     positions, the peft method, document masking. The same lines for every command."""
     from shardtune.data import docmask
-    from shardtune.families import config_value
     from shardtune.model.adapters import check_method
-    from shardtune.model.hf import check_seq_len, match_tokenizer
+    from shardtune.model.hf import check_seq_len, check_vocab, match_tokenizer
 
     if tokenizer is not None:
         match_tokenizer(hf_config, tokenizer, cfg.model)
-        vocab = config_value(hf_config, "vocab_size")
-        if vocab is not None and len(tokenizer) > vocab:
-            raise UserError(f"the tokenizer has {len(tokenizer)} tokens but the model only {vocab}; "
-                            "use the model's own tokenizer or set model.config.vocab_size")
+        check_vocab(hf_config, tokenizer, "use the model's own tokenizer or set model.config.vocab_size")
     check_seq_len(hf_config, cfg.data.seq_len, cfg.peft.virtual_tokens)
     check_method(cfg.peft, hf_config)
     docmask.check(cfg.data, hf_config)
