@@ -180,7 +180,7 @@ def test_data_file_suffixes_in_any_case_are_read(tmp_path):
 @pytest.mark.parametrize("config, words", [
     ({"model_type": "t5"}, ["no causal-LM head"]),
     ({**TINY_GPT2, "n_embd": 33}, ["cannot build", "divisible"]),
-    ({**TINY_GPT2, "n_head": 0}, ["cannot build", "ZeroDivisionError"]),
+    ({**TINY_GPT2, "n_head": 0}, ["model.config.n_head=0", "no attention heads"]),
     ({**TINY_GPT2, "layer_norm_epsilon": float("nan")}, ["model.config.layer_norm_epsilon=nan"]),
     # builds, then failed at the first forward (shapes) or trained a model that sees the next token
     ({"model_type": "llama", "hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 3,
@@ -442,3 +442,37 @@ def test_export_merge_refuses_the_outs_export_refuses(capfd, lora_run, source, t
     before = tree(lora_run)
     fails(capfd, ["export", str(source(lora_run)), str(target(lora_run)), "--merge"], *words)
     assert tree(lora_run) == before
+
+
+# ----------------------------------------------------------------------------- lengths against a model's positions
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["eval", "{model}", "--data", "{data}", "--seq-len", "100"], ["--seq-len 100", "--seq-len 64 or less"]),
+    (["eval", "{model}", "--data", "{data}", "--generate", "1", "--max-new-tokens", "64"],
+     ["--max-new-tokens 64", "--max-new-tokens 63 or less"]),
+    (["eval", "{model}", "--data", "{data}", "--generate", "1", "--prompt-tokens", "64"],
+     ["--prompt-tokens 64", "--prompt-tokens 63 or less"]),
+    (["eval", "{model}", "--data", "{data}", "--generate", "1", "--prompt-tokens", "40", "--max-new-tokens", "30"],
+     ["--prompt-tokens 40 plus --max-new-tokens 30", "64 or less"]),
+    (["generate", "{model}", "--prompt", "hi", "--max-new-tokens", "100"], ["--max-new-tokens 63 or less"]),
+], ids=["eval-seq-len", "eval-generate-new", "eval-generate-prompt", "eval-generate-both", "generate"])
+def test_a_length_beyond_the_models_positions_names_its_option(capfd, qs_assets, model_folder, argv, words):
+    """eval's refusal named data.seq_len, an option eval does not have."""
+    line = fails(capfd, [a.format(model=model_folder, data=qs_assets["validation"]) for a in argv], *words,
+                 "64 positions")
+    assert "data.seq_len" not in line
+
+
+@pytest.mark.parametrize("argv, cut", [
+    (["eval", "{model}", "--data", "{data}", "--max-batches", "1"], "--seq-len 64"),
+    (["eval", "{model}", "--data", "{data}", "--generate", "1"], "--max-new-tokens 32 (default 64)"),
+    (["eval", "{model}", "--data", "{data}", "--generate", "1", "--prompt-tokens", "60"],
+     "--max-new-tokens 4 (default 64)"),
+    (["generate", "{model}", "--prompt", "hi"], "--max-new-tokens 62"),
+], ids=["eval", "eval-generate", "eval-generate-long-prompt", "generate"])
+def test_defaults_fit_a_model_with_few_positions_and_say_so(capfd, qs_assets, model_folder, argv, cut):
+    """512 and 64 are defaults for models with room for them: on a 64-position model they failed."""
+    assert main([a.format(model=model_folder, data=qs_assets["validation"]) for a in argv]) == 0
+    captured = capfd.readouterr()
+    assert f"note: {cut}:" in (captured.err if argv[0] == "generate" else captured.out)
