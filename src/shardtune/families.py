@@ -187,11 +187,17 @@ def text_config(hf_config):
 
 def config_value(hf_config, *names, kind: type = int):
     """The first of `names` set (to a `kind`) in the language model's config, then in the config."""
+    found = config_field(hf_config, *names, kind=kind)
+    return None if found is None else found[1]
+
+
+def config_field(hf_config, *names, kind: type = int) -> tuple[str, object] | None:
+    """(name, value) of config_value's answer, or None: what a message names."""
     for obj in (text_config(hf_config), hf_config):
         for name in names:
             value = _global_value(obj, name)
             if isinstance(value, kind) and not isinstance(value, bool):
-                return value
+                return name, value
     return None
 
 

@@ -215,7 +215,7 @@ def test_generate_prints_and_bad_input(trained, capsys, tmp_path):
     one_line_error(*cli(["generate", str(trained / "final")], capsys), "--prompt")
     one_line_error(*cli(["generate", str(trained / "final"), "--prompt", "x", "--top-p", "0"], capsys), "--top-p")
     one_line_error(*cli(["generate", str(trained / "final"), "--prompt", "x", "--max-new-tokens", "100000"], capsys),
-                   "beyond the model's", "positions")
+                   "--max-new-tokens 100000 leaves no room", "positions", "--max-new-tokens 127 or less")
     (tmp_path / "latin1.txt").write_bytes("café\n".encode("latin-1"))
     one_line_error(*cli(["generate", str(trained / "final"), "--prompts-file", str(tmp_path / "latin1.txt")], capsys),
                    "not UTF-8")

@@ -180,7 +180,7 @@ def test_data_file_suffixes_in_any_case_are_read(tmp_path):
 @pytest.mark.parametrize("config, words", [
     ({"model_type": "t5"}, ["no causal-LM head"]),
     ({**TINY_GPT2, "n_embd": 33}, ["cannot build", "divisible"]),
-    ({**TINY_GPT2, "n_head": 0}, ["cannot build", "ZeroDivisionError"]),
+    ({**TINY_GPT2, "n_head": 0}, ["model.config.n_head=0", "no attention heads"]),
     ({**TINY_GPT2, "layer_norm_epsilon": float("nan")}, ["model.config.layer_norm_epsilon=nan"]),
     # builds, then failed at the first forward (shapes) or trained a model that sees the next token
     ({"model_type": "llama", "hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 3,
@@ -225,6 +225,73 @@ def test_model_folder_whose_weights_do_not_fit_its_config(capfd, tmp_path, model
     (folder / "config.json").write_text(json.dumps({**config, **edit}))
     fails(capfd, ["generate", str(folder), "--prompt", "hi", "--max-new-tokens", "2"], str(folder), *words,
           "config.json")
+
+
+# a size of 0 (or less) in a model folder's config.json: eval said "set fsdp.block_class" (an option
+# it has not), generate answered from the embeddings alone, torch warned before the line
+SIZE_EDITS = {"n_layer": (0, "no decoder blocks"), "num_hidden_layers": (0, "no decoder blocks"),
+              "vocab_size": (0, "no vocabulary"), "n_embd": (0, "no hidden units"), "n_head": (0, "no attention heads"),
+              "n_inner": (0, "weight transformer.h.0.mlp.c_fc.weight empty")}
+SIZE_COMMANDS = {
+    "generate": ["generate", "{model}", "--prompt", "hi", "--max-new-tokens", "2"],
+    "eval": ["eval", "{model}", "--data", "{data}", "--seq-len", "32"],
+    "train": ["train", "{recipe}", "model.config={{}}", "model.name_or_path={model}", "output_dir={out}"],
+    "plan": ["plan", "{recipe}", "model.config={{}}", "model.name_or_path={model}", "--gpus", "1", "--gpu-mem",
+             "16GiB"],
+}
+
+
+@pytest.mark.parametrize("command", SIZE_COMMANDS)
+@pytest.mark.parametrize("field", SIZE_EDITS)
+def test_a_size_of_zero_in_config_json_is_refused_by_every_command(capfd, recwarn, tmp_path, recipe, out, qs_assets,
+                                                                    model_folder, field, command):
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(model_folder, folder)
+    value, words = SIZE_EDITS[field]
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, field: value}))
+    argv = [a.format(model=folder, data=qs_assets["validation"], recipe=recipe, out=out)
+            for a in SIZE_COMMANDS[command]]
+    named = [] if field == "n_inner" else [f"{'n_layer' if field == 'num_hidden_layers' else field}={value} in "
+                                           f"{str(folder / 'config.json')!r}"]
+    line = fails(capfd, argv, words, *named)
+    assert "fsdp.block_class" not in line and not (out / "metrics.jsonl").exists()
+    assert not [w for w in recwarn if issubclass(w.category, UserWarning)], [str(w.message) for w in recwarn]
+
+
+@pytest.mark.parametrize("override, words", [
+    ("model.config.n_layer=0", ["model.config.n_layer=0", "no decoder blocks", "model.config.n_layer to 1"]),
+    ("model.config.vocab_size=0", ["model.config.vocab_size=0", "no vocabulary"]),
+])
+def test_a_size_of_zero_in_model_config_names_the_override(capfd, recwarn, recipe, out, override, words):
+    fails(capfd, ["train", recipe, override, f"output_dir={out}"], *words)
+    assert not [w for w in recwarn if issubclass(w.category, UserWarning)], [str(w.message) for w in recwarn]
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", "{big}", "--prompt", "zzqx hi", "--max-new-tokens", "2"],
+    ["eval", "{big}", "--data", "{data}", "--seq-len", "32"],
+    ["eval", "{model}", "--compare", "{big}", "--data", "{data}", "--seq-len", "32"],
+    ["eval", "{big}", "--data", "{data}", "--generate", "1", "--max-new-tokens", "2"],
+    ["train", "{recipe}", "model.config={{}}", "model.name_or_path={big}", "model.tokenizer={big}",
+     "output_dir={out}"],
+], ids=["generate", "eval", "eval-compare", "eval-generate", "train"])
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(capfd, tmp_path, recipe, out, model_folder, argv):
+    """eval and generate on a plain model folder skipped train's check: an IndexError deep in torch."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    big = tmp_path / "big"
+    shutil.copytree(model_folder, big)
+    tokenizer = AutoTokenizer.from_pretrained(big)
+    tokenizer.add_tokens(["zzqx", "qqxz"])
+    tokenizer.save_pretrained(big)
+    data = write_jsonl(tmp_path / "data.jsonl", [{"text": "zzqx qqxz hello zzqx world " * 8}] * 40)
+    fails(capfd, [a.format(big=big, model=model_folder, data=data, recipe=recipe, out=out) for a in argv],
+          f"has {len(tokenizer)} tokens but the model only 300")
 
 
 def test_model_folder_with_a_generation_config_transformers_refuses(capfd, tmp_path, model_folder):
@@ -344,3 +411,68 @@ def test_export_takes_the_latest_pointer_and_names_a_missing_tokenizer(capfd, ea
     for argv in (["export", str(step), str(tmp_path / "out")], ["generate", str(step), "--prompt", "hi"]):
         fails(capfd, argv, "has no tokenizer/ folder", "another checkpoint")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture
+def lora_run(tmp_path, model_folder) -> Path:
+    """A run folder (its marks) whose final/ is a LoRA adapter of `model_folder`, as a peft run leaves it."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    run = tmp_path / "lora-run"
+    (run / "final").mkdir(parents=True)
+    (run / "config.yaml").write_text("{}\n")
+    (run / "metrics.jsonl").write_text("")
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_folder),
+                           LoraConfig(r=2, target_modules=["c_attn"]))
+    model.save_pretrained(run / "final")
+    return run
+
+
+@pytest.mark.parametrize("source, target, words", [
+    (lambda run: run / "final", lambda run: run / "final" / "hf", ["lies inside adapter folder"]),
+    (lambda run: run / "final", lambda run: run / "final", ["lies inside adapter folder"]),
+    (lambda run: run, lambda run: run / "checkpoints" / "hf", ["inside checkpoints/ of the run"]),
+    (lambda run: run / "final", lambda run: run / "metrics.jsonl", ["is a file"]),
+    (lambda run: run / "final", lambda run: run, ["is not empty"]),
+], ids=["inside-the-adapter", "the-adapter-itself", "inside-checkpoints", "a-file", "not-empty"])
+def test_export_merge_refuses_the_outs_export_refuses(capfd, lora_run, source, target, words):
+    """--merge skipped check_export's output-folder checks: it wrote into final/ (which the run's
+    --overwrite replaces) and loaded the whole model before finding OUT was a file."""
+    before = tree(lora_run)
+    fails(capfd, ["export", str(source(lora_run)), str(target(lora_run)), "--merge"], *words)
+    assert tree(lora_run) == before
+
+
+# ----------------------------------------------------------------------------- lengths against a model's positions
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["eval", "{model}", "--data", "{data}", "--seq-len", "100"], ["--seq-len 100", "--seq-len 64 or less"]),
+    (["eval", "{model}", "--data", "{data}", "--generate", "1", "--max-new-tokens", "64"],
+     ["--max-new-tokens 64", "--max-new-tokens 63 or less"]),
+    (["eval", "{model}", "--data", "{data}", "--generate", "1", "--prompt-tokens", "64"],
+     ["--prompt-tokens 64", "--prompt-tokens 63 or less"]),
+    (["eval", "{model}", "--data", "{data}", "--generate", "1", "--prompt-tokens", "40", "--max-new-tokens", "30"],
+     ["--prompt-tokens 40 plus --max-new-tokens 30", "64 or less"]),
+    (["generate", "{model}", "--prompt", "hi", "--max-new-tokens", "100"], ["--max-new-tokens 63 or less"]),
+], ids=["eval-seq-len", "eval-generate-new", "eval-generate-prompt", "eval-generate-both", "generate"])
+def test_a_length_beyond_the_models_positions_names_its_option(capfd, qs_assets, model_folder, argv, words):
+    """eval's refusal named data.seq_len, an option eval does not have."""
+    line = fails(capfd, [a.format(model=model_folder, data=qs_assets["validation"]) for a in argv], *words,
+                 "64 positions")
+    assert "data.seq_len" not in line
+
+
+@pytest.mark.parametrize("argv, cut", [
+    (["eval", "{model}", "--data", "{data}", "--max-batches", "1"], "--seq-len 64"),
+    (["eval", "{model}", "--data", "{data}", "--generate", "1"], "--max-new-tokens 32 (default 64)"),
+    (["eval", "{model}", "--data", "{data}", "--generate", "1", "--prompt-tokens", "60"],
+     "--max-new-tokens 4 (default 64)"),
+    (["generate", "{model}", "--prompt", "hi"], "--max-new-tokens 62"),
+], ids=["eval", "eval-generate", "eval-generate-long-prompt", "generate"])
+def test_defaults_fit_a_model_with_few_positions_and_say_so(capfd, qs_assets, model_folder, argv, cut):
+    """512 and 64 are defaults for models with room for them: on a 64-position model they failed."""
+    assert main([a.format(model=model_folder, data=qs_assets["validation"]) for a in argv]) == 0
+    captured = capfd.readouterr()
+    assert f"note: {cut}:" in (captured.err if argv[0] == "generate" else captured.out)

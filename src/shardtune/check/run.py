@@ -31,16 +31,12 @@ def check_model(cfg: RunConfig, hf_config, tokenizer=None) -> None:
     """What the model's config and its tokenizer (where at hand) must allow: the vocabulary, the
     positions, the peft method, document masking. The same lines for every command."""
     from shardtune.data import docmask
-    from shardtune.families import config_value
     from shardtune.model.adapters import check_method
-    from shardtune.model.hf import check_seq_len, match_tokenizer
+    from shardtune.model.hf import check_seq_len, check_vocab, match_tokenizer
 
     if tokenizer is not None:
         match_tokenizer(hf_config, tokenizer, cfg.model)
-        vocab = config_value(hf_config, "vocab_size")
-        if vocab is not None and len(tokenizer) > vocab:
-            raise UserError(f"the tokenizer has {len(tokenizer)} tokens but the model only {vocab}; "
-                            "use the model's own tokenizer or set model.config.vocab_size")
+        check_vocab(hf_config, tokenizer, "use the model's own tokenizer or set model.config.vocab_size")
     check_seq_len(hf_config, cfg.data.seq_len, cfg.peft.virtual_tokens)
     check_method(cfg.peft, hf_config)
     docmask.check(cfg.data, hf_config)
@@ -109,26 +105,40 @@ def check_run(cfg: RunConfig, world_size: int | None = None, device=None, say=No
     return CheckedRun(cfg, hf_config, tokenizer, accum, world_size, publishes)
 
 
-def check_export(spec: str, out) -> None:
+def check_export(spec: str, out, merge: bool = False) -> None:
     """`export`'s check, before any weight is read: the checkpoint (complete; its meta.json and the
-    run config it saved still load, with train's lines where they do not) and an output folder of
-    its own (new, or empty)."""
+    run config it saved still load, with train's lines where they do not), or with `merge` the
+    adapter folder (`checkpoint.export.merge_source`), and an output folder of its own (new, or empty)."""
+    from pathlib import Path
+
     from shardtune.checkpoint.folders import read_meta, resolve_checkpoint
-    from shardtune.checkpoint.rundir import enclosing_run
     from shardtune.config.load import load_config
 
+    if merge:
+        from shardtune.checkpoint.export import merge_source
+
+        check_export_folder(merge_source(Path(spec))[0], "adapter folder", out)
+        return
     path = resolve_checkpoint(spec)
+    check_export_folder(path, "checkpoint", out)
+    load_config(None, None, defaults=read_meta(path)["config"])
+
+
+def check_export_folder(source, what: str, out) -> None:
+    """An export's output folder: not a file, not inside what it exports (`source`, a `what`) or
+    inside a run's folders that the run replaces, and new or empty."""
+    from shardtune.checkpoint.rundir import enclosing_run
+
     if os.path.lexists(out) and not out.is_dir():
         raise UserError(f"export folder {str(out)!r} is a file; choose a new folder")
-    if out.resolve() == path.resolve() or path.resolve() in out.resolve().parents:
-        raise UserError(f"export folder {str(out)!r} lies inside checkpoint {str(path)!r} (removing that checkpoint "
+    if out.resolve() == source.resolve() or source.resolve() in out.resolve().parents:
+        raise UserError(f"export folder {str(out)!r} lies inside {what} {str(source)!r} (removing that {what} "
                         "would remove the export); choose a folder outside it")
     if (owner := enclosing_run(out)) is not None:
         raise UserError(f"export folder {str(out)!r} lies inside {owner[1]}/ of the run in {str(owner[0])!r}, which "
                         "that run's --overwrite or its saves replace; choose a folder outside it")
     if out.exists() and any(out.iterdir()):
         raise UserError(f"export folder {str(out)!r} is not empty; choose a new folder")
-    load_config(None, None, defaults=read_meta(path)["config"])
 
 
 def check_push(repo: str) -> None:

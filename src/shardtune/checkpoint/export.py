@@ -156,12 +156,10 @@ def save_adapter_folder(state_dict: dict, peft_model, model_cfg, peft_cfg, hf_co
         tokenizer.save_pretrained(out)
 
 
-def merge_adapter_folder(adapter: Path, out: Path, max_shard_size: str = "2GB") -> Path:
-    """`shardtune export ADAPTER OUT --merge`: base + adapter (LoRA, DoRA, IA3) folded into plain
-    weights, in the base's own dtype. The base is the one the adapter config names; if that folder is gone (the
-    run folder was moved or copied to another machine), the copy in ADAPTER/base is used. A method
-    that cannot merge is refused before anything is loaded."""
-    from shardtune.checkpoint.adapter_folder import adapter_parts, fit_adapter, load_base
+def merge_source(adapter: Path) -> tuple[Path, Path]:
+    """(adapter folder, base) that `export ADAPTER OUT --merge` reads: a run folder means its final/;
+    a folder without adapter_config.json, or an adapter that cannot merge, is refused (nothing loaded)."""
+    from shardtune.checkpoint.adapter_folder import adapter_parts
     from shardtune.model.adapters import MERGEABLE_PEFT_TYPES
 
     if not (adapter / "adapter_config.json").is_file() and (adapter / "final" / "adapter_config.json").is_file():
@@ -169,13 +167,24 @@ def merge_adapter_folder(adapter: Path, out: Path, max_shard_size: str = "2GB") 
     if not (adapter / "adapter_config.json").is_file():
         raise UserError(f"{str(adapter)!r} is not a peft adapter folder (no adapter_config.json); "
                         "--merge takes the final/ folder of a peft.method=lora/dora/ia3 run")
-    if out.exists() and any(out.iterdir()):
-        raise UserError(f"export folder {str(out)!r} is not empty; choose a new folder")
     config, base = adapter_parts(adapter)
     kind = str(config.get("peft_type", "?"))
     if kind not in MERGEABLE_PEFT_TYPES:
         raise UserError(f"a {kind} adapter cannot be merged into its base (its learned tokens/gates are no "
                         "weights of the base); only lora, dora and ia3 merge: use the adapter folder as it is")
+    return adapter, base
+
+
+def merge_adapter_folder(adapter: Path, out: Path, max_shard_size: str = "2GB") -> Path:
+    """`shardtune export ADAPTER OUT --merge`: base + adapter (LoRA, DoRA, IA3) folded into plain
+    weights, in the base's own dtype. The base is the one the adapter config names; if that folder is gone (the
+    run folder was moved or copied to another machine), the copy in ADAPTER/base is used. A method
+    that cannot merge is refused before anything is loaded."""
+    from shardtune.checkpoint.adapter_folder import fit_adapter, load_base
+
+    adapter, base = merge_source(adapter)
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"export folder {str(out)!r} is not empty; choose a new folder")
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 

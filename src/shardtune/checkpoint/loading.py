@@ -88,10 +88,12 @@ def _load(spec: str, device: str, weights: bool):
         return model.to(torch.device(device)).eval(), tokenizer, model.config, None
 
     from shardtune.config.schema import ModelConfig
-    from shardtune.model.hf import load_hf_config, load_source_model, load_tokenizer
+    from shardtune.model.hf import check_vocab, load_hf_config, load_source_model, load_tokenizer
 
     mc = ModelConfig(name_or_path=str(where))
     tokenizer, hf_config = load_tokenizer(mc), load_hf_config(mc)
+    check_vocab(hf_config, tokenizer, "a token past those has no embedding: use the model's own tokenizer, or "
+                "resize the model's embeddings and save it again", f"the tokenizer of model {spec!r}")
     if not weights:
         return None, tokenizer, hf_config, None
     model = load_source_model(mc, hf_config, seed=0).to(torch.device(device))

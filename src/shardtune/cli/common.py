@@ -41,8 +41,8 @@ def _is_path(text: str) -> bool:
 
 def add_decoding_args(p, temperature: float) -> None:
     """How `generate` and `eval --generate` decode."""
-    p.add_argument("--max-new-tokens", type=positive_int, default=64,
-                   help="tokens to generate per prompt (default: 64)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=None,
+                   help="tokens to generate per prompt (default: 64, fewer where the model's positions hold less)")
     p.add_argument("--temperature", type=finite_float(0), default=temperature,
                    help=f"0 = greedy (default: {temperature:g})")
     p.add_argument("--top-p", type=finite_float(above=0, most=1), default=0.9,

@@ -15,7 +15,8 @@ def add_parser(sub) -> None:
     p.add_argument("--data-name", type=nonempty_str, help="hub dataset config name")
     p.add_argument("--split", type=nonempty_str, help="split to evaluate (default: validation, else test, else train)")
     p.add_argument("--text-field", type=nonempty_str, default="text", help="column holding the text (default: text)")
-    p.add_argument("--seq-len", type=int_range(2), help="block length (default: the run's data.seq_len, else 512)")
+    p.add_argument("--seq-len", type=int_range(2), help="block length (default: the run's data.seq_len, else 512 or "
+                   "the model's maximum positions if fewer)")
     p.add_argument("--micro-batch-size", type=positive_int, default=8,
                    help="sequences per rank per forward (default: 8)")
     p.add_argument("--max-batches", type=non_negative_int, default=0,
@@ -29,8 +30,9 @@ def add_parser(sub) -> None:
                    "and score them against the references (ROUGE, BLEU, chrF) and for diversity")
     g.add_argument("--format", choices=["text", "instruct", "chat"], help="how the split's rows become prompt and "
                    "reference (default: the run's data.format, else text)")
-    g.add_argument("--prompt-tokens", type=positive_int, default=32, metavar="K",
-                   help="text documents: the first K tokens are the prompt, the next ones the reference (default: 32)")
+    g.add_argument("--prompt-tokens", type=positive_int, default=None, metavar="K",
+                   help="text documents: the first K tokens are the prompt, the next ones the reference (default: 32, "
+                   "fewer where the model's positions hold less)")
     add_decoding_args(g, temperature=0.0)
     g.add_argument("--metrics", type=nonempty_str, default="rouge,bleu,chrf,diversity",
                    help="comma-separated: rouge, bleu, chrf, diversity, mauve (default: all but mauve)")

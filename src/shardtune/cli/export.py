@@ -30,8 +30,7 @@ def run(args) -> int:
 
     if args.push_to_hub:
         check_push(args.push_to_hub)
-    if not args.merge:  # resolve -> check -> build, as every command: nothing is read before the check
-        check_export(args.checkpoint, Path(args.out))
+    check_export(args.checkpoint, Path(args.out), args.merge)  # resolve -> check -> build: nothing read before
     # SIGTERM (a job's time limit, `kill`) ends the export like Ctrl-C: its partial folder is removed
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:

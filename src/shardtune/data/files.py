@@ -54,6 +54,21 @@ def _check_text_file(path: Path, json_lines: bool) -> None:
                 return
 
 
+def _check_csv_header(path: Path) -> None:
+    """A csv header that names a column twice: the reader renames the second (`text.1`), so the
+    run would read the first without a word. Its header record is read as the reader reads it."""
+    import csv
+
+    with open(path, encoding="utf-8", newline="") as f:
+        header = next(csv.reader(f), [])
+    seen: set[str] = set()
+    for name in header:
+        if name in seen and name.strip():  # empty names become `Unnamed: N`, which no key names
+            raise UserError(f"data file {str(path)!r} names column {name!r} twice in its header (the reader would "
+                            "rename the second and read only the first); rename or remove one of them")
+        seen.add(name)
+
+
 def builder_of(path) -> str | None:
     """The `datasets` reader of a data file, by its suffix (any case: TRAIN.JSONL is a jsonl file)."""
     return BUILDERS.get(Path(path).suffix.lower())
@@ -111,6 +126,8 @@ def local_files(path: Path) -> dict[str, list[str]]:
     for p in files:
         if builder_of(p) in ("json", "text", "csv"):
             _check_text_file(p, json_lines=builder_of(p) == "json")
+        if builder_of(p) == "csv":
+            _check_csv_header(p)
     suffixes = {p.suffix for p in files}
     if len({builder_of(p) for p in files}) != 1 or not all(builder_of(p) for p in files):
         raise UserError(f"data.path={str(path)!r} mixes or has unsupported file types ({', '.join(sorted(suffixes))}); "

@@ -9,6 +9,7 @@ perplexity and next-token accuracy. generate runs in one process.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,13 +46,25 @@ def eval_config(req: EvalRequest, run_cfg):
     return dataclasses.replace(run_cfg, data=dataclasses.replace(run_cfg.data, seq_len=req.seq_len))
 
 
-def check_eval(req: EvalRequest, run_cfg, hf_config, tokenizer) -> None:
+def check_eval(req: EvalRequest, run_cfg, hf_config, tokenizer, compare_config=None) -> EvalRequest:
     """`train`'s check of the model's config and tokenizer (`check.run.check_model`) on the run
-    config eval uses, before any process group: the same line as train's. An HF folder has none."""
+    config eval uses, before any process group: the same line as train's (an HF folder has none);
+    then the block length against every model's positions (`lengths.seq_len`, named --seq-len).
+    Returns `req` with its --seq-len."""
     from shardtune.check.run import check_model
+    from shardtune.evaluation import lengths
 
+    if req.data is None and run_cfg is None:
+        raise UserError(f"{req.model!r} is not a shardtune checkpoint, so it has no dataset; pass --data PATH")
+    if run_cfg is not None and req.seq_len is None:
+        check_model(run_cfg, hf_config, tokenizer)
+    models = [(req.model, hf_config), (req.compare, compare_config)]
+    room = lengths.smallest(lengths.room_of(spec, config) for spec, config in models if config is not None)
+    req = dataclasses.replace(req, seq_len=lengths.seq_len(req.seq_len, run_cfg.data.seq_len if run_cfg else None,
+                                                           room))
     if run_cfg is not None:
         check_model(eval_config(req, run_cfg), hf_config, tokenizer)
+    return req
 
 
 def eval_blocks(req: EvalRequest, run_cfg, tokenizer):
@@ -59,10 +72,9 @@ def eval_blocks(req: EvalRequest, run_cfg, tokenizer):
     `run_cfg` (the evaluated checkpoint's) used, tokenized with `tokenizer`."""
     from shardtune.config.schema import DataConfig
     from shardtune.data import pipeline as data_lib
+    from shardtune.evaluation import lengths
 
-    if req.data is None:
-        if run_cfg is None:
-            raise UserError(f"{req.model!r} is not a shardtune checkpoint, so it has no dataset; pass --data PATH")
+    if req.data is None:  # check_eval refused it without a run
         d = eval_config(req, run_cfg).data
         if req.split is None:
             _, val = data_lib.prepare(d, tokenizer, run_cfg.train.seed)
@@ -72,7 +84,7 @@ def eval_blocks(req: EvalRequest, run_cfg, tokenizer):
         cfg = d
     else:
         cfg = DataConfig(path=req.data, name=req.data_name, text_field=req.text_field,
-                         seq_len=req.seq_len or (run_cfg.data.seq_len if run_cfg else 512))
+                         seq_len=req.seq_len or (run_cfg.data.seq_len if run_cfg else lengths.SEQ_LEN))
     splits = data_lib.load_documents(cfg)
     split = req.split or next((s for s in ("validation", "test") if s in splits), "train")
     if split not in splits:
@@ -127,7 +139,8 @@ def run_eval(req: EvalRequest) -> dict:
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     _, tokenizer, hf_config, data_cfg = load_model(req.model, weights=False)  # --compare BASE: the same data
-    check_eval(req, data_cfg, hf_config, tokenizer)
+    compare_config = load_model(req.compare, weights=False)[2] if req.compare else None
+    req = check_eval(req, data_cfg, hf_config, tokenizer, compare_config)
     owns = not tdist.is_initialized()
     dist = init_distributed(req.device)
     try:
@@ -165,7 +178,7 @@ class GenerateRequest:
     model: str  # HF folder or hub id, run folder, or checkpoint folder
     prompts: list[str] = field(default_factory=list)
     prompts_file: str | None = None  # one prompt per line, after `prompts`
-    max_new_tokens: int = 64
+    max_new_tokens: int | None = None  # None: 64, fewer where the model's positions hold less (evaluation.lengths)
     temperature: float = 0.7  # 0: greedy
     top_p: float = 0.9
     seed: int = 0
@@ -209,8 +222,8 @@ def generate(model, tokenizer, prompts: list, max_new_tokens: int = 64, temperat
     if limit is not None:  # a prompt too long for the model keeps its end, where the answer starts
         limit -= virtual_tokens(model)  # prefix/prompt tuning's, before the prompt
         if max_new_tokens >= limit:
-            raise UserError(f"--max-new-tokens {max_new_tokens} is beyond the model's {limit} positions (a prompt "
-                            "needs room too); lower it")
+            raise UserError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the model's {limit} "
+                            f"positions; set --max-new-tokens {limit - 1} or less")
         rows = [r[-(limit - max_new_tokens):] for r in rows]
     if output_offset(model):  # peft drops prompt tuning's position ids: left padding would shift the positions
         batch_size = 1
@@ -233,12 +246,20 @@ def run_generate(req: GenerateRequest) -> list[str]:
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    from shardtune.evaluation import lengths
+
     prompts = read_prompts(req)
+    _, tokenizer, hf_config, _ = load_model(req.model, weights=False)  # checked before the weights load
+    longest = max(len(tokenizer(p, add_special_tokens=False).input_ids) for p in prompts)
+    notes: list[str] = []  # said after the texts: the output is the texts, stderr is for errors
+    new_tokens = lengths.new_tokens(req.max_new_tokens, lengths.smallest([lengths.room_of(req.model, hf_config)]),
+                                    longest, notes.append)
     model, tokenizer, _, _ = load_model(req.model, str(resolve_device(req.device)))
-    texts = generate(model, tokenizer, prompts, req.max_new_tokens, req.temperature, req.top_p, req.seed,
-                     req.batch_size)
+    texts = generate(model, tokenizer, prompts, new_tokens, req.temperature, req.top_p, req.seed, req.batch_size)
     for i, (prompt, text) in enumerate(zip(prompts, texts)):
         if len(prompts) > 1:
             print(f"=== prompt {i + 1} ===")
         print(prompt + text, flush=True)
+    for line in notes:
+        print(f"note: {line}", file=sys.stderr, flush=True)
     return texts

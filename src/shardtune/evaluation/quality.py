@@ -15,7 +15,7 @@ from pathlib import Path
 
 from shardtune.checkpoint.loading import load_model, run_folder
 from shardtune.errors import UserError
-from shardtune.evaluation import textscores
+from shardtune.evaluation import lengths, textscores
 from shardtune.evaluation.evaluate import generate
 from shardtune.fsio import make_dir, refuse_foreign_file, write_text_atomic
 
@@ -33,8 +33,8 @@ class QualityRequest:
     split: str | None = None
     text_field: str = "text"
     format: str | None = None  # text, instruct or chat; None: the run's data.format, else text
-    prompt_tokens: int = 32  # text documents: the prompt's length in tokens
-    max_new_tokens: int = 64
+    prompt_tokens: int | None = None  # text documents: the prompt's length in tokens (None: 32, or what fits)
+    max_new_tokens: int | None = None  # None: 64, or what fits beside the prompt (evaluation.lengths)
     temperature: float = 0.0  # 0: greedy
     top_p: float = 0.9
     seed: int = 0
@@ -58,11 +58,11 @@ def check_request(req: QualityRequest) -> list[str]:
     """Everything about the options that can be refused before a model is loaded; the metrics."""
     if req.generate < 1:
         raise UserError(f"--generate must be at least 1 prompt, got {req.generate}")
-    if req.prompt_tokens < 1:
+    if req.prompt_tokens is not None and req.prompt_tokens < 1:
         raise UserError(f"--prompt-tokens must be at least 1, got {req.prompt_tokens}")
     if req.micro_batch_size < 1:
         raise UserError(f"--micro-batch-size must be at least 1, got {req.micro_batch_size}")
-    if req.temperature < 0 or not 0 < req.top_p <= 1 or req.max_new_tokens < 1:
+    if req.temperature < 0 or not 0 < req.top_p <= 1 or (req.max_new_tokens is not None and req.max_new_tokens < 1):
         raise UserError("need --temperature >= 0, 0 < --top-p <= 1 and --max-new-tokens >= 1")
     metrics = textscores.parse_metrics(req.metrics)
     if "mauve" in metrics and not req.mauve_featurizer:
@@ -156,6 +156,21 @@ def generate_for(spec: str, req: QualityRequest, device: str, prompts: list[Exam
     return texts, time.perf_counter() - start
 
 
+def fit_lengths(req: QualityRequest, cfg, hf_config):
+    """(req with the lengths known before the prompts are read, the models' Room): text documents
+    their --prompt-tokens and --max-new-tokens together; other formats a given --max-new-tokens."""
+    rooms = [lengths.room_of(req.model, hf_config)]
+    if req.compare:
+        rooms.append(lengths.room_of(req.compare, load_model(req.compare, weights=False)[2]))
+    room = lengths.smallest(rooms)
+    if cfg.format == "text":
+        prompt, new = lengths.prompt_and_new_tokens(req.prompt_tokens, req.max_new_tokens, room)
+        return dataclasses.replace(req, prompt_tokens=prompt, max_new_tokens=new), room
+    if req.max_new_tokens is not None:
+        lengths.new_tokens(req.max_new_tokens, room, 0)
+    return req, room
+
+
 def default_out(spec: str) -> Path:
     """generation.json in the run folder (where `shardtune report RUN` finds it), else in the
     working folder."""
@@ -177,9 +192,13 @@ def run_quality(req: QualityRequest) -> dict:
     if "mauve" in metrics:
         os.environ.setdefault("DISABLE_TQDM", "1")  # mauve-text's featurizing bar
     featurizer = textscores.load_featurizer(req.mauve_featurizer) if "mauve" in metrics else None
-    _, tokenizer, _, run_cfg = load_model(req.model, weights=False)
+    _, tokenizer, hf_config, run_cfg = load_model(req.model, weights=False)
     cfg = data_config(req, run_cfg)
+    req, room = fit_lengths(req, cfg, hf_config)
     prompts = examples(req, cfg, documents(req, cfg, run_cfg), tokenizer)
+    if req.max_new_tokens is None:  # instruct/chat prompts: the longest leaves the room for new tokens
+        req = dataclasses.replace(req, max_new_tokens=lengths.new_tokens(None, room, max(
+            len(e.prompt_ids) for e in prompts)))
     device = str(resolve_device(req.device))
     references = [e.reference for e in prompts]
     settings = {k: getattr(req, k) for k in ("generate", "prompt_tokens", "max_new_tokens", "temperature", "top_p",

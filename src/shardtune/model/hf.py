@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from pathlib import Path
 
 import torch
@@ -17,7 +18,17 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 
 from shardtune.config.schema import ModelConfig
 from shardtune.errors import UserError, first_line
-from shardtune.families import HEADS, KV_HEADS, LANGUAGE_FIELDS, config_value, set_layer_count, text_config
+from shardtune.families import (
+    HEADS,
+    HIDDEN,
+    KV_HEADS,
+    LANGUAGE_FIELDS,
+    LAYERS,
+    config_field,
+    config_value,
+    set_layer_count,
+    text_config,
+)
 from shardtune.model.files import (
     TOKENIZER_JSON,
     check_json_files,
@@ -55,6 +66,7 @@ def load_hf_config(cfg: ModelConfig, local_files_only: bool = False):
             raise UserError(f"model.config is refused by transformers ({reason(exc)}); check model.config") from None
         except Exception as exc:  # the config class's own validation (TypeError, strict-dataclass errors)
             raise UserError(f"model.config is refused by transformers ({reason(exc)}); check model.config") from None
+        check_sizes(hf_config, cfg)
         check_buildable(hf_config, cfg.trust_remote_code, "model.config")
         return hf_config
     folder = Path(cfg.name_or_path)
@@ -86,6 +98,7 @@ def load_hf_config(cfg: ModelConfig, local_files_only: bool = False):
         if not isinstance(key, str) or not hasattr(hf_config, key):
             raise UserError(f"model.config.{key} is not a field of {type(hf_config).__name__}; check the name")
         setattr(hf_config, key, value)
+    check_sizes(hf_config, cfg)
     check_buildable(hf_config, cfg.trust_remote_code, f"model {cfg.name_or_path!r}"
                     + (" with model.config" if overrides else ""))
     if folder.is_dir() and not cfg.random_init and (files := weight_files(folder)):
@@ -116,6 +129,32 @@ def _quiet_type_default_ids(overrides: dict):
         logger.removeFilter(keep)
 
 
+# sizes a model needs at least 1 of, and what it has none of with 0
+SIZES = ((("vocab_size",), "vocabulary"), (LAYERS, "decoder blocks"), (HIDDEN, "hidden units"),
+         (HEADS, "attention heads"))
+
+
+def check_sizes(hf_config, cfg: ModelConfig) -> None:
+    """A size below 1 is refused by every command, naming where it is set: `n_layer: 0` builds a
+    model with no decoder block (nothing to fine-tune; it generates from its embeddings alone), a
+    `vocab_size: 0` an empty embedding (torch warns, then the weights do not fit)."""
+    for names, lacks in SIZES:
+        found = config_field(hf_config, *names)
+        if found is None or found[1] >= 1:
+            continue
+        aliases = {**getattr(hf_config, "attribute_map", {}), **getattr(text_config(hf_config), "attribute_map", {})}
+        name, value = aliases.get(found[0], found[0]), found[1]  # as config.json names it: n_layer for GPT-2
+        given = next((k for k, v in cfg.config.items() if aliases.get(k, k) == name and v == value), None)
+        if cfg.name_or_path is None or given is not None:
+            key = given or name
+            raise UserError(f"model.config.{key}={value} leaves the model with no {lacks}; set "
+                            f"model.config.{key} to 1 or more")
+        file = Path(cfg.name_or_path) / "config.json"
+        origin = repr(str(file)) if file.is_file() else f"the config of model {cfg.name_or_path!r}"
+        raise UserError(f"{name}={value} in {origin} leaves the model with no {lacks}; use another model, or "
+                        f"correct {name} in its config.json")
+
+
 def check_buildable(hf_config, trust_remote_code: bool, what: str) -> None:
     """Refuse, before any data or weights are read, a config that has no causal-LM head or that
     transformers cannot build (e.g. a hidden size the attention heads do not divide). The build is
@@ -141,6 +180,10 @@ def check_buildable(hf_config, trust_remote_code: bool, what: str) -> None:
             model = build_meta_model(shallow, trust_remote_code)
         except Exception:
             model = build_meta_model(hf_config, trust_remote_code, what)
+    if (empty := next((n for n, p in model.named_parameters() if p.numel() == 0), None)) is not None:
+        shape = list(model.get_parameter(empty).shape)  # a size of 0 (n_inner, intermediate_size, ...)
+        raise UserError(f"{what} makes weight {empty} empty (shape {shape}): a size in its config is 0; set that "
+                        "size to 1 or more")
     # an encoder with an LM head (BERT, RoBERTa) attends both ways unless told it decodes, as the
     # library says when it builds one: it would learn to copy the next token, not to predict it
     if getattr(model.config, "is_decoder", None) is False and any("is_decoder=True" in line for line in said):
@@ -175,6 +218,14 @@ def match_tokenizer(hf_config, tokenizer, cfg: ModelConfig) -> None:
         obj.bos_token_id = tokenizer.bos_token_id
         obj.eos_token_id = tokenizer.eos_token_id
         obj.pad_token_id = tokenizer.pad_token_id
+
+
+def check_vocab(hf_config, tokenizer, fix: str, whose: str = "the tokenizer") -> None:
+    """A tokenizer with more tokens than the model's embedding rows: a token past them fails deep
+    in torch (an index error) at the first forward that meets it."""
+    vocab = config_value(hf_config, "vocab_size")
+    if vocab is not None and len(tokenizer) > vocab:
+        raise UserError(f"{whose} has {len(tokenizer)} tokens but the model only {vocab}; {fix}")
 
 
 def max_positions(hf_config) -> int | None:
@@ -242,8 +293,9 @@ def build_meta_model(hf_config, trust_remote_code: bool = False, what: str = "th
     """The model's structure with no storage: cheap on every rank."""
     from transformers import AutoModelForCausalLM
 
-    try:
-        with torch.device("meta"):
+    try:  # torch's warning about initializing an empty tensor: no tensor is made on the meta device
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Initializing zero-element tensors", category=UserWarning)
             return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32,
                                                     trust_remote_code=trust_remote_code)
     except Exception as exc:  # its modules' own checks: ValueError, ZeroDivisionError, strict-dataclass errors
