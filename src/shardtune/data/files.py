@@ -1,5 +1,6 @@
 """The files of a local dataset: which are its splits, and that each is a regular, non-empty,
-UTF-8 file that the `datasets` readers can take without crashing. Checked before any is read."""
+UTF-8 file that the `datasets` readers can take without crashing (checked before any is read);
+then their reading, where a reader's refusal is the file's fault."""
 
 from __future__ import annotations
 
@@ -140,3 +141,24 @@ def local_files(path: Path) -> dict[str, list[str]]:
     if "train" not in splits:
         splits = {"train": [f for group in splits.values() for f in group]}
     return splits
+
+
+def read_local(files: dict[str, list[str]], path: str):
+    """Local files (local_files' answer) as a DatasetDict, one split at a time: splits whose
+    columns differ are not a load error (a split that lacks a column the format needs is named
+    when it is tokenized). A reader's refusal is the file's fault, never the network's."""
+    import datasets
+
+    builder = builder_of(next(iter(files.values()))[0])
+    out = {}
+    for split, names in files.items():
+        try:
+            out[split] = datasets.load_dataset(builder, data_files={split: names})[split]
+        except (FileNotFoundError, ValueError) as exc:
+            if "corresponds to no data" in str(exc):  # no row has a field: `{}` lines, a csv header alone
+                raise UserError(f"data file(s) {', '.join(repr(n) for n in names)} hold no records with fields "
+                                "(empty JSON objects, or a csv header without rows); add documents or point "
+                                "data.path elsewhere") from None
+            raise UserError(f"could not read data file(s) {', '.join(repr(n) for n in names)} of {path!r} "
+                            f"({first_line(exc)}); fix the file or point data.path elsewhere") from None
+    return datasets.DatasetDict(out)

@@ -16,7 +16,7 @@ import torch
 
 from shardtune.config.schema import DataConfig
 from shardtune.data import docmask, formats
-from shardtune.data.files import VAL_NAMES, builder_of, local_files
+from shardtune.data.files import VAL_NAMES, builder_of, local_files, read_local
 from shardtune.data.formats import IGNORE_INDEX
 from shardtune.diskspace import no_room
 from shardtune.errors import UserError, first_line
@@ -36,7 +36,7 @@ def load_documents(cfg: DataConfig):
     try:
         if path.exists():
             files = local_files(path)
-            return _read_local(files, cfg.path)
+            return read_local(files, cfg.path)
         if hub_id(cfg.path) is None or builder_of(cfg.path):  # a path not there: nothing to download
             raise UserError(f"data file {cfg.path!r} not found; check data.path")
         return datasets.load_dataset(cfg.path, cfg.name)
@@ -53,27 +53,6 @@ def load_documents(cfg: DataConfig):
                         f"(no network? run `shardtune download {target}` where there is)") from None
     finally:
         datasets.logging.set_verbosity(verbosity)
-
-
-def _read_local(files: dict[str, list[str]], path: str):
-    """Local files (local_files' answer) as a DatasetDict, one split at a time: splits whose
-    columns differ are not a load error (a split that lacks a column the format needs is named
-    when it is tokenized). A reader's refusal is the file's fault, never the network's."""
-    import datasets
-
-    builder = builder_of(next(iter(files.values()))[0])
-    out = {}
-    for split, names in files.items():
-        try:
-            out[split] = datasets.load_dataset(builder, data_files={split: names})[split]
-        except (FileNotFoundError, ValueError) as exc:
-            if "corresponds to no data" in str(exc):  # no row has a field: `{}` lines, a csv header alone
-                raise UserError(f"data file(s) {', '.join(repr(n) for n in names)} hold no records with fields "
-                                "(empty JSON objects, or a csv header without rows); add documents or point "
-                                "data.path elsewhere") from None
-            raise UserError(f"could not read data file(s) {', '.join(repr(n) for n in names)} of {path!r} "
-                            f"({first_line(exc)}); fix the file or point data.path elsewhere") from None
-    return datasets.DatasetDict(out)
 
 
 def validation_split(cfg: DataConfig, splits) -> str | None:
