@@ -235,6 +235,27 @@ def test_chat_errors(chat_tokenizer, tokenizer):
         chat_rows(bad, chat_tokenizer)
 
 
+def sharegpt_row(i: int, turns: int = 2) -> dict:
+    """chat_row(i) as ShareGPT datasets hold it (e.g. anon8231489123/ShareGPT_Vicuna_unfiltered: id, conversations)."""
+    names = {"user": "human", "assistant": "gpt", "system": "system"}
+    return {"id": f"id{i}", "conversations": [{"from": names[m["role"]], "value": m["content"]}
+                                              for m in chat_row(i, turns)["messages"]]}
+
+
+def test_sharegpt_messages_are_the_same_messages(chat_tokenizer):
+    rows = [chat_row(0, turns=2), chat_row(1, turns=1)]
+    shared = chat_rows([sharegpt_row(0, turns=2), sharegpt_row(1, turns=1)], chat_tokenizer,
+                       messages_field="conversations")
+    assert shared["input_ids"] == chat_rows(rows, chat_tokenizer)["input_ids"]
+    assert shared["labels"] == chat_rows(rows, chat_tokenizer)["labels"]
+    broken = sharegpt_row(2)
+    broken["conversations"][2]["value"] = None
+    docs = dataset([sharegpt_row(0), broken])
+    with pytest.raises(UserError, match="no content \\(null\\), the first in row 1"):
+        D.tokenize_split(docs, DataConfig(path="x", format="chat", seq_len=512, messages_field="conversations"),
+                         chat_tokenizer, "sharegpt", warn=lambda line: None)
+
+
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(rows=st.lists(st.lists(st.tuples(st.sampled_from(["user", "assistant"]),
                                         st.one_of(st.none(), st.text("ab ", min_size=1, max_size=5))),

@@ -4,7 +4,7 @@
             columns; list-valued columns are joined into one line. Packed later by data.pack.
 - instruct: an alpaca-style prompt (instruction [+ input]) followed by the response and EOS;
             prompt tokens get no loss unless `data.train_on_inputs`.
-- chat:     a list of {role, content} messages rendered with the tokenizer's chat template;
+- chat:     a list of {role, content} (or ShareGPT {from, value}) messages rendered with the tokenizer's chat template;
             only what the assistant would generate (its turns, with the template's end-of-turn
             marker) gets loss.
 
@@ -99,6 +99,16 @@ def check_cells(docs, cfg: DataConfig, what: str, warn) -> None:
             warn(f"warning: column {column!r} of {what} ({key}) is null or empty in {empty} of {len(docs)} rows")
 
 
+# ShareGPT's messages, {from, value} with its own role names, as most chat datasets not in OpenAI's
+# {role, content} are (and the layout axolotl and LLaMA-Factory read): taken as the same messages
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant"}  # system, user, assistant, tool: the same names
+
+
+def content_key(keys) -> str | None:
+    """The key holding a message's text in messages with these keys: content, ShareGPT's value, or None."""
+    return "content" if "content" in keys else "value" if {"from", "value"} <= set(keys) else None
+
+
 def check_message_contents(cells, what: str, first_row: int = 0) -> None:
     """Chat messages without text: a template renders a null content as the text "None" (or
     nothing) and trains on it without a word, so every message must hold its content. `cells`
@@ -106,10 +116,12 @@ def check_message_contents(cells, what: str, first_row: int = 0) -> None:
     import pyarrow.compute as pc
 
     struct = cells.type.value_type
-    if struct.get_field_index("content") < 0:
-        raise UserError(f"the messages of {what} have no 'content' field (fields: "
-                        f"{', '.join(struct.field(i).name for i in range(struct.num_fields))}); fix the data")
-    content = pc.struct_field(pc.list_flatten(cells), "content")
+    names = [struct.field(i).name for i in range(struct.num_fields)]
+    key = content_key(names)
+    if key is None:
+        raise UserError(f"the messages of {what} have no 'content' field (fields: {', '.join(names)}); give "
+                        "{role, content} messages, or ShareGPT's {from, value}")
+    content = pc.struct_field(pc.list_flatten(cells), key)
     if content.null_count:
         row = first_row + pc.list_parent_indices(cells).filter(pc.is_null(content))[0].as_py()
         raise UserError(f"message(s) in {what} have no content (null), the first in row {row} ({content.null_count} "
@@ -242,12 +254,17 @@ def check_chat_template(cfg: DataConfig, tokenizer) -> None:
 
 
 def _messages(value, index: int, field: str) -> list[dict]:
-    """Messages of one row, checked; keys that arrow filled with None for other rows dropped."""
+    """Messages of one row, checked, as {role, content} (ShareGPT's {from, value} renamed); keys
+    that arrow filled with None for other rows dropped."""
+    if isinstance(value, list) and value and all(isinstance(m, dict) and m.get("role") is None
+                                                 and content_key(m) == "value" for m in value):
+        value = [{"role": SHAREGPT_ROLES.get(m["from"], m["from"]), "content": m["value"]} for m in value]
     ok = isinstance(value, list) and value and all(isinstance(m, dict) and "role" in m and m.get("content")
                                                    is not None for m in value)
     if not ok:
         raise UserError(f"row {index} of data.messages_field={field!r} is not a list of {{role, content}} "
-                        f"messages (got {str(value)[:80]!r}); fix the data or set data.messages_field")
+                        f"(or ShareGPT {{from, value}}) messages (got {str(value)[:80]!r}); fix the data or set "
+                        "data.messages_field")
     return [{k: v for k, v in m.items() if v is not None} for m in value]
 
 
