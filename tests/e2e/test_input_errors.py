@@ -75,10 +75,26 @@ def test_missing_text_field(capfd, recipe, out, tmp_path):
           "no column 'body'", "content")
 
 
-def test_malformed_jsonl(capfd, recipe, out, tmp_path):
+@pytest.mark.parametrize("line, words", [
+    ('{"text": not json', ["line 32 of", "is not JSON", "at character 10"]),
+    ("[1, 2]", ["line 32 of", "holds a JSON list", "not an object"]),
+    ('"just text"', ["line 32 of", "holds a JSON str"]),
+    ("17", ["line 32 of", "holds a JSON int"]),
+])
+def test_malformed_jsonl_names_the_line(capfd, recipe, out, tmp_path, line, words):
+    """arrow's parse error names no line ("Column() changed from object to string in row 0")."""
     bad = tmp_path / "broken.jsonl"
-    bad.write_text('{"text": "fine"}\n{"text": not json\n')
-    fails(capfd, ["train", recipe, f"data.path={bad}", f"output_dir={out}"], "broken.jsonl", "could not read")
+    bad.write_text('{"text": "fine and long enough to be a document of its own"}\n' * 30 + "\n" + line + "\n")
+    fails(capfd, ["train", recipe, f"data.path={bad}", f"output_dir={out}"], "broken.jsonl", *words)
+
+
+@pytest.mark.parametrize("odd", [5, {"a": 1}, [1, "x"], True])
+def test_a_text_column_mixing_kinds_names_a_value(capfd, recipe, out, tmp_path, odd):
+    """`datasets` holds such a column as JSON text ("holds extension<arrow.json>" told nothing)."""
+    rows = [{"text": "a document of plain words " * 8}] * 40 + [{"text": odd}]
+    path = write_jsonl(tmp_path / "mixed.jsonl", rows)
+    fails(capfd, ["train", recipe, f"data.path={path}", f"output_dir={out}"], "mixed.jsonl",
+          "mixes text with other values", f"one row holds {json.dumps(odd, separators=(',', ':'))}")
 
 
 @pytest.mark.parametrize("rows, extra, words", [

@@ -154,6 +154,10 @@ def read_local(files: dict[str, list[str]], path: str):
     for split, names in files.items():
         try:
             out[split] = datasets.load_dataset(builder, data_files={split: names})[split]
+        except datasets.exceptions.DatasetGenerationError:  # arrow's parse error names no line
+            if builder == "json" and (line := first_line_not_an_object(names)) is not None:
+                raise UserError(line) from None
+            raise
         except (FileNotFoundError, ValueError) as exc:
             if "corresponds to no data" in str(exc):  # no row has a field: `{}` lines, a csv header alone
                 raise UserError(f"data file(s) {', '.join(repr(n) for n in names)} hold no records with fields "
@@ -162,3 +166,27 @@ def read_local(files: dict[str, list[str]], path: str):
             raise UserError(f"could not read data file(s) {', '.join(repr(n) for n in names)} of {path!r} "
                             f"({first_line(exc)}); fix the file or point data.path elsewhere") from None
     return datasets.DatasetDict(out)
+
+
+def first_line_not_an_object(names: list[str]) -> str | None:
+    """For a JSON reader's refusal: the first line of these JSON-lines files that is not one JSON
+    object, said as the fix, or None (a .json file that holds one array is read whole)."""
+    import json
+
+    for name in names:
+        with open(name, encoding="utf-8") as f:
+            if Path(name).suffix.lower() == ".json" and f.read(64).lstrip().startswith("["):
+                continue
+            f.seek(0)
+            for number, text in enumerate(f, 1):
+                if not text.strip():
+                    continue
+                try:
+                    value = json.loads(text.rstrip("\r\n"))
+                except json.JSONDecodeError as exc:
+                    return (f"line {number} of {name!r} is not JSON ({exc.msg} at character {exc.colno}); a "
+                            "JSON-lines file holds one object per line: fix that line")
+                if not isinstance(value, dict):
+                    return (f"line {number} of {name!r} holds a JSON {type(value).__name__} ({text.strip()[:40]}), "
+                            "not an object; a JSON-lines file holds one object {...} per line: fix that line")
+    return None

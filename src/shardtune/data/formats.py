@@ -89,6 +89,14 @@ def check_cells(docs, cfg: DataConfig, what: str, warn) -> None:
                 if messages:
                     check_message_contents(cells, f"column {column!r} of {what} ({key})", first)
                 first += len(cells)
+        elif getattr(kind, "extension_name", None) == "arrow.json" and cfg.format != "chat":
+            # `datasets` holds a JSON column whose values mix kinds (text here, 5 or {...} there) as JSON
+            # text; a split whose own values are all text tokenizes (another split may hold the others)
+            if (odd := _first_not_text(docs, column)) is not None:
+                raise UserError(f"column {column!r} of {what} ({key}) mixes text with other values (one row holds "
+                                f"{odd}); make those rows text (or lists of text), or use data.template to "
+                                "format the columns")
+            continue
         else:
             raise UserError(f"column {column!r} of {what} ({key}) holds {kind}, not {wants}; point {key} at the "
                             "right column, or use data.template to format other columns")
@@ -107,6 +115,21 @@ SHAREGPT_ROLES = {"human": "user", "gpt": "assistant"}  # system, user, assistan
 def content_key(keys) -> str | None:
     """The key holding a message's text in messages with these keys: content, ShareGPT's value, or None."""
     return "content" if "content" in keys else "value" if {"from", "value"} <= set(keys) else None
+
+
+def _first_not_text(docs, column: str) -> str | None:
+    """The first value, as JSON, that is not text in a column `datasets` holds as JSON text, or
+    None when all of them are text (strings are the JSON values that start with a quote)."""
+    import pyarrow.compute as pc
+
+    from shardtune.data.scan import ArrowChunks
+
+    for chunk in ArrowChunks(docs, [column]):
+        storage = chunk.column(column).combine_chunks().storage
+        odd = pc.filter(storage, pc.invert(pc.starts_with(storage, '"')))
+        if len(odd):
+            return str(odd[0].as_py())[:60]
+    return None
 
 
 def check_message_contents(cells, what: str, first_row: int = 0) -> None:
