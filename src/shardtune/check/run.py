@@ -8,7 +8,6 @@ and name the config key that caused a refusal."""
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 from shardtune.config.load import check_world
@@ -79,7 +78,7 @@ def job_world_size() -> int:
 def check_run(cfg: RunConfig, world_size: int | None = None, device=None, say=None) -> CheckedRun:
     """`train`'s check of a resolved run (micro-batch a number, checkpointing a mode, output_dir set) on `world_size`
     ranks of `device` (a torch device; default: the one the run asks for on this machine)."""
-    from shardtune.distributed.process_group import resolve_device
+    from shardtune.distributed.process_group import is_main_process, resolve_device
     from shardtune.model.build import check_machine
     from shardtune.model.hf import load_hf_config, load_tokenizer
     from shardtune.publish.hub import check_ready
@@ -91,7 +90,7 @@ def check_run(cfg: RunConfig, world_size: int | None = None, device=None, say=No
     device = resolve_device(cfg.device) if device is None else device
     check_machine(cfg, device)
     accum = check_world(cfg, world_size)
-    main = os.environ.get("RANK", "0") == "0"
+    main = is_main_process()
     publishes = check_ready(cfg.publish, say or (lambda text: print(text, flush=True) if main else None))
     tokenizer = load_tokenizer(cfg.model)
     hf_config = load_hf_config(cfg.model)

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 
 from shardtune.cli.common import TRAIN_EPILOG, config_reference
-from shardtune.errors import EXIT_INTERRUPTED, EXIT_USAGE, UserError
+from shardtune.errors import EXIT_INTERRUPTED, EXIT_USAGE, RankError, UserError
 
 COMMANDS = ("train", "export", "eval", "generate", "report", "slurm", "plan", "sweep", "download")  # --help order
 
@@ -28,11 +27,12 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"error: {self.prog}: {text}; see `{self.prog} --help`\n")
 
 
-def prints_errors() -> bool:
-    """Rank 0 prints the one error line for all ranks; so does a process whose RANK is not a
-    number (the line may be about that very variable)."""
-    rank = os.environ.get("RANK", "0").strip()
-    return rank == "0" or not rank.isdigit()
+def prints_errors(exc: BaseException | None = None) -> bool:
+    """Rank 0 prints the one error line for all ranks; so does a lone process whatever RANK says,
+    and any rank whose own launcher variables are wrong (a RankError)."""
+    from shardtune.distributed.process_group import is_main_process
+
+    return isinstance(exc, RankError) or is_main_process()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return importlib.import_module(f"shardtune.cli.{args.command}").run(args)
     except UserError as exc:
-        if prints_errors():
+        if prints_errors(exc):
             print(f"error: {one_line(str(exc))}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
