@@ -247,3 +247,25 @@ def test_slurm_script_command_starts_shardtune_train(tmp_path):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     line = _one_line_error(proc.stderr)
     assert "train.lrr" in line and "did you mean train.lr?" in line, line
+
+
+class ConnectError(Exception):  # as httpx's: the hub client's network errors are not OSErrors
+    pass
+
+
+@pytest.mark.parametrize("raised", [ConnectError("[Errno -2] Name or service not known"),
+                                    OSError(111, "Connection refused"), ValueError("Repo id must be in the form")])
+def test_download_model_failures_of_any_kind_are_one_line(monkeypatch, capsys, raised):
+    """A machine without network got httpx's ConnectError as a traceback: the catch listed the
+    kinds requests raised (OSErrors), and huggingface_hub's client is httpx now."""
+    import huggingface_hub
+
+    from shardtune.cli.main import main
+
+    def fail(*args, **kwargs):
+        raise raised
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files", fail)
+    assert main(["download", "model:some-org/some-model"]) == 2
+    line = _one_line_error(capsys.readouterr().err)
+    assert "could not download model 'some-org/some-model'" in line and type(raised).__name__ in line, line

@@ -72,7 +72,7 @@ def download(targets: list[tuple[str, str, str | None]], cache_dir: str | None =
 
 def _download_model(repo: str, cache_dir: str | None) -> str:
     from huggingface_hub import HfApi, snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
+    from huggingface_hub.errors import RepositoryNotFoundError
 
     try:
         files = HfApi().list_repo_files(repo)
@@ -81,9 +81,9 @@ def _download_model(repo: str, cache_dir: str | None) -> str:
     except RepositoryNotFoundError:  # also a gated repo without access
         raise UserError(f"model {repo!r} not found on the Hugging Face hub (or it is gated); check the name, "
                         "and for gated models accept the license on the hub and `hf auth login`") from None
-    except (HfHubHTTPError, OSError, ValueError) as exc:
-        raise UserError(f"could not download model {repo!r} ({first_line(exc)}); check the network "
-                        "and the name") from None
+    except Exception as exc:  # the hub's client raises many kinds (its HTTP library's own: not OSErrors)
+        raise UserError(f"could not download model {repo!r} ({type(exc).__name__}: {first_line(exc)}); check the "
+                        "network and the name") from None
 
 
 def _download_dataset(repo: str, config_name: str | None, cache_dir: str | None) -> str:
