@@ -1,0 +1,44 @@
+"""fsio's one line for a filesystem failure: the kinds of failure, and the variable to change where
+the environment chose the folder."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+
+from conftest import run_cli
+from shardtune.fsio import ENV_FOLDERS, fs_failure_line
+
+
+@pytest.mark.parametrize("code", [errno.EEXIST, errno.ENOTDIR, errno.EACCES, errno.EROFS])
+@pytest.mark.parametrize("name", ENV_FOLDERS)
+def test_a_folder_the_environment_chose_names_its_variable(monkeypatch, tmp_path, name, code):
+    for other in ENV_FOLDERS:
+        monkeypatch.delenv(other, raising=False)
+    monkeypatch.setenv(name, str(tmp_path / "cache") + "/")
+    line = fs_failure_line(OSError(code, os.strerror(code), str(tmp_path / "cache" / "sub")), "-")
+    assert line.startswith(f"cannot write '{tmp_path / 'cache' / 'sub'}'") and f"set {name} to a folder" in line, line
+    line = fs_failure_line(OSError(code, os.strerror(code), str(tmp_path / "cache-2" / "sub")), "-")
+    assert "choose another path" in line and name not in line, line  # only a path inside it
+
+
+def test_the_innermost_variable_is_named(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    line = fs_failure_line(FileExistsError(errno.EEXIST, "File exists", str(tmp_path / "datasets")), "-")
+    assert "set HF_DATASETS_CACHE" in line, line
+
+
+@pytest.mark.parametrize("name, under", [("HF_DATASETS_CACHE", ""), ("SHARDTUNE_CACHE", "x"),
+                                         ("XDG_CACHE_HOME", "x")])
+def test_a_cache_variable_naming_a_file_is_one_line(tmp_path, name, under):
+    """HF_DATASETS_CACHE set to a file: datasets' makedirs raised FileExistsError (EEXIST), which
+    the handler did not know, as a traceback; the others named a path but not what set it."""
+    (tmp_path / "a-file").write_text("mine\n")
+    proc = run_cli(["train", "train.max_steps=1", f"output_dir={tmp_path / 'run'}"], timeout=120,
+                   env={name: str(tmp_path / "a-file" / under)})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and f"set {name} to a folder you can write" in proc.stderr.splitlines()[-1]
+    assert (tmp_path / "a-file").read_text() == "mine\n" and not (tmp_path / "run").exists()
