@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from shardtune.cli.common import TRAIN_EPILOG, config_reference
@@ -51,6 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:  # a working directory removed under the shell: relative paths mean nothing, and torch's MKL dies loading
+        os.getcwd()
+    except OSError as exc:
+        print(f"error: the working directory cannot be read ({exc.strerror}: it was removed, or its permissions "
+              "changed); cd to an existing folder and run again", file=sys.stderr)
+        return EXIT_USAGE
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
