@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from shardtune.cli.argtypes import hub_repo, nonempty_str, size
+from shardtune.cli.common import only_with
 
 
 def add_parser(sub) -> None:
@@ -16,7 +17,8 @@ def add_parser(sub) -> None:
     p.add_argument("--max-shard-size", type=size, default="2GB", help="split weights into files of at most this "
                         "size (default: 2GB)")
     p.add_argument("--push-to-hub", metavar="REPO", type=hub_repo, help="then upload the folder to this hub repo")
-    p.add_argument("--private", action="store_true", help="create the hub repo as private")
+    only_with(p, "--push-to-hub", [p.add_argument("--private", action="store_true",
+                                                  help="create the hub repo as private")])
     p.add_argument("--merge", action="store_true", help="CHECKPOINT is the final/ adapter folder of a "
                         "LoRA run: fold the adapter into the base and write a plain model")
 

@@ -83,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     quiet_third_party()
     die_with_launcher()  # a rank of `--nproc N` or torchrun: no training on after its launcher is gone
     try:
+        from shardtune.cli.common import check_only_with
+
+        check_only_with(args)
         return importlib.import_module(f"shardtune.cli.{args.command}").run(args)
     except UserError as exc:
         if prints_errors(exc):
