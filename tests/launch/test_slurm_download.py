@@ -269,3 +269,21 @@ def test_download_model_failures_of_any_kind_are_one_line(monkeypatch, capsys, r
     assert main(["download", "model:some-org/some-model"]) == 2
     line = _one_line_error(capsys.readouterr().err)
     assert "could not download model 'some-org/some-model'" in line and type(raised).__name__ in line, line
+
+
+@pytest.mark.parametrize("job, needle", [
+    (["--nodes", "3", "--gpus-per-node", "1"], "not divisible by micro_batch_size x ranks = 24 x 3"),
+    (["--nodes", "1", "--gpus-per-node", "5", "train.micro_batch_size=auto"], "which 5 ranks do not divide"),
+    (["--nodes", "2", "--gpus-per-node", "2", "fsdp.sharding=hybrid_shard", "fsdp.shard_size=3"],
+     "hybrid_shard needs replicate_size x shard_size = world size 4, got 1 x 3"),
+])
+def test_a_job_its_ranks_cannot_run_is_refused_before_the_queue(capsys, tmp_path, job, needle):
+    """The script was written, and the job failed on the cluster after its wait in the queue: the
+    recipe was checked, but not against the job's number of ranks."""
+    from shardtune.cli.main import main
+
+    script = tmp_path / "job.sbatch"
+    assert main(["slurm", str(ROOT / "recipes" / "gpt2-wikitext2.yaml"), *job, "-o", str(script)]) == 2
+    assert needle in _one_line_error(capsys.readouterr().err) and not script.exists()
+    assert main(["slurm", str(ROOT / "recipes" / "gpt2-wikitext2.yaml"), "--nodes", "2", "--gpus-per-node", "2",
+                 "fsdp.sharding=hybrid_shard", "-o", str(script)]) == 0  # 96 = 24 x 4: fits, 2 x 2 mesh

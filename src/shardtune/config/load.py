@@ -206,5 +206,38 @@ def check_world(cfg: RunConfig, world_size: int) -> int:
     return t.global_batch_size // per_step
 
 
+def auto_micro_batches(global_batch: int, world_size: int) -> list[int]:
+    """The micro-batches that keep the global batch on `world_size` ranks: the divisors of
+    global batch / ranks; a one-line error where the ranks do not divide it."""
+    per_rank, rest = divmod(global_batch, world_size)
+    if rest or not per_rank:
+        raise UserError(f"train.micro_batch_size=auto keeps train.global_batch_size={global_batch}, which "
+                        f"{world_size} ranks do not divide; set the global batch to a multiple of {world_size}")
+    return [m for m in range(1, per_rank + 1) if per_rank % m == 0]
+
+
+def hybrid_mesh(fsdp, world: int, local_world: int) -> tuple[int, int]:
+    """hybrid_shard's (replicate, shard) mesh on `world` ranks of `local_world` per node: the
+    config's sizes, else a shard group per node; a one-line error where they do not make the world."""
+    shard = fsdp.shard_size or (world // fsdp.replicate_size if fsdp.replicate_size else local_world)
+    replicate = fsdp.replicate_size or (world // shard if shard else 0)
+    if shard < 1 or replicate * shard != world:
+        raise UserError(f"hybrid_shard needs replicate_size x shard_size = world size {world}, got "
+                        f"{replicate} x {shard}; set fsdp.shard_size to a divisor of {world}")
+    return replicate, shard
+
+
+def check_job(cfg: RunConfig, world: int, local_world: int) -> None:
+    """What a job of `world` ranks, `local_world` per node, needs of a loaded (unresolved) config:
+    the batch divides over the ranks, and hybrid_shard's mesh makes the world. For a job written
+    here and run elsewhere (`shardtune slurm`): refused now, not after the queue."""
+    if cfg.train.micro_batch_size == "auto":
+        auto_micro_batches(cfg.train.global_batch_size, world)
+    else:
+        check_world(cfg, world)
+    if cfg.fsdp.sharding == "hybrid_shard":
+        hybrid_mesh(cfg.fsdp, world, local_world)
+
+
 def dump_yaml(cfg: RunConfig) -> str:
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

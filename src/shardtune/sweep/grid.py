@@ -145,7 +145,7 @@ def check(sweep: Sweep) -> None:
                 raise UserError(f"it is the same run as --grid {same} (the values mean the same); list each "
                                 "value once")
             if cfg.train.micro_batch_size == "auto":
-                from shardtune.plan.fit import auto_micro_batches
+                from shardtune.config.load import auto_micro_batches
 
                 auto_micro_batches(cfg.train.global_batch_size, sweep.nproc)
             elif sweep.max_batch:
