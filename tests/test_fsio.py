@@ -12,7 +12,7 @@ from conftest import run_cli
 from shardtune.fsio import ENV_FOLDERS, fs_failure_line
 
 
-@pytest.mark.parametrize("code", [errno.EEXIST, errno.ENOTDIR, errno.EACCES, errno.EROFS])
+@pytest.mark.parametrize("code", [errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EACCES, errno.EROFS])
 @pytest.mark.parametrize("name", ENV_FOLDERS)
 def test_a_folder_the_environment_chose_names_its_variable(monkeypatch, tmp_path, name, code):
     for other in ENV_FOLDERS:
@@ -22,6 +22,22 @@ def test_a_folder_the_environment_chose_names_its_variable(monkeypatch, tmp_path
     assert line.startswith(f"cannot write '{tmp_path / 'cache' / 'sub'}'") and f"set {name} to a folder" in line, line
     line = fs_failure_line(OSError(code, os.strerror(code), str(tmp_path / "cache-2" / "sub")), "-")
     assert "choose another path" in line and name not in line, line  # only a path inside it
+
+
+def test_a_folder_written_meanwhile_is_one_line(tmp_path):
+    """Two commands into one folder: the finished partial folder renamed onto what the other wrote
+    meanwhile (ENOTEMPTY) was a traceback; it is named by the folder it was to become."""
+    from shardtune.fsio import atomic_dir
+
+    final = tmp_path / "final"
+    with pytest.raises(OSError) as caught:
+        with atomic_dir(final) as tmp:
+            (tmp / "mine").write_text("1")
+            final.mkdir()
+            (final / "theirs").write_text("2")  # another process's save, during ours
+    line = fs_failure_line(caught.value, "-")
+    assert line.startswith(f"cannot write '{final}'") and "another process wrote there meanwhile" in line, line
+    assert (final / "theirs").read_text() == "2" and [p.name for p in tmp_path.iterdir()] == ["final"]
 
 
 def test_the_innermost_variable_is_named(monkeypatch, tmp_path):

@@ -27,6 +27,7 @@ PARTIAL = ".partial-"  # .NAME.partial-PID: a folder or file being written
 FS_ERRORS = {
     errno.ENOTDIR: "a part of the path is a file, not a folder",
     errno.EEXIST: "a file is in the way of a folder",  # os.makedirs onto a file
+    errno.ENOTEMPTY: "another process wrote there meanwhile",  # a finished folder renamed onto a new one
     errno.EISDIR: "it is a folder, where a file is expected",
     errno.EACCES: "no permission there",
     errno.EPERM: "no permission there",

@@ -107,11 +107,13 @@ def check_export(spec: str, out) -> None:
     run config it saved still load, with train's lines where they do not) and an output folder of
     its own (new, or empty)."""
     from shardtune.checkpoint.folders import read_meta, resolve_checkpoint
+    from shardtune.checkpoint.rundir import refuse_inside_run
     from shardtune.config.load import load_config
 
     path = resolve_checkpoint(spec)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"export folder {str(out)!r} is not empty; choose a new folder")
+    refuse_inside_run(out, "export folder")
     load_config(None, None, defaults=read_meta(path)["config"])
 
 

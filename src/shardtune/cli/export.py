@@ -34,6 +34,10 @@ def run(args) -> int:
         check_push(args.push_to_hub)
     if not args.merge:  # resolve -> check -> build, as every command: nothing is read before the check
         check_export(args.checkpoint, Path(args.out))
+    else:
+        from shardtune.checkpoint.rundir import refuse_inside_run
+
+        refuse_inside_run(Path(args.out), "export folder")
     # SIGTERM (a job's time limit, `kill`) ends the export like Ctrl-C: its partial folder is removed
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
