@@ -114,6 +114,10 @@ def prepare_run_dir(cfg, overwrite: bool, check_only: bool = False, out: Path | 
     step = read_meta(ckpt)["step"] if ckpt is not None else 0
     if ckpt is not None:
         check_compatible(read_meta(ckpt)["config"], cfg.to_dict(), ckpt)
+        if 0 < cfg.train.max_steps < step:  # (equal: a finished run requeued, which ends at once)
+            raise UserError(f"train.max_steps={cfg.train.max_steps} is below the step of the checkpoint it resumes "
+                            f"({step}, {str(ckpt)!r}): nothing would train; raise train.max_steps, or start over "
+                            "in a new output_dir")
     # resume=auto in a folder without a run starts from scratch, so a requeue script works from its first launch.
     claim_output_dir(out, overwrite, check_only,
                      resuming=ckpt is not None or bool(earlier))
