@@ -194,3 +194,24 @@ def test_every_method_specific_peft_key_is_refused_for_every_other_method():
                                                           f"not of peft.method={method}")):
                 load_config(None, ["model.config={model_type: gpt2}", "data.path=x", f"peft.method={method}",
                                    f"peft.{key}={other_value[key]}"])
+
+
+@pytest.mark.parametrize("override, want", [
+    ("model.config.rope_scaling={type: linear, factor: 2.0}", {"type": "linear", "factor": 2.0}),
+    ("model.config.n_layer=[1]", [1]),
+    ("model.config.task_specific_params={x: {max_length: 5}}", {"x": {"max_length": 5}}),
+])
+def test_a_structured_override_inside_a_free_form_mapping_is_its_value(override, want):
+    """`model.config.K={...}` stayed the override's text object inside model.config: the resolved
+    run's deepcopy then died (`Override.__new__() missing 1 required positional argument`)."""
+    import copy
+    import pickle
+
+    from shardtune.config.load import Override
+
+    cfg = load_config(None, ["model.config.model_type=gpt2", "data.path=d.jsonl", override])
+    value = cfg.model.config[override.split("=")[0].split(".")[-1]]
+    assert value == want and type(value) is type(want)
+    assert copy.deepcopy(cfg).model.config == cfg.model.config
+    text = Override("[1]", [1])  # and the override itself survives a copy
+    assert copy.deepcopy(text) == "[1]" and pickle.loads(pickle.dumps(text)).parsed == [1]

@@ -44,6 +44,19 @@ class Override(str):
         obj.parsed = parsed
         return obj
 
+    def __getnewargs__(self):  # copy.deepcopy and pickle make it again from both
+        return str(self), self.parsed
+
+
+def _plain(value: Any) -> Any:
+    """A free-form value (model.config) with the overrides inside it as YAML read them:
+    `model.config.rope_scaling={type: linear, factor: 2}` a mapping, not its text."""
+    if isinstance(value, Override):
+        return _plain(value.parsed)
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return [_plain(v) for v in value] if isinstance(value, list) else value
+
 
 def set_dotted(tree: dict, key: str, value: Any) -> None:
     node = tree
@@ -157,7 +170,7 @@ def _coerce(tp, value: Any, key: str):
     if tp is dict:
         if not isinstance(value, dict):
             raise UserError(f"{key} must be a mapping, got {_short(value)}")
-        return value
+        return _plain(value)
     if tp is bool:
         if not isinstance(value, bool):
             raise UserError(f"{key} must be true or false, got {_short(value)}")
