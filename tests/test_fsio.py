@@ -47,14 +47,20 @@ def test_the_innermost_variable_is_named(monkeypatch, tmp_path):
     assert "set HF_DATASETS_CACHE" in line, line
 
 
-@pytest.mark.parametrize("name, under", [("HF_DATASETS_CACHE", ""), ("SHARDTUNE_CACHE", "x"),
-                                         ("XDG_CACHE_HOME", "x")])
-def test_a_cache_variable_naming_a_file_is_one_line(tmp_path, name, under):
+@pytest.mark.parametrize("name, under, fix", [
+    ("HF_DATASETS_CACHE", "a-file", "HF_DATASETS_CACHE"),
+    ("SHARDTUNE_CACHE", "a-file/x", "SHARDTUNE_CACHE"),
+    ("XDG_CACHE_HOME", "a-file/x", "SHARDTUNE_CACHE"),
+    ("HOME", "a-file", "SHARDTUNE_CACHE"),
+    ("SHARDTUNE_CACHE", "/proc/no-such-folder", "SHARDTUNE_CACHE"),  # mkdir there: ENOENT
+])
+def test_a_cache_folder_the_environment_spoils_is_one_line(tmp_path, name, under, fix):
     """HF_DATASETS_CACHE set to a file: datasets' makedirs raised FileExistsError (EEXIST), which
-    the handler did not know, as a traceback; the others named a path but not what set it."""
+    the handler did not know, as a traceback; a quickstart cache under /proc, FileNotFoundError;
+    the others named a path but not the variable that chose it."""
     (tmp_path / "a-file").write_text("mine\n")
-    proc = run_cli(["train", "train.max_steps=1", f"output_dir={tmp_path / 'run'}"], timeout=120,
-                   env={name: str(tmp_path / "a-file" / under)})
+    env = {"SHARDTUNE_CACHE": "", "XDG_CACHE_HOME": "", name: str(tmp_path / under)}  # "": unset
+    proc = run_cli(["train", "train.max_steps=1", f"output_dir={tmp_path / 'run'}"], timeout=120, env=env)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr and f"set {name} to a folder you can write" in proc.stderr.splitlines()[-1]
+    assert "Traceback" not in proc.stderr and f"set {fix} to a folder you can write" in proc.stderr.splitlines()[-1]
     assert (tmp_path / "a-file").read_text() == "mine\n" and not (tmp_path / "run").exists()
