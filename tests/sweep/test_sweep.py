@@ -195,3 +195,27 @@ def test_without_a_recipe_the_sweep_uses_the_quickstart(tmp_path, capsys):
     captured = capsys.readouterr()
     assert code == 2 and "quickstart defaults" in captured.out, captured
     assert "unknown config key 'fsdp.shardng'; did you mean fsdp.sharding" in captured.err and not out.exists()
+
+
+def test_a_trial_is_a_job_of_its_own_under_srun_or_torchrun(monkeypatch, tmp_path):
+    """A sweep started inside a job (an sbatch step, a torchrun worker) passed RANK, WORLD_SIZE or
+    SLURM_PROCID/SLURM_NTASKS on to each trial, which took itself for one rank of that job and
+    waited for its peers for good."""
+    from shardtune.distributed.process_group import AGENT_VARS
+    from shardtune.sweep import trial
+    from shardtune.sweep.grid import Sweep
+
+    for name in AGENT_VARS:
+        monkeypatch.setenv(name, "3")
+    seen = {}
+
+    class Started(Exception):
+        pass
+
+    def popen(argv, env, **kwargs):
+        seen.update(env)
+        raise Started
+    monkeypatch.setattr(trial.subprocess, "Popen", popen)
+    with pytest.raises(Started):
+        trial.run_trial(Sweep(None, ["data.path=x"], [("train.lr", ["1e-3"])], out=tmp_path), {}, "t", None)
+    assert seen and not set(AGENT_VARS) & set(seen)

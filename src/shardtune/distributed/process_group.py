@@ -58,7 +58,16 @@ def env_int(name: str, default: int, least: int = 0, most: int | None = None) ->
     return value
 
 
-RENDEZVOUS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # what torch's env:// reads
+# What torchrun's agent and srun set for a rank: a process that starts its own job (a sweep's
+# trial) must not inherit them, or it takes itself for a rank of the job above and waits for peers.
+AGENT_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
+              "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS",
+              "SLURM_NTASKS_PER_NODE", LAUNCHER_ENV)
+
+
+def own_job_env(env: dict) -> dict:
+    """`env` for a process that starts a job of its own: without the launcher variables above."""
+    return {k: v for k, v in env.items() if k not in AGENT_VARS}
 
 
 def check_agent_env() -> None:
