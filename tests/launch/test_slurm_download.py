@@ -287,3 +287,22 @@ def test_a_job_its_ranks_cannot_run_is_refused_before_the_queue(capsys, tmp_path
     assert needle in _one_line_error(capsys.readouterr().err) and not script.exists()
     assert main(["slurm", str(ROOT / "recipes" / "gpt2-wikitext2.yaml"), "--nodes", "2", "--gpus-per-node", "2",
                  "fsdp.sharding=hybrid_shard", "-o", str(script)]) == 0  # 96 = 24 x 4: fits, 2 x 2 mesh
+
+
+@pytest.mark.parametrize("limit, seconds", [("5", 300), ("10:00", 600), ("0:10:00", 600), ("2-0", 172800),
+                                            ("1-02:03", 93780), ("1-02:03:04", 93784), ("24:00:00", 86400)])
+def test_a_signal_lead_not_below_the_time_limit_is_refused(capsys, tmp_path, limit, seconds):
+    """--signal-lead 3600 with --time 5 wrote a job Slurm signals as it starts: it checkpointed,
+    stopped and requeued, for ever."""
+    from shardtune.cli.main import main
+    from shardtune.launch.slurm import time_limit_s
+
+    assert time_limit_s(limit) == seconds
+    if seconds > 86400:  # above --signal-lead's own bound
+        return
+    argv = ["slurm", str(ROOT / "recipes" / "gpt2-wikitext2.yaml"), "--nodes", "1", "--gpus-per-node", "4",
+            "--time", limit, "-o", str(tmp_path / "job.sbatch")]
+    assert main([*argv, "--signal-lead", str(seconds)]) == 2
+    assert f"is not below --time {limit} ({seconds} s)" in _one_line_error(capsys.readouterr().err)
+    assert not (tmp_path / "job.sbatch").exists()
+    assert main([*argv, "--signal-lead", str(seconds - 1)]) == 0
