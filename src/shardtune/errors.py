@@ -19,6 +19,11 @@ class UserError(Exception):
     """
 
 
+class RankError(UserError):
+    """Bad input of this process alone (its launcher's variables): every rank that has it says
+    it, not rank 0 only (which may not have it, or may be waiting for this rank)."""
+
+
 def first_line(exc: BaseException, limit: int = 200, last: bool = False) -> str:
     """One line of an exception's text for a UserError message: the first line (or the `last`,
     for errors that carry a retold traceback), at most `limit` characters; the type's name when

@@ -26,6 +26,8 @@ PARTIAL = ".partial-"  # .NAME.partial-PID: a folder or file being written
 # errno -> what the user can do about it (the path is always named)
 FS_ERRORS = {
     errno.ENOTDIR: "a part of the path is a file, not a folder",
+    errno.EEXIST: "a file is in the way of a folder",  # os.makedirs onto a file
+    errno.ENOTEMPTY: "another process wrote there meanwhile",  # a finished folder renamed onto a new one
     errno.EISDIR: "it is a folder, where a file is expected",
     errno.EACCES: "no permission there",
     errno.EPERM: "no permission there",
@@ -33,6 +35,11 @@ FS_ERRORS = {
     errno.ENAMETOOLONG: "the name is too long",
     errno.ELOOP: "the path has a loop of symlinks",
 }
+# Folders that the environment chooses, where a failing path is more often the variable's fault
+# than the command line's: the line names the variable to change.
+ENV_FOLDERS = ("SHARDTUNE_CACHE", "SHARDTUNE_PLAN_CACHE", "XDG_CACHE_HOME", "HF_HOME", "HF_HUB_CACHE",
+               "HF_DATASETS_CACHE", "HF_XET_CACHE", "TRANSFORMERS_CACHE", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR",
+               "WANDB_DIR")
 
 
 def partial_name(final: Path) -> Path:
@@ -156,6 +163,17 @@ def fs_failure_line(exc: BaseException, fallback: str) -> str | None:
                 "disk, and run again")
     for e in causes(exc):
         if isinstance(e, OSError) and e.errno in FS_ERRORS and e.filename:
-            return (f"cannot write {published(str(e.filename))!r}: {e.strerror} ({FS_ERRORS[e.errno]}); "
-                    "choose another path, or fix the folder's permissions or mount")
+            path = published(str(e.filename))
+            name = env_folder(path)
+            fix = f"set {name} to a folder you can write" if name else "choose another path"
+            return f"cannot write {path!r}: {e.strerror} ({FS_ERRORS[e.errno]}); {fix}, or fix the folder's " \
+                   "permissions or mount"
     return None
+
+
+def env_folder(path: str) -> str | None:
+    """The variable of ENV_FOLDERS whose folder holds `path` (the innermost), if any."""
+    held = [(len(value), name) for name in ENV_FOLDERS
+            if (value := os.path.normpath(os.environ.get(name) or "/")) != "/"
+            and (path == value or path.startswith(value + os.sep))]
+    return max(held)[1] if held else None

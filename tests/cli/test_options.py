@@ -39,3 +39,47 @@ def test_a_value_of_the_wrong_type_is_refused_while_parsing(capsys, argv, needle
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and needle in err[0], err
+
+
+def only_with_rules():
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for command, p in sub.choices.items():
+        for rule in p.get_default("only_with") or ():
+            yield command, p, rule
+
+
+def test_every_option_that_another_decides_is_refused_where_it_would_be_ignored():
+    """Each option an `only_with` rule names, given on its own (the flag absent, or present for a
+    `given=False` rule), is one line naming it: `eval --out` without `--generate` wrote no file."""
+    from shardtune.cli.common import check_only_with
+    from shardtune.errors import UserError
+
+    checked = set()
+    for command, p, (needed, flag, options, wanted) in only_with_rules():
+        for option, dest, _ in options:
+            args = argparse.Namespace(**{a.dest: a.default for a in p._actions}, only_with=[(needed, flag, options,
+                                                                                             wanted)])
+            setattr(args, needed, None if wanted else "1")
+            setattr(args, dest, object())  # given: not its default
+            with pytest.raises(UserError, match=f"^{option} (applies only with|does nothing with) {flag.split()[0]}"):
+                check_only_with(args)
+            setattr(args, needed, "1" if wanted else None)
+            check_only_with(args)  # where it means something: no error
+            checked.add(f"{command} {option}")
+    assert {"eval --out", "eval --temperature", "eval --max-batches", "sweep --trials", "sweep --storage",
+            "export --private"} <= checked
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["eval", "model", "--out", "scores.json"], "--out applies only with --generate; add --generate N"),
+    (["eval", "model", "--generate", "2", "--seq-len", "64"], "--seq-len does nothing with --generate"),
+    (["sweep", "--grid", "train.lr=1e-3,2e-3", "--trials", "3"], "--trials applies only with --search"),
+    (["export", "ck", "out", "--private"], "--private applies only with --push-to-hub; add --push-to-hub REPO"),
+])
+def test_an_ignored_option_is_one_line_before_any_work(capsys, tmp_path, monkeypatch, argv, needle):
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err
+    assert list(tmp_path.iterdir()) == []

@@ -223,3 +223,24 @@ def test_every_key_that_names_a_file_or_folder_expands_the_home_folder(tmp_path,
         assert value == f"{tmp_path}/x/{key}", key
     assert from_yaml.output_dir == f"{tmp_path}/runs/a"
     assert from_yaml.data.path == "~user-that-is-not/x"  # no such user: left as written, as a shell does
+
+
+@pytest.mark.parametrize("override, want", [
+    ("model.config.rope_scaling={type: linear, factor: 2.0}", {"type": "linear", "factor": 2.0}),
+    ("model.config.n_layer=[1]", [1]),
+    ("model.config.task_specific_params={x: {max_length: 5}}", {"x": {"max_length": 5}}),
+])
+def test_a_structured_override_inside_a_free_form_mapping_is_its_value(override, want):
+    """`model.config.K={...}` stayed the override's text object inside model.config: the resolved
+    run's deepcopy then died (`Override.__new__() missing 1 required positional argument`)."""
+    import copy
+    import pickle
+
+    from shardtune.config.load import Override
+
+    cfg = load_config(None, ["model.config.model_type=gpt2", "data.path=d.jsonl", override])
+    value = cfg.model.config[override.split("=")[0].split(".")[-1]]
+    assert value == want and type(value) is type(want)
+    assert copy.deepcopy(cfg).model.config == cfg.model.config
+    text = Override("[1]", [1])  # and the override itself survives a copy
+    assert copy.deepcopy(text) == "[1]" and pickle.loads(pickle.dumps(text)).parsed == [1]

@@ -125,6 +125,15 @@ def test_export_round_trip(trained, tmp_path, capsys, monkeypatch):
     assert (hub / "config.json").is_file()  # the export itself is kept
 
 
+@pytest.mark.parametrize("limit", ["100KiB", "0.1MiB", "102400B"])
+def test_export_takes_every_size_the_option_accepts(trained, tmp_path, capsys, limit):
+    """`--max-shard-size 16GiB` (the option's own grammar) reached huggingface_hub as text, whose
+    grammar has no GiB, MiB or B: a ValueError traceback. The library now gets bytes."""
+    code, err = cli(["export", str(trained), str(tmp_path / "hf"), "--max-shard-size", limit], capsys)
+    assert code == 0, err
+    assert len(list((tmp_path / "hf").glob("*.safetensors"))) > 1  # split above 100 KiB
+
+
 # ----------------------------------------------------------------------------- eval
 
 

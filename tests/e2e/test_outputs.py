@@ -369,7 +369,7 @@ def test_permission_denied_in_any_command_is_one_line(capfd, monkeypatch, earlie
     assert not (tmp_path / "locked").exists()
 
 
-def test_an_output_dir_inside_another_runs_own_folders_is_refused(earlier_run, tmp_path):
+def test_an_output_dir_inside_another_runs_own_folders_is_refused(capfd, earlier_run, tmp_path):
     """Inside a run's checkpoints/ or final/, a new run would be deleted by that run's --overwrite
     or replaced by its saves: refused in one line, nothing created. A user's own folder that is
     only named final/ (no run beside it) is fine."""
@@ -377,10 +377,14 @@ def test_an_output_dir_inside_another_runs_own_folders_is_refused(earlier_run, t
     shutil.copytree(earlier_run, run)
     before = tree(run)
     for inner in ("checkpoints", "final"):
-        target = run / inner / "new" / "deeper"
-        with pytest.raises(UserError, match=rf"inside {inner}/ of the run in '{run}'"):
-            claim_output_dir(target, overwrite=True)
+        for target in (run / inner / "new" / "deeper", run / inner):  # the folder itself too
+            with pytest.raises(UserError, match=rf"inside {inner}/ of the run in '{run}'"):
+                claim_output_dir(target, overwrite=True)
     assert tree(run) == before
+    shutil.rmtree(run / "final")  # a live run that has not saved it yet: an export there raced its save
+    for argv in (["export", str(earlier_run), str(run / "final")], ["export", str(run), str(run / "final"), "--merge"]):
+        fails(capfd, argv, "export folder", "is or lies inside final/ of the run")
+    assert not (run / "final").exists()
     mine = tmp_path / "projects" / "final" / "new"
     (tmp_path / "projects" / "config.yaml").parent.mkdir(parents=True)
     (tmp_path / "projects" / "config.yaml").write_text("mine: 1\n")  # no metrics.jsonl: not a run

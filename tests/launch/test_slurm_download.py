@@ -264,3 +264,62 @@ def test_a_failing_hub_client_is_one_line_whatever_it_raises(tmp_path, args, nam
                    cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert names in _one_line_error(proc.stderr)
+
+
+class ConnectError(Exception):  # as httpx's: the hub client's network errors are not OSErrors
+    pass
+
+
+@pytest.mark.parametrize("raised", [ConnectError("[Errno -2] Name or service not known"),
+                                    OSError(111, "Connection refused"), ValueError("Repo id must be in the form")])
+def test_download_model_failures_of_any_kind_are_one_line(monkeypatch, capsys, raised):
+    """A machine without network got httpx's ConnectError as a traceback: the catch listed the
+    kinds requests raised (OSErrors), and huggingface_hub's client is httpx now."""
+    import huggingface_hub
+
+    from shardtune.cli.main import main
+
+    def fail(*args, **kwargs):
+        raise raised
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files", fail)
+    assert main(["download", "model:some-org/some-model"]) == 2
+    line = _one_line_error(capsys.readouterr().err)
+    assert "could not download model 'some-org/some-model'" in line and type(raised).__name__ in line, line
+
+
+@pytest.mark.parametrize("job, needle", [
+    (["--nodes", "3", "--gpus-per-node", "1"], "not divisible by micro_batch_size x ranks = 24 x 3"),
+    (["--nodes", "1", "--gpus-per-node", "5", "train.micro_batch_size=auto"], "which 5 ranks do not divide"),
+    (["--nodes", "2", "--gpus-per-node", "2", "fsdp.sharding=hybrid_shard", "fsdp.shard_size=3"],
+     "hybrid_shard needs replicate_size x shard_size = world size 4, got 1 x 3"),
+])
+def test_a_job_its_ranks_cannot_run_is_refused_before_the_queue(capsys, tmp_path, job, needle):
+    """The script was written, and the job failed on the cluster after its wait in the queue: the
+    recipe was checked, but not against the job's number of ranks."""
+    from shardtune.cli.main import main
+
+    script = tmp_path / "job.sbatch"
+    assert main(["slurm", str(ROOT / "recipes" / "gpt2-wikitext2.yaml"), *job, "-o", str(script)]) == 2
+    assert needle in _one_line_error(capsys.readouterr().err) and not script.exists()
+    assert main(["slurm", str(ROOT / "recipes" / "gpt2-wikitext2.yaml"), "--nodes", "2", "--gpus-per-node", "2",
+                 "fsdp.sharding=hybrid_shard", "-o", str(script)]) == 0  # 96 = 24 x 4: fits, 2 x 2 mesh
+
+
+@pytest.mark.parametrize("limit, seconds", [("5", 300), ("10:00", 600), ("0:10:00", 600), ("2-0", 172800),
+                                            ("1-02:03", 93780), ("1-02:03:04", 93784), ("24:00:00", 86400)])
+def test_a_signal_lead_not_below_the_time_limit_is_refused(capsys, tmp_path, limit, seconds):
+    """--signal-lead 3600 with --time 5 wrote a job Slurm signals as it starts: it checkpointed,
+    stopped and requeued, for ever."""
+    from shardtune.cli.main import main
+    from shardtune.launch.slurm import time_limit_s
+
+    assert time_limit_s(limit) == seconds
+    if seconds > 86400:  # above --signal-lead's own bound
+        return
+    argv = ["slurm", str(ROOT / "recipes" / "gpt2-wikitext2.yaml"), "--nodes", "1", "--gpus-per-node", "4",
+            "--time", limit, "-o", str(tmp_path / "job.sbatch")]
+    assert main([*argv, "--signal-lead", str(seconds)]) == 2
+    assert f"is not below --time {limit} ({seconds} s)" in _one_line_error(capsys.readouterr().err)
+    assert not (tmp_path / "job.sbatch").exists()
+    assert main([*argv, "--signal-lead", str(seconds - 1)]) == 0

@@ -134,6 +134,9 @@ def test_a_pruned_trial_process_is_stopped(tmp_path):
     (["--search", "train.lr=uniform:0.1:0.2", "--study-name", ""], "--study-name: must not be empty"),
     (["--search", "train.lr=uniform:0.1:0.2", "--storage", "nosuchdb://x"], "cannot open --storage"),
     (["--search", "train.lr=uniform:0.1:0.2", "--grid", "train.seed=1,2"], "two kinds of sweep"),
+    # a key the sweep sets for each trial: every point the same run
+    (["--search", "train.max_steps=int:1:3"], "train.max_steps is set by the sweep for each trial (choose it with"),
+    (["--search", "eval.at_start=choice:true,false"], "eval.at_start is set by the sweep for each trial; sweep other"),
 ])
 def test_bad_search_input_is_one_line_before_any_trial(assets, tmp_path, monkeypatch, capsys, extra, needle):
     calls = []

@@ -170,6 +170,10 @@ def test_the_search_probes_few_micro_batches():
     (["--grid", "train.micro_batch_size=2,3"], "train.micro_batch_size=3"),
     (["--grid", "precision=bf16", "--nproc", "3"], "not divisible by micro_batch_size x ranks = 2 x 3"),
     (["--grid", "output_dir=a,b"], "set by the sweep"),
+    # a key the sweep sets for each trial, or values that mean the same: every point the same run
+    (["--grid", "train.max_steps=1,2"], "train.max_steps is set by the sweep for each trial (choose it with --steps)"),
+    (["--grid", "log.every_steps=5,10"], "log.every_steps is set by the sweep for each trial; sweep other keys"),
+    (["--grid", "train.lr=1e-3,0.001"], "train.lr=0.001: it is the same run as --grid train.lr=1e-3"),
     (["--max-batch", "--grid", "train.micro_batch_size=1,2"], "drop it from --grid"),
     (["--grid", "precision=bf16", "--mem-limit", "lots"], "is not a memory size"),
     (["precision=bf16", "--grid", "float8=none,rowwise"], "--grid float8=rowwise: float8=rowwise needs an NVIDIA GPU"),
@@ -191,3 +195,27 @@ def test_without_a_recipe_the_sweep_uses_the_quickstart(tmp_path, capsys):
     captured = capsys.readouterr()
     assert code == 2 and "quickstart defaults" in captured.out, captured
     assert "unknown config key 'fsdp.shardng'; did you mean fsdp.sharding" in captured.err and not out.exists()
+
+
+def test_a_trial_is_a_job_of_its_own_under_srun_or_torchrun(monkeypatch, tmp_path):
+    """A sweep started inside a job (an sbatch step, a torchrun worker) passed RANK, WORLD_SIZE or
+    SLURM_PROCID/SLURM_NTASKS on to each trial, which took itself for one rank of that job and
+    waited for its peers for good."""
+    from shardtune.distributed.process_group import AGENT_VARS
+    from shardtune.sweep import trial
+    from shardtune.sweep.grid import Sweep
+
+    for name in AGENT_VARS:
+        monkeypatch.setenv(name, "3")
+    seen = {}
+
+    class Started(Exception):
+        pass
+
+    def popen(argv, env, **kwargs):
+        seen.update(env)
+        raise Started
+    monkeypatch.setattr(trial.subprocess, "Popen", popen)
+    with pytest.raises(Started):
+        trial.run_trial(Sweep(None, ["data.path=x"], [("train.lr", ["1e-3"])], out=tmp_path), {}, "t", None)
+    assert seen and not set(AGENT_VARS) & set(seen)

@@ -191,6 +191,20 @@ def _fake_run(folder, scale):
     return folder
 
 
+@pytest.mark.parametrize("again", ["{run}", "{run}/", "{run}/../run"])
+def test_report_of_one_run_given_twice_is_one_line(tmp_path, capsys, again):
+    """The same run twice was drawn as two runs (`run` and `run'`), as if they were two."""
+    from shardtune.cli.main import main
+
+    run = _fake_run(tmp_path / "run", 1.0)
+    assert main(["report", str(run), again.format(run=run), "--out", str(tmp_path / "rep")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is given twice" in err[0] and not (tmp_path / "rep").exists()
+    (tmp_path / "x").mkdir()
+    other = _fake_run(tmp_path / "x" / "run", 0.5)  # the same name, another run: both drawn
+    assert main(["report", str(run), str(other), "--out", str(tmp_path / "rep")]) == 0
+
+
 def test_report_overlays_runs_and_summarizes(tmp_path):
     runs = [_fake_run(tmp_path / "a", 1.0), _fake_run(tmp_path / "b", 0.5)]
     report = write_report(runs, tmp_path / "report")

@@ -78,7 +78,7 @@ def job_world_size() -> int:
 def check_run(cfg: RunConfig, world_size: int | None = None, device=None, say=None) -> CheckedRun:
     """`train`'s check of a resolved run (micro-batch a number, checkpointing a mode, output_dir set) on `world_size`
     ranks of `device` (a torch device; default: the one the run asks for on this machine)."""
-    from shardtune.distributed.process_group import resolve_device
+    from shardtune.distributed.process_group import is_main_process, resolve_device
     from shardtune.model.build import check_machine
     from shardtune.model.hf import load_hf_config, load_tokenizer
     from shardtune.publish.hub import check_ready
@@ -91,7 +91,7 @@ def check_run(cfg: RunConfig, world_size: int | None = None, device=None, say=No
     device = resolve_device(cfg.device) if device is None else device
     check_machine(cfg, device)
     accum = check_world(cfg, world_size)
-    main = os.environ.get("RANK", "0") == "0"
+    main = is_main_process()
     publishes = check_ready(cfg.publish, say or (lambda text: print(text, flush=True) if main else None))
     if main:  # only rank 0 logs to the trackers
         check_trackers(cfg.log.trackers)
@@ -127,16 +127,14 @@ def check_export(spec: str, out, merge: bool = False) -> None:
 def check_export_folder(source, what: str, out) -> None:
     """An export's output folder: not a file, not inside what it exports (`source`, a `what`) or
     inside a run's folders that the run replaces, and new or empty."""
-    from shardtune.checkpoint.rundir import enclosing_run
+    from shardtune.checkpoint.rundir import refuse_inside_run
 
     if os.path.lexists(out) and not out.is_dir():
         raise UserError(f"export folder {str(out)!r} is a file; choose a new folder")
     if out.resolve() == source.resolve() or source.resolve() in out.resolve().parents:
         raise UserError(f"export folder {str(out)!r} lies inside {what} {str(source)!r} (removing that {what} "
                         "would remove the export); choose a folder outside it")
-    if (owner := enclosing_run(out)) is not None:
-        raise UserError(f"export folder {str(out)!r} lies inside {owner[1]}/ of the run in {str(owner[0])!r}, which "
-                        "that run's --overwrite or its saves replace; choose a folder outside it")
+    refuse_inside_run(out, "export folder")
     if out.exists() and any(out.iterdir()):
         raise UserError(f"export folder {str(out)!r} is not empty; choose a new folder")
 

@@ -17,7 +17,7 @@ def gather_full_state_dict(model) -> dict:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def save_hf_folder(state_dict: dict, hf_config, tokenizer, out: Path, max_shard_size: str = "2GB") -> None:
+def save_hf_folder(state_dict: dict, hf_config, tokenizer, out: Path, max_shard_size: int | str = "2GB") -> None:
     """Write config, safetensors weights (sharded above max_shard_size), generation config and
     tokenizer, loadable by `AutoModelForCausalLM.from_pretrained(out)` unchanged."""
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -40,7 +40,7 @@ def save_hf_folder(state_dict: dict, hf_config, tokenizer, out: Path, max_shard_
         tokenizer.save_pretrained(out)
 
 
-def export_checkpoint(spec: str, out: Path, max_shard_size: str = "2GB") -> Path:
+def export_checkpoint(spec: str, out: Path, max_shard_size: int | str = "2GB") -> Path:
     """`shardtune export`: a sharded checkpoint (or a run folder's newest) -> plain HF folder.
     One process, one copy of the weights; no process group and no optimizer state."""
     from shardtune.checkpoint.folders import resolve_checkpoint
@@ -53,7 +53,7 @@ def export_checkpoint(spec: str, out: Path, max_shard_size: str = "2GB") -> Path
     return out
 
 
-def write_export(path: Path, out: Path, max_shard_size: str = "2GB", replace: bool = False) -> dict:
+def write_export(path: Path, out: Path, max_shard_size: int | str = "2GB", replace: bool = False) -> dict:
     """The export of the checkpoint folder `path` into `out` (a peft run's: its adapter), quietly;
     returns the checkpoint's meta.json. Also what a run's Hub publisher uploads."""
     from transformers.utils import logging as hf_logging
@@ -84,7 +84,7 @@ def write_export(path: Path, out: Path, max_shard_size: str = "2GB", replace: bo
     return meta
 
 
-def export_streamed(path: Path, hf_config, tokenizer, out: Path, max_shard_size: str = "2GB") -> bool:
+def export_streamed(path: Path, hf_config, tokenizer, out: Path, max_shard_size: int | str = "2GB") -> bool:
     """A full-model checkpoint -> the folder save_pretrained writes, holding one output file's
     tensors at a time (read from the DCP files by key, written tensor by tensor), never the whole
     model. False (nothing written) where the model's keys are renamed on save; the caller loads
@@ -175,7 +175,7 @@ def merge_source(adapter: Path) -> tuple[Path, Path]:
     return adapter, base
 
 
-def merge_adapter_folder(adapter: Path, out: Path, max_shard_size: str = "2GB") -> Path:
+def merge_adapter_folder(adapter: Path, out: Path, max_shard_size: int | str = "2GB") -> Path:
     """`shardtune export ADAPTER OUT --merge`: base + adapter (LoRA, DoRA, IA3) folded into plain
     weights, in the base's own dtype. The base is the one the adapter config names; if that folder is gone (the
     run folder was moved or copied to another machine), the copy in ADAPTER/base is used. A method

@@ -56,7 +56,7 @@ def shared_atomic_dir(final: Path):
         ctx.__exit__(None, None, None)
 
 
-def save_final_sharded(model, hf_config, tokenizer, folder: Path, max_shard_size: str = "2GB") -> str:
+def save_final_sharded(model, hf_config, tokenizer, folder: Path, max_shard_size: int | str = "2GB") -> str:
     """Collective: `folder` written by every rank (atomically); a model whose keys transformers
     renames on save is gathered to rank 0 instead. Returns which path wrote it."""
     with shared_atomic_dir(folder) as tmp:

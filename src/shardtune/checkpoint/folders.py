@@ -147,9 +147,10 @@ def read_meta(path: Path) -> dict:
 
 
 def resolve_checkpoint(spec: str | Path) -> Path:
-    """A checkpoint folder, or the newest complete checkpoint of a run folder."""
+    """A checkpoint folder, or the newest complete checkpoint of a run folder (or of its
+    checkpoints/, or what its checkpoints/latest names)."""
     path = Path(spec).expanduser()
-    if path.name == "latest" and path.is_file():  # the pointer file: the checkpoint it names
+    if path.name == "latest" and path.is_file():  # the pointer file: the checkpoints folder it sits in
         path = path.parent
     root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     if root.is_dir() and not (path / "meta.json").exists() and (root != path or path.name == "checkpoints"):

@@ -69,7 +69,7 @@ def require_hf_writable(model, hf_config) -> None:
                         "`shardtune export` on a checkpoint")
 
 
-def save_hf_sharded(model, hf_config, tokenizer, out: Path, max_shard_size: str = "2GB") -> bool:
+def save_hf_sharded(model, hf_config, tokenizer, out: Path, max_shard_size: int | str = "2GB") -> bool:
     """Collective: every rank writes its part of `model` (FSDP2-sharded) into `out` (the same
     path on every rank, an existing empty folder). Returns False, having written nothing, when
     the model's keys or placements cannot be written this way (the caller gathers instead)."""

@@ -41,14 +41,23 @@ def holds_run(out: Path) -> bool:
 
 
 def enclosing_run(out: Path) -> tuple[Path, str] | None:
-    """(a run's folder, which of its RUN_DIRS) when `out` lies inside a folder of another run that
-    the run itself replaces (--overwrite, checkpoint rotation, its final save); a run is a folder
-    with all of RUN_MARKS, so a user's own folder named final/ is not one."""
+    """(a run's folder, which of its RUN_DIRS) when `out` is, or lies inside, a folder of another
+    run that the run itself replaces (--overwrite, checkpoint rotation, its final save); a run is a
+    folder with all of RUN_MARKS, so a user's own folder named final/ is not one."""
     path = out.resolve()
-    for inner in path.parents:
+    for inner in (path, *path.parents):
         if inner.name in RUN_DIRS and all((inner.parent / name).is_file() for name in RUN_MARKS):
             return inner.parent, inner.name
     return None
+
+
+def refuse_inside_run(out: Path, option: str) -> None:
+    """An output inside a run's own folders (checkpoints/, final/, ...) is replaced by that run's
+    saves or its --overwrite: refused, for every command that writes one."""
+    if (owner := enclosing_run(out)) is not None:
+        run, inner = owner
+        raise UserError(f"{option} {str(out)!r} is or lies inside {inner}/ of the run in {str(run)!r}, which that "
+                        f"run's --overwrite or its saves replace; choose an {option} outside it")
 
 
 def claim_output_dir(out: Path, overwrite: bool, check_only: bool = False, resuming: bool = False) -> None:
@@ -57,10 +66,7 @@ def claim_output_dir(out: Path, overwrite: bool, check_only: bool = False, resum
     user keeps there). `check_only` changes nothing."""
     if out.exists() and not out.is_dir():
         raise UserError(f"output_dir {str(out)!r} is a file; choose another output_dir")
-    if (owner := enclosing_run(out)) is not None:
-        run, inner = owner
-        raise UserError(f"output_dir {str(out)!r} lies inside {inner}/ of the run in {str(run)!r}, which that "
-                        "run's --overwrite or its saves replace; choose an output_dir outside it")
+    refuse_inside_run(out, "output_dir")
     if resuming:
         overwrite = False  # a resumed run keeps its files
     elif holds_run(out):
@@ -108,6 +114,10 @@ def prepare_run_dir(cfg, overwrite: bool, check_only: bool = False, out: Path | 
     step = read_meta(ckpt)["step"] if ckpt is not None else 0
     if ckpt is not None:
         check_compatible(read_meta(ckpt)["config"], cfg.to_dict(), ckpt)
+        if 0 < cfg.train.max_steps < step:  # (equal: a finished run requeued, which ends at once)
+            raise UserError(f"train.max_steps={cfg.train.max_steps} is below the step of the checkpoint it resumes "
+                            f"({step}, {str(ckpt)!r}): nothing would train; raise train.max_steps, or start over "
+                            "in a new output_dir")
     # resume=auto in a folder without a run starts from scratch, so a requeue script works from its first launch.
     claim_output_dir(out, overwrite, check_only,
                      resuming=ckpt is not None or bool(earlier))

@@ -88,6 +88,14 @@ def size(text: str) -> str:
     return text
 
 
+def size_bytes(text: str) -> int:
+    """A memory size as bytes, for an option whose value goes to a library: its own size grammar
+    differs (huggingface_hub's takes no GiB, MiB or B), so it gets the number, never the text."""
+    from shardtune.hardware import parse_size
+
+    return parse_size(size(text), "size")
+
+
 def hub_repo(text: str) -> str:
     """A Hub repo id (namespace/name), checked by the rule publish.hub_repo follows."""
     from shardtune.config.validation import is_repo_id

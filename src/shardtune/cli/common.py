@@ -1,10 +1,12 @@
-"""What several commands share: the config reference in `--help`, and a recipe named by path or name."""
+"""What several commands share: the config reference in `--help`, a recipe named by path or name, and
+options that mean something only with another."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from shardtune.cli.argtypes import finite_float, non_negative_int, positive_int
+from shardtune.errors import UserError
 
 TRAIN_EPILOG = """\
 overrides are dotted config keys, e.g. train.lr=3e-5 fsdp.sharding=shard_grad_op data.seq_len=1024.
@@ -37,6 +39,29 @@ def _is_path(text: str) -> bool:
         return Path(text).exists()
     except OSError:  # ENAMETOOLONG
         return False
+
+
+def only_with(p, flag: str, actions, given: bool = True) -> None:
+    """Options (`actions`) that mean something only with `flag` (with `given=False`: only without
+    it), and would be ignored the other way: `check_only_with` refuses them there in one line."""
+    rules = p.get_default("only_with") or []
+    needed = p._option_string_actions[flag]
+    shown = flag + (f" {needed.metavar or needed.dest.upper()}" if needed.nargs != 0 else "")
+    p.set_defaults(only_with=[*rules, (needed.dest, shown, [(a.option_strings[-1], a.dest, a.default)
+                                                            for a in actions if a is not needed], given)])
+
+
+def check_only_with(args) -> None:
+    """An option given where its command ignores it (`eval --out` without `--generate`: no file
+    was written), refused by the rules `only_with` declared for the command."""
+    for needed, flag, options, wanted in getattr(args, "only_with", None) or ():
+        if (getattr(args, needed) not in (None, False, [])) == wanted:
+            continue
+        used = next((opt for opt, dest, default in options if getattr(args, dest) != default), None)
+        if used:
+            name = flag.split()[0]
+            raise UserError(f"{used} applies only with {name}; add {flag}, or drop {used}" if wanted
+                            else f"{used} does nothing with {name}; drop {used}")
 
 
 def add_decoding_args(p, temperature: float) -> None:

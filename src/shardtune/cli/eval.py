@@ -4,7 +4,7 @@ with `--generate N`, what it generates for N prompts, scored against the referen
 from __future__ import annotations
 
 from shardtune.cli.argtypes import int_range, non_negative_int, nonempty_str, positive_int, ranks
-from shardtune.cli.common import add_decoding_args
+from shardtune.cli.common import add_decoding_args, only_with
 
 
 def add_parser(sub) -> None:
@@ -15,11 +15,11 @@ def add_parser(sub) -> None:
     p.add_argument("--data-name", type=nonempty_str, help="hub dataset config name")
     p.add_argument("--split", type=nonempty_str, help="split to evaluate (default: validation, else test, else train)")
     p.add_argument("--text-field", type=nonempty_str, default="text", help="column holding the text (default: text)")
-    p.add_argument("--seq-len", type=int_range(2), help="block length (default: the run's data.seq_len, else 512 or "
-                   "the model's maximum positions if fewer)")
+    seq_len = p.add_argument("--seq-len", type=int_range(2), help="block length (default: the run's data.seq_len, "
+                             "else 512 or the model's maximum positions if fewer)")
     p.add_argument("--micro-batch-size", type=positive_int, default=8,
                    help="sequences per rank per forward (default: 8)")
-    p.add_argument("--max-batches", type=non_negative_int, default=0,
+    max_batches = p.add_argument("--max-batches", type=non_negative_int, default=0,
                     help="evaluate the first N x micro-batch-size sequences (default: all)")
     p.add_argument("--compare", metavar="BASE", type=nonempty_str,
                    help="also evaluate BASE and print both side by side")
@@ -44,6 +44,8 @@ def add_parser(sub) -> None:
                    "run, else ./generation.json)")
     g.add_argument("--overwrite", action="store_true", help="replace --out even if it is not an earlier output of "
                    "`eval --generate`")
+    only_with(p, "--generate", g._group_actions)  # ignored by the loss/perplexity eval
+    only_with(p, "--generate", [seq_len, max_batches], given=False)  # ignored by the generation eval
 
 
 def without_nproc(argv: list[str]) -> list[str]:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shardtune.cli.argtypes import hub_repo, nonempty_str, size
+from shardtune.cli.argtypes import hub_repo, nonempty_str, size_bytes
+from shardtune.cli.common import only_with
 
 
 def add_parser(sub) -> None:
@@ -13,10 +14,11 @@ def add_parser(sub) -> None:
                    help="checkpoint folder (OUTPUT_DIR/checkpoints/step-N), or a run's "
                         "output_dir for its newest checkpoint")
     p.add_argument("out", type=nonempty_str, help="new folder for the model (safetensors, config, tokenizer)")
-    p.add_argument("--max-shard-size", type=size, default="2GB", help="split weights into files of at most this "
+    p.add_argument("--max-shard-size", type=size_bytes, default="2GB", help="split weights into files of at most this "
                         "size (default: 2GB)")
     p.add_argument("--push-to-hub", metavar="REPO", type=hub_repo, help="then upload the folder to this hub repo")
-    p.add_argument("--private", action="store_true", help="create the hub repo as private")
+    only_with(p, "--push-to-hub", [p.add_argument("--private", action="store_true",
+                                                  help="create the hub repo as private")])
     p.add_argument("--merge", action="store_true", help="CHECKPOINT is the final/ adapter folder of a "
                         "LoRA run: fold the adapter into the base and write a plain model")
 

@@ -9,7 +9,7 @@ import os
 import sys
 
 from shardtune.cli.common import TRAIN_EPILOG, config_reference
-from shardtune.errors import EXIT_INTERRUPTED, EXIT_USAGE, UserError
+from shardtune.errors import EXIT_INTERRUPTED, EXIT_USAGE, RankError, UserError
 
 COMMANDS = ("train", "export", "eval", "generate", "report", "slurm", "plan", "sweep", "download")  # --help order
 
@@ -28,11 +28,12 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"error: {self.prog}: {text}; see `{self.prog} --help`\n")
 
 
-def prints_errors() -> bool:
-    """Rank 0 prints the one error line for all ranks; so does a process whose RANK is not a
-    number (the line may be about that very variable)."""
-    rank = os.environ.get("RANK", "0").strip()
-    return rank == "0" or not rank.isdigit()
+def prints_errors(exc: BaseException | None = None) -> bool:
+    """Rank 0 prints the one error line for all ranks; so does a lone process whatever RANK says,
+    and any rank whose own launcher variables are wrong (a RankError)."""
+    from shardtune.distributed.process_group import is_main_process
+
+    return isinstance(exc, RankError) or is_main_process()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,6 +70,12 @@ def stops_when_reader_leaves(args: argparse.Namespace) -> bool:
 
 
 def _main(argv: list[str] | None, console) -> int:
+    try:  # a working directory removed under the shell: relative paths mean nothing, and torch's MKL dies loading
+        os.getcwd()
+    except OSError as exc:
+        print(f"error: the working directory cannot be read ({exc.strerror}: it was removed, or its permissions "
+              "changed); cd to an existing folder and run again", file=sys.stderr)
+        return EXIT_USAGE
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
@@ -95,9 +102,12 @@ def _main(argv: list[str] | None, console) -> int:
     quiet_third_party()
     die_with_launcher()  # a rank of `--nproc N` or torchrun: no training on after its launcher is gone
     try:
+        from shardtune.cli.common import check_only_with
+
+        check_only_with(args)
         return importlib.import_module(f"shardtune.cli.{args.command}").run(args)
     except UserError as exc:
-        if prints_errors():
+        if prints_errors(exc):
             print(f"error: {one_line(str(exc))}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

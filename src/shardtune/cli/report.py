@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from shardtune.cli.argtypes import nonempty_str
+from shardtune.errors import UserError
 
 
 def add_parser(sub) -> None:
@@ -18,6 +19,11 @@ def run(args) -> int:
     from shardtune.telemetry.report import write_report
 
     runs = [Path(r) for r in args.runs]
+    seen: dict[Path, str] = {}
+    for given, path in zip(args.runs, runs, strict=True):
+        if path.resolve() in seen:  # its curves drawn twice, as two runs
+            raise UserError(f"run {given!r} is given twice ({seen[path.resolve()]!r}); give each run once")
+        seen[path.resolve()] = given
     out = Path(args.out) if args.out else (runs[0] / "report" if len(runs) == 1 else Path("report-compare"))
     print(f"report written to {write_report(runs, out)}")
     return 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from shardtune.cli.argtypes import non_negative_int, nonempty_str, positive_int, ranks, size
-from shardtune.cli.common import recipe_and_defaults
+from shardtune.cli.common import only_with, recipe_and_defaults
 
 
 def add_parser(sub) -> None:
@@ -44,6 +44,7 @@ def add_parser(sub) -> None:
     s.add_argument("--study-name", type=nonempty_str,
                    help="the study in --storage (default: the name of the --out folder)")
     s.add_argument("--seed", type=non_negative_int, default=0, help="sampler seed (default: 0)")
+    only_with(p, "--search", s._group_actions)  # ignored by a grid sweep
 
 
 def run(args) -> int:

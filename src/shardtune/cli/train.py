@@ -30,9 +30,16 @@ def run(args) -> int:
     """Resolve the run, check it, then build and train it here or in `--nproc N` ranks."""
     from shardtune.check.run import check_run
     from shardtune.config.load import load_config
-    from shardtune.distributed.process_group import agent_world, check_nproc, launched_by_agent
+    from shardtune.distributed.process_group import (
+        agent_world,
+        check_agent_env,
+        check_nproc,
+        is_main_process,
+        launched_by_agent,
+    )
     from shardtune.resolve.run import resolve_run
 
+    check_agent_env()  # torchrun's or srun's variables, before anything is read, planned or written
     recipe, overrides, defaults, used = recipe_and_defaults(args.recipe, args.overrides)
     loaded = load_config(recipe, overrides, defaults)
     nproc = 1 if args.nproc is None else args.nproc
@@ -51,7 +58,7 @@ def run(args) -> int:
         from shardtune.train.trainer import run
 
         checked = check_run(cfg, world)  # before the process group, the model and the data
-        if os.environ.get("RANK", "0") == "0":
+        if is_main_process():
             if used and LAUNCHER_ENV not in os.environ:  # else: the launcher's
                 print(used, flush=True)
             for line in said:
@@ -59,7 +66,7 @@ def run(args) -> int:
         try:
             results = run(checked, overwrite=args.overwrite)
         except KeyboardInterrupt:  # a second Ctrl-C, or one before training started
-            if os.environ.get("RANK", "0") == "0":
+            if is_main_process():
                 print(interrupted_line(cfg.output_dir), file=sys.stderr, flush=True)
             return EXIT_INTERRUPTED
         return EXIT_PREEMPTED if results.get("preempted") else 0

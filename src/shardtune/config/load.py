@@ -45,6 +45,19 @@ class Override(str):
         obj.parsed = parsed
         return obj
 
+    def __getnewargs__(self):  # copy.deepcopy and pickle make it again from both
+        return str(self), self.parsed
+
+
+def _plain(value: Any) -> Any:
+    """A free-form value (model.config) with the overrides inside it as YAML read them:
+    `model.config.rope_scaling={type: linear, factor: 2}` a mapping, not its text."""
+    if isinstance(value, Override):
+        return _plain(value.parsed)
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return [_plain(v) for v in value] if isinstance(value, list) else value
+
 
 def set_dotted(tree: dict, key: str, value: Any) -> None:
     node = tree
@@ -160,7 +173,7 @@ def _coerce(tp, value: Any, key: str):
     if tp is dict:
         if not isinstance(value, dict):
             raise UserError(f"{key} must be a mapping, got {_short(value)}")
-        return value
+        return _plain(value)
     if tp is bool:
         if not isinstance(value, bool):
             raise UserError(f"{key} must be true or false, got {_short(value)}")
@@ -207,6 +220,39 @@ def check_world(cfg: RunConfig, world_size: int) -> int:
             f"train.global_batch_size={t.global_batch_size} is not divisible by micro_batch_size "
             f"x ranks = {t.micro_batch_size} x {world_size}; change the batch sizes or the number of ranks")
     return t.global_batch_size // per_step
+
+
+def auto_micro_batches(global_batch: int, world_size: int) -> list[int]:
+    """The micro-batches that keep the global batch on `world_size` ranks: the divisors of
+    global batch / ranks; a one-line error where the ranks do not divide it."""
+    per_rank, rest = divmod(global_batch, world_size)
+    if rest or not per_rank:
+        raise UserError(f"train.micro_batch_size=auto keeps train.global_batch_size={global_batch}, which "
+                        f"{world_size} ranks do not divide; set the global batch to a multiple of {world_size}")
+    return [m for m in range(1, per_rank + 1) if per_rank % m == 0]
+
+
+def hybrid_mesh(fsdp, world: int, local_world: int) -> tuple[int, int]:
+    """hybrid_shard's (replicate, shard) mesh on `world` ranks of `local_world` per node: the
+    config's sizes, else a shard group per node; a one-line error where they do not make the world."""
+    shard = fsdp.shard_size or (world // fsdp.replicate_size if fsdp.replicate_size else local_world)
+    replicate = fsdp.replicate_size or (world // shard if shard else 0)
+    if shard < 1 or replicate * shard != world:
+        raise UserError(f"hybrid_shard needs replicate_size x shard_size = world size {world}, got "
+                        f"{replicate} x {shard}; set fsdp.shard_size to a divisor of {world}")
+    return replicate, shard
+
+
+def check_job(cfg: RunConfig, world: int, local_world: int) -> None:
+    """What a job of `world` ranks, `local_world` per node, needs of a loaded (unresolved) config:
+    the batch divides over the ranks, and hybrid_shard's mesh makes the world. For a job written
+    here and run elsewhere (`shardtune slurm`): refused now, not after the queue."""
+    if cfg.train.micro_batch_size == "auto":
+        auto_micro_batches(cfg.train.global_batch_size, world)
+    else:
+        check_world(cfg, world)
+    if cfg.fsdp.sharding == "hybrid_shard":
+        hybrid_mesh(cfg.fsdp, world, local_world)
 
 
 def dump_yaml(cfg: RunConfig) -> str:

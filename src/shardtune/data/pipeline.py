@@ -132,10 +132,11 @@ def pack(docs, tokenizer, field: str, seq_len: int, num_proc: int | None = None,
 
 
 def _warn(line: str) -> None:
-    import os
     import sys
 
-    if os.environ.get("RANK", "0") == "0":
+    from shardtune.distributed.process_group import is_main_process
+
+    if is_main_process():
         print(line, file=sys.stderr, flush=True)
 
 

@@ -227,6 +227,22 @@ def build_quickstart_assets(cache_dir: str | Path, vocab_size: int = 2048, max_d
     return _result(final)
 
 
+def cached_assets() -> dict:
+    """The assets in the default cache, whose folder the environment chooses: a cache that cannot
+    be written is one line naming SHARDTUNE_CACHE (a HOME that is a file, a folder under /proc)."""
+    from shardtune.diskspace import no_room
+    from shardtune.errors import UserError
+
+    cache = default_cache_dir()
+    try:
+        return build_quickstart_assets(cache)
+    except OSError as exc:
+        if no_room(exc, 0, None) or exc.filename is None:
+            raise  # the CLI's handler says a full disk as such
+        raise UserError(f"the quickstart's cache {str(cache)!r} cannot be written ({exc.strerror}: "
+                        f"{exc.filename}); set SHARDTUNE_CACHE to a folder you can write") from None
+
+
 def quickstart_defaults(overrides: list[str] = ()) -> tuple[dict, str]:
     """The embedded default run, less what the user's `overrides` replace, and the start-up line
     saying exactly which defaults apply.
@@ -248,7 +264,7 @@ def quickstart_defaults(overrides: list[str] = ()) -> tuple[dict, str]:
     own_tokenizer = own_model or _names(named, "model", "tokenizer")
     own_data = _names(named, "data", "path")
     tree: dict = {"eval": {"every_steps": 50, "max_batches": 8}, "log": {"every_steps": 10}}
-    assets = build_quickstart_assets(default_cache_dir()) if not (own_tokenizer and own_data) else None
+    assets = cached_assets() if not (own_tokenizer and own_data) else None
     if not own_tokenizer:
         tree["model"] = {"tokenizer": assets["tokenizer"]}
     if not (own_model or own_design):

@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from shardtune.config.load import hybrid_mesh
 from shardtune.config.schema import FSDPConfig
 from shardtune.distributed.activation_memory import ActivationOffload, apply_checkpointing
 from shardtune.distributed.process_group import Dist
@@ -74,11 +75,7 @@ def build_mesh(fsdp: FSDPConfig, dist: Dist):
     if sharding == "no_shard":  # pure data parallel: replicate everywhere, shard groups of one
         replicate, shard = world, 1
     else:
-        shard = fsdp.shard_size or (world // fsdp.replicate_size if fsdp.replicate_size else dist.local_world_size)
-        replicate = fsdp.replicate_size or (world // shard if shard else 0)
-        if shard < 1 or replicate * shard != world:
-            raise UserError(f"hybrid_shard needs replicate_size x shard_size = world size {world}, got "
-                            f"{replicate} x {shard}; set fsdp.shard_size to a divisor of {world}")
+        replicate, shard = hybrid_mesh(fsdp, world, dist.local_world_size)
     return init_device_mesh(dist.device.type, (replicate, shard), mesh_dim_names=("replicate", "shard"))
 
 

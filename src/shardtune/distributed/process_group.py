@@ -4,10 +4,11 @@ lone process (a world of 1 is still a process group, so there is one code path).
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from dataclasses import dataclass
 
-from shardtune.errors import UserError
+from shardtune.errors import RankError, UserError
 
 # Set by `launch_local` for its workers: the pid of the launcher that started them.
 LAUNCHER_ENV = "SHARDTUNE_LAUNCHER_PID"
@@ -30,7 +31,17 @@ def launched_by_agent() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ or "SLURM_PROCID" in os.environ
 
 
-def env_int(name: str, default: int, least: int = 0) -> int:
+def is_main_process() -> bool:
+    """Whether this process speaks for the job (its one error line, its notes): a lone process
+    always, whatever a stray RANK says; a rank of torchrun/srun when it is rank 0, or when its
+    rank is not a number (the line may be about that very variable)."""
+    if not launched_by_agent():
+        return True
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")).strip()
+    return not rank.isdigit() or int(rank) == 0
+
+
+def env_int(name: str, default: int, least: int = 0, most: int | None = None) -> int:
     """A whole-number variable that torchrun or Slurm sets (a rank, a count): one line naming it
     where it holds something else, not a ValueError deep in torch."""
     raw = os.environ.get(name)
@@ -40,18 +51,58 @@ def env_int(name: str, default: int, least: int = 0) -> int:
         value = int(raw.strip())
     except ValueError:
         value = None
-    if value is None or value < least:
-        raise UserError(f"environment variable {name}={raw!r} is not a whole number"
-                        f"{f' of at least {least}' if least else ''}; "
+    if value is None or value < least or most is not None and value > most:
+        bounds = f" from {least} to {most}" if most is not None else f" of at least {least}" if least else ""
+        raise RankError(f"environment variable {name}={raw!r} is not a whole number{bounds}; "
                         "unset it, or leave it to torchrun or srun, which set it")
     return value
+
+
+# What torchrun's agent and srun set for a rank: a process that starts its own job (a sweep's
+# trial) must not inherit them, or it takes itself for a rank of the job above and waits for peers.
+AGENT_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
+              "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS",
+              "SLURM_NTASKS_PER_NODE", LAUNCHER_ENV)
+
+
+def own_job_env(env: dict) -> dict:
+    """`env` for a process that starts a job of its own: without the launcher variables above."""
+    return {k: v for k, v in env.items() if k not in AGENT_VARS}
+
+
+def check_agent_env() -> None:
+    """torch.distributed's variables (after Slurm's are translated), checked as one before
+    anything is planned or built: each a value torch takes, and together a job it can join. Else
+    torch raised a ValueError, or a rank numbered past the world waited for peers forever."""
+    _adopt_slurm_env()
+    given = [name for name in ("RANK", "WORLD_SIZE") if name in os.environ]
+    if len(given) == 1:
+        missing = "WORLD_SIZE" if given == ["RANK"] else "RANK"
+        raise RankError(f"environment variable {given[0]} is set but {missing} is not; unset {given[0]} to run "
+                        "alone, or start the ranks with --nproc N, torchrun or srun")
+    if not given:
+        return
+    world = env_int("WORLD_SIZE", 1, least=1)
+    rank = env_int("RANK", 0)
+    if rank >= world:
+        raise RankError(f"environment variable RANK={rank} is not below WORLD_SIZE={world} (ranks count from 0); "
+                        "unset them, or leave them to torchrun or srun, which set them")
+    local_world = env_int("LOCAL_WORLD_SIZE", world, least=1, most=world)
+    env_int("LOCAL_RANK", 0, most=local_world - 1)
+    if not os.environ.get("MASTER_ADDR", "").strip():
+        raise RankError("environment variable MASTER_ADDR is not set (RANK and WORLD_SIZE are); set MASTER_ADDR "
+                        "and MASTER_PORT to rank 0's host and a free port, or leave them to torchrun or srun")
+    if "MASTER_PORT" not in os.environ:
+        raise RankError("environment variable MASTER_PORT is not set (RANK and WORLD_SIZE are); set it to a free "
+                        "port of rank 0's host, or leave it to torchrun or srun")
+    env_int("MASTER_PORT", 0, least=1, most=65535)
 
 
 def agent_world() -> tuple[int, int]:
     """(world size, ranks on this node) of a torchrun/elastic worker or an srun task, read before
     anything is planned or checked: srun without torchrun sets Slurm's variables only, so they
     are translated first (else such a task took itself for a world of one)."""
-    _adopt_slurm_env()
+    check_agent_env()
     return env_int("WORLD_SIZE", 1, least=1), env_int("LOCAL_WORLD_SIZE", 1, least=1)
 
 
@@ -60,10 +111,15 @@ def _adopt_slurm_env() -> None:
     if "RANK" in os.environ or "SLURM_PROCID" not in os.environ:
         return
     env = os.environ
-    env["RANK"] = str(env_int("SLURM_PROCID", 0))
-    env["WORLD_SIZE"] = str(env_int("SLURM_NTASKS", 1, least=1))
+    tasks = env_int("SLURM_NTASKS", 1, least=1)
+    env["RANK"] = str(env_int("SLURM_PROCID", 0, most=tasks - 1))
+    env["WORLD_SIZE"] = str(tasks)
     env["LOCAL_RANK"] = str(env_int("SLURM_LOCALID", 0))
-    env["LOCAL_WORLD_SIZE"] = env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0]
+    per_node = env.get("SLURM_NTASKS_PER_NODE", "1")  # "4", "4(x2)" or "2(x3),1": the first nodes' count
+    if not re.match(r"\s*[1-9]\d*", per_node):
+        raise RankError(f"environment variable SLURM_NTASKS_PER_NODE={per_node!r} is not a number of tasks; "
+                        "unset it, or leave it to torchrun or srun, which set it")
+    env["LOCAL_WORLD_SIZE"] = re.match(r"\s*(\d+)", per_node).group(1)
     if "MASTER_ADDR" not in env:
         nodes = env.get("SLURM_JOB_NODELIST", "127.0.0.1")
         try:  # first host of the allocation
@@ -105,9 +161,7 @@ def init_distributed(requested_device: str) -> Dist:
     import torch
     import torch.distributed as dist
 
-    _adopt_slurm_env()
-    if launched_by_agent():  # what torch reads next, checked first
-        env_int("RANK", 0), env_int("WORLD_SIZE", 1, least=1)
+    check_agent_env()  # what torch reads next, checked first
     device = resolve_device(requested_device)
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -20,12 +20,26 @@ from shardtune.checkpoint.rundir import PREEMPTED_MARKER
 from shardtune.errors import EXIT_PREEMPTED, UserError
 
 
+def time_limit_s(text: str) -> int:
+    """A Slurm time limit in seconds: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS."""
+    days, _, rest = text.strip().rpartition("-")
+    parts = [int(p) for p in rest.split(":")]
+    if days:  # D-HH[:MM[:SS]]
+        parts += [0] * (3 - len(parts))
+        return int(days) * 86400 + parts[0] * 3600 + parts[1] * 60 + parts[2]
+    scale = {1: (60,), 2: (60, 1), 3: (3600, 60, 1)}[len(parts)]
+    return sum(p * s for p, s in zip(parts, scale, strict=True))
+
+
 def sbatch_script(recipe: str, output_dir: str, nodes: int, gpus_per_node: int, *, overrides: list[str],
                   job_name: str | None = None, time: str = "24:00:00", partition: str | None = None,
                   account: str | None = None, cpus_per_gpu: int = 8, signal_lead_s: int = 300,
                   port: int = 29500, offline: bool = True) -> str:
     if nodes < 1 or gpus_per_node < 1:
         raise UserError(f"--nodes and --gpus-per-node must be at least 1, got {nodes} and {gpus_per_node}")
+    if signal_lead_s >= (limit := time_limit_s(time)):
+        raise UserError(f"--signal-lead {signal_lead_s} (seconds) is not below --time {time} ({limit} s): the job "
+                        "would be told to stop as it starts, and requeue for ever; lower --signal-lead or raise --time")
     job_name = job_name or re.sub(r"[^\w.-]", "-", Path(recipe).stem)  # a recipe's file name may hold a space
     for option, value in (("--job-name", job_name), ("--partition", partition), ("--account", account),
                           ("--time", time)):

@@ -28,7 +28,7 @@ SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 
 
-def hf_file_plan(hf_config, state_dict: dict, max_shard_size: str) -> tuple[object, dict[str, str]] | None:
+def hf_file_plan(hf_config, state_dict: dict, max_shard_size: int | str) -> tuple[object, dict[str, str]] | None:
     """(a meta shell of the model, {key: file name}) as `save_pretrained` would write `state_dict`
     (tied copies dropped, files split at max_shard_size); None when transformers would rename keys
     on save (a conversion mapping), which this path does not reproduce."""

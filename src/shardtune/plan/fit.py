@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from shardtune.config.load import auto_micro_batches
 from shardtune.config.schema import ModelConfig, RunConfig
 from shardtune.errors import UserError
 
@@ -82,16 +83,6 @@ def predict_peak_bytes(cfg: RunConfig, world_size: int) -> int:
 
 HOST_KEEP_FREE = 0.2  # share of available host RAM auto leaves free on CPU (page cache, data workers)
 HOST_PROCESS_BYTES = 1 << 30  # what a rank's interpreter, torch and transformers hold beside tensors
-
-
-def auto_micro_batches(global_batch: int, world_size: int) -> list[int]:
-    """The micro-batches that keep the global batch on `world_size` ranks: the divisors of
-    global batch / ranks; a one-line error where the ranks do not divide it."""
-    per_rank, rest = divmod(global_batch, world_size)
-    if rest or not per_rank:
-        raise UserError(f"train.micro_batch_size=auto keeps train.global_batch_size={global_batch}, which "
-                        f"{world_size} ranks do not divide; set the global batch to a multiple of {world_size}")
-    return [m for m in range(1, per_rank + 1) if per_rank % m == 0]
 
 
 def checkpointing_modes(cfg: RunConfig) -> tuple[str, ...]:

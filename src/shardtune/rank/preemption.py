@@ -25,7 +25,7 @@ import sys
 import threading
 from pathlib import Path
 
-from shardtune.distributed.process_group import LAUNCHER_ENV, launched_by_agent
+from shardtune.distributed.process_group import LAUNCHER_ENV, is_main_process, launched_by_agent
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
@@ -59,7 +59,7 @@ class Preemption:
             lone = not launched_by_agent()
             signal.signal(signal.SIGINT, (old if old is not None else signal.default_int_handler) if lone
                           else signal.SIG_DFL)
-            if os.environ.get("RANK", "0") == "0" and LAUNCHER_ENV not in os.environ:
+            if is_main_process() and LAUNCHER_ENV not in os.environ:
                 os.write(sys.stderr.fileno(), b"Ctrl-C: finishing the steps under way and saving a checkpoint; "
                                               b"Ctrl-C again stops at once, without one\n")
         if not self.requested:

@@ -9,7 +9,6 @@ build (`train.trainer`) only read it."""
 from __future__ import annotations
 
 import copy
-import os
 
 from shardtune.config.schema import RunConfig, freeze
 
@@ -37,5 +36,7 @@ def resolve_run(cfg: RunConfig, world_size: int = 1, local_world_size: int | Non
 
 
 def _rank0_print(line: str) -> None:
-    if os.environ.get("RANK", "0") == "0":
+    from shardtune.distributed.process_group import is_main_process
+
+    if is_main_process():
         print(line, flush=True)

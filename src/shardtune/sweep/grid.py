@@ -128,21 +128,24 @@ def check(sweep: Sweep) -> None:
         raise UserError(f"--nproc must be at least 1, got {sweep.nproc}")
     if not sweep.grid and not sweep.max_batch:
         raise UserError("nothing to sweep; give --grid KEY=V1,V2,... (and/or --max-batch)")
-    for word in sweep.overrides:
-        if word.partition("=")[0].strip() in ("output_dir", "resume"):
-            raise UserError(f"{word!r}: the sweep sets output_dir and resume for each trial; use --out for the sweep")
     if sweep.max_batch and "train.micro_batch_size" in dict(sweep.grid):
         raise UserError("--max-batch searches train.micro_batch_size itself; drop it from --grid")
     if sweep.max_batch and sweep.config({}).train.micro_batch_size == "auto":
         raise UserError("--max-batch searches train.micro_batch_size itself (with real trials); drop "
                         "train.micro_batch_size=auto, or drop --max-batch to use the planner's choice")
+    check_overrides(sweep, [k for k, _ in sweep.grid], "--grid")
     sweep.config({})  # the recipe and overrides alone: their errors are not the grid's
+    runs: dict[str, str] = {}  # each point's config -> the point: two that load the same are one run twice
     for point in sweep.points():
         where = " ".join(f"{k}={v}" for k, v in point.items())
         try:
             cfg = sweep.config(point)
+            same = runs.setdefault(json.dumps(dataclasses.asdict(cfg), sort_keys=True, default=str), where)
+            if same != where:
+                raise UserError(f"it is the same run as --grid {same} (the values mean the same); list each "
+                                "value once")
             if cfg.train.micro_batch_size == "auto":
-                from shardtune.plan.fit import auto_micro_batches
+                from shardtune.config.load import auto_micro_batches
 
                 auto_micro_batches(cfg.train.global_batch_size, sweep.nproc)
             elif sweep.max_batch:
@@ -158,6 +161,25 @@ def check(sweep: Sweep) -> None:
         except UserError as exc:
             raise UserError(f"--grid {where}: {exc}") from None
     check_models(sweep, sweep.points(), "--grid")
+
+
+SETTING_OPTION = {"train.max_steps": "choose it with --steps", "eval.every_steps": "choose it with --eval-steps",
+                  "train.micro_batch_size": "--max-batch searches it"}  # the sweep's settings an option chooses
+
+
+def check_overrides(sweep: Sweep, swept: list[str], option: str) -> None:
+    """A swept key whose every value each trial's command line would replace (a key the sweep sets
+    for each trial: all its points one run) is refused. (Overrides, like the recipe, are the base
+    that the points and the sweep's settings change: a train command line reused for a sweep.)"""
+    for word in sweep.overrides:
+        if word.partition("=")[0].strip() in ("output_dir", "resume"):
+            raise UserError(f"{word!r}: the sweep sets output_dir and resume for each trial; use --out for the sweep")
+    own = sweep.trial_overrides({}, 1 if sweep.max_batch else None)[len(sweep.overrides):]
+    sets = {w.partition("=")[0] for w in own}
+    for key in swept:
+        if key in sets:
+            how = f" ({SETTING_OPTION[key]})" if key in SETTING_OPTION else ""
+            raise UserError(f"{option} {key} is set by the sweep for each trial{how}; sweep other keys")
 
 
 def check_models(sweep: Sweep, points: list[dict], option: str) -> None:

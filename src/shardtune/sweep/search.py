@@ -14,7 +14,7 @@ import warnings
 from pathlib import Path
 
 from shardtune.errors import UserError, first_line
-from shardtune.sweep.grid import Sweep, open_folder
+from shardtune.sweep.grid import Sweep, check_overrides, open_folder
 from shardtune.sweep.trial import run_trial
 
 DISTRIBUTIONS = ("loguniform", "uniform", "int", "logint", "choice")
@@ -144,9 +144,6 @@ def check(sweep: Sweep, search: Search) -> None:
     if sweep.steps < 1 or (sweep.eval_steps is not None and not 1 <= sweep.eval_steps <= sweep.steps):
         raise UserError("--search needs --steps >= 1 and 1 <= --eval-steps <= --steps (the validation loss "
                         "the pruner watches is taken every --eval-steps)")
-    for word in sweep.overrides:
-        if word.partition("=")[0].strip() in ("output_dir", "resume"):
-            raise UserError(f"{word!r}: the sweep sets output_dir and resume for each trial; use --out for the sweep")
     sweep.config({})  # the recipe and overrides alone: their errors are not the search space's
     for param in search.space:
         check_kind(param)
@@ -155,6 +152,7 @@ def check(sweep: Sweep, search: Search) -> None:
                 cfg = sweep.config({param.key: value})
             except UserError as exc:
                 raise UserError(f"--search {param.key}={value}: {exc}") from None
+    check_overrides(sweep, [p.key for p in search.space], "--search")
     from shardtune.config.load import check_world
     from shardtune.sweep.grid import check_models
 

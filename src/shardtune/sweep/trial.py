@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from shardtune.distributed.process_group import own_job_env
 from shardtune.errors import UserError
 
 POLL_S = 0.5  # how often a watched trial's metrics.jsonl is read
@@ -38,7 +39,7 @@ def run_trial(sweep, point: dict, name: str, cap: int | None, micro_batch: int |
     argv = [sys.executable, "-m", "shardtune", "train", *([sweep.recipe] if sweep.recipe else []),
             *sweep.trial_overrides(point, micro_batch), f"output_dir={folder}", "--overwrite",
             *(["--nproc", str(sweep.nproc)] if sweep.nproc > 1 else [])]
-    env = dict(os.environ)
+    env = own_job_env(os.environ)  # a trial is a job of its own, even where the sweep runs under srun
     if cap:
         env.update(CAPPED_ENV)
     start = time.perf_counter()

@@ -1,0 +1,53 @@
+"""Which checkpoint a `resume=` / `export` spec names, and what a resume may not ask of it (on a
+stand-in checkpoint: meta.json and .metadata, no weights; nothing is loaded)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from shardtune.checkpoint.folders import resolve_checkpoint
+from shardtune.checkpoint.rundir import prepare_run_dir, release_run_dir
+from shardtune.config.load import load_config
+from shardtune.errors import UserError
+
+
+def fake_run(out: Path, steps: tuple[int, ...] = (1, 2)) -> list[str]:
+    overrides = ["model.name_or_path=gpt2", f"data.path={out / 'data.jsonl'}", "train.max_steps=2", f"output_dir={out}"]
+    config = load_config(None, overrides).to_dict()
+    for step in steps:
+        folder = out / "checkpoints" / f"step-{step:06d}"
+        folder.mkdir(parents=True)
+        (folder / "meta.json").write_text(json.dumps({"step": step, "config": config}))
+        (folder / ".metadata").write_text("")
+    (out / "checkpoints" / "latest").write_text(f"step-{steps[-1]:06d}\n")
+    (out / "metrics.jsonl").write_text("")
+    (out / "config.yaml").write_text("")
+    return overrides
+
+
+@pytest.mark.parametrize("spec", ["", "checkpoints", "checkpoints/latest", "checkpoints/step-000002"])
+def test_every_way_to_name_the_newest_checkpoint(tmp_path, spec):
+    """`checkpoints/latest` is the pointer file: it was told 'not a complete checkpoint (an
+    interrupted save?)', though the run was whole."""
+    fake_run(tmp_path)
+    assert resolve_checkpoint(tmp_path / spec) == tmp_path / "checkpoints" / "step-000002"
+
+
+def test_resuming_past_max_steps_is_refused(tmp_path):
+    """train.max_steps below the checkpoint's step trained nothing, saved final/ again and ended 0;
+    equal (a finished run requeued) still ends at once."""
+    overrides = fake_run(tmp_path)
+    files = lambda: sorted(p.name for p in tmp_path.rglob("*") if p.name != ".shardtune.lock")  # noqa: E731
+    before = files()
+    cfg = load_config(None, [*overrides, "resume=auto", "train.max_steps=1"])
+    try:
+        with pytest.raises(UserError, match=r"train.max_steps=1 is below the step of the checkpoint it resumes \(2"):
+            prepare_run_dir(cfg, overwrite=False)
+        assert files() == before  # refused before the folder changed
+        cfg = load_config(None, [*overrides, "resume=auto"])
+        assert prepare_run_dir(cfg, overwrite=False, check_only=True).endswith("step-000002")
+    finally:
+        release_run_dir(tmp_path)
