@@ -294,3 +294,23 @@ def test_step_profiler_window(tmp_path, capsys, steps, done, total, rank, writte
     mms = [e for e in events if e.get("name") == "aten::mm"]
     first, last = max(steps[0], done + 1), min(steps[1], total)
     assert len(mms) == last - first + 1
+
+
+def test_a_run_refused_at_its_start_does_not_block_its_retry(assets, tmp_path, monkeypatch, capsys):
+    """A tracker refusing its settings stops the run after the output folder was claimed, before
+    anything was logged: the retry into the same output_dir needs no --overwrite. A run that
+    logged a step is still protected."""
+    from conftest import tiny_overrides
+    from shardtune.checkpoint.rundir import claim_output_dir
+    from shardtune.cli.main import main
+
+    pytest.importorskip("mlflow")
+    out = tmp_path / "run"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "bogus://x")  # no server to ask: refused by mlflow when it starts
+    assert main(["train", *tiny_overrides(assets, out, **{"train.max_steps": 1}), "log.trackers=[mlflow]"]) == 2
+    assert "mlflow could not start" in capsys.readouterr().err
+    assert (out / "config.yaml").is_file() and (out / "metrics.jsonl").stat().st_size == 0
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    assert main(["train", *tiny_overrides(assets, out, **{"train.max_steps": 1})]) == 0
+    with pytest.raises(UserError, match="already holds a run"):
+        claim_output_dir(out, overwrite=False, check_only=True)

@@ -40,6 +40,13 @@ def holds_run(out: Path) -> bool:
     return bool(run_traces(out))
 
 
+def never_started(out: Path) -> bool:
+    """A run that stopped before it logged anything (refused at its start by a tracker, stopped
+    while it built): its config.yaml and empty metrics.jsonl hold nothing to keep from a new run."""
+    metrics = out / "metrics.jsonl"
+    return set(run_traces(out)) == set(RUN_MARKS) and metrics.is_file() and metrics.stat().st_size == 0
+
+
 def enclosing_run(out: Path) -> tuple[Path, str] | None:
     """(a run's folder, which of its RUN_DIRS) when `out` is, or lies inside, a folder of another
     run that the run itself replaces (--overwrite, checkpoint rotation, its final save); a run is a
@@ -70,6 +77,7 @@ def claim_output_dir(out: Path, overwrite: bool, check_only: bool = False, resum
     if resuming:
         overwrite = False  # a resumed run keeps its files
     elif holds_run(out):
+        overwrite = overwrite or never_started(out)
         if not overwrite and (out / "checkpoints").is_dir():
             raise UserError(f"output_dir {str(out)!r} holds checkpoints of an earlier run; pass resume=auto "
                             "to continue it, or --overwrite to start over")
