@@ -78,7 +78,7 @@ def write_export(path: Path, out: Path, max_shard_size: int | str = "2GB", repla
 
             save_adapter_folder(model.state_dict(), model, known_fields(ModelConfig, meta["config"].get("model", {})),
                                 known_fields(PeftConfig, meta["config"].get("peft", {})), model.config, tokenizer, tmp,
-                                final=out)
+                                final=out, max_shard_size=max_shard_size)
         else:
             save_hf_folder(model.state_dict(), model.config, tokenizer, tmp, max_shard_size)
     return meta
@@ -124,11 +124,12 @@ def push_to_hub(folder: Path, repo: str, private: bool = False) -> None:
 
 
 def save_adapter_folder(state_dict: dict, peft_model, model_cfg, peft_cfg, hf_config, tokenizer, out: Path,
-                        final: Path | None = None) -> None:
+                        final: Path | None = None, max_shard_size: int | str = "2GB") -> None:
     """A peft run (any method): the adapter in peft's format (`PeftModel.from_pretrained` loads
     it). A base that is not a hub model (a local folder or a random init), or whose weights the
-    method changed (PiSSA/OLoRA keep the residual), is saved beside it, in out/base, and the
-    adapter config points there, so the pair loads on any machine that has the folder."""
+    method changed (PiSSA/OLoRA keep the residual), is saved beside it, in out/base (sharded
+    above `max_shard_size`, as a full model's export is), and the adapter config points there, so
+    the pair loads on any machine that has the folder."""
     import copy
 
     from safetensors.torch import save_file
@@ -149,7 +150,7 @@ def save_adapter_folder(state_dict: dict, peft_model, model_cfg, peft_cfg, hf_co
         local = Path(model_cfg.name_or_path)
         config.base_model_name_or_path = str(local.resolve()) if local.exists() else model_cfg.name_or_path
     else:
-        save_hf_folder(base_weights(peft_model, state_dict), hf_config, tokenizer, out / "base")
+        save_hf_folder(base_weights(peft_model, state_dict), hf_config, tokenizer, out / "base", max_shard_size)
         config.base_model_name_or_path = str(((final or out) / "base").resolve())
     config.save_pretrained(str(out))
     if tokenizer is not None:
