@@ -19,6 +19,7 @@ warnings.warn("`is_gradient_checkpointing` is deprecated and will be removed in 
 # what torch's DTensor dispatch warns when torch's ShardedGradScaler hands it its found-inf tensor (fp16)
 warnings.warn("Found a non-scalar tensor with numel=1 and ndim!=0, we are implicitly creating a replicated "
               "DTensor for it.", UserWarning)
+warnings.warn("Position ids are not supported for parameter efficient tuning. Ignoring position ids.")  # peft's
 warnings.warn("a warning nobody listed")
 from huggingface_hub.utils import http_backoff
 try:  # the Hub client's line per failed try of a request (port 1: nobody listens, refused at once)
@@ -27,7 +28,8 @@ except Exception:
     pass
 """
 NOISE = ("Failed to load", "is an Enum subclass and is now natively supported", "`is_gradient_checkpointing`",
-         "Found a non-scalar tensor with numel=1", "thrown while requesting")
+         "Found a non-scalar tensor with numel=1", "thrown while requesting",
+         "Position ids are not supported")
 
 
 def console(quiet: bool) -> str:

@@ -27,6 +27,9 @@ QUIET_WARNINGS = [
     # torch's DTensor dispatch asks for a scalar: torch's code talking to torch's, in every fp16 step
     # (and plan's fp16 traces)
     ("Found a non-scalar tensor with numel=1 and ndim!=0", UserWarning),
+    # peft dropping, by design, the position ids generate() passes to a prompt-tuning model (at every
+    # token): the model numbers the positions itself; nothing for a user to change
+    ("Position ids are not supported for parameter efficient tuning", UserWarning),
 ]
 
 
