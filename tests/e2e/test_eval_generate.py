@@ -228,3 +228,17 @@ def test_generate_prints_and_bad_input(trained, capsys, tmp_path):
     (tmp_path / "latin1.txt").write_bytes("café\n".encode("latin-1"))
     one_line_error(*cli(["generate", str(trained / "final"), "--prompts-file", str(tmp_path / "latin1.txt")], capsys),
                    "not UTF-8")
+
+
+@pytest.mark.parametrize("data, words", [
+    ('{"body": "a few words of text"}\n', ["has no column 'text', which --text-field names", "set --text-field"]),
+    (None, ["not found", "check --data"]),
+])
+def test_a_refusal_of_datas_files_names_evals_options(trained, tmp_path, capsys, data, words):
+    """eval has no data.* keys: a refusal of --data's files names the option that sets each."""
+    path = tmp_path / "eval.jsonl"
+    if data is not None:
+        path.write_text(data * 40)
+    code, err = cli(["eval", str(trained), "--data", str(path)], capsys)
+    one_line_error(code, err, *words)
+    assert "data.text_field" not in err and "data.path" not in err, err

@@ -8,7 +8,9 @@ perplexity and next-token accuracy. generate runs in one process.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,6 +69,25 @@ def check_eval(req: EvalRequest, run_cfg, hf_config, tokenizer, compare_config=N
     return req
 
 
+# the data keys a refusal of --data's files names, as the options of eval that set them
+DATA_OPTIONS = {"data.text_field": "--text-field", "data.path": "--data", "data.name": "--data-name",
+                "data.seq_len": "--seq-len"}
+
+
+@contextlib.contextmanager
+def options_named(applies: bool = True):
+    """A refusal inside names eval's options, not the config keys they set (eval has no data.*)."""
+    try:
+        yield
+    except UserError as exc:
+        if not applies:
+            raise
+        text = str(exc)
+        for key, option in DATA_OPTIONS.items():
+            text = re.sub(rf"(?<![\w.]){re.escape(key)}(?![\w])", option, text)
+        raise UserError(text) from None
+
+
 def eval_blocks(req: EvalRequest, run_cfg, tokenizer):
     """Packed blocks to evaluate on: --data's split, else the validation split the run of
     `run_cfg` (the evaluated checkpoint's) used, tokenized with `tokenizer`."""
@@ -85,12 +106,13 @@ def eval_blocks(req: EvalRequest, run_cfg, tokenizer):
     else:
         cfg = DataConfig(path=req.data, name=req.data_name, text_field=req.text_field,
                          seq_len=req.seq_len or (run_cfg.data.seq_len if run_cfg else lengths.SEQ_LEN))
-    splits = data_lib.load_documents(cfg)
-    split = req.split or next((s for s in ("validation", "test") if s in splits), "train")
-    if split not in splits:
-        raise UserError(f"dataset {cfg.path!r} has no split {split!r}; choose --split from {', '.join(splits)}")
-    # the run's format (instruct, chat, template) when it is the run's data; packed text otherwise
-    blocks = data_lib.tokenize_split(splits[split], cfg, tokenizer, f"dataset {cfg.path!r}")
+    with options_named(req.data is not None):
+        splits = data_lib.load_documents(cfg)
+        split = req.split or next((s for s in ("validation", "test") if s in splits), "train")
+        if split not in splits:
+            raise UserError(f"dataset {cfg.path!r} has no split {split!r}; choose --split from {', '.join(splits)}")
+        # the run's format (instruct, chat, template) when it is the run's data; packed text otherwise
+        blocks = data_lib.tokenize_split(splits[split], cfg, tokenizer, f"dataset {cfg.path!r}")
     if len(blocks) == 0:
         raise UserError(f"split {split!r} of {cfg.path!r} has fewer tokens than one block of {cfg.seq_len}; "
                         "lower --seq-len")
