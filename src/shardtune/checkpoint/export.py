@@ -171,8 +171,8 @@ def merge_source(adapter: Path) -> tuple[Path, Path]:
     config, base = adapter_parts(adapter)
     kind = str(config.get("peft_type", "?"))
     if kind not in MERGEABLE_PEFT_TYPES:
-        raise UserError(f"a {kind} adapter cannot be merged into its base (its learned tokens/gates are no "
-                        "weights of the base); only lora, dora and ia3 merge: use the adapter folder as it is")
+        raise UserError(f"an adapter of peft_type {kind} cannot be merged into its base (its learned tokens/gates "
+                        "are no weights of the base); only lora, dora and ia3 merge: use the adapter folder as it is")
     return adapter, base
 
 

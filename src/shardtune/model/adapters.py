@@ -172,7 +172,7 @@ def peft_config_of(adapter_config: dict) -> PeftConfig:
                           adapter_layers=c.get("adapter_layers"))
     if kind in ("PREFIX_TUNING", "PROMPT_TUNING"):
         return PeftConfig(method=kind.lower(), num_virtual_tokens=c.get("num_virtual_tokens"))
-    raise UserError(f"a {kind} adapter folder is not one shardtune loads; it loads lora, dora, ia3, "
+    raise UserError(f"an adapter folder of peft_type {kind} is not one shardtune loads; it loads lora, dora, ia3, "
                     "adaption_prompt, prefix_tuning and prompt_tuning adapters")
 
 
