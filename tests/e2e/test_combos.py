@@ -156,6 +156,13 @@ FOUND = {
     # own: never called, so never gathered (a DTensor met a tensor in the IA3 layer's forward)
     "ia3_size_wrap": ("gpt2", {"format": "instruct"}, {"peft.method": "ia3", "fsdp.wrap": "size",
                                                        "fsdp.min_num_params": 1}, 0),
+    # an adapter on GPT-2's LM head, tied to the input embeddings: transformers' tie_weights raised a
+    # KeyError when the weights were broadcast
+    "dora_on_tied_head": ("gpt2", {"format": "chat"}, {"peft.method": "dora", "peft.target_modules": "[lm_head]"}, 2),
+    # refused mid-build, after the data was tokenized: now by the check, on the meta skeleton
+    "missing_target": ("llama", {"format": "text"}, {"peft.method": "dora", "peft.target_modules": '[".*"]'}, 2),
+    "trainable_blocks_above_depth": ("mistral", {"format": "text"}, {"freeze.trainable_blocks": 5}, 2),
+    "unknown_block_class": ("gpt2", {"format": "text"}, {"fsdp.block_class": "Nope"}, 2),
 }
 
 

@@ -79,22 +79,43 @@ def check_machine(cfg: RunConfig, device) -> None:
     kernels.check(cfg.kernels, device)
 
 
+def skeleton(spec: ModelSpec) -> tuple[Any, type]:
+    """The model of `spec` on the meta device with its kernels and its adapters or freezing, and
+    its decoder-block class: the build's first steps (structure only: values come from rank 0)."""
+    from shardtune.distributed.fsdp import detect_block_class
+    from shardtune.model import kernels
+    from shardtune.model.adapters import adapt
+    from shardtune.model.hf import build_meta_model
+
+    model = build_meta_model(spec.hf_config, spec.trust_remote_code)
+    block_cls = detect_block_class(model, spec.fsdp.block_class)
+    kernels.apply(model, spec.kernels)  # the plain HF modules, before adapters wrap them
+    return adapt(model, spec.peft, spec.freeze, block_cls, init=False), block_cls
+
+
+def check_structure(spec: ModelSpec) -> None:
+    """What only the model's structure can tell of the peft method's targets, the blocks freezing
+    keeps, and fsdp.block_class: refused on the meta skeleton (milliseconds, under a second for
+    7B), before any data is read or weight built. Liger's kernels keep the module names: left out."""
+    import dataclasses
+
+    if spec.peft.adapter or spec.freeze.trainable_blocks is not None or spec.fsdp.block_class:
+        skeleton(dataclasses.replace(spec, kernels="none"))
+
+
 def build_model(spec: ModelSpec, mesh, device, source: Callable[[], Any] | None = None,
                 seed: int = 0, folder=None) -> BuiltModel:
     """The sharded model of `spec` on `mesh`. `source` returns the full-weight plain model; it
     is called on rank 0 only (collective: every rank calls build_model with a source or none).
     `folder` (safetensors): each rank reads its own slices from it instead, where the keys allow."""
 
-    from shardtune.distributed.fsdp import apply_parallelism, detect_block_class
-    from shardtune.model import float8, kernels
+    from shardtune.distributed.fsdp import apply_parallelism
+    from shardtune.model import float8
     from shardtune.model import loss as loss_lib
     from shardtune.model.adapters import adapt
-    from shardtune.model.hf import build_meta_model, materialize
+    from shardtune.model.hf import materialize
 
-    model = build_meta_model(spec.hf_config, spec.trust_remote_code)
-    block_cls = detect_block_class(model, spec.fsdp.block_class)
-    kernels.apply(model, spec.kernels)  # the plain HF modules, before adapters wrap them
-    model = adapt(model, spec.peft, spec.freeze, block_cls, init=False)  # structure only: values come from rank 0
+    model, block_cls = skeleton(spec)
     loss_lib.install(model, spec.loss_chunk_tokens, spec.kernels)  # before sharding: it checks the head's class
     float8.convert(model, block_cls, spec.float8)  # before compile and sharding: both see the float8 layers
     units, reshard = apply_parallelism(model, spec, block_cls, mesh, device)
