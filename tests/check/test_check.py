@@ -26,12 +26,14 @@ from shardtune.sweep.search import Search, parse_space
 from shardtune.sweep.search import check as check_search
 
 # what only the model's structure (its meta skeleton) tells: peft's targets (GPT-2's head is tied to its
-# embeddings), the blocks freezing keeps, the block class
+# embeddings), the blocks freezing keeps, the block class, size-based units inside selective blocks
 STRUCTURE_BREAKERS = {  # what the refusal names: the breaker
     "['nope'] are not modules": {"peft.method": "lora", "peft.target_modules": "[nope]"},
     "lm_head, the LM head, whose weight is tied": {"peft.method": "ia3", "peft.target_modules": "[lm_head]"},
     "freeze.trainable_blocks=3": {"freeze.trainable_blocks": 3},
-    "fsdp.block_class='Nope'": {"fsdp.block_class": "Nope"}}
+    "fsdp.block_class='Nope'": {"fsdp.block_class": "Nope"},
+    "selective cannot recompute": {"activation_checkpointing": "selective", "fsdp.wrap": "size",
+                                   "fsdp.min_num_params": 1}}
 # ways to break a run that only the model's config and the tokenizer can tell (TINY gpt2: 128 positions)
 BREAKERS = st.one_of(
     st.integers(2, 299).map(lambda v: {"model.config": {**TINY["gpt2"], "vocab_size": v}}),  # tokenizer: 300

@@ -163,6 +163,12 @@ FOUND = {
     "missing_target": ("llama", {"format": "text"}, {"peft.method": "dora", "peft.target_modules": '[".*"]'}, 2),
     "trainable_blocks_above_depth": ("mistral", {"format": "text"}, {"freeze.trainable_blocks": 5}, 2),
     "unknown_block_class": ("gpt2", {"format": "text"}, {"fsdp.block_class": "Nope"}, 2),
+    # FSDP units inside a selectively checkpointed block: their recomputed gathers are ops the
+    # cache of the block's forward does not hold (torch raised in the first backward)
+    "selective_units_in_blocks": ("gpt2", {"format": "text"}, {"activation_checkpointing": "selective",
+                                                               "fsdp.wrap": "size", "fsdp.min_num_params": 1}, 2),
+    "selective_block_units": ("gpt2", {"format": "text"}, {"activation_checkpointing": "selective",
+                                                           "fsdp.wrap": "size", "fsdp.min_num_params": 49984}, 0),
 }
 
 

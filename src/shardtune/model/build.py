@@ -17,6 +17,7 @@ from typing import Any
 import torch.distributed as dist
 
 from shardtune.config.schema import FreezeConfig, FSDPConfig, PeftConfig, RunConfig
+from shardtune.errors import UserError
 
 
 @dataclass
@@ -95,12 +96,34 @@ def skeleton(spec: ModelSpec) -> tuple[Any, type]:
 
 def check_structure(spec: ModelSpec) -> None:
     """What only the model's structure can tell of the peft method's targets, the blocks freezing
-    keeps, and fsdp.block_class: refused on the meta skeleton (milliseconds, under a second for
-    7B), before any data is read or weight built. Liger's kernels keep the module names: left out."""
+    keeps, fsdp.block_class and size-based units under selective checkpointing: refused on the meta
+    skeleton (milliseconds, under a second for 7B), before any data is read or weight built.
+    Liger's kernels keep the module names: left out."""
     import dataclasses
 
-    if spec.peft.adapter or spec.freeze.trainable_blocks is not None or spec.fsdp.block_class:
-        skeleton(dataclasses.replace(spec, kernels="none"))
+    inner_units = spec.fsdp.wrap == "size" and spec.activation_checkpointing == "selective"
+    if not (spec.peft.adapter or spec.freeze.trainable_blocks is not None or spec.fsdp.block_class or inner_units):
+        return
+    model, block_cls = skeleton(dataclasses.replace(spec, kernels="none"))
+    if inner_units:
+        _check_units_outside_blocks(model, block_cls, spec.fsdp.min_num_params)
+
+
+def _check_units_outside_blocks(model, block_cls: type, min_num_params: int) -> None:
+    """Selective checkpointing replays a block's ops in backward from what forward cached, op by
+    op: an FSDP unit inside the block runs other ops when it is recomputed (its gathers and their
+    record_function markers), which the cache does not hold (torch raises mid-backward)."""
+    from shardtune.distributed.fsdp import size_based_units
+
+    blocks = [m for m in model.modules() if isinstance(m, block_cls)]
+    inside = {id(m): name for b in blocks for name, m in b.named_modules() if m is not b}
+    units = [inside[id(u)] for u in size_based_units(model, min_num_params) if id(u) in inside]
+    if units:
+        largest = max(sum(p.numel() for p in b.parameters()) for b in blocks)
+        raise UserError(f"activation_checkpointing=selective cannot recompute a decoder block that holds FSDP units, "
+                        f"and fsdp.wrap=size with fsdp.min_num_params={min_num_params} makes {len(units)} inside the "
+                        f"blocks (e.g. {units[0]}); set fsdp.min_num_params={largest} or more, fsdp.wrap=block, or "
+                        "activation_checkpointing=full")
 
 
 def build_model(spec: ModelSpec, mesh, device, source: Callable[[], Any] | None = None,
