@@ -194,20 +194,23 @@ def size_based_units(model, min_num_params: int) -> list:
     """Post-order walk: a subtree becomes a unit once it holds >= min_num_params not yet in a unit.
     Modules without a forward (ModuleList/ModuleDict, and ParameterDict/ParameterList, whose
     parameters their parent reads directly: peft's IA3 vectors; FSDP gathers a unit only when it is
-    called) and subtrees holding a tied parameter (e.g. input embeddings shared with the LM head:
+    called), the modules inside a peft adapter layer (its forward reads lora_A's weight dtype, which
+    a unit of its own changes between forward and a checkpoint's recomputation under mixed
+    precision) and subtrees holding a tied parameter (e.g. input embeddings shared with the LM head:
     both must live in one unit) pass it up."""
     from collections import Counter
 
+    from peft.tuners.tuners_utils import BaseTunerLayer
 
     uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     tied = {pid for pid, n in uses.items() if n > 1}
     units = []
 
-    def visit(module) -> int:
+    def visit(module, in_adapter: bool = False) -> int:
         pending = sum(p.numel() for p in module.parameters(recurse=False))
         for child in module.children():
-            pending += visit(child)
-        eligible = type(module).forward is not nn.Module.forward and \
+            pending += visit(child, in_adapter or isinstance(module, BaseTunerLayer))
+        eligible = not in_adapter and type(module).forward is not nn.Module.forward and \
             not any(id(p) in tied for p in module.parameters())
         if module is not model and eligible and pending >= min_num_params:
             units.append(module)
