@@ -167,6 +167,9 @@ FOUND = {
     "lora_units_under_checkpointing": ("gpt2", {"format": "text"}, {
         "peft.method": "lora", "activation_checkpointing": "full", "fsdp.wrap": "size", "fsdp.min_num_params": 1,
         "precision": "bf16"}, 0),
+    # transformers renames GPT-NeoX's weights on save: refused once the model was built
+    "hf_format_of_renamed_weights": ("gpt_neox", {"format": "text"}, {"checkpoint.every_steps": 1,
+                                                                      "checkpoint.hf_format": "true"}, 2),
     # an adapter on GPT-2's LM head, tied to the input embeddings: transformers' tie_weights raised a
     # KeyError when the weights were broadcast
     "dora_on_tied_head": ("gpt2", {"format": "chat"}, {"peft.method": "dora", "peft.target_modules": "[lm_head]"}, 2),
