@@ -25,6 +25,15 @@ from shardtune.sweep.grid import check as check_sweep
 from shardtune.sweep.search import Search, parse_space
 from shardtune.sweep.search import check as check_search
 
+# what only the model's structure (its meta skeleton) tells: peft's targets (GPT-2's head is tied to its
+# embeddings), the blocks freezing keeps, the block class, size-based units inside selective blocks
+STRUCTURE_BREAKERS = {  # what the refusal names: the breaker
+    "['nope'] are not modules": {"peft.method": "lora", "peft.target_modules": "[nope]"},
+    "lm_head, the LM head, whose weight is tied": {"peft.method": "ia3", "peft.target_modules": "[lm_head]"},
+    "freeze.trainable_blocks=3": {"freeze.trainable_blocks": 3},
+    "fsdp.block_class='Nope'": {"fsdp.block_class": "Nope"},
+    "selective cannot recompute": {"activation_checkpointing": "selective", "fsdp.wrap": "size",
+                                   "fsdp.min_num_params": 1}}
 # ways to break a run that only the model's config and the tokenizer can tell (TINY gpt2: 128 positions)
 BREAKERS = st.one_of(
     st.integers(2, 299).map(lambda v: {"model.config": {**TINY["gpt2"], "vocab_size": v}}),  # tokenizer: 300
@@ -32,6 +41,7 @@ BREAKERS = st.one_of(
     st.integers(1, 10 ** 12).map(lambda v: {"peft.method": "prefix_tuning", "peft.num_virtual_tokens": v}),
     st.integers(1, 10 ** 12).map(lambda v: {"peft.method": "prompt_tuning", "peft.num_virtual_tokens": v}),
     st.just({"peft.method": "adaption_prompt"}),  # not for gpt2
+    st.sampled_from(list(STRUCTURE_BREAKERS.values())),
     # a model or tokenizer that is neither a folder here nor a Hub id: no lookup on the Hub names it
     st.tuples(st.sampled_from(["model.tokenizer", "model.name_or_path"]),
               st.sampled_from(["./", "../", "/", "~/", "a/b/", "x y/", "./a/"]),
@@ -65,10 +75,22 @@ def test_what_train_refuses_plan_sweep_and_eval_refuse_with_the_same_line(assets
     try:
         check_run(resolve_run(cfg, 1, say=lambda line: None), 1)
     except UserError as exc:
-        line = str(exc)
+        refused_everywhere(words, cfg, str(exc))
     else:
         assume(False)
-        return
+
+
+@pytest.mark.parametrize("needle", STRUCTURE_BREAKERS)
+def test_what_the_model_structure_refuses_the_check_refuses_for_every_command(assets, needle):
+    words = overrides(assets, {"data.seq_len": 64, **STRUCTURE_BREAKERS[needle]})
+    cfg = load_config(None, words, defaults={})
+    line = refusal(lambda: check_run(resolve_run(cfg, 1, say=lambda line: None), 1))
+    assert needle in line, line
+    refused_everywhere(words, cfg, line)
+
+
+def refused_everywhere(words: list[str], cfg, line: str) -> None:
+    """plan, sweep (grid and search) and eval refuse `cfg` with train's `line`."""
     assert "\n" not in line
     assert refusal(lambda: check_plan(PlanRequest(gpus=1, gpu="A100-80GB"), cfg)) == line
     sweep = Sweep(None, words, [("train.seed", ["1", "2"])], defaults={})

@@ -29,9 +29,11 @@ class CheckedRun:
 
 def check_model(cfg: RunConfig, hf_config, tokenizer=None) -> None:
     """What the model's config and its tokenizer (where at hand) must allow: the vocabulary, the
-    positions, the peft method, document masking. The same lines for every command."""
+    positions, the peft method (its targets, on the model's meta skeleton), freezing, document
+    masking. The same lines for every command."""
     from shardtune.data import docmask
     from shardtune.model.adapters import check_method
+    from shardtune.model.build import ModelSpec, check_structure
     from shardtune.model.hf import check_seq_len, check_vocab, match_tokenizer
 
     if tokenizer is not None:
@@ -40,6 +42,13 @@ def check_model(cfg: RunConfig, hf_config, tokenizer=None) -> None:
     check_seq_len(hf_config, cfg.data.seq_len, cfg.peft.virtual_tokens)
     check_method(cfg.peft, hf_config)
     docmask.check(cfg.data, hf_config)
+    spec = ModelSpec.of_run(cfg, hf_config)
+    check_structure(spec)
+    if cfg.checkpoint.hf_format:  # transformers' renames on save, read from the keys of the meta skeleton
+        from shardtune.checkpoint.hf_sharded import check_hf_keys
+        from shardtune.model.build import skeleton
+
+        check_hf_keys(skeleton(spec)[0].state_dict(), hf_config)
 
 
 def local_tokenizer(model_cfg):

@@ -63,10 +63,22 @@ def require_hf_writable(model, hf_config) -> None:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     state_dict = get_model_state_dict(model)
-    if not _writable(state_dict) or hf_file_plan(hf_config, state_dict, "2GB") is None:
-        raise UserError(f"checkpoint.hf_format=true cannot write this {hf_config.model_type!r} model in place: "
-                        "transformers renames its weights on save; set checkpoint.hf_format=false and use "
-                        "`shardtune export` on a checkpoint")
+    if not _writable(state_dict):
+        _refuse(hf_config)
+    check_hf_keys(state_dict, hf_config)
+
+
+def check_hf_keys(state_dict: dict, hf_config) -> None:
+    """checkpoint.hf_format's keys (a meta skeleton's will do: check.run's, before anything is
+    built): transformers must save them as they are named, else one line."""
+    if hf_file_plan(hf_config, state_dict, "2GB") is None:
+        _refuse(hf_config)
+
+
+def _refuse(hf_config) -> None:
+    raise UserError(f"checkpoint.hf_format=true cannot write this {hf_config.model_type!r} model in place: "
+                    "transformers renames its weights on save; set checkpoint.hf_format=false and use "
+                    "`shardtune export` on a checkpoint")
 
 
 def save_hf_sharded(model, hf_config, tokenizer, out: Path, max_shard_size: int | str = "2GB") -> bool:

@@ -126,7 +126,7 @@ def apply_parallelism(model, spec, block_cls: type, mesh, device) -> tuple[list,
     known = family(getattr(getattr(model, "config", None), "model_type", None))
     if known and known.view_output_checked and known.block == block_cls.__name__:  # families.Family
         warnings.filterwarnings("ignore", message=rf"FSDP2-wrapped module \(FSDP{block_cls.__name__}\) returned a view")
-    units = blocks if fsdp.wrap == "block" else _size_based_units(model, fsdp.min_num_params)
+    units = blocks if fsdp.wrap == "block" else size_based_units(model, fsdp.min_num_params)
     for unit in units:
         # the last unit's backward comes right after its forward: freeing it would only re-gather it
         fully_shard(unit, reshard_after_forward=reshard and unit is not units[-1], **kwargs)
@@ -190,22 +190,27 @@ def reads_embedding_weight(model, emb) -> bool:
     return False
 
 
-def _size_based_units(model, min_num_params: int) -> list:
+def size_based_units(model, min_num_params: int) -> list:
     """Post-order walk: a subtree becomes a unit once it holds >= min_num_params not yet in a unit.
-    Containers without a forward (ModuleList/ModuleDict) and subtrees holding a tied parameter
-    (e.g. input embeddings shared with the LM head: both must live in one unit) pass it up."""
+    Modules without a forward (ModuleList/ModuleDict, and ParameterDict/ParameterList, whose
+    parameters their parent reads directly: peft's IA3 vectors; FSDP gathers a unit only when it is
+    called), the modules inside a peft adapter layer (its forward reads lora_A's weight dtype, which
+    a unit of its own changes between forward and a checkpoint's recomputation under mixed
+    precision) and subtrees holding a tied parameter (e.g. input embeddings shared with the LM head:
+    both must live in one unit) pass it up."""
     from collections import Counter
 
+    from peft.tuners.tuners_utils import BaseTunerLayer
 
     uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     tied = {pid for pid, n in uses.items() if n > 1}
     units = []
 
-    def visit(module) -> int:
+    def visit(module, in_adapter: bool = False) -> int:
         pending = sum(p.numel() for p in module.parameters(recurse=False))
         for child in module.children():
-            pending += visit(child)
-        eligible = not isinstance(module, (nn.ModuleList, nn.ModuleDict)) and \
+            pending += visit(child, in_adapter or isinstance(module, BaseTunerLayer))
+        eligible = not in_adapter and type(module).forward is not nn.Module.forward and \
             not any(id(p) in tied for p in module.parameters())
         if module is not model and eligible and pending >= min_num_params:
             units.append(module)

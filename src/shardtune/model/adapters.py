@@ -71,6 +71,7 @@ def add_adapter(model, cfg: PeftConfig, seed: int | None = None, init: bool = Tr
     peft_config = PEFT_CONFIGS[cfg.method](model, cfg, init)
     if init:
         peft_config = init_text(peft_config, cfg, tokenizer)
+    _refuse_tied_head(model, getattr(peft_config, "target_modules", None), cfg.method)
     if seed is not None:
         torch.manual_seed(seed)  # adapter init identical whatever the world size
     try:
@@ -83,6 +84,20 @@ def add_adapter(model, cfg: PeftConfig, seed: int | None = None, init: bool = Tr
             from None
     _inputs_carry_grad(model)
     return fit_for_fsdp(wrapped)
+
+
+def _refuse_tied_head(model, targets, method: str) -> None:
+    """An adapter on an LM head that shares its weight with the input embeddings (tied): loading
+    the weights ties the pair again, which a head wrapped by an adapter cannot take, and the
+    adapter would change the embeddings' lookup too."""
+    head, emb = model.get_output_embeddings(), model.get_input_embeddings()
+    if not isinstance(targets, (list, tuple, set)) or head is None or emb is None \
+            or getattr(head, "weight", None) is None or head.weight is not getattr(emb, "weight", None):
+        return
+    name = next(n for n, m in model.named_modules() if m is head)
+    if _matches(name, targets):
+        raise UserError(f"peft.target_modules puts {method} adapters on {name}, the LM head, whose weight is tied to "
+                        f"the input embeddings (tie_word_embeddings); leave {name} out of peft.target_modules")
 
 
 def _inputs_carry_grad(model) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 import torch.distributed as dist
 
 from shardtune.config.schema import FreezeConfig, FSDPConfig, PeftConfig, RunConfig
+from shardtune.errors import UserError
 
 
 @dataclass
@@ -79,22 +80,65 @@ def check_machine(cfg: RunConfig, device) -> None:
     kernels.check(cfg.kernels, device)
 
 
+def skeleton(spec: ModelSpec) -> tuple[Any, type]:
+    """The model of `spec` on the meta device with its kernels and its adapters or freezing, and
+    its decoder-block class: the build's first steps (structure only: values come from rank 0)."""
+    from shardtune.distributed.fsdp import detect_block_class
+    from shardtune.model import kernels
+    from shardtune.model.adapters import adapt
+    from shardtune.model.hf import build_meta_model
+
+    model = build_meta_model(spec.hf_config, spec.trust_remote_code)
+    block_cls = detect_block_class(model, spec.fsdp.block_class)
+    kernels.apply(model, spec.kernels)  # the plain HF modules, before adapters wrap them
+    return adapt(model, spec.peft, spec.freeze, block_cls, init=False), block_cls
+
+
+def check_structure(spec: ModelSpec) -> None:
+    """What only the model's structure can tell of the peft method's targets, the blocks freezing
+    keeps, fsdp.block_class and size-based units under selective checkpointing: refused on the meta
+    skeleton (milliseconds, under a second for 7B), before any data is read or weight built.
+    Liger's kernels keep the module names: left out."""
+    import dataclasses
+
+    inner_units = spec.fsdp.wrap == "size" and spec.activation_checkpointing == "selective"
+    if not (spec.peft.adapter or spec.freeze.trainable_blocks is not None or spec.fsdp.block_class or inner_units):
+        return
+    model, block_cls = skeleton(dataclasses.replace(spec, kernels="none"))
+    if inner_units:
+        _check_units_outside_blocks(model, block_cls, spec.fsdp.min_num_params)
+
+
+def _check_units_outside_blocks(model, block_cls: type, min_num_params: int) -> None:
+    """Selective checkpointing replays a block's ops in backward from what forward cached, op by
+    op: an FSDP unit inside the block runs other ops when it is recomputed (its gathers and their
+    record_function markers), which the cache does not hold (torch raises mid-backward)."""
+    from shardtune.distributed.fsdp import size_based_units
+
+    blocks = [m for m in model.modules() if isinstance(m, block_cls)]
+    inside = {id(m): name for b in blocks for name, m in b.named_modules() if m is not b}
+    units = [inside[id(u)] for u in size_based_units(model, min_num_params) if id(u) in inside]
+    if units:
+        largest = max(sum(p.numel() for p in b.parameters()) for b in blocks)
+        raise UserError(f"activation_checkpointing=selective cannot recompute a decoder block that holds FSDP units, "
+                        f"and fsdp.wrap=size with fsdp.min_num_params={min_num_params} makes {len(units)} inside the "
+                        f"blocks (e.g. {units[0]}); set fsdp.min_num_params={largest} or more, fsdp.wrap=block, or "
+                        "activation_checkpointing=full")
+
+
 def build_model(spec: ModelSpec, mesh, device, source: Callable[[], Any] | None = None,
                 seed: int = 0, folder=None) -> BuiltModel:
     """The sharded model of `spec` on `mesh`. `source` returns the full-weight plain model; it
     is called on rank 0 only (collective: every rank calls build_model with a source or none).
     `folder` (safetensors): each rank reads its own slices from it instead, where the keys allow."""
 
-    from shardtune.distributed.fsdp import apply_parallelism, detect_block_class
-    from shardtune.model import float8, kernels
+    from shardtune.distributed.fsdp import apply_parallelism
+    from shardtune.model import float8
     from shardtune.model import loss as loss_lib
     from shardtune.model.adapters import adapt
-    from shardtune.model.hf import build_meta_model, materialize
+    from shardtune.model.hf import materialize
 
-    model = build_meta_model(spec.hf_config, spec.trust_remote_code)
-    block_cls = detect_block_class(model, spec.fsdp.block_class)
-    kernels.apply(model, spec.kernels)  # the plain HF modules, before adapters wrap them
-    model = adapt(model, spec.peft, spec.freeze, block_cls, init=False)  # structure only: values come from rank 0
+    model, block_cls = skeleton(spec)
     loss_lib.install(model, spec.loss_chunk_tokens, spec.kernels)  # before sharding: it checks the head's class
     float8.convert(model, block_cls, spec.float8)  # before compile and sharding: both see the float8 layers
     units, reshard = apply_parallelism(model, spec, block_cls, mesh, device)
