@@ -378,15 +378,15 @@ def run(checked: CheckedRun | RunConfig, overwrite: bool = False) -> dict:
     try:
         try:
             trainer = Trainer(checked, overwrite)
-            results = trainer.fit()
-            final = None
-            if trainer.cfg.save_final and not results.get("preempted"):  # a preempted run is finished by its resume
-                final = trainer.export()
-            trainer.publishing.final(final, trainer.state.step, results)
         except BaseException:
-            if owns_group and torch.distributed.is_initialized():  # leave no group behind a failed run
+            if owns_group and torch.distributed.is_initialized():  # leave no group behind a failed set-up
                 torch.distributed.destroy_process_group()
             raise
+        results = trainer.fit()
+        final = None
+        if trainer.cfg.save_final and not results.get("preempted"):  # a preempted run is finished by its resume
+            final = trainer.export()
+        trainer.publishing.final(final, trainer.state.step, results)
         trainer.close(EXIT_PREEMPTED if results.get("preempted") else 0)
         return results
     finally:  # the output folder's lock (rank 0's, taken by prepare_run_dir)
