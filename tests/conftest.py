@@ -100,6 +100,29 @@ def run_cli(args: list[str], timeout: int = 300, env: dict | None = None, **kw) 
                           timeout=timeout, env=child_env(**(env or {})), cwd=kw.pop("cwd", ROOT), **kw)
 
 
+def main_in_process(argv: list[str], main=None, context=contextlib.nullcontext) -> tuple[int, str]:
+    """(exit code, stderr) of `shardtune argv` run in this process, stdout kept off the console.
+    Anything escaping main fails the test with its traceback (that is the finding); a process
+    group the run left behind is ended, so later tests on this worker start without one."""
+    import io
+    import traceback
+
+    import torch
+
+    if main is None:
+        from shardtune.cli.main import main
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()), context():
+            rc = main(argv)
+    except BaseException as exc:  # noqa: BLE001 - anything escaping main is the finding
+        raise AssertionError(f"escaped main for {argv!r}: {type(exc).__name__}\n{traceback.format_exc()}") from None
+    finally:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    return rc, err.getvalue()
+
+
 # In-process training helpers shared by tests/train, tests/model and tests/e2e/test_cuda.py.
 
 def train_tiny(assets, out, **extra) -> list[float]:

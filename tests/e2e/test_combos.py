@@ -14,13 +14,10 @@ The suite runs a few examples with a fixed seed (derandomized); for a longer sea
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-import io
 import json
 import math
 import os
-import traceback
 from pathlib import Path
 
 import pytest
@@ -28,7 +25,7 @@ from archs import arch_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import TINY, losses, tiny_overrides
+from conftest import TINY, losses, main_in_process, tiny_overrides
 
 EXAMPLES = int(os.environ.get("SHARDTUNE_FUZZ_EXAMPLES", "0"))
 FAMILIES = ["gpt2", "llama", "opt", "mistral", "qwen2", "gemma", "phi", "falcon", "gpt_neox"]
@@ -119,28 +116,17 @@ def overrides(data: dict, assets, out: Path, family: str, fmt: dict, rest: dict)
 def train_and_check(words: list[str], out: Path, monkeypatch) -> int:
     """`shardtune train words` in-process: exit 0 with finite losses, or 2 with one line that
     the check (check.run.check_run) gave, nothing built; anything else fails with what happened."""
-    import torch
-
     import shardtune.check.run as check
-    from shardtune.cli.main import main
 
     checked, real = [], check.check_run
     monkeypatch.setattr(check, "check_run", lambda *a, **kw: checked.append(real(*a, **kw)) or checked[-1])
-    err = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            rc = main(["train", *words, "--overwrite"])
-    except BaseException as exc:  # noqa: BLE001 - anything escaping main is the finding
-        raise AssertionError(f"escaped main for {words!r}: {type(exc).__name__}\n{traceback.format_exc()}") from None
-    finally:
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-    lines = [line for line in err.getvalue().splitlines() if line.strip()]
+    rc, text = main_in_process(["train", *words, "--overwrite"])
+    lines = [line for line in text.splitlines() if line.strip()]
     if rc == 2:
-        assert len(lines) == 1 and lines[0].startswith("error: "), f"{words!r}:\n{err.getvalue()[-3000:]}"
+        assert len(lines) == 1 and lines[0].startswith("error: "), f"{words!r}:\n{text[-3000:]}"
         assert not checked, f"refused after the check passed, mid-build: {lines[0]}\n{words!r}"
         return rc
-    assert rc == 0 and "Traceback" not in err.getvalue(), f"rc={rc} for {words!r}:\n{err.getvalue()[-3000:]}"
+    assert rc == 0 and "Traceback" not in text, f"rc={rc} for {words!r}:\n{text[-3000:]}"
     got = losses(out)
     assert got and all(math.isfinite(x) for x in got), f"losses {got} for {words!r}"
     return rc

@@ -17,7 +17,6 @@ import io
 import itertools
 import json
 import os
-import traceback
 from pathlib import Path
 
 import pytest
@@ -26,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_errors import TINY_GPT2, library_logs_to_stderr, qs_assets  # noqa: F401 - a shared fixture
 
-from conftest import AGENT_VARS
+from conftest import AGENT_VARS, main_in_process
 from shardtune.cli.main import main
 from shardtune.config.schema import config_keys
 from shardtune.errors import EXIT_USAGE
@@ -382,21 +381,11 @@ def run_and_check(world: FuzzWorld, argv: list[str], must_fail: bool = False, ma
     no traceback, at most two lines on stderr, no file that existed before changed (`resumed`: unless
     it exits 0, a resume that continues the run's files)."""
     before = snapshot(world.root)
-    err, out = io.StringIO(), io.StringIO()
-    try:
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out), library_logs_to_stderr():
-            rc = main(argv)
-    except BaseException as exc:  # noqa: BLE001 - anything escaping main is the finding
-        raise AssertionError(f"escaped main for {argv!r}: {type(exc).__name__}\n{traceback.format_exc()}") from None
-    finally:
-        import torch
-
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-    lines = [line for line in err.getvalue().splitlines() if line.strip()]
-    assert rc in ((EXIT_USAGE,) if must_fail else (0, EXIT_USAGE)), f"rc={rc} for {argv!r}: {err.getvalue()}"
-    assert "Traceback" not in err.getvalue(), f"{argv!r}: {err.getvalue()}"
-    assert len(lines) <= 2, f"{len(lines)} lines on stderr for {argv!r}:\n{err.getvalue()[:3000]}"
+    rc, err = main_in_process(argv, main, library_logs_to_stderr)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert rc in ((EXIT_USAGE,) if must_fail else (0, EXIT_USAGE)), f"rc={rc} for {argv!r}: {err}"
+    assert "Traceback" not in err, f"{argv!r}: {err}"
+    assert len(lines) <= 2, f"{len(lines)} lines on stderr for {argv!r}:\n{err[:3000]}"
     changed = [p for p, stamp in before.items() if snapshot_one(Path(p)) != stamp and not (resumed and rc == 0)]
     assert not changed, f"{argv!r} changed {changed[:3]}"
     return rc
