@@ -179,6 +179,65 @@ def test_anything_of_a_run_evaluates_on_the_runs_data(trained, ck_assets):  # no
         assert_metrics(run_eval(str(spec))["model"], want)
 
 
+@pytest.fixture(scope="module")
+def alpaca_split(tmp_path_factory) -> Path:
+    """Instruct rows with the alpaca columns: train.jsonl and validation.jsonl."""
+    folder = tmp_path_factory.mktemp("alpaca-split")
+    rows = [{"instruction": f"Add one to {i}.", "input": "" if i % 3 else f"the number {i}",
+             "output": f"It is {i + 1}."} for i in range(22)]
+    for name, part in (("train", rows[:16]), ("validation", rows[16:])):
+        (folder / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
+    return folder
+
+
+ALPACA_LAYOUT = "alpaca"  # hand_response_loss: the default prompt layout, else a data.template
+
+
+def hand_response_loss(folder: Path, jsonl: Path, template: str = ALPACA_LAYOUT, cutoff: int = 128) -> float:
+    """Token-weighted loss over the responses alone (prompt, then response + EOS, cut at `cutoff`;
+    the prompt gets no loss, an example with no response token left is skipped), with plain
+    transformers, one example at a time."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from shardtune.data.formats import PROMPT_NO_INPUT, PROMPT_WITH_INPUT
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    total = count = 0
+    for row in map(json.loads, jsonl.read_text().splitlines()):
+        layout = template if template != ALPACA_LAYOUT else PROMPT_WITH_INPUT if row["input"] else PROMPT_NO_INPUT
+        p = tok(layout.format(**row), add_special_tokens=False)["input_ids"]
+        a = (tok(row["output"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id])[:cutoff - len(p)]
+        if a:
+            with torch.no_grad():
+                loss = model(input_ids=torch.tensor([p + a]), labels=torch.tensor([[-100] * len(p) + a])).loss
+            total, count = total + loss.item() * len(a), count + len(a)
+    return total / count
+
+
+def test_eval_reads_data_in_the_runs_format(trained, ck_assets, alpaca_split, tmp_path):  # noqa: F811
+    """An instruct run scores --data as it trained (its template; the responses alone, not packed
+    text); --format chooses otherwise, and a plain model folder takes --format instruct alike."""
+    from shardtune.train.trainer import run
+
+    out, template, rows = tmp_path / "instruct-run", "Q: {instruction} {input}\nA:", alpaca_split / "validation.jsonl"
+    run(config(ck_assets, out, **{"data.path": str(alpaca_split), "data.format": "instruct", "data.end_idx": "null",
+                                  "data.template": json.dumps(template), "train.max_steps": 1}))
+    release_group()
+    want = hand_response_loss(out / "final", rows, template, cutoff=64)
+    own = run_eval(str(out))["model"]  # the run's validation split
+    given = run_eval(str(out), "--data", str(alpaca_split))["model"]  # the same rows through --data
+    assert own["sequences"] == given["sequences"] == 6
+    assert abs(own["eval_loss"] - want) <= 1e-5 and abs(given["eval_loss"] - want) <= 1e-5, (own, given, want)
+    text = run_eval(str(out), "--data", str(alpaca_split), "--format", "text", "--text-field", "output",
+                    "--seq-len", "8")["model"]
+    assert abs(text["eval_loss"] - want) > 1e-3  # packed blocks of the responses alone
+    base = trained.parent / "base-model"  # no run: text unless --format says otherwise
+    got = run_eval(str(base), "--data", str(alpaca_split), "--format", "instruct")["model"]
+    assert got["sequences"] == 4  # the two rows with an input have no response token left within 128 positions
+    assert abs(got["eval_loss"] - hand_response_loss(base, rows)) <= 1e-5
+
+
 def test_eval_bad_input(trained, tmp_path, capsys):
     one_line_error(*cli(["eval", str(trained.parent / "base-model")], capsys), "--data")  # no run: no data
     one_line_error(*cli(["eval", str(tmp_path / "nothing-here")], capsys), "not found")

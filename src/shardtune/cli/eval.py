@@ -15,6 +15,9 @@ def add_parser(sub) -> None:
     p.add_argument("--data-name", type=nonempty_str, help="hub dataset config name")
     p.add_argument("--split", type=nonempty_str, help="split to evaluate (default: validation, else test, else train)")
     p.add_argument("--text-field", type=nonempty_str, default="text", help="column holding the text (default: text)")
+    p.add_argument("--format", choices=["text", "instruct", "chat"], help="how the split's rows are read: packed text, "
+                   "or examples scored on their responses (with --generate: prompt and reference) (default: the "
+                   "run's data.format, else text)")
     seq_len = p.add_argument("--seq-len", type=int_range(2), help="block length (default: the run's data.seq_len, "
                              "else 512 or the model's maximum positions if fewer)")
     p.add_argument("--micro-batch-size", type=positive_int, default=8,
@@ -28,8 +31,6 @@ def add_parser(sub) -> None:
     g = p.add_argument_group("generation quality (--generate N; one process, instead of loss/perplexity)")
     g.add_argument("--generate", type=positive_int, metavar="N", help="generate for the first N prompts of the split "
                    "and score them against the references (ROUGE, BLEU, chrF) and for diversity")
-    g.add_argument("--format", choices=["text", "instruct", "chat"], help="how the split's rows become prompt and "
-                   "reference (default: the run's data.format, else text)")
     g.add_argument("--prompt-tokens", type=positive_int, default=None, metavar="K",
                    help="text documents: the first K tokens are the prompt, the next ones the reference (default: 32, "
                    "fewer where the model's positions hold less)")
@@ -87,7 +88,8 @@ def request(args):
     from shardtune.evaluation.evaluate import EvalRequest
 
     return EvalRequest(model=args.model, data=args.data, data_name=args.data_name, split=args.split,
-                       text_field=args.text_field, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
+                       text_field=args.text_field, format=args.format, seq_len=args.seq_len,
+                       micro_batch_size=args.micro_batch_size,
                        max_batches=args.max_batches, compare=args.compare, device=args.device)
 
 

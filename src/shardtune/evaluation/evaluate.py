@@ -34,6 +34,7 @@ class EvalRequest:
     data_name: str | None = None
     split: str | None = None
     text_field: str = "text"
+    format: str | None = None  # text, instruct or chat; None: the run's data.format, else text
     seq_len: int | None = None
     micro_batch_size: int = 8
     max_batches: int = 0  # 0: all
@@ -42,10 +43,34 @@ class EvalRequest:
 
 
 def eval_config(req: EvalRequest, run_cfg):
-    """The evaluated run's config as eval reads its data: --seq-len in place of the run's (a copy)."""
+    """The evaluated run's config as eval reads its data: --seq-len in place of the run's block
+    length and example cutoff (a copy)."""
     if run_cfg is None or not req.seq_len:
         return run_cfg
-    return dataclasses.replace(run_cfg, data=dataclasses.replace(run_cfg.data, seq_len=req.seq_len))
+    return dataclasses.replace(run_cfg, data=dataclasses.replace(run_cfg.data, seq_len=req.seq_len, cutoff_len=None))
+
+
+def data_config(req, run_cfg):
+    """The data `req` (an eval or eval --generate request) reads: the run's (its format, fields,
+    template), with --data, --data-name, --text-field and --format overriding. A --format other
+    than the run's starts from that format's defaults: the run's template and fields were written
+    for rows of its own format."""
+    from shardtune.config.schema import DataConfig
+
+    if req.data is None and run_cfg is None:
+        raise UserError(f"{req.model!r} is not a shardtune checkpoint, so it has no dataset; pass --data PATH")
+    if run_cfg is not None and req.format in (None, run_cfg.data.format):
+        cfg = dataclasses.replace(run_cfg.data)
+        if req.text_field != "text":
+            cfg.text_field = req.text_field
+    else:
+        cfg = DataConfig(path=run_cfg.data.path if run_cfg else req.data, name=run_cfg.data.name if run_cfg else None,
+                         text_field=req.text_field, format=req.format or "text")
+        if run_cfg is not None:
+            cfg.seq_len = run_cfg.data.seq_len
+    if req.data is not None:
+        cfg.path, cfg.name = req.data, req.data_name
+    return cfg
 
 
 def check_eval(req: EvalRequest, run_cfg, hf_config, tokenizer, compare_config=None) -> EvalRequest:
@@ -89,30 +114,26 @@ def options_named(applies: bool = True):
 
 
 def eval_blocks(req: EvalRequest, run_cfg, tokenizer):
-    """Packed blocks to evaluate on: --data's split, else the validation split the run of
-    `run_cfg` (the evaluated checkpoint's) used, tokenized with `tokenizer`."""
-    from shardtune.config.schema import DataConfig
+    """Rows to evaluate on, tokenized with `tokenizer` in the format `data_config` gives (the
+    run's, unless --format): --data's split, else the validation split the run of `run_cfg` (the
+    evaluated checkpoint's) held out. Instruct and chat rows are scored on their responses only,
+    as training scored them."""
     from shardtune.data import pipeline as data_lib
-    from shardtune.evaluation import lengths
 
-    if req.data is None:  # check_eval refused it without a run
-        d = eval_config(req, run_cfg).data
-        if req.split is None:
-            _, val = data_lib.prepare(d, tokenizer, run_cfg.train.seed)
+    cfg = data_config(req, eval_config(req, run_cfg))  # check_eval set --seq-len
+    cfg.seq_len = req.seq_len or cfg.seq_len
+    with options_named(req.data is not None):
+        if req.data is None and req.split is None:
+            _, val = data_lib.prepare(cfg, tokenizer, run_cfg.train.seed)
             if val is None:
                 raise UserError("the run had no validation split; pass --data PATH [--split NAME]")
             return val
-        cfg = d
-    else:
-        cfg = DataConfig(path=req.data, name=req.data_name, text_field=req.text_field,
-                         seq_len=req.seq_len or (run_cfg.data.seq_len if run_cfg else lengths.SEQ_LEN))
-    with options_named(req.data is not None):
         splits = data_lib.load_documents(cfg)
         split = req.split or next((s for s in ("validation", "test") if s in splits), "train")
         if split not in splits:
             raise UserError(f"dataset {cfg.path!r} has no split {split!r}; choose --split from {', '.join(splits)}")
-        # the run's format (instruct, chat, template) when it is the run's data; packed text otherwise
-        blocks = data_lib.tokenize_split(splits[split], cfg, tokenizer, f"dataset {cfg.path!r}")
+        blocks = data_lib.tokenize_split(splits[split], cfg, tokenizer, f"split {split!r} of {cfg.path!r}",
+                                         required=True)
     if len(blocks) == 0:
         raise UserError(f"split {split!r} of {cfg.path!r} has fewer tokens than one block of {cfg.seq_len}; "
                         "lower --seq-len")

@@ -16,7 +16,7 @@ from pathlib import Path
 from shardtune.checkpoint.loading import load_model, run_folder
 from shardtune.errors import UserError
 from shardtune.evaluation import lengths, textscores
-from shardtune.evaluation.evaluate import generate
+from shardtune.evaluation.evaluate import data_config, generate
 from shardtune.fsio import make_dir, refuse_foreign_file, write_text_atomic
 
 SHOWN_EXAMPLES = 3  # example generations in the printed table (the JSON has all)
@@ -69,23 +69,6 @@ def check_request(req: QualityRequest) -> list[str]:
         raise UserError("--metrics mauve needs --mauve-featurizer MODEL (a local folder or a downloaded hub id, "
                         "e.g. gpt2)")
     return metrics
-
-
-def data_config(req: QualityRequest, run_cfg):
-    """The data to take prompts from: the run's (its format and fields), with --data, --data-name,
-    --text-field and --format overriding."""
-    from shardtune.config.schema import DataConfig
-
-    if req.data is None and run_cfg is None:
-        raise UserError(f"{req.model!r} is not a shardtune checkpoint, so it has no dataset; pass --data PATH")
-    cfg = dataclasses.replace(run_cfg.data) if run_cfg is not None else DataConfig(path=req.data)
-    if req.data is not None:
-        cfg.path, cfg.name = req.data, req.data_name
-        if req.text_field != "text" or run_cfg is None:
-            cfg.text_field = req.text_field
-    if req.format:
-        cfg.format = req.format
-    return cfg
 
 
 def documents(req: QualityRequest, cfg, run_cfg):
