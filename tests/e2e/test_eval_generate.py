@@ -289,15 +289,21 @@ def test_generate_prints_and_bad_input(trained, capsys, tmp_path):
                    "not UTF-8")
 
 
-@pytest.mark.parametrize("data, words", [
-    ('{"body": "a few words of text"}\n', ["has no column 'text', which --text-field names", "set --text-field"]),
-    (None, ["not found", "check --data"]),
+@pytest.mark.parametrize("data, words, extra", [
+    ('{"body": "a few words of text"}\n', ["has no column 'text', which --text-field names", "set --text-field"], []),
+    (None, ["not found", "check --data"], []),
+    ('{"instruction": "a", "output": "b"}\n', ["--format=chat needs a column 'messages'", "rename the file's columns"],
+     ["--format", "chat"]),
+    ('{"instruction": "a", "output": "b"}\n', ["keeps a response", "within --seq-len=2; raise --seq-len"],
+     ["--format", "instruct", "--seq-len", "2"]),
+    ('{"body": "a few words of text"}\n', ["has no column 'text', which --text-field names"], ["--generate", "2"]),
 ])
-def test_a_refusal_of_datas_files_names_evals_options(trained, tmp_path, capsys, data, words):
-    """eval has no data.* keys: a refusal of --data's files names the option that sets each."""
+def test_a_refusal_of_datas_files_names_evals_options(trained, tmp_path, capsys, data, words, extra):
+    """eval has no data.* keys: a refusal of --data's files names the option that sets each, and
+    says what to do about a key eval has no option for."""
     path = tmp_path / "eval.jsonl"
     if data is not None:
         path.write_text(data * 40)
-    code, err = cli(["eval", str(trained), "--data", str(path)], capsys)
+    code, err = cli(["eval", str(trained), "--data", str(path), *extra], capsys)
     one_line_error(code, err, *words)
-    assert "data.text_field" not in err and "data.path" not in err, err
+    assert not re.search(r"data\.(text_field|path|format|seq_len|cutoff_len)", err), err

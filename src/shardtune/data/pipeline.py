@@ -157,8 +157,9 @@ def tokenize_split(docs, cfg: DataConfig, tokenizer, what: str, warn=None, requi
     rows = rows.filter(lambda batch: [any(t != IGNORE_INDEX for t in lab[1:]) for lab in batch["labels"]],
                        batched=True, num_proc=cfg.num_proc, desc="drop rows without loss")
     if required and len(rows) == 0:
-        raise UserError(f"no example of {what} keeps a response (or assistant) token within data.cutoff_len="
-                        f"{cfg.example_cutoff}; raise data.cutoff_len/data.seq_len or check the data")
+        key = "data.cutoff_len" if cfg.cutoff_len else "data.seq_len"  # the one that set the cutoff
+        raise UserError(f"no example of {what} keeps a response (or assistant) token within {key}="
+                        f"{cfg.example_cutoff}; raise {key} or check the data")
     if cfg.train_on_inputs:
         rows = rows.remove_columns("labels")  # labels == input_ids
     if cfg.packing:

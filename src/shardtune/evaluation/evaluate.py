@@ -45,7 +45,7 @@ class EvalRequest:
 def eval_config(req: EvalRequest, run_cfg):
     """The evaluated run's config as eval reads its data: --seq-len in place of the run's block
     length and example cutoff (a copy)."""
-    if run_cfg is None or not req.seq_len:
+    if run_cfg is None or req.seq_len in (None, run_cfg.data.seq_len):
         return run_cfg
     return dataclasses.replace(run_cfg, data=dataclasses.replace(run_cfg.data, seq_len=req.seq_len, cutoff_len=None))
 
@@ -96,7 +96,10 @@ def check_eval(req: EvalRequest, run_cfg, hf_config, tokenizer, compare_config=N
 
 # the data keys a refusal of --data's files names, as the options of eval that set them
 DATA_OPTIONS = {"data.text_field": "--text-field", "data.path": "--data", "data.name": "--data-name",
-                "data.seq_len": "--seq-len"}
+                "data.seq_len": "--seq-len", "data.cutoff_len": "--seq-len", "data.format": "--format"}
+# what to do about a data key eval has no option for (data.instruction_field, data.messages_field, ...)
+OTHER_KEYS = ("eval reads the columns the run's recipe names (else the defaults): rename the file's columns, "
+              "or choose --format")
 
 
 @contextlib.contextmanager
@@ -110,6 +113,8 @@ def options_named(applies: bool = True):
         text = str(exc)
         for key, option in DATA_OPTIONS.items():
             text = re.sub(rf"(?<![\w.]){re.escape(key)}(?![\w])", option, text)
+        if re.search(r"(?<![\w.])data\.\w", text):
+            text = f"{text} ({OTHER_KEYS})"
         raise UserError(text) from None
 
 
@@ -122,7 +127,7 @@ def eval_blocks(req: EvalRequest, run_cfg, tokenizer):
 
     cfg = data_config(req, eval_config(req, run_cfg))  # check_eval set --seq-len
     cfg.seq_len = req.seq_len or cfg.seq_len
-    with options_named(req.data is not None):
+    with options_named(req.data is not None or req.format is not None):
         if req.data is None and req.split is None:
             _, val = data_lib.prepare(cfg, tokenizer, run_cfg.train.seed)
             if val is None:

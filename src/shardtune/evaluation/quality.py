@@ -16,7 +16,7 @@ from pathlib import Path
 from shardtune.checkpoint.loading import load_model, run_folder
 from shardtune.errors import UserError
 from shardtune.evaluation import lengths, textscores
-from shardtune.evaluation.evaluate import data_config, generate
+from shardtune.evaluation.evaluate import data_config, generate, options_named
 from shardtune.fsio import make_dir, refuse_foreign_file, write_text_atomic
 
 SHOWN_EXAMPLES = 3  # example generations in the printed table (the JSON has all)
@@ -178,7 +178,8 @@ def run_quality(req: QualityRequest) -> dict:
     _, tokenizer, hf_config, run_cfg = load_model(req.model, weights=False)
     cfg = data_config(req, run_cfg)
     req, room = fit_lengths(req, cfg, hf_config)
-    prompts = examples(req, cfg, documents(req, cfg, run_cfg), tokenizer)
+    with options_named(req.data is not None or req.format is not None):
+        prompts = examples(req, cfg, documents(req, cfg, run_cfg), tokenizer)
     if req.max_new_tokens is None:  # instruct/chat prompts: the longest leaves the room for new tokens
         req = dataclasses.replace(req, max_new_tokens=lengths.new_tokens(None, room, max(
             len(e.prompt_ids) for e in prompts)))
