@@ -215,16 +215,26 @@ def hand_response_loss(folder: Path, jsonl: Path, template: str = ALPACA_LAYOUT,
     return total / count
 
 
-def test_eval_reads_data_in_the_runs_format(trained, ck_assets, alpaca_split, tmp_path):  # noqa: F811
-    """An instruct run scores --data as it trained (its template; the responses alone, not packed
-    text); --format chooses otherwise, and a plain model folder takes --format instruct alike."""
+INSTRUCT_TEMPLATE = "Q: {instruction} {input}\nA:"
+
+
+@pytest.fixture(scope="module")
+def instruct_run(ck_assets, alpaca_split, tmp_path_factory):  # noqa: F811
+    """A 1-step instruct run on `alpaca_split` with a prompt template of its own."""
     from shardtune.train.trainer import run
 
-    out, template, rows = tmp_path / "instruct-run", "Q: {instruction} {input}\nA:", alpaca_split / "validation.jsonl"
+    out = tmp_path_factory.mktemp("instruct") / "run"
     run(config(ck_assets, out, **{"data.path": str(alpaca_split), "data.format": "instruct", "data.end_idx": "null",
-                                  "data.template": json.dumps(template), "train.max_steps": 1}))
+                                  "data.template": json.dumps(INSTRUCT_TEMPLATE), "train.max_steps": 1}))
     release_group()
-    want = hand_response_loss(out / "final", rows, template, cutoff=64)
+    return out
+
+
+def test_eval_reads_data_in_the_runs_format(trained, instruct_run, alpaca_split):
+    """An instruct run scores --data as it trained (its template; the responses alone, not packed
+    text); --format chooses otherwise, and a plain model folder takes --format instruct alike."""
+    out, rows = instruct_run, alpaca_split / "validation.jsonl"
+    want = hand_response_loss(out / "final", rows, INSTRUCT_TEMPLATE, cutoff=64)
     own = run_eval(str(out))["model"]  # the run's validation split
     given = run_eval(str(out), "--data", str(alpaca_split))["model"]  # the same rows through --data
     assert own["sequences"] == given["sequences"] == 6
@@ -236,6 +246,25 @@ def test_eval_reads_data_in_the_runs_format(trained, ck_assets, alpaca_split, tm
     got = run_eval(str(base), "--data", str(alpaca_split), "--format", "instruct")["model"]
     assert got["sequences"] == 4  # the two rows with an input have no response token left within 128 positions
     assert abs(got["eval_loss"] - hand_response_loss(base, rows)) <= 1e-5
+
+
+def test_generate_lays_prompts_out_as_the_run_trained(instruct_run, capsys):
+    """A prompt to an instruct run is its instruction in the run's template (greedy text equal to
+    plain transformers' on that layout); --format text sends it as given."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(instruct_run / "final")
+    model = AutoModelForCausalLM.from_pretrained(instruct_run / "final").eval()
+    question = "Add one to 3."
+    laid_out = INSTRUCT_TEMPLATE.format(instruction=question, input="")
+    for argv, given in (([], laid_out), (["--format", "text"], question)):
+        ids = tok(given, add_special_tokens=False)["input_ids"]
+        new = model.generate(torch.tensor([ids]), max_new_tokens=4, do_sample=False, pad_token_id=tok.eos_token_id)
+        code = main(["generate", str(instruct_run), "--prompt", question, "--temperature", "0", "--max-new-tokens",
+                     "4", "--device", "cpu", *argv])
+        out = capsys.readouterr()
+        assert code == 0 and out.out == given + tok.decode(new[0, len(ids):], skip_special_tokens=True) + "\n"
+        assert ("--format text sends them as given" in out.err) == (not argv), out.err
 
 
 def test_eval_bad_input(trained, tmp_path, capsys):

@@ -14,6 +14,9 @@ def add_parser(sub) -> None:
     add_decoding_args(p, temperature=0.7)
     p.add_argument("--batch-size", type=positive_int, default=8,
                    help="prompts per generate call, left-padded (default: 8)")
+    p.add_argument("--format", choices=["text", "instruct", "chat"], help="how each prompt is laid out: as given "
+                   "(text), as the instruction of an instruct example, or as a user turn of a chat (default: the "
+                   "run's data.format, else text)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
 
 
@@ -30,4 +33,5 @@ def request(args):
 
     return GenerateRequest(model=args.model, prompts=args.prompt or [], prompts_file=args.prompts_file,
                            max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                           seed=args.seed, batch_size=args.batch_size, device=args.device)
+                           seed=args.seed, batch_size=args.batch_size, format=args.format,
+                           device=args.device)

@@ -231,6 +231,7 @@ class GenerateRequest:
     top_p: float = 0.9
     seed: int = 0
     batch_size: int = 8  # prompts per generate call, left-padded
+    format: str | None = None  # how prompts are laid out (evaluation.prompts); None: the run's data.format, else text
     device: str = "auto"
 
 
@@ -295,15 +296,18 @@ def run_generate(req: GenerateRequest) -> list[str]:
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     from shardtune.evaluation import lengths
+    from shardtune.evaluation import prompts as layouts
 
-    prompts = read_prompts(req)
-    _, tokenizer, hf_config, _ = load_model(req.model, weights=False)  # checked before the weights load
-    longest = max(len(tokenizer(p, add_special_tokens=False).input_ids) for p in prompts)
+    _, tokenizer, hf_config, run_cfg = load_model(req.model, weights=False)  # checked before the weights load
+    cfg = layouts.layout(req.format, run_cfg)
+    prompts, ids = zip(*layouts.rendered(read_prompts(req), cfg, tokenizer))
     notes: list[str] = []  # said after the texts: the output is the texts, stderr is for errors
+    if cfg.format != "text" and req.format is None:
+        notes.append(f"the prompts are laid out as the run's {cfg.format} data; --format text sends them as given")
     new_tokens = lengths.new_tokens(req.max_new_tokens, lengths.smallest([lengths.room_of(req.model, hf_config)]),
-                                    longest, notes.append)
+                                    max(map(len, ids)), notes.append)
     model, tokenizer, _, _ = load_model(req.model, str(resolve_device(req.device)))
-    texts = generate(model, tokenizer, prompts, new_tokens, req.temperature, req.top_p, req.seed, req.batch_size)
+    texts = generate(model, tokenizer, list(ids), new_tokens, req.temperature, req.top_p, req.seed, req.batch_size)
     for i, (prompt, text) in enumerate(zip(prompts, texts)):
         if len(prompts) > 1:
             print(f"=== prompt {i + 1} ===")

@@ -1,0 +1,46 @@
+"""`generate`'s prompt layouts (evaluation/prompts.py): a chat run's user turn with the
+generation prompt, an instruct run's template, and what a single prompt cannot fill."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardtune.config.schema import DataConfig
+from shardtune.errors import UserError
+from shardtune.evaluation.prompts import layout, rendered
+
+
+@pytest.fixture
+def tok(assets):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(assets["tokenizer"])
+    tok.chat_template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}<assistant>{% endif %}")
+    return tok
+
+
+def test_a_chat_prompt_is_a_user_turn_before_the_generation_prompt(tok):
+    [(text, ids)] = rendered(["2+2?"], DataConfig(format="chat"), tok)
+    assert text == "<user>2+2?\n<assistant>" and ids == tok(text, add_special_tokens=False)["input_ids"]
+
+
+def test_an_instruct_prompt_is_the_instruction(tok):
+    from shardtune.data.formats import PROMPT_NO_INPUT
+
+    [(text, _)] = rendered(["Say hi."], DataConfig(format="instruct"), tok)
+    assert text == PROMPT_NO_INPUT.format(instruction="Say hi.")
+    own = DataConfig(format="instruct", template="Task: {task}", instruction_field="task")
+    [(text, _)] = rendered(["Say hi."], own, tok)
+    assert text == "Task: Say hi."
+    with pytest.raises(UserError, match="fills columns a prompt cannot give.*--format text"):
+        rendered(["x"], DataConfig(format="instruct", template="{quote} by {author}"), tok)
+
+
+def test_the_layout_is_the_runs_unless_format_says_otherwise():
+    from types import SimpleNamespace
+
+    run = SimpleNamespace(data=DataConfig(format="chat", chat_template="{{ x }}"))
+    assert layout(None, None).format == "text" and layout("instruct", None).format == "instruct"
+    assert layout(None, run).chat_template == "{{ x }}" and layout("chat", run).chat_template == "{{ x }}"
+    assert layout("text", run) == DataConfig(format="text")
