@@ -53,21 +53,16 @@ def eval_config(req: EvalRequest, run_cfg):
 def data_config(req, run_cfg):
     """The data `req` (an eval or eval --generate request) reads: the run's (its format, fields,
     template), with --data, --data-name, --text-field and --format overriding. A --format other
-    than the run's starts from that format's defaults: the run's template and fields were written
-    for rows of its own format."""
-    from shardtune.config.schema import DataConfig
+    than the run's starts from that format's defaults (`prompts.layout`)."""
+    from shardtune.evaluation.prompts import layout
 
     if req.data is None and run_cfg is None:
         raise UserError(f"{req.model!r} is not a shardtune checkpoint, so it has no dataset; pass --data PATH")
-    if run_cfg is not None and req.format in (None, run_cfg.data.format):
-        cfg = dataclasses.replace(run_cfg.data)
-        if req.text_field != "text":
-            cfg.text_field = req.text_field
-    else:
-        cfg = DataConfig(path=run_cfg.data.path if run_cfg else req.data, name=run_cfg.data.name if run_cfg else None,
-                         text_field=req.text_field, format=req.format or "text")
-        if run_cfg is not None:
-            cfg.seq_len = run_cfg.data.seq_len
+    cfg = layout(req.format, run_cfg)
+    if run_cfg is not None:  # the run's data, in whichever format reads it
+        cfg.path, cfg.name, cfg.seq_len = run_cfg.data.path, run_cfg.data.name, run_cfg.data.seq_len
+    if req.text_field != "text":
+        cfg.text_field = req.text_field
     if req.data is not None:
         cfg.path, cfg.name = req.data, req.data_name
     return cfg

@@ -10,8 +10,9 @@ from shardtune.errors import UserError
 
 
 def layout(fmt: str | None, run_cfg):
-    """The data config whose format lays out the prompts: the run's (with its fields, template and
-    chat template), or a default one of `fmt` (--format) where that differs or there is no run."""
+    """The data config whose format lays out the examples: the run's (with its fields, template and
+    chat template), or a default one of `fmt` (--format) where that differs or there is no run: the
+    run's template and fields were written for rows of its own format."""
     import dataclasses
 
     from shardtune.config.schema import DataConfig
