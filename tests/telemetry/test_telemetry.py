@@ -312,8 +312,7 @@ def test_a_run_refused_at_its_start_does_not_block_its_retry(assets, tmp_path, m
     assert (out / "config.yaml").is_file() and (out / "metrics.jsonl").stat().st_size == 0
     import torch.distributed
 
-    if torch.distributed.is_initialized():  # left by the run that failed in fit: later tests here need none
-        torch.distributed.destroy_process_group()
+    assert not torch.distributed.is_initialized()  # a lone process's failed run ends its group: it can run again
     monkeypatch.delenv("MLFLOW_TRACKING_URI")
     assert main(["train", *tiny_overrides(assets, out, **{"train.max_steps": 1})]) == 0
     with pytest.raises(UserError, match="already holds a run"):

@@ -382,11 +382,18 @@ def run(checked: CheckedRun | RunConfig, overwrite: bool = False) -> dict:
             if owns_group and torch.distributed.is_initialized():  # leave no group behind a failed set-up
                 torch.distributed.destroy_process_group()
             raise
-        results = trainer.fit()
-        final = None
-        if trainer.cfg.save_final and not results.get("preempted"):  # a preempted run is finished by its resume
-            final = trainer.export()
-        trainer.publishing.final(final, trainer.state.step, results)
+        try:
+            results = trainer.fit()
+            final = None
+            if trainer.cfg.save_final and not results.get("preempted"):  # a preempted run is finished by its resume
+                final = trainer.export()
+            trainer.publishing.final(final, trainer.state.step, results)
+        except BaseException:
+            # A lone process (a notebook, a library caller) can run again; with peers, the process's exit
+            # ends the group, as one of them may still wait in a collective.
+            if owns_group and torch.distributed.is_initialized() and torch.distributed.get_world_size() == 1:
+                torch.distributed.destroy_process_group()
+            raise
         trainer.close(EXIT_PREEMPTED if results.get("preempted") else 0)
         return results
     finally:  # the output folder's lock (rank 0's, taken by prepare_run_dir)
