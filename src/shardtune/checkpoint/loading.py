@@ -24,6 +24,20 @@ def run_folder(spec: str) -> Path | None:
     return None
 
 
+def model_step(spec: str) -> int | None:
+    """The training step of the model `spec` names, where its run tells it: a checkpoint's own, a
+    run's final/ (which records none) the last step its run logged; None for a model of no run."""
+    kind, where = resolve_model(spec)
+    if kind == "checkpoint":
+        return read_meta(where)["step"]
+    run = run_folder(spec)
+    if run is None:
+        return None
+    from shardtune.telemetry.report import logged_step
+
+    return logged_step(run)
+
+
 def resolve_model(spec: str) -> tuple[str, Path | str]:
     """("checkpoint", folder), ("adapter", folder) or ("hf", folder or hub id). A run folder means
     its final/ export if it has one, else its newest checkpoint; checkpoints/latest the checkpoint
