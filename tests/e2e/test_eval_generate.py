@@ -11,7 +11,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_checkpoint import ck_assets, cli, config, one_line_error, one_thread, release_group, spawn  # noqa: F401
+from test_checkpoint import (  # noqa: F401
+    ck_assets,
+    cli,
+    config,
+    one_line_error,
+    one_thread,
+    overrides,
+    release_group,
+    spawn,
+)
 
 from shardtune.cli.main import build_parser, main
 
@@ -336,3 +345,40 @@ def test_a_refusal_of_datas_files_names_evals_options(trained, tmp_path, capsys,
     code, err = cli(["eval", str(trained), "--data", str(path), *extra], capsys)
     one_line_error(code, err, *words)
     assert not re.search(r"data\.(text_field|path|format|seq_len|cutoff_len)", err), err
+
+
+def test_report_says_whose_generation_scores_a_resumed_run_shows(trained, ck_assets, tmp_path, capsys):  # noqa: F811
+    """generation.json kept the scores of the model `eval --generate` scored: after a resume trained
+    the run further, `report` showed them as the run's. Now they are labelled with their step, the
+    report says when that is not the run's last one and how to score it; an older file (no step) is
+    read, with that said."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(trained, run, symlinks=True)
+    generate = ["eval", str(run), "--generate", "2", "--prompt-tokens", "8", "--max-new-tokens", "2"]
+    rerun = f"rerun `shardtune eval {run} --generate 2`"
+
+    def report() -> tuple[str, str]:
+        assert main(["report", str(run)]) == 0
+        return (run / "report" / "report.md").read_text(), capsys.readouterr().out
+
+    assert main(generate) == 0
+    assert json.loads((run / "generation.json").read_text())["models"]["model"]["step"] == 6
+    text, _ = report()
+    assert "## Generation quality: run (model at step 6)" in text and rerun not in text
+    assert main(["train", *overrides(ck_assets, run, resume="auto", **{"train.max_steps": 8,
+                                                                        "checkpoint.every_steps": 6})]) == 0
+    release_group()
+    text, printed = report()
+    assert "## Generation quality: run (model at step 6)" in text
+    assert "scores of the model at step 6, not of the run's model at its last step (8)" in text and rerun in text
+    assert rerun in printed
+    old = json.loads((run / "generation.json").read_text())
+    del old["models"]["model"]["step"]
+    (run / "generation.json").write_text(json.dumps(old))
+    text, _ = report()
+    assert "## Generation quality: run\n" in text and "does not record which step's model it scored" in text
+    assert main(generate) == 0
+    text, _ = report()
+    assert "## Generation quality: run (model at step 8)" in text and rerun not in text

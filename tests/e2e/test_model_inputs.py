@@ -134,16 +134,12 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(capfd, tmp_pat
     """eval and generate on a plain model folder skipped train's check: an IndexError deep in torch."""
     import shutil
 
-    from transformers import AutoTokenizer
-
     big = tmp_path / "big"
     shutil.copytree(model_folder, big)
-    tokenizer = AutoTokenizer.from_pretrained(big)
-    tokenizer.add_tokens(["zzqx", "qqxz"])
-    tokenizer.save_pretrained(big)
+    tokens = add_two_tokens(big, big)
     data = write_jsonl(tmp_path / "data.jsonl", [{"text": "zzqx qqxz hello zzqx world " * 8}] * 40)
     fails(capfd, [a.format(big=big, model=model_folder, data=data, recipe=recipe, out=out) for a in argv],
-          f"has {len(tokenizer)} tokens but the model only 300")
+          f"has {tokens} tokens but the model only 300")
 
 
 def test_model_folder_with_a_generation_config_transformers_refuses(capfd, tmp_path, model_folder):
@@ -265,20 +261,68 @@ def test_export_takes_the_latest_pointer_and_names_a_missing_tokenizer(capfd, ea
     assert not (tmp_path / "out").exists()
 
 
-@pytest.fixture
-def lora_run(tmp_path, model_folder) -> Path:
-    """A run folder (its marks) whose final/ is a LoRA adapter of `model_folder`, as a peft run leaves it."""
+def save_lora(base: Path, folder: Path) -> None:
+    """A LoRA adapter of the model folder `base`, saved by peft into `folder`."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
+    get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(r=2, target_modules=["c_attn"])
+                   ).save_pretrained(folder)
+
+
+def add_two_tokens(folder: Path, source: Path) -> int:
+    """`source`'s tokenizer with two tokens added, saved into `folder`; its length."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    tokenizer.add_tokens(["zzqx", "qqxz"])
+    tokenizer.save_pretrained(folder)
+    return len(tokenizer)
+
+
+@pytest.fixture
+def lora_run(tmp_path, model_folder) -> Path:
+    """A run folder (its marks) whose final/ is a LoRA adapter of `model_folder`, as a peft run leaves it."""
     run = tmp_path / "lora-run"
     (run / "final").mkdir(parents=True)
     (run / "config.yaml").write_text("{}\n")
     (run / "metrics.jsonl").write_text("")
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_folder),
-                           LoraConfig(r=2, target_modules=["c_attn"]))
-    model.save_pretrained(run / "final")
+    save_lora(model_folder, run / "final")
     return run
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", "{adapter}", "--prompt", "zzqx hi", "--max-new-tokens", "2"],
+    ["eval", "{adapter}", "--data", "{data}", "--seq-len", "32"],
+    ["eval", "{model}", "--compare", "{adapter}", "--data", "{data}", "--seq-len", "32"],
+    ["eval", "{adapter}", "--data", "{data}", "--generate", "1", "--max-new-tokens", "2", "--out", "{out}/g.json"],
+    ["export", "{adapter}", "{out}", "--merge"],
+], ids=["generate", "eval", "eval-compare", "eval-generate", "export-merge"])
+def test_an_adapters_tokenizer_larger_than_its_bases_vocabulary_is_refused(capfd, tmp_path, model_folder, argv):
+    """An adapter folder whose tokenizer has tokens its base has no embedding for: eval and generate
+    failed inside torch (IndexError), export --merge wrote a folder that every command refuses."""
+    adapter = tmp_path / "adapter"
+    save_lora(model_folder, adapter)
+    tokens = add_two_tokens(adapter, model_folder)
+    data = write_jsonl(tmp_path / "data.jsonl", [{"text": "zzqx qqxz hello zzqx world " * 8}] * 40)
+    out = tmp_path / "out"
+    fails(capfd, [a.format(adapter=adapter, model=model_folder, data=data, out=out) for a in argv],
+          f"the tokenizer in {str(adapter)!r} has {tokens} tokens but the adapter's base model", "only 300")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("argv", [["generate", "{step}", "--prompt", "zzqx hi", "--max-new-tokens", "2"],
+                                  ["export", "{step}", "{out}"]], ids=["generate", "export"])
+def test_a_checkpoints_tokenizer_larger_than_its_model_is_refused(capfd, earlier_run, tmp_path, argv):
+    """A checkpoint whose tokenizer/ was replaced: generate failed inside torch, export wrote it."""
+    import shutil
+
+    step = tmp_path / "step"
+    shutil.copytree(_step(earlier_run), step)
+    tokens = add_two_tokens(step / "tokenizer", step / "tokenizer")
+    fails(capfd, [a.format(step=step, out=tmp_path / "out") for a in argv],
+          f"the tokenizer/ of checkpoint {str(step)!r} has {tokens} tokens but its model only 300")
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("source, target, words", [

@@ -1,19 +1,30 @@
 """A peft adapter folder (the final/ of a peft run) read whole before peft touches it: its
-config, the base it names (or the copy in ADAPTER/base where that is gone), its weights, and
-the adapter fitted onto the base, each refused in one line. `generate`, `eval` and
-`export --merge` open adapters through here."""
+config, the base it names (or the copy in ADAPTER/base where that is gone), its weights, its
+tokenizer against the base's vocabulary, and the adapter fitted onto the base, each refused in
+one line. `generate`, `eval` and `export --merge` open adapters through here."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, NamedTuple
 
 from shardtune.errors import UserError
 
 REEXPORT = "use the final/ folder of the run as it was written, or train again"
 
 
-def adapter_parts(adapter: Path) -> tuple[dict, str]:
-    """(adapter_config.json, the base model to load it on), with the weights file checked."""
+class AdapterParts(NamedTuple):
+    config: dict  # adapter_config.json
+    base: str  # the base model to load it on
+    base_config: Any  # the base's HF config
+    tokenizer: Any  # the adapter folder's own tokenizer, else its base's; None where neither has one
+
+
+def adapter_parts(adapter: Path) -> AdapterParts:
+    """The adapter folder's parts, with the weights file checked and the tokenizer refused where
+    it has ids past the base's embedding: peft loads such a pair without a word, and the first
+    such token failed inside torch (an IndexError), or `export --merge` wrote a folder every
+    command refuses."""
     from peft import PeftType
 
     from shardtune.model.files import check_safetensors, read_json_object
@@ -36,19 +47,54 @@ def adapter_parts(adapter: Path) -> tuple[dict, str]:
         raise UserError(f"adapter folder {str(adapter)!r} has no adapter_model.safetensors; {REEXPORT}")
     if weights.is_file():
         check_safetensors(weights)
-    return config, base
+    hf_config = base_config(base)
+    tokenizer, source = paired_tokenizer(adapter, base)
+    if tokenizer is not None:
+        from shardtune.model.hf import check_vocab
+
+        check_vocab(hf_config, tokenizer, "a token past those has no embedding: use the base's own tokenizer, or "
+                    "set base_model_name_or_path in adapter_config.json to a base resized to this tokenizer",
+                    f"the tokenizer in {source!r}", f"the adapter's base model {base!r}")
+    return AdapterParts(config, base, hf_config, tokenizer)
+
+
+def paired_tokenizer(adapter: Path, base: str) -> tuple[Any, str | None]:
+    """(the tokenizer that goes with the adapter, where it was read): the adapter folder's own (a
+    run saves its tokenizer there), else its base's; (None, None) where neither reads."""
+    from transformers import AutoTokenizer
+
+    for source in (str(adapter), base):
+        try:
+            return AutoTokenizer.from_pretrained(source), source
+        except (OSError, ValueError):
+            continue
+    return None, None
+
+
+def base_missing(base: str) -> UserError:
+    from shardtune.model.files import hub_hint
+
+    return UserError(f"base model {base!r} of the adapter not found; {hub_hint(base)}")
+
+
+def base_config(base: str):
+    """The HF config of the base an adapter goes on, or one line saying it is not there."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(base)
+    except OSError:
+        raise base_missing(base) from None
 
 
 def load_base(base: str, **kwargs):
     """The base model an adapter goes on, or one line saying it is not there."""
     from transformers import AutoModelForCausalLM
 
-    from shardtune.model.files import hub_hint
-
     try:
         return AutoModelForCausalLM.from_pretrained(base, **kwargs)
     except OSError:
-        raise UserError(f"base model {base!r} of the adapter not found; {hub_hint(base)}") from None
+        raise base_missing(base) from None
 
 
 def fit_adapter(model, adapter: Path, base: str):

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from shardtune.errors import UserError, first_line
 from shardtune.fsio import atomic_dir
+
+if TYPE_CHECKING:
+    from shardtune.checkpoint.adapter_folder import AdapterParts
 
 
 def gather_full_state_dict(model) -> dict:
@@ -157,23 +161,27 @@ def save_adapter_folder(state_dict: dict, peft_model, model_cfg, peft_cfg, hf_co
         tokenizer.save_pretrained(out)
 
 
-def merge_source(adapter: Path) -> tuple[Path, Path]:
-    """(adapter folder, base) that `export ADAPTER OUT --merge` reads: a run folder means its final/;
-    a folder without adapter_config.json, or an adapter that cannot merge, is refused (nothing loaded)."""
+def merge_source(adapter: Path) -> tuple[Path, AdapterParts]:
+    """(adapter folder, its AdapterParts) that `export ADAPTER OUT --merge` reads: a run folder means its final/;
+    a folder without adapter_config.json, or an adapter that cannot merge, is refused (no weights loaded)."""
+    from transformers.utils import logging as hf_logging
+
     from shardtune.checkpoint.adapter_folder import adapter_parts
     from shardtune.model.adapters import MERGEABLE_PEFT_TYPES
 
+    hf_logging.set_verbosity_error()  # from the check on (adapter_parts reads the base's config): one line or none
+    hf_logging.disable_progress_bar()
     if not (adapter / "adapter_config.json").is_file() and (adapter / "final" / "adapter_config.json").is_file():
         adapter = adapter / "final"  # a run folder: its final adapter
     if not (adapter / "adapter_config.json").is_file():
         raise UserError(f"{str(adapter)!r} is not a peft adapter folder (no adapter_config.json); "
                         "--merge takes the final/ folder of a peft.method=lora/dora/ia3 run")
-    config, base = adapter_parts(adapter)
-    kind = str(config.get("peft_type", "?"))
+    parts = adapter_parts(adapter)
+    kind = str(parts.config.get("peft_type", "?"))
     if kind not in MERGEABLE_PEFT_TYPES:
         raise UserError(f"an adapter of peft_type {kind} cannot be merged into its base (its learned tokens/gates "
                         "are no weights of the base); only lora, dora and ia3 merge: use the adapter folder as it is")
-    return adapter, base
+    return adapter, parts
 
 
 def merge_adapter_folder(adapter: Path, out: Path, max_shard_size: int | str = "2GB") -> Path:
@@ -183,23 +191,14 @@ def merge_adapter_folder(adapter: Path, out: Path, max_shard_size: int | str = "
     that cannot merge is refused before anything is loaded."""
     from shardtune.checkpoint.adapter_folder import fit_adapter, load_base
 
-    adapter, base = merge_source(adapter)
+    adapter, parts = merge_source(adapter)
+    base = parts.base
     if out.exists() and any(out.iterdir()):
         raise UserError(f"export folder {str(out)!r} is not empty; choose a new folder")
-    from transformers import AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
     model = fit_adapter(load_base(base, dtype="auto"), adapter, base).merge_and_unload()
     with atomic_dir(out) as tmp:
         model.save_pretrained(tmp, max_shard_size=max_shard_size, safe_serialization=True)
-        for source in (adapter, base):
-            try:
-                tokenizer = AutoTokenizer.from_pretrained(str(source))
-            except (OSError, ValueError):
-                continue
-            tokenizer.save_pretrained(tmp)
-            break
+        if parts.tokenizer is not None:  # the adapter's own, else its base's (adapter_folder.paired_tokenizer)
+            parts.tokenizer.save_pretrained(tmp)
     print(f"merged the adapter {adapter} into {base}; wrote {out}", flush=True)
     return out

@@ -24,6 +24,20 @@ def run_folder(spec: str) -> Path | None:
     return None
 
 
+def model_step(spec: str) -> int | None:
+    """The training step of the model `spec` names, where its run tells it: a checkpoint's own, a
+    run's final/ (which records none) the last step its run logged; None for a model of no run."""
+    kind, where = resolve_model(spec)
+    if kind == "checkpoint":
+        return read_meta(where)["step"]
+    run = run_folder(spec)
+    if run is None:
+        return None
+    from shardtune.telemetry.report import logged_step
+
+    return logged_step(run)
+
+
 def resolve_model(spec: str) -> tuple[str, Path | str]:
     """("checkpoint", folder), ("adapter", folder) or ("hf", folder or hub id). A run folder means
     its final/ export if it has one, else its newest checkpoint; checkpoints/latest the checkpoint
@@ -74,17 +88,15 @@ def _load(spec: str, device: str, weights: bool):
         return None, tokenizer, hf_config, run_cfg
 
     if kind == "adapter":  # evaluate/generate with the adapter folded into its base where it can be
-        from transformers import AutoConfig
-
         from shardtune.checkpoint.adapter_folder import adapter_parts, fit_adapter, load_base
         from shardtune.config.schema import ModelConfig
         from shardtune.model.hf import load_tokenizer
 
-        _, base = adapter_parts(where)
+        parts = adapter_parts(where)  # the tokenizer checked against the base's vocabulary there
         tokenizer = load_tokenizer(ModelConfig(tokenizer=str(where)))
         if not weights:
-            return None, tokenizer, AutoConfig.from_pretrained(base), None
-        model = _folded(fit_adapter(load_base(base), where, base))
+            return None, tokenizer, parts.base_config, None
+        model = _folded(fit_adapter(load_base(parts.base), where, parts.base))
         return model.to(torch.device(device)).eval(), tokenizer, model.config, None
 
     from shardtune.config.schema import ModelConfig
@@ -137,14 +149,19 @@ def checkpoint_config(path: Path, meta: dict):
     """(HF config, tokenizer) saved beside a checkpoint's shards, with the checks of a model
     folder (config.json readable and buildable, tokenizer whole): one line each."""
     from shardtune.config.schema import ModelConfig
-    from shardtune.model.hf import load_hf_config, load_tokenizer
+    from shardtune.model.hf import check_vocab, load_hf_config, load_tokenizer
 
     trust = bool(meta["config"].get("model", {}).get("trust_remote_code"))
     if not (path / "tokenizer").is_dir():
         raise UserError(f"checkpoint {str(path)!r} has no tokenizer/ folder (damaged, or copied in part); use "
                         "another checkpoint of the run, or copy the run's tokenizer folder into it")
     hf_config = load_hf_config(ModelConfig(name_or_path=str(path), random_init=True, trust_remote_code=trust))
-    return hf_config, load_tokenizer(ModelConfig(tokenizer=str(path / "tokenizer"), trust_remote_code=trust))
+    tokenizer = load_tokenizer(ModelConfig(tokenizer=str(path / "tokenizer"), trust_remote_code=trust))
+    # train matched them; a tokenizer/ replaced since failed inside torch (eval, generate) or exported as it was
+    check_vocab(hf_config, tokenizer, "a token past those has no embedding: copy back the tokenizer the run "
+                "trained with, or use another checkpoint of the run", f"the tokenizer/ of checkpoint {str(path)!r}",
+                "its model")
+    return hf_config, tokenizer
 
 
 def load_plain_model(path: Path, device: str = "cpu"):

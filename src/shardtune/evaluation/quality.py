@@ -13,7 +13,7 @@ import os
 import time
 from pathlib import Path
 
-from shardtune.checkpoint.loading import load_model, run_folder
+from shardtune.checkpoint.loading import load_model, model_step, run_folder
 from shardtune.errors import UserError
 from shardtune.evaluation import lengths, textscores
 from shardtune.evaluation.evaluate import data_config, generate, options_named
@@ -194,7 +194,8 @@ def run_quality(req: QualityRequest) -> dict:
         texts, seconds = generate_for(spec, req, device, prompts, tokenizer)
         generations[role] = texts
         scores = textscores.score(texts, references, metrics, req.seed, featurizer)
-        result["models"][role] = {"spec": spec, "scores": scores, "generate_s": seconds}
+        # the step tells `report` whether these are still the scores of the run's model (generation_report)
+        result["models"][role] = {"spec": spec, "step": model_step(spec), "scores": scores, "generate_s": seconds}
     result["examples"] = [{"prompt": e.prompt, "reference": e.reference, **{r: g[i] for r, g in generations.items()}}
                           for i, e in enumerate(prompts)]
     make_dir(out.parent)
@@ -218,7 +219,8 @@ def format_scores(result: dict) -> str:
     lines = [f"{'':14}" + "".join(f"{names[r]:>14}" for r in roles)]
     lines += [f"{k:14}" + "".join(f"{models[r]['scores'][k]:>14.4f}" for r in roles) for k in keys]
     lines.append(f"{'generate_s':14}" + "".join(f"{models[r]['generate_s']:>14.2f}" for r in roles))
-    lines += [f"{names[r]}: {models[r]['spec']}" for r in roles]
+    lines += [f"{names[r]}: {models[r]['spec']}" + ("" if models[r].get("step") is None else
+                                                   f" (step {models[r]['step']})") for r in roles]
     for i, ex in enumerate(result["examples"][:SHOWN_EXAMPLES]):
         lines += ["", f"--- example {i + 1}", f"prompt     ...{clip(ex['prompt'][-200:], 77)}",
                   f"reference  {clip(ex['reference'], 80)}"]

@@ -220,12 +220,12 @@ def match_tokenizer(hf_config, tokenizer, cfg: ModelConfig) -> None:
         obj.pad_token_id = tokenizer.pad_token_id
 
 
-def check_vocab(hf_config, tokenizer, fix: str, whose: str = "the tokenizer") -> None:
+def check_vocab(hf_config, tokenizer, fix: str, whose: str = "the tokenizer", model: str = "the model") -> None:
     """A tokenizer with more tokens than the model's embedding rows: a token past them fails deep
     in torch (an index error) at the first forward that meets it."""
     vocab = config_value(hf_config, "vocab_size")
     if vocab is not None and len(tokenizer) > vocab:
-        raise UserError(f"{whose} has {len(tokenizer)} tokens but the model only {vocab}; {fix}")
+        raise UserError(f"{whose} has {len(tokenizer)} tokens but {model} only {vocab}; {fix}")
 
 
 def max_positions(hf_config) -> int | None:

@@ -1,6 +1,9 @@
 """The generation-quality part of `shardtune report`: a run's generation.json (written by
 `shardtune eval RUN --generate N`) as a bar chart of its scores, base beside fine-tuned, a table
-of the numbers, and a few example generations."""
+of the numbers, and a few example generations. The file records the training step of the model
+it scored; where the run has since logged another step (a resume trained it further), the section
+says whose scores they are and how to score the current model, rather than showing them as the
+run's. A file without the step (older shardtune) is read as before, with that said."""
 
 from __future__ import annotations
 
@@ -27,6 +30,27 @@ def read_generation(run: Path) -> dict | None:
     return data
 
 
+def scored_step(data: dict) -> int | None:
+    """The training step of the model generation.json scored; None where not recorded."""
+    step = data["models"]["model"].get("step")
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def not_current(run: Path, data: dict, step: int | None) -> str | None:
+    """Why `run`'s generation.json may not be of its model at `step` (the last it logged) and how to
+    score that one; None where it is, or where there is no run to compare with."""
+    scored = scored_step(data)
+    if step is None or scored == step:
+        return None
+    rerun = (f"rerun `shardtune eval {run} --generate {data.get('settings', {}).get('generate', 'N')}` (with its "
+             "other options as before) to score that")
+    if scored is None:
+        return (f"{str(run / FILE)!r} does not record which step's model it scored (an older shardtune wrote it); "
+                f"the run is at step {step}: {rerun}")
+    return (f"{str(run / FILE)!r} holds the scores of the model at step {scored}, not of the run's model at its "
+            f"last step ({step}): {rerun}")
+
+
 def points(key: str, value: float) -> float:
     return value * 100 if key.startswith(UNIT_SCALE) else value
 
@@ -36,8 +60,8 @@ def cell(text: str, width: int = 120) -> str:
     return text if len(text) <= width else text[:width - 3] + "..."
 
 
-def generation_section(name: str, data: dict, out: Path) -> list[str]:
-    """Markdown lines for one run's generation.json; draws OUT/generation-NAME.png."""
+def generation_section(name: str, data: dict, out: Path, note: str | None = None) -> list[str]:
+    """Markdown lines for one run's generation.json (`note`: `not_current`'s); draws OUT/generation-NAME.png."""
     from shardtune.telemetry.plots import fmt, save_bars
 
     models = data["models"]
@@ -50,8 +74,10 @@ def generation_section(name: str, data: dict, out: Path) -> list[str]:
     save_bars(out / f"{stem}.png", f"Generation quality: {name}", "points (0-100; ROUGE, distinct, rep x100)",
               keys, bars)
     s = data.get("settings", {})
-    lines = [f"## Generation quality: {name}", "",
-             f"{s.get('prompts')} prompts of {s.get('data')} ({s.get('format')}), {s.get('max_new_tokens')} new "
+    step = scored_step(data)
+    lines = [f"## Generation quality: {name}" + ("" if step is None else f" (model at step {step})"), ""]
+    lines += [f"> **Not the run's current model:** {note}", ""] if note else []
+    lines += [f"{s.get('prompts')} prompts of {s.get('data')} ({s.get('format')}), {s.get('max_new_tokens')} new "
              f"tokens, temperature {s.get('temperature')}, seed {s.get('seed')}", "",
              "| score | " + " | ".join(labels[r] for r in roles) + " |", "|---|" + "---|" * len(roles)]
     lines += [f"| {k} | " + " | ".join(fmt(models[r]["scores"].get(k)) for r in roles) + " |"

@@ -45,6 +45,19 @@ def read_metrics(run: Path) -> list[dict]:
     return rows
 
 
+def last_step(rows: list[dict]) -> int | None:
+    return max((r.get("step", 0) for r in rows), default=None)
+
+
+def logged_step(run: Path) -> int | None:
+    """The last step `run` logged (None: none, or no readable metrics.jsonl): the step of its
+    final/, which records none itself (it is written after the run's last step)."""
+    try:
+        return last_step(read_metrics(run))
+    except UserError:
+        return None
+
+
 PLOTTABLE = 1e300  # beyond it a plot's axis margins overflow to inf (matplotlib fails on 1e308)
 
 
@@ -69,14 +82,14 @@ def summarize(name: str, rows: list[dict]) -> dict:
 
     ppl = series(rows, "eval_ppl")[1]
     peaks = [v for k in ("mem_allocated_gib", "mem_rss_peak_gib") for v in series(rows, k)[1]]
-    return {"run": name, "steps": max((r.get("step", 0) for r in rows), default=0),
+    return {"run": name, "steps": last_step(rows) or 0,
             "final loss": last("loss"), "first eval ppl": ppl[0] if ppl else None,
             "final eval ppl": ppl[-1] if ppl else None, "best eval ppl": min(ppl) if ppl else None,
             "tokens/s": mean("tokens_per_s"), "MFU": mean("mfu"), "peak mem GiB": max(peaks) if peaks else None}
 
 
 def write_report(runs: list[Path], out: Path) -> Path:
-    from shardtune.telemetry.generation_report import read_generation
+    from shardtune.telemetry.generation_report import not_current, read_generation
 
     data, generations = {}, {}
     for run in runs:
@@ -84,18 +97,22 @@ def write_report(runs: list[Path], out: Path) -> Path:
         while name in data or name in generations:
             name += "'"
         generated = read_generation(run)
-        if generated is not None:
-            generations[name] = generated
         if generated is None or (run / "metrics.jsonl").is_file():  # a folder of eval --generate alone is fine
             data[name] = read_metrics(run)
+        if generated is not None:
+            note = not_current(run, generated, last_step(data[name]) if name in data else None)
+            generations[name] = generated, note
     refuse_foreign(out, "report folder", "a report (PNGs and report.md)",
                    lambda name: name.endswith(".png") or name == "report.md")
     with atomic_dir(out, replace=True) as tmp:  # an earlier report is replaced whole, or kept whole
         _write_report(data, generations, tmp)
+    for _, note in generations.values():
+        if note:  # said where it is read, too: in report.md it is one line among many
+            print(f"note: {note}", flush=True)
     return out / "report.md"
 
 
-def _write_report(data: dict[str, list[dict]], generations: dict[str, dict], out: Path) -> None:
+def _write_report(data: dict[str, list[dict]], generations: dict[str, tuple[dict, str | None]], out: Path) -> None:
     from shardtune.telemetry.generation_report import generation_section
 
     images = []
@@ -124,6 +141,6 @@ def _write_report(data: dict[str, list[dict]], generations: dict[str, dict], out
         text += ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
         text += ["| " + " | ".join(fmt(r[h]) for h in headers) + " |" for r in rows] + [""]
     text += [f"![{stem}]({stem}.png)\n" for stem in images]
-    for name, generated in generations.items():
-        text += generation_section(name, generated, out)
+    for name, (generated, note) in generations.items():
+        text += generation_section(name, generated, out, note)
     (out / "report.md").write_text("\n".join(text))
