@@ -123,6 +123,8 @@ def test_resume_auto_without_a_usable_checkpoint_starts_over_and_keeps_the_attem
     takes the next N and leaves the first alone."""
     run = tmp_path / "run"
     shutil.copytree(earlier_run, run, symlinks=True)
+    (run / "tensorboard").mkdir()  # the attempt's tracker logs go with it
+    (run / "tensorboard" / "events.out").write_bytes(b"step 1")
     breakage, words = BREAKAGES[how]
     cfg = load_config(recipe, [f"output_dir={run}", "resume=auto"])
     for attempt in (1, 2):
@@ -161,6 +163,10 @@ def test_overwrite_removes_a_link_not_its_target(earlier_run, tmp_path):
     elsewhere = tmp_path / "elsewhere"
     (run / "checkpoints").rename(elsewhere)
     (run / "checkpoints").symlink_to(elsewhere)
+    for folder in ("tensorboard", "report"):  # the old run's tracker logs and report: replaced with it
+        (run / folder).mkdir()
+        (run / folder / "a").write_text("old run\n")
+    (run / "generation.json").write_text("{}")
     kept = tree(elsewhere)
     claim_output_dir(run, overwrite=True)
     assert os.listdir(run) == ["notes.txt"] and tree(elsewhere) == kept

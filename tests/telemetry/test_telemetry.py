@@ -80,6 +80,21 @@ def test_peak_flops_unknown_on_cpu_unless_overridden():
     assert memory_stats(cpu)["mem_rss_peak_gib"] > 0
 
 
+def test_a_resume_hides_the_steps_tensorboard_got_after_the_checkpoint(tmp_path):
+    """An attempt logged steps 1-4 and left a checkpoint at step 2; its resume logs 3 and 4 again:
+    TensorBoard shows each step once, the resumed values."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    for start, scale in ((0, 1.0), (2, 10.0)):
+        t = Trackers(["tensorboard"], tmp_path, {}, "p", "r", start_step=start)
+        for step in range(start + 1, 5):
+            t.log({"loss": scale * step}, step)
+        t.close()
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
+
+
 def test_trackers_write_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")

@@ -23,6 +23,9 @@ PREEMPTED_MARKER = "PREEMPTED"
 RUN_MARKS = ("config.yaml", "metrics.jsonl")  # every run writes both: a folder with them is a run
 RUN_FILES = (*RUN_MARKS, PREEMPTED_MARKER)
 RUN_DIRS = ("final", "checkpoints", "profile", "publish")
+# written in a run's folder by its trackers and by the commands about it (report, eval --generate): they
+# describe that run, so they go with it when --overwrite replaces it or resume=auto moves it aside
+RUN_OUTPUTS = ("tensorboard", "mlruns", "wandb", "report", "generation.json")
 EARLIER = "earlier-attempt-"  # OUT/earlier-attempt-N: an attempt without a usable checkpoint, kept
 LOCK_FILE = ".shardtune.lock"  # "pid P on HOST since TIME" of the live run; removed when it ends
 
@@ -88,7 +91,7 @@ def claim_output_dir(out: Path, overwrite: bool, check_only: bool = False, resum
             return
         for name in RUN_FILES:
             (out / name).unlink(missing_ok=True)
-        for name in RUN_DIRS:
+        for name in RUN_DIRS + RUN_OUTPUTS:
             path = out / name
             if path.is_symlink() or path.is_file():
                 path.unlink()  # the link only: never what it points to
@@ -114,6 +117,7 @@ def prepare_run_dir(cfg, overwrite: bool, check_only: bool = False, out: Path | 
             # a requeued run always continues: without a usable checkpoint it starts from step 0,
             # and what the earlier attempt wrote is moved aside, never removed or written over
             earlier = run_traces(out)
+            earlier += [name for name in RUN_OUTPUTS if earlier and os.path.lexists(out / name)]
     elif cfg.resume:
         ckpt = resolve_checkpoint(cfg.resume)
         inside = out.resolve() in ckpt.resolve().parents

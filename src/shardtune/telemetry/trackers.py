@@ -119,8 +119,8 @@ class Trackers:
     """Fan-out of scalar metrics to the configured trackers."""
 
     def __init__(self, names: list[str], out: Path, config: dict, project: str, run_name: str,
-                 enabled: bool = True, artifacts: str = "none"):
-        self.sinks, self.run_name = [], run_name
+                 enabled: bool = True, artifacts: str = "none", start_step: int = 0):
+        self.sinks, self.run_name, self.start_step = [], run_name, start_step
         if not enabled:
             return
         hparams = flatten(config)
@@ -140,7 +140,8 @@ class Trackers:
             _require("tensorboard", name)
             from torch.utils.tensorboard import SummaryWriter
 
-            writer = SummaryWriter(log_dir=str(out / "tensorboard"))
+            # a resume hides what the earlier attempt logged after its checkpoint: those steps are trained again
+            writer = SummaryWriter(log_dir=str(out / "tensorboard"), purge_step=self.start_step + 1 if self.start_step else None)
             writer.add_text("config", "\n".join(f"    {k}: {v}" for k, v in hparams.items()))
             def add_scalars(scalars: dict, step: int, w=writer) -> None:
                 for key, value in scalars.items():

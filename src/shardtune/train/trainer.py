@@ -183,7 +183,8 @@ class Trainer:
         cfg, dist, t = self.cfg, self.dist, self.cfg.train
         log = MetricsLog(self.out / "metrics.jsonl", dist.is_main)
         self.publishing.trackers = trackers = Trackers(cfg.log.trackers, self.out, cfg.to_dict(), cfg.log.project,
-                                                       self.out.name, dist.is_main, cfg.publish.wandb_artifacts)
+                                                       self.out.name, dist.is_main, cfg.publish.wandb_artifacts,
+                                                       self.state.step)
         torch.manual_seed(t.seed + dist.rank)  # dropout: different masks per rank, reproducible per run
         self.ckpt.restore_rng(reseed=t.seed + 1_000_003 * self.state.step + dist.rank if self.state.step else None)
         results: dict = {}
