@@ -141,7 +141,8 @@ class Trackers:
             from torch.utils.tensorboard import SummaryWriter
 
             # a resume hides what the earlier attempt logged after its checkpoint: those steps are trained again
-            writer = SummaryWriter(log_dir=str(out / "tensorboard"), purge_step=self.start_step + 1 if self.start_step else None)
+            purge = self.start_step + 1 if self.start_step else None
+            writer = SummaryWriter(log_dir=str(out / "tensorboard"), purge_step=purge)
             writer.add_text("config", "\n".join(f"    {k}: {v}" for k, v in hparams.items()))
             def add_scalars(scalars: dict, step: int, w=writer) -> None:
                 for key, value in scalars.items():
