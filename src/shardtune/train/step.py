@@ -142,17 +142,19 @@ class GradNorms:
 
 
 def train_step(model, optimizer, scaler, batches: list[dict], cfg: RunConfig, dist: Dist,
-               labels_vary: bool = False, sync_each: bool = False, watch=None) -> StepResult:
+               count_tokens: bool = False, sync_each: bool = False, watch=None) -> StepResult:
     """One optimizer step over this rank's micro-batches (data.Prefetcher assembled them). The
     loss is normalised by the tokens of the whole global batch, so the gradient is the same
-    whatever the world size and accumulation. `labels_vary`: the dataset has its own labels
-    (some tokens get no loss), so the tokens with a loss are counted; `sync_each`: reduce
+    whatever the world size and accumulation. `count_tokens`: the dataset is not equal blocks
+    (data.pipeline.equal_blocks: some tokens get no loss, or rows have lengths of their own), so
+    the tokens with a loss are counted; one decision for the whole dataset, the same on every rank
+    (a batch's keys are not: a rank with a padded micro-batch would sum alone); `sync_each`: reduce
     gradients after every micro-batch (BuiltModel's policy); `watch`: a watch.Watch on the steps
     whose per-block gradient/parameter norms are wanted."""
 
     input_tokens = sum(b["attention_mask"].sum() if "attention_mask" in b else b["input_ids"].numel()
                        for b in batches)
-    if labels_vary or any(set(b) != {"input_ids", "labels"} for b in batches):
+    if count_tokens:
         # counted and summed over ranks on the device: no host synchronisation before the forward
         global_tokens = sum((b["labels"][:, 1:] != data_lib.IGNORE_INDEX).sum() for b in batches).double()
         if dist.world_size > 1:

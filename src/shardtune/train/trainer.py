@@ -245,14 +245,14 @@ class Trainer:
                           device_peak_flops(dist.device, cfg.precision, cfg.log.peak_tflops), clock)
         live = LiveMemory(self.model, self.optimizer, dist.device, cfg.log.live_memory)
         first_tokens = state.tokens_seen
-        labels_vary = "labels" in self.train_ds.column_names
+        count_tokens = not data_lib.equal_blocks(self.train_ds)
         queued: list[QueuedStep] = []
         while state.step < self.total_steps:
             lr = lr_at(state.step, self.total_steps, cfg.train)
             set_lr(self.optimizer, lr)
             batches, data_seconds = prefetcher.take(state.step)
             with live.track():
-                out = train_step(self.model, self.optimizer, self.scaler, batches, cfg, dist, labels_vary,
+                out = train_step(self.model, self.optimizer, self.scaler, batches, cfg, dist, count_tokens,
                                  sync_each=self.built.sync_grads_each_micro_step,
                                  watch=self.watch if self.watch.due(state.step + 1) else None)
             del batches
