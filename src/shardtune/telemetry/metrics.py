@@ -57,34 +57,33 @@ class StepClock:
 
 class StepMeter:
     """Speed between two log lines: tokens/s (global and per device), step time, the share of
-    it spent assembling batches, and MFU when the device's peak is known. Steps are timed by
-    StepClock marks taken when each step's work was queued."""
+    it spent assembling batches, and MFU when the device's peak is known. Each step is timed from
+    the StepClock mark taken before it asked for its batches to the one queued behind its work:
+    what the loop does between steps (evaluation, checkpoints, profiler traces) is no step's time."""
 
     def __init__(self, world_size: int, flops_per_token: float, peak_flops: float | None, clock: StepClock):
         self.world_size, self.flops_per_token, self.peak_flops = world_size, flops_per_token, peak_flops
         self.clock = clock
-        self._start = clock.mark()
         self._reset()
 
     def _reset(self) -> None:
         self._steps = self._tokens = 0
-        self._data_s = 0.0
+        self._data_s = self._step_s = 0.0
 
-    def add(self, global_tokens: float, data_seconds: float, done) -> None:
-        """A step that was read: its tokens, the loop's wait for its batches, its StepClock mark."""
+    def add(self, global_tokens: float, data_seconds: float, began, done) -> None:
+        """A step that was read: its tokens, the loop's wait for its batches, its StepClock marks."""
         self._steps += 1
         self._tokens += global_tokens
         self._data_s += data_seconds
-        self._end = done
+        self._step_s += self.clock.seconds(began, done)
 
     def report(self) -> dict:
-        elapsed = max(self.clock.seconds(self._start, self._end), 1e-9)
+        elapsed = max(self._step_s, 1e-9)
         rate = self._tokens / elapsed
         out = {"tokens_per_s": rate, "tokens_per_s_per_device": rate / self.world_size,
                "step_time_s": elapsed / max(self._steps, 1), "data_wait_share": min(1.0, self._data_s / elapsed)}
         if self.peak_flops:
             out["mfu"] = rate * self.flops_per_token / (self.peak_flops * self.world_size)
-        self._start = self._end
         self._reset()
         return out
 

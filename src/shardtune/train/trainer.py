@@ -248,6 +248,7 @@ class Trainer:
         count_tokens = not data_lib.equal_blocks(self.train_ds)
         queued: list[QueuedStep] = []
         while state.step < self.total_steps:
+            began = clock.mark()  # the step's time starts here: evaluation and saves before it are none of it
             lr = lr_at(state.step, self.total_steps, cfg.train)
             set_lr(self.optimizer, lr)
             batches, data_seconds = prefetcher.take(state.step)
@@ -260,7 +261,8 @@ class Trainer:
             # the global loss, tokens and whether any rank was asked to stop (all ranks stop at the
             # same step): one small all-reduce, queued behind the step
             numbers = queue_numbers(out, preemption.requested, dist.device)
-            queued.append(QueuedStep(step, lr, data_seconds, numbers, clock.mark(), out.watch, out.grad_norms))
+            queued.append(QueuedStep(step, lr, data_seconds, numbers, began, clock.mark(), out.watch,
+                                     out.grad_norms))
             profiler.step()  # after the mark: writing the trace is no step's time
             last = step == self.total_steps
             eval_now = bool(self.val_batches) and (last or (cfg.eval.every_steps and step % cfg.eval.every_steps == 0))
@@ -302,7 +304,7 @@ class Trainer:
         cfg, step = self.cfg, queued.step
         numbers = read_numbers(queued.numbers)
         self.state.tokens_seen += numbers.input_tokens
-        meter.add(numbers.input_tokens, queued.data_seconds, queued.done)
+        meter.add(numbers.input_tokens, queued.data_seconds, queued.began, queued.done)
         epoch = step / self.plan.steps_per_epoch
         loss, grad_norm = numbers.loss, numbers.grad_norm
         if not math.isfinite(loss) or (self.scaler is None and not math.isfinite(grad_norm)):
