@@ -33,7 +33,7 @@ from shardtune.telemetry.metrics import (
     StepMeter,
     StepProfiler,
     device_peak_flops,
-    flops_per_token,
+    flops_rates,
     matmul_params,
     memory_stats,
 )
@@ -96,7 +96,7 @@ class Trainer:
                            histograms=bool(HISTOGRAM_TRACKERS & set(cfg.log.trackers)))
         total, trainable = count_params(model)
         matmul, matmul_trainable = matmul_params(model)
-        self.flops_per_token = flops_per_token(matmul, hf_config, cfg.data.seq_len, matmul_trainable)
+        self.flops = flops_rates(matmul, hf_config, cfg.data.seq_len, matmul_trainable)
         self.say(f"model: {type(model).__name__.removeprefix('FSDP')} {total:,} params "
                  f"({trainable:,} trainable, {100 * trainable / max(total, 1):.3g}%) | "
                  f"{dist.world_size} rank(s) on {dist.device.type} | {cfg.fsdp.sharding} | {cfg.precision} | "
@@ -241,7 +241,7 @@ class Trainer:
         log, trackers, progress, gpu = parts.log, parts.trackers, parts.progress, parts.gpu
         preemption, prefetcher, profiler = parts.preemption, parts.prefetcher, parts.profiler
         clock = StepClock(dist.device)
-        meter = StepMeter(dist.world_size, self.flops_per_token,
+        meter = StepMeter(dist.world_size, self.flops,
                           device_peak_flops(dist.device, cfg.precision, cfg.log.peak_tflops), clock)
         live = LiveMemory(self.model, self.optimizer, dist.device, cfg.log.live_memory)
         first_tokens = state.tokens_seen
@@ -304,7 +304,7 @@ class Trainer:
         cfg, step = self.cfg, queued.step
         numbers = read_numbers(queued.numbers)
         self.state.tokens_seen += numbers.input_tokens
-        meter.add(numbers.input_tokens, queued.data_seconds, queued.began, queued.done)
+        meter.add(numbers.input_tokens, numbers.attention_pairs, queued.data_seconds, queued.began, queued.done)
         epoch = step / self.plan.steps_per_epoch
         loss, grad_norm = numbers.loss, numbers.grad_norm
         if not math.isfinite(loss) or (self.scaler is None and not math.isfinite(grad_norm)):
