@@ -211,15 +211,6 @@ def _prepare(cfg: DataConfig, tokenizer, seed: int, warn, global_batch: int = 1)
     return train.with_format("torch"), (val.with_format("torch") if val is not None else None)
 
 
-def equal_blocks(ds) -> bool:
-    """Whether every row of `ds` is a block of one length whose every position after the first is
-    predicted: packed text, or packed instruct/chat trained on its inputs (no labels of its own, no
-    `length` column). Only then may a training step take its tokens with a loss for global batch x
-    (block - 1) without counting them; every other dataset's rows have lengths of their own (one
-    row to a micro-batch is never padded) or tokens without a loss, and are counted (step.train_step)."""
-    return not {"labels", "length"} & set(ds.column_names)
-
-
 def lengths(ds) -> list[int] | None:
     """Per-sample token counts for BatchPlan(lengths=...), or None for packed (equal) blocks."""
     if "length" not in ds.column_names:

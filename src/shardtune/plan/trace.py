@@ -233,11 +233,11 @@ def _create_optimizer_state(model, optimizer) -> None:
 def shape_only_batches(cfg: RunConfig, micro: list[list[int]], device) -> tuple[list[dict], bool]:
     """(micro-batches of the recipe's shape, whether a step counts their tokens with a loss),
     made as training makes them (data.collate, data.equal_blocks)."""
-    from shardtune.data.pipeline import collate, equal_blocks
+    from shardtune.data import packing, pipeline
 
     data = _ShapeOnlyData(cfg)
-    return [collate(data, indices, device, 0, cfg.data.padding_free) for indices in micro], \
-        not equal_blocks(data)
+    return [pipeline.collate(data, indices, device, 0, cfg.data.padding_free) for indices in micro], \
+        not packing.equal_blocks(data)
 
 
 def _faked(batches: list[dict]) -> list[dict]:
@@ -258,9 +258,7 @@ class _ShapeOnlyData:
         self.padded = d.format != "text" and not d.packing
         self.seq = d.example_cutoff if self.padded else d.seq_len
         self.positions = d.masks_documents and not self.padded
-        # as the real data's (data.equal_blocks tells them apart): examples of their own lengths, labels where
-        # prompts or documents' first tokens get no loss
-        own_labels = self.positions or (d.format != "text" and not d.train_on_inputs)
+        own_labels = self.positions or (d.format != "text" and not d.train_on_inputs)  # the real data's columns
         self.column_names = ["input_ids"] + (["labels"] if own_labels else []) + (["length"] if self.padded else [])
 
     def __getitem__(self, indices):

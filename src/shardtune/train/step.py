@@ -163,7 +163,7 @@ def train_step(model, optimizer, scaler, batches: list[dict], cfg: RunConfig, di
     """One optimizer step over this rank's micro-batches (data.Prefetcher assembled them). The
     loss is normalised by the tokens of the whole global batch, so the gradient is the same
     whatever the world size and accumulation. `count_tokens`: the dataset is not equal blocks
-    (data.pipeline.equal_blocks: some tokens get no loss, or rows have lengths of their own), so
+    (data.packing.equal_blocks: some tokens get no loss, or rows have lengths of their own), so
     the tokens with a loss are counted; one decision for the whole dataset, the same on every rank
     (a batch's keys are not: a rank with a padded micro-batch would sum alone); `sync_each`: reduce
     gradients after every micro-batch (BuiltModel's policy); `watch`: a watch.Watch on the steps

@@ -14,6 +14,7 @@ from shardtune.checkpoint.rundir import PREEMPTED_MARKER
 from shardtune.config.load import dump_yaml
 from shardtune.config.schema import RunConfig
 from shardtune.data import pipeline as data_lib
+from shardtune.data.packing import equal_blocks
 from shardtune.distributed.activation_memory import describe_memory_savers
 from shardtune.distributed.collectives import broadcast_value, rank0_first
 from shardtune.distributed.fsdp import build_mesh
@@ -245,7 +246,7 @@ class Trainer:
                           device_peak_flops(dist.device, cfg.precision, cfg.log.peak_tflops), clock)
         live = LiveMemory(self.model, self.optimizer, dist.device, cfg.log.live_memory)
         first_tokens = state.tokens_seen
-        count_tokens = not data_lib.equal_blocks(self.train_ds)
+        count_tokens = not equal_blocks(self.train_ds)
         queued: list[QueuedStep] = []
         while state.step < self.total_steps:
             began = clock.mark()  # the step's time starts here: evaluation and saves before it are none of it
