@@ -345,6 +345,6 @@ def optimizer_step(model_type, model, batch) -> set:
     model.train()
     optimizer = build_optimizer(model, cfg.train, torch.device("cpu"))
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    out = train_step(model, optimizer, None, [batch], cfg, Dist(0, 1, 1, torch.device("cpu")), labels_vary=True)
+    out = train_step(model, optimizer, None, [batch], cfg, Dist(0, 1, 1, torch.device("cpu")), count_tokens=True)
     assert torch.isfinite(out.loss_sum) and torch.isfinite(out.grad_norm), model_type
     return {n for n, p in model.named_parameters() if n in before and not torch.equal(p, before[n])}

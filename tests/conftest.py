@@ -79,6 +79,19 @@ def tiny_overrides(assets: dict, out: Path, arch: str = "gpt2", **extra) -> list
     return [f"{k}={v}" for k, v in base.items()]
 
 
+def spread_alpaca(path: Path, rows: int = 48) -> Path:
+    """A JSON-lines file of seeded alpaca-shaped examples (instruction, input, output) whose
+    prompts and responses spread from a few words to tens."""
+    import random
+
+    rng = random.Random(0)
+    words = "the of and to in is for that with on as by it this be are from at or an".split()
+    examples = [{"instruction": " ".join(rng.choices(words, k=rng.randint(3, 30))), "input": "",
+                 "output": " ".join(rng.choices(words, k=rng.randint(1, 60)))} for _ in range(rows)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in examples))
+    return path
+
+
 def losses(out: Path) -> list[float]:
     rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     return [r["loss"] for r in rows if "loss" in r]
@@ -159,7 +172,7 @@ def step(trainer, batches):
     from shardtune.train.step import train_step
 
     return train_step(trainer.model, trainer.optimizer, trainer.scaler, batches, trainer.cfg, trainer.dist,
-                      labels_vary=True, sync_each=trainer.built.sync_grads_each_micro_step)
+                      count_tokens=True, sync_each=trainer.built.sync_grads_each_micro_step)
 
 
 def optimizer_state(optimizer) -> list:

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from conftest import TINY, losses, tiny_overrides
+from conftest import TINY, losses, spread_alpaca, tiny_overrides
 from shardtune.config.schema import DataConfig
 from shardtune.data import docmask as docmask
 from shardtune.data import pipeline as D
@@ -143,17 +143,10 @@ def test_bad_document_mask_input_is_one_line_before_any_data_work(assets, tmp_pa
 
 def test_padding_free_training_matches_padded_training(assets, tmp_path, monkeypatch):
     """Alpaca-shaped examples of spread lengths: the same losses, step by step, and evaluation."""
-    import random
-
     from shardtune.config.load import load_config
     from shardtune.train.trainer import run
 
-    rng = random.Random(0)
-    words = "the of and to in is for that with on as by it this be are from at or an".split()
-    rows = [{"instruction": " ".join(rng.choices(words, k=rng.randint(3, 30))), "input": "",
-             "output": " ".join(rng.choices(words, k=rng.randint(1, 60)))} for _ in range(48)]
-    path = tmp_path / "alpaca.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    path = spread_alpaca(tmp_path / "alpaca.jsonl")
     model = json.dumps({**TINY["llama"], "max_position_embeddings": 256})
     got, flat_rows = {}, []
     flatten = docmask.flatten

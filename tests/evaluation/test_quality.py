@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import TINY
 from shardtune.cli.main import main
@@ -68,6 +70,35 @@ def test_scores_on_known_texts():
     loop = textscores.diversity(["a b c d a b c d a", ""])
     assert loop["rep_4"] == pytest.approx(2 / 6)  # abcd, bcda, cdab, dabc, abcd, bcda: 2 repeats
     assert loop["empty_rate"] == 0.5 and loop["mean_words"] == 4.5
+
+
+WORDS = "the cat sat on a mat dog ran far away , . !".split()
+TEXT = st.lists(st.sampled_from(WORDS), max_size=10).map(" ".join)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(TEXT, TEXT.filter(str.strip)), min_size=1, max_size=5))
+def test_scores_are_the_libraries_scores(pairs):
+    """Generations against references as rouge-score and sacrebleu score them called directly: ROUGE
+    F1 averaged over pairs, corpus BLEU and chrF (hypotheses first: BLEU is not symmetric), self-BLEU
+    as each non-empty generation's sentence BLEU against the others; distinct-n counted here."""
+    import sacrebleu
+    from rouge_score import rouge_scorer
+
+    gens, refs = [g for g, _ in pairs], [r for _, r in pairs]
+    got = textscores.score(gens, refs, ["rouge", "bleu", "chrf", "diversity"])
+    scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"])
+    for key in ("rouge1", "rouge2", "rougeL"):
+        assert got[key] == pytest.approx(sum(scorer.score(r, g)[key].fmeasure for g, r in pairs) / len(pairs))
+    assert got["bleu"] == pytest.approx(sacrebleu.corpus_bleu(gens, [refs]).score)
+    assert got["chrf"] == pytest.approx(sacrebleu.corpus_chrf(gens, [refs]).score)
+    said = [g for g in gens if g.strip()]
+    others = [sacrebleu.sentence_bleu(g, said[:i] + said[i + 1:]).score for i, g in enumerate(said)] \
+        if len(said) > 1 else [0.0]
+    assert got["self_bleu"] == pytest.approx(sum(others) / len(others))
+    for n in (1, 2, 3):
+        grams = [tuple(w[i:i + n]) for w in map(str.split, gens) for i in range(len(w) - n + 1)]
+        assert got[f"distinct_{n}"] == pytest.approx(len(set(grams)) / len(grams) if grams else 0.0)
 
 
 def test_metric_names_are_checked():

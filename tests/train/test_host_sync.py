@@ -56,7 +56,7 @@ def test_a_step_and_its_numbers_ask_the_host_nothing(trainer):
     prefetcher = trainer.prefetcher()
     try:
         with HostReads() as reads:
-            # labels_vary: the tokens with a loss are counted and summed over ranks on the device
+            # count_tokens: the tokens with a loss are counted and summed over ranks on the device
             numbers = [queue_numbers(step(trainer, prefetcher.take(s)[0]), 0, trainer.dist.device) for s in (0, 1)]
     finally:
         prefetcher.close()
@@ -99,16 +99,28 @@ def test_the_loop_reads_a_step_once_the_next_is_queued(assets, tmp_path, monkeyp
 
 def test_step_times_are_the_steps_own_though_read_late(assets, tmp_path, monkeypatch):
     """Read one step late, a record still times its own steps: the meter takes the StepClock
-    mark queued behind each step, not the host's clock at reading (which, on a CPU, would
-    include the next step and leave the last record at ~0). A fake clock ticks once a step."""
+    marks queued before and behind each step, not the host's clock at reading (which, on a CPU,
+    would include the next step and leave the last record at ~0), nor the time between steps:
+    an evaluation or a checkpoint is no step's time. A fake clock ticks once a mark, and 100
+    times in each evaluation and save."""
     import json
 
     import shardtune.telemetry.metrics as telemetry
+    from shardtune.checkpoint.dcp import Checkpointer
     from shardtune.config.load import load_config
-    from shardtune.train.trainer import run
+    from shardtune.train.trainer import Trainer, run
 
-    ticks = iter(range(1000))
+    ticks = iter(range(10_000))
     monkeypatch.setattr(telemetry.StepClock, "mark", lambda self: float(next(ticks)))
+    def slow(real):
+        def call(*args, **kw):
+            for _ in range(100):
+                next(ticks)
+            return real(*args, **kw)
+        return call
+
+    monkeypatch.setattr(Trainer, "evaluate", slow(Trainer.evaluate))
+    monkeypatch.setattr(Checkpointer, "save", slow(Checkpointer.save))
     overrides = tiny_overrides(assets, tmp_path, **{"train.max_steps": 7, "log.every_steps": 2,
                                                     "checkpoint.every_steps": 3, "eval.every_steps": 4,
                                                     "save_final": "false"})

@@ -42,7 +42,7 @@ def test_block_norms_equal_torchs_norms_and_ask_the_host_nothing(trainer, monkey
     try:
         with HostReads() as reads:
             out = step_mod.train_step(trainer.model, trainer.optimizer, trainer.scaler, prefetcher.take(0)[0],
-                                      trainer.cfg, trainer.dist, labels_vary=True, watch=watch)
+                                      trainer.cfg, trainer.dist, count_tokens=True, watch=watch)
         assert reads.ours == []
     finally:
         prefetcher.close()

@@ -117,6 +117,15 @@ class PackedBlocks:
         return np.frombuffer(data, dtype=dtype).astype(np.int64)
 
 
+def equal_blocks(ds) -> bool:
+    """Whether every row of `ds` is a block of one length whose every position after the first is
+    predicted: packed text, or packed instruct/chat trained on its inputs (no labels of its own, no
+    `length` column). Only then may a training step take its tokens with a loss for global batch x
+    (block - 1) without counting them; every other dataset's rows have lengths of their own (one
+    row to a micro-batch is never padded) or tokens without a loss, and are counted (step.train_step)."""
+    return not {"labels", "length"} & set(ds.column_names)
+
+
 def _close(fds: list[int], folder: str | None) -> None:
     for fd in fds:
         os.close(fd)

@@ -43,8 +43,8 @@ def measure_step(cfg: RunConfig, hf_config, dist, state_only: bool = False, opti
     micro = [[0] * cfg.train.micro_batch_size for _ in range(accum)]
 
     def step() -> None:  # the batches are made inside, as in the traced step
-        batches, labels_vary = shape_only_batches(cfg, micro, dist.device)
-        train_step(model, optimizer, scaler, batches, cfg, dist, labels_vary,
+        batches, count_tokens = shape_only_batches(cfg, micro, dist.device)
+        train_step(model, optimizer, scaler, batches, cfg, dist, count_tokens,
                    sync_each=built.sync_grads_each_micro_step)
 
     step()

@@ -192,7 +192,7 @@ def trace_step(cfg: RunConfig, hf_config, world_size: int, local_world_size: int
                   if isinstance(m, built.block_cls)]
         # two micro-steps show what accumulation holds across them (unsharded gradients)
         micro = [[0] * cfg.train.micro_batch_size for _ in range(min(accum, 2))]
-        real_batches, labels_vary = shape_only_batches(cfg, micro, dist.device)
+        real_batches, count_tokens = shape_only_batches(cfg, micro, dist.device)
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device=dist.device)
             if hasattr(model, "tie_weights"):
@@ -211,7 +211,7 @@ def trace_step(cfg: RunConfig, hf_config, world_size: int, local_world_size: int
                 handle = model.register_forward_pre_hook(tracker.next_micro_step, prepend=True)
                 try:
                     batches = _faked(real_batches)
-                    train_step(model, optimizer, scaler, batches, cfg, dist, labels_vary,
+                    train_step(model, optimizer, scaler, batches, cfg, dist, count_tokens,
                                sync_each=built.sync_grads_each_micro_step)
                 finally:
                     handle.remove()
@@ -231,13 +231,13 @@ def _create_optimizer_state(model, optimizer) -> None:
 
 
 def shape_only_batches(cfg: RunConfig, micro: list[list[int]], device) -> tuple[list[dict], bool]:
-    """(micro-batches of the recipe's shape, whether its labels vary), made as training makes
-    them (data.collate)."""
-    from shardtune.data.pipeline import collate
+    """(micro-batches of the recipe's shape, whether a step counts their tokens with a loss),
+    made as training makes them (data.collate, data.equal_blocks)."""
+    from shardtune.data import packing, pipeline
 
     data = _ShapeOnlyData(cfg)
-    return [collate(data, indices, device, 0, cfg.data.padding_free) for indices in micro], \
-        "labels" in data.column_names
+    return [pipeline.collate(data, indices, device, 0, cfg.data.padding_free) for indices in micro], \
+        not packing.equal_blocks(data)
 
 
 def _faked(batches: list[dict]) -> list[dict]:
@@ -257,8 +257,9 @@ class _ShapeOnlyData:
         d = cfg.data
         self.padded = d.format != "text" and not d.packing
         self.seq = d.example_cutoff if self.padded else d.seq_len
-        self.column_names = ["input_ids"] if d.format == "text" else ["input_ids", "labels"]
         self.positions = d.masks_documents and not self.padded
+        own_labels = self.positions or (d.format != "text" and not d.train_on_inputs)  # the real data's columns
+        self.column_names = ["input_ids"] + (["labels"] if own_labels else []) + (["length"] if self.padded else [])
 
     def __getitem__(self, indices):
         if self.padded:

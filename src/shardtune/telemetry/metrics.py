@@ -57,34 +57,37 @@ class StepClock:
 
 class StepMeter:
     """Speed between two log lines: tokens/s (global and per device), step time, the share of
-    it spent assembling batches, and MFU when the device's peak is known. Steps are timed by
-    StepClock marks taken when each step's work was queued."""
+    it spent assembling batches, and MFU when the device's peak is known. Each step is timed from
+    the StepClock mark taken before it asked for its batches to the one queued behind its work:
+    what the loop does between steps (evaluation, checkpoints, profiler traces) is no step's time."""
 
-    def __init__(self, world_size: int, flops_per_token: float, peak_flops: float | None, clock: StepClock):
-        self.world_size, self.flops_per_token, self.peak_flops = world_size, flops_per_token, peak_flops
+    def __init__(self, world_size: int, flops: tuple[float, float], peak_flops: float | None, clock: StepClock):
+        self.world_size, self.flops, self.peak_flops = world_size, flops, peak_flops  # flops: `flops_rates`
         self.clock = clock
-        self._start = clock.mark()
         self._reset()
 
     def _reset(self) -> None:
-        self._steps = self._tokens = 0
-        self._data_s = 0.0
+        self._steps = self._tokens = self._pairs = 0
+        self._data_s = self._step_s = 0.0
 
-    def add(self, global_tokens: float, data_seconds: float, done) -> None:
-        """A step that was read: its tokens, the loop's wait for its batches, its StepClock mark."""
+    def add(self, global_tokens: float, attention_pairs: float, data_seconds: float, began, done) -> None:
+        """A step that was read: its tokens and their (query, key) pairs (step.attention_pairs), the
+        loop's wait for its batches, its StepClock marks."""
         self._steps += 1
         self._tokens += global_tokens
+        self._pairs += attention_pairs
         self._data_s += data_seconds
-        self._end = done
+        self._step_s += self.clock.seconds(began, done)
 
     def report(self) -> dict:
-        elapsed = max(self.clock.seconds(self._start, self._end), 1e-9)
+        elapsed = max(self._step_s, 1e-9)
         rate = self._tokens / elapsed
         out = {"tokens_per_s": rate, "tokens_per_s_per_device": rate / self.world_size,
                "step_time_s": elapsed / max(self._steps, 1), "data_wait_share": min(1.0, self._data_s / elapsed)}
         if self.peak_flops:
-            out["mfu"] = rate * self.flops_per_token / (self.peak_flops * self.world_size)
-        self._start = self._end
+            per_token, per_pair = self.flops
+            useful = self._tokens * per_token + self._pairs * per_pair
+            out["mfu"] = useful / elapsed / (self.peak_flops * self.world_size)
         self._reset()
         return out
 
@@ -136,12 +139,26 @@ def device_peak_flops(device, precision: str, override_tflops: float | None = No
 
 
 def flops_per_token(num_params: int, hf_config, seq_len: int, trainable: int | None = None) -> float:
-    """Useful training FLOPs per token for N matmul weights (`matmul_params`): 2N forward + 2N
-    backward through the activations + 2N for weight gradients of the trainable ones (6N when
-    all train), plus 3 x the forward's attention FLOPs (`attention_flops`). Recomputation by
-    activation checkpointing is not counted: MFU measures useful work."""
-    trainable = num_params if trainable is None else trainable
-    return 4.0 * num_params + 2.0 * trainable + 3.0 * attention_flops(hf_config, seq_len)
+    """Useful training FLOPs per token of a `seq_len`-token sequence for N matmul weights
+    (`matmul_params`): 2N forward + 2N backward through the activations + 2N for weight gradients
+    of the trainable ones (6N when all train), plus 3 x the forward's attention FLOPs
+    (`attention_flops`). Recomputation by activation checkpointing is not counted: MFU measures
+    useful work."""
+    return _weight_flops(num_params, trainable) + 3.0 * attention_flops(hf_config, seq_len)
+
+
+def flops_rates(num_params: int, hf_config, seq_len: int, trainable: int | None = None) -> tuple[float, float]:
+    """(training FLOPs per token of the weights, training FLOPs per (query, key) pair of attention):
+    `flops_per_token` split so that a step's attention follows its documents' lengths, not
+    `seq_len`'s. Attention's FLOPs per token grow with the tokens attended to (counted at `seq_len`
+    by `attention_flops`), so a document of l tokens costs l² pairs: a short instruct example (padded
+    or not) or a document of a masked packed row costs what it computes alone; l = seq_len is
+    `flops_per_token`."""
+    return _weight_flops(num_params, trainable), 3.0 * attention_flops(hf_config, seq_len) / seq_len
+
+
+def _weight_flops(num_params: int, trainable: int | None) -> float:
+    return 4.0 * num_params + 2.0 * (num_params if trainable is None else trainable)
 
 
 def matmul_params(model) -> tuple[int, int]:

@@ -42,6 +42,7 @@ class QueuedStep:
     lr: float
     data_seconds: float  # the loop's wait for this step's batches
     numbers: torch.Tensor  # step.queue_numbers: still on the device
+    began: float | torch.cuda.Event  # telemetry.StepClock mark queued before the step asked for its batches
     done: float | torch.cuda.Event  # telemetry.StepClock mark queued behind the step
     watch: torch.Tensor | None = None  # log.watch's per-block norms, still on the device
     grad_norms: object = None  # step.GradNorms: read only when the step was not finite

@@ -71,6 +71,7 @@ class StepResult:
     loss_sum: torch.Tensor  # noqa: F821  this rank's summed token loss (device tensor, no sync)
     loss_tokens: torch.Tensor | float  # noqa: F821  tokens with a loss in the whole global batch
     input_tokens: torch.Tensor | int  # noqa: F821  tokens this rank fed the model (padding excluded)
+    attention_pairs: torch.Tensor | int  # noqa: F821  (query, key) pairs of those tokens' attention (attention_pairs)
     grad_norm: torch.Tensor  # noqa: F821
     watch: torch.Tensor | None = None  # noqa: F821  watch.Watch's per-block norms (device tensor), on a watch step
     grad_norms: GradNorms | None = None  # per parameter, for naming a non-finite one
@@ -82,6 +83,7 @@ class StepNumbers:
 
     loss: float  # mean token loss of the global batch
     input_tokens: float  # tokens all ranks fed the model
+    attention_pairs: float  # their (query, key) pairs, all ranks'
     stop: bool  # a rank was asked to stop (signals.Preemption)
     grad_norm: float
 
@@ -89,14 +91,29 @@ class StepNumbers:
 def queue_numbers(out: StepResult, stop_requested: int, device) -> torch.Tensor:
     """A step's numbers in one device tensor, for `read_numbers` to take later: one small
     all-reduce (loss, input tokens, stop requests) is queued, and nothing waits for it."""
-    summed = all_sum_on_device(out.loss_sum, out.input_tokens, stop_requested, device=device)
+    summed = all_sum_on_device(out.loss_sum, out.input_tokens, out.attention_pairs, stop_requested, device=device)
     return torch.cat([summed, stack_on_device(out.loss_tokens, out.grad_norm, device=device)])
 
 
 def read_numbers(numbers: torch.Tensor) -> StepNumbers:
     """The host's copy of `queue_numbers`' tensor: waits for that step's work to finish."""
-    loss_sum, tokens, stop, loss_tokens, grad_norm = numbers.tolist()
-    return StepNumbers(loss_sum / max(loss_tokens, 1.0), tokens, stop > 0, grad_norm)
+    loss_sum, tokens, pairs, stop, loss_tokens, grad_norm = numbers.tolist()
+    return StepNumbers(loss_sum / max(loss_tokens, 1.0), tokens, pairs, stop > 0, grad_norm)
+
+
+def attention_pairs(batch: dict):
+    """The (query, key) pairs attention computes for a collated batch (a 0-d device tensor): l² for
+    every document of l tokens, what it computes alone. A row's documents are where its positions
+    restart (position_ids), else the row is one, up to its padding (attention_mask); the positions
+    0..l-1 of a document sum to l² as 1 + 3 + ... + (2l - 1)."""
+    ids = batch["input_ids"]
+    positions = batch.get("position_ids")
+    if positions is None:
+        positions = torch.arange(ids.size(1), device=ids.device).expand_as(ids)
+    odd = 2 * positions + 1
+    if "attention_mask" in batch:
+        odd = odd * batch["attention_mask"]
+    return odd.sum()
 
 
 def clip_gradients(model, max_grad_norm: float):
@@ -142,17 +159,20 @@ class GradNorms:
 
 
 def train_step(model, optimizer, scaler, batches: list[dict], cfg: RunConfig, dist: Dist,
-               labels_vary: bool = False, sync_each: bool = False, watch=None) -> StepResult:
+               count_tokens: bool = False, sync_each: bool = False, watch=None) -> StepResult:
     """One optimizer step over this rank's micro-batches (data.Prefetcher assembled them). The
     loss is normalised by the tokens of the whole global batch, so the gradient is the same
-    whatever the world size and accumulation. `labels_vary`: the dataset has its own labels
-    (some tokens get no loss), so the tokens with a loss are counted; `sync_each`: reduce
+    whatever the world size and accumulation. `count_tokens`: the dataset is not equal blocks
+    (data.packing.equal_blocks: some tokens get no loss, or rows have lengths of their own), so
+    the tokens with a loss are counted; one decision for the whole dataset, the same on every rank
+    (a batch's keys are not: a rank with a padded micro-batch would sum alone); `sync_each`: reduce
     gradients after every micro-batch (BuiltModel's policy); `watch`: a watch.Watch on the steps
     whose per-block gradient/parameter norms are wanted."""
 
     input_tokens = sum(b["attention_mask"].sum() if "attention_mask" in b else b["input_ids"].numel()
                        for b in batches)
-    if labels_vary or any(set(b) != {"input_ids", "labels"} for b in batches):
+    pairs = sum(attention_pairs(b) for b in batches)
+    if count_tokens:
         # counted and summed over ranks on the device: no host synchronisation before the forward
         global_tokens = sum((b["labels"][:, 1:] != data_lib.IGNORE_INDEX).sum() for b in batches).double()
         if dist.world_size > 1:
@@ -186,4 +206,4 @@ def train_step(model, optimizer, scaler, batches: list[dict], cfg: RunConfig, di
     optimizer.zero_grad(set_to_none=True)
     if watch is not None:
         watch = watch.finish(grads, watch.params_now() if "param" in watch.kinds else None)
-    return StepResult(loss_sum, global_tokens, input_tokens, grad_norm, watch, grad_norms)
+    return StepResult(loss_sum, global_tokens, input_tokens, pairs, grad_norm, watch, grad_norms)

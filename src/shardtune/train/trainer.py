@@ -14,6 +14,7 @@ from shardtune.checkpoint.rundir import PREEMPTED_MARKER
 from shardtune.config.load import dump_yaml
 from shardtune.config.schema import RunConfig
 from shardtune.data import pipeline as data_lib
+from shardtune.data.packing import equal_blocks
 from shardtune.distributed.activation_memory import describe_memory_savers
 from shardtune.distributed.collectives import broadcast_value, rank0_first
 from shardtune.distributed.fsdp import build_mesh
@@ -33,7 +34,7 @@ from shardtune.telemetry.metrics import (
     StepMeter,
     StepProfiler,
     device_peak_flops,
-    flops_per_token,
+    flops_rates,
     matmul_params,
     memory_stats,
 )
@@ -96,7 +97,7 @@ class Trainer:
                            histograms=bool(HISTOGRAM_TRACKERS & set(cfg.log.trackers)))
         total, trainable = count_params(model)
         matmul, matmul_trainable = matmul_params(model)
-        self.flops_per_token = flops_per_token(matmul, hf_config, cfg.data.seq_len, matmul_trainable)
+        self.flops = flops_rates(matmul, hf_config, cfg.data.seq_len, matmul_trainable)
         self.say(f"model: {type(model).__name__.removeprefix('FSDP')} {total:,} params "
                  f"({trainable:,} trainable, {100 * trainable / max(total, 1):.3g}%) | "
                  f"{dist.world_size} rank(s) on {dist.device.type} | {cfg.fsdp.sharding} | {cfg.precision} | "
@@ -242,18 +243,19 @@ class Trainer:
         log, trackers, progress, gpu = parts.log, parts.trackers, parts.progress, parts.gpu
         preemption, prefetcher, profiler = parts.preemption, parts.prefetcher, parts.profiler
         clock = StepClock(dist.device)
-        meter = StepMeter(dist.world_size, self.flops_per_token,
+        meter = StepMeter(dist.world_size, self.flops,
                           device_peak_flops(dist.device, cfg.precision, cfg.log.peak_tflops), clock)
         live = LiveMemory(self.model, self.optimizer, dist.device, cfg.log.live_memory)
         first_tokens = state.tokens_seen
-        labels_vary = "labels" in self.train_ds.column_names
+        count_tokens = not equal_blocks(self.train_ds)
         queued: list[QueuedStep] = []
         while state.step < self.total_steps:
+            began = clock.mark()  # the step's time starts here: evaluation and saves before it are none of it
             lr = lr_at(state.step, self.total_steps, cfg.train)
             set_lr(self.optimizer, lr)
             batches, data_seconds = prefetcher.take(state.step)
             with live.track():
-                out = train_step(self.model, self.optimizer, self.scaler, batches, cfg, dist, labels_vary,
+                out = train_step(self.model, self.optimizer, self.scaler, batches, cfg, dist, count_tokens,
                                  sync_each=self.built.sync_grads_each_micro_step,
                                  watch=self.watch if self.watch.due(state.step + 1) else None)
             del batches
@@ -261,7 +263,8 @@ class Trainer:
             # the global loss, tokens and whether any rank was asked to stop (all ranks stop at the
             # same step): one small all-reduce, queued behind the step
             numbers = queue_numbers(out, preemption.requested, dist.device)
-            queued.append(QueuedStep(step, lr, data_seconds, numbers, clock.mark(), out.watch, out.grad_norms))
+            queued.append(QueuedStep(step, lr, data_seconds, numbers, began, clock.mark(), out.watch,
+                                     out.grad_norms))
             profiler.step()  # after the mark: writing the trace is no step's time
             last = step == self.total_steps
             eval_now = bool(self.val_batches) and (last or (cfg.eval.every_steps and step % cfg.eval.every_steps == 0))
@@ -303,7 +306,7 @@ class Trainer:
         cfg, step = self.cfg, queued.step
         numbers = read_numbers(queued.numbers)
         self.state.tokens_seen += numbers.input_tokens
-        meter.add(numbers.input_tokens, queued.data_seconds, queued.done)
+        meter.add(numbers.input_tokens, numbers.attention_pairs, queued.data_seconds, queued.began, queued.done)
         epoch = step / self.plan.steps_per_epoch
         loss, grad_norm = numbers.loss, numbers.grad_norm
         if not math.isfinite(loss) or (self.scaler is None and not math.isfinite(grad_norm)):
