@@ -231,6 +231,35 @@ def test_report_overlays_runs_and_summarizes(tmp_path):
     assert not (tmp_path / "report" / "gpu.png").exists()  # nothing recorded, nothing drawn
 
 
+SPEED_ROWS = [  # a start-up window, then 10 steps at 100 tok/s and 10 at 50: 200 tokens in 3 s
+    {"step": 10, "tokens_per_s": 20.0, "step_time_s": 1.0, "mfu": 0.02},
+    {"step": 15, "eval_loss": 2.0, "eval_ppl": 7.4},  # an evaluation between two windows
+    {"step": 20, "tokens_per_s": 100.0, "step_time_s": 0.1, "mfu": 0.10},
+    {"step": 30, "tokens_per_s": 50.0, "step_time_s": 0.2, "mfu": 0.05},
+]
+
+
+@pytest.mark.parametrize("skip", [1, 2])
+def test_a_runs_speed_is_its_tokens_over_its_time(tmp_path, skip):
+    """report and sweep give tokens/s as all the timed tokens over all the time (not the windows'
+    mean rate, 75 here), MFU and GPU use likewise, the start-up window(s) left out."""
+    from types import SimpleNamespace
+
+    from shardtune.sweep.trial import _measurements
+    from shardtune.telemetry.report import summarize
+
+    rows = [dict(r, gpu_util=r["mfu"] * 5) if "mfu" in r else r for r in SPEED_ROWS]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    want = (200 / 3, 0.2 / 3) if skip == 1 else (50.0, 0.05)
+    if skip == 1:
+        summary = summarize("a", rows)
+        assert summary["tokens/s"] == pytest.approx(want[0]) and summary["MFU"] == pytest.approx(want[1])
+    got = _measurements(tmp_path, SimpleNamespace(device="cpu" if skip == 2 else "cuda", eval_steps=0))
+    assert got["tokens_per_s"] == pytest.approx(want[0]) and got["mfu"] == pytest.approx(want[1])
+    assert got["gpu_util"] == pytest.approx(5 * want[1])
+    assert got["step_time_s"] == pytest.approx(0.15 if skip == 1 else 0.2)
+
+
 def test_report_refuses_a_folder_without_metrics(tmp_path):
     with pytest.raises(UserError, match="metrics.jsonl"):
         write_report([tmp_path], tmp_path / "out")

@@ -108,7 +108,7 @@ def failure_line(stderr: str) -> str:
 
 def _measurements(folder: Path, sweep) -> dict:
     """Speed, memory and validation numbers of a trial from its metrics.jsonl (what exists)."""
-    from shardtune.telemetry.report import read_metrics
+    from shardtune.telemetry.report import over_time, read_metrics, timed_windows
 
     try:
         rows = read_metrics(folder)
@@ -116,19 +116,16 @@ def _measurements(folder: Path, sweep) -> dict:
         return {}
     steps = [r for r in rows if isinstance(r.get("tokens_per_s"), (int, float))]
     # speed from the steady steps: not the first (start-up) nor those slowed by live-memory tracking
-    skip = LIVE_STEPS if sweep.device == "cpu" else 1
-    timed = steps[skip:] or steps[1:] or steps
-
-    def mean(key):
-        values = [r[key] for r in timed if isinstance(r.get(key), (int, float))]
-        return sum(values) / len(values) if values else None
+    timed = timed_windows(rows, skip=LIVE_STEPS if sweep.device == "cpu" else 1)
+    seconds, count = sum(w[2] for w in timed), sum(w[1] for w in timed)
 
     def peak(key):
         values = [r[key] for r in steps if isinstance(r.get(key), (int, float))]
         return max(values) if values else None
 
-    out = {"tokens_per_s": mean("tokens_per_s"), "step_time_s": mean("step_time_s"), "mfu": mean("mfu"),
-           "gpu_util": mean("gpu_util"), "mem_allocated_gib": peak("mem_allocated_gib"),
+    out = {"tokens_per_s": over_time(timed, "tokens_per_s"), "step_time_s": seconds / count if count else None,
+           "mfu": over_time(timed, "mfu"), "gpu_util": over_time(timed, "gpu_util"),
+           "mem_allocated_gib": peak("mem_allocated_gib"),
            "mem_reserved_gib": peak("mem_reserved_gib"), "mem_live_gib": peak("mem_live_peak_gib"),
            "mem_rss_gib": peak("mem_rss_peak_gib")}
     evals = [r for r in rows if "eval_loss" in r and r.get("step") == sweep.eval_steps]

@@ -70,22 +70,40 @@ def _plottable(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) < PLOTTABLE
 
 
+def timed_windows(rows: list[dict], skip: int = 1) -> list[tuple[dict, int, float]]:
+    """(record, steps, seconds) of each log window of speed; the first `skip` (start-up: compile,
+    warm caches, live-memory tracking) left out where later ones exist."""
+    windows, previous = [], None
+    for r in rows:
+        if all(_plottable(r.get(k)) for k in ("step", "tokens_per_s", "step_time_s")):
+            steps = r["step"] - previous if previous is not None and r["step"] > previous else 1
+            windows.append((r, steps, steps * r["step_time_s"]))
+            previous = r["step"]
+    return windows[skip:] or windows[1:] or windows
+
+
+def over_time(windows: list[tuple[dict, int, float]], key: str) -> float | None:
+    """A rate or a share of the time (tokens/s, MFU, GPU use) of the windows taken together: each
+    weighted by its seconds, so that tokens/s is all their tokens over all their time (a plain mean
+    of the windows' rates overstates a run whose speed varies)."""
+    pairs = [(r[key], seconds) for r, _, seconds in windows if _plottable(r.get(key))]
+    total = sum(seconds for _, seconds in pairs)
+    return sum(value * seconds for value, seconds in pairs) / total if total > 0 else None
+
+
 def summarize(name: str, rows: list[dict]) -> dict:
     def last(key):
         values = series(rows, key)[1]
         return values[-1] if values else None
 
-    def mean(key, skip_first: bool = True):
-        values = series(rows, key)[1]
-        values = values[1:] if skip_first and len(values) > 1 else values  # first interval holds start-up
-        return sum(values) / len(values) if values else None
-
     ppl = series(rows, "eval_ppl")[1]
     peaks = [v for k in ("mem_allocated_gib", "mem_rss_peak_gib") for v in series(rows, k)[1]]
+    timed = timed_windows(rows)
     return {"run": name, "steps": last_step(rows) or 0,
             "final loss": last("loss"), "first eval ppl": ppl[0] if ppl else None,
             "final eval ppl": ppl[-1] if ppl else None, "best eval ppl": min(ppl) if ppl else None,
-            "tokens/s": mean("tokens_per_s"), "MFU": mean("mfu"), "peak mem GiB": max(peaks) if peaks else None}
+            "tokens/s": over_time(timed, "tokens_per_s"), "MFU": over_time(timed, "mfu"),
+            "peak mem GiB": max(peaks) if peaks else None}
 
 
 def write_report(runs: list[Path], out: Path) -> Path:
