@@ -7,6 +7,7 @@ forms are the code's. Argparse and YAML only: no run, no model."""
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import re
 import shlex
@@ -75,6 +76,7 @@ def documented_commands() -> list[tuple[str, list[str]]]:
 COMMANDS = documented_commands()
 
 
+@functools.cache  # parsing leaves a parser as it was
 def subparsers() -> dict[str, argparse.ArgumentParser]:
     from shardtune.cli.main import build_parser
 
@@ -160,6 +162,13 @@ def test_a_synopsis_value_in_brackets_is_the_default():
     assert len(shown) >= 4, shown
 
 
+def prose_spans():
+    """(file name, text) of each inline code span outside the fenced blocks."""
+    for source in SOURCES:
+        for span in SPAN.findall(FENCED.sub("", source.read_text())):
+            yield source.name, span.replace("\\|", "|")
+
+
 def test_every_option_named_in_prose_exists():
     """`--signal-lead`, `--format text`: an inline span that starts with an option names one of some
     command's options (and, where it has choices, one of them)."""
@@ -167,15 +176,55 @@ def test_every_option_named_in_prose_exists():
     for parser in subparsers().values():
         options.update(parser._option_string_actions)
     named = []
-    for source in SOURCES:
-        for span in SPAN.findall(FENCED.sub("", source.read_text())):
-            option, *value = span.split()
-            if option.startswith("--"):
-                assert option in options, f"{source.name}: `{span}`: no command has {option}"
-                choices = options[option].choices
-                assert not (choices and value) or value[0] in choices, f"{source.name}: `{span}`: not one of {choices}"
-                named.append(option)
+    for name, span in prose_spans():
+        option, *value = span.split()
+        if option.startswith("--"):
+            assert option in options, f"{name}: `{span}`: no command has {option}"
+            choices = options[option].choices
+            assert not (choices and value) or value[0] in choices, f"{name}: `{span}`: not one of {choices}"
+            named.append(option)
     assert len(named) >= 30, named
+
+
+def config_type(key: str):
+    """The schema's type of a dotted config key (KeyError: no such key); under a mapping
+    (model.config.n_layer) the mapping's."""
+    import dataclasses
+    import typing
+
+    from shardtune.config.schema import RunConfig
+
+    tp = RunConfig
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(tp):
+            break
+        tp = typing.get_type_hints(tp)[getattr(tp, "KEY_ALIASES", {}).get(part, part)]
+    return tp
+
+
+def test_every_config_key_named_in_prose_exists():
+    """`fsdp.wrap=size`, `train.optimizer_state=fp32|bf16|8bit|4bit`: a `key=value` in inline code whose
+    first part is a config key or section is a config key, and each `|` alternative one of its choices.
+    (Other values are placeholders or grid values: the command lines above load the real ones.)"""
+    import dataclasses
+    import typing
+
+    from shardtune.config.schema import RunConfig
+
+    heads = {f.name for f in dataclasses.fields(RunConfig)}
+    named = []
+    for name, span in prose_spans():
+        for key, value in re.findall(r"(?:^|\s)([a-z][\w.]*)=(\S*)", span):
+            if key.split(".")[0] in heads:
+                try:
+                    tp = config_type(key)
+                except KeyError:
+                    pytest.fail(f"{name}: `{span}`: {key} is not a config key")
+                if "|" in value:
+                    wrong = set(value.split("|")) - set(typing.get_args(tp))
+                    assert not wrong, f"{name}: `{span}`: {wrong} not among {key}'s choices {typing.get_args(tp)}"
+                named.append(key)
+    assert len(named) >= 50, named
 
 
 # The README's forms of a config default: `key=value` (default) | `key` (default value | `key=x`, default
@@ -221,4 +270,6 @@ def test_the_gpu_names_the_readme_lists_are_the_table():
 
     listed = re.search(r"`--gpu` names: (.*?) \(`--gpu-mem`", (ROOT / "README.md").read_text(), re.S)
     assert listed, "README's list of `--gpu` names is gone"
-    assert [name.strip() for name in listed[1].split(",")] == [gpu.name for gpu in GPUS]
+    names, table = [name.strip() for name in listed[1].split(",")], [gpu.name for gpu in GPUS]
+    assert names == table, f"README lists {set(names) - set(table) or 'none'} not in hardware.GPUS, lacks " \
+                           f"{set(table) - set(names) or 'none'} (or the order differs)"
