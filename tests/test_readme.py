@@ -1,8 +1,9 @@
-"""The README is the manual. Every `shardtune ...` command line it shows (and docs/, and the recipes'
-comments) goes through the real `main` (parser, option types, the only-with rules) with each command's
-work replaced by loading the config its recipe, overrides and sweep values make; a synopsis's
-`[--opt value]` is the option's default; and the defaults and choices it states in its own fixed
-forms are the code's. Argparse and YAML only: no run, no model."""
+"""The README is the manual; these checks keep it the product's. Every `shardtune ...` command line it
+shows (and docs/'s, and the recipes' comments') goes through the real `main` (parser, option types, the
+only-with rules) with each command's work replaced by loading the config of its recipe, overrides and
+sweep values; a synopsis's `[--opt value]` is that option's default; an option or a config `key=value`
+in inline code exists (its `a|b` alternatives among the choices); and the config defaults and `--gpu`
+names the README states in its fixed forms are the code's. Argparse and YAML only: no run, no model."""
 
 from __future__ import annotations
 
