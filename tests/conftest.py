@@ -28,6 +28,17 @@ TINY = {
 }
 
 
+def readme_renderer():
+    """tools/render_readme_reference.py, which writes README's generated blocks: tests compare them."""
+    import importlib.util
+
+    tool = ROOT / "tools" / "render_readme_reference.py"
+    spec = importlib.util.spec_from_file_location("render_readme_reference", tool)
+    render = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(render)
+    return render
+
+
 @pytest.fixture
 def single_thread():
     """Two cores shared with other ranks and tests: more torch threads only spin."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 from archs import ARCHS, DOCS, hf_config, optimizer_step, packed_batch, packed_vs_alone, run_config
 
+from conftest import readme_renderer
 from shardtune.errors import UserError
 from shardtune.families import FAMILIES
 
@@ -152,12 +153,6 @@ def _check_default_ia3(model_type):
 
 
 def test_readme_architecture_table_is_the_families_table():
-    import importlib.util
-    from pathlib import Path
-
-    tool = Path(__file__).resolve().parents[1] / "tools" / "render_readme_reference.py"
-    spec = importlib.util.spec_from_file_location("render_readme_reference", tool)
-    render = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(render)
+    render = readme_renderer()
     assert f"{render.TABLE_MARKER}\n{render.architecture_table()}\n" in render.README.read_text(), \
         "README's architecture table is stale: run tools/render_readme_reference.py"
