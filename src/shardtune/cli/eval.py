@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from shardtune.cli.argtypes import int_range, non_negative_int, nonempty_str, positive_int, ranks
 from shardtune.cli.common import add_decoding_args, only_with
+from shardtune.evaluation.textscores import DEFAULT_METRICS  # a light module: the CLI stays lazy
 
 
 def add_parser(sub) -> None:
@@ -35,7 +36,7 @@ def add_parser(sub) -> None:
                    help="text documents: the first K tokens are the prompt, the next ones the reference (default: 32, "
                    "fewer where the model's positions hold less)")
     add_decoding_args(g, temperature=0.0)
-    g.add_argument("--metrics", type=nonempty_str, default="rouge,bleu,chrf,diversity",
+    g.add_argument("--metrics", type=nonempty_str, default=",".join(DEFAULT_METRICS),
                    help="comma-separated: rouge, bleu, chrf, diversity, mauve (default: all but mauve)")
     g.add_argument("--mauve-featurizer", type=nonempty_str, metavar="MODEL",
                    help="model whose features MAUVE compares (local "
