@@ -17,6 +17,8 @@ HISTOGRAM_TRACKERS = {"tensorboard", "wandb"}  # MLflow logs no histograms
 EXTRAS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 SETTINGS = {"tensorboard": "the run folder", "wandb": "WANDB_MODE, WANDB_API_KEY, WANDB_BASE_URL, log.project",
             "mlflow": "MLFLOW_TRACKING_URI, log.project"}  # where a tracker that fails to start is set up
+WANDB_ONLINE = ("online", "run", "shared")  # W&B's modes that talk to its server (offline/dryrun: files; disabled)
+WANDB_LOGIN = "run `wandb login`, set WANDB_API_KEY, or set WANDB_MODE=offline to log to the run folder"
 
 
 def _require(module: str, tracker: str):
@@ -31,10 +33,6 @@ def _require(module: str, tracker: str):
 
 def wandb_mode() -> str:
     return os.environ.get("WANDB_MODE", "online")  # what Trackers hands wandb.init (over W&B's settings files)
-
-
-WANDB_ONLINE = ("online", "run", "shared")  # W&B's modes that talk to its server (offline/dryrun: files; disabled)
-WANDB_LOGIN = "run `wandb login`, set WANDB_API_KEY, or set WANDB_MODE=offline to log to the run folder"
 
 
 def wandb_host() -> str:
@@ -73,9 +71,11 @@ def check_wandb() -> None:
     host = wandb_host()
     if wandb_mode() not in WANDB_ONLINE:
         return
+    from wandb.errors import Error as WandbError
+
     try:
         found = wandb_key_found(host)
-    except Exception as exc:  # noqa: BLE001 - wandb's refusal of what it found (a malformed key, two kinds)
+    except (WandbError, ValueError) as exc:  # wandb's refusal of what it found: a malformed key or host, two kinds
         raise UserError(f"log.trackers: wandb refuses its credentials for {host} ({_reason(exc)}); "
                         f"{WANDB_LOGIN}") from None
     if not found:
