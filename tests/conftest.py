@@ -147,6 +147,12 @@ def main_in_process(argv: list[str], main=None, context=contextlib.nullcontext) 
     return rc, err.getvalue()
 
 
+def wandb_afresh(monkeypatch) -> None:
+    """W&B's settings (its WANDB_* variables and files) read again at their next use, as in a new
+    process: wandb keeps the first it read in a process (the earlier ones come back after the test)."""
+    monkeypatch.setattr(pytest.importorskip("wandb.sdk.wandb_setup"), "_singleton", None)
+
+
 # In-process training helpers shared by tests/train, tests/model and tests/e2e/test_cuda.py.
 
 def train_tiny(assets, out, **extra) -> list[float]:

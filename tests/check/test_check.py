@@ -58,6 +58,16 @@ def overrides(assets, settings_: dict) -> list[str]:
     return [f"{k}={json.dumps(v) if isinstance(v, dict) else v}" for k, v in {**base, **settings_}.items()]
 
 
+def as_recipe(words: list[str]) -> dict:
+    """The overrides as a recipe's tree: the base a sweep's points and settings change."""
+    from shardtune.config.load import parse_override, set_dotted
+
+    tree: dict = {}
+    for word in words:
+        set_dotted(tree, *parse_override(word))
+    return tree
+
+
 def refusal(check) -> str:
     with pytest.raises(UserError) as exc:
         check()
@@ -93,7 +103,7 @@ def refused_everywhere(words: list[str], cfg, line: str) -> None:
     """plan, sweep (grid and search) and eval refuse `cfg` with train's `line`."""
     assert "\n" not in line
     assert refusal(lambda: check_plan(PlanRequest(gpus=1, gpu="A100-80GB"), cfg)) == line
-    sweep = Sweep(None, words, [("train.seed", ["1", "2"])], defaults={})
+    sweep = Sweep(None, [], [("train.seed", ["1", "2"])], defaults=as_recipe(words))
     assert refusal(lambda: check_sweep(sweep)) == line
     sweep.grid = []
     assert refusal(lambda: check_search(sweep, Search(parse_space(["train.lr=loguniform:1e-5:1e-3"])))) == line
@@ -104,7 +114,8 @@ def refused_everywhere(words: list[str], cfg, line: str) -> None:
 
 
 def test_a_grid_point_train_would_refuse_is_named_before_trial_1(assets):
-    sweep = Sweep(None, overrides(assets, {"data.seq_len": 64}), [("data.seq_len", ["64", "512"])], defaults={})
+    recipe = as_recipe(overrides(assets, {"data.seq_len": 64}))
+    sweep = Sweep(None, [], [("data.seq_len", ["64", "512"])], defaults=recipe)
     line = refusal(lambda: check_sweep(sweep))
     assert line.startswith("--grid data.seq_len=512: data.seq_len=512 is above the model's maximum of 128")
 

@@ -247,3 +247,12 @@ def test_a_structured_override_inside_a_free_form_mapping_is_its_value(override,
     assert copy.deepcopy(cfg).model.config == cfg.model.config
     text = Override("[1]", [1])  # and the override itself survives a copy
     assert copy.deepcopy(text) == "[1]" and pickle.loads(pickle.dumps(text)).parsed == [1]
+
+
+def test_overrides_leave_the_callers_defaults_as_they_were():
+    """A sweep without a recipe loads the quickstart's defaults once per grid point: a point's
+    nested key stayed in them, and the base config (loaded after the points) took it."""
+    defaults = {"data": {"path": "x", "seq_len": 64}, "model": {"config": {"model_type": "gpt2", "n_layer": 2}}}
+    assert load_config(None, ["data.seq_len=512", "model.config.n_layer=3"], defaults=defaults).data.seq_len == 512
+    assert defaults == {"data": {"path": "x", "seq_len": 64}, "model": {"config": {"model_type": "gpt2", "n_layer": 2}}}
+    assert load_config(None, [], defaults=defaults).data.seq_len == 64

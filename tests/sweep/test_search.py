@@ -26,8 +26,10 @@ from shardtune.sweep.trial import _wait
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-def overrides(assets, tmp_path) -> list[str]:
-    return [w for w in tiny_overrides(assets, tmp_path / "unused") if not w.startswith("output_dir=")]
+def overrides(assets, tmp_path, searched: str = "train.lr") -> list[str]:
+    """The tiny run's overrides, less those each trial sets (refused: the trial would replace them)."""
+    return [w for w in tiny_overrides(assets, tmp_path / "unused")
+            if w.partition("=")[0] not in ("output_dir", "train.max_steps", searched)]
 
 
 def csv_rows(out: Path) -> list[dict]:
@@ -99,7 +101,7 @@ def test_study_prunes_resumes_and_draws(assets, tmp_path, monkeypatch, capsys):
     assert len(csv_rows(out)) == 7
     # the same folder with another search space is another study: refused
     capsys.readouterr()
-    assert main([*argv[:-4], "--search", "train.warmup_steps=int:0:3", "--out", str(out)]) == 2
+    assert main([*argv[:-4], "--search", "train.seed=int:0:3", "--out", str(out)]) == 2
     assert "another space" in capsys.readouterr().err
 
 
@@ -129,19 +131,20 @@ def test_a_pruned_trial_process_is_stopped(tmp_path):
     (["--search", "train.lr=uniform:0.1:0.2", "--trials", "0"], "--trials: must be at least 1"),
     (["--search", "data.path=uniform:1:2"], "data.path is not a number"),
     (["--search", "model.config=int:1:2"], "model.config is not a number"),
-    (["--search", "train.max_steps=uniform:1:9"], "train.max_steps is a whole number and uniform draws"),
+    (["--search", "train.warmup_steps=uniform:1:9"], "train.warmup_steps is a whole number and uniform draws"),
     (["--search", "train.micro_batch_size=loguniform:1:9"], "is a whole number"),
     (["--search", "train.lr=uniform:0.1:0.2", "--study-name", ""], "--study-name: must not be empty"),
     (["--search", "train.lr=uniform:0.1:0.2", "--storage", "nosuchdb://x"], "cannot open --storage"),
     (["--search", "train.lr=uniform:0.1:0.2", "--grid", "train.seed=1,2"], "two kinds of sweep"),
     # a key the sweep sets for each trial: every point the same run
-    (["--search", "train.max_steps=int:1:3"], "train.max_steps is set by the sweep for each trial (choose it with"),
-    (["--search", "eval.at_start=choice:true,false"], "eval.at_start is set by the sweep for each trial; sweep other"),
+    (["--search", "train.max_steps=int:1:3"], "--search train.max_steps is set per trial by --steps; sweep other"),
+    (["--search", "eval.at_start=choice:true,false"], "eval.at_start is set per trial by the sweep (it measures"),
 ])
 def test_bad_search_input_is_one_line_before_any_trial(assets, tmp_path, monkeypatch, capsys, extra, needle):
     calls = []
     fake_trials(monkeypatch, calls)
-    code = main(["sweep", *overrides(assets, tmp_path), *extra, "--out", str(tmp_path / "s")])
+    searched = extra[extra.index("--search") + 1].partition("=")[0]
+    code = main(["sweep", *overrides(assets, tmp_path, searched), *extra, "--out", str(tmp_path / "s")])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and needle in err[0], err
     assert calls == []

@@ -169,12 +169,12 @@ def test_the_search_probes_few_micro_batches():
     (["--grid", "precision=bf16,fp32", "--steps", "0"], "--steps: must be at least 1"),
     (["--grid", "train.micro_batch_size=2,3"], "train.micro_batch_size=3"),
     (["--grid", "precision=bf16", "--nproc", "3"], "not divisible by micro_batch_size x ranks = 2 x 3"),
-    (["--grid", "output_dir=a,b"], "set by the sweep"),
+    (["--grid", "output_dir=a,b"], "--grid output_dir is set per trial by --out"),
     # a key the sweep sets for each trial, or values that mean the same: every point the same run
-    (["--grid", "train.max_steps=1,2"], "train.max_steps is set by the sweep for each trial (choose it with --steps)"),
-    (["--grid", "log.every_steps=5,10"], "log.every_steps is set by the sweep for each trial; sweep other keys"),
+    (["--grid", "train.max_steps=1,2"], "--grid train.max_steps is set per trial by --steps; sweep other keys"),
+    (["--grid", "log.every_steps=5,10"], "log.every_steps is set per trial by the sweep (it measures every step"),
     (["--grid", "train.lr=1e-3,0.001"], "train.lr=0.001: it is the same run as --grid train.lr=1e-3"),
-    (["--max-batch", "--grid", "train.micro_batch_size=1,2"], "drop it from --grid"),
+    (["--max-batch", "--grid", "train.micro_batch_size=1,2"], "micro_batch_size is set per trial by --max-batch"),
     (["--grid", "precision=bf16", "--mem-limit", "lots"], "is not a memory size"),
     (["precision=bf16", "--grid", "float8=none,rowwise"], "--grid float8=rowwise: float8=rowwise needs an NVIDIA GPU"),
 ])

@@ -161,26 +161,31 @@ def answering_url():
 
 @pytest.mark.parametrize("tracker, env, fix", [
     ("mlflow", {"MLFLOW_TRACKING_URI": "{url}"}, "MLFLOW_TRACKING_URI"),
-    ("wandb", {"WANDB_BASE_URL": "{url}", "WANDB_MODE": "online"}, "WANDB_MODE=offline"),
+    ("wandb", {"WANDB_BASE_URL": "{url}", "WANDB_MODE": "online", "WANDB_API_KEY": "k" * 40}, "WANDB_MODE=offline"),
 ])
 def test_a_tracker_server_that_does_not_answer_is_refused_before_the_run(monkeypatch, answering_url, tracker, env,
                                                                           fix):
     """The clients retry an unreachable server for minutes, after the model is built (MLflow ~4 min)."""
+    from conftest import wandb_afresh
     from shardtune.telemetry.trackers import check_trackers
 
     pytest.importorskip(tracker)
+    afresh = (lambda: wandb_afresh(monkeypatch)) if tracker == "wandb" else (lambda: None)
     url = _refused_url()
     for name, value in env.items():
         monkeypatch.setenv(name, value.format(url=url))
+    afresh()
     with pytest.raises(UserError) as caught:
         check_trackers(["tensorboard", tracker], timeout=2)
     assert url in str(caught.value) and fix in str(caught.value) and "\n" not in str(caught.value)
     for name, value in env.items():
         monkeypatch.setenv(name, value.format(url=answering_url))
+    afresh()
     check_trackers([tracker], timeout=2)
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "file:///nowhere")
     monkeypatch.setenv("WANDB_BASE_URL", url)
+    afresh()
     check_trackers([tracker], timeout=2)  # local: no server asked
 
 

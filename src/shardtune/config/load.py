@@ -7,6 +7,7 @@ and type (unknown keys get a "did you mean" suggestion), validates what needs on
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import os
@@ -77,7 +78,7 @@ def load_config(recipe: str | Path | None, overrides: list[str] | None = None,
     """Recipe YAML (or `defaults` when there is none) + dotted overrides -> checked RunConfig."""
     if defaults is not None and not isinstance(defaults, dict):  # a caller's slip, e.g. (defaults, line)
         raise TypeError(f"load_config's defaults must be a mapping, got {type(defaults).__name__}")
-    tree: dict = dict(defaults or {})
+    tree: dict = copy.deepcopy(defaults or {})  # the overrides go in: the caller's stays as it was
     name = None
     if recipe is not None:
         path = Path(recipe)

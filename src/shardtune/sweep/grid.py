@@ -15,6 +15,7 @@ import itertools
 import json
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 from shardtune.errors import UserError
 from shardtune.fsio import make_dir, refuse_foreign, write_text_atomic
@@ -24,9 +25,19 @@ from shardtune.sweep.report import describe, slug, summarize_point, write_output
 from shardtune.sweep.trial import LIVE_STEPS, run_trial
 
 SWEEP_FILES = ("sweep.json", "sweep.csv", "sweep.md", "trials")  # with the plots: what a sweep folder holds
-TRIAL_SETTINGS = ["save_final=false", "checkpoint.every_steps=0", "checkpoint.at_epoch_end=false", "resume=null",
-                  "log.every_steps=1", "log.progress=false", "log.trackers=[]", "log.watch=none",
-                  "publish.hub_repo=null", "publish.wandb_artifacts=none"]  # trials publish nothing
+KEEPS_NOTHING = "the sweep (a trial keeps and publishes nothing)"
+MEASURES = "the sweep (it measures every step of a short run)"
+TRIAL_SETTINGS = {**dict.fromkeys(["save_final=false", "checkpoint.every_steps=0", "checkpoint.at_epoch_end=false",
+                                   "resume=null", "log.trackers=[]", "log.watch=none", "publish.hub_repo=null",
+                                   "publish.wandb_artifacts=none"], KEEPS_NOTHING),
+                  **dict.fromkeys(["log.every_steps=1", "log.progress=false", "eval.at_start=false"], MEASURES)}
+
+
+class Setting(NamedTuple):
+    """One key=value the sweep puts on a trial's command line after the user's overrides and the point."""
+    word: str
+    by: str  # what sets it, as a refusal names it: an option, or why the sweep fixes it
+    fixed: bool = True  # the same in every trial: an override of that very value changes nothing
 
 
 @dataclasses.dataclass
@@ -53,18 +64,29 @@ class Sweep:
         keys = [k for k, _ in self.grid]
         return [dict(zip(keys, values)) for values in itertools.product(*(v for _, v in self.grid))]
 
-    def trial_overrides(self, point: dict, micro_batch: int | None) -> list[str]:
-        """The overrides of one trial, in the order they win: the user's, the grid point's, the sweep's."""
-        words = [*self.overrides, *(f"{k}={v}" for k, v in point.items()), *TRIAL_SETTINGS,
-                 f"train.max_steps={max(self.steps, self.eval_steps or 0)}", "eval.at_start=false"]
+    def settings(self, micro_batch: int | None = None, folder: Path | None = None) -> list[Setting]:
+        """What the sweep sets on a trial's command line (the one list the trials and the checks of
+        overrides and swept keys read): `folder` is the trial's output_dir (default: a stand-in)."""
+        words = [Setting(w, by) for w, by in TRIAL_SETTINGS.items()]
+        words.append(Setting(f"train.max_steps={max(self.steps, self.eval_steps or 0)}", "--steps"))
         if micro_batch is not None:
-            words.append(f"train.micro_batch_size={micro_batch}")
-        # without --eval-steps only the end-of-run evaluation is left: one batch, not the whole split
-        words += [f"eval.every_steps={self.eval_steps}"] if self.eval_steps else ["eval.every_steps=0",
-                                                                                  "eval.max_batches=1"]
+            by = "--max-batch (it searches it)" if self.max_batch else "train.micro_batch_size=auto (per point)"
+            words.append(Setting(f"train.micro_batch_size={micro_batch}", by, fixed=False))
+        if self.eval_steps:
+            words.append(Setting(f"eval.every_steps={self.eval_steps}", "--eval-steps"))
+        else:  # only the end-of-run evaluation is left: one batch, not the whole split
+            words += [Setting("eval.every_steps=0", "--eval-steps (without it, no evaluation during a trial)"),
+                      Setting("eval.max_batches=1", "the sweep without --eval-steps (one batch at a trial's end)")]
         if self.device == "cpu":
-            words.append(f"log.live_memory={LIVE_STEPS}")
+            words.append(Setting(f"log.live_memory={LIVE_STEPS}", "the sweep (it counts a CPU trial's live tensors)"))
+        words.append(Setting(f"output_dir={folder or self.out / 'trials'}", "--out (a folder per trial under it)",
+                             fixed=False))
         return words
+
+    def trial_overrides(self, point: dict, micro_batch: int | None, folder: Path | None = None) -> list[str]:
+        """The overrides of one trial, in the order they win: the user's, the grid point's, the sweep's."""
+        return [*self.overrides, *(f"{k}={v}" for k, v in point.items()),
+                *(s.word for s in self.settings(micro_batch, folder))]
 
     def config(self, point: dict, micro_batch: int | None = None):
         from shardtune.config.load import load_config
@@ -105,8 +127,6 @@ def parse_grid(texts: list[str]) -> list[tuple[str, list[str]]]:
         if not sep or not key or not values or "" in values:
             raise UserError(f"--grid {text!r} is not KEY=V1,V2,...; write it like "
                             "--grid fsdp.sharding=full_shard,no_shard")
-        if key in ("output_dir", "resume"):
-            raise UserError(f"--grid {key} is set by the sweep for each trial; sweep other keys")
         if key in dict(grid):
             raise UserError(f"--grid {key} is given twice; list all its values in one --grid {key}=V1,V2,...")
         if len(set(values)) < len(values):
@@ -128,11 +148,10 @@ def check(sweep: Sweep) -> None:
         raise UserError(f"--nproc must be at least 1, got {sweep.nproc}")
     if not sweep.grid and not sweep.max_batch:
         raise UserError("nothing to sweep; give --grid KEY=V1,V2,... (and/or --max-batch)")
-    if sweep.max_batch and "train.micro_batch_size" in dict(sweep.grid):
-        raise UserError("--max-batch searches train.micro_batch_size itself; drop it from --grid")
     if sweep.max_batch and sweep.config({}).train.micro_batch_size == "auto":
         raise UserError("--max-batch searches train.micro_batch_size itself (with real trials); drop "
                         "train.micro_batch_size=auto, or drop --max-batch to use the planner's choice")
+    set_device(sweep)
     check_overrides(sweep, [k for k, _ in sweep.grid], "--grid")
     sweep.config({})  # the recipe and overrides alone: their errors are not the grid's
     runs: dict[str, str] = {}  # each point's config -> the point: two that load the same are one run twice
@@ -163,23 +182,35 @@ def check(sweep: Sweep) -> None:
     check_models(sweep, sweep.points(), "--grid")
 
 
-SETTING_OPTION = {"train.max_steps": "choose it with --steps", "eval.every_steps": "choose it with --eval-steps",
-                  "train.micro_batch_size": "--max-batch searches it"}  # the sweep's settings an option chooses
-
-
 def check_overrides(sweep: Sweep, swept: list[str], option: str) -> None:
-    """A swept key whose every value each trial's command line would replace (a key the sweep sets
-    for each trial: all its points one run) is refused. (Overrides, like the recipe, are the base
-    that the points and the sweep's settings change: a train command line reused for a sweep.)"""
+    """What the trials' own settings (`Sweep.settings`) or the swept keys would replace is refused:
+    an override (a value the user would not get; the recipe's values are the base the sweep
+    changes), and a swept key (all its points one run)."""
+    from shardtune.config.load import parse_override
+
+    def hit(key: str, settings: list[Setting]) -> tuple[str, Setting] | None:  # the key, or one above it, set
+        return next(((k, s) for s in settings if key == (k := s.word.partition("=")[0]) or key.startswith(k + ".")),
+                    None)
+
+    # an override's micro-batch is where --max-batch's search starts, as the recipe's is: not replaced
+    axes = [Setting(f"{k}=", option, fixed=False) for k in swept]
     for word in sweep.overrides:
-        if word.partition("=")[0].strip() in ("output_dir", "resume"):
-            raise UserError(f"{word!r}: the sweep sets output_dir and resume for each trial; use --out for the sweep")
-    own = sweep.trial_overrides({}, 1 if sweep.max_batch else None)[len(sweep.overrides):]
-    sets = {w.partition("=")[0] for w in own}
+        key, value = parse_override(word)
+        if not (found := hit(key, sweep.settings() + axes)):
+            continue
+        set_key, setting = found
+        if setting.fixed and key == set_key and _plain(parse_override(setting.word)[1]) == _plain(value):
+            continue  # the value the sweep sets anyway
+        raise UserError(f"{word} is set per trial by {setting.by}; drop the override"
+                        + (f" or the {option} axis {set_key}" if setting in axes else ""))
+    own = sweep.settings(1 if sweep.max_batch else None)
     for key in swept:
-        if key in sets:
-            how = f" ({SETTING_OPTION[key]})" if key in SETTING_OPTION else ""
-            raise UserError(f"{option} {key} is set by the sweep for each trial{how}; sweep other keys")
+        if found := hit(key, own):
+            raise UserError(f"{option} {key} is set per trial by {found[1].by}; sweep other keys")
+
+
+def _plain(value):
+    return getattr(value, "parsed", value)  # a list or mapping override: what YAML read, not its text
 
 
 def check_models(sweep: Sweep, points: list[dict], option: str) -> None:
@@ -276,15 +307,19 @@ def read_state(path: Path) -> dict:
     return saved
 
 
-def open_folder(sweep: Sweep, kind: str, own_files: tuple[str, ...]) -> None:
-    """The ranks' device checked and set on `sweep`, and its folder made: continue an earlier one
-    (holding only `own_files` and plots), or start in a new or empty folder; never write into a
-    run's or a user's folder."""
+def set_device(sweep: Sweep) -> None:
+    """The trials' device checked and set on `sweep`, first: the trials' settings (`Sweep.settings`)
+    and this machine's checks of the points depend on it."""
     from shardtune.distributed.process_group import check_nproc, resolve_device
 
     device = sweep.config({}).device
     check_nproc(sweep.nproc, device)
     sweep.device = resolve_device(device).type
+
+
+def open_folder(sweep: Sweep, kind: str, own_files: tuple[str, ...]) -> None:
+    """The sweep's folder made: continue an earlier one (holding only `own_files` and plots), or
+    start in a new or empty folder; never write into a run's or a user's folder."""
     refuse_foreign(sweep.out, "--out", kind, lambda name: name in own_files or name.endswith(".png"))
     make_dir(sweep.out)
 

@@ -14,7 +14,7 @@ import warnings
 from pathlib import Path
 
 from shardtune.errors import UserError, first_line
-from shardtune.sweep.grid import Sweep, check_overrides, open_folder
+from shardtune.sweep.grid import Sweep, check_overrides, open_folder, set_device
 from shardtune.sweep.trial import run_trial
 
 DISTRIBUTIONS = ("loguniform", "uniform", "int", "logint", "choice")
@@ -79,8 +79,6 @@ def parse_param(text: str) -> Param:
     if not sep or not key or kind not in DISTRIBUTIONS:
         raise UserError(f"--search {text!r}: " + (f"unknown distribution {kind!r}; " if sep and key and kind else "")
                         + f"write it like {example}")
-    if key in ("output_dir", "resume"):
-        raise UserError(f"--search {key} is set by the sweep for each trial; search other keys")
     if kind == "choice":
         choices = [c.strip() for c in rest.split(",")]
         if len(choices) < 2 or "" in choices or len(set(choices)) < len(choices):
@@ -144,6 +142,8 @@ def check(sweep: Sweep, search: Search) -> None:
     if sweep.steps < 1 or (sweep.eval_steps is not None and not 1 <= sweep.eval_steps <= sweep.steps):
         raise UserError("--search needs --steps >= 1 and 1 <= --eval-steps <= --steps (the validation loss "
                         "the pruner watches is taken every --eval-steps)")
+    set_device(sweep)
+    check_overrides(sweep, [p.key for p in search.space], "--search")
     sweep.config({})  # the recipe and overrides alone: their errors are not the search space's
     for param in search.space:
         check_kind(param)
@@ -152,7 +152,6 @@ def check(sweep: Sweep, search: Search) -> None:
                 cfg = sweep.config({param.key: value})
             except UserError as exc:
                 raise UserError(f"--search {param.key}={value}: {exc}") from None
-    check_overrides(sweep, [p.key for p in search.space], "--search")
     from shardtune.config.load import check_world
     from shardtune.sweep.grid import check_models
 

@@ -37,7 +37,7 @@ def run_trial(sweep, point: dict, name: str, cap: int | None, micro_batch: int |
     folder = sweep.out / "trials" / name
     folder.mkdir(parents=True, exist_ok=True)
     argv = [sys.executable, "-m", "shardtune", "train", *([sweep.recipe] if sweep.recipe else []),
-            *sweep.trial_overrides(point, micro_batch), f"output_dir={folder}", "--overwrite",
+            *sweep.trial_overrides(point, micro_batch, folder), "--overwrite",
             *(["--nproc", str(sweep.nproc)] if sweep.nproc > 1 else [])]
     env = own_job_env(os.environ)  # a trial is a job of its own, even where the sweep runs under srun
     if cap:

@@ -15,8 +15,10 @@ from shardtune.errors import UserError
 
 HISTOGRAM_TRACKERS = {"tensorboard", "wandb"}  # MLflow logs no histograms
 EXTRAS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
-SETTINGS = {"tensorboard": "the run folder", "wandb": "WANDB_MODE, WANDB_API_KEY, log.project",
+SETTINGS = {"tensorboard": "the run folder", "wandb": "WANDB_MODE, WANDB_API_KEY, WANDB_BASE_URL, log.project",
             "mlflow": "MLFLOW_TRACKING_URI, log.project"}  # where a tracker that fails to start is set up
+WANDB_ONLINE = ("online", "run", "shared")  # W&B's modes that talk to its server (offline/dryrun: files; disabled)
+WANDB_LOGIN = "run `wandb login`, set WANDB_API_KEY, or set WANDB_MODE=offline to log to the run folder"
 
 
 def _require(module: str, tracker: str):
@@ -29,28 +31,86 @@ def _require(module: str, tracker: str):
                         f"pip install 'shardtune[{EXTRAS[tracker]}]'") from None
 
 
+def wandb_mode() -> str:
+    return os.environ.get("WANDB_MODE", "online")  # what Trackers hands wandb.init (over W&B's settings files)
+
+
+def wandb_host() -> str:
+    """The server W&B online talks to, read as wandb.init reads it: WANDB_BASE_URL, else the one
+    `wandb login --host` saved in W&B's settings file, else wandb's default. Its settings are loaded
+    here (once per process, as wandb.init loads them): a WANDB_* value wandb refuses is refused."""
+    try:
+        from wandb.sdk import wandb_setup
+
+        load = wandb_setup.singleton
+    except (ImportError, AttributeError):  # a wandb without this layout: the environment's alone
+        return os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
+    try:
+        return load().settings.base_url
+    except ValueError as exc:  # pydantic's refusal of a WANDB_* value (WANDB_MODE, WANDB_BASE_URL, ...)
+        raise UserError(f"log.trackers: wandb refuses its settings ({_reason(exc)}); fix them ({SETTINGS['wandb']})"
+                        " or drop wandb from log.trackers") from None
+
+
+def wandb_key_found(host: str) -> bool:
+    """Whether wandb.init online finds credentials for `host`, searched as it searches (and nothing
+    asked): WANDB_API_KEY or WANDB_IDENTITY_TOKEN_FILE, else the netrc entry `wandb login` wrote
+    (NETRC, else ~/.netrc), else an API key in W&B's settings. Without a terminal wandb.init
+    refuses a run without them; in one it stops to ask: either once the model is built."""
+    try:
+        from wandb.sdk.lib.wbauth import authenticate_session
+    except ImportError:  # a wandb before wbauth: the places its documentation names
+        from requests.utils import get_netrc_auth
+
+        return bool(os.environ.get("WANDB_API_KEY") or get_netrc_auth(host))
+    return authenticate_session(host=host, source="shardtune", prompt=False, update_session=False) is not None
+
+
+def check_wandb() -> None:
+    """W&B's settings, and online its credentials, as wandb.init will take them."""
+    host = wandb_host()
+    if wandb_mode() not in WANDB_ONLINE:
+        return
+    from wandb.errors import Error as WandbError
+
+    try:
+        found = wandb_key_found(host)
+    except (WandbError, ValueError) as exc:  # wandb's refusal of what it found: a malformed key or host, two kinds
+        raise UserError(f"log.trackers: wandb refuses its credentials for {host} ({_reason(exc)}); "
+                        f"{WANDB_LOGIN}") from None
+    if not found:
+        raise UserError(f"log.trackers: wandb logs online to {host} but finds no API key; {WANDB_LOGIN}, or drop "
+                        "wandb from log.trackers")
+
+
+def _reason(exc: Exception) -> str:
+    return " ".join(str(exc).split())[:200] or type(exc).__name__  # pydantic's reason is on later lines
+
+
 def servers(names: list[str]) -> list[tuple[str, str, str]]:
     """(tracker, URL, what to do when it does not answer) for each tracker that will talk to a server as
-    `Trackers` starts it: MLflow at an http(s) MLFLOW_TRACKING_URI, W&B online at WANDB_BASE_URL."""
+    `Trackers` starts it: MLflow at an http(s) MLFLOW_TRACKING_URI, W&B online at its host."""
     found = []
     uri = os.environ.get("MLFLOW_TRACKING_URI", "")
     if "mlflow" in names and uri.lower().startswith(("http://", "https://")):
         found.append(("mlflow", uri, "start the server or fix MLFLOW_TRACKING_URI"))
-    if "wandb" in names and os.environ.get("WANDB_MODE", "online") in ("online", "run"):
-        found.append(("wandb", os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai"),
+    if "wandb" in names and wandb_mode() in WANDB_ONLINE:
+        found.append(("wandb", wandb_host(),
                       "check the network or WANDB_BASE_URL, or set WANDB_MODE=offline to log to the run folder"))
     return found
 
 
 def check_trackers(names: list[str], timeout: float = 5.0) -> None:
-    """Before anything is built: each tracker installed, and each tracker's server answering at
-    all (any HTTP status will do). The clients themselves retry an unreachable server for minutes
-    (MLflow ~4, W&B 1.5) and only once the model is built and the data read."""
+    """Before anything is built: each tracker installed, W&B's settings and credentials, and each
+    tracker's server answering at all (any HTTP status will do). The clients themselves retry an
+    unreachable server for minutes (MLflow ~4, W&B 1.5) and only once the model is built and the data read."""
     import urllib.error
     import urllib.request
 
     for name in names:
         _require(EXTRAS[name], name)
+    if "wandb" in names:
+        check_wandb()
     for name, url, fix in servers(names):
         try:
             urllib.request.urlopen(url, timeout=timeout).close()
@@ -131,8 +191,7 @@ class Trackers:
                 self.close()
                 if isinstance(exc, UserError):
                     raise
-                why = " ".join(str(exc).split())[:200] or type(exc).__name__  # pydantic's reason is on later lines
-                raise UserError(f"log.trackers: {name} could not start ({type(exc).__name__}: {why}); "
+                raise UserError(f"log.trackers: {name} could not start ({type(exc).__name__}: {_reason(exc)}); "
                                 f"fix its settings ({SETTINGS[name]}) or drop {name} from log.trackers") from None
 
     def _start(self, name: str, out: Path, hparams: dict, project: str, run_name: str, artifacts: str) -> None:
@@ -157,7 +216,7 @@ class Trackers:
         elif name == "wandb":
             wandb = _require("wandb", name)
             run = wandb.init(project=project, name=run_name, dir=str(out), config=hparams,
-                             mode=os.environ.get("WANDB_MODE", "online"))
+                             mode=wandb_mode())
             self.sinks.append(Sink(lambda scalars, step, r=run: r.log(scalars, step=step), run.finish,
                                    wandb_artifact(run, artifacts) if artifacts != "none" else None,
                                    lambda hists, step, r=run, w=wandb: r.log(
