@@ -59,11 +59,12 @@ def wandb_key_found(host: str) -> bool:
     refuses a run without them; in one it stops to ask: either once the model is built."""
     try:
         from wandb.sdk.lib.wbauth import authenticate_session
-    except ImportError:  # a wandb before wbauth: the places its documentation names
+
+        return authenticate_session(host=host, source="shardtune", prompt=False, update_session=False) is not None
+    except (ImportError, TypeError):  # a wandb without this internal call as 0.31 has it: the documented places
         from requests.utils import get_netrc_auth
 
         return bool(os.environ.get("WANDB_API_KEY") or get_netrc_auth(host))
-    return authenticate_session(host=host, source="shardtune", prompt=False, update_session=False) is not None
 
 
 def check_wandb() -> None:
