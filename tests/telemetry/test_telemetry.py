@@ -131,9 +131,13 @@ def test_missing_tracker_package_is_a_one_line_error(tmp_path, monkeypatch):
     ("mlflow", {"MLFLOW_TRACKING_URI": "bogus://x"}, ["mlflow could not start", "bogus://x", "MLFLOW_TRACKING_URI"]),
 ])
 def test_a_tracker_refusing_its_settings_is_a_one_line_error(tmp_path, monkeypatch, tracker, env, words):
+    from conftest import wandb_afresh
+
     pytest.importorskip(tracker)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
+    if tracker == "wandb":
+        wandb_afresh(monkeypatch)  # wandb reads its WANDB_* settings once per process
     with pytest.raises(UserError) as caught:
         Trackers(["tensorboard", tracker], tmp_path, {"a": 1}, "p", "r")
     assert "\n" not in str(caught.value) and all(w in str(caught.value) for w in words), str(caught.value)

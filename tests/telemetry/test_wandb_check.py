@@ -100,3 +100,12 @@ def test_train_refuses_before_it_builds_anything(never_logged_in, assets, monkey
     code, err = main_in_process(["train", *tiny_overrides(assets, out), "log.trackers=[wandb]"])
     assert code == 2 and "wandb logs online" in err and "wandb login" in err, err
     assert not out.exists()
+
+
+def test_wandb_offline_saved_in_its_settings_needs_no_key(never_logged_in, monkeypatch):
+    """`wandb offline` writes the mode into W&B's settings file, with no WANDB_MODE: the run logs
+    to its folder, as wandb.init reads it, and needs no key."""
+    monkeypatch.setenv("WANDB_BASE_URL", HOST)
+    (never_logged_in / "wandb-config").mkdir()
+    (never_logged_in / "wandb-config" / "settings").write_text("[default]\nmode = offline\n")
+    check_trackers(["wandb"], timeout=2)  # no refusal: no key needed, no server asked

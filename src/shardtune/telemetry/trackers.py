@@ -31,25 +31,22 @@ def _require(module: str, tracker: str):
                         f"pip install 'shardtune[{EXTRAS[tracker]}]'") from None
 
 
-def wandb_mode() -> str:
-    return os.environ.get("WANDB_MODE", "online")  # what Trackers hands wandb.init (over W&B's settings files)
-
-
-def wandb_host() -> str:
-    """The server W&B online talks to, read as wandb.init reads it: WANDB_BASE_URL, else the one
-    `wandb login --host` saved in W&B's settings file, else wandb's default. Its settings are loaded
-    here (once per process, as wandb.init loads them): a WANDB_* value wandb refuses is refused."""
+def wandb_settings() -> tuple[str, str]:
+    """(mode, server) as wandb.init reads them: WANDB_MODE and WANDB_BASE_URL, else what `wandb
+    offline` or `wandb login --host` saved in W&B's settings file, else wandb's defaults. They are
+    loaded here (once per process, as wandb.init loads them): a WANDB_* value wandb refuses is refused."""
     try:
         from wandb.sdk import wandb_setup
 
         load = wandb_setup.singleton
     except (ImportError, AttributeError):  # a wandb without this layout: the environment's alone
-        return os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
+        return os.environ.get("WANDB_MODE", "online"), os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
     try:
-        return load().settings.base_url
+        settings = load().settings
     except ValueError as exc:  # pydantic's refusal of a WANDB_* value (WANDB_MODE, WANDB_BASE_URL, ...)
         raise UserError(f"log.trackers: wandb refuses its settings ({_reason(exc)}); fix them ({SETTINGS['wandb']})"
                         " or drop wandb from log.trackers") from None
+    return os.environ.get("WANDB_MODE") or settings.mode, settings.base_url
 
 
 def wandb_key_found(host: str) -> bool:
@@ -69,8 +66,8 @@ def wandb_key_found(host: str) -> bool:
 
 def check_wandb() -> None:
     """W&B's settings, and online its credentials, as wandb.init will take them."""
-    host = wandb_host()
-    if wandb_mode() not in WANDB_ONLINE:
+    mode, host = wandb_settings()
+    if mode not in WANDB_ONLINE:
         return
     from wandb.errors import Error as WandbError
 
@@ -95,8 +92,8 @@ def servers(names: list[str]) -> list[tuple[str, str, str]]:
     uri = os.environ.get("MLFLOW_TRACKING_URI", "")
     if "mlflow" in names and uri.lower().startswith(("http://", "https://")):
         found.append(("mlflow", uri, "start the server or fix MLFLOW_TRACKING_URI"))
-    if "wandb" in names and wandb_mode() in WANDB_ONLINE:
-        found.append(("wandb", wandb_host(),
+    if "wandb" in names and (wandb := wandb_settings())[0] in WANDB_ONLINE:
+        found.append(("wandb", wandb[1],
                       "check the network or WANDB_BASE_URL, or set WANDB_MODE=offline to log to the run folder"))
     return found
 
@@ -216,8 +213,10 @@ class Trackers:
             self.sinks.append(Sink(add_scalars, writer.close, histograms=add_histograms))
         elif name == "wandb":
             wandb = _require("wandb", name)
+            # WANDB_MODE as it is now (wandb reads its variables once per process), else W&B's settings
+            # file's (`wandb offline`), as check_wandb read them
             run = wandb.init(project=project, name=run_name, dir=str(out), config=hparams,
-                             mode=wandb_mode())
+                             mode=os.environ.get("WANDB_MODE"))
             self.sinks.append(Sink(lambda scalars, step, r=run: r.log(scalars, step=step), run.finish,
                                    wandb_artifact(run, artifacts) if artifacts != "none" else None,
                                    lambda hists, step, r=run, w=wandb: r.log(
