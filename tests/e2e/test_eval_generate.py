@@ -330,8 +330,10 @@ def test_generate_prints_and_bad_input(trained, capsys, tmp_path):
 @pytest.mark.parametrize("data, words, extra", [
     ('{"body": "a few words of text"}\n', ["has no column 'text', which --text-field names", "set --text-field"], []),
     (None, ["not found", "check --data"], []),
-    ('{"instruction": "a", "output": "b"}\n', ["--format=chat needs a column 'messages'", "rename the file's columns"],
-     ["--format", "chat"]),
+    ('{"prompt": "a", "output": "b"}\n', ["--format=instruct needs a column 'instruction'",
+                                          "rename the file's columns"], ["--format", "instruct"]),
+    ('{"messages": []}\n', ["--format chat lays examples out with the tokenizer's chat template",
+                            "choose --format instruct or text"], ["--format", "chat"]),
     ('{"instruction": "a", "output": "b"}\n', ["keeps a response", "within --seq-len=2; raise --seq-len"],
      ["--format", "instruct", "--seq-len", "2"]),
     ('{"body": "a few words of text"}\n', ["has no column 'text', which --text-field names"], ["--generate", "2"]),

@@ -44,3 +44,11 @@ def test_the_layout_is_the_runs_unless_format_says_otherwise():
     assert layout(None, None).format == "text" and layout("instruct", None).format == "instruct"
     assert layout(None, run).chat_template == "{{ x }}" and layout("chat", run).chat_template == "{{ x }}"
     assert layout("text", run) == DataConfig(format="text")
+
+
+def test_chat_without_a_template_names_the_format_option(tok):
+    tok.chat_template = None
+    with pytest.raises(UserError, match="^--format chat lays .* choose --format instruct or text$"):
+        rendered(["hi"], DataConfig(format="chat"), tok)
+    [(text, _)] = rendered(["hi"], DataConfig(format="chat", chat_template="[{{ messages[0].content }}]"), tok)
+    assert text == "[hi]"  # the run's own template (data.chat_template) is used where the tokenizer has none

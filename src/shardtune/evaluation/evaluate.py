@@ -20,6 +20,7 @@ import torch.distributed as tdist
 
 from shardtune.checkpoint.loading import adapter_structure, load_model
 from shardtune.errors import UserError
+from shardtune.evaluation.prompts import check_chat, layout
 from shardtune.model.hf import max_positions
 from shardtune.model.prompt_learning import output_offset, virtual_tokens
 
@@ -54,8 +55,6 @@ def data_config(req, run_cfg):
     """The data `req` (an eval or eval --generate request) reads: the run's (its format, fields,
     template), with --data, --data-name, --text-field and --format overriding. A --format other
     than the run's starts from that format's defaults (`prompts.layout`)."""
-    from shardtune.evaluation.prompts import layout
-
     if req.data is None and run_cfg is None:
         raise UserError(f"{req.model!r} is not a shardtune checkpoint, so it has no dataset; pass --data PATH")
     cfg = layout(req.format, run_cfg)
@@ -92,9 +91,10 @@ def check_eval(req: EvalRequest, run_cfg, hf_config, tokenizer, compare_config=N
 # the data keys a refusal of --data's files names, as the options of eval that set them
 DATA_OPTIONS = {"data.text_field": "--text-field", "data.path": "--data", "data.name": "--data-name",
                 "data.seq_len": "--seq-len", "data.cutoff_len": "--seq-len", "data.format": "--format"}
-# what to do about a data key eval has no option for (data.instruction_field, data.messages_field, ...)
-OTHER_KEYS = ("eval reads the columns the run's recipe names (else the defaults): rename the file's columns, "
-              "or choose --format")
+# what to do about a column key eval has no option for (data.instruction_field, data.messages_field, ...)
+COLUMN_KEYS = r"(?<![\w.])data\.(\w+_field|template)\b"
+OTHER_COLUMNS = ("eval reads the columns the run's recipe names (else the defaults): rename the file's columns, "
+                 "or choose --format")
 
 
 @contextlib.contextmanager
@@ -108,8 +108,8 @@ def options_named(applies: bool = True):
         text = str(exc)
         for key, option in DATA_OPTIONS.items():
             text = re.sub(rf"(?<![\w.]){re.escape(key)}(?![\w])", option, text)
-        if re.search(r"(?<![\w.])data\.\w", text):
-            text = f"{text} ({OTHER_KEYS})"
+        if re.search(COLUMN_KEYS, text):
+            text = f"{text} ({OTHER_COLUMNS})"
         raise UserError(text) from None
 
 
@@ -122,6 +122,7 @@ def eval_blocks(req: EvalRequest, run_cfg, tokenizer):
 
     cfg = data_config(req, eval_config(req, run_cfg))  # check_eval set --seq-len
     cfg.seq_len = req.seq_len or cfg.seq_len
+    check_chat(cfg, tokenizer)
     with options_named(req.data is not None or req.format is not None):
         if req.data is None and req.split is None:
             _, val = data_lib.prepare(cfg, tokenizer, run_cfg.train.seed)

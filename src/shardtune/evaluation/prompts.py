@@ -22,6 +22,15 @@ def layout(fmt: str | None, run_cfg):
     return DataConfig(format=fmt or "text")
 
 
+def check_chat(cfg, tokenizer) -> None:
+    """eval and generate in the chat format need a chat template: the run's (data.chat_template, or
+    the one its tokenizer was saved with), else the tokenizer's own; one line naming --format where
+    there is none (these commands have no data.chat_template to set)."""
+    if cfg.format == "chat" and not cfg.chat_template and not getattr(tokenizer, "chat_template", None):
+        raise UserError("--format chat lays examples out with the tokenizer's chat template, and this model's "
+                        "tokenizer has none; choose --format instruct or text")
+
+
 def rendered(prompts: list[str], cfg, tokenizer) -> list[tuple[str, list[int]]]:
     """(the text the model is given, its token ids) for each prompt, in `cfg`'s format; the ids
     are training's (a llama-style BOS included), so the prompt reads exactly as in training."""
@@ -38,7 +47,8 @@ def rendered(prompts: list[str], cfg, tokenizer) -> list[tuple[str, list[int]]]:
                             "already laid out")
         rows = [{cfg.instruction_field: p, cfg.input_field: ""} for p in prompts]
         return [(formats.instruct_prompt(cfg, r), formats.instruct_prompt_ids(cfg, tokenizer, r)) for r in rows]
-    formats.check_chat_template(cfg, tokenizer)
+    check_chat(cfg, tokenizer)
+    formats.check_chat_template(cfg, tokenizer)  # installs the run's data.chat_template
     out = []
     for index, p in enumerate(prompts):
         turns = [{"role": "user", "content": p}, {"role": "assistant", "content": ""}]

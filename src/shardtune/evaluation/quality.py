@@ -17,6 +17,7 @@ from shardtune.checkpoint.loading import load_model, model_step, run_folder
 from shardtune.errors import UserError
 from shardtune.evaluation import lengths, textscores
 from shardtune.evaluation.evaluate import data_config, generate, options_named
+from shardtune.evaluation.prompts import check_chat
 from shardtune.fsio import make_dir, refuse_foreign_file, write_text_atomic
 
 SHOWN_EXAMPLES = 3  # example generations in the printed table (the JSON has all)
@@ -177,6 +178,7 @@ def run_quality(req: QualityRequest) -> dict:
     featurizer = textscores.load_featurizer(req.mauve_featurizer) if "mauve" in metrics else None
     _, tokenizer, hf_config, run_cfg = load_model(req.model, weights=False)
     cfg = data_config(req, run_cfg)
+    check_chat(cfg, tokenizer)
     req, room = fit_lengths(req, cfg, hf_config)
     with options_named(req.data is not None or req.format is not None):
         prompts = examples(req, cfg, documents(req, cfg, run_cfg), tokenizer)
