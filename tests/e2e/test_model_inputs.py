@@ -291,13 +291,32 @@ def lora_run(tmp_path, model_folder) -> Path:
     return run
 
 
-@pytest.mark.parametrize("argv", [
+ADAPTER_COMMANDS = pytest.mark.parametrize("argv", [
     ["generate", "{adapter}", "--prompt", "zzqx hi", "--max-new-tokens", "2"],
     ["eval", "{adapter}", "--data", "{data}", "--seq-len", "32"],
     ["eval", "{model}", "--compare", "{adapter}", "--data", "{data}", "--seq-len", "32"],
     ["eval", "{adapter}", "--data", "{data}", "--generate", "1", "--max-new-tokens", "2", "--out", "{out}/g.json"],
     ["export", "{adapter}", "{out}", "--merge"],
 ], ids=["generate", "eval", "eval-compare", "eval-generate", "export-merge"])
+
+
+@ADAPTER_COMMANDS
+def test_an_adapter_saved_without_a_tokenizer_takes_its_bases(capfd, tmp_path, model_folder, argv):
+    """A peft adapter saved elsewhere usually has no tokenizer files: every command that opens it
+    uses its base's (they refused it as a damaged tokenizer folder)."""
+    adapter = tmp_path / "adapter"
+    save_lora(model_folder, adapter)
+    data = write_jsonl(tmp_path / "data.jsonl", [{"text": "hello world " * 8}] * 40)
+    out = tmp_path / "out"
+    assert main([a.format(adapter=adapter, model=model_folder, data=data, out=out) for a in argv]) == 0, \
+        capfd.readouterr().err
+    if argv[0] == "export":
+        from transformers import AutoTokenizer
+
+        assert AutoTokenizer.from_pretrained(out).get_vocab() == AutoTokenizer.from_pretrained(model_folder).get_vocab()
+
+
+@ADAPTER_COMMANDS
 def test_an_adapters_tokenizer_larger_than_its_bases_vocabulary_is_refused(capfd, tmp_path, model_folder, argv):
     """An adapter folder whose tokenizer has tokens its base has no embedding for: eval and generate
     failed inside torch (IndexError), export --merge wrote a folder that every command refuses."""

@@ -17,7 +17,7 @@ class AdapterParts(NamedTuple):
     config: dict  # adapter_config.json
     base: str  # the base model to load it on
     base_config: Any  # the base's HF config
-    tokenizer: Any  # the adapter folder's own tokenizer, else its base's; None where neither has one
+    tokenizer: Any  # the adapter folder's own tokenizer, else its base's (`tokenizer_source`)
 
 
 def adapter_parts(adapter: Path) -> AdapterParts:
@@ -47,28 +47,25 @@ def adapter_parts(adapter: Path) -> AdapterParts:
         raise UserError(f"adapter folder {str(adapter)!r} has no adapter_model.safetensors; {REEXPORT}")
     if weights.is_file():
         check_safetensors(weights)
-    hf_config = base_config(base)
-    tokenizer, source = paired_tokenizer(adapter, base)
-    if tokenizer is not None:
-        from shardtune.model.hf import check_vocab
+    from shardtune.config.schema import ModelConfig
+    from shardtune.model.hf import check_vocab, load_tokenizer
 
-        check_vocab(hf_config, tokenizer, "a token past those has no embedding: use the base's own tokenizer, or "
-                    "set base_model_name_or_path in adapter_config.json to a base resized to this tokenizer",
-                    f"the tokenizer in {source!r}", f"the adapter's base model {base!r}")
+    hf_config = base_config(base)
+    source = tokenizer_source(adapter, base)
+    tokenizer = load_tokenizer(ModelConfig(tokenizer=source))  # its own one-line refusals
+    check_vocab(hf_config, tokenizer, "a token past those has no embedding: use the base's own tokenizer, or "
+                "set base_model_name_or_path in adapter_config.json to a base resized to this tokenizer",
+                f"the tokenizer in {source!r}", f"the adapter's base model {base!r}")
     return AdapterParts(config, base, hf_config, tokenizer)
 
 
-def paired_tokenizer(adapter: Path, base: str) -> tuple[Any, str | None]:
-    """(the tokenizer that goes with the adapter, where it was read): the adapter folder's own (a
-    run saves its tokenizer there), else its base's; (None, None) where neither reads."""
-    from transformers import AutoTokenizer
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
-    for source in (str(adapter), base):
-        try:
-            return AutoTokenizer.from_pretrained(source), source
-        except (OSError, ValueError):
-            continue
-    return None, None
+
+def tokenizer_source(adapter: Path, base: str) -> str:
+    """Where the adapter's tokenizer is: its folder's own (a run saves one there; a broken one is
+    refused as such), else its base's: a peft adapter saved elsewhere usually has none."""
+    return str(adapter) if any((adapter / name).is_file() for name in TOKENIZER_FILES) else base
 
 
 def base_missing(base: str) -> UserError:

@@ -198,7 +198,6 @@ def merge_adapter_folder(adapter: Path, out: Path, max_shard_size: int | str = "
     model = fit_adapter(load_base(base, dtype="auto"), adapter, base).merge_and_unload()
     with atomic_dir(out) as tmp:
         model.save_pretrained(tmp, max_shard_size=max_shard_size, safe_serialization=True)
-        if parts.tokenizer is not None:  # the adapter's own, else its base's (adapter_folder.paired_tokenizer)
-            parts.tokenizer.save_pretrained(tmp)
+        parts.tokenizer.save_pretrained(tmp)  # the adapter's own, else its base's (adapter_folder.tokenizer_source)
     print(f"merged the adapter {adapter} into {base}; wrote {out}", flush=True)
     return out

@@ -89,11 +89,9 @@ def _load(spec: str, device: str, weights: bool):
 
     if kind == "adapter":  # evaluate/generate with the adapter folded into its base where it can be
         from shardtune.checkpoint.adapter_folder import adapter_parts, fit_adapter, load_base
-        from shardtune.config.schema import ModelConfig
-        from shardtune.model.hf import load_tokenizer
 
         parts = adapter_parts(where)  # the tokenizer checked against the base's vocabulary there
-        tokenizer = load_tokenizer(ModelConfig(tokenizer=str(where)))
+        tokenizer = parts.tokenizer
         if not weights:
             return None, tokenizer, parts.base_config, None
         model = _folded(fit_adapter(load_base(parts.base), where, parts.base))
