@@ -316,6 +316,20 @@ def test_an_adapter_saved_without_a_tokenizer_takes_its_bases(capfd, tmp_path, m
         assert AutoTokenizer.from_pretrained(out).get_vocab() == AutoTokenizer.from_pretrained(model_folder).get_vocab()
 
 
+@pytest.mark.parametrize("command", ["train", "plan"])
+def test_an_adapter_folder_given_as_the_model_to_train_is_refused(capfd, tmp_path, recipe, out, model_folder, command):
+    """train and plan read model.name_or_path as a model: an adapter folder there was refused as a
+    damaged tokenizer folder; now the line says what it is, and the two ways on."""
+    adapter = tmp_path / "adapter"
+    save_lora(model_folder, adapter)
+    argv = [a.format(recipe=recipe, model=adapter, out=out) for a in SIZE_COMMANDS[command]]
+    fails(capfd, argv, f"model.name_or_path={str(adapter)!r} is a peft adapter folder", f"on {str(model_folder)!r}",
+          "--merge")
+    if command == "train":  # as the tokenizer: a folder with no tokenizer, not a damaged one
+        argv = [a.format(recipe=recipe, model=model_folder, out=out) for a in SIZE_COMMANDS[command]]
+        fails(capfd, [*argv, f"model.tokenizer={adapter}"], f"folder {str(adapter)!r} holds no tokenizer")
+
+
 @ADAPTER_COMMANDS
 def test_an_adapters_tokenizer_larger_than_its_bases_vocabulary_is_refused(capfd, tmp_path, model_folder, argv):
     """An adapter folder whose tokenizer has tokens its base has no embedding for: eval and generate

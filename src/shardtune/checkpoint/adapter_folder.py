@@ -59,12 +59,11 @@ def adapter_parts(adapter: Path) -> AdapterParts:
     return AdapterParts(config, base, hf_config, tokenizer)
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
-
-
 def tokenizer_source(adapter: Path, base: str) -> str:
     """Where the adapter's tokenizer is: its folder's own (a run saves one there; a broken one is
     refused as such), else its base's: a peft adapter saved elsewhere usually has none."""
+    from shardtune.model.files import TOKENIZER_FILES
+
     return str(adapter) if any((adapter / name).is_file() for name in TOKENIZER_FILES) else base
 
 

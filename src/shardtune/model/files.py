@@ -13,6 +13,9 @@ from shardtune.names import hub_id
 
 # The JSON files a model or tokenizer folder may hold; each is checked before a library reads it.
 MODEL_JSON = ("config.json", "generation_config.json", "model.safetensors.index.json")
+# a folder holds a tokenizer when it has one of these (the fast file, or a slow tokenizer's vocabulary)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
 TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json")
 
 
@@ -43,6 +46,21 @@ def check_model_source(name: str, key: str) -> None:
     if not path.exists() and hub_id(name) is None:
         raise UserError(f"{key}={name!r} not found: no such folder here, and not a Hub id (org/name); check "
                         "the path")
+    adapter = (path / "adapter_config.json").is_file() and not (path / "config.json").is_file()
+    if key == "model.name_or_path" and adapter:
+        refuse_adapter_as_model(path, key)
+
+
+def refuse_adapter_as_model(path: Path, key: str) -> None:
+    """A peft adapter folder is not a model to train from: it needs its base under it."""
+    try:
+        base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        base = None
+    on = f" on {base!r}" if isinstance(base, str) and base else ""
+    raise UserError(f"{key}={str(path)!r} is a peft adapter folder (adapter_config.json{on}), not a model; merge it "
+                    f"into its base first (`shardtune export {path} OUT --merge`, then {key}=OUT), or train a new "
+                    f"adapter on the base ({key}=<the base>)")
 
 
 def check_json_files(folder: Path, names: tuple[str, ...]) -> None:

@@ -30,6 +30,7 @@ from shardtune.families import (
     text_config,
 )
 from shardtune.model.files import (
+    TOKENIZER_FILES,
     TOKENIZER_JSON,
     check_json_files,
     check_model_folder,
@@ -274,6 +275,10 @@ def load_tokenizer(cfg: ModelConfig):
     except Exception as exc:  # the tokenizers library's parse errors are plain Exceptions
         if not local:
             raise
+        if not any((Path(source) / name).is_file() for name in TOKENIZER_FILES):  # nothing to be damaged
+            raise UserError(f"folder {source!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES[:3])}, ...); "
+                            "copy the model's tokenizer files there, or set model.tokenizer to a folder or hub id "
+                            "that has them") from None
         raise UserError(f"tokenizer folder {source!r} is damaged ({type(exc).__name__}: {first_line(exc)}); "
                         "re-download or re-save the tokenizer") from None
     if tokenizer.eos_token_id is None:
