@@ -379,3 +379,27 @@ def test_default_lora_targets_where_peft_gives_a_pattern():
     adapted = {n.rsplit(".lora_A", 1)[0] for n, _ in wrapped.named_parameters() if "lora_A" in n}
     assert {n.rsplit(".", 1)[-1] for n in adapted} == {"q_proj", "v_proj"}
     assert len(adapted) == 2 * 2 and all(".language_model." in n for n in adapted)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "opt", "llama", "gpt_neox", "qwen2", "phi"])
+def test_all_linear_adapts_what_peft_adapts(arch):
+    """peft.target_modules=[all-linear] (peft's keyword) is made explicit before peft sees it, so
+    that plan and train count the same adapters: the layers adapted are peft's own choice for it."""
+    import torch
+    from archs import hf_config
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.config.schema import PeftConfig
+    from shardtune.model.adapters import add_adapter
+
+    def adapted(model) -> set[str]:
+        return {n.split(".lora_A")[0].removeprefix("base_model.model.") for n, _ in model.named_parameters()
+                if "lora_A" in n}
+
+    with torch.device("meta"):
+        ours = add_adapter(AutoModelForCausalLM.from_config(hf_config(arch)),
+                           PeftConfig(method="lora", r=4, target_modules=["all-linear"]), init=False)
+        peft_own = get_peft_model(AutoModelForCausalLM.from_config(hf_config(arch)),
+                                  LoraConfig(r=4, target_modules="all-linear"))
+    assert adapted(ours) == adapted(peft_own) and adapted(ours)

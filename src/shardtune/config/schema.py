@@ -146,7 +146,7 @@ class PeftConfig(Section):
     r: int = 8  # lora/dora: rank
     alpha: int = 16  # lora/dora: scaling numerator (scale = alpha / r; alpha / sqrt(r) with rslora)
     dropout: float = 0.05  # lora/dora: dropout on the adapter input
-    target_modules: list[str] | None = None  # lora/dora/ia3: layers to adapt; default per model type (README Architectures)
+    target_modules: list[str] | None = None  # lora/dora/ia3: layers to adapt, or [all-linear] (all but the head); default per model type (README Architectures)
     rslora: bool = False  # lora/dora: rank-stabilised scaling alpha / sqrt(r)
     init: Literal["default", "gaussian", "pissa", "olora"] = "default"  # lora/dora: adapter init; pissa (SVD) and olora (QR) start from the base weights, which keep the residual
     lora_plus_ratio: float = 0.0  # lora/dora: LoRA+, the B matrices learn at this multiple of train.lr (e.g. 16); 0: off

@@ -218,6 +218,8 @@ def _targets(model, chosen: list[str] | None, default: list[str] | None, what: s
     """`peft.target_modules`, or the default of this model type (the variants of a projection
     this model has: DeepSeek-V3's q_proj or q_b_proj); each must name modules of the model."""
     names = [name for name, _ in model.named_modules()]
+    if chosen == [ALL_LINEAR]:
+        chosen = all_linear(model)
     targets = chosen or [t for t in default or [] if any(_matches(n, [t]) for n in names)]
     if not targets:
         raise UserError(f"no default {what} target modules for model_type {model.config.model_type!r}; "
@@ -318,7 +320,21 @@ def default_ia3_targets(model_type: str | None) -> tuple[list[str], list[str]] |
     return list(PEFT_IA3[model_type]), list(PEFT_FF.get(model_type, ()))
 
 
-def _linear_names(model, full: bool = False) -> list[str]:
+ALL_LINEAR = "all-linear"  # peft's keyword: every linear layer but the output layer
+
+
+def all_linear(model) -> list[str]:
+    """peft's "all-linear" made explicit, so every command counts the same adapters: the short
+    names of the linear layers but the output layer (found as the model's output embeddings, not
+    by its name), or their paths where a short name is also the output layer's."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    paths = [path for path in _linear_names(model, full=True, keep_head=True) if model.get_submodule(path) is not head]
+    heads = {path.rsplit(".", 1)[-1] for path, m in model.named_modules() if m is head}
+    short = sorted({path.rsplit(".", 1)[-1] for path in paths})
+    return paths if heads & set(short) else short
+
+
+def _linear_names(model, full: bool = False, keep_head: bool = False) -> list[str]:
     """Short names (`full`: the paths) of the layers LoRA can adapt (Linear, and GPT-2's Conv1D),
     sorted, without the head. A Linear whose class has a forward of its own is left out: it is no
     x @ W.T (DeepSeek-V4's block-diagonal grouped o_a_proj), so peft's added x @ A.T @ B.T would
@@ -326,7 +342,7 @@ def _linear_names(model, full: bool = False) -> list[str]:
 
     names = {name if full else name.rsplit(".", 1)[-1] for name, m in model.named_modules()
              if (isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward) or type(m).__name__ == "Conv1D"}
-    return sorted(n for n in names if n.rsplit(".", 1)[-1] not in {"lm_head", "score"})
+    return sorted(n for n in names if keep_head or n.rsplit(".", 1)[-1] not in {"lm_head", "score"})
 
 
 def adapt(model, peft: PeftConfig, freeze_cfg: FreezeConfig, block_cls: type, seed: int | None = None,
