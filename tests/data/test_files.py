@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import bz2
 import csv
+import gzip
 import io
+import lzma
 import tempfile
 from pathlib import Path
 
@@ -11,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardtune.data.files import local_files
+from shardtune.data.files import local_files, read_local
 from shardtune.errors import UserError
 
 NAMES = st.text(alphabet="ab ,\"\n.1", min_size=1, max_size=4).filter(lambda name: name.strip())
@@ -57,3 +60,53 @@ def test_repeated_csv_columns_name_the_file(tmp_path, content):
     (tmp_path / "notes.csv").write_text(content)
     with pytest.raises(UserError, match=r"notes.csv' names column '(text|a)' twice"):
         local_files(tmp_path / "notes.csv")
+
+
+COMPRESS = {"gz": gzip.compress, "bz2": bz2.compress, "xz": lzma.compress}
+
+
+def compressed(path: Path, content: bytes) -> Path:
+    path.write_bytes(COMPRESS[path.suffix[1:]](content))
+    return path
+
+
+@pytest.mark.parametrize(("name", "content", "words"), [
+    ("train.jsonl.gz", b"\n  \n", ["train.jsonl.gz' is empty"]),
+    ("train.txt.bz2", "fine\ncaf\xe9\n".encode("latin-1"), ["train.txt.bz2' is not UTF-8 text (line 2"]),
+    ("train.jsonl.xz", b'{"text": "a"}\nnull\n', ["train.jsonl.xz' line 2 is `null`"]),
+    ("train.csv.gz", b"text,text\na,b\n", ["train.csv.gz' names column 'text' twice"]),
+    ("train.tsv.gz", b"id\ttext\ttext\n1\ta\tb\n", ["train.tsv.gz' names column 'text' twice"]),
+])
+def test_the_checks_read_a_compressed_file_decompressed(tmp_path, name, content, words):
+    """Each check before the readers sees what they will: the decompressed text, not its bytes."""
+    compressed(tmp_path / name, content)
+    with pytest.raises(UserError) as caught:
+        local_files(tmp_path)
+    assert "\n" not in str(caught.value) and all(word in str(caught.value) for word in words), str(caught.value)
+
+
+def test_a_tsv_header_is_split_at_tabs(tmp_path):
+    """`a,a` is one column of a tsv, not `a` twice."""
+    compressed(tmp_path / "train.tsv.gz", b"a,a\ttext\n1\tsome words\n")
+    assert local_files(tmp_path) == {"train": [str(tmp_path / "train.tsv.gz")]}
+
+
+def test_a_line_that_is_not_an_object_is_named_in_a_compressed_file(tmp_path):
+    compressed(tmp_path / "train.jsonl.gz", b'{"text": "a"}\n\n[1, 2]\n')
+    with pytest.raises(UserError, match=r"^line 3 of '.*train.jsonl.gz' holds a JSON list"):
+        read_local(local_files(tmp_path), str(tmp_path))
+
+
+def test_compressed_files_are_splits_by_name_and_csv_is_not_tsv(tmp_path):
+    compressed(tmp_path / "Train.jsonl.gz", b'{"text": "a"}\n')
+    compressed(tmp_path / "validation.jsonl.bz2", b'{"text": "b"}\n')
+    (tmp_path / "test.jsonl").write_text('{"text": "c"}\n')
+    assert local_files(tmp_path) == {"train": [str(tmp_path / "Train.jsonl.gz")],
+                                     "validation": [str(tmp_path / "validation.jsonl.bz2")],
+                                     "test": [str(tmp_path / "test.jsonl")]}
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "train.csv").write_text("text\na\n")
+    compressed(other / "validation.tsv.gz", b"text\nb\n")
+    with pytest.raises(UserError, match=r"mixes or has unsupported file types \(.csv, .tsv.gz\)"):
+        local_files(other)

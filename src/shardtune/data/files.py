@@ -1,6 +1,7 @@
 """The files of a local dataset: which are its splits, and that each is a regular, non-empty,
-UTF-8 file that the `datasets` readers can take without crashing (checked before any is read);
-then their reading, where a reader's refusal is the file's fault."""
+UTF-8 file that the `datasets` readers can take without crashing (checked before any is read,
+decompressed where it is compressed); then their reading, where a reader's refusal is the
+file's fault. A folder that save_to_disk wrote is read as it was saved. Formats: layouts.py."""
 
 from __future__ import annotations
 
@@ -8,16 +9,15 @@ import os
 import re
 from pathlib import Path
 
+from shardtune.data.layouts import builder_of, is_saved, kind_of, opened, read_saved, shown_suffix, supported
 from shardtune.errors import UserError, first_line
 
-BUILDERS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".csv": "csv",
-            ".parquet": "parquet"}
 VAL_NAMES = ("validation", "valid", "val", "dev")
 
 
 def _is_blank(path: Path) -> bool:
     """True for a file with nothing but whitespace (reads only until the first real byte)."""
-    with open(path, "rb") as f:
+    with opened(path) as f:
         while chunk := f.read(1 << 16):
             if chunk.strip():
                 return False
@@ -33,7 +33,7 @@ def _check_text_file(path: Path, json_lines: bool) -> None:
     no JSON record may be a bare `null` (pyarrow 22's JSON reader crashes the process on one).
     Read in whole lines (a newline never splits a UTF-8 character)."""
     line, offset, carry = 1, 0, b""
-    with open(path, "rb") as f:
+    with opened(path) as f:
         while True:
             chunk = f.read(1 << 20)
             data = carry + chunk
@@ -60,19 +60,14 @@ def _check_csv_header(path: Path) -> None:
     run would read the first without a word. Its header record is read as the reader reads it."""
     import csv
 
-    with open(path, encoding="utf-8", newline="") as f:
-        header = next(csv.reader(f), [])
+    with opened(path, text=True) as f:
+        header = next(csv.reader(f, delimiter=kind_of(path).format.kwargs.get("sep", ",")), [])
     seen: set[str] = set()
     for name in header:
         if name in seen and name.strip():  # empty names become `Unnamed: N`, which no key names
             raise UserError(f"data file {str(path)!r} names column {name!r} twice in its header (the reader would "
                             "rename the second and read only the first); rename or remove one of them")
         seen.add(name)
-
-
-def builder_of(path) -> str | None:
-    """The `datasets` reader of a data file, by its suffix (any case: TRAIN.JSONL is a jsonl file)."""
-    return BUILDERS.get(Path(path).suffix.lower())
 
 
 def _not_regular(path: Path) -> bool:
@@ -117,22 +112,23 @@ def local_files(path: Path) -> dict[str, list[str]]:
         _check_entry(p)
     if not files:
         inner = any(builder_of(q) for q in path.glob("*/*"))
-        raise UserError(f"data.path={str(path)!r} holds no {'/'.join(sorted(BUILDERS))} files"
+        raise UserError(f"data.path={str(path)!r} holds no data files ({supported()})"
                         + ("; its subfolders are not read: point data.path at the subfolder that holds them"
                            if inner else "; point it at a data file or a folder of them"))
-    blank = [p for p in files if _is_blank(p) or (builder_of(p) == "parquet" and _no_rows(p))]
+    kinds = {p: kind_of(p) for p in files}
+    if None in kinds.values() or len({kind.format for kind in kinds.values()}) != 1:
+        suffixes = sorted({shown_suffix(p) for p in files})
+        raise UserError(f"data.path={str(path)!r} mixes or has unsupported file types ({', '.join(suffixes)}); "
+                        f"use one of {supported()}")
+    blank = [p for p in files if _is_blank(p) or (kinds[p].format.builder == "parquet" and _no_rows(p))]
     if blank:
         raise UserError(f"data file {str(blank[0])!r} is empty (no documents); add documents to it "
                         "or point data.path elsewhere")
-    for p in files:
-        if builder_of(p) in ("json", "text", "csv"):
-            _check_text_file(p, json_lines=builder_of(p) == "json")
-        if builder_of(p) == "csv":
+    for p, kind in kinds.items():
+        if kind.format.text:
+            _check_text_file(p, json_lines=kind.format.builder == "json")
+        if kind.format.builder == "csv":
             _check_csv_header(p)
-    suffixes = {p.suffix for p in files}
-    if len({builder_of(p) for p in files}) != 1 or not all(builder_of(p) for p in files):
-        raise UserError(f"data.path={str(path)!r} mixes or has unsupported file types ({', '.join(sorted(suffixes))}); "
-                        f"use one of {', '.join(sorted(BUILDERS))}")
     splits: dict[str, list[str]] = {}
     for p in files:
         stem = p.stem.lower()
@@ -143,19 +139,25 @@ def local_files(path: Path) -> dict[str, list[str]]:
     return splits
 
 
+def read_path(path: Path, shown: str):
+    """A local data.path as a DatasetDict: a folder that save_to_disk wrote, as it was saved; else
+    its data files (local_files), read by their readers. `shown`: data.path as the user wrote it."""
+    return read_saved(path, shown) if is_saved(path) else read_local(local_files(path), shown)
+
+
 def read_local(files: dict[str, list[str]], path: str):
     """Local files (local_files' answer) as a DatasetDict, one split at a time: splits whose
     columns differ are not a load error (a split that lacks a column the format needs is named
     when it is tokenized). A reader's refusal is the file's fault, never the network's."""
     import datasets
 
-    builder = builder_of(next(iter(files.values()))[0])
+    fmt = kind_of(next(iter(files.values()))[0]).format
     out = {}
     for split, names in files.items():
         try:
-            out[split] = datasets.load_dataset(builder, data_files={split: names})[split]
+            out[split] = datasets.load_dataset(fmt.builder, data_files={split: names}, **fmt.kwargs)[split]
         except datasets.exceptions.DatasetGenerationError:  # arrow's parse error names no line
-            if builder == "json" and (line := first_line_not_an_object(names)) is not None:
+            if fmt.builder == "json" and (line := first_line_not_an_object(names)) is not None:
                 raise UserError(line) from None
             raise
         except (FileNotFoundError, ValueError) as exc:
@@ -174,13 +176,14 @@ def first_line_not_an_object(names: list[str]) -> str | None:
     import json
 
     for name in names:
-        with open(name, encoding="utf-8") as f:
-            if Path(name).suffix.lower() == ".json" and f.read(64).lstrip().startswith("["):
-                continue
-            f.seek(0)
+        with opened(name, text=True) as f:
+            array = kind_of(name).suffix == ".json"  # while no line is read: a .json file may hold one array
             for number, text in enumerate(f, 1):
                 if not text.strip():
                     continue
+                if array and text.lstrip().startswith("["):
+                    break
+                array = False
                 try:
                     value = json.loads(text.rstrip("\r\n"))
                 except json.JSONDecodeError as exc:

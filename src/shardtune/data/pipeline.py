@@ -16,8 +16,9 @@ import torch
 
 from shardtune.config.schema import DataConfig
 from shardtune.data import docmask, formats
-from shardtune.data.files import VAL_NAMES, builder_of, local_files, read_local
+from shardtune.data.files import VAL_NAMES, local_files, read_path
 from shardtune.data.formats import IGNORE_INDEX
+from shardtune.data.layouts import builder_of, is_saved
 from shardtune.diskspace import no_room
 from shardtune.errors import UserError, first_line
 from shardtune.names import hub_id
@@ -35,8 +36,7 @@ def load_documents(cfg: DataConfig):
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors are retold as one UserError
     try:
         if path.exists():
-            files = local_files(path)
-            return read_local(files, cfg.path)
+            return read_path(path, cfg.path)
         if hub_id(cfg.path) is None or builder_of(cfg.path):  # a path not there: nothing to download
             raise UserError(f"data file {cfg.path!r} not found; check data.path")
         return datasets.load_dataset(cfg.path, cfg.name)
@@ -64,7 +64,7 @@ def split_files(cfg: DataConfig, split: str | None) -> str:
     """' (FILES)' naming a local folder's files of `split`, for messages about its columns; '' otherwise
     (a single file is already named by data.path, a hub dataset has no local files)."""
     path = Path(cfg.path).expanduser()
-    if split is None or not path.is_dir():
+    if split is None or not path.is_dir() or is_saved(path):
         return ""
     files = local_files(path).get(split, [])
     return f" ({', '.join(Path(f).name for f in files)})" if files else ""

@@ -29,7 +29,7 @@ def env_flag(name: str) -> bool:
 
 def _is_local(path: str) -> bool:
     """A data.path / model name that data/pipeline.py or transformers would read from disk, not the hub."""
-    from shardtune.data.files import builder_of
+    from shardtune.data.layouts import builder_of
 
     return hub_id(path) is None or builder_of(path) is not None
 

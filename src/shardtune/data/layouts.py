@@ -1,0 +1,122 @@
+"""What a local data.path holds, told by its names: each data file's format from its suffixes
+(notes.jsonl, notes.tsv, notes.jsonl.gz), or a folder that `save_to_disk` wrote. One table says
+which `datasets` reader takes a suffix, and how; a compressed text file is read decompressed
+through fsspec, by that reader and by files.py's checks alike (a stream, never the whole file)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from shardtune.errors import UserError, first_line
+
+
+@dataclass(frozen=True)
+class Format:
+    builder: str  # the `datasets` reader
+    options: tuple[tuple[str, str], ...] = ()  # its settings: a tsv is a csv with sep="\t"
+    text: bool = True  # UTF-8 lines: checked line by line, and may be compressed
+
+    @property
+    def kwargs(self) -> dict:
+        return dict(self.options)
+
+
+FORMATS = {".txt": Format("text"), ".text": Format("text"), ".jsonl": Format("json"), ".json": Format("json"),
+           ".csv": Format("csv"), ".tsv": Format("csv", (("sep", "\t"),)), ".parquet": Format("parquet", text=False),
+           ".arrow": Format("arrow", text=False)}
+# a text file's compression suffix: (fsspec's codec, the package it needs where Python has none)
+COMPRESSIONS = {".gz": ("gzip", None), ".bz2": ("bz2", None), ".xz": ("xz", None), ".zst": ("zstd", "zstandard")}
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A data file's kind: `suffix` is its format's (.json for notes.json.gz), `codec` fsspec's
+    name of its compression (None: not compressed)."""
+
+    suffix: str
+    format: Format
+    codec: str | None = None
+    package: str | None = None
+
+
+def kind_of(path) -> Kind | None:
+    """A data file's kind by its suffixes, in any case (TRAIN.JSONL.GZ); None for no data file."""
+    suffixes = [s.lower() for s in Path(path).suffixes[-2:]]
+    codec = COMPRESSIONS.get(suffixes[-1]) if suffixes else None
+    if codec:
+        suffixes.pop()
+    fmt = FORMATS.get(suffixes[-1]) if suffixes else None
+    if fmt is None or (codec and not fmt.text):
+        return None
+    return Kind(suffixes[-1], fmt, *(codec or ()))
+
+
+def builder_of(path) -> str | None:
+    """The `datasets` reader of a data file, by its suffixes."""
+    kind = kind_of(path)
+    return kind.format.builder if kind else None
+
+
+def shown_suffix(path) -> str:
+    """The suffix a refusal names: .gz of notes.gz, .parquet.gz of notes.parquet.gz."""
+    suffixes = Path(path).suffixes[-2:]
+    return "".join(suffixes if suffixes and suffixes[-1].lower() in COMPRESSIONS else suffixes[-1:])
+
+
+def supported() -> str:
+    """The data.path a reader takes, said as the fix."""
+    text = "/".join(sorted(s for s, f in FORMATS.items() if f.text))
+    return (f"{', '.join(sorted(FORMATS))} files ({text} also as {'/'.join(COMPRESSIONS)}), or a folder written by "
+            "save_to_disk")
+
+
+@contextlib.contextmanager
+def opened(path, text: bool = False):
+    """A data file's bytes (`text`: its UTF-8 text, line ends untouched, as csv reads them),
+    decompressed as its suffix says. A compressed stream that is corrupt or cut short is the
+    file's fault, and so is a codec that is not installed: one line each."""
+    import fsspec
+    from fsspec.compression import available_compressions
+
+    kind = kind_of(path)
+    codec = kind.codec if kind else None
+    if codec and codec not in available_compressions():
+        raise UserError(f"data file {str(path)!r} is {codec}-compressed, and reading it needs the {kind.package} "
+                        f"package: pip install {kind.package}")
+    encoding = {"encoding": "utf-8", "newline": ""} if text else {}
+    with fsspec.open(os.fspath(path), "rt" if text else "rb", compression=codec, **encoding) as f:
+        try:
+            yield f
+        except (UserError, UnicodeError):
+            raise
+        except Exception as exc:  # each codec has its own: EOFError, BadGzipFile, OSError, LZMAError, ZstdError
+            if codec is None:
+                raise
+            raise UserError(f"data file {str(path)!r} is not a readable {codec} file ({first_line(exc)}); compress "
+                            "it again, or point data.path elsewhere") from None
+
+
+def is_saved(path: Path) -> bool:
+    """A folder written by `Dataset.save_to_disk` (its dataset_info.json and state.json) or by
+    `DatasetDict.save_to_disk` (dataset_dict.json beside a folder a split)."""
+    from datasets import config
+
+    return path.is_dir() and ((path / config.DATASETDICT_JSON_FILENAME).is_file()
+                              or all((path / name).is_file() for name in (config.DATASET_INFO_FILENAME,
+                                                                         config.DATASET_STATE_JSON_FILENAME)))
+
+
+def read_saved(path: Path, shown: str):
+    """A saved folder as a DatasetDict (a single Dataset is the train split), read by
+    `datasets.load_from_disk`: memory-mapped where it lies, as the readers' cache is."""
+    import datasets
+
+    try:
+        loaded = datasets.load_from_disk(os.fspath(path))
+    except (OSError, ValueError, KeyError) as exc:  # a file it lists is gone, a JSON file is not JSON
+        raise UserError(f"could not read the dataset that save_to_disk wrote in {shown!r} ({first_line(exc)}); "
+                        "save it again, or point data.path elsewhere") from None
+    return loaded if isinstance(loaded, datasets.DatasetDict) else datasets.DatasetDict({"train": loaded})
