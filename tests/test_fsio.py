@@ -64,3 +64,24 @@ def test_a_cache_folder_the_environment_spoils_is_one_line(tmp_path, name, under
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and f"set {fix} to a folder you can write" in proc.stderr.splitlines()[-1]
     assert (tmp_path / "a-file").read_text() == "mine\n" and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("opening", ["[", '{"a":'])
+def test_json_nested_past_the_recursion_limit_is_a_decode_error(opening):
+    """json.loads raises RecursionError there, which no `except ValueError` catches (a data file's
+    line of 5,000 brackets escaped train as a traceback); ruff bans json.loads in src/ for this."""
+    import json
+
+    from shardtune.fsio import json_loads
+
+    with pytest.raises(json.JSONDecodeError, match="nested deeper"):
+        json_loads(opening * 5000)
+    assert json_loads('{"a": [[1]]}') == {"a": [[1]]}
+
+
+def test_a_data_line_nested_too_deep_is_named(tmp_path):
+    from shardtune.data.files import first_line_not_an_object
+
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"text": "fine"}\n' + "[" * 5000 + "\n")
+    assert first_line_not_an_object([str(data)]).startswith(f"line 2 of {str(data)!r} is not JSON (nested deeper")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import glob
+import json
 import os
 import re
 import shutil
@@ -21,6 +22,17 @@ from pathlib import Path
 
 from shardtune.diskspace import causes, no_room
 from shardtune.errors import UserError
+
+
+def json_loads(text: str):
+    """json.loads for text a user, a kill or a full disk may have damaged: JSON nested deeper than
+    Python's recursion limit raises the JSONDecodeError (a ValueError) every caller catches, not a
+    RecursionError, which none did."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise json.JSONDecodeError("nested deeper than the JSON reader goes", text[:200], 0) from None
+
 
 PARTIAL = ".partial-"  # .NAME.partial-PID: a folder or file being written
 # errno -> what the user can do about it (the path is always named)

@@ -4,7 +4,6 @@ reads the tensors)."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import sys
@@ -12,6 +11,7 @@ from pathlib import Path
 
 from shardtune.config.schema import RunConfig
 from shardtune.errors import UserError
+from shardtune.fsio import json_loads
 
 # 2: named state objects in meta.json (train_state, scaler); the LR is a function of the step;
 # 3: the model's weights may be in safetensors (meta.json's model_files; older versions cannot read them)
@@ -49,7 +49,7 @@ def is_usable(path: Path) -> bool:
     if not is_complete(path):
         return False
     try:
-        meta = json.loads((path / "meta.json").read_text())
+        meta = json_loads((path / "meta.json").read_text())
         return isinstance(meta, dict) and "step" in meta and "config" in meta
     except (OSError, ValueError):
         return False
@@ -133,8 +133,8 @@ def read_meta(path: Path) -> dict:
         raise UserError(f"{str(path)!r} is not a complete shardtune checkpoint (meta.json or .metadata missing: "
                         "an interrupted save?); use another checkpoint of the run")
     try:
-        meta = json.loads((path / "meta.json").read_text(encoding="utf-8"))
-    except (ValueError, RecursionError):
+        meta = json_loads((path / "meta.json").read_text(encoding="utf-8"))
+    except ValueError:
         meta = None
     if not _meta_shape_ok(meta):
         raise UserError(f"checkpoint {str(path)!r} is corrupt (unreadable meta.json); use another checkpoint")

@@ -6,7 +6,6 @@ checkpoint moved aside)."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import socket
@@ -16,7 +15,7 @@ from pathlib import Path
 from shardtune.checkpoint.folders import check_compatible, find_latest, read_meta, resolve_checkpoint, why_no_checkpoint
 from shardtune.distributed.process_group import LAUNCHER_ENV
 from shardtune.errors import UserError
-from shardtune.fsio import PARTIAL, write_text_atomic
+from shardtune.fsio import PARTIAL, json_loads, write_text_atomic
 
 # left in the output folder by a preempted run, for job scripts that cannot see the ranks' exit code
 PREEMPTED_MARKER = "PREEMPTED"
@@ -181,10 +180,12 @@ def trim_metrics(path: Path, step: int) -> None:
     keep = []
     for line in path.read_text().splitlines():
         try:
-            if json.loads(line).get("step", 0) <= step:
-                keep.append(line)
+            row = json_loads(line)
         except ValueError:  # a line cut short by a kill
             continue
+        logged = row.get("step", 0) if isinstance(row, dict) else None  # another line is damage: dropped
+        if isinstance(logged, int) and logged <= step:
+            keep.append(line)
     write_text_atomic(path, "".join(line + "\n" for line in keep))
 
 

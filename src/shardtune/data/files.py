@@ -11,6 +11,7 @@ from pathlib import Path
 
 from shardtune.data.layouts import builder_of, is_saved, kind_of, opened, read_saved, shown_suffix, supported
 from shardtune.errors import UserError, first_line
+from shardtune.fsio import json_loads
 
 VAL_NAMES = ("validation", "valid", "val", "dev")
 
@@ -185,7 +186,7 @@ def first_line_not_an_object(names: list[str]) -> str | None:
                     break
                 array = False
                 try:
-                    value = json.loads(text.rstrip("\r\n"))
+                    value = json_loads(text.rstrip("\r\n"))
                 except json.JSONDecodeError as exc:
                     return (f"line {number} of {name!r} is not JSON ({exc.msg} at character {exc.colno}); a "
                             "JSON-lines file holds one object per line: fix that line")

@@ -21,6 +21,7 @@ from pathlib import Path
 from shardtune.data import docmask
 from shardtune.data.formats import IGNORE_INDEX
 from shardtune.data.scan import CHUNK_ROWS, ArrowChunks
+from shardtune.fsio import json_loads
 
 FORMAT_VERSION = 1  # bump when the files' layout or content changes
 
@@ -42,7 +43,7 @@ class PackedBlocks:
         import numpy as np
 
         self.folder, self.seq_len, self.document_mask = Path(folder), seq_len, document_mask
-        meta = json.loads((self.folder / "meta.json").read_text())
+        meta = json_loads((self.folder / "meta.json").read_text())
         self.num_tokens = meta["num_tokens"]
         self.dtypes = {"input_ids": np.dtype(meta["dtype"])}
         if meta["labels"]:

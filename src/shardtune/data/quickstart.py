@@ -106,7 +106,7 @@ def collect_documents() -> list[str]:
     try:
         proc = subprocess.run([sys.executable, "-I", "-S", "-c", code], capture_output=True, text=True,
                               timeout=600, check=True)
-        return json.loads(proc.stdout)
+        return json.loads(proc.stdout)  # noqa: TID251 - our own child's output; this file runs alone there (no imports)
     except (OSError, subprocess.SubprocessError, ValueError):
         return _collect_here()
 
@@ -143,7 +143,9 @@ def _collect_here() -> list[str]:
 def _complete(folder: Path, wanted: dict) -> bool:
     """True when folder holds a finished build for these settings (its marker is written last)."""
     try:
-        marker = json.loads((folder / ".assets.json").read_text(encoding="utf-8"))
+        from shardtune.fsio import json_loads  # not at the top: collect_documents runs this file in a bare Python
+
+        marker = json_loads((folder / ".assets.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
     return isinstance(marker, dict) and all(marker.get(k) == v for k, v in wanted.items())

@@ -4,11 +4,11 @@ naming the file rather than a library's traceback."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 from shardtune.errors import UserError, first_line
+from shardtune.fsio import json_loads
 from shardtune.names import hub_id
 
 # The JSON files a model or tokenizer folder may hold; each is checked before a library reads it.
@@ -54,7 +54,7 @@ def check_model_source(name: str, key: str) -> None:
 def refuse_adapter_as_model(path: Path, key: str) -> None:
     """A peft adapter folder is not a model to train from: it needs its base under it."""
     try:
-        base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        base = json_loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
     except (OSError, ValueError, AttributeError):
         base = None
     on = f" on {base!r}" if isinstance(base, str) and base else ""
@@ -75,8 +75,8 @@ def check_json_files(folder: Path, names: tuple[str, ...]) -> None:
 def read_json_object(path: Path) -> dict:
     """A JSON file that must hold an object: one line naming it when it is unreadable, not JSON, or another type."""
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        value = json_loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
         raise UserError(f"{str(path)!r} is damaged (not valid JSON: {first_line(exc, 100)}); re-download "
                         "or re-export the folder") from None
     except OSError as exc:

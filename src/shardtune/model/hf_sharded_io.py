@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from shardtune.fsio import json_loads
+
 READ_CHUNK = 16 << 20  # bytes of the file mapped at once while reading
 WRITE_CHUNK = 64 << 20  # bytes of rows copied off the device and written at once
 SINGLE = "model.safetensors"
@@ -113,7 +115,7 @@ def _only_weight_files(folder: Path) -> bool:
     be read as weights): those its index names, or model.safetensors alone."""
     present = {p.name for p in folder.glob("*.safetensors")}
     try:
-        named = set(json.loads((folder / INDEX).read_text())["weight_map"].values()) \
+        named = set(json_loads((folder / INDEX).read_text())["weight_map"].values()) \
             if (folder / INDEX).is_file() else {SINGLE}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):  # the broadcast path names the damage
         return False

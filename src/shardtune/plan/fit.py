@@ -5,7 +5,6 @@ largest micro-batch that fits, for train.micro_batch_size=auto)."""
 from __future__ import annotations
 
 import copy
-import json
 import math
 import os
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ import torch
 from shardtune.config.load import auto_micro_batches
 from shardtune.config.schema import ModelConfig, RunConfig
 from shardtune.errors import UserError
+from shardtune.fsio import json_loads
 
 SHIPPED_CONFIGS = Path(__file__).parent / "model_configs"
 
@@ -47,7 +47,7 @@ def resolve_hf_config(cfg: RunConfig):
         pass
     shipped = SHIPPED_CONFIGS / f"{m.name_or_path.replace('/', '--')}.json"
     if shipped.is_file():
-        whole = {**json.loads(shipped.read_text()), **m.config}
+        whole = {**json_loads(shipped.read_text()), **m.config}
         local = ModelConfig(config=whole, trust_remote_code=m.trust_remote_code)
         return load_hf_config(local), f"the copy of its config.json shipped with shardtune ({shipped.name})"
     raise UserError(f"the config of model {m.name_or_path!r} is not available offline (not a local folder, not in "

@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 from shardtune.config.schema import RunConfig
+from shardtune.fsio import json_loads
 from shardtune.plan.trace import StepTrace
 
 FORMAT = 1  # bump when StepTrace's fields change
@@ -83,7 +84,7 @@ class TraceCache:
             return trace_lib.trace_step(cfg, hf_config, world, local_world, layers, target)
         path = self.folder / f"{self.key(cfg, hf_config, world, local_world, layers, target)}.json"
         try:
-            stored = json.loads(path.read_text())
+            stored = json_loads(path.read_text())
             self.hits += 1
             return StepTrace({tuple(k): v for k, v in stored["phases"]}, stored["layers"], stored["steady"],
                              stored["params"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from shardtune.fsio import json_loads
 from shardtune.names import hub_id
 
 
@@ -20,7 +21,7 @@ def hub_base(model_cfg) -> tuple[str | None, str | None]:
         if not Path(name).expanduser().exists():
             return hub_id(name), None
         try:
-            origin = json.loads((Path(name).expanduser() / "config.json").read_text()).get("_name_or_path")
+            origin = json_loads((Path(name).expanduser() / "config.json").read_text()).get("_name_or_path")
         except (OSError, ValueError, AttributeError):
             origin = None
         if hub_id(origin):
@@ -35,6 +36,6 @@ def hub_base(model_cfg) -> tuple[str | None, str | None]:
 
 def with_base(adapter_config: Path, base: str) -> bytes:
     """`adapter_config.json`'s text with `base_model_name_or_path` set to `base`."""
-    config = json.loads(adapter_config.read_text())
+    config = json_loads(adapter_config.read_text())
     config["base_model_name_or_path"] = base
     return (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from shardtune.errors import UserError, first_line
-from shardtune.fsio import write_text_atomic
+from shardtune.fsio import json_loads, write_text_atomic
 
 TOKEN_FIX = "set HF_TOKEN or run `hf auth login`"
 
@@ -73,7 +73,7 @@ class Ledger:
     def __init__(self, path: Path, repo: str, revision: str):
         self.path, self.key = path, f"{repo}@{revision}"
         try:
-            saved = json.loads(path.read_text())
+            saved = json_loads(path.read_text())
         except (OSError, ValueError):
             saved = {}
         self.items: dict = saved.get(self.key, {}) if isinstance(saved, dict) else {}

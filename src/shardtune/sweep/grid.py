@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from shardtune.errors import UserError
-from shardtune.fsio import make_dir, refuse_foreign, write_text_atomic
+from shardtune.fsio import json_loads, make_dir, refuse_foreign, write_text_atomic
 from shardtune.hardware import GIB
 from shardtune.sweep.max_batch import Predictions, auto_micro_batch, max_batch_of, micro_batch_candidates
 from shardtune.sweep.report import describe, slug, summarize_point, write_outputs
@@ -291,8 +291,8 @@ def read_state(path: Path) -> dict:
     """OUT/sweep.json as written by State.add, or one line saying it is damaged or not a sweep's."""
     fix = "move it away (or give another --out) and run again"
     try:
-        saved = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        saved = json_loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise UserError(f"{str(path)!r} cannot be read as a sweep's state ({type(exc).__name__}: "
                         f"{str(exc).splitlines()[0][:100] if str(exc) else ''}); {fix}") from None
     if not isinstance(saved, dict) or not all(isinstance(saved.get(k), dict) for k in ("spec", "trials")):

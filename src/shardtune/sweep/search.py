@@ -14,6 +14,7 @@ import warnings
 from pathlib import Path
 
 from shardtune.errors import UserError, first_line
+from shardtune.fsio import json_loads
 from shardtune.sweep.grid import Sweep, check_overrides, open_folder, set_device
 from shardtune.sweep.trial import run_trial
 
@@ -198,8 +199,8 @@ def open_study(sweep: Sweep, search: Search):
     spec = {**search.spec(), "trial": sweep.spec()}
     saved = study.user_attrs.get("spec")
     if saved is None:
-        study.set_user_attr("spec", json.loads(json.dumps(spec)))
-    elif saved != json.loads(json.dumps(spec)):
+        study.set_user_attr("spec", json_loads(json.dumps(spec)))
+    elif saved != json_loads(json.dumps(spec)):
         changed = [k for k in spec if saved.get(k) != spec[k]] or ["settings"]
         raise UserError(f"study {name!r} in {url} was searched with another {', '.join(changed)}; rerun its own "
                         "command to continue it, or give this one another --out or --study-name")
@@ -233,9 +234,11 @@ def metrics_so_far(folder: Path) -> list[dict]:
         return rows
     for line in text.splitlines():
         try:
-            rows.append(json.loads(line))
+            row = json_loads(line)
         except json.JSONDecodeError:
             break
+        if isinstance(row, dict):  # the trial's own lines are objects
+            rows.append(row)
     return rows
 
 
@@ -247,7 +250,7 @@ def objective_of(sweep: Sweep, search: Search, cap):
     def objective(trial) -> float:
         point = {p.key: str(p.suggest(trial)) for p in search.space}
         record = run_trial(sweep, point, f"trial-{trial.number:04d}", cap, watch=reporter(trial, key))
-        trial.set_user_attr("record", json.loads(json.dumps(record, default=str)))
+        trial.set_user_attr("record", json_loads(json.dumps(record, default=str)))
         print(f"  trial {trial.number}: {' '.join(f'{k}={v}' for k, v in point.items())} -> "
               f"{record['status']}" + (f" ({record['note']})" if record.get("note") else ""), flush=True)
         if record["status"] == "pruned":

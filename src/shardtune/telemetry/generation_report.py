@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from shardtune.errors import UserError
+from shardtune.fsio import json_loads
 
 FILE = "generation.json"
 SHOWN = 5  # example generations in report.md
@@ -22,7 +23,7 @@ def read_generation(run: Path) -> dict | None:
     if not path.is_file():
         return None
     try:
-        data = json.loads(path.read_text())
+        data = json_loads(path.read_text())
         data["models"]["model"]["scores"]  # noqa: B018  the part the report needs
     except (json.JSONDecodeError, KeyError, TypeError):
         raise UserError(f"{str(path)!r} is not a generation-quality file of `shardtune eval --generate`; "

@@ -3,11 +3,10 @@ runs' metrics.jsonl, several runs overlaid for comparison."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from shardtune.errors import UserError
-from shardtune.fsio import atomic_dir, refuse_foreign
+from shardtune.fsio import atomic_dir, json_loads, refuse_foreign
 from shardtune.telemetry.plots import fmt, save_plot
 
 # (file stem, title, y label, [(metric, line label suffix)], log scale)
@@ -34,8 +33,8 @@ def read_metrics(run: Path) -> list[dict]:
     for n, line in enumerate(text.splitlines(), 1):
         if line.strip():
             try:
-                row = json.loads(line)
-            except (ValueError, RecursionError):
+                row = json_loads(line)
+            except ValueError:
                 raise UserError(f"{str(path)!r} line {n} is not JSON; the file is damaged") from None
             step = row.get("step", 0) if isinstance(row, dict) else None
             if not isinstance(step, int) or isinstance(step, bool):
