@@ -382,20 +382,17 @@ def run(checked: CheckedRun | RunConfig, overwrite: bool = False) -> dict:
     try:
         try:
             trainer = Trainer(checked, overwrite)
-        except BaseException:
-            if owns_group and torch.distributed.is_initialized():  # leave no group behind a failed set-up
-                torch.distributed.destroy_process_group()
-            raise
-        try:
             results = trainer.fit()
             final = None
             if trainer.cfg.save_final and not results.get("preempted"):  # a preempted run is finished by its resume
                 final = trainer.export()
             trainer.publishing.final(final, trainer.state.step, results)
         except BaseException:
-            # A lone process (a notebook, a library caller) can run again; with peers, the process's exit
-            # ends the group, as one of them may still wait in a collective.
-            if owns_group and torch.distributed.is_initialized() and torch.distributed.get_world_size() == 1:
+            # No group is left behind a failed set-up, nor a lone process's (a notebook, a library caller
+            # can run again); a failed fit with peers leaves it to the process's exit: a peer may still
+            # wait in a collective.
+            if owns_group and torch.distributed.is_initialized() and (
+                    trainer is None or torch.distributed.get_world_size() == 1):
                 torch.distributed.destroy_process_group()
             raise
         trainer.close(EXIT_PREEMPTED if results.get("preempted") else 0)
