@@ -52,3 +52,19 @@ def test_chat_without_a_template_names_the_format_option(tok):
         rendered(["hi"], DataConfig(format="chat"), tok)
     [(text, _)] = rendered(["hi"], DataConfig(format="chat", chat_template="[{{ messages[0].content }}]"), tok)
     assert text == "[hi]"  # the run's own template (data.chat_template) is used where the tokenizer has none
+
+
+def test_another_format_of_the_runs_data_keeps_its_held_out_split():
+    """eval RUN --format F (F not the run's) reads the run's documents and validation split, not
+    the defaults' (a 5 % carve of the whole file)."""
+    from types import SimpleNamespace
+
+    from shardtune.evaluation.evaluate import RUN_DATA, data_config
+
+    data = DataConfig(path="d.jsonl", format="instruct", val_size=3, start_idx=2, end_idx=40, seq_len=64,
+                      template="Q: {instruction}")
+    run = SimpleNamespace(data=data)
+    req = SimpleNamespace(model="run", data=None, data_name=None, text_field="output", format="text")
+    cfg = data_config(req, run)
+    assert cfg.format == "text" and cfg.template is None and cfg.text_field == "output"
+    assert all(getattr(cfg, key) == getattr(data, key) for key in RUN_DATA)

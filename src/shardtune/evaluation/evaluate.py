@@ -51,6 +51,10 @@ def eval_config(req: EvalRequest, run_cfg):
     return dataclasses.replace(run_cfg, data=dataclasses.replace(run_cfg.data, seq_len=req.seq_len, cutoff_len=None))
 
 
+# what picks a run's documents and its validation split, whatever format reads them
+RUN_DATA = ("path", "name", "split", "val_split", "val_size", "start_idx", "end_idx", "seq_len", "num_proc")
+
+
 def data_config(req, run_cfg):
     """The data `req` (an eval or eval --generate request) reads: the run's (its format, fields,
     template), with --data, --data-name, --text-field and --format overriding. A --format other
@@ -58,8 +62,9 @@ def data_config(req, run_cfg):
     if req.data is None and run_cfg is None:
         raise UserError(f"{req.model!r} is not a shardtune checkpoint, so it has no dataset; pass --data PATH")
     cfg = layout(req.format, run_cfg)
-    if run_cfg is not None:  # the run's data, in whichever format reads it
-        cfg.path, cfg.name, cfg.seq_len = run_cfg.data.path, run_cfg.data.name, run_cfg.data.seq_len
+    if run_cfg is not None:  # the run's data and its held-out split, in whichever format reads it
+        for key in RUN_DATA:
+            setattr(cfg, key, getattr(run_cfg.data, key))
     if req.text_field != "text":
         cfg.text_field = req.text_field
     if req.data is not None:
