@@ -69,11 +69,14 @@ def torchrun(script: Path, nproc: int, args: list[str], timeout: int = 900, env:
 
 def last_error_line(proc) -> str:
     """The most telling line of a failed run's output (the last exception line, else the last line)."""
-    lines = [line.strip() for line in (proc.stderr + proc.stdout).splitlines() if line.strip()]
+    errors = [line.strip() for line in (proc.stderr or "").splitlines() if line.strip()]
+    lines = errors + [line.strip() for line in (proc.stdout or "").splitlines() if line.strip()]
     for line in lines:  # the first exception raised by a rank is the cause; the launcher's come later
         if re.match(r"^(\[rank\d+\]: ?)?[\w.]*(Error|Exception)\b.*:", line) and "ChildFailedError" not in line:
             return line[:300]
-    return lines[-1][:300] if lines else f"exit code {proc.returncode}"
+    # else stderr's last line (shardtune's one-line refusals go there), not stdout's progress
+    last = errors or lines
+    return last[-1][:300] if last else f"exit code {proc.returncode}"
 
 
 def peak_memory_bytes(device_type: str) -> int:

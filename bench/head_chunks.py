@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from float8_speed import arms_parser, run_arms, tokens_per_s  # noqa: E402
+from float8_speed import arms_parser, paired_losses, run_arms, tokens_per_s  # noqa: E402
 
 import _common as C  # noqa: E402
 
@@ -53,8 +53,7 @@ def main() -> int:
         each = [tokens_per_s(r, tokens_per_step, skip) for r in done]
         speed[arm] = statistics.median(each)
         peak = max(s.get("mem_reserved_gib", s.get("mem_rss_peak_gib", 0)) for r in done for s in r["steps"])
-        rel = [abs(x["loss"] - y["loss"]) / abs(y["loss"]) for r in done
-               for x, y in zip(r["steps"], full["steps"] if full else [], strict=False)]
+        rel = [abs(x - y) / abs(y) for r in done for x, y in (paired_losses(r, full) if full else [])]
         rows.append([arm, f"{speed[arm]:,.0f} ({', '.join(f'{x:,.0f}' for x in each)})",
                      f"{speed[arm] / speed['full']:.3f}x" if "full" in speed else "", f"{peak:.2f}",
                      f"{done[0]['steps'][-1]['loss']:.4f}", f"{max(rel) * 100:.3f} %" if rel else "", ""])

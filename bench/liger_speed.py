@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from float8_speed import arms_parser, run_arms, tokens_per_s  # noqa: E402
+from float8_speed import arms_parser, paired_losses, run_arms, tokens_per_s  # noqa: E402
 
 import _common as C  # noqa: E402
 
@@ -34,8 +34,7 @@ def row(arm: str, repeat: int, run: dict, tokens_per_step: int, skip: int, base:
     steps = run["steps"]
     peak = max((r.get("mem_reserved_gib", r.get("mem_rss_peak_gib", 0)) for r in steps), default=0)
     allocated = max((r.get("mem_allocated_gib", 0) for r in steps), default=0)
-    rel = [abs(a - b) / abs(b) for a, b in zip((r["loss"] for r in steps), (r["loss"] for r in base["steps"]),
-                                               strict=False)] if base else []
+    rel = [abs(a - b) / abs(b) for a, b in paired_losses(run, base)] if base else []
     liger = "Liger kernels" in run["started"]
     return [arm, repeat, f"{tokens_per_s(run, tokens_per_step, skip):,.0f}", f"{peak:.2f} / {allocated:.2f}",
             f"{steps[-1]['loss']:.4f}", f"{max(rel) * 100:.3f} %" if rel else "",

@@ -17,6 +17,10 @@ CUDA GPU it stops with a one-line error. Its rows are where the overhead constan
 (the CUDA prediction against the CPU's live-tensor peak, which stands in for allocated/reserved).
 
     .venv/bin/python bench/plan_accuracy.py [--gpu [--rehearse]] [--rows N | --pick I,J] [--seq-len 128]
+
+`--recorded FILE` (no GPU needed): the rows of an earlier `--gpu` run's table, predicted again by
+today's planner (on this CPU, for the CUDA target) against the measurements recorded there, and
+the calibration they imply: how a change to the planner moves it against real GPU rows.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -117,7 +122,8 @@ def worker(spec: dict, out: Path) -> None:
     cfg = run_config(**spec)
     d = init_distributed(spec["device"])
     hf_config = load_hf_config(cfg.model)
-    result = {"live_peak": measure_step(cfg, hf_config, d, state_only=_state_only(cfg))}
+    # on CUDA the counters below are read untracked, so a low-bit state's step runs whole (two steps)
+    result = {"live_peak": measure_step(cfg, hf_config, d, state_only=_state_only(cfg) and d.device.type == "cpu")}
     if d.device.type == "cuda":  # measure_step ran two steps; the counters' peak is the steady one's
         result["allocated"] = torch.cuda.max_memory_allocated(d.device)
         result["reserved"] = torch.cuda.max_memory_reserved(d.device)
@@ -138,6 +144,7 @@ def measure(spec: dict, workdir: Path) -> dict:
 
 
 def predict(spec: dict) -> dict:
+    from shardtune.hardware import STATES
     from shardtune.model.hf import load_hf_config
     from shardtune.plan.cost import gpu_memory
     from shardtune.plan.trace import trace_step
@@ -153,27 +160,86 @@ def predict(spec: dict) -> dict:
     if target == "cuda":
         technique = (cfg.activation_checkpointing, cfg.peft.method, cfg.activation_offload or cfg.fsdp.cpu_offload)
         mem = gpu_memory(trace, cfg.fsdp.cpu_offload, spec["ranks"], technique)
-        out.update(allocated=mem["allocated"], reserved=mem["reserved"], technique=technique)
+        transient = mem["allocated"] - sum(mem["by_category"].get(k, 0) for k in STATES)
+        out.update(allocated=mem["allocated"], reserved=mem["reserved"], technique=technique, transient=transient)
     return out
 
 
 def calibration(rows: list[tuple[dict, dict]]) -> str:
-    """What the measured rows say hardware.MEASURED_RESERVE should be (per technique: measured
-    reserved over predicted allocated, rounded up to the next 1 %, never below 0), and what
-    allocation adds beyond the traced tensors (the prediction's allocated less its cuBLAS
-    workspace, against the measured allocated)."""
+    """What the measured rows say hardware.MEASURED_RESERVE should be (per row: measured reserved
+    less predicted allocated, over the predicted transient bytes, rounded up to the next 0.01, never
+    below 0; a technique takes its rows' largest), and what allocation adds beyond the traced
+    tensors (the prediction's allocated less its cuBLAS workspace, against the measured allocated)."""
     import math
     import statistics
 
     from shardtune.hardware import overhead, reserve_share
 
-    shares = [f"{pred.get('technique')}: {real['reserved'] / pred['allocated']:.3f} -> "
-              f"{max(0, math.ceil(100 * (real['reserved'] / pred['allocated'] - 1)) / 100):.2f} "
-              f"(now {reserve_share(*pred.get('technique', ())):.2f})" for pred, real in rows]
+    def share(pred: dict, real: dict) -> float:
+        return max(0.0, math.ceil(100 * (real["reserved"] - pred["allocated"]) / pred["transient"]) / 100)
+
+    shares = [f"{pred.get('technique')}: {share(pred, real):.2f} (now {reserve_share(*pred.get('technique', ())):.2f})"
+              for pred, real in rows]
     extra = [(real["allocated"] - (pred["allocated"] - overhead("cublas_workspace"))) / 2 ** 20 for pred, real in rows]
-    return (f"calibration: MEASURED_RESERVE per row {'; '.join(shares)}; measured allocated beyond the traced "
-            f"tensors, MiB: {', '.join(f'{e:,.0f}' for e in extra)} -> cublas_workspace = "
+    return (f"calibration: MEASURED_RESERVE (share of the transient bytes) per row {'; '.join(shares)}; measured "
+            f"allocated beyond the traced tensors, MiB: {', '.join(f'{e:,.0f}' for e in extra)} -> cublas_workspace = "
             f"{statistics.median(extra):,.0f} MiB (now {overhead('cublas_workspace') / 2 ** 20:,.0f})")
+
+
+def recorded_rows(text: str) -> tuple[int, list[tuple[dict, dict]]]:
+    """The sequence length and the (spec, measured) rows of a `--gpu` run's table (each distinct row once)."""
+    seq = int(re.search(r"\| seq (\d+) \|", text).group(1))
+    rows, seen = [], set()
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 14 or cells[0] not in SHAPES or tuple(cells[:7]) in seen:
+            continue
+        seen.add(tuple(cells[:7]))
+        shape, ranks, sharding, ac, lora, mb, other = cells[:7]
+        spec = dict(shape=shape, ranks=int(ranks), sharding=sharding, ac=ac, lora=lora == "yes", mb=int(mb), seq=seq,
+                    device="cpu", precision="bf16", target="cuda", tiny=False,
+                    extra=() if other == "-" else tuple(other.split()))
+        mib = [int(c.replace(",", "")) * 2 ** 20 for c in (cells[8], cells[11])]
+        rows.append((spec, {"allocated": mib[0], "reserved": mib[1]}))
+    return seq, rows
+
+
+def text_date(path: Path) -> str:
+    """The 'YYYY-MM-DD HH:MM' a --gpu run's table starts with."""
+    return path.read_text()[:16]
+
+
+def recorded(path: Path) -> int:
+    """Today's predictions against the measurements of an earlier --gpu run (its table)."""
+    seq, rows = recorded_rows(path.read_text())
+    print(f"{path}: {len(rows)} rows measured there (seq {seq}), predicted now (torch "
+          f"{__import__('torch').__version__}, this CPU, CUDA target)")
+    print("| model | ranks | sharding | checkpointing | LoRA | micro-batch | other | predicted allocated MiB | "
+          "measured allocated MiB | error | predicted reserved MiB | measured reserved MiB | error |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    under = over = 0.0
+    pairs = []
+    first_step_only = text_date(path) <= "2026-11-26 12:00"  # before the worker ran a low-bit state's step whole
+    for spec, real in rows:
+        if first_step_only and any(e.startswith("train.optimizer_state=") for e in spec["extra"]):
+            print(f"| {spec['shape']} | … | {' '.join(spec['extra'])} | left out: measured over the first step only |")
+            continue
+        pred = predict(spec)
+        pairs.append((pred, real))
+        cells = []
+        for k in ("allocated", "reserved"):
+            err = (pred[k] - real[k]) / real[k]
+            if k == "reserved":
+                under, over = max(under, -err), max(over, err)
+            cells.append(f"{pred[k] / 2 ** 20:,.0f} | {real[k] / 2 ** 20:,.0f} | {100 * err:+.1f} %")
+        print(f"| {spec['shape']} | {spec['ranks']} | {spec['sharding']} | {spec['ac']} | "
+              f"{'yes' if spec['lora'] else 'no'} | {spec['mb']} | {' '.join(spec['extra']) or '-'} | "
+              + " | ".join(cells) + " |", flush=True)
+    met = under <= 0.02 and over <= 0.10
+    print(f"reserved: most under {100 * under:.1f} %, most over {100 * over:.1f} % (goal: under by at most 2 %, "
+          f"over by at most 10 %: {'met' if met else 'NOT met'})")
+    print(calibration(pairs))
+    return 0 if met else 1
 
 
 def main() -> int:
@@ -185,6 +251,8 @@ def main() -> int:
                         help="only these rows, by index from 0 (e.g. 8,12)")
     parser.add_argument("--seq-len", type=int, default=None, help="default 128 on CPU, 1024 on GPU (64 rehearsing)")
     parser.add_argument("--rehearse", action="store_true", help="with --gpu: its code path on CPU, tiny models")
+    parser.add_argument("--recorded", type=Path, default=None, metavar="FILE",
+                        help="an earlier --gpu run's plan_accuracy.md: its measurements against today's predictions")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -192,6 +260,8 @@ def main() -> int:
         return 0
     if args_only():
         return 0
+    if args.recorded:
+        return recorded(args.recorded)
     import torch
 
     device, precision = ("cuda", "bf16") if args.gpu else ("cpu", "fp32")

@@ -55,6 +55,10 @@
 #                (20) steps each -> liger.md (tok/s, peak reserved/allocated, losses against the plain
 #                twin). Needs the liger wheel from bench/gpu/wheels.sh in .whl/ (the image's torch brings
 #                triton). Estimate ~25 s set-up per arm + ~40 s compile in two arms + 20 x ~0.4 s.
+#   liger-bisect 150 s  only when STAGES names it: bench/gpu/liger_bisect.py, each Liger piece alone on a tiny
+#                Llama (RMSNorm, rotary, SwiGLU, the fused loss), then shardtune's build with kernels=liger and
+#                without, each in its own process under CUDA_LAUNCH_BLOCKING=1: the first phase that faults
+#                (every kernels=liger run hit an illegal memory access on 2026-11-26). liger_bisect.md. ~10 s a case
 #   head-chunks 300 s   only when STAGES names it: bench/head_chunks.py, the Llama ~1B setup, the
 #                chunked head loss at its default chunk, HEAD_CHUNKS (1024 2048 4096) tokens and full
 #                logits, HEAD_STEPS (12) steps each -> head_chunks.md (tok/s, peak reserved, losses
@@ -89,7 +93,7 @@
 #     python bench/memory_savers.py quality --steps 300 > "$OUT/savers_quality.md"   (compiled torchao step)
 #     python bench/memory_savers.py activations --micro-batch 8 --steps 6 precision=bf16 fsdp.reduce_dtype=bf16 \
 #       train.optimizer_state=8bit > "$OUT/savers_act_8bit.md"
-# Knobs: PYTHON, BUDGET_S, TESTS_WORKERS, BENCH_SET (shardtune settings for the bench stages), REPEATS, BENCH_STEPS, BENCH_GLOBAL, PLAN_ROWS, SOAK_MINUTES, LIGER_STEPS, HEAD_CHUNKS, HEAD_STEPS, CAP_<STAGE>.
+# Knobs: PYTHON, BUDGET_S, LIGER_TESTS_BLOCKING (1: the faulting kernel's traceback), TESTS_WORKERS, BENCH_SET (shardtune settings for the bench stages), REPEATS, BENCH_STEPS, BENCH_GLOBAL, PLAN_ROWS, SOAK_MINUTES, LIGER_STEPS, HEAD_CHUNKS, HEAD_STEPS, CAP_<STAGE>.
 # The CPU rehearsal (no install; .venv/bin/python) takes about 4 minutes on 2 cores (BENCHMARKS.md).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -263,10 +267,11 @@ stage float8-tests "$(time_for "${CAP_FLOAT8_TESTS:-120}")" float8-tests.log \
 stage float8 "$(time_for "${CAP_FLOAT8:-420}")" float8.md \
   $python bench/float8_speed.py --steps "${FLOAT8_STEPS:-50}" --repeats "${FLOAT8_REPEATS:-1}" "${rh[@]}"
 stage liger-tests "$(time_for "${CAP_LIGER_TESTS:-120}")" liger-tests.log \
-  $python -m pytest -q -p no:cacheprovider -m cuda tests/e2e/test_cuda.py -k liger \
+  env CUDA_LAUNCH_BLOCKING="${LIGER_TESTS_BLOCKING:-0}" $python -m pytest -q -p no:cacheprovider -m cuda tests/e2e/test_cuda.py -k liger \
   --junitxml "$results/liger-tests.xml" "${collect[@]}"
 stage liger "$(time_for "${CAP_LIGER:-420}")" liger.md \
   $python bench/liger_speed.py --steps "${LIGER_STEPS:-20}" --repeats "${LIGER_REPEATS:-1}" "${rh[@]}"
+stage liger-bisect "$(time_for "${CAP_LIGER_BISECT:-150}")" liger_bisect.md $python bench/gpu/liger_bisect.py "${rh[@]}"
 stage head-chunks "$(time_for "${CAP_HEAD_CHUNKS:-300}")" head_chunks.md \
   $python bench/head_chunks.py --steps "${HEAD_STEPS:-12}" --skip 4 --chunks ${HEAD_CHUNKS:-1024 2048 4096} "${rh[@]}"
 if [ -n "${SOAK_MINUTES:-}" ]; then

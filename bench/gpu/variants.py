@@ -38,9 +38,16 @@ def run_variant(name: str, extra: list[str], setup: dict, workdir: Path) -> dict
     rows = [r for r in rows if "loss" in r]
     warnings = [line for line in proc.stdout.splitlines() + proc.stderr.splitlines()
                 if "gradient norm" in line and ("warning" in line or "error" in line)]
+    times = sorted(r["step_time_s"] for r in rows[2:] if r.get("step_time_s"))  # the first two: warm-up
     return {"rc": proc.returncode, "seconds": time.time() - t0, "losses": [r["loss"] for r in rows],
+            "step_s": times[len(times) // 2] if times else None,
             "grad_norms": [r.get("grad_norm") for r in rows], "warnings": warnings,
-            "error": C.last_error_line(proc) if proc.returncode else None}
+            "error": C.last_error_line(proc) if proc.returncode else None,
+            "tail": proc.stderr.splitlines()[-40:] if proc.returncode else []}
+
+
+def step_note(r: dict) -> str:
+    return f", median step {r['step_s']:.3f} s (steps 3 on)" if r["step_s"] else ""
 
 
 def main() -> int:
@@ -69,6 +76,7 @@ def main() -> int:
         results[name] = run_variant(name, extra, setup, a.workdir)
         r = results[name]
         print(f"- {name} ({' '.join(extra) or 'as the setup'}): exit {r['rc']}, {r['seconds']:.0f}s"
+              f"{step_note(r)}"
               f"{', ' + r['error'] if r['error'] else ''}", flush=True)
     steps = max(len(r["losses"]) for r in results.values())
     rows = [[i + 1, *[f"{r['losses'][i]} / {r['grad_norms'][i]}" if i < len(r["losses"]) else "-"
@@ -77,6 +85,8 @@ def main() -> int:
     for name, r in results.items():
         for line in r["warnings"]:
             print(f"\n{name}: {line}")
+        if r["tail"]:  # a crash's traceback (run with CUDA_LAUNCH_BLOCKING=1 for the faulting kernel's)
+            print(f"\n{name}: the last lines of its stderr\n```\n" + "\n".join(r["tail"]) + "\n```")
     if a.equal is None:
         return 0
     first, *others = results.values()

@@ -44,3 +44,41 @@ def test_the_fused_optimizer_step_holds_the_state_once():
     trace = trace_step(cfg, load_hf_config(cfg.model), world_size=2)
     during = max(p.get("optimizer_state", 0) for key, p in trace.phases.items() if key[1] == "optimizer")
     assert during == trace.steady["optimizer_state"] > 0
+
+
+def test_what_dtensor_shape_propagation_allocates_is_not_the_steps_memory():
+    """DTensor derives an output's shape by running the op on fake tensors; under torch 2.11 those
+    reached the tracker and stayed alive: one fp32 copy of every parameter after backward, a 1B
+    model's plan 2.3 GiB over the H200's measured peak. Here every norm layer's forward runs a
+    shape propagation that allocates (and keeps) 4 MiB: the traced peak must not move."""
+    import json
+
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    from transformers.models.llama import modeling_llama
+
+    from conftest import TINY
+    from shardtune.config.load import load_config
+    from shardtune.model.hf import load_hf_config
+    from shardtune.plan.fake_step import propagating
+    from shardtune.plan.trace import trace_step
+
+    cfg = load_config(None, [f"model.config={json.dumps(TINY['llama'])}", "data.path=unused", "data.seq_len=64",
+                             "train.micro_batch_size=2", "train.global_batch_size=4", "device=cpu"])
+    hf_config = load_hf_config(cfg.model)
+    plain = trace_step(cfg, hf_config, world_size=1)
+    kept, seen, norm = [], [], modeling_llama.LlamaRMSNorm.forward
+
+    def allocating(self, op_schema):
+        seen.append(propagating())
+        kept.append(torch.empty(1 << 20))  # alive to the end, as 2.11's fake arguments were
+
+    def norm_propagating_first(self, hidden):
+        ShardingPropagator._propagate_tensor_meta_non_cached(None, None)
+        return norm(self, hidden)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ShardingPropagator, "_propagate_tensor_meta_non_cached", allocating)
+        mp.setattr(modeling_llama.LlamaRMSNorm, "forward", norm_propagating_first)
+        traced = trace_step(cfg, hf_config, world_size=1)
+    assert kept and all(seen) and not propagating()
+    assert traced.peak_bytes() == plain.peak_bytes()

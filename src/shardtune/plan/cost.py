@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from shardtune.config.schema import RunConfig
 from shardtune.families import hidden_size
-from shardtune.hardware import GPU, HOST_FACTS, overhead, reserve_share
+from shardtune.hardware import GPU, HOST_FACTS, STATES, overhead, reserve_share
 from shardtune.plan.trace import HOST_ONLY, OFFLOADED, StepTrace
 
 STATE_PRECISIONS = ("fp32", "bf16", "8bit", "4bit")
@@ -130,14 +130,16 @@ class Target:
 
 def gpu_memory(trace: StepTrace, offload: bool, world_size: int, technique: tuple = ()) -> dict:
     """One CUDA rank's memory from a trace: the peak of what stays on the GPU, by category, then
-    allocated (+ cuBLAS workspace), reserved (+ the allocator's reserve for `technique`, as
-    hardware.reserve_share takes it; none given: the widest measured) and the fixed overhead
+    allocated (+ cuBLAS workspace), reserved (+ the allocator's reserve for `technique`, a share of
+    the transient bytes as hardware.reserve_share takes it; none given: the widest measured of the
+    techniques that do not offload) and the fixed overhead
     outside torch's allocator (CUDA context, NCCL buffers), and their sum, what nvidia-smi shows."""
     leave_out = (OFFLOADED if offload else ()) + HOST_ONLY
     phase, cats = trace.peak(leave_out)
     on_gpu = {k: v for k, v in cats.items() if k not in leave_out}
     allocated = sum(on_gpu.values()) + int(overhead("cublas_workspace"))
-    reserved = int(allocated * (1 + reserve_share(*technique)))
+    transient = allocated - sum(on_gpu.get(k, 0) for k in STATES)
+    reserved = allocated + int(transient * reserve_share(*technique))
     nccl = int(overhead("nccl_buffers") * overhead("nccl_channels") * 2) if world_size > 1 else 0
     fixed = int(overhead("cuda_context")) + nccl
     return {"phase": phase, "by_category": on_gpu, "allocated": allocated, "reserved": reserved,

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from shardtune.config.schema import RunConfig
 from shardtune.errors import UserError
-from shardtune.hardware import GIB, float8_needs, gpu_by_name, overhead, parse_size
+from shardtune.hardware import GIB, STATES, float8_needs, gpu_by_name, parse_size
 from shardtune.plan.cost import Candidate, Target, setting
 from shardtune.plan.fit import resolve_hf_config
 from shardtune.plan.keys import refuse_unpriced
@@ -237,8 +237,8 @@ def render(answer: dict) -> str:
         for text in answer.get("what_would_fit", []):
             lines.append(f"  - {text}")
     lines += _others(answer["others"], best["tokens_per_s"] if best else None)
-    lines.append("(reserved memory calibrated on one H100 for no checkpointing, full checkpointing and LoRA; other "
-                 "techniques take the widest measured reserve: hardware.MEASURED_RESERVE)")
+    lines.append("(reserved memory calibrated on one H200 for no, full and selective checkpointing, LoRA and "
+                 "activation offloading; other techniques take the widest measured reserve: hardware.MEASURED_RESERVE)")
     return "\n".join(lines)
 
 
@@ -288,13 +288,12 @@ def what_would_fit(cfg: RunConfig, hf_config, target: Target, ranked: list[Estim
     if lean is not None:
         # sharded states shrink with the number of ranks; the rest does not
         cats = lean.memory["by_category"]
-        sharded = sum(cats.get(k, 0) for k in ("sharded_params", "gradients", "optimizer_state"))
-        grow = 1 + overhead("fragmentation")  # reserved per allocated byte
-        fixed = lean.memory["total"] - sharded * grow
+        sharded = sum(cats.get(k, 0) for k in STATES)  # the allocator reserves nothing beside them
+        fixed = lean.memory["total"] - sharded
         for world in range(target.world + 1, 1025):
-            if fixed + sharded * grow * target.world / world <= budget:
+            if fixed + sharded * target.world / world <= budget:
                 out.append(f"more GPUs: {world} of them ({_label(dataclasses.asdict(lean.candidate))}) need about "
-                           f"{(fixed + sharded * grow * target.world / world) / GIB:.1f} GiB each")
+                           f"{(fixed + sharded * target.world / world) / GIB:.1f} GiB each")
                 break
     if not cfg.peft.low_rank:
         out += _lora_lines(cfg, hf_config, target, cache)

@@ -28,6 +28,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore  # registers t
 from shardtune import families
 from shardtune.config.schema import RunConfig
 from shardtune.errors import UserError
+from shardtune.plan.fake_step import propagating
 
 # FSDPMemTracker's categories -> the planner's
 CATEGORY = {"Sharded Param": "sharded_params", "Unsharded Param": "gathered_params", "Buffer": "buffers",
@@ -369,8 +370,8 @@ class PhaseTracker(FSDPMemTracker):
         """A collective whose real backend copies a tensor inside (gloo) holds that copy, as
         communication, while it runs: the fake backend makes none. A gradient sum that autograd
         makes in place in a real run is made in place here too (`accumulates_in_place`)."""
-        if func is _DEVICE:  # a query that allocates nothing: half of a step's ops (autograd asks it)
-            return func(*args, **(kwargs or {}))
+        if func is _DEVICE or propagating():  # a query that allocates nothing (half of a step's ops:
+            return func(*args, **(kwargs or {}))  # autograd asks it), or DTensor's fake shapes
         if accumulates_in_place(func, args, kwargs):
             return super().__torch_dispatch__(torch.ops.aten.add_.Tensor, types, args, kwargs)
         index = self.backend_copies.get(func.name())
