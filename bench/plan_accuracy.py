@@ -89,6 +89,11 @@ GPU_ROWS = [
     ("llama-1b", 1, "full_shard", "full", False, 4, ("fsdp.reduce_dtype=bf16",)),
     ("llama-1b", 1, "full_shard", "full", False, 4, ("float8=rowwise",)),
     ("llama-1b", 1, "full_shard", "full", False, 4, ("float8=tensorwise",)),
+    # the rest of what the planner can recommend (issue 33: every technique one real step on a GPU)
+    ("llama-1b", 1, "full_shard", "every_n", False, 4),
+    ("llama-1b", 1, "full_shard", "full", False, 4, ("fsdp.cpu_offload=true",)),
+    ("llama-1b", 1, "full_shard", "full", False, 4, ("train.optimizer_state=4bit",)),
+    ("llama-1b", 1, "full_shard", "full", False, 4, ("train.optimizer_state=bf16",)),
 ]  # ranks 0: every visible GPU
 
 

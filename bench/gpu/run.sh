@@ -32,6 +32,10 @@
 #   nan-hunt 200 s bench/gpu/variants.py: global 8, 16 steps, on_nan=skip, with the chunked head loss and
 #                with the model's own head (loss_chunk_tokens=0): a step that goes non-finite names its
 #                gradients and samples (nan-hunt.md). ~90 s
+#   nan-origin 200 s  only when STAGES names it: bench/gpu/variants.py, global 8, 16 steps, on_nan=skip, HF's
+#                SDPA attention (flash / cuDNN kernels) against its eager attention (softmax in fp32): steps 13-14
+#                went NaN in layer 3's dQ/dK with both SDPA kernels on 2026-11-26 (results/2026-11-26-h200-b).
+#                nan-origin.md. ~35 s a variant
 #   profile 90 s bench/profile_step.py: the Llama setup, global batch 8, 3 untraced + 3 traced
 #                steps (log.profile_steps): profile/{trace.json.gz, ops.txt, metrics.jsonl,
 #                train.log}, profile.md. ~50 s; the trace ~2-5 MB compressed
@@ -74,26 +78,31 @@
 # and the stages done before a kill still come back; carry .whl (git-ignored) for the wheels:
 # Before a GPU session's first call, on the CPU: `bash bench/torch_compat.sh 2.11.0` (the suite under
 # the image's torch) and `bash bench/gpu/run.sh --rehearse DIR` with PYTHON= that venv's python.
-# A session has 15 minutes of device time (machine start, 1-2 min, included; 10 min a call; a warm
-# machine waits only 30 s for the next call, so send the next one at once). Done on the H200 on
-# 2026-11-26 (bench/gpu/results/2026-11-26-h200/): tests, curve, offload, nan-hunt, one Llama A B A B,
-# profile. The calls left, in order of value (issue 34's measurements first, then the planner's rows):
-#   1st call (~9 min):  STAGES="liger-tests liger" BUDGET_S=560 bash bench/gpu/run.sh /tmp/gpu-liger "$OUT"
-#                       (compile's and Liger-Kernel's gains: plain / liger / both compiled, and Liger's losses)
-#   2nd call (~7 min):  STAGES="float8-tests float8" BUDGET_S=420 bash bench/gpu/run.sh /tmp/gpu-f8 "$OUT"
-#                       (float8's loss in the stable regime and its speed; FLOAT8_EFFICIENCY in plan/cost.py)
-#   3rd call (~9 min):  STAGES="plan speed-order" PLAN_ROWS=8 CAP_PLAN=300 BUDGET_S=560 bash bench/gpu/run.sh /tmp/gpu-plan "$OUT"
-#                       (the planner's rows against max_memory_allocated/reserved; the memory savers' order)
-#   4th call (~9 min):  STAGES="bench-opt head-chunks" CAP_BENCH=300 REPEATS=2 BUDGET_S=560 bash bench/gpu/run.sh /tmp/gpu-opt "$OUT"
+# A session has 15 minutes of device time (machine start, ~30 s on 2026-11-26, included; 10 min a call; a
+# warm machine waits only 30 s for the next call, so send the next one at once, or give it back and
+# start again while 4 minutes are left). Done on the H200 on 2026-11-26 (bench/gpu/results/2026-11-26-h200/
+# and -h200-b/): tests, curve, offload, nan-hunt, one Llama A B A B, profile; the planner's rows but
+# 8-bit and float8; the step-13 NaN found again and not cuDNN's. The calls left, in order of value:
+#   1st call (~6 min):  STAGES="curve nan-origin liger-bisect" BUDGET_S=420 bash bench/gpu/run.sh /tmp/gpu-nan "$OUT"
+#                       (does HF Trainer's gradient go NaN at the same step on these 222 blocks? eager attention
+#                       against SDPA; which Liger piece faults)
+#   2nd call (~9 min):  STAGES="liger-tests liger" BUDGET_S=560 bash bench/gpu/run.sh /tmp/gpu-liger "$OUT"
+#                       (compile's and Liger-Kernel's gains: plain / liger / both compiled; the arms skip a NaN step)
+#   3rd call (~7 min):  STAGES="float8-tests float8" BUDGET_S=420 bash bench/gpu/run.sh /tmp/gpu-f8 "$OUT"
+#                       (float8's loss and speed; FLOAT8_EFFICIENCY in plan/cost.py)
+#   4th call (~8 min):  STAGES="plan speed-order" PLAN_PICK=8,10,11,12,13,14,15 CAP_PLAN=270 BUDGET_S=480 bash bench/gpu/run.sh /tmp/gpu-plan "$OUT"
+#                       (the rows not yet measured: 8-bit, float8 x 2, every-n, CPU offload, 4-bit, bf16 state; then
+#                       `plan_accuracy.py --recorded` here and hardware.MEASURED_RESERVE; the memory savers' order)
+#   5th call (~9 min):  STAGES="bench-opt head-chunks" CAP_BENCH=300 REPEATS=2 BUDGET_S=560 bash bench/gpu/run.sh /tmp/gpu-opt "$OUT"
 #                       (OPT-1.3B A B A B, the head's chunk sizes; then BENCH_SET=compile=true STAGES="bench-llama bench-opt": shardtune
-#                       compiled against HF, once the 1st call says compile pays)
+#                       compiled against HF, once the 2nd call says compile pays)
 #   QLoRA's CUDA test:  QLORA=1 bash bench/gpu/wheels.sh, then carry .whl with a lighter tree (bitsandbytes is 43 MB)
 #   issue 20 (one call, ~8 min): memory savers on CUDA, device=auto
 #     python bench/memory_savers.py activations --micro-batch 8 --steps 6 precision=bf16 > "$OUT/savers_act.md"
 #     python bench/memory_savers.py quality --steps 300 > "$OUT/savers_quality.md"   (compiled torchao step)
 #     python bench/memory_savers.py activations --micro-batch 8 --steps 6 precision=bf16 fsdp.reduce_dtype=bf16 \
 #       train.optimizer_state=8bit > "$OUT/savers_act_8bit.md"
-# Knobs: PYTHON, BUDGET_S, LIGER_TESTS_BLOCKING (1: the faulting kernel's traceback), TESTS_WORKERS, BENCH_SET (shardtune settings for the bench stages), REPEATS, BENCH_STEPS, BENCH_GLOBAL, PLAN_ROWS, SOAK_MINUTES, LIGER_STEPS, HEAD_CHUNKS, HEAD_STEPS, CAP_<STAGE>.
+# Knobs: PYTHON, BUDGET_S, LIGER_TESTS_BLOCKING (1: the faulting kernel's traceback), TESTS_WORKERS, BENCH_SET (shardtune settings for the bench stages), REPEATS, BENCH_STEPS, BENCH_GLOBAL, PLAN_ROWS, PLAN_PICK (rows by index, e.g. 8,10,11), SOAK_MINUTES, LIGER_STEPS, HEAD_CHUNKS, HEAD_STEPS, CAP_<STAGE>.
 # The CPU rehearsal (no install; .venv/bin/python) takes about 4 minutes on 2 cores (BENCHMARKS.md).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -255,10 +264,13 @@ stage offload "$(time_for "${CAP_OFFLOAD:-240}")" offload.md $python bench/gpu/v
   plain= offload=fsdp.cpu_offload=true "${rh[@]}"
 stage nan-hunt "$(time_for "${CAP_NAN_HUNT:-200}")" nan-hunt.md $python bench/gpu/variants.py --steps 16 \
   chunked-head=on_nan=skip model-head=on_nan=skip,loss_chunk_tokens=0 "${rh[@]}"
+stage nan-origin "$(time_for "${CAP_NAN_ORIGIN:-200}")" nan-origin.md $python bench/gpu/variants.py --steps 16 \
+  sdpa=on_nan=skip eager=on_nan=skip,model.config.attn_implementation=eager "${rh[@]}"
 stage profile "$(time_for "${CAP_PROFILE:-90}")" profile.md \
   $python bench/profile_step.py --setup gpu --global-batch 8 --out "$results/profile" "${rh[@]}"
+plan_rows=(--rows "${PLAN_ROWS:-3}"); [ -n "${PLAN_PICK:-}" ] && plan_rows=(--pick "$PLAN_PICK")
 stage plan "$(time_for "${CAP_PLAN:-90}")" plan_accuracy.md \
-  $python bench/plan_accuracy.py --gpu --rows "${PLAN_ROWS:-3}" "${rh[@]}"
+  $python bench/plan_accuracy.py --gpu "${plan_rows[@]}" "${rh[@]}"
 stage speed-order "$(time_for "${CAP_SPEED_ORDER:-300}")" speed_order.md \
   $python bench/speed_order.py --gpu --steps "${SPEED_STEPS:-6}" --rounds "${SPEED_ROUNDS:-1}" "${rh[@]}"
 stage float8-tests "$(time_for "${CAP_FLOAT8_TESTS:-120}")" float8-tests.log \
