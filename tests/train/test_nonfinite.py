@@ -52,7 +52,12 @@ def test_nan_names_parameters_and_samples_in_the_metrics(assets, tmp_path):
         # everything the forward ran before the down-projection: earlier parameters in model order,
         # and block 1's two norms, which Llama declares after its MLP
         bad = names[:names.index("model.layers.1.mlp.down_proj.weight")] + BLOCK1_NORMS
-        assert row["nonfinite_grads"] == {"count": len(bad), "first": bad[0], "last": bad[-1]}
+        entry = [n.removeprefix("model.layers.1.") for n in bad if n.startswith("model.layers.1.")]
+        assert row["nonfinite_grads"] == {"count": len(bad), "first": bad[0], "last": bad[-1],
+                                          "block": "model.layers.1", "entry": entry}
+        assert entry == ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                         "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+                         "input_layernorm.weight", "post_attention_layernorm.weight"]
         samples, documents = expected_origin(trainer)
         assert row["samples"] == samples and row["documents"] == documents
         assert all(0 <= a <= b for a, b in documents)
@@ -69,7 +74,8 @@ def test_nan_stop_names_them_in_one_line(assets, tmp_path):
         message = str(err.value)
         samples, documents = expected_origin(trainer)
         assert "\n" not in message and f"step {POISONED_STEP}" in message
-        assert f"from model.embed_tokens.weight to {BLOCK1_NORMS[-1]} (model order)" in message
+        assert f"from model.embed_tokens.weight to {BLOCK1_NORMS[-1]} (model order), beginning in " \
+               "model.layers.1 at self_attn.q_proj.weight, " in message
         first = f"{samples[0]} (document {documents[0][0]}" if documents[0][0] == documents[0][1] else \
             f"{samples[0]} (documents {documents[0][0]}-{documents[0][1]})"
         assert f"samples [{first}" in message
@@ -88,4 +94,19 @@ def test_healthy_gradients_name_nothing(one_rank):
     assert torch.allclose(total, expected) and norms.nonfinite(model, 1) is None
     model[1].bias.grad[0] = float("inf")
     _, norms = clip_gradients(model, 1.0)
-    assert norms.nonfinite(model, 1) == {"count": 1, "first": "1.bias", "last": "1.bias"}
+    assert norms.nonfinite(model, 1) == {"count": 1, "first": "1.bias", "last": "1.bias", "block": "1",
+                                         "entry": ["bias"]}
+
+
+@pytest.mark.parametrize(("name", "block"), [
+    ("model.layers.3.self_attn.q_proj.weight", "model.layers.3"),
+    ("base_model.model.model.layers.12.mlp.up_proj.lora_A.default.weight", "base_model.model.model.layers.12"),
+    ("transformer.h.0.attn.c_attn.weight", "transformer.h.0"),
+    ("lm_head.weight", "lm_head"),
+    ("model.embed_tokens.weight", "model.embed_tokens"),
+    ("bias", "bias"),
+])
+def test_the_entry_block_is_the_numbered_module_a_parameter_sits_in(name, block):
+    from shardtune.train.step import entry_block
+
+    assert entry_block(name) == block

@@ -143,9 +143,10 @@ class GradNorms:
 
     def nonfinite(self, model, world_size: int) -> dict | None:
         """Which trained parameters of `model` have a gradient that is not finite on some rank:
-        {"count", "first", "last"} in model order (embeddings first, blocks in order, head last);
-        None if none. Backward runs from the head down, so a NaN that arises in some block reaches
-        every parameter before it: "last" lies in the block where it began.
+        {"count", "first", "last", "block", "entry"} in model order (embeddings first, blocks in
+        order, head last); None if none. Backward runs from the head down, so a NaN that arises in
+        some block reaches every parameter before it: "last" lies in the block where it began, and
+        "entry" names that block's non-finite parameters (which branch it came through).
         Collective where world_size > 1 (every rank reads the same non-finite step)."""
         bad = (~torch.isfinite(self.norms)).float()
         if world_size > 1:
@@ -154,8 +155,18 @@ class GradNorms:
         if not hits:
             return None
         trained = [name for name, p in model.named_parameters() if p.requires_grad]
-        return {"count": len(hits), "first": trained[self.positions[hits[0]]],
-                "last": trained[self.positions[hits[-1]]]}
+        names = [trained[self.positions[i]] for i in hits]
+        block = entry_block(names[-1])
+        return {"count": len(hits), "first": names[0], "last": names[-1], "block": block,
+                "entry": [n.removeprefix(f"{block}.") for n in names if n.startswith(f"{block}.")]}
+
+
+def entry_block(name: str) -> str:
+    """The decoder block (a numbered module in a list: `model.layers.3`) a parameter belongs to,
+    else the parameter's own module (`lm_head`)."""
+    parts = name.split(".")
+    numbered = [i for i, part in enumerate(parts[:-1]) if part.isdigit()]
+    return ".".join(parts[:numbered[-1] + 1] if numbered else parts[:-1]) or name
 
 
 def train_step(model, optimizer, scaler, batches: list[dict], cfg: RunConfig, dist: Dist,

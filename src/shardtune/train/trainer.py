@@ -336,7 +336,8 @@ class Trainer:
         samples = data_lib.describe_samples(self.train_ds, self.plan.global_indices(step - 1))
         origin = {"nonfinite_grads": bad, **samples}
         grads = "every gradient finite" if bad is None else \
-            f"non-finite gradients in {bad['count']} parameters, from {bad['first']} to {bad['last']} (model order)"
+            f"non-finite gradients in {bad['count']} parameters, from {bad['first']} to {bad['last']} (model order), " \
+            f"beginning in {bad['block']} at {', '.join(bad['entry'])}"
         where_from = f"{grads}; samples {data_lib.format_samples(origin)}"
         what = f"loss {loss} / gradient norm {grad_norm} at step {step} ({where_from})"
         if self.cfg.on_nan == "skip":
