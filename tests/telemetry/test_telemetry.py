@@ -370,3 +370,33 @@ def test_a_run_refused_at_its_start_does_not_block_its_retry(assets, tmp_path, m
     assert main(["train", *tiny_overrides(assets, out, **{"train.max_steps": 1})]) == 0
     with pytest.raises(UserError, match="already holds a run"):
         claim_output_dir(out, overwrite=False, check_only=True)
+
+
+def test_a_resume_continues_the_wandb_and_mlflow_runs_of_its_earlier_attempt(tmp_path, monkeypatch):
+    """An attempt logged steps 1-4 and left a checkpoint at step 2; its resume continues the same
+    W&B and MLflow runs (one run in their UI, as TensorBoard's one folder), and a fresh start in
+    another folder starts new ones. A damaged id file starts new runs too."""
+    import json
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+
+    def attempt(folder, start: int) -> dict:
+        t = Trackers(["wandb", "mlflow"], folder, {"lr": 0.1}, "shardtune-test", "run1", start_step=start)
+        for step in range(start + 1, 5):
+            t.log({"loss": 1.0 / step}, step)
+        t.close()
+        return json.loads((folder / "trackers.json").read_text())
+
+    first = attempt(tmp_path, 0)
+    assert attempt(tmp_path, 2) == first  # resumed: the same runs
+    offline = sorted(p.name for p in (tmp_path / "wandb").glob("offline-run-*"))
+    assert len(offline) == 2 and all(first["wandb"] in name for name in offline)  # each attempt a folder, one id
+    runs = [p for p in (tmp_path / "mlruns").glob("*/*") if (p / "metrics").is_dir()]
+    assert [p.name for p in runs] == [first["mlflow"]]
+    assert len((runs[0] / "metrics" / "loss").read_text().splitlines()) == 4 + 2  # steps 3-4 again
+    other = tmp_path / "other"
+    assert attempt(other, 0)["wandb"] != first["wandb"]  # a new run in a new folder
+    (tmp_path / "trackers.json").write_text("{not json")
+    assert attempt(tmp_path, 2)["mlflow"] != first["mlflow"]

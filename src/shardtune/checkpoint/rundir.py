@@ -16,6 +16,7 @@ from shardtune.checkpoint.folders import check_compatible, find_latest, read_met
 from shardtune.distributed.process_group import LAUNCHER_ENV
 from shardtune.errors import UserError
 from shardtune.fsio import PARTIAL, json_loads, write_text_atomic
+from shardtune.telemetry.trackers import RUN_IDS
 
 # left in the output folder by a preempted run, for job scripts that cannot see the ranks' exit code
 PREEMPTED_MARKER = "PREEMPTED"
@@ -24,7 +25,7 @@ RUN_FILES = (*RUN_MARKS, PREEMPTED_MARKER)
 RUN_DIRS = ("final", "checkpoints", "profile", "publish")
 # written in a run's folder by its trackers and by the commands about it (report, eval --generate): they
 # describe that run, so they go with it when --overwrite replaces it or resume=auto moves it aside
-RUN_OUTPUTS = ("tensorboard", "mlruns", "wandb", "report", "generation.json")
+RUN_OUTPUTS = ("tensorboard", "mlruns", "wandb", RUN_IDS, "report", "generation.json")
 EARLIER = "earlier-attempt-"  # OUT/earlier-attempt-N: an attempt without a usable checkpoint, kept
 LOCK_FILE = ".shardtune.lock"  # "pid P on HOST since TIME" of the live run; removed when it ends
 

@@ -1,7 +1,9 @@
 """Experiment trackers beside the always-on metrics.jsonl: TensorBoard, W&B, MLflow.
 
 Only rank 0 logs. W&B honours WANDB_MODE (offline works without network); MLflow writes to
-MLFLOW_TRACKING_URI, or to a local file store in the run folder when that is unset.
+MLFLOW_TRACKING_URI, or to a local file store in the run folder when that is unset. A resumed run
+continues the W&B and MLflow runs its earlier attempt started (their ids in RUN_IDS), as
+TensorBoard continues its folder: one run in the tracker's UI, not one per attempt.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ SETTINGS = {"tensorboard": "the run folder", "wandb": "WANDB_MODE, WANDB_API_KEY
             "mlflow": "MLFLOW_TRACKING_URI, log.project"}  # where a tracker that fails to start is set up
 WANDB_ONLINE = ("online", "run", "shared")  # W&B's modes that talk to its server (offline/dryrun: files; disabled)
 WANDB_LOGIN = "run `wandb login`, set WANDB_API_KEY, or set WANDB_MODE=offline to log to the run folder"
+RUN_IDS = "trackers.json"  # in the run folder: {"wandb": run id, "mlflow": run id} of the trackers' runs
 
 
 def _require(module: str, tracker: str):
@@ -173,6 +176,14 @@ def wandb_artifact(run, how: str):
     return log
 
 
+def _mlflow_run_exists(mlflow, run_id: str) -> bool:
+    try:
+        mlflow.get_run(run_id)
+    except Exception:  # noqa: BLE001 - MLflow's own "not found" (the store moved, the run deleted)
+        return False
+    return True
+
+
 class Trackers:
     """Fan-out of scalar metrics to the configured trackers."""
 
@@ -181,6 +192,8 @@ class Trackers:
         self.sinks, self.run_name, self.start_step = [], run_name, start_step
         if not enabled:
             return
+        self.ids_file = out / RUN_IDS
+        self.ids = self._earlier_ids() if start_step else {}
         hparams = flatten(config)
         for name in names:
             try:
@@ -191,6 +204,24 @@ class Trackers:
                     raise
                 raise UserError(f"log.trackers: {name} could not start ({type(exc).__name__}: {_reason(exc)}); "
                                 f"fix its settings ({SETTINGS[name]}) or drop {name} from log.trackers") from None
+
+    def _earlier_ids(self) -> dict:
+        """The tracker runs the earlier attempt of this run started (a damaged file: none)."""
+        from shardtune.fsio import json_loads
+
+        try:
+            ids = json_loads(self.ids_file.read_text())
+        except (OSError, ValueError):
+            return {}
+        return {k: v for k, v in ids.items() if isinstance(v, str)} if isinstance(ids, dict) else {}
+
+    def _started(self, name: str, run_id: str) -> None:
+        import json
+
+        from shardtune.fsio import write_text_atomic
+
+        self.ids[name] = run_id
+        write_text_atomic(self.ids_file, json.dumps(self.ids))
 
     def _start(self, name: str, out: Path, hparams: dict, project: str, run_name: str, artifacts: str) -> None:
         if name == "tensorboard":
@@ -215,8 +246,10 @@ class Trackers:
             wandb = _require("wandb", name)
             # WANDB_MODE as it is now (wandb reads its variables once per process), else W&B's settings
             # file's (`wandb offline`), as check_wandb read them
+            earlier = self.ids.get("wandb")  # a resume: the same W&B run, its later steps logged again
             run = wandb.init(project=project, name=run_name, dir=str(out), config=hparams,
-                             mode=os.environ.get("WANDB_MODE"))
+                             mode=os.environ.get("WANDB_MODE"), id=earlier, resume="allow" if earlier else None)
+            self._started("wandb", run.id)
             self.sinks.append(Sink(lambda scalars, step, r=run: r.log(scalars, step=step), run.finish,
                                    wandb_artifact(run, artifacts) if artifacts != "none" else None,
                                    lambda hists, step, r=run, w=wandb: r.log(
@@ -230,8 +263,13 @@ class Trackers:
                 os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # local files: no server needed
                 mlflow.set_tracking_uri((out / "mlruns").resolve().as_uri())
             mlflow.set_experiment(project)
-            mlflow.start_run(run_name=run_name)
-            mlflow.log_params({k[:250]: str(v)[:500] for k, v in hparams.items()})
+            earlier = self.ids.get("mlflow")
+            if earlier and _mlflow_run_exists(mlflow, earlier):  # a resume: the same run (its params stand)
+                mlflow.start_run(run_id=earlier)
+            else:
+                mlflow.start_run(run_name=run_name)
+                mlflow.log_params({k[:250]: str(v)[:500] for k, v in hparams.items()})
+            self._started("mlflow", mlflow.active_run().info.run_id)
             self.sinks.append(Sink(lambda scalars, step, m=mlflow: m.log_metrics(mlflow_names(scalars), step=step),
                                    mlflow.end_run))
 
