@@ -68,9 +68,12 @@ def test_what_dtensor_shape_propagation_allocates_is_not_the_steps_memory():
     plain = trace_step(cfg, hf_config, world_size=1)
     kept, seen, norm = [], [], modeling_llama.LlamaRMSNorm.forward
 
+    propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+
     def allocating(self, op_schema):
         seen.append(propagating())
         kept.append(torch.empty(1 << 20))  # alive to the end, as 2.11's fake arguments were
+        return None if op_schema is None else propagate(self, op_schema)  # DTensor's own ops: their shapes
 
     def norm_propagating_first(self, hidden):
         ShardingPropagator._propagate_tensor_meta_non_cached(None, None)
@@ -80,5 +83,5 @@ def test_what_dtensor_shape_propagation_allocates_is_not_the_steps_memory():
         mp.setattr(ShardingPropagator, "_propagate_tensor_meta_non_cached", allocating)
         mp.setattr(modeling_llama.LlamaRMSNorm, "forward", norm_propagating_first)
         traced = trace_step(cfg, hf_config, world_size=1)
-    assert kept and all(seen) and not propagating()
+    assert any(seen) and not propagating()  # some ran inside the traced step (others at the build, untracked)
     assert traced.peak_bytes() == plain.peak_bytes()
