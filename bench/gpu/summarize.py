@@ -89,6 +89,10 @@ def main() -> int:
     chunks = results / "head_chunks.md"
     if chunks.is_file():
         out += ["", "## The head loss by chunk size", "", *chunks.read_text().strip().splitlines()[2:]]
+    for title, file in (("The memory savers' speed order", "speed_order.md"), ("Where the NaN begins", "nan-origin.md"),
+                        ("Liger-Kernel bisect", "liger_bisect.md")):
+        if (results / file).is_file():  # their verdicts are their last lines
+            out += ["", f"## {title}", "", *(results / file).read_text().strip().splitlines()[-25:]]
     soak = results / "soak.md"
     if soak.is_file():
         out += ["", "## Soak", "", *soak.read_text().strip().splitlines()[-6:]]
