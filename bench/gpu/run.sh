@@ -24,7 +24,8 @@
 #                BENCH_GLOBAL (8) x 2048 tokens at 10-20k tokens/s (0.8-1.6 s each) = 35-40 s, a
 #                pair ~80 s: one pair (A B) fits the cap; A B A B needs a call of its own (below).
 #   curve  240 s bench/vs_hf_trainer.py --gpu --steps 30 --global-batch 32 --loss-tolerance 0.03: the
-#                Llama ~1B loss curve against HF Trainer's (its NaN filter off), every step finite and
+#                Llama ~1B loss curve against HF Trainer's (its NaN filter off; shardtune on_nan=skip, so a NaN
+#                step shows on both sides instead of ending the pair), every step finite and
 #                within 3 % (0.7 % apart at step 8 on the H100); per-step losses and gradient norms of
 #                both sides in curve.md; exit 1 otherwise. ~150 s (shardtune ~65 s, HF ~80 s)
 #   offload 240 s bench/gpu/variants.py: the Llama ~1B setup, 4 steps, plain and fsdp.cpu_offload=true,
@@ -259,7 +260,8 @@ for model in llama opt; do
     --budget-s $(( limit - 10 )) --json "$results/vs_hf_$model.json" "${rh[@]}"
 done
 stage curve "$(time_for "${CAP_CURVE:-240}")" curve.md $python bench/vs_hf_trainer.py --setup gpu --repeats 1 \
-  --sharding full_shard --nproc 1 --steps 30 --global-batch 32 --loss-tolerance 0.03 --json "$results/curve.json" "${rh[@]}"
+  --sharding full_shard --nproc 1 --steps 30 --global-batch 32 --loss-tolerance 0.03 --shardtune-set on_nan=skip \
+  --json "$results/curve.json" "${rh[@]}"
 stage offload "$(time_for "${CAP_OFFLOAD:-240}")" offload.md $python bench/gpu/variants.py --steps 4 --equal 1e-3 \
   plain= offload=fsdp.cpu_offload=true "${rh[@]}"
 stage nan-hunt "$(time_for "${CAP_NAN_HUNT:-200}")" nan-hunt.md $python bench/gpu/variants.py --steps 16 \
