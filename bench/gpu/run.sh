@@ -86,7 +86,11 @@
 # 8-bit and float8; the step-13 NaN found again and not cuDNN's. The calls left, in order of value:
 #   1st call (~6 min):  STAGES="curve nan-origin liger-bisect" BUDGET_S=420 bash bench/gpu/run.sh /tmp/gpu-nan "$OUT"
 #                       (does HF Trainer's gradient go NaN at the same step on these 222 blocks? eager attention
-#                       against SDPA; which Liger piece faults)
+#                       against SDPA; which Liger piece faults). Reading it: HF NaN at step 4 too -> the bench's
+#                       random-init 1B at lr 3e-4 / warmup 3 is unstable, not shardtune (say so; the speed arms
+#                       skip the step); HF finite -> shardtune's numerics differ from HF's autocast (bf16
+#                       parameters and residual stream under FSDP2 mixed precision): compare fp32 parameters
+#                       with autocast next; eager finite, SDPA not -> the fused kernels' backward
 #   2nd call (~9 min):  STAGES="liger-tests liger" BUDGET_S=560 bash bench/gpu/run.sh /tmp/gpu-liger "$OUT"
 #                       (compile's and Liger-Kernel's gains: plain / liger / both compiled; the arms skip a NaN step)
 #   3rd call (~7 min):  STAGES="float8-tests float8" BUDGET_S=420 bash bench/gpu/run.sh /tmp/gpu-f8 "$OUT"
