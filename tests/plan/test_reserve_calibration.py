@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shardtune.hardware import MEASURED_RESERVE, PLAN_ACCURACY_GPU, STATES, reserve_share
 from shardtune.plan.cost import Candidate, gpu_memory
@@ -78,3 +80,23 @@ def test_a_candidate_names_its_technique_and_an_unmeasured_one_takes_the_widest_
     offloading = max(o.value for k, o in MEASURED_RESERVE.items() if k[2])
     assert reserve_share("every_n", "none", False) == reserve_share() == staying
     assert reserve_share("full", "lora", True) == offloading > staying
+
+
+@settings(max_examples=60, deadline=None)
+@given(states=st.integers(0, 2 ** 36), transient=st.integers(0, 2 ** 36),
+       technique=st.tuples(st.sampled_from(["none", "full", "selective", "every_n", ""]),
+                           st.sampled_from(["none", "lora", "dora", ""]), st.booleans()),
+       offloaded=st.booleans())
+def test_the_reserve_grows_with_the_step_buffers_alone(states, transient, technique, offloaded):
+    """For any step: reserved >= allocated, the total is reserved plus the fixed overhead, and
+    what the allocator reserves beyond allocated does not move with the sharded states (nor with
+    states offloaded to the host, which leave the GPU's count altogether)."""
+    live = {"sharded_params": states, "gradients": states, "optimizer_state": 2 * states, "activations": transient}
+    memory = gpu_memory(StepTrace({(1, "forward", "after blocks"): live}, 12, {"activations": 0}, {}),
+                        offloaded, 1, technique)
+    lean = gpu_memory(StepTrace({(1, "forward", "after blocks"): {**live, "sharded_params": 0, "gradients": 0,
+                                                                  "optimizer_state": 0}}, 12, {"activations": 0}, {}),
+                      offloaded, 1, technique)
+    assert memory["reserved"] >= memory["allocated"] > 0
+    assert memory["total"] == memory["reserved"] + memory["fixed_overhead"]
+    assert memory["reserved"] - memory["allocated"] == lean["reserved"] - lean["allocated"]
