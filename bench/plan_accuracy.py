@@ -149,7 +149,6 @@ def measure(spec: dict, workdir: Path) -> dict:
 
 
 def predict(spec: dict) -> dict:
-    from shardtune.hardware import STATES
     from shardtune.model.hf import load_hf_config
     from shardtune.plan.cost import gpu_memory
     from shardtune.plan.trace import trace_step
@@ -165,8 +164,8 @@ def predict(spec: dict) -> dict:
     if target == "cuda":
         technique = (cfg.activation_checkpointing, cfg.peft.method, cfg.activation_offload or cfg.fsdp.cpu_offload)
         mem = gpu_memory(trace, cfg.fsdp.cpu_offload, spec["ranks"], technique)
-        transient = mem["allocated"] - sum(mem["by_category"].get(k, 0) for k in STATES)
-        out.update(allocated=mem["allocated"], reserved=mem["reserved"], technique=technique, transient=transient)
+        out.update(allocated=mem["allocated"], reserved=mem["reserved"], technique=technique,
+                   transient=mem["transient"])
     return out
 
 
@@ -191,6 +190,16 @@ def calibration(rows: list[tuple[dict, dict]]) -> str:
             f"{statistics.median(extra):,.0f} MiB (now {overhead('cublas_workspace') / 2 ** 20:,.0f})")
 
 
+def table_row(spec: dict, pred: dict, real: dict, kinds: list[str]) -> tuple[str, list[float]]:
+    """One table row of `spec`: predicted | measured | error for each of `kinds`; and the errors."""
+    errors = [(pred[k] - real[k]) / real[k] for k in kinds]
+    cells = [f"{pred[k] / 2 ** 20:,.0f} | {real[k] / 2 ** 20:,.0f} | {100 * e:+.1f} %"
+             for k, e in zip(kinds, errors, strict=True)]
+    lora = "yes" if spec["lora"] else "no"
+    return (f"| {spec['shape']} | {spec['ranks']} | {spec['sharding']} | {spec['ac']} | {lora} | {spec['mb']} | "
+            f"{' '.join(spec['extra']) or '-'} | " + " | ".join(cells) + " |"), errors
+
+
 def recorded_rows(text: str) -> tuple[int, list[tuple[dict, dict]]]:
     """The sequence length and the (spec, measured) rows of a `--gpu` run's table (each distinct row once)."""
     seq = int(re.search(r"\| seq (\d+) \|", text).group(1))
@@ -209,37 +218,29 @@ def recorded_rows(text: str) -> tuple[int, list[tuple[dict, dict]]]:
     return seq, rows
 
 
-def text_date(path: Path) -> str:
-    """The 'YYYY-MM-DD HH:MM' a --gpu run's table starts with."""
-    return path.read_text()[:16]
-
-
 def recorded(path: Path) -> int:
     """Today's predictions against the measurements of an earlier --gpu run (its table)."""
-    seq, rows = recorded_rows(path.read_text())
-    print(f"{path}: {len(rows)} rows measured there (seq {seq}), predicted now (torch "
-          f"{__import__('torch').__version__}, this CPU, CUDA target)")
+    import torch
+
+    text = path.read_text()
+    seq, rows = recorded_rows(text)
+    print(f"{path}: {len(rows)} rows measured there (seq {seq}), predicted now (torch {torch.__version__}, this "
+          "CPU, CUDA target)")
     print("| model | ranks | sharding | checkpointing | LoRA | micro-batch | other | predicted allocated MiB | "
           "measured allocated MiB | error | predicted reserved MiB | measured reserved MiB | error |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     under = over = 0.0
     pairs = []
-    first_step_only = text_date(path) <= "2026-11-26 12:00"  # before the worker ran a low-bit state's step whole
+    first_step_only = text[:16] <= "2026-11-26 12:00"  # the table's date: before a low-bit state's step ran whole
     for spec, real in rows:
         if first_step_only and any(e.startswith("train.optimizer_state=") for e in spec["extra"]):
             print(f"| {spec['shape']} | … | {' '.join(spec['extra'])} | left out: measured over the first step only |")
             continue
         pred = predict(spec)
         pairs.append((pred, real))
-        cells = []
-        for k in ("allocated", "reserved"):
-            err = (pred[k] - real[k]) / real[k]
-            if k == "reserved":
-                under, over = max(under, -err), max(over, err)
-            cells.append(f"{pred[k] / 2 ** 20:,.0f} | {real[k] / 2 ** 20:,.0f} | {100 * err:+.1f} %")
-        print(f"| {spec['shape']} | {spec['ranks']} | {spec['sharding']} | {spec['ac']} | "
-              f"{'yes' if spec['lora'] else 'no'} | {spec['mb']} | {' '.join(spec['extra']) or '-'} | "
-              + " | ".join(cells) + " |", flush=True)
+        line, (_, reserved_error) = table_row(spec, pred, real, ["allocated", "reserved"])
+        under, over = max(under, -reserved_error), max(over, reserved_error)
+        print(line, flush=True)
     met = under <= 0.02 and over <= 0.10
     print(f"reserved: most under {100 * under:.1f} %, most over {100 * over:.1f} % (goal: under by at most 2 %, "
           f"over by at most 10 %: {'met' if met else 'NOT met'})")
@@ -306,15 +307,10 @@ def main() -> int:
             if args.rehearse:
                 real.update(allocated=real["live_peak"], reserved=real["live_peak"])
             measured.append((pred, real))
-            cells = []
-            for k in kinds:
-                err = (pred[k] - real[k]) / real[k]
-                worst = max(worst, abs(err))
-                under, over = max(under, -err), max(over, err)
-                cells.append(f"{pred[k] / 2 ** 20:,.0f} | {real[k] / 2 ** 20:,.0f} | {100 * err:+.1f} %")
-            print(f"| {shape} | {spec['ranks']} | {sharding} | {ac} | {'yes' if lora else 'no'} "
-                  f"| {mb} | {' '.join(extra) or '-'} | " + " | ".join(cells) + f" | {pred['trace_s']:.1f} |",
-                  flush=True)
+            line, errors = table_row(spec, pred, real, kinds)
+            worst = max([worst, *map(abs, errors)])
+            under, over = max([under, *(-e for e in errors)]), max([over, *errors])
+            print(f"{line} {pred['trace_s']:.1f} |", flush=True)
     if args.gpu:
         print(f"worst error {100 * worst:.1f} % (goal: within 10 %: {'met' if worst <= 0.10 else 'NOT met'})")
     else:

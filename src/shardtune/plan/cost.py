@@ -142,7 +142,7 @@ def gpu_memory(trace: StepTrace, offload: bool, world_size: int, technique: tupl
     reserved = allocated + int(transient * reserve_share(*technique))
     nccl = int(overhead("nccl_buffers") * overhead("nccl_channels") * 2) if world_size > 1 else 0
     fixed = int(overhead("cuda_context")) + nccl
-    return {"phase": phase, "by_category": on_gpu, "allocated": allocated, "reserved": reserved,
+    return {"phase": phase, "by_category": on_gpu, "allocated": allocated, "transient": transient, "reserved": reserved,
             "fixed_overhead": fixed, "total": reserved + fixed}
 
 
