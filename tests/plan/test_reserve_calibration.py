@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardtune.hardware import MEASURED_RESERVE, PLAN_ACCURACY_GPU, STATES, reserve_share
+from shardtune.hardware import MEASURED_RESERVE, PLAN_ACCURACY_GPU, STATES, overhead, reserve_share
 from shardtune.plan.cost import Candidate, gpu_memory
 from shardtune.plan.trace import StepTrace
 
@@ -35,8 +35,6 @@ def trace_of(allocated_mib: int, transient_mib: int) -> StepTrace:
     `transient_mib` are sharded states (kept: no reserve beside them)."""
     states = (allocated_mib - transient_mib) * MIB
     live = {"sharded_params": states // 4, "gradients": states // 4, "optimizer_state": states - 2 * (states // 4)}
-    from shardtune.hardware import overhead
-
     live["activations"] = transient_mib * MIB - int(overhead("cublas_workspace"))
     return StepTrace({(1, "forward", "after blocks"): live}, 12, {"activations": 0}, {})
 
