@@ -184,3 +184,33 @@ def test_data_file_suffixes_in_any_case_are_read(tmp_path):
     _docs(tmp_path, "Validation.Jsonl", 5)
     assert local_files(tmp_path) == {"train": [str(tmp_path / "TRAIN.JSONL")],
                                      "validation": [str(tmp_path / "Validation.Jsonl")]}
+
+
+@pytest.mark.parametrize("inputs, words", [
+    ([5] * 20, ["column 'input'", "holds int64", "data.input_field"]),
+    ([{"a": 1}] * 20, ["column 'input'", "holds struct"]),
+    (["context"] * 19 + [7], ["column 'input'", "mixes text with other values", "one row holds 7"]),
+])
+def test_an_instruct_input_that_is_not_text_is_refused(capfd, recipe, out, tmp_path, inputs, words):
+    """The input column may be absent or empty in every row, but a number or record there was
+    trained on as its repr ("{'a': 1}") without a word."""
+    rows = [{"instruction": "say hi", "input": x, "output": "hi"} for x in inputs]
+    path = write_jsonl(tmp_path / "alpaca.jsonl", rows)
+    fails(capfd, ["train", recipe, f"data.path={path}", "data.format=instruct", "data.val_size=0",
+                  f"output_dir={out}"], "alpaca.jsonl", *words)
+
+
+@pytest.mark.parametrize("splits, words", [
+    (None, ["the dataset that save_to_disk wrote", "has no rows"]),
+    ({"train": 20, "validation": 0}, ["split 'validation' of the dataset that save_to_disk wrote", "has no rows"]),
+])
+def test_a_saved_dataset_of_no_rows_is_refused(capfd, recipe, out, tmp_path, splits, words):
+    """load_from_disk fails on a saved split of no rows with an IndexError (a traceback)."""
+    import datasets
+
+    def docs(n: int):
+        return datasets.Dataset.from_dict({"text": [f"document number {i} " * 20 for i in range(n)]})
+
+    saved = docs(0) if splits is None else datasets.DatasetDict({k: docs(n) for k, n in splits.items()})
+    saved.save_to_disk(str(tmp_path / "saved"))
+    fails(capfd, ["train", recipe, f"data.path={tmp_path / 'saved'}", f"output_dir={out}"], *words)

@@ -68,3 +68,12 @@ def test_another_format_of_the_runs_data_keeps_its_held_out_split():
     cfg = data_config(req, run)
     assert cfg.format == "text" and cfg.template is None and cfg.text_field == "output"
     assert all(getattr(cfg, key) == getattr(data, key) for key in RUN_DATA)
+
+
+def test_a_prompts_file_saved_with_a_bom_gives_its_prompts_without_it(tmp_path):
+    """Windows editors save UTF-8 with a byte-order mark: it is no part of the first prompt."""
+    from shardtune.evaluation.evaluate import GenerateRequest, read_prompts
+
+    path = tmp_path / "prompts.txt"
+    path.write_bytes("\ufeffOnce upon\r\na time\r\n".encode())
+    assert read_prompts(GenerateRequest(model="m", prompts_file=str(path))) == ["Once upon", "a time"]

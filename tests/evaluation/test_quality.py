@@ -252,3 +252,20 @@ def test_a_missing_metric_package_names_its_extra(monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "rouge_score", None)  # as if not installed
     with pytest.raises(UserError, match=r"pip install 'shardtune\[quality\]'"):
         textscores.parse_metrics("bleu,rouge")
+
+
+@pytest.mark.parametrize("rows, extra, needle", [
+    ([{"text": 123456789}] * 8, [], "holds int64"),
+    ([{"text": "words " * 40}] * 8 + [{"text": {"a": "b"}}], [], "mixes text with other values"),
+    ([{"instruction": "say", "output": None}] * 8, ["--format", "instruct"], "null or empty in all 8 rows"),
+])
+def test_columns_that_hold_no_text_are_refused_as_in_training(models, tmp_path, capsys, rows, extra, needle):
+    """eval --generate reads its prompts and references through training's check of the columns:
+    an int column was a traceback, a record or a null prompted and scored as its repr."""
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code, _, err = quality([str(models[0]), "--generate", "2", "--data", str(data), *extra,
+                            "--out", str(tmp_path / "g.json")], capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and needle in lines[0], err
+    assert not (tmp_path / "g.json").exists()

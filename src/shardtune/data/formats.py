@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from shardtune.config.schema import DataConfig
 from shardtune.config.validation import template_columns
+from shardtune.data.messages import check_message_contents, read_messages
 from shardtune.errors import UserError, first_line
 
 IGNORE_INDEX = -100
@@ -50,15 +51,17 @@ def check_columns(wanted: list[str], columns: list[str], what: str, key: str) ->
                         f"its columns: {', '.join(columns)}")
 
 
-def read_columns(cfg: DataConfig) -> list[tuple[str, str]]:
-    """(column, config key) of the columns whose values the format turns into tokens by itself
-    (a template's columns may hold anything: numbers, null cells)."""
+def read_columns(cfg: DataConfig) -> list[tuple[str, str, bool]]:
+    """(column, config key, may be empty) of the columns whose values the format turns into tokens
+    by itself (a template's columns may hold anything: numbers, null cells). An instruct row's
+    input is optional, so it may be empty in every row, but never anything but text."""
     if cfg.format == "chat":
-        return [(cfg.messages_field, "data.messages_field")]
+        return [(cfg.messages_field, "data.messages_field", False)]
     if cfg.format == "instruct":
-        own = [] if cfg.template is not None else [(cfg.instruction_field, "data.instruction_field")]
-        return [*own, (cfg.output_field, "data.output_field")]
-    return [] if cfg.template is not None else [(cfg.text_field, "data.text_field")]
+        own = [] if cfg.template is not None else [(cfg.instruction_field, "data.instruction_field", False),
+                                                   (cfg.input_field, "data.input_field", True)]
+        return [*own, (cfg.output_field, "data.output_field", False)]
+    return [] if cfg.template is not None else [(cfg.text_field, "data.text_field", False)]
 
 
 def check_cells(docs, cfg: DataConfig, what: str, warn) -> None:
@@ -70,7 +73,7 @@ def check_cells(docs, cfg: DataConfig, what: str, warn) -> None:
 
     from shardtune.data.scan import ArrowChunks
 
-    for column, key in read_columns(cfg):
+    for column, key, may_be_empty in read_columns(cfg):
         if column not in docs.column_names or len(docs) == 0:
             continue  # check_columns names a missing column
         kind = docs.data.schema.field(column).type
@@ -100,21 +103,13 @@ def check_cells(docs, cfg: DataConfig, what: str, warn) -> None:
         else:
             raise UserError(f"column {column!r} of {what} ({key}) holds {kind}, not {wants}; point {key} at the "
                             "right column, or use data.template to format other columns")
+        if may_be_empty:
+            continue
         if empty == len(docs):
             raise UserError(f"column {column!r} of {what} ({key}) is null or empty in all {empty} rows; point "
                             f"{key} at the column that holds the {'messages' if cfg.format == 'chat' else 'text'}")
         if empty:
             warn(f"warning: column {column!r} of {what} ({key}) is null or empty in {empty} of {len(docs)} rows")
-
-
-# ShareGPT's messages, {from, value} with its own role names, as most chat datasets not in OpenAI's
-# {role, content} are (and the layout axolotl and LLaMA-Factory read): taken as the same messages
-SHAREGPT_ROLES = {"human": "user", "gpt": "assistant"}  # system, user, assistant, tool: the same names
-
-
-def content_key(keys) -> str | None:
-    """The key holding a message's text in messages with these keys: content, ShareGPT's value, or None."""
-    return "content" if "content" in keys else "value" if {"from", "value"} <= set(keys) else None
 
 
 def _first_not_text(docs, column: str) -> str | None:
@@ -130,26 +125,6 @@ def _first_not_text(docs, column: str) -> str | None:
         if len(odd):
             return str(odd[0].as_py())[:60]
     return None
-
-
-def check_message_contents(cells, what: str, first_row: int = 0) -> None:
-    """Chat messages without text: a template renders a null content as the text "None" (or
-    nothing) and trains on it without a word, so every message must hold its content. `cells`
-    are rows `first_row`, ... of the data (a chunk of them)."""
-    import pyarrow.compute as pc
-
-    struct = cells.type.value_type
-    names = [struct.field(i).name for i in range(struct.num_fields)]
-    key = content_key(names)
-    if key is None:
-        raise UserError(f"the messages of {what} have no 'content' field (fields: {', '.join(names)}); give "
-                        "{role, content} messages, or ShareGPT's {from, value}")
-    content = pc.struct_field(pc.list_flatten(cells), key)
-    if content.null_count:
-        row = first_row + pc.list_parent_indices(cells).filter(pc.is_null(content))[0].as_py()
-        raise UserError(f"message(s) in {what} have no content (null), the first in row {row} ({content.null_count} "
-                        f"in rows {first_row}-{first_row + len(cells) - 1}); fix or drop those rows (a chat "
-                        "template would train on its rendering of null)")
 
 
 def _empty_cells(cells, texts: bool) -> int:
@@ -276,21 +251,6 @@ def check_chat_template(cfg: DataConfig, tokenizer) -> None:
                         "tokenizer, set data.chat_template=<jinja template>, or use data.format=instruct")
 
 
-def _messages(value, index: int, field: str) -> list[dict]:
-    """Messages of one row, checked, as {role, content} (ShareGPT's {from, value} renamed); keys
-    that arrow filled with None for other rows dropped."""
-    if isinstance(value, list) and value and all(isinstance(m, dict) and m.get("role") is None
-                                                 and content_key(m) == "value" for m in value):
-        value = [{"role": SHAREGPT_ROLES.get(m["from"], m["from"]), "content": m["value"]} for m in value]
-    ok = isinstance(value, list) and value and all(isinstance(m, dict) and "role" in m and m.get("content")
-                                                   is not None for m in value)
-    if not ok:
-        raise UserError(f"row {index} of data.messages_field={field!r} is not a list of {{role, content}} "
-                        f"(or ShareGPT {{from, value}}) messages (got {str(value)[:80]!r}); fix the data or set "
-                        "data.messages_field")
-    return [{k: v for k, v in m.items() if v is not None} for m in value]
-
-
 def assistant_spans(messages: list[dict], render) -> tuple[str, list[tuple[int, int]]]:
     """(full text, character spans that get loss). A span runs from the end of the generation
     prompt before an assistant turn to the end of that turn as the template renders it, found
@@ -342,7 +302,7 @@ def _label_spans(text: str, spans, tokenizer) -> tuple[list[int], list[int]]:
 def chat_prompt_and_reply(tokenizer, value, index: int, field: str) -> tuple[str, str] | None:
     """(the conversation up to its last assistant turn, rendered with the generation prompt; that
     turn's content), or None when the row has no assistant turn."""
-    messages = _messages(value, index, field)
+    messages = read_messages(value, index, field)
     last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
     if last is None:
         return None
@@ -352,6 +312,20 @@ def chat_prompt_and_reply(tokenizer, value, index: int, field: str) -> tuple[str
         raise UserError(f"the chat template failed on row {index} ({first_line(exc, 160)}); fix the row "
                         "or set data.chat_template") from None
     return prompt, str(as_text(messages[last].get("content")))
+
+
+def any_assistant_turn(docs, cfg: DataConfig) -> bool:
+    """Whether some conversation of `docs` has an assistant turn: when none keeps a loss token, a
+    longer cutoff helps only if one does. Read a chunk of rows at a time, up to the first one."""
+    from shardtune.data.scan import ArrowChunks
+
+    field, first = cfg.messages_field, 0
+    for chunk in ArrowChunks(docs, [field]):
+        values = chunk.column(field).to_pylist()
+        if any(m["role"] == "assistant" for i, v in enumerate(values, first) for m in read_messages(v, i, field)):
+            return True
+        first += len(values)
+    return False
 
 
 def chat_fn(cfg: DataConfig, tokenizer, columns: list[str], what: str):
@@ -369,7 +343,7 @@ def chat_fn(cfg: DataConfig, tokenizer, columns: list[str], what: str):
     def build(batch, indices):
         out = {"input_ids": [], "labels": [], "length": []}
         for value, index in zip(batch[field], indices):
-            messages = _messages(value, index, field)
+            messages = read_messages(value, index, field)
             try:
                 text, spans = assistant_spans(messages, render)
             except UserError:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shardtune.errors import UserError, first_line
+from shardtune.fsio import json_loads
 
 
 @dataclass(frozen=True)
@@ -114,9 +115,28 @@ def read_saved(path: Path, shown: str):
     `datasets.load_from_disk`: memory-mapped where it lies, as the readers' cache is."""
     import datasets
 
+    _refuse_empty_saved(path, shown)
     try:
         loaded = datasets.load_from_disk(os.fspath(path))
     except (OSError, ValueError, KeyError) as exc:  # a file it lists is gone, a JSON file is not JSON
         raise UserError(f"could not read the dataset that save_to_disk wrote in {shown!r} ({first_line(exc)}); "
                         "save it again, or point data.path elsewhere") from None
     return loaded if isinstance(loaded, datasets.DatasetDict) else datasets.DatasetDict({"train": loaded})
+
+
+def _refuse_empty_saved(path: Path, shown: str) -> None:
+    """A saved split of no rows: save_to_disk writes it without an arrow file, and load_from_disk
+    then fails on it with an IndexError. Its state.json lists its files (an unreadable one is left
+    to load_from_disk, whose refusal names it)."""
+    from datasets import config
+
+    name = config.DATASET_STATE_JSON_FILENAME
+    for state in sorted([path / name, *path.glob(f"*/{name}")]):
+        try:
+            files = json_loads(state.read_text(encoding="utf-8")).get("_data_files")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if files == []:
+            what = "the dataset" if state.parent == path else f"split {state.parent.name!r} of the dataset"
+            raise UserError(f"{what} that save_to_disk wrote in {shown!r} has no rows (load_from_disk cannot read "
+                            "it); add rows or leave that split out when saving, or point data.path elsewhere")

@@ -157,6 +157,10 @@ def tokenize_split(docs, cfg: DataConfig, tokenizer, what: str, warn=None, requi
     rows = rows.filter(lambda batch: [any(t != IGNORE_INDEX for t in lab[1:]) for lab in batch["labels"]],
                        batched=True, num_proc=cfg.num_proc, desc="drop rows without loss")
     if required and len(rows) == 0:
+        if cfg.format == "chat" and not cfg.train_on_inputs and not formats.any_assistant_turn(docs, cfg):
+            raise UserError(f"no conversation of {what} has an assistant turn (role assistant, or ShareGPT's gpt), "
+                            "the only turns with a loss; give the conversations their replies, or check "
+                            "data.messages_field")
         key = "data.cutoff_len" if cfg.cutoff_len else "data.seq_len"  # the one that set the cutoff
         raise UserError(f"no example of {what} keeps a response (or assistant) token within {key}="
                         f"{cfg.example_cutoff}; raise {key} or check the data")

@@ -240,7 +240,7 @@ def read_prompts(req: GenerateRequest) -> list[str]:
     prompts = list(req.prompts)
     if req.prompts_file:
         try:
-            text = Path(req.prompts_file).read_text(encoding="utf-8")
+            text = Path(req.prompts_file).read_text(encoding="utf-8-sig")  # a BOM is no part of a prompt
         except OSError as exc:
             raise UserError(f"cannot read --prompts-file {req.prompts_file!r} ({exc.strerror})") from None
         except UnicodeDecodeError as exc:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -91,6 +92,8 @@ def examples(req: QualityRequest, cfg, docs, tokenizer) -> list[Example]:
     from shardtune.data import formats
 
     what = f"dataset {cfg.path!r}"
+    notes: list[str] = []
+    formats.check_cells(docs, cfg, what, notes.append)  # training's check of the columns read: no prompt of `5`
     out: list[Example] = []
     if cfg.format == "text":
         docs, field = formats.render_text(docs, cfg, what)
@@ -122,6 +125,8 @@ def examples(req: QualityRequest, cfg, docs, tokenizer) -> list[Example]:
         why = f" longer than --prompt-tokens {req.prompt_tokens}" if cfg.format == "text" else ""
         raise UserError(f"{what} has no {cfg.format} example{why} to prompt with; check --data/--split"
                         + (" or lower --prompt-tokens" if why else ""))
+    for line in notes:  # only once there are prompts: a refusal stays one line
+        print(line, file=sys.stderr, flush=True)
     if len(out) < req.generate:
         print(f"note: {what} has only {len(out)} usable example(s); scoring those", flush=True)
     return out
