@@ -62,6 +62,32 @@ def test_repeated_csv_columns_name_the_file(tmp_path, content):
         local_files(tmp_path / "notes.csv")
 
 
+@settings(max_examples=60, deadline=None)
+@given(header=st.lists(st.sampled_from(["text", "a", "b", "c"]), min_size=1, max_size=3, unique=True),
+       widths=st.lists(st.integers(1, 5), min_size=1, max_size=3))
+def test_a_csv_row_wider_than_its_header_is_refused_where_the_reader_would_shift_columns(header, widths):
+    """pandas takes a first row's extra leading fields as an index and reads the rest under the
+    header's names, one column off (a later wider row it refuses itself): a first row wider than the
+    header is refused, naming the file, and nothing else shifts a column."""
+    import pandas
+
+    text = io.StringIO()
+    csv.writer(text).writerows([header, *[[f"v{row}{i}" for i in range(width)] for row, width in enumerate(widths)]])
+    try:
+        shifted = not isinstance(pandas.read_csv(io.StringIO(text.getvalue())).index, pandas.RangeIndex)
+    except pandas.errors.ParserError:  # a row wider than the first: the reader refuses the file
+        shifted = None
+    with tempfile.TemporaryDirectory() as folder:
+        (Path(folder) / "train.csv").write_text(text.getvalue())
+        try:
+            local_files(Path(folder))
+        except UserError as exc:
+            assert widths[0] > len(header) and shifted is not False, str(exc)
+            assert "train.csv" in str(exc) and "header names" in str(exc) and "\n" not in str(exc), str(exc)
+            return
+    assert widths[0] <= len(header) and not shifted
+
+
 COMPRESS = {"gz": gzip.compress, "bz2": bz2.compress, "xz": lzma.compress}
 
 

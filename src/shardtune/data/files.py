@@ -58,11 +58,18 @@ def _check_text_file(path: Path, json_lines: bool) -> None:
 
 def _check_csv_header(path: Path) -> None:
     """A csv header that names a column twice: the reader renames the second (`text.1`), so the
-    run would read the first without a word. Its header record is read as the reader reads it."""
+    run would read the first without a word. A first row with more fields than the header: the
+    reader takes the extra leading fields as an index and shifts every column onto its neighbour's
+    name. Both records are read as the reader reads them."""
     import csv
 
     with opened(path, text=True) as f:
-        header = next(csv.reader(f, delimiter=kind_of(path).format.kwargs.get("sep", ",")), [])
+        records = csv.reader(f, delimiter=kind_of(path).format.kwargs.get("sep", ","))
+        header, first = next(records, []), next(records, [])
+    if len(first) > len(header):
+        raise UserError(f"data file {str(path)!r}: its first row has {len(first)} fields but its header names "
+                        f"{len(header)} columns (the reader would shift the columns onto the wrong names); quote "
+                        "fields that hold the separator, or name every column in the header")
     seen: set[str] = set()
     for name in header:
         if name in seen and name.strip():  # empty names become `Unnamed: N`, which no key names
