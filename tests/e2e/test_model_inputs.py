@@ -78,6 +78,16 @@ def test_a_dropout_probability_outside_0_1_is_refused(capfd, recipe, out, overri
     assert not (out / "metrics.jsonl").exists()
 
 
+@pytest.mark.parametrize("override", ["rope_theta: 0", "rms_norm_eps: -1.0"])
+def test_a_model_that_is_not_finite_from_the_start_is_not_blamed_on_the_learning_rate(capfd, recipe, out, override):
+    """Step 1 computes on the starting weights: the line said 'lower train.lr', which cannot help."""
+    config = ("model.config={model_type: llama, num_hidden_layers: 1, hidden_size: 32, intermediate_size: 64, "
+              f"num_attention_heads: 2, max_position_embeddings: 64, {override}}}")
+    line = fails(capfd, ["train", recipe, config, f"output_dir={out}"], "at step 1", "not train.lr",
+                 "check the model's config and weights")
+    assert "lower train.lr" not in line
+
+
 @pytest.fixture(scope="module")
 def model_folder(tmp_path_factory, qs_assets) -> Path:
     """A saved tiny GPT-2 (weights, config, tokenizer), as a user's model folder."""
