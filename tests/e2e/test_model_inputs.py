@@ -45,6 +45,49 @@ def test_model_config_that_cannot_be_built(capfd, recipe, out, config, words):
                   f"output_dir={out}"], *words)
 
 
+# OPT with post-norm blocks has no final norm: outside its blocks only the embeddings (and the tied head)
+OPT_POST_NORM = {"model_type": "opt", "num_hidden_layers": 1, "hidden_size": 32, "ffn_dim": 64,
+                 "num_attention_heads": 2, "word_embed_proj_dim": 32, "max_position_embeddings": 64,
+                 "do_layer_norm_before": False}
+
+
+@pytest.mark.parametrize("command", ["train", "plan"])
+def test_freezing_that_leaves_nothing_to_train_is_refused(capfd, recipe, out, command):
+    """trainable_blocks=0 keeps the final norm training, but this model has none: the optimizer got
+    an empty parameter list (a traceback), after the data was read."""
+    config = f"model.config={yaml.safe_dump(OPT_POST_NORM, default_flow_style=True).strip()}"
+    tail = [f"output_dir={out}"] if command == "train" else ["--gpus", "1", "--gpu-mem", "16GiB"]
+    fails(capfd, [command, recipe, config, "freeze.trainable_blocks=0", *tail],
+          "freeze.trainable_blocks=0 leaves this opt model no parameter to train", "freeze.trainable_blocks=1 or more")
+    assert not (out / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("override, named", [
+    ("model.config.attn_pdrop=1.5", "model.config.attn_pdrop=1.5"),
+    ("model.config.resid_pdrop=-0.1", "model.config.resid_pdrop=-0.1"),
+    ("model.config={model_type: llama, num_hidden_layers: 1, hidden_size: 32, intermediate_size: 64, "
+     "num_attention_heads: 2, attention_dropout: 2.0}", "model.config.attention_dropout=2.0"),
+    ("model.config={model_type: opt, num_hidden_layers: 1, hidden_size: 32, ffn_dim: 64, num_attention_heads: 2, "
+     "word_embed_proj_dim: 32, max_position_embeddings: 64, dropout: 7}", "model.config.dropout=7"),
+])
+def test_a_dropout_probability_outside_0_1_is_refused(capfd, recipe, out, override, named):
+    """The config built; torch refused the probability in the middle of the first step (a traceback),
+    or (GPT-2's nn.Dropout) when the model was built, blamed on the hidden size."""
+    fails(capfd, ["train", recipe, override, f"output_dir={out}"], named, "dropout probability outside 0..1",
+          "a value from 0 to 1")
+    assert not (out / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("override", ["rope_theta: 0", "rms_norm_eps: -1.0"])
+def test_a_model_that_is_not_finite_from_the_start_is_not_blamed_on_the_learning_rate(capfd, recipe, out, override):
+    """Step 1 computes on the starting weights: the line said 'lower train.lr', which cannot help."""
+    config = ("model.config={model_type: llama, num_hidden_layers: 1, hidden_size: 32, intermediate_size: 64, "
+              f"num_attention_heads: 2, max_position_embeddings: 64, {override}}}")
+    line = fails(capfd, ["train", recipe, config, f"output_dir={out}"], "at step 1", "not train.lr",
+                 "check the model's config and weights")
+    assert "lower train.lr" not in line
+
+
 @pytest.fixture(scope="module")
 def model_folder(tmp_path_factory, qs_assets) -> Path:
     """A saved tiny GPT-2 (weights, config, tokenizer), as a user's model folder."""
@@ -140,6 +183,18 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(capfd, tmp_pat
     data = write_jsonl(tmp_path / "data.jsonl", [{"text": "zzqx qqxz hello zzqx world " * 8}] * 40)
     fails(capfd, [a.format(big=big, model=model_folder, data=data, recipe=recipe, out=out) for a in argv],
           f"has {tokens} tokens but the model only 300")
+
+
+@pytest.mark.parametrize("command", ["generate", "eval"])
+def test_a_dropout_probability_outside_0_1_in_config_json_is_refused(capfd, tmp_path, qs_assets, model_folder, command):
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(model_folder, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "attn_pdrop": 1.5}))
+    argv = [a.format(model=folder, data=qs_assets["validation"], recipe="", out="") for a in SIZE_COMMANDS[command]]
+    fails(capfd, argv, f"attn_pdrop=1.5 in {str(folder / 'config.json')!r}", "dropout probability outside 0..1")
 
 
 def test_model_folder_with_a_generation_config_transformers_refuses(capfd, tmp_path, model_folder):
@@ -356,6 +411,19 @@ def test_a_checkpoints_tokenizer_larger_than_its_model_is_refused(capfd, earlier
     fails(capfd, [a.format(step=step, out=tmp_path / "out") for a in argv],
           f"the tokenizer/ of checkpoint {str(step)!r} has {tokens} tokens but its model only 300")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv", [["export", "{adapter}", "{out}"], ["train", "{recipe}", "peft.method=lora",
+                                                                     "resume={adapter}", "output_dir={out}"]],
+                         ids=["export", "resume"])
+def test_an_adapter_folder_given_as_a_checkpoint_is_named(capfd, lora_run, tmp_path, recipe, argv):
+    """A peft run's final/ to export without --merge (or to resume from) was 'not a complete
+    checkpoint: an interrupted save?'."""
+    adapter, out = lora_run / "final", tmp_path / "out"
+    before = tree(lora_run)
+    fails(capfd, [a.format(adapter=adapter, out=out, recipe=recipe) for a in argv],
+          f"{str(adapter)!r} is a peft adapter folder", f"shardtune export {adapter} OUT --merge")
+    assert tree(lora_run) == before and not (out / "metrics.jsonl").exists()
 
 
 @pytest.mark.parametrize("source, target, words", [

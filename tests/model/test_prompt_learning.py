@@ -168,6 +168,26 @@ def test_prompt_init_text_starts_from_the_text_embeddings_of_the_run_tokenizer(a
     assert not torch.equal(random.prompt_encoder.default.embedding.weight, expected)
 
 
+def test_prompt_tuning_takes_the_token_embeddings_width():
+    """OPT looks tokens up at word_embed_proj_dim and projects them up to the hidden size: peft's
+    random init made the virtual tokens hidden-size wide, and the first forward failed (a shape error)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from shardtune.config.schema import PeftConfig
+    from shardtune.model.adapters import add_adapter
+    from shardtune.train.step import token_loss
+
+    spec = dict(TINY["opt"], word_embed_proj_dim=32, vocab_size=300)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(spec.pop("model_type"), **spec))
+    wrapped = add_adapter(model, PeftConfig(method="prompt_tuning", num_virtual_tokens=5), seed=0)
+    assert wrapped.prompt_encoder.default.embedding.weight.shape == (5, 32)
+    batch = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(1))
+    loss, n, _ = token_loss(wrapped, {"input_ids": batch, "labels": batch})
+    loss.backward()
+    assert int(n) == 2 * 11 and wrapped.prompt_encoder.default.embedding.weight.grad.abs().sum() > 0
+
+
 @pytest.mark.parametrize("extra,needle", [
     ({"peft.method": "prefix_tuning", "activation_checkpointing": "full"}, "activation_checkpointing=none"),
     ({"peft.method": "prompt_tuning", "peft.prompt_init_text": "' '"}, "prompt_init_text is empty"),

@@ -129,6 +129,10 @@ def read_meta(path: Path) -> dict:
     if is_model_folder(path):
         raise UserError(f"{str(path)!r} is a Hugging Face model folder, not a shardtune checkpoint (no meta.json); "
                         "use it as it is (model.name_or_path, eval, generate), or give a checkpoint folder")
+    if (path / "adapter_config.json").is_file() and not (path / "meta.json").exists():  # a peft run's final/
+        raise UserError(f"{str(path)!r} is a peft adapter folder, not a shardtune checkpoint (no meta.json); use it "
+                        f"as it is (eval, generate), fold it into its base with `shardtune export {path} OUT --merge`, "
+                        "or give a checkpoint folder")
     if not (path / "meta.json").is_file() or not (path / ".metadata").is_file():
         raise UserError(f"{str(path)!r} is not a complete shardtune checkpoint (meta.json or .metadata missing: "
                         "an interrupted save?); use another checkpoint of the run")

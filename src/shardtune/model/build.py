@@ -10,6 +10,7 @@ on meta, for the caller to give storage (the planner does so under fake tensors)
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -99,14 +100,26 @@ def check_structure(spec: ModelSpec) -> None:
     keeps, fsdp.block_class and size-based units under selective checkpointing: refused on the meta
     skeleton (milliseconds, under a second for 7B), before any data is read or weight built.
     Liger's kernels keep the module names: left out."""
-    import dataclasses
-
     inner_units = spec.fsdp.wrap == "size" and spec.activation_checkpointing == "selective"
-    if not (spec.peft.adapter or spec.freeze.trainable_blocks is not None or spec.fsdp.block_class or inner_units):
+    freezes = spec.freeze != FreezeConfig()
+    if not (spec.peft.adapter or freezes or spec.fsdp.block_class or inner_units):
         return
     model, block_cls = skeleton(dataclasses.replace(spec, kernels="none"))
+    if freezes:
+        _check_something_trains(model, spec.freeze)
     if inner_units:
         _check_units_outside_blocks(model, block_cls, spec.fsdp.min_num_params)
+
+
+def _check_something_trains(model, freeze: FreezeConfig) -> None:
+    """Freezing that leaves no parameter to train (trainable_blocks=0 on a model with no final norm
+    outside its blocks, OPT's with do_layer_norm_before=false): the optimizer had nothing to take."""
+    if any(p.requires_grad for p in model.parameters()):
+        return
+    given = " ".join(f"freeze.{k}={str(v).lower()}" for k, v in dataclasses.asdict(freeze).items()
+                     if v != getattr(FreezeConfig(), k))
+    raise UserError(f"{given} leaves this {model.config.model_type} model no parameter to train (nothing outside "
+                    "its frozen blocks and embeddings); set freeze.trainable_blocks=1 or more")
 
 
 def _check_units_outside_blocks(model, block_cls: type, min_num_params: int) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import warnings
 from pathlib import Path
 
@@ -68,6 +69,7 @@ def load_hf_config(cfg: ModelConfig, local_files_only: bool = False):
         except Exception as exc:  # the config class's own validation (TypeError, strict-dataclass errors)
             raise UserError(f"model.config is refused by transformers ({reason(exc)}); check model.config") from None
         check_sizes(hf_config, cfg)
+        check_probabilities(hf_config, cfg)
         check_buildable(hf_config, cfg.trust_remote_code, "model.config")
         return hf_config
     folder = Path(cfg.name_or_path)
@@ -100,6 +102,7 @@ def load_hf_config(cfg: ModelConfig, local_files_only: bool = False):
             raise UserError(f"model.config.{key} is not a field of {type(hf_config).__name__}; check the name")
         setattr(hf_config, key, value)
     check_sizes(hf_config, cfg)
+    check_probabilities(hf_config, cfg)
     check_buildable(hf_config, cfg.trust_remote_code, f"model {cfg.name_or_path!r}"
                     + (" with model.config" if overrides else ""))
     if folder.is_dir() and not cfg.random_init and (files := weight_files(folder)):
@@ -154,6 +157,39 @@ def check_sizes(hf_config, cfg: ModelConfig) -> None:
         origin = repr(str(file)) if file.is_file() else f"the config of model {cfg.name_or_path!r}"
         raise UserError(f"{name}={value} in {origin} leaves the model with no {lacks}; use another model, or "
                         f"correct {name} in its config.json")
+
+
+# a config field named so is a probability (dropout, GPT-2's resid_pdrop, OPT's layerdrop, drop_path_rate):
+# transformers checks few of them, and torch refuses one outside 0..1 only at the first forward
+PROBABILITY = re.compile(r"dropout|pdrop|layerdrop|drop_path")
+
+
+def check_probabilities(hf_config, cfg: ModelConfig) -> None:
+    """A dropout probability below 0 or above 1, in the config or any of its sub-configs: it
+    builds, then torch fails in the middle of the first step (or eval, or generate)."""
+    found = next(_bad_probabilities(hf_config.to_dict()), None)
+    if found is None:
+        return
+    name, value = found
+    if cfg.name_or_path is None or name.split(".")[-1] in cfg.config or name in cfg.config:
+        raise UserError(f"model.config.{name}={value} is a dropout probability outside 0..1; set "
+                        f"model.config.{name} to a value from 0 to 1 (0: no dropout)")
+    file = Path(cfg.name_or_path) / "config.json"
+    origin = repr(str(file)) if file.is_file() else f"the config of model {cfg.name_or_path!r}"
+    raise UserError(f"{name}={value} in {origin} is a dropout probability outside 0..1; correct it in its "
+                    f"config.json, or set model.config.{name} to a value from 0 to 1")
+
+
+def _bad_probabilities(tree: dict, prefix: str = ""):
+    """(dotted name, value) of each probability-named number outside 0..1 in a config's dict."""
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            yield from _bad_probabilities(value, name + ".")
+        elif PROBABILITY.search(str(key)):
+            numbers = value if isinstance(value, (list, tuple)) else [value]
+            if any(isinstance(v, (int, float)) and not isinstance(v, bool) and not 0 <= v <= 1 for v in numbers):
+                yield name, value
 
 
 def check_buildable(hf_config, trust_remote_code: bool, what: str) -> None:

@@ -46,11 +46,14 @@ def prefix_tuning_config(model, cfg: PeftConfig, init: bool):
 
 
 def prompt_tuning_config(model, cfg: PeftConfig, init: bool):
-    """Input embeddings of the virtual tokens, random (peft.prompt_init_text: see `init_text`)."""
+    """Input embeddings of the virtual tokens, random (peft.prompt_init_text: see `init_text`),
+    as wide as the model's token embeddings: peft takes the hidden size, which OPT's
+    word_embed_proj_dim (projected up after the lookup) differs from, and the first forward failed."""
     from peft import PromptTuningConfig, PromptTuningInit
 
     return PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=cfg.virtual_tokens,
-                              prompt_tuning_init=PromptTuningInit.RANDOM)
+                              prompt_tuning_init=PromptTuningInit.RANDOM,
+                              token_dim=model.get_input_embeddings().weight.shape[-1])
 
 
 def init_text(peft_config, cfg: PeftConfig, tokenizer: str | None):

@@ -348,8 +348,12 @@ class Trainer:
 
         good = find_latest(self.out / "checkpoints")
         where = f"the last good checkpoint is {good}" if good else "no checkpoint was written"
-        raise UserError(f"{what}; stopped without applying it (on_nan=stop), {where}; lower train.lr "
-                        "or set on_nan=skip")
+        # step 1 computes on the starting weights: no learning rate has acted yet, so the model
+        # (its config's eps or rope_theta, its weights) or the samples made the NaN, not train.lr
+        fix = "lower train.lr or set on_nan=skip" if step > 1 else \
+            "no update came before it, so not train.lr: check the model's config and weights (e.g. a norm eps or " \
+            "rope_theta of 0 or less) and the samples named"
+        raise UserError(f"{what}; stopped without applying it (on_nan=stop), {where}; {fix}")
 
     def export(self, folder: Path | None = None) -> Path:
         """final/: a plain HF folder (a peft run's: its adapter), written whole or not at all."""
