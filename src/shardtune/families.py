@@ -38,10 +38,10 @@ class Family:
     # peft's prefix tuning fits its attention cache (one key and value per attention or key/value
     # head); False: multi-query or latent attention caches other shapes, so it is refused
     prefix_tuning: bool = True
-    # the block returns a view, which FSDP2 warns about (an in-place write by the caller would drop
-    # its pre-backward hook); True only where the model never writes into a block's output and the
-    # gradients are checked against the unwrapped model (tests/model/test_build.py): the warning is
-    # then silenced (distributed/fsdp.py)
+    # the block, or the head (one with a bias) and so the root, returns a view, which FSDP2 warns
+    # about (an in-place write by the caller would drop its pre-backward hook); True only where the
+    # model never writes into them and the gradients are checked against the unwrapped model
+    # (tests/model/test_build.py): the warning is then silenced (distributed/fsdp.py)
     view_output_checked: bool = False
 
 
@@ -73,10 +73,11 @@ FAMILIES = {
     "gpt_neo": Family("GPTNeoBlock", _PEFT, True, _POS, tuple(f"attn.attention.{p}" for p in (
         "q_proj", "k_proj", "v_proj", "out_proj")), _GPT2_MLP),
     "gptj": Family("GPTJBlock", _PEFT, False, _POS,  # the head has a bias
-                   ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.out_proj"), ("mlp.fc_in", "mlp.fc_out")),
+                   ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.out_proj"), ("mlp.fc_in", "mlp.fc_out"),
+                   view_output_checked=True),
     "codegen": Family("CodeGenBlock", _PEFT, False, _POS,  # the head has a bias
                       ("attn.qkv_proj", "attn.out_proj"), ("mlp.fc_in", "mlp.fc_out"),
-                      (("qkv_proj", "fc_out"), ("fc_out",))),
+                      (("qkv_proj", "fc_out"), ("fc_out",)), view_output_checked=True),
     # ALiBi: attention biased by distance, no positions to restart
     "bloom": Family("BloomBlock", _PEFT, True, None, tuple(f"self_{p}" for p in _FUSED_ATTENTION), _NEOX_MLP),
     # OPT and Falcon build their masks without the position ids: shardtune passes the 4-D mask
@@ -103,7 +104,7 @@ FAMILIES = {
     "glm4": _llama("Glm4DecoderLayer", _QV, mlp=("mlp.gate_up_proj", "mlp.down_proj"), ia3=_IA3_LLAMA),
     "phi": Family("PhiDecoderLayer", _PEFT, False, _POS,  # the head has a bias
                   ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.dense"),
-                  ("mlp.fc1", "mlp.fc2")),
+                  ("mlp.fc1", "mlp.fc2"), view_output_checked=True),
     "phi3": Family("Phi3DecoderLayer", ("qkv_proj",), True, _POS,
                    ("self_attn.qkv_proj", "self_attn.o_proj"), ("mlp.gate_up_proj", "mlp.down_proj"),
                    (("qkv_proj", "down_proj"), ("down_proj",))),

@@ -6,11 +6,13 @@ import contextlib
 
 import pytest
 import torch
+from archs import hf_config as arch_hf_config
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import TINY
 from shardtune.config.schema import FSDPConfig, PeftConfig
 from shardtune.distributed.fsdp import build_mesh, reshard_after_forward
+from shardtune.families import FAMILIES
 from shardtune.model.build import ModelSpec, build_model
 
 
@@ -188,17 +190,23 @@ def test_offloaded_parameters_never_reach_the_device(one_rank, monkeypatch, tmp_
         assert placed == param_shapes
 
 
-def test_opt_blocks_returning_views_still_get_the_unsharded_gradients(one_rank):
-    """OPT's decoder layer returns a view (`(residual + h).view(shape)`), which FSDP2 warns can
-    lose its pre-backward hook if the caller writes into it in place. OPT's decoder never does:
-    the gradients equal an unwrapped model's, for one micro-batch and accumulated over two (the
-    first without gradient sync), so shardtune silences that warning for OPT (and only there)."""
+@pytest.mark.parametrize("model_type", sorted(t for t, f in FAMILIES.items() if f.view_output_checked))
+def test_units_returning_views_still_get_the_unsharded_gradients(one_rank, model_type, monkeypatch):
+    """OPT's decoder layer returns a view (`(residual + h).view(shape)`), and so does a head with a
+    bias (GPT-J's, CodeGen's, Phi's logits), and the root that returns them; FSDP2 warns that a unit
+    can lose its pre-backward hook if the caller writes into its output in place. These families
+    never do: with every unit resharded after forward (the hook must gather it again), the gradients
+    equal an unwrapped model's, for one micro-batch and accumulated over two (the first without
+    gradient sync), so shardtune silences that warning for the families checked here (and only there)."""
     import copy
     import warnings
 
     from transformers import AutoModelForCausalLM
 
-    spec = ModelSpec(hf_config("opt"))
+    from shardtune.distributed import fsdp
+
+    monkeypatch.setattr(fsdp, "reshard_after_forward", lambda *_: True)
+    spec = ModelSpec(arch_hf_config(model_type, **{k: 0.0 for k in DROPOUT.get(model_type, ())}))
     torch.manual_seed(0)
     plain = AutoModelForCausalLM.from_config(spec.hf_config)
     reference = copy.deepcopy(plain)
@@ -217,6 +225,12 @@ def test_opt_blocks_returning_views_still_get_the_unsharded_gradients(one_rank):
             model.zero_grad(set_to_none=True)
             reference.zero_grad(set_to_none=True)
     assert not [w for w in caught if "returned a view tensor" in str(w.message)]
+
+
+# each family's dropout fields, off so that the two models draw no different masks
+DROPOUT = {"opt": ("dropout", "attention_dropout"), "gptj": ("resid_pdrop", "embd_pdrop", "attn_pdrop"),
+           "codegen": ("resid_pdrop", "embd_pdrop", "attn_pdrop"),
+           "phi": ("resid_pdrop", "embd_pdrop", "attention_dropout")}
 
 
 def test_a_random_init_config_raises_no_warning_about_ids_the_tokenizer_replaces():

@@ -123,9 +123,7 @@ def apply_parallelism(model, spec, block_cls: type, mesh, device) -> tuple[list,
         else OffloadPolicy(),
     )
     reshard = reshard_after_forward(fsdp.sharding, mesh.size(mesh.ndim - 1), spec.device_type or device.type)
-    known = family(getattr(getattr(model, "config", None), "model_type", None))
-    if known and known.view_output_checked and known.block == block_cls.__name__:  # families.Family
-        warnings.filterwarnings("ignore", message=rf"FSDP2-wrapped module \(FSDP{block_cls.__name__}\) returned a view")
+    _silence_checked_views(model, block_cls, fsdp.wrap)
     units = blocks if fsdp.wrap == "block" else size_based_units(model, fsdp.min_num_params)
     for unit in units:
         # the last unit's backward comes right after its forward: freeing it would only re-gather it
@@ -136,6 +134,20 @@ def apply_parallelism(model, spec, block_cls: type, mesh, device) -> tuple[list,
     fully_shard(model, reshard_after_forward=False, **kwargs)
     _set_prefetch(units, fsdp.forward_prefetch, fsdp.backward_prefetch)
     return units, reshard
+
+
+def _silence_checked_views(model, block_cls: type, wrap: str) -> None:
+    """FSDP2's warning that a unit returned a view, for a family whose views are checked
+    (families.Family.view_output_checked): its block, its head (a head with a bias returns its
+    logits as a view) and the root that hands them on; nothing writes into them in place and the
+    gradients equal the unwrapped model's (tests/model/test_build.py). Size-based units are other
+    modules, whose callers were not checked: their warning stays."""
+    known = family(getattr(getattr(model, "config", None), "model_type", None))
+    if not (known and known.view_output_checked and known.block == block_cls.__name__):
+        return
+    head = model.get_output_embeddings() if wrap == "block" else None
+    names = [block_cls.__name__, type(model).__name__, *([type(head).__name__] if head is not None else [])]
+    warnings.filterwarnings("ignore", message=rf"FSDP2-wrapped module \(FSDP({'|'.join(names)})\) returned a view")
 
 
 def _shard_embeddings(model, reshard: bool, kwargs: dict) -> None:
