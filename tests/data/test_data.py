@@ -70,6 +70,20 @@ def test_prepare_returns_packed_torch_datasets(tmp_path, tokenizer, assets):
     assert train[0]["input_ids"].shape == (32,) and val is not None and len(val) > 0
 
 
+@pytest.mark.parametrize("val_words", [2, 40])
+def test_a_validation_split_shorter_than_one_sequence_is_said_not_dropped_silently(tmp_path, tokenizer, capsys,
+                                                                                  val_words):
+    """The run goes on without validation, as before, but says so in one line naming the split."""
+    write_jsonl(tmp_path / "train.jsonl", [f"train doc {i} " * 5 for i in range(50)])
+    write_jsonl(tmp_path / "validation.jsonl", ["val " * val_words])
+    train, val = D.prepare(DataConfig(path=str(tmp_path), seq_len=16), tokenizer, seed=0)
+    said = [line for line in capsys.readouterr().err.splitlines() if "validat" in line]
+    assert len(train) > 0 and (val is None) == (val_words == 2)
+    assert said == ([f"warning: the validation split of {str(tmp_path)!r} (validation.jsonl) has fewer tokens than "
+                     "one sequence of data.seq_len=16; this run validates nothing (add validation documents, or "
+                     "lower data.seq_len)"] if val is None else []), said
+
+
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_ranks_see_distinct_parts_of_the_same_global_batches(world):
     n, global_batch, micro = 100, 8, 2

@@ -30,6 +30,8 @@ def test_missing_data_file(capfd, recipe, out, tmp_path):
           "train.jsonl", "not found", "data.path")
     fails(capfd, ["train", recipe, "data.path=missing.jsonl", f"output_dir={out}"],
           "missing.jsonl", "not found", "data.path")
+    fails(capfd, ["train", recipe, f"data.path={tmp_path / 'train-*.jsonl'}", f"output_dir={out}"],
+          "train-*.jsonl", "is a pattern", "point data.path at the folder")
     assert (out / "notes.txt").read_text() == "mine, keep me\n"
 
 
@@ -159,6 +161,12 @@ ODD_LAYOUTS = {
     "a-csv-header-alone": (lambda d: (d / "train.csv").write_text("text\n"), ["train.csv", "no records"]),
     "a-parquet-of-no-rows": (lambda d: _parquet(d / "train.parquet", text=__import__("pyarrow").array([], "string")),
                              ["train.parquet", "is empty"]),
+    "one-split-in-files-of-other-columns": (
+        lambda d: (_docs(d, "train.jsonl"), (d / "train-more.jsonl").write_text('{"body": "x y", "n": 1}\n' * 20)),
+        ["train-more.jsonl has body, n", "train.jsonl has text", "same columns"]),
+    "one-csv-split-in-files-of-other-columns": (
+        lambda d: ((d / "train.csv").write_text("text\nsome words\n" * 20), (d / "train2.csv").write_text("a\nb\n")),
+        ["train2.csv has a", "train.csv has text", "same columns"]),
     "not-a-parquet-file": (lambda d: (d / "train.parquet").write_bytes(b"PAR1 not really"),
                            ["train.parquet", "not a readable parquet file"]),
 }

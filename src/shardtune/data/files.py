@@ -164,8 +164,10 @@ def read_local(files: dict[str, list[str]], path: str):
     for split, names in files.items():
         try:
             out[split] = datasets.load_dataset(fmt.builder, data_files={split: names}, **fmt.kwargs)[split]
-        except datasets.exceptions.DatasetGenerationError:  # arrow's parse error names no line
+        except datasets.exceptions.DatasetGenerationError:  # arrow's parse error names no line, nor file
             if fmt.builder == "json" and (line := first_line_not_an_object(names)) is not None:
+                raise UserError(line) from None
+            if len(names) > 1 and (line := columns_that_differ(names, fmt, f"split {split!r} of {path!r}")) is not None:
                 raise UserError(line) from None
             raise
         except (FileNotFoundError, ValueError) as exc:
@@ -176,6 +178,26 @@ def read_local(files: dict[str, list[str]], path: str):
             raise UserError(f"could not read data file(s) {', '.join(repr(n) for n in names)} of {path!r} "
                             f"({first_line(exc)}); fix the file or point data.path elsewhere") from None
     return datasets.DatasetDict(out)
+
+
+def columns_that_differ(names: list[str], fmt, what: str) -> str | None:
+    """For a reader's refusal of a split of several files: the files whose columns are not the
+    first file's, said as the fix (the reader casts every file to the first one's columns and says
+    only that a cast failed), or None. Each file's first record, streamed, gives its columns."""
+    import datasets
+
+    def columns(name: str) -> list[str]:
+        stream = datasets.load_dataset(fmt.builder, data_files=[name], split="train", streaming=True, **fmt.kwargs)
+        return list(next(iter(stream), {}))
+
+    seen = {name: columns(name) for name in names}
+    first = seen[names[0]]
+    odd = [name for name in names if set(seen[name]) != set(first)]
+    if not odd:
+        return None
+    shown = "; ".join(f"{Path(n).name} has {', '.join(seen[n]) or 'none'}" for n in [names[0], *odd[:2]])
+    return (f"the files of {what} do not share their columns ({shown}); give every file of a split the "
+            "same columns, or move the odd ones out of the folder")
 
 
 def first_line_not_an_object(names: list[str]) -> str | None:

@@ -37,6 +37,9 @@ def load_documents(cfg: DataConfig):
     try:
         if path.exists():
             return read_path(path, cfg.path)
+        if any(c in cfg.path for c in "*?["):  # a shell would have expanded it; a recipe's value is not
+            raise UserError(f"data.path={cfg.path!r} is a pattern, and shardtune reads no patterns; point data.path "
+                            "at the folder that holds the files (its train* and validation* files are the splits)")
         if hub_id(cfg.path) is None or builder_of(cfg.path):  # a path not there: nothing to download
             raise UserError(f"data file {cfg.path!r} not found; check data.path")
         return datasets.load_dataset(cfg.path, cfg.name)
@@ -212,7 +215,12 @@ def _prepare(cfg: DataConfig, tokenizer, seed: int, warn, global_batch: int = 1)
     if len(val_docs):
         what = f"the validation split of {cfg.path!r}{split_files(cfg, validation_split(cfg, splits))}"
         val = tokenize_split(val_docs, cfg, tokenizer, what, warn)
-        val = val if len(val) else None
+        if not len(val):  # the run goes on, but the user asked for validation: said, not dropped silently
+            short = (f"fewer tokens than one sequence of data.seq_len={cfg.seq_len}" if cfg.format == "text" or
+                     cfg.packing else f"no example with a loss token within {cfg.example_cutoff} tokens")
+            warn(f"warning: {what} has {short}; this run validates nothing (add validation documents, or lower "
+                 "data.seq_len)")
+            val = None
     return train.with_format("torch"), (val.with_format("torch") if val is not None else None)
 
 
