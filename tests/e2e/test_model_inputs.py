@@ -62,30 +62,28 @@ def test_freezing_that_leaves_nothing_to_train_is_refused(capfd, recipe, out, co
     assert not (out / "metrics.jsonl").exists()
 
 
-@pytest.mark.parametrize("override, named", [
-    ("model.config.attn_pdrop=1.5", "model.config.attn_pdrop=1.5"),
-    ("model.config.resid_pdrop=-0.1", "model.config.resid_pdrop=-0.1"),
-    ("model.config={model_type: llama, num_hidden_layers: 1, hidden_size: 32, intermediate_size: 64, "
-     "num_attention_heads: 2, attention_dropout: 2.0}", "model.config.attention_dropout=2.0"),
+LLAMA = ("model.config={model_type: llama, num_hidden_layers: 1, hidden_size: 32, intermediate_size: 64, "
+         "num_attention_heads: 2, max_position_embeddings: 64, ")
+
+
+@pytest.mark.parametrize("override, named, what", [
+    ("model.config.attn_pdrop=1.5", "model.config.attn_pdrop=1.5", "dropout probability"),
+    ("model.config.resid_pdrop=-0.1", "model.config.resid_pdrop=-0.1", "dropout probability"),
+    (LLAMA + "attention_dropout: 2.0}", "model.config.attention_dropout=2.0", "dropout probability"),
     ("model.config={model_type: opt, num_hidden_layers: 1, hidden_size: 32, ffn_dim: 64, num_attention_heads: 2, "
-     "word_embed_proj_dim: 32, max_position_embeddings: 64, dropout: 7}", "model.config.dropout=7"),
+     "word_embed_proj_dim: 32, max_position_embeddings: 64, dropout: 7}", "model.config.dropout=7",
+     "dropout probability"),
+    (LLAMA + "rope_theta: 0}", "rope_theta=0", "rotary base"),
+    (LLAMA + "rms_norm_eps: -1.0}", "model.config.rms_norm_eps=-1.0", "norm's epsilon"),
+    (LLAMA + "rope_scaling: {rope_type: linear, factor: -2.0}}", "factor=-2.0", "rotary scaling factor"),
+    ("model.config.layer_norm_epsilon=-1e-5", "model.config.layer_norm_epsilon=-1e-05", "norm's epsilon"),
 ])
-def test_a_dropout_probability_outside_0_1_is_refused(capfd, recipe, out, override, named):
-    """The config built; torch refused the probability in the middle of the first step (a traceback),
-    or (GPT-2's nn.Dropout) when the model was built, blamed on the hidden size."""
-    fails(capfd, ["train", recipe, override, f"output_dir={out}"], named, "dropout probability outside 0..1",
-          "a value from 0 to 1")
+def test_a_config_value_out_of_its_range_is_refused(capfd, recipe, out, override, named, what):
+    """The config built; torch refused a dropout probability in the middle of the first step (a
+    traceback), or (GPT-2's nn.Dropout) when the model was built, blamed on the hidden size; a rotary
+    base, scaling factor or epsilon out of range gave NaN at step 1."""
+    fails(capfd, ["train", recipe, override, f"output_dir={out}"], named, f"{what} out of range", "set model.config.")
     assert not (out / "metrics.jsonl").exists()
-
-
-@pytest.mark.parametrize("override", ["rope_theta: 0", "rms_norm_eps: -1.0"])
-def test_a_model_that_is_not_finite_from_the_start_is_not_blamed_on_the_learning_rate(capfd, recipe, out, override):
-    """Step 1 computes on the starting weights: the line said 'lower train.lr', which cannot help."""
-    config = ("model.config={model_type: llama, num_hidden_layers: 1, hidden_size: 32, intermediate_size: 64, "
-              f"num_attention_heads: 2, max_position_embeddings: 64, {override}}}")
-    line = fails(capfd, ["train", recipe, config, f"output_dir={out}"], "at step 1", "not train.lr",
-                 "check the model's config and weights")
-    assert "lower train.lr" not in line
 
 
 @pytest.fixture(scope="module")
@@ -185,6 +183,24 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(capfd, tmp_pat
           f"has {tokens} tokens but the model only 300")
 
 
+def test_a_model_that_is_not_finite_from_the_start_is_not_blamed_on_the_learning_rate(capfd, recipe, out, tmp_path,
+                                                                                     model_folder):
+    """Step 1 computes on the starting weights (here one infinite weight): the line said 'lower
+    train.lr', which cannot help."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "model"
+    shutil.copytree(model_folder, folder)
+    weights = load_file(folder / "model.safetensors")
+    weights["transformer.h.0.mlp.c_fc.weight"][0, 0] = float("inf")
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    line = fails(capfd, ["train", recipe, f"model.name_or_path={folder}", "model.config={}", f"model.tokenizer={folder}",
+                         f"output_dir={out}"], "at step 1", "not train.lr", "check the model's config and weights")
+    assert "lower train.lr" not in line
+
+
 @pytest.mark.parametrize("command", ["generate", "eval"])
 def test_a_dropout_probability_outside_0_1_in_config_json_is_refused(capfd, tmp_path, qs_assets, model_folder, command):
     import shutil
@@ -194,7 +210,7 @@ def test_a_dropout_probability_outside_0_1_in_config_json_is_refused(capfd, tmp_
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "attn_pdrop": 1.5}))
     argv = [a.format(model=folder, data=qs_assets["validation"], recipe="", out="") for a in SIZE_COMMANDS[command]]
-    fails(capfd, argv, f"attn_pdrop=1.5 in {str(folder / 'config.json')!r}", "dropout probability outside 0..1")
+    fails(capfd, argv, f"attn_pdrop=1.5 in {str(folder / 'config.json')!r}", "dropout probability out of range")
 
 
 def test_model_folder_with_a_generation_config_transformers_refuses(capfd, tmp_path, model_folder):

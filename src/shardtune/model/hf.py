@@ -46,7 +46,17 @@ from shardtune.noise import transformers_warnings
 
 def load_hf_config(cfg: ModelConfig, local_files_only: bool = False):
     """The transformers config of the model, with `model.config` overrides applied
-    (`local_files_only`: a local folder or the Hugging Face cache, never the network)."""
+    (`local_files_only`: a local folder or the Hugging Face cache, never the network), checked.
+    What transformers logs about it meanwhile (a rope factor below 1) is shown once the checks pass:
+    a refusal stays one line."""
+    with transformers_warnings() as said:
+        hf_config = _load_checked(cfg, local_files_only)
+    for line in said:
+        logging.getLogger("transformers").warning(line)
+    return hf_config
+
+
+def _load_checked(cfg: ModelConfig, local_files_only: bool):
     from transformers import AutoConfig
 
     overrides = dict(cfg.config)
@@ -69,7 +79,7 @@ def load_hf_config(cfg: ModelConfig, local_files_only: bool = False):
         except Exception as exc:  # the config class's own validation (TypeError, strict-dataclass errors)
             raise UserError(f"model.config is refused by transformers ({reason(exc)}); check model.config") from None
         check_sizes(hf_config, cfg)
-        check_probabilities(hf_config, cfg)
+        check_ranges(hf_config, cfg)
         check_buildable(hf_config, cfg.trust_remote_code, "model.config")
         return hf_config
     folder = Path(cfg.name_or_path)
@@ -102,7 +112,7 @@ def load_hf_config(cfg: ModelConfig, local_files_only: bool = False):
             raise UserError(f"model.config.{key} is not a field of {type(hf_config).__name__}; check the name")
         setattr(hf_config, key, value)
     check_sizes(hf_config, cfg)
-    check_probabilities(hf_config, cfg)
+    check_ranges(hf_config, cfg)
     check_buildable(hf_config, cfg.trust_remote_code, f"model {cfg.name_or_path!r}"
                     + (" with model.config" if overrides else ""))
     if folder.is_dir() and not cfg.random_init and (files := weight_files(folder)):
@@ -159,37 +169,48 @@ def check_sizes(hf_config, cfg: ModelConfig) -> None:
                         f"correct {name} in its config.json")
 
 
-# a config field named so is a probability (dropout, GPT-2's resid_pdrop, OPT's layerdrop, drop_path_rate):
-# transformers checks few of them, and torch refuses one outside 0..1 only at the first forward
-PROBABILITY = re.compile(r"dropout|pdrop|layerdrop|drop_path")
+# config fields by name, with the values they can take: transformers checks few of them (a rope
+# factor below 1 it only warns about), and a value out of range builds, then fails mid-step (torch's
+# dropout refuses p > 1) or trains on garbage or NaN from step 1 (a rotary base of 0 or less, a
+# scaling factor below 1, a negative norm epsilon). (pattern on the dotted name, allowed, what the
+# field is, the range said in the fix)
+RANGES = (
+    (re.compile(r"dropout|pdrop|layerdrop|drop_path"), lambda v: 0 <= v <= 1, "a dropout probability",
+     "a value from 0 to 1 (0: no dropout)"),
+    (re.compile(r"(^|\.)rope_theta$"), lambda v: v > 0, "a rotary base", "a value above 0 (10000 is usual)"),
+    (re.compile(r"(^|\.)(rope_scaling|rope_parameters)\.factor$"), lambda v: v >= 1, "a rotary scaling factor",
+     "a value of 1 or more (1: no scaling)"),
+    (re.compile(r"(^|_)eps(ilon)?$"), lambda v: v >= 0, "a norm's epsilon", "a small value of 0 or more (1e-5)"),
+)
 
 
-def check_probabilities(hf_config, cfg: ModelConfig) -> None:
-    """A dropout probability below 0 or above 1, in the config or any of its sub-configs: it
-    builds, then torch fails in the middle of the first step (or eval, or generate)."""
-    found = next(_bad_probabilities(hf_config.to_dict()), None)
+def check_ranges(hf_config, cfg: ModelConfig) -> None:
+    """A config field out of the range its name says (RANGES), in the config or any of its
+    sub-configs, refused naming where it is set."""
+    found = next(_out_of_range(hf_config.to_dict()), None)
     if found is None:
         return
-    name, value = found
+    name, value, (_, _, what, fix) = found
     if cfg.name_or_path is None or name.split(".")[-1] in cfg.config or name in cfg.config:
-        raise UserError(f"model.config.{name}={value} is a dropout probability outside 0..1; set "
-                        f"model.config.{name} to a value from 0 to 1 (0: no dropout)")
+        raise UserError(f"model.config.{name}={value} is {what} out of range; set model.config.{name} to {fix}")
     file = Path(cfg.name_or_path) / "config.json"
     origin = repr(str(file)) if file.is_file() else f"the config of model {cfg.name_or_path!r}"
-    raise UserError(f"{name}={value} in {origin} is a dropout probability outside 0..1; correct it in its "
-                    f"config.json, or set model.config.{name} to a value from 0 to 1")
+    raise UserError(f"{name}={value} in {origin} is {what} out of range; correct it in its config.json, or set "
+                    f"model.config.{name} to {fix}")
 
 
-def _bad_probabilities(tree: dict, prefix: str = ""):
-    """(dotted name, value) of each probability-named number outside 0..1 in a config's dict."""
+def _out_of_range(tree: dict, prefix: str = ""):
+    """(dotted name, value, rule) of each number out of its field's range in a config's dict."""
     for key, value in tree.items():
         name = f"{prefix}{key}"
         if isinstance(value, dict):
-            yield from _bad_probabilities(value, name + ".")
-        elif PROBABILITY.search(str(key)):
-            numbers = value if isinstance(value, (list, tuple)) else [value]
-            if any(isinstance(v, (int, float)) and not isinstance(v, bool) and not 0 <= v <= 1 for v in numbers):
-                yield name, value
+            yield from _out_of_range(value, name + ".")
+            continue
+        numbers = [v for v in (value if isinstance(value, (list, tuple)) else [value])
+                   if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        for rule in RANGES:
+            if rule[0].search(name) and not all(rule[1](v) for v in numbers):
+                yield name, value, rule
 
 
 def check_buildable(hf_config, trust_remote_code: bool, what: str) -> None:
