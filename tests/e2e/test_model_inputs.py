@@ -196,8 +196,9 @@ def test_a_model_that_is_not_finite_from_the_start_is_not_blamed_on_the_learning
     weights = load_file(folder / "model.safetensors")
     weights["transformer.h.0.mlp.c_fc.weight"][0, 0] = float("inf")
     save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
-    line = fails(capfd, ["train", recipe, f"model.name_or_path={folder}", "model.config={}", f"model.tokenizer={folder}",
-                         f"output_dir={out}"], "at step 1", "not train.lr", "check the model's config and weights")
+    argv = ["train", recipe, f"model.name_or_path={folder}", "model.config={}", f"model.tokenizer={folder}",
+            f"output_dir={out}"]
+    line = fails(capfd, argv, "at step 1", "not train.lr", "check the model's config and weights")
     assert "lower train.lr" not in line
 
 
