@@ -256,3 +256,27 @@ def test_overrides_leave_the_callers_defaults_as_they_were():
     assert load_config(None, ["data.seq_len=512", "model.config.n_layer=3"], defaults=defaults).data.seq_len == 512
     assert defaults == {"data": {"path": "x", "seq_len": 64}, "model": {"config": {"model_type": "gpt2", "n_layer": 2}}}
     assert load_config(None, [], defaults=defaults).data.seq_len == 64
+
+
+@pytest.mark.parametrize("recipe_text, overrides, needle", [
+    ("", ["train=1", "train.lr=1e-3"], "cannot set train.lr: train is 1, not a mapping"),
+    ("train: 5\n", ["train.lr=1e-3"], "cannot set train.lr: train is 5, not a mapping"),
+    ("", ["model.config=gpt2", "model.config.n_layer=2"], "cannot set model.config.n_layer: model.config is 'gpt2'"),
+    ("", ["train.lr=1e-3", "train.lr.x=1"], "cannot set train.lr.x: train.lr is 0.001, not a mapping"),
+    ("", ["train.betas=[0.9,0.95]", "train.betas.x=1"], "train.betas is '[0.9,0.95]', not a mapping"),
+])
+def test_a_key_set_inside_a_value_that_is_not_a_mapping_is_refused(tmp_path, recipe_text, overrides, needle):
+    """`train=1 train.lr=1e-3` trained: the dotted key replaced the value above it with a mapping,
+    without a word (a sweep's own train.max_steps did so to `--grid train=1,2`, then called its
+    points the same run)."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: {config: {model_type: gpt2}}\ndata: {path: d.jsonl}\n" + recipe_text)
+    with pytest.raises(UserError, match=re.escape(needle)):
+        load_config(recipe, overrides)
+
+
+def test_a_key_set_inside_an_empty_section_fills_it(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: {config: {model_type: gpt2}}\ndata: {path: d.jsonl}\ntrain:\n")
+    assert load_config(recipe, ["train.lr=1e-3"]).train.lr == 1e-3
+    assert load_config(recipe, ["train=", "train.max_steps=3"]).train.max_steps == 3

@@ -113,6 +113,20 @@ def test_eval_batches_cover_everything_once_with_equal_counts_per_rank():
     assert [i for mb in D.eval_batches(n, micro, 1, 0, max_batches=4) for i in mb] == list(range(8))
 
 
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(0, 50), micro=st.sampled_from([1, 2, 3, 7, 64, 10 ** 4]),
+       world=st.integers(1, 5), max_batches=st.sampled_from([0, 1, 3, 10 ** 6]))
+def test_eval_batches_hold_no_more_rows_than_the_data_needs(n, micro, world, max_batches):
+    """A micro-batch far above the data (eval --micro-batch-size 1e11) built that many blank rows and
+    ran out of memory: each rank's batches hold at most its share of the sequences, every sequence
+    of the capped set exactly once, and every rank as many batches as the others."""
+    per_rank = [D.eval_batches(n, micro, world, r, max_batches) for r in range(world)]
+    wanted = min(n, max_batches * micro) if max_batches else n
+    assert len({len(b) for b in per_rank}) == 1
+    assert sorted(i for b in per_rank for mb in b for i in mb if i >= 0) == list(range(wanted))
+    assert all(len(mb) <= max(1, -(-wanted // world)) for b in per_rank for mb in b)
+
+
 def test_collate_masks_padding_rows(tokenizer, assets):
     import torch
 

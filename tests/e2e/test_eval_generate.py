@@ -313,6 +313,18 @@ def test_generate_matches_transformers(trained, tmp_path, capsys):
     assert sampled[0] == sampled[1]  # the seed makes sampling reproducible
 
 
+def test_a_temperature_too_small_to_sample_decodes_greedily(trained, capsys):
+    """The logits divided by 1e-300 overflowed to inf and sampling raised a traceback; sampling that
+    cold picks the likeliest token anyway, so it is the greedy text (`generate` and `eval --generate`)."""
+    def text(temperature: str) -> str:
+        assert main(["generate", str(trained / "final"), "--prompt", "Return the", "--max-new-tokens", "4",
+                     "--temperature", temperature, "--device", "cpu"]) == 0
+        return capsys.readouterr().out
+
+    greedy = text("0")
+    assert [text(t) for t in ("1e-300", "5e-324", "1e-6")] == [greedy] * 3
+
+
 def test_generate_prints_and_bad_input(trained, capsys, tmp_path):
     code = main(["generate", str(trained / "final"), "--prompt", "Return the", "--prompt", "The",
                  "--max-new-tokens", "4", "--temperature", "0", "--device", "cpu"])

@@ -176,6 +176,11 @@ def test_the_search_probes_few_micro_batches():
     (["--grid", "train.lr=1e-3,0.001"], "train.lr=0.001: it is the same run as --grid train.lr=1e-3"),
     (["--max-batch", "--grid", "train.micro_batch_size=1,2"], "micro_batch_size is set per trial by --max-batch"),
     (["--grid", "precision=bf16", "--mem-limit", "lots"], "is not a memory size"),
+    # a CPU cap under what Python and torch hold: every trial died at start, recorded as the sweep's answer
+    (["--grid", "precision=bf16,fp32", "--mem-limit", "1B"], "--mem-limit of 1 bytes cannot hold a CPU trial"),
+    (["--search", "train.lr=uniform:0.1:0.2", "--mem-limit", "100MiB"], "give --mem-limit 1GiB or more"),
+    # a sweep's own train.max_steps replaced train=1 with a mapping: both points were called the same run
+    (["--grid", "train=1,2"], "--grid train=1: cannot set train.max_steps: train is 1, not a mapping"),
     (["precision=bf16", "--grid", "float8=none,rowwise"], "--grid float8=rowwise: float8=rowwise needs an NVIDIA GPU"),
 ])
 def test_bad_input_is_one_line_exit_2_before_any_trial(assets, tmp_path, capsys, args, message):

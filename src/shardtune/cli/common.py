@@ -69,7 +69,7 @@ def add_decoding_args(p, temperature: float) -> None:
     p.add_argument("--max-new-tokens", type=positive_int, default=None,
                    help="tokens to generate per prompt (default: 64, fewer where the model's positions hold less)")
     p.add_argument("--temperature", type=finite_float(0), default=temperature,
-                   help=f"0 = greedy (default: {temperature:g})")
+                   help=f"0 = greedy, as is anything below 1e-5 (default: {temperature:g})")
     p.add_argument("--top-p", type=finite_float(above=0, most=1), default=0.9,
                    help="nucleus sampling mass (default: 0.9)")
     p.add_argument("--seed", type=non_negative_int, default=0, help="sampling seed (default: 0)")

@@ -61,13 +61,18 @@ def _plain(value: Any) -> Any:
 
 
 def set_dotted(tree: dict, key: str, value: Any) -> None:
+    """`key`'s value put into `tree`, making the mappings above it. One above it that holds
+    something else is refused: replaced, `train=1 train.lr=1e-3` trained without a word about
+    train=1 (an empty YAML section, None, is a mapping to come)."""
     node = tree
     parts = key.split(".")
-    for part in parts[:-1]:
+    for depth, part in enumerate(parts[:-1], 1):
         child = node.get(part)
         if isinstance(child, Override) and isinstance(child.parsed, dict):
             child = node[part] = child.parsed
-        if not isinstance(child, dict):
+        if child is not None and not isinstance(child, dict):
+            raise UserError(f"cannot set {key}: {'.'.join(parts[:depth])} is {_short(child)}, not a mapping")
+        if child is None:
             child = node[part] = {}
         node = child
     node[parts[-1]] = value

@@ -300,9 +300,12 @@ def eval_batches(num_samples: int, micro_batch: int, world_size: int, rank: int,
                  max_batches: int = 0) -> list[list[int]]:
     """Validation blocks for this rank in fixed order. Every rank gets the same number of
     batches (FSDP needs every rank in every forward); missing places are -1 (masked).
-    `max_batches` caps the sequences at max_batches x micro_batch, the same set for any world size."""
+    `max_batches` caps the sequences at max_batches x micro_batch, the same set for any world size.
+    A micro-batch above a rank's share of the sequences is that share: its other rows would be
+    blanks only (a huge --micro-batch-size built them all, and ran out of memory)."""
     if max_batches:
         num_samples = min(num_samples, max_batches * micro_batch)
+    micro_batch = max(1, min(micro_batch, -(-num_samples // world_size)))
     per_round = micro_batch * world_size
     rounds = -(-num_samples // per_round)
     batches = []

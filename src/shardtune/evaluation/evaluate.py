@@ -252,18 +252,24 @@ def read_prompts(req: GenerateRequest) -> list[str]:
     return prompts
 
 
+# A temperature below this decodes greedily: sampling at it picks the likeliest token anyway, and
+# the logits divided by it can overflow float32 to inf (1e-300 does), which sampling cannot take.
+GREEDY_BELOW = 1e-5
+
+
 def generate(model, tokenizer, prompts: list, max_new_tokens: int = 64, temperature: float = 0.7,
              top_p: float = 0.9, seed: int = 0, batch_size: int = 8) -> list[str]:
     """The continuation of each prompt (a string, or token ids), `batch_size` prompts per
     `model.generate` call, left-padded so every row's new tokens start in the same column;
-    temperature 0 decodes greedily. Seeded once: the same call gives the same texts. A prompt
+    temperature 0 (or below GREEDY_BELOW) decodes greedily. Seeded once: the same call gives the same texts. A prompt
     longer than the model's positions leave room for is cut from the left."""
 
     if temperature < 0 or not 0 < top_p <= 1 or max_new_tokens < 1:
         raise UserError("need --temperature >= 0, 0 < --top-p <= 1 and --max-new-tokens >= 1")
     torch.manual_seed(seed)
     device = next(model.parameters()).device
-    sample = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature > 0 else dict(do_sample=False)
+    sample = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature >= GREEDY_BELOW \
+        else dict(do_sample=False)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
     rows = [list(p) if not isinstance(p, str) else tokenizer(p, add_special_tokens=False).input_ids for p in prompts]

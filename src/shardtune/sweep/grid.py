@@ -33,6 +33,12 @@ TRIAL_SETTINGS = {**dict.fromkeys(["save_final=false", "checkpoint.every_steps=0
                   **dict.fromkeys(["log.every_steps=1", "log.progress=false", "eval.at_start=false"], MEASURES)}
 
 
+# Below this a CPU trial cannot start: --mem-limit caps its whole process, and Python with torch's
+# CPU build and the libraries holds about 0.35 GB before any tensor (README "Sweeps"). Under it
+# every trial died at start (1B: "exit code -11") and the sweep recorded them as its answer.
+MIN_CPU_MEM_LIMIT = 256 * 2 ** 20
+
+
 class Setting(NamedTuple):
     """One key=value the sweep puts on a trial's command line after the user's overrides and the point."""
     word: str
@@ -152,6 +158,7 @@ def check(sweep: Sweep) -> None:
         raise UserError("--max-batch searches train.micro_batch_size itself (with real trials); drop "
                         "train.micro_batch_size=auto, or drop --max-batch to use the planner's choice")
     set_device(sweep)
+    check_mem_limit(sweep)
     check_overrides(sweep, [k for k, _ in sweep.grid], "--grid")
     sweep.config({})  # the recipe and overrides alone: their errors are not the grid's
     runs: dict[str, str] = {}  # each point's config -> the point: two that load the same are one run twice
@@ -180,6 +187,14 @@ def check(sweep: Sweep) -> None:
         except UserError as exc:
             raise UserError(f"--grid {where}: {exc}") from None
     check_models(sweep, sweep.points(), "--grid")
+
+
+def check_mem_limit(sweep: Sweep) -> None:
+    """A CPU cap that cannot hold a trial's interpreter and libraries (after `set_device`)."""
+    if sweep.device == "cpu" and sweep.mem_limit is not None and sweep.mem_limit < MIN_CPU_MEM_LIMIT:
+        raise UserError(f"--mem-limit of {sweep.mem_limit} bytes cannot hold a CPU trial: it caps the whole process, "
+                        "whose Python and libraries take about 0.35 GB before any tensor; give --mem-limit 1GiB "
+                        "or more")
 
 
 def check_overrides(sweep: Sweep, swept: list[str], option: str) -> None:

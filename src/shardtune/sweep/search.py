@@ -15,7 +15,7 @@ from pathlib import Path
 
 from shardtune.errors import UserError, first_line
 from shardtune.fsio import json_loads
-from shardtune.sweep.grid import Sweep, check_overrides, open_folder, set_device
+from shardtune.sweep.grid import Sweep, check_mem_limit, check_overrides, open_folder, set_device
 from shardtune.sweep.trial import run_trial
 
 DISTRIBUTIONS = ("loguniform", "uniform", "int", "logint", "choice")
@@ -144,6 +144,7 @@ def check(sweep: Sweep, search: Search) -> None:
         raise UserError("--search needs --steps >= 1 and 1 <= --eval-steps <= --steps (the validation loss "
                         "the pruner watches is taken every --eval-steps)")
     set_device(sweep)
+    check_mem_limit(sweep)
     check_overrides(sweep, [p.key for p in search.space], "--search")
     sweep.config({})  # the recipe and overrides alone: their errors are not the search space's
     for param in search.space:
