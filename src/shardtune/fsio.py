@@ -135,11 +135,21 @@ def write_text_atomic(path: Path, text: str, sync: bool = False) -> None:
         raise
 
 
+def refuse_non_folder(folder: Path, option: str) -> None:
+    """An output folder's path that holds something else: a file, or a link that leads nowhere
+    (followed, a write would create whatever the link names, wherever that is)."""
+    if folder.is_dir() or not os.path.lexists(folder):
+        return
+    if folder.is_symlink() and not folder.exists():
+        raise UserError(f"{option} {str(folder)!r} is a link to {os.readlink(folder)!r}, which does not exist; "
+                        f"create that folder, or choose another {option}")
+    raise UserError(f"{option} {str(folder)!r} is a file; choose another {option}")
+
+
 def refuse_foreign(folder: Path, option: str, kind: str, ours) -> None:
     """Refuse to write into `folder` when it holds anything `ours(name)` does not claim (another
     run, a user's files): only a folder of the command's own kind is replaced without asking."""
-    if os.path.lexists(folder) and not folder.is_dir():
-        raise UserError(f"{option} {str(folder)!r} is a file; choose a folder")
+    refuse_non_folder(folder, option)
     if not folder.is_dir():
         return
     foreign = sorted(p.name for p in folder.iterdir() if not ours(p.name) and PARTIAL not in p.name)

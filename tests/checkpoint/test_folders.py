@@ -4,6 +4,7 @@ stand-in checkpoint: meta.json and .metadata, no weights; nothing is loaded)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -51,3 +52,19 @@ def test_resuming_past_max_steps_is_refused(tmp_path):
         assert prepare_run_dir(cfg, overwrite=False, check_only=True).endswith("step-000002")
     finally:
         release_run_dir(tmp_path)
+
+
+@pytest.mark.parametrize("make, said", [
+    (lambda p: (p / "final").mkdir(parents=True), "is a run folder without checkpoints; its final/"),
+    (lambda p: p.mkdir(), "is not a shardtune checkpoint (no meta.json, no .metadata); give a checkpoint folder"),
+    (lambda p: p.write_text("x"), "is a file, not a checkpoint folder; give a checkpoint folder"),
+    (lambda p: (p.mkdir(), (p / "meta.json").write_text("{}")), "not a complete shardtune checkpoint"),
+])
+def test_a_folder_that_is_no_checkpoint_says_what_it_is(tmp_path, make, said):
+    """Each was 'not a complete shardtune checkpoint (an interrupted save?)', which only a half-written
+    checkpoint is."""
+    from shardtune.checkpoint.folders import read_meta
+
+    make(tmp_path / "given")
+    with pytest.raises(UserError, match=re.escape(said)):
+        read_meta(tmp_path / "given")

@@ -148,6 +148,9 @@ BOMB = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
     ("train: {seed: 18446744073709551616}\n", "train.seed=18446744073709551616 must be at most 2**63-1"),
     ("data: {template: '{x:10000000000}'}\n", "width above 10000"),
     ("1: 2\n", "config key 1 is not a name"),
+    ("train.lr: 1\n", "unknown config key 'train.lr'; a recipe nests keys: write train: then lr:"),
+    ("model.config.n_layer: 1\n", "write model: then config.n_layer: indented"),
+    ("train: {max.steps: 1}\n", "unknown config key 'train.max.steps'; did you mean train.max_steps?"),
 ])
 def test_recipes_are_read_strictly(tmp_path, text, needle):
     recipe = tmp_path / "r.yaml"
@@ -169,6 +172,15 @@ def test_recipes_are_read_strictly(tmp_path, text, needle):
 def test_every_value_is_checked_by_its_type(override, needle):
     with pytest.raises(UserError, match=re.escape(needle)):
         load_config(None, ["model.config={model_type: gpt2}", "data.path=x", override])
+
+
+@pytest.mark.parametrize("text", ["model:\n  config:\n", "model:\n  config: null\n", "model: {config: ~}\n"])
+def test_a_free_form_mapping_left_empty_is_empty(tmp_path, text):
+    """YAML reads `config:` with nothing below it as null: no entries, as `config: {}` (it was
+    refused as 'must be a mapping, got None')."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(text + "data: {path: d}\n")
+    assert load_config(recipe, ["model.name_or_path=gpt2"]).model.config == {}
 
 
 def test_list_sep_may_be_empty():

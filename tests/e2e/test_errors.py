@@ -337,6 +337,23 @@ def test_output_dir_is_a_file(capfd, recipe, tmp_path):
     assert target.read_text() == "a file, not a folder\n"
 
 
+@pytest.mark.parametrize("argv", [
+    ["train", "{recipe}", "output_dir={link}"],
+    ["report", "{run}", "--out", "{link}"],
+    ["sweep", "{recipe}", "--grid", "train.lr=1e-3,2e-3", "--out", "{link}"],
+], ids=["train", "report", "sweep"])
+def test_an_output_folder_that_is_a_link_to_nothing_is_refused_by_every_command(capfd, recipe, tmp_path, argv):
+    """One rule: a link that leads nowhere is refused, naming it (report and sweep said 'is a file';
+    train followed it and created whatever it named, wherever that was). Export: test_model_inputs."""
+    link, target, run = tmp_path / "out", tmp_path / "gone" / "deeper", tmp_path / "run"
+    link.symlink_to(target)
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 5.0 - s / 10}) + "\n" for s in (1, 2)))
+    fails(capfd, [a.format(recipe=recipe, link=link, run=run) for a in argv],
+          f"{str(link)!r} is a link to {str(target)!r}, which does not exist", "create that folder, or choose another")
+    assert not target.parent.exists() and link.is_symlink()
+
+
 # ----------------------------------------------------------------------------- real processes
 
 

@@ -298,15 +298,21 @@ def _step(run: Path) -> Path:
     return run / "checkpoints" / "step-000002"
 
 
+def _link(link: Path, target: Path) -> Path:
+    link.symlink_to(target)
+    return link
+
+
 @pytest.mark.parametrize("source, target, words", [
     (_step, lambda run: _step(run) / "hf", ["lies inside checkpoint"]),
     (_step, _step, ["lies inside checkpoint"]),
     (lambda run: run, lambda run: run / "checkpoints" / "hf", ["inside checkpoints/ of the run"]),
     (_step, lambda run: run / "final" / "hf", ["inside final/ of the run"]),
     (_step, lambda run: run / "metrics.jsonl", ["is a file"]),
+    (_step, lambda run: _link(run.parent / "hf", run.parent / "gone" / "hf"), ["is a link to", "which does not exist"]),
     (lambda run: run / "final", lambda run: run.parent / "hf", ["a Hugging Face model folder", "use it as it is"]),
 ], ids=["inside-the-checkpoint", "the-checkpoint-itself", "inside-checkpoints", "inside-final", "a-file",
-        "final-is-no-checkpoint"])
+        "a-link-to-nothing", "final-is-no-checkpoint"])
 def test_export_refuses_an_out_the_run_would_take_and_a_folder_that_is_no_checkpoint(capfd, earlier_run, tmp_path,
                                                                                       source, target, words):
     import shutil

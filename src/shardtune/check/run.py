@@ -8,7 +8,6 @@ and name the config key that caused a refusal."""
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 from shardtune.config.load import check_world
@@ -137,9 +136,9 @@ def check_export_folder(source, what: str, out) -> None:
     """An export's output folder: not a file, not inside what it exports (`source`, a `what`) or
     inside a run's folders that the run replaces, and new or empty."""
     from shardtune.checkpoint.rundir import refuse_inside_run
+    from shardtune.fsio import refuse_non_folder
 
-    if os.path.lexists(out) and not out.is_dir():
-        raise UserError(f"export folder {str(out)!r} is a file; choose a new folder")
+    refuse_non_folder(out, "export folder")
     if out.resolve() == source.resolve() or source.resolve() in out.resolve().parents:
         raise UserError(f"export folder {str(out)!r} lies inside {what} {str(source)!r} (removing that {what} "
                         "would remove the export); choose a folder outside it")

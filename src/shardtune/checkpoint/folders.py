@@ -133,6 +133,16 @@ def read_meta(path: Path) -> dict:
         raise UserError(f"{str(path)!r} is a peft adapter folder, not a shardtune checkpoint (no meta.json); use it "
                         f"as it is (eval, generate), fold it into its base with `shardtune export {path} OUT --merge`, "
                         "or give a checkpoint folder")
+    if not path.is_dir():
+        raise UserError(f"{str(path)!r} is a file, not a checkpoint folder; give a checkpoint folder "
+                        "(OUTPUT_DIR/checkpoints/step-N) or a run's output_dir")
+    if not (path / "meta.json").exists() and not (path / ".metadata").exists():  # no part of a checkpoint
+        if (path / "final").is_dir():
+            raise UserError(f"{str(path)!r} is a run folder without checkpoints; its "
+                            f"final/ is the trained model: use {str(path / 'final')!r} as it is (eval, generate, "
+                            "model.name_or_path)")
+        raise UserError(f"{str(path)!r} is not a shardtune checkpoint (no meta.json, no .metadata); give a checkpoint "
+                        "folder (OUTPUT_DIR/checkpoints/step-N) or a run's output_dir")
     if not (path / "meta.json").is_file() or not (path / ".metadata").is_file():
         raise UserError(f"{str(path)!r} is not a complete shardtune checkpoint (meta.json or .metadata missing: "
                         "an interrupted save?); use another checkpoint of the run")

@@ -54,7 +54,8 @@ def resolve_model(spec: str) -> tuple[str, Path | str]:
             or path.name == "checkpoints":
         return "checkpoint", resolve_checkpoint(path)
     if path.is_dir() and not (path / "config.json").is_file():
-        raise UserError(f"{spec!r} is neither a model folder (config.json) nor a shardtune checkpoint or run folder")
+        raise UserError(f"{spec!r} is neither a model folder (config.json) nor a shardtune checkpoint or run folder; "
+                        "give a model folder, a run folder (output_dir) or one of its checkpoints, or a Hub id")
     if path.exists():
         return "hf", path
     if hub_id(spec) is None:

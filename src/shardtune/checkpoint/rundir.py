@@ -15,7 +15,7 @@ from pathlib import Path
 from shardtune.checkpoint.folders import check_compatible, find_latest, read_meta, resolve_checkpoint, why_no_checkpoint
 from shardtune.distributed.process_group import LAUNCHER_ENV
 from shardtune.errors import UserError
-from shardtune.fsio import PARTIAL, json_loads, write_text_atomic
+from shardtune.fsio import PARTIAL, json_loads, refuse_non_folder, write_text_atomic
 from shardtune.telemetry.trackers import RUN_IDS
 
 # left in the output folder by a preempted run, for job scripts that cannot see the ranks' exit code
@@ -74,8 +74,7 @@ def claim_output_dir(out: Path, overwrite: bool, check_only: bool = False, resum
     """Refuse a folder that already holds a run unless `overwrite` (or `resuming` it), or that lies
     inside another run's own folders; then remove only the run's own files (never anything else the
     user keeps there). `check_only` changes nothing."""
-    if out.exists() and not out.is_dir():
-        raise UserError(f"output_dir {str(out)!r} is a file; choose another output_dir")
+    refuse_non_folder(out, "output_dir")
     refuse_inside_run(out, "output_dir")
     if resuming:
         overwrite = False  # a resumed run keeps its files
@@ -283,8 +282,7 @@ def make_output_dir(out: Path) -> Path | None:
     A folder that cannot be made is a one-line UserError now, before anything is built."""
     if out.is_dir():
         return None
-    if out.exists():
-        raise UserError(f"output_dir {str(out)!r} is a file; choose another output_dir")
+    refuse_non_folder(out, "output_dir")
     first = out
     while not first.parent.exists() and first.parent != first:
         first = first.parent

@@ -128,15 +128,24 @@ def _build(cls, data: Any, prefix: str):
                             f"{prefix}{next(iter(fields))}")
         key = getattr(cls, "KEY_ALIASES", {}).get(key, key)
         if key not in fields:
-            close = difflib.get_close_matches(key, fields, n=1)
-            hint = f"; did you mean {prefix}{close[0]}?" if close else f"; valid keys: {', '.join(fields)}"
-            raise UserError(f"unknown config key '{prefix}{key}'{hint}")
+            raise UserError(f"unknown config key '{prefix}{key}'{_key_hint(prefix, key, fields)}")
         aliases = getattr(cls, "VALUE_ALIASES", {}).get(key, {})
         value = next((new for old, new in aliases.items() if value is old), value)
         kwargs[key] = _coerce(hints[key], value, f"{prefix}{key}")
         if f"{prefix}{key}" in PATH_KEYS and isinstance(kwargs[key], str):
             kwargs[key] = os.path.expanduser(kwargs[key])
     return cls(**kwargs)
+
+
+def _key_hint(prefix: str, key: str, fields) -> str:
+    """The fix for an unknown key: a recipe that writes `train.lr: 1` at the top means the nested
+    key (YAML reads the dot as part of the name); else the closest name, or the valid ones."""
+    head, _, rest = key.partition(".")
+    if rest and head in fields:
+        return f"; a recipe nests keys: write {head}: then {rest}: indented below it (or pass {prefix}{key}=... " \
+               "on the command line)"
+    close = difflib.get_close_matches(key, fields, n=1)
+    return f"; did you mean {prefix}{close[0]}?" if close else f"; valid keys: {', '.join(fields)}"
 
 
 def _coerce(tp, value: Any, key: str):
@@ -177,6 +186,8 @@ def _coerce(tp, value: Any, key: str):
             raise UserError(f"{key} must be a list, got {_short(value)}; write it like {key}={example}")
         return [_coerce(inner, v, key) for v in value]
     if tp is dict:
+        if value is None:  # `config:` left empty in a recipe, or key=null: no entries
+            return {}
         if not isinstance(value, dict):
             raise UserError(f"{key} must be a mapping, got {_short(value)}")
         return _plain(value)
