@@ -219,8 +219,15 @@ def test_export_checks_cheap_things_first_and_is_one_line(capfd, earlier_run, tm
     meta = json.loads((edited / "meta.json").read_text())
     meta["config"]["train"]["lr_warmup"] = 3
     (edited / "meta.json").write_text(json.dumps(meta))
-    fails(capfd, ["export", str(edited), str(tmp_path / "out")], "train.lr_warmup")
+    fails(capfd, ["export", str(edited), str(tmp_path / "out")], "train.lr_warmup",
+          f"the run config saved in {str(edited / 'meta.json')!r}")
     assert not (tmp_path / "out").exists()
+    # a run folder's config.yaml, read by eval and generate: the file is named (not the user's typing)
+    run = tmp_path / "run"
+    shutil.copytree(earlier_run, run, symlinks=True)
+    (run / "config.yaml").write_text((run / "config.yaml").read_text() + "settings: 1\n")
+    fails(capfd, ["generate", str(run), "--prompt", "hi", "--max-new-tokens", "1"], "unknown config key 'settings'",
+          f"the run config saved in {str(run / 'config.yaml')!r}", "another version or edited")
 
 
 def test_an_interrupted_export_leaves_no_partial_folder(capfd, earlier_run, monkeypatch, tmp_path):

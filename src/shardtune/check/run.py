@@ -120,7 +120,7 @@ def check_export(spec: str, out, merge: bool = False) -> None:
     from pathlib import Path
 
     from shardtune.checkpoint.folders import read_meta, resolve_checkpoint
-    from shardtune.config.load import load_config
+    from shardtune.config.load import load_saved_config
 
     if merge:
         from shardtune.checkpoint.export import merge_source
@@ -129,7 +129,7 @@ def check_export(spec: str, out, merge: bool = False) -> None:
         return
     path = resolve_checkpoint(spec)
     check_export_folder(path, "checkpoint", out)
-    load_config(None, None, defaults=read_meta(path)["config"])
+    load_saved_config(path / "meta.json", read_meta(path)["config"])
 
 
 def check_export_folder(source, what: str, out) -> None:

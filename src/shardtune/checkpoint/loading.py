@@ -70,18 +70,18 @@ def load_model(spec: str, device: str = "cpu", weights: bool = True):
     brings the config of its run, so its data is found the same way wherever the model comes from."""
     model, tokenizer, hf_config, run_cfg = _load(spec, device, weights)
     if run_cfg is None and (run := run_folder(spec)) is not None:
-        from shardtune.config.load import load_config
+        from shardtune.config.load import load_saved_config
 
-        run_cfg = load_config(run / "config.yaml")
+        run_cfg = load_saved_config(run / "config.yaml")
     return model, tokenizer, hf_config, run_cfg
 
 
 def _load(spec: str, device: str, weights: bool):
     kind, where = resolve_model(spec)
     if kind == "checkpoint":
-        from shardtune.config.load import load_config
+        from shardtune.config.load import load_saved_config
 
-        run_cfg = load_config(None, None, defaults=read_meta(where)["config"])
+        run_cfg = load_saved_config(where / "meta.json", read_meta(where)["config"])
         if weights:
             model, tokenizer, _ = load_plain_model(where, device)
             return _folded(model), tokenizer, model.config, run_cfg

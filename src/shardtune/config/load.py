@@ -106,6 +106,18 @@ def load_config(recipe: str | Path | None, overrides: list[str] | None = None,
     return cfg
 
 
+def load_saved_config(path: Path, tree: dict | None = None) -> RunConfig:
+    """The config a run saved: its config.yaml at `path`, or the `tree` of a checkpoint's meta.json
+    (`path`). A refusal names that file, which the user never typed: a key of another shardtune
+    version, a hand edit."""
+    try:
+        return load_config(path if tree is None else None, None, defaults=tree)
+    except UserError as exc:
+        raise UserError(f"the run config saved in {str(path)!r} is not one this shardtune reads ({exc}); it was "
+                        "written by another version or edited: restore it, or use the shardtune that wrote "
+                        "it") from None
+
+
 def _recipe_text(path: Path) -> str:
     try:
         return path.read_text(encoding="utf-8")
