@@ -210,6 +210,20 @@ def test_a_users_file_is_not_replaced_by_generations(models, tmp_path, capsys):
     assert "--overwrite" in lines[0] and notes.read_text() == "my notes\n"
 
 
+@pytest.mark.parametrize("name", ["config.yaml", "metrics.jsonl"])
+def test_a_runs_own_files_are_not_replaced_by_generations_even_with_overwrite(models, tmp_path, capsys, name):
+    """--overwrite replaces a file of eval --generate's own, not the record of the run it reads."""
+    run = tmp_path / "run"
+    run.mkdir()
+    for mark in ("config.yaml", "metrics.jsonl"):
+        (run / mark).write_text(f"the run's {mark}\n")
+    code, _, err = quality([str(models[0]), "--generate", "2", "--data", str(tmp_path), "--out", str(run / name),
+                            "--overwrite"], capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and f"is the {name} of the run in" in lines[0], err
+    assert (run / name).read_text() == f"the run's {name}\n"
+
+
 def test_mauve_without_its_extra_says_how_to_get_it(capsys, models):
     try:
         import mauve  # noqa: F401

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from shardtune.checkpoint.loading import load_model, model_step, run_folder
+from shardtune.checkpoint.rundir import refuse_run_file
 from shardtune.errors import UserError
 from shardtune.evaluation import lengths, textscores
 from shardtune.evaluation.evaluate import data_config, generate, options_named
@@ -175,7 +176,8 @@ def run_quality(req: QualityRequest) -> dict:
 
     metrics = check_request(req)
     out = Path(req.out) if req.out else default_out(req.model)
-    refuse_foreign_file(out, "--out", "an output of `eval --generate`", OUT_MARK, req.overwrite)  # before any work
+    refuse_run_file(out, "--out")  # before any work
+    refuse_foreign_file(out, "--out", "an output of `eval --generate`", OUT_MARK, req.overwrite)
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     if "mauve" in metrics:
