@@ -135,14 +135,26 @@ def write_text_atomic(path: Path, text: str, sync: bool = False) -> None:
         raise
 
 
+def broken_link(path: Path) -> str | None:
+    """What a link that leads nowhere is, said for a message ("a link to 'x', which does not
+    exist", or one that loops), or None when `path` is no such link."""
+    if not os.path.islink(path) or os.path.exists(path):
+        return None
+    try:
+        os.stat(path)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return f"a link to {os.readlink(path)!r} that leads back to itself (a loop)"
+    return f"a link to {os.readlink(path)!r}, which does not exist"
+
+
 def refuse_non_folder(folder: Path, option: str) -> None:
     """An output folder's path that holds something else: a file, or a link that leads nowhere
     (followed, a write would create whatever the link names, wherever that is)."""
     if folder.is_dir() or not os.path.lexists(folder):
         return
-    if folder.is_symlink() and not folder.exists():
-        raise UserError(f"{option} {str(folder)!r} is a link to {os.readlink(folder)!r}, which does not exist; "
-                        f"create that folder, or choose another {option}")
+    if (link := broken_link(folder)) is not None:
+        raise UserError(f"{option} {str(folder)!r} is {link}; create that folder, or choose another {option}")
     raise UserError(f"{option} {str(folder)!r} is a file; choose another {option}")
 
 

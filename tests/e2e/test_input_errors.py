@@ -32,6 +32,12 @@ def test_missing_data_file(capfd, recipe, out, tmp_path):
           "missing.jsonl", "not found", "data.path")
     fails(capfd, ["train", recipe, f"data.path={tmp_path / 'train-*.jsonl'}", f"output_dir={out}"],
           "train-*.jsonl", "is a pattern", "point data.path at the folder")
+    (tmp_path / "loop.jsonl").symlink_to(tmp_path / "loop.jsonl")
+    (tmp_path / "dangling.jsonl").symlink_to(tmp_path / "gone.jsonl")
+    fails(capfd, ["train", recipe, f"data.path={tmp_path / 'loop.jsonl'}", f"output_dir={out}"],
+          "loop.jsonl", "leads back to itself (a loop)", "fix the link")
+    fails(capfd, ["train", recipe, f"data.path={tmp_path / 'dangling.jsonl'}", f"output_dir={out}"],
+          "is a link to", "gone.jsonl', which does not exist", "fix the link")
     assert (out / "notes.txt").read_text() == "mine, keep me\n"
 
 

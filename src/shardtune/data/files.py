@@ -5,13 +5,12 @@ file's fault. A folder that save_to_disk wrote is read as it was saved. Formats:
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
 from shardtune.data.layouts import builder_of, is_saved, kind_of, opened, read_saved, shown_suffix, supported
 from shardtune.errors import UserError, first_line
-from shardtune.fsio import json_loads
+from shardtune.fsio import broken_link, json_loads
 
 VAL_NAMES = ("validation", "valid", "val", "dev")
 
@@ -89,8 +88,8 @@ def _check_entry(path: Path) -> None:
     """One data file as the readers need it: there (a link that leads somewhere), a file (a folder
     named train.jsonl is not one), a regular one (reading a FIFO or device hangs)."""
     if not path.exists():
-        target = f"a link to {os.readlink(path)!r}, which does not exist" if path.is_symlink() else "gone"
-        raise UserError(f"data file {str(path)!r} is {target}; fix or remove it, or point data.path elsewhere")
+        raise UserError(f"data file {str(path)!r} is {broken_link(path) or 'gone'}; fix or remove it, or point "
+                        "data.path elsewhere")
     if path.is_dir():
         raise UserError(f"data file {str(path)!r} is a folder, not a file; rename or move it out of "
                         f"{str(path.parent)!r}, or point data.path at the files inside it")

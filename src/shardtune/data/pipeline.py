@@ -21,6 +21,7 @@ from shardtune.data.formats import IGNORE_INDEX
 from shardtune.data.layouts import builder_of, is_saved
 from shardtune.diskspace import no_room
 from shardtune.errors import UserError, first_line
+from shardtune.fsio import broken_link
 from shardtune.names import hub_id
 
 # ----------------------------------------------------------------------------- documents
@@ -40,6 +41,8 @@ def load_documents(cfg: DataConfig):
         if any(c in cfg.path for c in "*?["):  # a shell would have expanded it; a recipe's value is not
             raise UserError(f"data.path={cfg.path!r} is a pattern, and shardtune reads no patterns; point data.path "
                             "at the folder that holds the files (its train* and validation* files are the splits)")
+        if (link := broken_link(path)) is not None:
+            raise UserError(f"data.path={cfg.path!r} is {link}; fix the link, or point data.path elsewhere")
         if hub_id(cfg.path) is None or builder_of(cfg.path):  # a path not there: nothing to download
             raise UserError(f"data file {cfg.path!r} not found; check data.path")
         return datasets.load_dataset(cfg.path, cfg.name)
