@@ -20,6 +20,7 @@ warnings.warn("`is_gradient_checkpointing` is deprecated and will be removed in 
 warnings.warn("Found a non-scalar tensor with numel=1 and ndim!=0, we are implicitly creating a replicated "
               "DTensor for it.", UserWarning)
 warnings.warn("Position ids are not supported for parameter efficient tuning. Ignoring position ids.")  # peft's
+warnings.warn("Setting `save_embedding_layers` to `True` as embedding layers found in `target_modules`.")  # peft's
 warnings.warn("a warning nobody listed")
 from huggingface_hub.utils import http_backoff
 try:  # the Hub client's line per failed try of a request (port 1: nobody listens, refused at once)
@@ -29,7 +30,7 @@ except Exception:
 """
 NOISE = ("Failed to load", "is an Enum subclass and is now natively supported", "`is_gradient_checkpointing`",
          "Found a non-scalar tensor with numel=1", "thrown while requesting",
-         "Position ids are not supported")
+         "Position ids are not supported", "Setting `save_embedding_layers`")
 
 
 def console(quiet: bool) -> str:

@@ -30,6 +30,9 @@ QUIET_WARNINGS = [
     # peft dropping, by design, the position ids generate() passes to a prompt-tuning model (at every
     # token): the model numbers the positions itself; nothing for a user to change
     ("Position ids are not supported for parameter efficient tuning", UserWarning),
+    # peft saving the embedding or head weights with an adapter that targets them (its `save_embedding_layers`
+    # switched on for the user): what a user asked for, said as peft's own setting name
+    ("Setting `save_embedding_layers` to `True`", UserWarning),
 ]
 
 
