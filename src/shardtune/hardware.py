@@ -128,9 +128,10 @@ def parse_size(text: str, what: str, default_unit: str = "gib") -> int:
     """'16GiB', '16 GB', '15360MiB' or a bare number (in `default_unit`) -> bytes."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     unit = m.group(2).lower() if m else ""
-    if not m or unit not in _UNITS or not 0 < float(m.group(1)) * _UNITS[unit or default_unit] < 2 ** 63:
+    size = float(m.group(1)) * _UNITS[unit or default_unit] if m and unit in _UNITS else 0.0
+    if not 1 <= size < 2 ** 63:  # under one byte is 0 bytes once whole (0.0000000001 GiB)
         raise UserError(f"{what} {str(text)[:40]!r} is not a memory size; write it like 16GiB, 80GB or 15360MiB")
-    return int(float(m.group(1)) * _UNITS[unit or default_unit])
+    return int(size)
 
 
 # ---------------------------------------------------------------------------- fixed overheads

@@ -34,6 +34,9 @@ def test_every_option_has_a_declared_type():
     (["generate", "m", "--prompt", "hi", "--seed", str(2 ** 64)], "--seed: must be at most 9223372036854775807"),
     (["generate", "m", "--prompt", "hi", "--seed", "9" * 400], "got a number of 400 digits"),
     (["train", "--nproc", "2000"], "--nproc: must be at most 1024, got 2000"),
+    # a size under one byte is 0 bytes once whole: a GPU of 0 bytes was planned for
+    (["plan", "--gpus", "1", "--gpu-mem", "0.0000000001"], "--gpu-mem: '0.0000000001' is not a memory size"),
+    (["plan", "--gpus", "1", "--gpu-mem", "16GiB", "--host-mem", "0.5b"], "--host-mem: '0.5b' is not a memory size"),
 ])
 def test_a_value_of_the_wrong_type_is_refused_while_parsing(capsys, argv, needle):
     assert main(argv) == 2

@@ -212,3 +212,49 @@ def test_a_layout_within_1_percent_of_the_best_is_a_tie_not_slower():
 
     lines = _others([fitting("bf16", "none", 145_595), fitting("fp32", "full", 109_393)], best_tokens_per_s=145_177)
     assert [line.split(":")[0].strip() for line in lines[2:]] == ["fits, a tie (within 1 %)", "fits, slower"], lines
+
+
+def test_the_largest_micro_batch_is_never_below_the_best_that_fits():
+    """The winner at the recipe's global batch (one micro-step: no second micro-step's gradients)
+    fit where the same micro-batch at accumulation 2 did not, and the answer's 'largest micro-batch
+    that fits this layout' was printed below the winner's own (Llama-70B-sized on 2 x 8 H100: 2
+    beside a best of 4). It is priced at the recipe's global batch where that divides."""
+    import copy
+
+    from shardtune.model.hf import load_hf_config
+    from shardtune.plan.cost import Candidate, Target
+    from shardtune.plan.report import largest_micro_batch
+    from shardtune.plan.search import estimate, layout_cfg, screen
+
+    cfg = tiny_cfg("llama", "train.micro_batch_size=4", "train.global_batch_size=4")
+    hf_config = load_hf_config(cfg.model)
+    layout = Candidate("full_shard", "fp32", 4, "none")
+    at = screen(layout_cfg(cfg, layout, Target(1, 1, 1 << 40, None)), hf_config, Target(1, 1, 1 << 40, None))
+    twice = copy.deepcopy(cfg)
+    twice.train.global_batch_size = 8
+    one, two = (estimate(at(4), hf_config, layout, c, Target(1, 1, 1 << 40, None)).memory["total"]
+                for c in (cfg, twice))
+    assert one < two  # the second micro-step's gradients
+    target = Target(1, 1, int((one + two) / 2 / 0.95), None)  # the best fits, accumulation 2 does not
+    best = estimate(at(4), hf_config, layout, cfg, target)
+    best.at = at
+    assert best.fits and largest_micro_batch(best, cfg, hf_config, target) >= 4
+
+
+def test_a_multi_node_command_line_leaves_the_head_node_to_the_shell():
+    """The torchrun line for several nodes named the rendezvous host $HEAD inside single quotes, so
+    the shell passed torchrun the text '$HEAD:29500' instead of the first node's host."""
+    import subprocess
+
+    from shardtune.plan.cost import Candidate, Target
+    from shardtune.plan.report import command_line
+    from shardtune.plan.search import Estimate
+
+    cfg = tiny_cfg("gpt2")
+    est = Estimate(Candidate("hybrid_shard", "bf16", 2), {}, {}, 1.0, 1.0, 1, True)
+    line = command_line(est, cfg, Target(4, 2, 1 << 34, None), "my recipe.yaml", ["train.lr=1e-3"])
+    shown = subprocess.run(["bash", "-c", f'HEAD=node-7; torchrun() {{ printf "%s\\n" "$@"; }}; {line}'],
+                           capture_output=True, text=True, check=True).stdout.splitlines()
+    assert shown[shown.index("--rdzv_endpoint") + 1] == "node-7:29500"
+    assert shown[shown.index("-m"):][:4] == ["-m", "shardtune", "train", "my recipe.yaml"]
+    assert "fsdp.shard_size=4" in shown and "fsdp.replicate_size=2" in shown

@@ -5,6 +5,7 @@ bad input refused before any trial."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import math
@@ -112,6 +113,43 @@ def test_search_without_optuna_names_its_extra(assets, tmp_path, monkeypatch, ca
     assert code == 2 and "pip install 'shardtune[tune]'" in capsys.readouterr().err
 
 
+def test_a_storage_of_another_schema_is_one_line(assets, tmp_path, monkeypatch, capsys):
+    """A database that opens but is not Optuna's (a `studies` table of its own) was a traceback of
+    optuna's StorageInternalError; it is one line, and the database's own rows are kept."""
+    import sqlite3
+
+    calls = []
+    fake_trials(monkeypatch, calls)
+    db = tmp_path / "mine.db"
+    with contextlib.closing(sqlite3.connect(db)) as con:
+        con.execute("create table studies (x integer)")
+        con.execute("insert into studies values (7)")
+        con.commit()
+    code = main(["sweep", *overrides(assets, tmp_path), "--search", "train.lr=uniform:0.1:0.2", "--storage",
+                 f"sqlite:///{db}", "--out", str(tmp_path / "s")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "cannot use study 's' in --storage" in err[0], err
+    assert "no column named study_name" in err[0] and calls == []
+    with contextlib.closing(sqlite3.connect(db)) as con:
+        assert con.execute("select x from studies").fetchall() == [(7,)]
+
+
+def test_another_study_in_the_same_folder_keeps_the_first_ones_trials(assets, tmp_path, monkeypatch):
+    """Trial numbers start at 0 in every study: a second --study-name in the same --out reran
+    trials/trial-0000 over the first study's (each trial overwrites its folder)."""
+    calls = []
+    fake_trials(monkeypatch, calls)
+    out = tmp_path / "search"
+    argv = ["sweep", *overrides(assets, tmp_path), "--search", "train.lr=loguniform:1e-5:1e-1", "--steps", "2",
+            "--trials", "1", "--out", str(out)]
+    assert main(argv) == 0
+    first = (out / "trials" / "trial-0000" / "metrics.jsonl").read_bytes()
+    assert main([*argv, "--study-name", "other"]) == 0
+    assert main([*argv, "--study-name", "an other/one"]) == 0
+    assert calls[:2] == ["trial-0000", "trial-0000-other"] and calls[2].startswith("trial-0000-anotherone-")
+    assert (out / "trials" / "trial-0000" / "metrics.jsonl").read_bytes() == first
+
+
 def test_a_pruned_trial_process_is_stopped(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     start = time.perf_counter()
@@ -139,6 +177,14 @@ def test_a_pruned_trial_process_is_stopped(tmp_path):
     # a key the sweep sets for each trial: every point the same run
     (["--search", "train.max_steps=int:1:3"], "--search train.max_steps is set per trial by --steps; sweep other"),
     (["--search", "eval.at_start=choice:true,false"], "eval.at_start is set per trial by the sweep (it measures"),
+    # what the grid refuses of each point, refused of each corner (it ran every trial to its failure)
+    (["--search", "train.lr=uniform:0.1:0.2", "kernels=liger"], "train.lr=0.1: kernels=liger needs a CUDA GPU"),
+    (["--search", "train.global_batch_size=choice:8,10", "--search", "train.weight_decay=uniform:0:0.1", "--nproc",
+      "2"],
+     "--search train.global_batch_size=10: train.global_batch_size=10 is not divisible by micro_batch_size x ranks"),
+    # a micro-batch the planner picks: a traceback (the world check multiplied "auto")
+    (["--search", "train.lr=uniform:0.1:0.2", "train.micro_batch_size=auto", "--nproc", "3"],
+     "train.micro_batch_size=auto keeps train.global_batch_size=8, which 3 ranks do not divide"),
 ])
 def test_bad_search_input_is_one_line_before_any_trial(assets, tmp_path, monkeypatch, capsys, extra, needle):
     calls = []

@@ -169,6 +169,8 @@ def test_the_search_probes_few_micro_batches():
     (["--grid", "precision=bf16,fp32", "--steps", "0"], "--steps: must be at least 1"),
     (["--grid", "train.micro_batch_size=2,3"], "train.micro_batch_size=3"),
     (["--grid", "precision=bf16", "--nproc", "3"], "not divisible by micro_batch_size x ranks = 2 x 3"),
+    # no grid: the recipe's own line, not one of a "--grid :" point that was never given
+    (["--max-batch", "--nproc", "3"], "error: train.global_batch_size=8 is not divisible by --nproc 3"),
     (["--grid", "output_dir=a,b"], "--grid output_dir is set per trial by --out"),
     # a key the sweep sets for each trial, or values that mean the same: every point the same run
     (["--grid", "train.max_steps=1,2"], "--grid train.max_steps is set per trial by --steps; sweep other keys"),

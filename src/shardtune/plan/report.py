@@ -115,13 +115,17 @@ def run_plan(req: PlanRequest, cfg: RunConfig, recipe: str | None, overrides: li
 
 def largest_micro_batch(est: Estimate, cfg: RunConfig, hf_config, target: Target, limit: int = 14,
                         cache: TraceCache | None = None) -> int:
-    """The largest power-of-two micro-batch of `est`'s layout that fits, whatever the global batch."""
+    """The largest power-of-two micro-batch of `est`'s layout that fits: at the recipe's global batch
+    where it divides (what a run of it holds), else at any global batch that takes it (accumulation 2
+    and more hold the second micro-step's gradients, which one micro-step does not). Priced at
+    accumulation 2 throughout, it fell below the best's own micro-batch where that fits at 1."""
     c = est.candidate
     at = est.at or screen(layout_cfg(cfg, c, target), hf_config, target, cache=cache)
     best = 0
+    kept = cfg.train.global_batch_size
     for mb in (2 ** i for i in range(limit)):
         big = copy.deepcopy(cfg)
-        big.train.global_batch_size = 2 * mb * target.world
+        big.train.global_batch_size = kept if kept % (mb * target.world) == 0 else 2 * mb * target.world
         if not estimate(at(mb), hf_config, dataclasses.replace(c, micro_batch=mb), big, target).fits:
             break
         best = mb
@@ -142,9 +146,11 @@ def command_line(est: Estimate, cfg: RunConfig, target: Target, recipe: str | No
     head = ["shardtune", "train", *([recipe] if recipe else [])]
     if target.nodes == 1:
         return shlex.join([*head, *words, "--nproc", str(target.gpus_per_node)])
-    return shlex.join(["torchrun", "--nnodes", str(target.nodes), "--nproc_per_node", str(target.gpus_per_node),
-                       "--rdzv_backend", "c10d", "--rdzv_endpoint", "$HEAD:29500", "-m", *head[0:1],
-                       *head[1:], *words])
+    # the endpoint is left for the shell to expand ($HEAD: the first node's host, as in README's
+    # multi-node line); quoted as the other words are, it reached torchrun as the text "$HEAD"
+    return " ".join([shlex.join(["torchrun", "--nnodes", str(target.nodes), "--nproc_per_node",
+                                 str(target.gpus_per_node), "--rdzv_backend", "c10d", "--rdzv_endpoint"]),
+                     '"$HEAD:29500"', shlex.join(["-m", *head, *words])])
 
 
 def _json(est: Estimate, cfg, target, recipe, overrides) -> dict:

@@ -144,8 +144,6 @@ def parse_grid(texts: list[str]) -> list[tuple[str, list[str]]]:
 def check(sweep: Sweep) -> None:
     """Everything that can be refused before a trial starts: every grid point must load as a
     valid config whose batch sizes divide over the ranks, and run on this machine."""
-    from shardtune.config.load import check_world
-
     if sweep.steps < 1:
         raise UserError(f"--steps must be at least 1, got {sweep.steps}")
     if sweep.eval_steps is not None and sweep.eval_steps < 1:
@@ -170,23 +168,31 @@ def check(sweep: Sweep) -> None:
             if same != where:
                 raise UserError(f"it is the same run as --grid {same} (the values mean the same); list each "
                                 "value once")
-            if cfg.train.micro_batch_size == "auto":
-                from shardtune.config.load import auto_micro_batches
-
-                auto_micro_batches(cfg.train.global_batch_size, sweep.nproc)
-            elif sweep.max_batch:
-                if cfg.activation_checkpointing == "auto":  # its trials' memory follows the mode auto picks per size
-                    raise UserError("--max-batch searches the micro-batch of one layout; set activation_checkpointing "
-                                    "to a mode, or drop --max-batch to let train.micro_batch_size=auto choose both")
-                if not micro_batch_candidates(cfg, sweep.nproc):
-                    raise UserError(f"train.global_batch_size={cfg.train.global_batch_size} is not divisible by "
-                                    f"--nproc {sweep.nproc}; change one of them")
-            else:
-                check_world(cfg, sweep.nproc)
-            machine_checks(cfg, sweep.device)
+            check_trial(sweep, cfg)
         except UserError as exc:
+            if not point:  # --max-batch alone: the recipe's own line, as train's
+                raise
             raise UserError(f"--grid {where}: {exc}") from None
     check_models(sweep, sweep.points(), "--grid")
+
+
+def check_trial(sweep: Sweep, cfg) -> None:
+    """What one trial's config must pass here, before any trial runs (the grid's points and the
+    search's corners alike): its batch divides over the ranks, and this machine can run it."""
+    from shardtune.config.load import auto_micro_batches, check_world
+
+    if cfg.train.micro_batch_size == "auto":
+        auto_micro_batches(cfg.train.global_batch_size, sweep.nproc)
+    elif sweep.max_batch:
+        if cfg.activation_checkpointing == "auto":  # its trials' memory follows the mode auto picks per size
+            raise UserError("--max-batch searches the micro-batch of one layout; set activation_checkpointing "
+                            "to a mode, or drop --max-batch to let train.micro_batch_size=auto choose both")
+        if not micro_batch_candidates(cfg, sweep.nproc):
+            raise UserError(f"train.global_batch_size={cfg.train.global_batch_size} is not divisible by "
+                            f"--nproc {sweep.nproc}; change one of them")
+    else:
+        check_world(cfg, sweep.nproc)
+    machine_checks(cfg, sweep.device)
 
 
 def check_mem_limit(sweep: Sweep) -> None:

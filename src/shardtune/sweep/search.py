@@ -8,14 +8,16 @@ resumes with the same command, and several machines can work on one study."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
+import re
 import warnings
 from pathlib import Path
 
 from shardtune.errors import UserError, first_line
 from shardtune.fsio import json_loads
-from shardtune.sweep.grid import Sweep, check_mem_limit, check_overrides, open_folder, set_device
+from shardtune.sweep.grid import Sweep, check_mem_limit, check_overrides, check_trial, open_folder, set_device
 from shardtune.sweep.trial import run_trial
 
 DISTRIBUTIONS = ("loguniform", "uniform", "int", "logint", "choice")
@@ -151,13 +153,11 @@ def check(sweep: Sweep, search: Search) -> None:
         check_kind(param)
         for value in param.corners():
             try:
-                cfg = sweep.config({param.key: value})
+                check_trial(sweep, sweep.config({param.key: value}))
             except UserError as exc:
                 raise UserError(f"--search {param.key}={value}: {exc}") from None
-    from shardtune.config.load import check_world
     from shardtune.sweep.grid import check_models
 
-    check_world(cfg, sweep.nproc)
     check_models(sweep, [{p.key: value} for p in search.space for value in p.corners()], "--search")
 
 
@@ -195,10 +195,16 @@ def open_study(sweep: Sweep, search: Search):
     # to the one optuna's own handler kept from when it was made
     optuna.logging.disable_default_handler()
     name = search.study_name or sweep.out.resolve().name
-    study = optuna.create_study(study_name=name, storage=storage, load_if_exists=True, direction="minimize",
-                                sampler=make_sampler(search), pruner=make_pruner(search))
+    try:  # a database that opens may still not be Optuna's (another schema), or hold a study it cannot join
+        study = optuna.create_study(study_name=name, storage=storage, load_if_exists=True, direction="minimize",
+                                    sampler=make_sampler(search), pruner=make_pruner(search))
+        saved = study.user_attrs.get("spec")
+    except Exception as exc:  # noqa: BLE001  optuna's and sqlalchemy's errors for a foreign database or study
+        cause = exc.__cause__ or exc  # optuna wraps the database's own error, which says what is wrong
+        raise UserError(f"cannot use study {name!r} in --storage {url!r} ({type(cause).__name__}: "
+                        f"{first_line(cause, 160)}); give a --storage of Optuna's own (a new file is made), or "
+                        "another --study-name") from None
     spec = {**search.spec(), "trial": sweep.spec()}
-    saved = study.user_attrs.get("spec")
     if saved is None:
         study.set_user_attr("spec", json_loads(json.dumps(spec)))
     elif saved != json_loads(json.dumps(spec)):
@@ -250,7 +256,8 @@ def objective_of(sweep: Sweep, search: Search, cap):
 
     def objective(trial) -> float:
         point = {p.key: str(p.suggest(trial)) for p in search.space}
-        record = run_trial(sweep, point, f"trial-{trial.number:04d}", cap, watch=reporter(trial, key))
+        name = trial_folder(sweep, trial.study.study_name, trial.number)
+        record = run_trial(sweep, point, name, cap, watch=reporter(trial, key))
         trial.set_user_attr("record", json_loads(json.dumps(record, default=str)))
         print(f"  trial {trial.number}: {' '.join(f'{k}={v}' for k, v in point.items())} -> "
               f"{record['status']}" + (f" ({record['note']})" if record.get("note") else ""), flush=True)
@@ -265,6 +272,19 @@ def objective_of(sweep: Sweep, search: Search, cap):
         return float(values[-1])
 
     return objective
+
+
+def trial_folder(sweep: Sweep, study_name: str, number: int) -> str:
+    """A trial's folder under OUT/trials: trial-NNNN for the folder's own study (its name), else
+    the study's name beside the number, so another --study-name in the same --out never reruns
+    (and so overwrites) a trial folder of the first study."""
+    own = f"trial-{number:04d}"
+    if study_name == sweep.out.resolve().name:
+        return own
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "", study_name)[:60]
+    if safe != study_name:  # two names that lose different characters stay apart
+        safe += "-" + hashlib.sha1(study_name.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    return f"{own}-{safe}"
 
 
 def finished(study) -> int:
