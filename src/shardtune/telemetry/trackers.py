@@ -176,6 +176,20 @@ def wandb_artifact(run, how: str):
     return log
 
 
+def _point_mlflow(mlflow, out: Path) -> None:
+    """MLflow at MLFLOW_TRACKING_URI, else at a file store in the run folder. mlflow.set_tracking_uri
+    also exports its URI as MLFLOW_TRACKING_URI (for its subprocesses): the user's environment is put
+    back, or every later run of this process (a notebook, a library caller) would log into this one's folder."""
+    user_uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if user_uri is None:
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # local files: no server needed
+    try:
+        mlflow.set_tracking_uri(user_uri or (out / "mlruns").resolve().as_uri())  # always: an earlier run set its own
+    finally:
+        if user_uri is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+
+
 def _mlflow_run_exists(mlflow, run_id: str) -> bool:
     try:
         mlflow.get_run(run_id)
@@ -257,11 +271,7 @@ class Trackers:
                                         for tag, h in hists.items()}, step=step)))
         elif name == "mlflow":
             mlflow = _require("mlflow", name)
-            if "MLFLOW_TRACKING_URI" in os.environ:  # said again: an earlier run of this process set its own
-                mlflow.set_tracking_uri(os.environ["MLFLOW_TRACKING_URI"])
-            else:
-                os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # local files: no server needed
-                mlflow.set_tracking_uri((out / "mlruns").resolve().as_uri())
+            _point_mlflow(mlflow, out)
             mlflow.set_experiment(project)
             earlier = self.ids.get("mlflow")
             if earlier and _mlflow_run_exists(mlflow, earlier):  # a resume: the same run (its params stand)
