@@ -5,8 +5,14 @@ written destroyed."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 from test_errors import _isolated, datasets_cache, fails, out, qs_assets, recipe, snapshot  # noqa: F401
+from test_outputs import earlier_run, tree  # noqa: F401 - a finished run with checkpoints
+
+from shardtune.cli.main import main
+from shardtune.errors import UserError
 
 
 @pytest.mark.parametrize("epochs", ["1e308", "1e30"], ids=["overflows", "past-the-counter"])
@@ -17,3 +23,28 @@ def test_more_epochs_than_a_step_counter_holds(capfd, recipe, out, epochs):
     fails(capfd, ["train", recipe, f"output_dir={out}", "train.max_steps=0", f"train.epochs={epochs}"],
           f"train.epochs={float(epochs):g}", "per epoch", "2**63-1", "train.max_steps")
     assert snapshot(out) == before
+
+
+# ----------------------------------------------------------------------------- outputs of the commands about a run
+
+
+def test_no_command_writes_inside_a_runs_own_folders(capfd, earlier_run, recipe, tmp_path):
+    """report --out, sweep --out, slurm -o and eval --generate --out inside a run's checkpoints/,
+    final/, profile/ or publish/ would go with that run's --overwrite or be replaced by its saves:
+    refused in one line like output_dir and export's folder (`fsio.refuse_inside_run`, called by
+    the checks of every command's output), nothing written."""
+    from shardtune.fsio import refuse_foreign_file
+
+    run = tmp_path / "run"
+    shutil.copytree(earlier_run, run)
+    before = tree(run)
+    fails(capfd, ["report", str(run), "--out", str(run / "checkpoints" / "report")], "report folder",
+          "inside checkpoints/ of the run", "choose another report folder outside it")
+    fails(capfd, ["sweep", recipe, "--grid", "train.lr=1e-3,2e-3", "--out", str(run / "profile"), "--steps", "1"],
+          "--out", "inside profile/ of the run")
+    fails(capfd, ["slurm", recipe, "--nodes", "1", "--gpus-per-node", "1", "-o", str(run / "final" / "job.sh")],
+          "-o", "inside final/ of the run")
+    with pytest.raises(UserError, match="inside publish/ of the run"):  # eval --generate --out's check
+        refuse_foreign_file(run / "publish" / "generation.json", "--out", "an output of `eval --generate`", "mark")
+    assert tree(run) == before
+    assert main(["report", str(run), "--out", str(tmp_path / "report")]) == 0  # beside it: fine

@@ -136,7 +136,7 @@ def check_export(spec: str, out, merge: bool = False) -> None:
 def check_export_folder(source, what: str, out) -> None:
     """An export's output folder: not a file, not inside what it exports (`source`, a `what`) or
     inside a run's folders that the run replaces, and new or empty."""
-    from shardtune.checkpoint.rundir import refuse_inside_run
+    from shardtune.fsio import refuse_inside_run
 
     if os.path.lexists(out) and not out.is_dir():
         raise UserError(f"export folder {str(out)!r} is a file; choose a new folder")
