@@ -171,6 +171,20 @@ def test_every_value_is_checked_by_its_type(override, needle):
         load_config(None, ["model.config={model_type: gpt2}", "data.path=x", override])
 
 
+@pytest.mark.parametrize("override, needle", [
+    ("log.trackers=[tensorboard,mlflow,tensorboard]", "log.trackers lists tensorboard twice; name each once, "
+                                                      "e.g. log.trackers=[tensorboard,mlflow]"),
+    ("peft.target_modules=[c_attn,c_attn]", "peft.target_modules lists c_attn twice"),
+])
+def test_a_list_of_names_names_each_once(override, needle):
+    """A tracker listed twice logged every point twice (TensorBoard) or failed once the model was
+    built, on a line blaming its settings (MLflow)."""
+    with pytest.raises(UserError, match=re.escape(needle)):
+        load_config(None, ["model.config={model_type: gpt2}", "data.path=x", "peft.method=lora", override])
+    assert load_config(None, ["model.config={model_type: gpt2}", "data.path=x",
+                              "train.betas=[0.9,0.9]"]).train.betas == [0.9, 0.9]  # numbers may repeat
+
+
 def test_list_sep_may_be_empty():
     assert load_config(None, ["model.config={model_type: gpt2}", "data.path=x", "data.list_sep=''"]).data.list_sep == ""
 

@@ -96,8 +96,20 @@ def check_values(cfg) -> None:
         items = value if isinstance(value, list) else [value]
         if isinstance(value, list) and not value and f.default is None:
             raise UserError(f"{key}=[] is empty; leave {key} unset for the default, or list what you mean")
+        _refuse_repeated_names(key, value)
         for item in items:
             _check_value(key, item)
+
+
+def _refuse_repeated_names(key: str, value) -> None:
+    """A list of names (trackers, modules) names each thing once: a second tracker of one kind
+    logged every point twice, or failed to start beside the first (MLflow's one active run)."""
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        return
+    twice = next((item for i, item in enumerate(value) if item in value[:i]), None)
+    if twice is not None:
+        once = ",".join(dict.fromkeys(value))
+        raise UserError(f"{key} lists {twice} twice; name each once, e.g. {key}=[{once}]")
 
 
 def _check_value(key: str, value) -> None:
