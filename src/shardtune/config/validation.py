@@ -292,6 +292,15 @@ def is_repo_id(text: str) -> bool:
     return bool(REPO_ID.fullmatch(text)) and "--" not in text and ".." not in text
 
 
+def is_branch_name(name: str) -> bool:
+    """git check-ref-format --branch's rules, which the Hub's branches (git refs) follow."""
+    if name in ("@", "HEAD") or name.startswith(("-", "/")) or name.endswith(("/", ".")):
+        return False
+    if any(bad in name for bad in ("..", "//", "@{", "\\")) or any(c in " ~^:?*[" or not c.isprintable() for c in name):
+        return False
+    return all(part and not part.startswith(".") and not part.endswith(".lock") for part in name.split("/"))
+
+
 def _validate_publish(cfg) -> None:
     p = cfg.publish
     if p.wandb_artifacts != "none" and "wandb" not in cfg.log.trackers:
@@ -302,8 +311,10 @@ def _validate_publish(cfg) -> None:
     if not is_repo_id(p.hub_repo):
         raise UserError(f"publish.hub_repo={p.hub_repo!r} is not a Hub repo id; write namespace/name "
                         "(letters, digits, - _ .), e.g. publish.hub_repo=my-user/opt-arxiv")
-    if not p.revision or p.revision.startswith(("/", "-")) or ".." in p.revision or " " in p.revision:
-        raise UserError(f"publish.revision={p.revision!r} is not a branch name; e.g. publish.revision=main")
+    if not is_branch_name(p.revision):  # else refused by the Hub at the first upload, a warning
+        raise UserError(f"publish.revision={p.revision!r} is not a branch name (git's rules: no spaces, "
+                        "~ ^ : ? * [ \\, '..', '//' or '@{', no part starting with . or ending in .lock); "
+                        "e.g. publish.revision=dev")
     if p.checkpoints and not (cfg.checkpoint.every_steps or cfg.checkpoint.at_epoch_end):
         raise UserError("publish.checkpoints uploads each checkpoint, but none are saved; set "
                         "checkpoint.every_steps=N (or publish.checkpoints=false for the final model only)")
