@@ -48,3 +48,15 @@ def test_no_command_writes_inside_a_runs_own_folders(capfd, earlier_run, recipe,
         refuse_foreign_file(run / "publish" / "generation.json", "--out", "an output of `eval --generate`", "mark")
     assert tree(run) == before
     assert main(["report", str(run), "--out", str(tmp_path / "report")]) == 0  # beside it: fine
+
+
+def test_a_resume_whose_epochs_end_before_its_checkpoint_is_refused(capfd, earlier_run, recipe, tmp_path):
+    """As train.max_steps below the checkpoint's step is: fewer epochs than the checkpoint has
+    trained resumed, trained nothing and rewrote final/ with exit 0."""
+    run = tmp_path / "run"
+    shutil.copytree(earlier_run, run)
+    before = tree(run)
+    fails(capfd, ["train", recipe, f"output_dir={run}", "resume=auto", "train.max_steps=0", "train.epochs=0.001",
+                  "checkpoint.every_steps=1", "checkpoint.keep_last=0", "eval.every_steps=0"],
+          "train.epochs=0.001 is 1 step(s) of this data", "(2, ", "raise train.epochs or set train.max_steps")
+    assert tree(run) == before

@@ -133,6 +133,10 @@ class Trainer:
                                  committed=lambda folder, step: self.publishing.committed(folder, step))
         # the checkpoint is input too: read whole before the folder changes (metrics trimmed, stale saves removed)
         meta = self.ckpt.load(resume_from) if resume_from else None
+        if self.state.step > self.total_steps:  # train.max_steps is checked with the folder; epochs need the data
+            raise UserError(f"train.epochs={t.epochs:g} is {self.total_steps} step(s) of this data, below the step of "
+                            f"the checkpoint it resumes ({self.state.step}, {resume_from!r}): nothing would train; "
+                            "raise train.epochs or set train.max_steps, or start over in a new output_dir")
         rank0_first(dist, lambda: prepare_run_dir(cfg, overwrite, out=out) if dist.is_main else None)
         self.publishing = Publishing(cfg, out, run.publishes, dist.is_main, self.say, resuming=bool(resume_from))
         if note := space_warning(out / "checkpoints", cfg.checkpoint, checkpoint_bytes(model, dist.world_size),
