@@ -60,3 +60,20 @@ def test_a_resume_whose_epochs_end_before_its_checkpoint_is_refused(capfd, earli
                   "checkpoint.every_steps=1", "checkpoint.keep_last=0", "eval.every_steps=0"],
           "train.epochs=0.001 is 1 step(s) of this data", "(2, ", "raise train.epochs or set train.max_steps")
     assert tree(run) == before
+
+
+@pytest.mark.parametrize("tracker, folder", [("tensorboard", "tensorboard"), ("mlflow", "mlruns"),
+                                             ("wandb", "wandb")])
+def test_a_tracker_whose_folder_is_a_file_is_refused_before_the_build(capfd, monkeypatch, recipe, out, tracker,
+                                                                       folder):
+    """Refused once the model was built, on a line that said to fix the tracker's settings (MLflow
+    wrote its store somewhere else and the run went on)."""
+    pytest.importorskip(tracker)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    (out / folder).write_text("mine\n")
+    before = snapshot(out)
+    line = fails(capfd, ["train", recipe, f"output_dir={out}", f"log.trackers=[{tracker}]"],
+                 f"log.trackers: {tracker} writes into {str(out / folder)!r}, which is a file", "move that file")
+    assert "model:" not in capfd.readouterr().out + line
+    assert snapshot(out) == before
