@@ -6,7 +6,7 @@ for any filesystem failure at any output (the CLI's handler calls `fs_failure_li
   load as a model).
 - `write_text_atomic(path, text)`: the same for one file.
 - `refuse_foreign(folder, ...)`, `refuse_foreign_file(path, ...)`: a command replaces only a folder
-  or a file of its own kind.
+  or a file of its own kind, and writes nothing inside a run's own folders (`refuse_inside_run`).
 """
 
 from __future__ import annotations
@@ -158,10 +158,36 @@ def refuse_non_folder(folder: Path, option: str) -> None:
     raise UserError(f"{option} {str(folder)!r} is a file; choose another {option}")
 
 
+RUN_MARKS = ("config.yaml", "metrics.jsonl")  # every run writes both: a folder with them is a run
+RUN_DIRS = ("final", "checkpoints", "profile", "publish")  # a run's own folders, replaced by its saves
+
+
+def enclosing_run(out: Path) -> tuple[Path, str] | None:
+    """(a run's folder, which of its RUN_DIRS) when `out` is, or lies inside, a folder of another
+    run that the run itself replaces (--overwrite, checkpoint rotation, its final save); a run is a
+    folder with all of RUN_MARKS, so a user's own folder named final/ is not one."""
+    path = Path(out).resolve()
+    for inner in (path, *path.parents):
+        if inner.name in RUN_DIRS and all((inner.parent / name).is_file() for name in RUN_MARKS):
+            return inner.parent, inner.name
+    return None
+
+
+def refuse_inside_run(out: Path, option: str) -> None:
+    """An output inside a run's own folders (checkpoints/, final/, ...) is replaced by that run's
+    saves or its --overwrite: refused, for every command that writes one."""
+    if (owner := enclosing_run(out)) is not None:
+        run, inner = owner
+        raise UserError(f"{option} {str(out)!r} is or lies inside {inner}/ of the run in {str(run)!r}, which that "
+                        f"run's --overwrite or its saves replace; choose another {option} outside it")
+
+
 def refuse_foreign(folder: Path, option: str, kind: str, ours) -> None:
     """Refuse to write into `folder` when it holds anything `ours(name)` does not claim (another
-    run, a user's files): only a folder of the command's own kind is replaced without asking."""
+    run, a user's files), or lies inside a run's own folders: only a folder of the command's own
+    kind is replaced without asking."""
     refuse_non_folder(folder, option)
+    refuse_inside_run(folder, option)
     if not folder.is_dir():
         return
     foreign = sorted(p.name for p in folder.iterdir() if not ours(p.name) and PARTIAL not in p.name)
@@ -176,6 +202,7 @@ def refuse_foreign_file(path: Path, option: str, kind: str, mark: str, overwrite
     path = Path(path)
     if os.path.isdir(path):
         raise UserError(f"{option} {str(path)!r} is a folder; give a file name")
+    refuse_inside_run(path, option)
     if overwrite or not os.path.lexists(path):
         return
     try:

@@ -183,6 +183,20 @@ def test_a_free_form_mapping_left_empty_is_empty(tmp_path, text):
     assert load_config(recipe, ["model.name_or_path=gpt2"]).model.config == {}
 
 
+@pytest.mark.parametrize("override, needle", [
+    ("log.trackers=[tensorboard,mlflow,tensorboard]", "log.trackers lists tensorboard twice; name each once, "
+                                                      "e.g. log.trackers=[tensorboard,mlflow]"),
+    ("peft.target_modules=[c_attn,c_attn]", "peft.target_modules lists c_attn twice"),
+])
+def test_a_list_of_names_names_each_once(override, needle):
+    """A tracker listed twice logged every point twice (TensorBoard) or failed once the model was
+    built, on a line blaming its settings (MLflow)."""
+    with pytest.raises(UserError, match=re.escape(needle)):
+        load_config(None, ["model.config={model_type: gpt2}", "data.path=x", "peft.method=lora", override])
+    assert load_config(None, ["model.config={model_type: gpt2}", "data.path=x",
+                              "train.betas=[0.9,0.9]"]).train.betas == [0.9, 0.9]  # numbers may repeat
+
+
 def test_list_sep_may_be_empty():
     assert load_config(None, ["model.config={model_type: gpt2}", "data.path=x", "data.list_sep=''"]).data.list_sep == ""
 
@@ -292,3 +306,21 @@ def test_a_key_set_inside_an_empty_section_fills_it(tmp_path):
     recipe.write_text("model: {config: {model_type: gpt2}}\ndata: {path: d.jsonl}\ntrain:\n")
     assert load_config(recipe, ["train.lr=1e-3"]).train.lr == 1e-3
     assert load_config(recipe, ["train=", "train.max_steps=3"]).train.max_steps == 3
+
+
+@pytest.mark.parametrize("revision", ["feat:x", "a..b", "x.lock", "a/b.lock/c", "x/", "x.", ".x", "a/.b", "a//b",
+                                      "a@{b", "@", "HEAD", "a b", "a~1", "a^", "a?", "a*", "a[", "a\\b", "-x", "/x",
+                                      "a\tb"])
+def test_a_publish_revision_is_a_git_branch_name(revision):
+    """The Hub's branches are git refs: a name git refuses (`git check-ref-format --branch`) was
+    refused by the Hub only at the first upload, as a warning, after the run had trained for it."""
+    with pytest.raises(UserError, match=re.escape(f"publish.revision={revision!r} is not a branch name")):
+        load_config(None, ["model.config={model_type: gpt2}", "data.path=x", "publish.hub_repo=me/m",
+                           "publish.checkpoints=false", f"publish.revision={revision}"])
+
+
+@pytest.mark.parametrize("revision", ["main", "dev", "feat/x", "v1.0", "user@host", "release-2024_01", "été"])
+def test_a_publish_revision_git_takes_is_taken(revision):
+    cfg = load_config(None, ["model.config={model_type: gpt2}", "data.path=x", "publish.hub_repo=me/m",
+                             "publish.checkpoints=false", f"publish.revision={revision}"])
+    assert cfg.publish.revision == revision

@@ -86,6 +86,8 @@ def job_world_size() -> int:
 def check_run(cfg: RunConfig, world_size: int | None = None, device=None, say=None) -> CheckedRun:
     """`train`'s check of a resolved run (micro-batch a number, checkpointing a mode, output_dir set) on `world_size`
     ranks of `device` (a torch device; default: the one the run asks for on this machine)."""
+    from pathlib import Path
+
     from shardtune.distributed.process_group import is_main_process, resolve_device
     from shardtune.model.build import check_machine
     from shardtune.model.hf import load_hf_config, load_tokenizer
@@ -102,7 +104,7 @@ def check_run(cfg: RunConfig, world_size: int | None = None, device=None, say=No
     main = is_main_process()
     publishes = check_ready(cfg.publish, say or (lambda text: print(text, flush=True) if main else None))
     if main:  # only rank 0 logs to the trackers
-        check_trackers(cfg.log.trackers)
+        check_trackers(cfg.log.trackers, out=Path(cfg.output_dir))
     tokenizer = load_tokenizer(cfg.model)
     hf_config = load_hf_config(cfg.model)
     check_model(cfg, hf_config, tokenizer)
@@ -135,8 +137,7 @@ def check_export(spec: str, out, merge: bool = False) -> None:
 def check_export_folder(source, what: str, out) -> None:
     """An export's output folder: not a file, not inside what it exports (`source`, a `what`) or
     inside a run's folders that the run replaces, and new or empty."""
-    from shardtune.checkpoint.rundir import refuse_inside_run
-    from shardtune.fsio import refuse_non_folder
+    from shardtune.fsio import refuse_inside_run, refuse_non_folder
 
     refuse_non_folder(out, "export folder")
     if out.resolve() == source.resolve() or source.resolve() in out.resolve().parents:

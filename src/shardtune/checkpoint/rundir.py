@@ -15,14 +15,20 @@ from pathlib import Path
 from shardtune.checkpoint.folders import check_compatible, find_latest, read_meta, resolve_checkpoint, why_no_checkpoint
 from shardtune.distributed.process_group import LAUNCHER_ENV
 from shardtune.errors import UserError
-from shardtune.fsio import PARTIAL, json_loads, refuse_non_folder, write_text_atomic
+from shardtune.fsio import (
+    PARTIAL,
+    RUN_DIRS,
+    RUN_MARKS,
+    json_loads,
+    refuse_inside_run,
+    refuse_non_folder,
+    write_text_atomic,
+)
 from shardtune.telemetry.trackers import RUN_IDS
 
 # left in the output folder by a preempted run, for job scripts that cannot see the ranks' exit code
 PREEMPTED_MARKER = "PREEMPTED"
-RUN_MARKS = ("config.yaml", "metrics.jsonl")  # every run writes both: a folder with them is a run
 RUN_FILES = (*RUN_MARKS, PREEMPTED_MARKER)
-RUN_DIRS = ("final", "checkpoints", "profile", "publish")
 # written in a run's folder by its trackers and by the commands about it (report, eval --generate): they
 # describe that run, so they go with it when --overwrite replaces it or resume=auto moves it aside
 RUN_OUTPUTS = ("tensorboard", "mlruns", "wandb", RUN_IDS, "report", "generation.json")
@@ -48,26 +54,6 @@ def never_started(out: Path) -> bool:
     while it built): its config.yaml and empty metrics.jsonl hold nothing to keep from a new run."""
     metrics = out / "metrics.jsonl"
     return set(run_traces(out)) == set(RUN_MARKS) and metrics.is_file() and metrics.stat().st_size == 0
-
-
-def enclosing_run(out: Path) -> tuple[Path, str] | None:
-    """(a run's folder, which of its RUN_DIRS) when `out` is, or lies inside, a folder of another
-    run that the run itself replaces (--overwrite, checkpoint rotation, its final save); a run is a
-    folder with all of RUN_MARKS, so a user's own folder named final/ is not one."""
-    path = out.resolve()
-    for inner in (path, *path.parents):
-        if inner.name in RUN_DIRS and all((inner.parent / name).is_file() for name in RUN_MARKS):
-            return inner.parent, inner.name
-    return None
-
-
-def refuse_inside_run(out: Path, option: str) -> None:
-    """An output inside a run's own folders (checkpoints/, final/, ...) is replaced by that run's
-    saves or its --overwrite: refused, for every command that writes one."""
-    if (owner := enclosing_run(out)) is not None:
-        run, inner = owner
-        raise UserError(f"{option} {str(out)!r} is or lies inside {inner}/ of the run in {str(run)!r}, which that "
-                        f"run's --overwrite or its saves replace; choose an {option} outside it")
 
 
 def refuse_run_file(path: Path, option: str) -> None:

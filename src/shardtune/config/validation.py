@@ -96,8 +96,20 @@ def check_values(cfg) -> None:
         items = value if isinstance(value, list) else [value]
         if isinstance(value, list) and not value and f.default is None:
             raise UserError(f"{key}=[] is empty; leave {key} unset for the default, or list what you mean")
+        _refuse_repeated_names(key, value)
         for item in items:
             _check_value(key, item)
+
+
+def _refuse_repeated_names(key: str, value) -> None:
+    """A list of names (trackers, modules) names each thing once: a second tracker of one kind
+    logged every point twice, or failed to start beside the first (MLflow's one active run)."""
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        return
+    twice = next((item for i, item in enumerate(value) if item in value[:i]), None)
+    if twice is not None:
+        once = ",".join(dict.fromkeys(value))
+        raise UserError(f"{key} lists {twice} twice; name each once, e.g. {key}=[{once}]")
 
 
 def _check_value(key: str, value) -> None:
@@ -280,6 +292,15 @@ def is_repo_id(text: str) -> bool:
     return bool(REPO_ID.fullmatch(text)) and "--" not in text and ".." not in text
 
 
+def is_branch_name(name: str) -> bool:
+    """git check-ref-format --branch's rules, which the Hub's branches (git refs) follow."""
+    if name in ("@", "HEAD") or name.startswith(("-", "/")) or name.endswith(("/", ".")):
+        return False
+    if any(bad in name for bad in ("..", "//", "@{", "\\")) or any(c in " ~^:?*[" or not c.isprintable() for c in name):
+        return False
+    return all(part and not part.startswith(".") and not part.endswith(".lock") for part in name.split("/"))
+
+
 def _validate_publish(cfg) -> None:
     p = cfg.publish
     if p.wandb_artifacts != "none" and "wandb" not in cfg.log.trackers:
@@ -290,8 +311,10 @@ def _validate_publish(cfg) -> None:
     if not is_repo_id(p.hub_repo):
         raise UserError(f"publish.hub_repo={p.hub_repo!r} is not a Hub repo id; write namespace/name "
                         "(letters, digits, - _ .), e.g. publish.hub_repo=my-user/opt-arxiv")
-    if not p.revision or p.revision.startswith(("/", "-")) or ".." in p.revision or " " in p.revision:
-        raise UserError(f"publish.revision={p.revision!r} is not a branch name; e.g. publish.revision=main")
+    if not is_branch_name(p.revision):  # else refused by the Hub at the first upload, a warning
+        raise UserError(f"publish.revision={p.revision!r} is not a branch name (git's rules: no spaces, "
+                        "~ ^ : ? * [ \\, '..', '//' or '@{', no part starting with . or ending in .lock); "
+                        "e.g. publish.revision=dev")
     if p.checkpoints and not (cfg.checkpoint.every_steps or cfg.checkpoint.at_epoch_end):
         raise UserError("publish.checkpoints uploads each checkpoint, but none are saved; set "
                         "checkpoint.every_steps=N (or publish.checkpoints=false for the final model only)")

@@ -101,15 +101,27 @@ def servers(names: list[str]) -> list[tuple[str, str, str]]:
     return found
 
 
-def check_trackers(names: list[str], timeout: float = 5.0) -> None:
-    """Before anything is built: each tracker installed, W&B's settings and credentials, and each
-    tracker's server answering at all (any HTTP status will do). The clients themselves retry an
-    unreachable server for minutes (MLflow ~4, W&B 1.5) and only once the model is built and the data read."""
+def tracker_folder(name: str, out: Path) -> Path | None:
+    """The folder a tracker writes into inside the run folder (MLflow's only as the local store)."""
+    if name == "mlflow":
+        return None if "MLFLOW_TRACKING_URI" in os.environ else out / "mlruns"
+    return out / name
+
+
+def check_trackers(names: list[str], timeout: float = 5.0, out: Path | None = None) -> None:
+    """Before anything is built: each tracker installed, its folder in the run folder `out` not a
+    file, W&B's settings and credentials, and each tracker's server answering at all (any HTTP
+    status will do). The clients themselves retry an unreachable server for minutes (MLflow ~4,
+    W&B 1.5) and only once the model is built and the data read."""
     import urllib.error
     import urllib.request
 
     for name in names:
         _require(EXTRAS[name], name)
+        folder = tracker_folder(name, out) if out is not None else None
+        if folder is not None and os.path.lexists(folder) and not folder.is_dir():
+            raise UserError(f"log.trackers: {name} writes into {str(folder)!r}, which is a file; move that file "
+                            f"away, choose another output_dir, or drop {name} from log.trackers")
     if "wandb" in names:
         check_wandb()
     for name, url, fix in servers(names):
@@ -176,6 +188,20 @@ def wandb_artifact(run, how: str):
     return log
 
 
+def _point_mlflow(mlflow, out: Path) -> None:
+    """MLflow at MLFLOW_TRACKING_URI, else at a file store in the run folder. mlflow.set_tracking_uri
+    also exports its URI as MLFLOW_TRACKING_URI (for its subprocesses): the user's environment is put
+    back, or every later run of this process (a notebook, a library caller) would log into this one's folder."""
+    user_uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if user_uri is None:
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # local files: no server needed
+    try:  # set each time: an earlier run of this process set its own
+        mlflow.set_tracking_uri(user_uri or tracker_folder("mlflow", out).resolve().as_uri())
+    finally:
+        if user_uri is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+
+
 def _mlflow_run_exists(mlflow, run_id: str) -> bool:
     try:
         mlflow.get_run(run_id)
@@ -230,7 +256,7 @@ class Trackers:
 
             # a resume hides what the earlier attempt logged after its checkpoint: those steps are trained again
             purge = self.start_step + 1 if self.start_step else None
-            writer = SummaryWriter(log_dir=str(out / "tensorboard"), purge_step=purge)
+            writer = SummaryWriter(log_dir=str(tracker_folder(name, out)), purge_step=purge)
             writer.add_text("config", "\n".join(f"    {k}: {v}" for k, v in hparams.items()))
             def add_scalars(scalars: dict, step: int, w=writer) -> None:
                 for key, value in scalars.items():
@@ -257,11 +283,7 @@ class Trackers:
                                         for tag, h in hists.items()}, step=step)))
         elif name == "mlflow":
             mlflow = _require("mlflow", name)
-            if "MLFLOW_TRACKING_URI" in os.environ:  # said again: an earlier run of this process set its own
-                mlflow.set_tracking_uri(os.environ["MLFLOW_TRACKING_URI"])
-            else:
-                os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # local files: no server needed
-                mlflow.set_tracking_uri((out / "mlruns").resolve().as_uri())
+            _point_mlflow(mlflow, out)
             mlflow.set_experiment(project)
             earlier = self.ids.get("mlflow")
             if earlier and _mlflow_run_exists(mlflow, earlier):  # a resume: the same run (its params stand)

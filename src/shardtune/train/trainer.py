@@ -12,7 +12,8 @@ import torch.distributed
 from shardtune.check.run import CheckedRun, check_run
 from shardtune.checkpoint.rundir import PREEMPTED_MARKER
 from shardtune.config.load import dump_yaml
-from shardtune.config.schema import RunConfig
+from shardtune.config.schema import RunConfig, TrainConfig
+from shardtune.config.validation import INT_LIMIT
 from shardtune.data import pipeline as data_lib
 from shardtune.data.packing import equal_blocks
 from shardtune.distributed.activation_memory import describe_memory_savers
@@ -42,6 +43,18 @@ from shardtune.train.state import LoopParts, QueuedStep, TrainState, seed_everyt
 from shardtune.train.step import evaluate, queue_numbers, read_numbers, train_step
 
 HISTOGRAMS = "_histograms"  # a record's log.watch histograms, for the trackers only
+
+
+def total_steps(t: TrainConfig, steps_per_epoch: int) -> int:
+    """train.max_steps, else train.epochs of this data's steps (at least one). Epochs are a float:
+    times the steps of an epoch they can pass any step counter (2**63-1), or overflow to infinity."""
+    if t.max_steps > 0:
+        return t.max_steps
+    steps = t.epochs * steps_per_epoch
+    if not steps <= INT_LIMIT:
+        raise UserError(f"train.epochs={t.epochs:g} is {steps:.3g} optimizer steps of this data ({steps_per_epoch} "
+                        "per epoch), more than 2**63-1; give fewer train.epochs, or set train.max_steps")
+    return max(1, int(steps))
 
 
 class Trainer:
@@ -83,7 +96,7 @@ class Trainer:
         self.plan = data_lib.BatchPlan(len(self.train_ds), t.global_batch_size, t.micro_batch_size,
                                        dist.world_size, dist.rank, t.seed,
                                        lengths=data_lib.lengths(self.train_ds) if cfg.data.group_by_length else None)
-        self.total_steps = t.max_steps if t.max_steps > 0 else max(1, int(t.epochs * self.plan.steps_per_epoch))
+        self.total_steps = total_steps(t, self.plan.steps_per_epoch)
         eval_mb = cfg.eval.micro_batch_size or t.micro_batch_size
         self.val_batches = data_lib.eval_batches(len(self.val_ds), eval_mb, dist.world_size, dist.rank,
                                                  cfg.eval.max_batches) if self.val_ds is not None else []
@@ -120,6 +133,10 @@ class Trainer:
                                  committed=lambda folder, step: self.publishing.committed(folder, step))
         # the checkpoint is input too: read whole before the folder changes (metrics trimmed, stale saves removed)
         meta = self.ckpt.load(resume_from) if resume_from else None
+        if self.state.step > self.total_steps:  # train.max_steps is checked with the folder; epochs need the data
+            raise UserError(f"train.epochs={t.epochs:g} is {self.total_steps} step(s) of this data, below the step of "
+                            f"the checkpoint it resumes ({self.state.step}, {resume_from!r}): nothing would train; "
+                            "raise train.epochs or set train.max_steps, or start over in a new output_dir")
         rank0_first(dist, lambda: prepare_run_dir(cfg, overwrite, out=out) if dist.is_main else None)
         self.publishing = Publishing(cfg, out, run.publishes, dist.is_main, self.say, resuming=bool(resume_from))
         if note := space_warning(out / "checkpoints", cfg.checkpoint, checkpoint_bytes(model, dist.world_size),
