@@ -68,3 +68,24 @@ def test_a_folder_that_is_no_checkpoint_says_what_it_is(tmp_path, make, said):
     make(tmp_path / "given")
     with pytest.raises(UserError, match=re.escape(said)):
         read_meta(tmp_path / "given")
+
+
+@pytest.mark.parametrize("old_copy", [True, False])
+def test_a_save_killed_between_its_renames_is_finished_on_restart(tmp_path, old_copy):
+    """Killed after meta.json (the save is whole) but before the renames: the restart removed it
+    (and the older copy of the same step it was replacing) and resumed from an older checkpoint."""
+    overrides = fake_run(tmp_path, steps=(1, 2))
+    root = tmp_path / "checkpoints"
+    (root / "step-000002").rename(root / ".tmp-step-000004")  # a whole save of step 4, not yet renamed
+    meta = json.loads((root / ".tmp-step-000004" / "meta.json").read_text())
+    (root / ".tmp-step-000004" / "meta.json").write_text(json.dumps({**meta, "step": 4}))
+    if old_copy:  # re-saving step 4 after a resume from an older one: the old copy moved aside first
+        (root / ".old-step-000004").mkdir()
+    (root / "latest").write_text("step-000001\n")
+    try:
+        cfg = load_config(None, [*overrides, "resume=auto", "train.max_steps=6"])
+        assert prepare_run_dir(cfg, overwrite=False) == str(root / "step-000004")
+        assert (root / "latest").read_text() == "step-000004\n"
+        assert sorted(p.name for p in root.iterdir()) == ["latest", "step-000001", "step-000004"]
+    finally:
+        release_run_dir(tmp_path)

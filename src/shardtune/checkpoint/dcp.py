@@ -10,7 +10,8 @@ Layout of OUTPUT_DIR/checkpoints/:
       config.json tokenizer/ the HF model config and tokenizer: export/eval/generate need nothing else
       meta.json              step, world size, the state objects (train_state, scaler), data position, run config
     latest                   name of the newest complete checkpoint (replaced atomically)
-    .tmp-step-000130/        a save in progress, or one killed mid-way (ignored, removed on restart)
+    .tmp-step-000130/        a save in progress, or one killed mid-way (removed on restart; one killed
+                             after its meta.json, whole, is renamed into place instead)
 
 A checkpoint is written under `.tmp-<name>` and renamed into place only once every rank's
 files and meta.json are there, so a process killed mid-save leaves the previous one usable.

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import sys
 from pathlib import Path
 
 from shardtune.config.schema import RunConfig
 from shardtune.errors import UserError
-from shardtune.fsio import json_loads
+from shardtune.fsio import json_loads, write_text_atomic
 
 # 2: named state objects in meta.json (train_state, scaler); the LR is a function of the step;
 # 3: the model's weights may be in safetensors (meta.json's model_files; older versions cannot read them)
@@ -53,6 +54,21 @@ def is_usable(path: Path) -> bool:
         return isinstance(meta, dict) and "step" in meta and "config" in meta
     except (OSError, ValueError):
         return False
+
+
+def finish_interrupted_saves(root: Path) -> None:
+    """A save killed after its meta.json (written last: the checkpoint is whole) but before its
+    renames (checkpoint/dcp.py): finished as the save would have gone on, renamed into place, named
+    `latest`, the older copy of the same step it replaces removed. Left as they were, the restart
+    removed both copies of that step and resumed from an older one. A save killed before its
+    meta.json stays a partial, which the restart removes."""
+    for tmp in sorted(root.glob(".tmp-step-*")) if root.is_dir() else []:
+        final = root / tmp.name.removeprefix(".tmp-")
+        if final.exists() or step_of(final) < 0 or not is_usable(tmp):
+            continue
+        os.rename(tmp, final)
+        write_text_atomic(root / "latest", final.name + "\n", sync=True)
+        shutil.rmtree(root / f".old-{final.name}", ignore_errors=True)
 
 
 def find_latest(root: Path) -> Path | None:

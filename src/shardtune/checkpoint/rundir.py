@@ -12,7 +12,14 @@ import socket
 import time
 from pathlib import Path
 
-from shardtune.checkpoint.folders import check_compatible, find_latest, read_meta, resolve_checkpoint, why_no_checkpoint
+from shardtune.checkpoint.folders import (
+    check_compatible,
+    find_latest,
+    finish_interrupted_saves,
+    read_meta,
+    resolve_checkpoint,
+    why_no_checkpoint,
+)
 from shardtune.distributed.process_group import LAUNCHER_ENV
 from shardtune.errors import UserError
 from shardtune.fsio import (
@@ -106,6 +113,7 @@ def prepare_run_dir(cfg, overwrite: bool, check_only: bool = False, out: Path | 
     if cfg.resume is not None and overwrite:
         raise UserError(f"resume={cfg.resume} continues a run and --overwrite deletes it; drop one of them")
     hold_run_dir(out)  # before looking inside: another live run's folder is refused as such
+    finish_interrupted_saves(out / "checkpoints")
     earlier: list[str] = []
     if cfg.resume == "auto":
         ckpt = find_latest(out / "checkpoints")
