@@ -89,3 +89,17 @@ def test_a_save_killed_between_its_renames_is_finished_on_restart(tmp_path, old_
         assert sorted(p.name for p in root.iterdir()) == ["latest", "step-000001", "step-000004"]
     finally:
         release_run_dir(tmp_path)
+
+
+@pytest.mark.parametrize("edit", [{"step": 7}, {"train_state": {"step": 5, "tokens_seen": 0.0}}])
+def test_a_checkpoint_whose_steps_disagree_is_refused(tmp_path, edit):
+    """meta.json's step edited to 7 in step-000002: a resume went on at step 7 from step 2's weights."""
+    from shardtune.checkpoint.folders import read_meta
+
+    fake_run(tmp_path)
+    folder = tmp_path / "checkpoints" / "step-000002"
+    assert read_meta(folder)["step"] == 2
+    meta = json.loads((folder / "meta.json").read_text())
+    (folder / "meta.json").write_text(json.dumps({**meta, "format": 2, "train_state": {"step": 2}, **edit}))
+    with pytest.raises(UserError, match=r"is inconsistent: its folder name and meta.json give steps 2, [57]"):
+        read_meta(folder)

@@ -173,6 +173,11 @@ def read_meta(path: Path) -> dict:
                         f"({meta.get('shardtune_version')}); upgrade shardtune")
     if meta.get("format", 1) == 1:  # progress was kept at the top level (and a scheduler, now derived)
         meta.setdefault("train_state", {"step": meta["step"], "tokens_seen": meta.get("tokens_seen", 0.0)})
+    named, state = step_of(path), meta.get("train_state") or {}
+    steps = {meta["step"], *([state["step"]] if "step" in state else []), *([named] if named >= 0 else [])}
+    if len(steps) > 1:  # a hand edit: a resume would go on from a step its weights never reached
+        raise UserError(f"checkpoint {str(path)!r} is inconsistent: its folder name and meta.json give steps "
+                        f"{', '.join(map(str, sorted(steps)))} (edited?); use another checkpoint")
     return meta
 
 
