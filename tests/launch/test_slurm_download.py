@@ -87,7 +87,8 @@ def test_slurm_refuses_bad_input_in_one_line(capsys):
     assert main(["slurm", "recipes/gpt2-wikitext2.yaml", "--nodes", "1", "--gpus-per-node", "4", "train.lr=x"]) == 2
     assert "train.lr" in _one_line_error(capsys.readouterr().err)
     # an #SBATCH value with a newline would put a command line into the script; a space splits it
-    for option, value in (("--account", "x\ntouch /tmp/pwned"), ("--job-name", "a b"), ("--partition", "p\tq")):
+    for option, value in (("--account", "x\ntouch /tmp/pwned"), ("--job-name", "a b"), ("--partition", "p\tq"),
+                          ("--job-name", "logs/run"), ("--job-name", "a%j")):  # its log file's name
         assert main(["slurm", "recipes/gpt2-wikitext2.yaml", "--nodes", "1", "--gpus-per-node", "4", option,
                      value]) == 2
         assert option in _one_line_error(capsys.readouterr().err)
@@ -323,3 +324,20 @@ def test_a_signal_lead_not_below_the_time_limit_is_refused(capsys, tmp_path, lim
     assert f"is not below --time {limit} ({seconds} s)" in _one_line_error(capsys.readouterr().err)
     assert not (tmp_path / "job.sbatch").exists()
     assert main([*argv, "--signal-lead", str(seconds - 1)]) == 0
+
+
+def test_slurm_refuses_a_model_here_that_cannot_take_the_run(tmp_path, capsys):
+    """The job failed on the cluster after its wait in the queue (train and plan refuse at once):
+    a model whose config is here (model.config, a folder, the Hub cache) is checked as plan checks it."""
+    import yaml
+
+    from shardtune.cli.main import main
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({"model": {"config": {"model_type": "gpt2", "n_layer": 1, "n_embd": 32,
+                                                           "n_head": 2, "n_positions": 64}},
+                                      "data": {"path": "d.jsonl", "seq_len": 128}}))
+    assert main(["slurm", str(recipe), "--nodes", "1", "--gpus-per-node", "2"]) == 2
+    line = _one_line_error(capsys.readouterr().err)
+    assert "data.seq_len=128" in line and "64" in line, line
+    assert main(["slurm", str(recipe), "--nodes", "1", "--gpus-per-node", "2", "data.seq_len=64"]) == 0

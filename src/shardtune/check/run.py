@@ -72,6 +72,24 @@ def check_config(cfg: RunConfig, hf_config=None) -> None:
     check_model(cfg, load_hf_config(cfg.model) if hf_config is None else hf_config, local_tokenizer(cfg.model))
 
 
+def check_config_here(cfg: RunConfig) -> None:
+    """check_config for a job written here to run elsewhere (`slurm`), where this machine holds the
+    model's config without the network: a folder, model.config, or the Hub cache. A model not
+    downloaded here yet is left to the job's own check."""
+    from pathlib import Path
+
+    from shardtune.model.hf import load_hf_config
+    from shardtune.names import hub_id
+
+    name = cfg.model.name_or_path
+    if name is not None and not Path(name).expanduser().exists() and hub_id(name) is not None:
+        from huggingface_hub import try_to_load_from_cache
+
+        if not isinstance(try_to_load_from_cache(name, "config.json"), str):
+            return
+    check_config(cfg, load_hf_config(cfg.model, local_files_only=True))
+
+
 def job_world_size() -> int:
     """The ranks of this job: the process group's, else what torchrun/srun set, else 1."""
     import torch.distributed

@@ -32,6 +32,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    from shardtune.check.run import check_config_here
     from shardtune.config.load import check_job, load_config
     from shardtune.launch.slurm import sbatch_script
 
@@ -40,6 +41,7 @@ def run(args) -> int:
         raise UserError(f"shardtune slurm needs a recipe YAML first, got {args.recipe!r}")
     cfg = load_config(recipe, args.overrides)  # refuse a bad recipe now, not on the cluster
     check_job(cfg, args.nodes * args.gpus_per_node, args.gpus_per_node)  # and one the job's ranks cannot run
+    check_config_here(cfg)  # and a model (where it is here) that cannot take the run: its positions, adapters
     out = args.output_dir or cfg.output_dir or f"runs/{cfg.recipe}"
     text = sbatch_script(recipe, out, args.nodes, args.gpus_per_node, overrides=args.overrides,
                          job_name=args.job_name, time=args.time, partition=args.partition, account=args.account,

@@ -47,6 +47,10 @@ def sbatch_script(recipe: str, output_dir: str, nodes: int, gpus_per_node: int, 
             # an #SBATCH line ends at a newline (the rest would run as a command) and splits at a space
             raise UserError(f"{option} {value!r} holds a space or a control character, which an #SBATCH line "
                             "cannot carry; give a name without them")
+    if re.search(r"[/%]", job_name):
+        # the log is {job_name}-%j.log: a slash names a folder Slurm does not make, `%` is its file-name pattern
+        raise UserError(f"--job-name {job_name!r} holds '/' or '%', which the job's log file name "
+                        f"({job_name}-%j.log) cannot carry; give a name without them")
     out = shlex.quote(output_dir)
     train_args = " ".join(shlex.quote(a) for a in [recipe, *overrides, f"output_dir={output_dir}", "resume=auto"])
     optional = "".join(f"#SBATCH --{key}={value}\n" for key, value in
