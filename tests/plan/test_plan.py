@@ -223,7 +223,7 @@ def test_the_largest_micro_batch_is_never_below_the_best_that_fits():
 
     from shardtune.model.hf import load_hf_config
     from shardtune.plan.cost import Candidate, Target
-    from shardtune.plan.report import largest_micro_batch
+    from shardtune.plan.report import LARGEST_PRICED, largest_micro_batch
     from shardtune.plan.search import estimate, layout_cfg, screen
 
     cfg = tiny_cfg("llama", "train.micro_batch_size=4", "train.global_batch_size=4")
@@ -239,6 +239,8 @@ def test_the_largest_micro_batch_is_never_below_the_best_that_fits():
     best = estimate(at(4), hf_config, layout, cfg, target)
     best.at = at
     assert best.fits and largest_micro_batch(best, cfg, hf_config, target) >= 4
+    # where everything fits, the answer is the largest priced (said as "or more", not as a fit found)
+    assert largest_micro_batch(best, cfg, hf_config, Target(1, 1, 1 << 50, None)) == LARGEST_PRICED
 
 
 def test_a_multi_node_command_line_leaves_the_head_node_to_the_shell():

@@ -113,7 +113,10 @@ def run_plan(req: PlanRequest, cfg: RunConfig, recipe: str | None, overrides: li
     return 0
 
 
-def largest_micro_batch(est: Estimate, cfg: RunConfig, hf_config, target: Target, limit: int = 14,
+LARGEST_PRICED = 2 ** 13  # largest_micro_batch prices powers of two up to this one
+
+
+def largest_micro_batch(est: Estimate, cfg: RunConfig, hf_config, target: Target, limit: int = LARGEST_PRICED,
                         cache: TraceCache | None = None) -> int:
     """The largest power-of-two micro-batch of `est`'s layout that fits: at the recipe's global batch
     where it divides (what a run of it holds), else at any global batch that takes it (accumulation 2
@@ -123,7 +126,7 @@ def largest_micro_batch(est: Estimate, cfg: RunConfig, hf_config, target: Target
     at = est.at or screen(layout_cfg(cfg, c, target), hf_config, target, cache=cache)
     best = 0
     kept = cfg.train.global_batch_size
-    for mb in (2 ** i for i in range(limit)):
+    for mb in (2 ** i for i in range(limit.bit_length())):
         big = copy.deepcopy(cfg)
         big.train.global_batch_size = kept if kept % (mb * target.world) == 0 else 2 * mb * target.world
         if not estimate(at(mb), hf_config, dataclasses.replace(c, micro_batch=mb), big, target).fits:
@@ -229,8 +232,10 @@ def render(answer: dict) -> str:
                   + "; "
                   f"total {h['total'] / GIB:.1f} GiB" + (f" of {t['host_memory_bytes'] / GIB:.0f}"
                                                         if t["host_memory_bytes"] else ""),
-                  f"largest micro-batch per GPU that fits this layout: {best['largest_micro_batch']} (global batch "
-                  "kept here; a larger one needs train.global_batch_size to be a multiple of it x GPUs)",
+                  f"largest micro-batch per GPU that fits this layout: {best['largest_micro_batch']}"
+                  + (" or more (the largest priced)" if best["largest_micro_batch"] >= LARGEST_PRICED else "")
+                  + " (global batch kept here; a larger one needs train.global_batch_size to be a multiple of it x "
+                  "GPUs)",
                   "run it:", f"  {best['command']}"]
         for alt in best.get("float8_alternatives", []):
             keys = f"float8={alt['recipe']}" + (" compile=true" if alt["compile"] else "")
