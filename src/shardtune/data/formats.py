@@ -291,7 +291,8 @@ def assistant_spans(messages: list[dict], render) -> tuple[str, list[tuple[int, 
         if m["role"] != "assistant":
             continue
         try:
-            before, through = render(messages[:i], True), render(messages[:i + 1], False)
+            before = render(messages[:i], True) if i else _opening(m, render)
+            through = render(messages[:i + 1], False)
             start, end = len(before), len(through)
             stable = full.startswith(through) and full.startswith(before) and cursor <= start < end
         except Exception:  # e.g. a template that refuses a conversation ending on a user turn
@@ -307,6 +308,19 @@ def assistant_spans(messages: list[dict], render) -> tuple[str, list[tuple[int, 
         spans.append((start, end))
         cursor = end
     return full, spans
+
+
+def _opening(message: dict, render) -> str:
+    """What a conversation that opens with this assistant turn renders before the turn's content:
+    templates render no empty conversation to take the generation prompt from, so it is what the
+    turn shares with itself left empty (cut back to where its content starts, should the content
+    begin with what the template puts after it)."""
+    import os
+
+    text, content = render([message], False), message["content"]
+    shared = len(os.path.commonprefix([text, render([{**message, "content": ""}], False)]))
+    at = text.rfind(content, 0, shared + len(content)) if content else -1
+    return text[:at if 0 <= at < shared else shared]
 
 
 def _label_spans(text: str, spans, tokenizer) -> tuple[list[int], list[int]]:
@@ -330,10 +344,10 @@ def _label_spans(text: str, spans, tokenizer) -> tuple[list[int], list[int]]:
 
 def chat_prompt_and_reply(tokenizer, value, index: int, field: str) -> tuple[str, str] | None:
     """(the conversation up to its last assistant turn, rendered with the generation prompt; that
-    turn's content), or None when the row has no assistant turn."""
+    turn's content), or None when the row has no assistant turn after another turn."""
     messages = read_messages(value, index, field)
     last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
-    if last is None:
+    if not last:  # no assistant turn, or only an opening one: nothing before it to prompt with
         return None
     try:
         prompt = tokenizer.apply_chat_template(messages[:last], tokenize=False, add_generation_prompt=True)
