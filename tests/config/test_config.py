@@ -117,6 +117,10 @@ def test_values_the_libraries_would_reject_or_that_mean_nothing_are_refused(over
     (["data.format=chat", "data.cutoff_len=1"], "data.cutoff_len=1 must be at least 2"),
     (["data.template=Q: {0}"], "positional field"),
     (["data.template=Q: {q"], "not a valid template"),
+    (["data.template={q:>{width}}"], "takes the format spec of {q} from a field (>{width}); write the spec out"),
+    (["data.template={q.__class__.__init__}"], "reads a Python attribute in {q.__class__.__init__}, not data"),
+    (["data.format=instruct", "data.template=Q: {instruction}\nA: {output}"],
+     "names the response column {output} (data.output_field); drop it from the template"),
 ])
 def test_adapter_and_format_checks_need_only_the_config(overrides, needle):
     with pytest.raises(UserError, match=re.escape(needle)):

@@ -28,10 +28,17 @@ def template_columns(template: str, key: str = "data.template") -> list[str]:
             continue
         if conversion not in (None, "r", "s", "a"):
             raise UserError(f"{key}={template!r} has the conversion !{conversion}; use !r, !s or !a, or none")
+        if "{" in (spec or ""):  # a width read from a cell escapes the cap below (and names no checked column)
+            raise UserError(f"{key}={template!r} takes the format spec of {{{field}}} from a field ({spec}); write "
+                            "the spec out, e.g. {quote:>40}")
         # a width or precision like {x:10000000000} would render gigabytes per row
         if any(int(n) > MAX_TEMPLATE_WIDTH for n in re.findall(r"\d+", spec or "")):
             raise UserError(f"{key}={template!r} asks for a width above {MAX_TEMPLATE_WIDTH} characters in "
                             f"{{{field}:{spec}}}; use a smaller width")
+        # {x.__class__}, {x.__init__.__globals__}: Python's internals, not data (a record's fields are {x[field]})
+        if any(a.startswith("_") for a in re.findall(r"\.([^.\[]*)", re.sub(r"\[[^\]]*\]", "", field))):
+            raise UserError(f"{key}={template!r} reads a Python attribute in {{{field}}}, not data; name a column, "
+                            "or a field of a record column as {column[field]}")
         name = re.match(r"[^.\[]*", field).group(0)
         if not name or name.isdigit():
             raise UserError(f"{key}={template!r} has a positional field {{{field}}}; name a column "
@@ -198,7 +205,11 @@ def _validate_format(d) -> None:
         raise UserError("data.padding_free=true needs the document mask (examples laid end to end must not see each "
                         "other); drop data.document_mask=false")
     if d.template is not None:
-        template_columns(d.template)
+        columns = template_columns(d.template)
+        if d.format == "instruct" and d.output_field in columns:  # the prompt would hold the answer it trains on
+            raise UserError(f"data.template={d.template!r} is the prompt of data.format=instruct, and it names the "
+                            f"response column {{{d.output_field}}} (data.output_field); drop it from the template (the "
+                            "response follows the prompt by itself)")
 
 
 def _validate_adapters(cfg) -> None:

@@ -14,6 +14,8 @@ Problems a user can fix are raised as one-line UserErrors.
 
 from __future__ import annotations
 
+import string
+
 from shardtune.config.schema import DataConfig
 from shardtune.config.validation import template_columns
 from shardtune.data.messages import check_message_contents, read_messages
@@ -135,9 +137,32 @@ def _empty_cells(cells, texts: bool) -> int:
     return cells.null_count + pc.sum(blank, min_count=0).as_py()
 
 
+class _Cells(string.Formatter):
+    """str.format over a row's cells as they are: {moves[0]} is a list column's first item and
+    {rec[key]} a record's field; only the value a field names is made text (as_text), so an
+    index is not taken in the joined line and a record's null field is "", not "None"."""
+
+    def __init__(self, sep: str):
+        self.sep = sep
+
+    def get_field(self, field_name, args, kwargs):
+        value, used = super().get_field(field_name, args, kwargs)
+        if callable(value):  # {quote.upper}: a method's repr, with its address, would be the text
+            raise TypeError(f"{{{field_name}}} is a method of the column's {type(value.__self__).__name__} values, "
+                            "not a value" if hasattr(value, "__self__") else f"{{{field_name}}} is not a value")
+        record = next((v for v in (value if isinstance(value, list) else [value]) if isinstance(v, dict)), None)
+        if record is not None:  # a Python dict's repr, with None for the fields other rows have, would be the text
+            raise TypeError(f"{{{field_name}}} holds records (fields {', '.join(map(str, record))}), not text; name a "
+                            f"field, e.g. {{{field_name}[{next(iter(record), 'field')}]}}")
+        return value, used
+
+    def convert_field(self, value, conversion):
+        return super().convert_field(as_text(value, self.sep), conversion)
+
+
 def fill(template: str, row: dict, sep: str = " ") -> str:
     try:
-        return template.format_map({k: as_text(v, sep) for k, v in row.items()})
+        return _Cells(sep).vformat(template, (), row)
     except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:  # a spec the cell's type refuses
         raise UserError(f"data.template={template!r} cannot format a row ({type(exc).__name__}: "
                         f"{first_line(exc, 100)}); fix the template to suit the column's values") from None
@@ -159,13 +184,17 @@ def render_text(docs, cfg: DataConfig, what: str):
         feature = docs.features[cfg.text_field]
         if isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string"):
             return docs, cfg.text_field
-        template = "{" + cfg.text_field + "}"
+
+        def text(row):  # the column as it is, not through a template: a name like "a.b" is no attribute
+            return str(as_text(row[cfg.text_field], cfg.list_sep))
     else:
-        template = cfg.template
-        check_columns(template_columns(template), docs.column_names, what, "data.template")
+        check_columns(template_columns(cfg.template), docs.column_names, what, "data.template")
+
+        def text(row):
+            return str(fill(cfg.template, row, cfg.list_sep))
 
     def render(batch):
-        return {"text": [str(fill(template, row, cfg.list_sep)) for row in _rows(batch)]}
+        return {"text": [text(row) for row in _rows(batch)]}
 
     docs = docs.map(render, batched=True, remove_columns=docs.column_names, num_proc=cfg.num_proc,
                     desc="render")
@@ -262,7 +291,8 @@ def assistant_spans(messages: list[dict], render) -> tuple[str, list[tuple[int, 
         if m["role"] != "assistant":
             continue
         try:
-            before, through = render(messages[:i], True), render(messages[:i + 1], False)
+            before = render(messages[:i], True) if i else _opening(m, render)
+            through = render(messages[:i + 1], False)
             start, end = len(before), len(through)
             stable = full.startswith(through) and full.startswith(before) and cursor <= start < end
         except Exception:  # e.g. a template that refuses a conversation ending on a user turn
@@ -278,6 +308,19 @@ def assistant_spans(messages: list[dict], render) -> tuple[str, list[tuple[int, 
         spans.append((start, end))
         cursor = end
     return full, spans
+
+
+def _opening(message: dict, render) -> str:
+    """What a conversation that opens with this assistant turn renders before the turn's content:
+    templates render no empty conversation to take the generation prompt from, so it is what the
+    turn shares with itself left empty (cut back to where its content starts, should the content
+    begin with what the template puts after it)."""
+    import os
+
+    text, content = render([message], False), message["content"]
+    shared = len(os.path.commonprefix([text, render([{**message, "content": ""}], False)]))
+    at = text.rfind(content, 0, shared + len(content)) if content else -1
+    return text[:at if 0 <= at < shared else shared]
 
 
 def _label_spans(text: str, spans, tokenizer) -> tuple[list[int], list[int]]:
@@ -301,10 +344,10 @@ def _label_spans(text: str, spans, tokenizer) -> tuple[list[int], list[int]]:
 
 def chat_prompt_and_reply(tokenizer, value, index: int, field: str) -> tuple[str, str] | None:
     """(the conversation up to its last assistant turn, rendered with the generation prompt; that
-    turn's content), or None when the row has no assistant turn."""
+    turn's content), or None when the row has no assistant turn after another turn."""
     messages = read_messages(value, index, field)
     last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
-    if last is None:
+    if not last:  # no assistant turn, or only an opening one: nothing before it to prompt with
         return None
     try:
         prompt = tokenizer.apply_chat_template(messages[:last], tokenize=False, add_generation_prompt=True)

@@ -1,0 +1,108 @@
+"""How rows become text, tokens and labels at their edges: a data.template's fields over list and
+record cells (indexing the cell, not its joined text), fields that are not data, and a chat
+conversation's labels whatever its turns (an assistant turn first, same-role turns, tools)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from shardtune.config.schema import DataConfig
+from shardtune.data import formats as F
+from shardtune.errors import UserError
+
+IGNORE = F.IGNORE_INDEX
+# ChatML-like, as test_formats.py's; <|endoftext|> is the quickstart tokenizer's EOS (the end of a turn)
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|endoftext|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+# one that changes the content as it renders it, so no message is found verbatim
+SHOUTING = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] | upper }}<|endoftext|>\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant: {% endif %}")
+# amazingvince/lc0-test80-games' list column, with a record column of the game's players
+GAMES = [{"moves": ["e4", "e5", "Nf3"], "players": {"white": "Carlsen", "black": None}},
+         {"moves": ["d4"], "players": {"white": "Anand", "black": "Gelfand"}}]
+
+
+def dataset(rows):
+    import datasets
+
+    return datasets.Dataset.from_list(rows)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(assets):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(assets["tokenizer"])
+
+
+def rendered(template: str, rows=GAMES) -> list[str]:
+    docs, field = F.render_text(dataset(rows), DataConfig(path="x", template=template), "games")
+    return docs[field]
+
+
+# ----------------------------------------------------------------------------- templates
+
+
+def test_template_fields_index_the_cells_not_their_text():
+    # {moves[0]} is the first move (not the first letter of "e4 e5 Nf3"), a record's null field is
+    # empty (not "None"), and the value a field ends on is joined as a whole column is
+    assert rendered("{moves[0]}|{players[white]} v {players[black]}") == ["e4|Carlsen v ", "d4|Anand v Gelfand"]
+    assert rendered("{moves}: {moves!r}") == ["e4 e5 Nf3: 'e4 e5 Nf3'", "d4: 'd4'"]
+
+
+@pytest.mark.parametrize("template, words", [
+    ("{players}", ["{players} holds records (fields white, black)", "{players[white]}"]),
+    ("{moves[0].upper}", ["{moves[0].upper} is a method of the column's str values"]),
+])
+def test_template_fields_that_render_no_data_are_refused(template, words):
+    with pytest.raises(UserError) as err:
+        rendered(template)
+    assert "\n" not in str(err.value) and all(w in str(err.value) for w in words), str(err.value)
+
+
+def test_a_list_text_field_is_no_template(tokenizer):
+    """A list column named like a template's attribute access is read as the column."""
+    rows = [{"game.moves": g["moves"]} for g in GAMES]
+    docs, field = F.render_text(dataset(rows), DataConfig(path="x", text_field="game.moves"), "games")
+    assert docs[field] == ["e4 e5 Nf3", "d4"]
+
+
+# ----------------------------------------------------------------------------- chat labels
+
+
+def labelled(tokenizer, messages: list[dict], template: str = CHAT_TEMPLATE) -> tuple[str, str]:
+    """(the row's text, the text of its tokens with a label) as chat training builds them."""
+    tokenizer.chat_template = None
+    ds = dataset([{"messages": messages}])
+    cfg = DataConfig(path="x", format="chat", chat_template=template, seq_len=2048)
+    row = ds.map(F.chat_fn(cfg, tokenizer, ds.column_names, "chats"), batched=True, with_indices=True,
+                 remove_columns=ds.column_names)[0]
+    return tokenizer.decode(row["input_ids"]), tokenizer.decode([t for t in row["labels"] if t != IGNORE])
+
+
+TURNS = st.lists(st.tuples(st.sampled_from(["system", "user", "assistant", "tool"]),
+                           st.from_regex(r"[a-z][a-z .?]{0,12}", fullmatch=True)), min_size=1, max_size=6)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(turns=TURNS)
+def test_chat_labels_are_every_assistant_reply_and_its_end_of_turn(tokenizer, turns):
+    """Whatever the order of the turns (an assistant first, two in a row, tool results between):
+    the labelled tokens are exactly each assistant content with the template's end of its turn."""
+    messages = [{"role": r, "content": c} for r, c in turns]
+    text, kept = labelled(tokenizer, messages)
+    eos = tokenizer.eos_token
+    assert text == tokenizer.apply_chat_template(messages, tokenize=False)
+    assert kept == "".join(c + eos for r, c in turns if r == "assistant")
+
+
+def test_an_opening_assistant_turn_of_a_template_that_changes_the_text(tokenizer):
+    """No conversation before it renders a generation prompt, and its content is not in the text as
+    written: its turn is still found (it was refused), with its end of turn."""
+    messages = [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "bye"}]
+    text, kept = labelled(tokenizer, messages, SHOUTING)
+    assert kept == "HELLO<|endoftext|>BYE<|endoftext|>", (text, kept)
+    assert F.chat_prompt_and_reply(tokenizer, messages[:1], 0, "messages") is None  # nothing to prompt with
