@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from conftest import TINY, losses, tiny_overrides
 from shardtune.config.load import load_config
 from shardtune.config.schema import DataConfig
+from shardtune.data import chat
 from shardtune.data import formats as F
 from shardtune.data import pipeline as D
 from shardtune.errors import UserError
@@ -197,7 +198,7 @@ def test_instruct_packing_keeps_labels_aligned(tmp_path, tokenizer):
 def chat_rows(rows, tokenizer, **kw):
     ds = dataset(rows)
     cfg = DataConfig(path="x", format="chat", seq_len=512, **kw)
-    return ds.map(F.chat_fn(cfg, tokenizer, ds.column_names, "ultrachat"), batched=True, with_indices=True,
+    return ds.map(chat.chat_fn(cfg, tokenizer, ds.column_names, "ultrachat"), batched=True, with_indices=True,
                   remove_columns=ds.column_names)
 
 

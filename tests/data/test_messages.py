@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shardtune.config.schema import DataConfig
-from shardtune.data import formats as F
+from shardtune.data import chat
 from shardtune.data import pipeline as D
 from shardtune.data.messages import read_messages
 from shardtune.errors import UserError
@@ -90,7 +90,7 @@ def test_conversations_without_an_assistant_turn_say_so(tmp_path, chat_tokenizer
 
 def test_chat_prompts_read_text_parts(chat_tokenizer):
     """eval --generate's prompts and references go through the same messages."""
-    prompt, reply = F.chat_prompt_and_reply(chat_tokenizer, conversation(parts("a", "b"), parts("c"))["messages"], 0,
+    prompt, reply = chat.chat_prompt_and_reply(chat_tokenizer, conversation(parts("a", "b"), parts("c"))["messages"], 0,
                                             "messages")
     assert prompt == "<|user|>\nab<|endoftext|>\n<|assistant|>\n" and reply == "c"
 

@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shardtune.config.schema import DataConfig
+from shardtune.data import chat
 from shardtune.data import formats as F
 from shardtune.errors import UserError
 
@@ -77,7 +78,7 @@ def labelled(tokenizer, messages: list[dict], template: str = CHAT_TEMPLATE) -> 
     tokenizer.chat_template = None
     ds = dataset([{"messages": messages}])
     cfg = DataConfig(path="x", format="chat", chat_template=template, seq_len=2048)
-    row = ds.map(F.chat_fn(cfg, tokenizer, ds.column_names, "chats"), batched=True, with_indices=True,
+    row = ds.map(chat.chat_fn(cfg, tokenizer, ds.column_names, "chats"), batched=True, with_indices=True,
                  remove_columns=ds.column_names)[0]
     return tokenizer.decode(row["input_ids"]), tokenizer.decode([t for t in row["labels"] if t != IGNORE])
 
@@ -105,4 +106,4 @@ def test_an_opening_assistant_turn_of_a_template_that_changes_the_text(tokenizer
                 {"role": "assistant", "content": "bye"}]
     text, kept = labelled(tokenizer, messages, SHOUTING)
     assert kept == "HELLO<|endoftext|>BYE<|endoftext|>", (text, kept)
-    assert F.chat_prompt_and_reply(tokenizer, messages[:1], 0, "messages") is None  # nothing to prompt with
+    assert chat.chat_prompt_and_reply(tokenizer, messages[:1], 0, "messages") is None  # nothing to prompt with

@@ -172,7 +172,7 @@ def test_instruct_prompts_are_the_training_prompts(models, alpaca, tmp_path, cap
 def test_chat_prompt_ends_with_the_generation_prompt(assets):
     from transformers import AutoTokenizer
 
-    from shardtune.data.formats import chat_prompt_and_reply
+    from shardtune.data.chat import chat_prompt_and_reply
 
     tok = AutoTokenizer.from_pretrained(assets["tokenizer"])
     tok.chat_template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"

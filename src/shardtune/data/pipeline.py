@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from shardtune.config.schema import DataConfig
-from shardtune.data import docmask, formats
+from shardtune.data import chat, docmask, formats
 from shardtune.data.files import VAL_NAMES, local_files, read_path
 from shardtune.data.formats import IGNORE_INDEX
 from shardtune.data.layouts import builder_of, is_saved
@@ -154,7 +154,7 @@ def tokenize_split(docs, cfg: DataConfig, tokenizer, what: str, warn=None, requi
     if cfg.format == "text":
         docs, field = formats.render_text(docs, cfg, what)
         return pack(docs, tokenizer, field, cfg.seq_len, cfg.num_proc, cfg.masks_documents)
-    make = formats.instruct_fn if cfg.format == "instruct" else formats.chat_fn
+    make = formats.instruct_fn if cfg.format == "instruct" else chat.chat_fn
     build = make(cfg, tokenizer, docs.column_names, what)
     rows = docs.map(build, batched=True, with_indices=cfg.format == "chat", remove_columns=docs.column_names,
                     num_proc=cfg.num_proc, desc=f"tokenize {cfg.format}")
@@ -163,7 +163,7 @@ def tokenize_split(docs, cfg: DataConfig, tokenizer, what: str, warn=None, requi
     rows = rows.filter(lambda batch: [any(t != IGNORE_INDEX for t in lab[1:]) for lab in batch["labels"]],
                        batched=True, num_proc=cfg.num_proc, desc="drop rows without loss")
     if required and len(rows) == 0:
-        if cfg.format == "chat" and not cfg.train_on_inputs and not formats.any_assistant_turn(docs, cfg):
+        if cfg.format == "chat" and not cfg.train_on_inputs and not chat.any_assistant_turn(docs, cfg):
             raise UserError(f"no conversation of {what} has an assistant turn (role assistant, or ShareGPT's gpt), "
                             "the only turns with a loss; give the conversations their replies, or check "
                             "data.messages_field")

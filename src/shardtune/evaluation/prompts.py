@@ -35,7 +35,7 @@ def rendered(prompts: list[str], cfg, tokenizer) -> list[tuple[str, list[int]]]:
     """(the text the model is given, its token ids) for each prompt, in `cfg`'s format; the ids
     are training's (a llama-style BOS included), so the prompt reads exactly as in training."""
     from shardtune.config.validation import template_columns
-    from shardtune.data import formats
+    from shardtune.data import chat, formats
 
     if cfg.format == "text":
         return [(p, tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts]
@@ -48,10 +48,10 @@ def rendered(prompts: list[str], cfg, tokenizer) -> list[tuple[str, list[int]]]:
         rows = [{cfg.instruction_field: p, cfg.input_field: ""} for p in prompts]
         return [(formats.instruct_prompt(cfg, r), formats.instruct_prompt_ids(cfg, tokenizer, r)) for r in rows]
     check_chat(cfg, tokenizer)
-    formats.check_chat_template(cfg, tokenizer)  # installs the run's data.chat_template
+    chat.check_chat_template(cfg, tokenizer)  # installs the run's data.chat_template
     out = []
     for index, p in enumerate(prompts):
         turns = [{"role": "user", "content": p}, {"role": "assistant", "content": ""}]
-        text, _ = formats.chat_prompt_and_reply(tokenizer, turns, index, cfg.messages_field)
+        text, _ = chat.chat_prompt_and_reply(tokenizer, turns, index, cfg.messages_field)
         out.append((text, tokenizer(text, add_special_tokens=False)["input_ids"]))
     return out

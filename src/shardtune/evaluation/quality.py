@@ -90,7 +90,7 @@ def documents(req: QualityRequest, cfg, run_cfg):
 
 def examples(req: QualityRequest, cfg, docs, tokenizer) -> list[Example]:
     """The first N usable rows of `docs` as prompts and references, in the split's order."""
-    from shardtune.data import formats
+    from shardtune.data import chat, formats
 
     what = f"dataset {cfg.path!r}"
     notes: list[str] = []
@@ -114,9 +114,9 @@ def examples(req: QualityRequest, cfg, docs, tokenizer) -> list[Example]:
             if len(out) == req.generate:
                 break
     else:
-        formats.chat_fn(cfg, tokenizer, docs.column_names, what)  # checks the column and the template
+        chat.chat_fn(cfg, tokenizer, docs.column_names, what)  # checks the column and the template
         for index, value in enumerate(docs[cfg.messages_field]):
-            pair = formats.chat_prompt_and_reply(tokenizer, value, index, cfg.messages_field)
+            pair = chat.chat_prompt_and_reply(tokenizer, value, index, cfg.messages_field)
             if pair is not None:
                 ids = tokenizer(pair[0], add_special_tokens=False)["input_ids"]
                 out.append(Example(pair[0], pair[1], ids))

@@ -1,0 +1,142 @@
+"""Chat conversations as tokens and labels: the run's chat template renders each conversation,
+and the loss falls on the assistant turns only (each reply and its end of turn), found where the
+template puts them; `eval --generate` takes its prompts and references from the same rendering."""
+
+from __future__ import annotations
+
+import os
+
+from shardtune.config.schema import DataConfig
+from shardtune.data.formats import IGNORE_INDEX, add_example, as_text
+from shardtune.data.messages import read_messages
+from shardtune.errors import UserError, first_line
+
+
+def check_chat_template(cfg: DataConfig, tokenizer) -> None:
+    """Install data.chat_template on the tokenizer (so final/ ships the template it was trained
+    with), or fail if there is none at all."""
+    if cfg.chat_template:
+        tokenizer.chat_template = cfg.chat_template
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError("data.format=chat but the tokenizer has no chat template; use a chat model's "
+                        "tokenizer, set data.chat_template=<jinja template>, or use data.format=instruct")
+
+
+def assistant_spans(messages: list[dict], render) -> tuple[str, list[tuple[int, int]]]:
+    """(full text, character spans that get loss). A span runs from the end of the generation
+    prompt before an assistant turn to the end of that turn as the template renders it, found
+    by rendering prefixes; templates whose prefixes are not stable (some rewrite earlier turns)
+    fall back to finding the message content itself."""
+    full = render(messages, False)
+    spans, cursor = [], 0
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        try:
+            before = render(messages[:i], True) if i else _opening(m, render)
+            through = render(messages[:i + 1], False)
+            start, end = len(before), len(through)
+            stable = full.startswith(through) and full.startswith(before) and cursor <= start < end
+        except Exception:  # e.g. a template that refuses a conversation ending on a user turn
+            stable = False
+        if not stable:
+            content = m.get("content")
+            start = full.find(content, cursor) if isinstance(content, str) and content else -1
+            if start < 0:
+                raise UserError("the chat template does not render assistant messages verbatim, so their "
+                                "tokens cannot be found; set data.chat_template to a simpler template")
+            end = start + len(content)
+        end = start + len(full[start:end].rstrip())  # the newline after an end-of-turn token is not generated
+        spans.append((start, end))
+        cursor = end
+    return full, spans
+
+
+def _opening(message: dict, render) -> str:
+    """What a conversation that opens with this assistant turn renders before the turn's content:
+    templates render no empty conversation to take the generation prompt from, so it is what the
+    turn shares with itself left empty (cut back to where its content starts, should the content
+    begin with what the template puts after it)."""
+    text, content = render([message], False), message["content"]
+    shared = len(os.path.commonprefix([text, render([{**message, "content": ""}], False)]))
+    at = text.rfind(content, 0, shared + len(content)) if content else -1
+    return text[:at if 0 <= at < shared else shared]
+
+
+def _label_spans(text: str, spans, tokenizer) -> tuple[list[int], list[int]]:
+    """Token ids of `text` and labels that keep only tokens overlapping a span (a token like
+    " an" that starts just before the reply is still one the model has to generate)."""
+    if getattr(tokenizer, "is_fast", False):
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = enc["input_ids"]
+        inside = [any(a < e and max(b, a + 1) > s for s, e in spans) for a, b in enc["offset_mapping"]]
+        return ids, [t if keep else IGNORE_INDEX for t, keep in zip(ids, inside)]
+    # Slow tokenizers have no offsets: tokenize the pieces between span edges separately.
+    edges = sorted({0, len(text), *(x for span in spans for x in span)})
+    ids, labels = [], []
+    for a, b in zip(edges, edges[1:]):
+        part = tokenizer(text[a:b], add_special_tokens=False)["input_ids"]
+        keep = any(s <= a < e for s, e in spans)
+        ids += part
+        labels += part if keep else [IGNORE_INDEX] * len(part)
+    return ids, labels
+
+
+def chat_prompt_and_reply(tokenizer, value, index: int, field: str) -> tuple[str, str] | None:
+    """(the conversation up to its last assistant turn, rendered with the generation prompt; that
+    turn's content), or None when the row has no assistant turn after another turn."""
+    messages = read_messages(value, index, field)
+    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
+    if not last:  # no assistant turn, or only an opening one: nothing before it to prompt with
+        return None
+    try:
+        prompt = tokenizer.apply_chat_template(messages[:last], tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # jinja errors raised by the template itself
+        raise UserError(f"the chat template failed on row {index} ({first_line(exc, 160)}); fix the row "
+                        "or set data.chat_template") from None
+    return prompt, str(as_text(messages[last].get("content")))
+
+
+def any_assistant_turn(docs, cfg: DataConfig) -> bool:
+    """Whether some conversation of `docs` has an assistant turn: when none keeps a loss token, a
+    longer cutoff helps only if one does. Read a chunk of rows at a time, up to the first one."""
+    from shardtune.data.scan import ArrowChunks
+
+    field, first = cfg.messages_field, 0
+    for chunk in ArrowChunks(docs, [field]):
+        values = chunk.column(field).to_pylist()
+        if any(m["role"] == "assistant" for i, v in enumerate(values, first) for m in read_messages(v, i, field)):
+            return True
+        first += len(values)
+    return False
+
+
+def chat_fn(cfg: DataConfig, tokenizer, columns: list[str], what: str):
+    """Batched map function (with_indices): rows -> {input_ids, labels, length}."""
+    field = cfg.messages_field
+    if field not in columns:
+        raise UserError(f"data.format=chat needs a column {field!r} of messages but {what} has only: "
+                        f"{', '.join(columns)}; set data.messages_field")
+    check_chat_template(cfg, tokenizer)
+    cutoff = cfg.example_cutoff
+
+    def render(messages, generation_prompt):
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+    def build(batch, indices):
+        out = {"input_ids": [], "labels": [], "length": []}
+        for value, index in zip(batch[field], indices):
+            messages = read_messages(value, index, field)
+            try:
+                text, spans = assistant_spans(messages, render)
+            except UserError:
+                raise
+            except Exception as exc:  # jinja errors raised by the template itself
+                raise UserError(f"the chat template failed on row {index} ({first_line(exc, 160)}); fix the row "
+                                "or set data.chat_template") from None
+            ids, labels = _label_spans(text, spans, tokenizer)
+            ids, labels = ids[:cutoff], (ids if cfg.train_on_inputs else labels)[:cutoff]
+            add_example(out, ids, labels)
+        return out
+
+    return build
