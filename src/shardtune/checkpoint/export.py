@@ -190,12 +190,13 @@ def merge_adapter_folder(adapter: Path, out: Path, max_shard_size: int | str = "
     run folder was moved or copied to another machine), the copy in ADAPTER/base is used. A method
     that cannot merge is refused before anything is loaded."""
     from shardtune.checkpoint.adapter_folder import fit_adapter, load_base
+    from shardtune.model.adapters import fold
 
     adapter, parts = merge_source(adapter)
     base = parts.base
     if out.exists() and any(out.iterdir()):
         raise UserError(f"export folder {str(out)!r} is not empty; choose a new folder")
-    model = fit_adapter(load_base(base, dtype="auto"), adapter, base).merge_and_unload()
+    model = fold(fit_adapter(load_base(base, dtype="auto"), adapter, base))
     with atomic_dir(out) as tmp:
         model.save_pretrained(tmp, max_shard_size=max_shard_size, safe_serialization=True)
         parts.tokenizer.save_pretrained(tmp)  # the adapter's own, else its base's (adapter_folder.tokenizer_source)
