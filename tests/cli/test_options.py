@@ -30,6 +30,8 @@ def test_every_option_has_a_declared_type():
     (["sweep", "--search", "train.lr=uniform:0.1:0.2", "--trials", "1.5"], "--trials: '1.5' is not a whole number"),
     (["eval", "model", "--generate", "2", "--out", " "], "--out: must not be empty"),
     (["export", "ck", "out", "--push-to-hub", "user/a b"], "is not a Hub repo id"),
+    # huggingface_hub refuses it only once the export is written
+    (["export", "ck", "out", "--push-to-hub", "user/model.git"], "is not a Hub repo id"),
     # above the top: said as such (it said "must be at least 0")
     (["generate", "m", "--prompt", "hi", "--seed", str(2 ** 64)], "--seed: must be at most 9223372036854775807"),
     (["generate", "m", "--prompt", "hi", "--seed", "9" * 400], "got a number of 400 digits"),

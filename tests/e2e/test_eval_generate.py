@@ -257,6 +257,12 @@ def test_eval_reads_data_in_the_runs_format(trained, instruct_run, alpaca_split)
     assert abs(got["eval_loss"] - hand_response_loss(base, rows)) <= 1e-5
 
 
+def test_a_refusal_of_the_runs_own_data_at_evals_seq_len_names_the_option(instruct_run, capsys):
+    """--seq-len on the run's own data: the refusal names --seq-len (eval has no data.seq_len)."""
+    code, err = cli(["eval", str(instruct_run), "--seq-len", "4"], capsys)
+    one_line_error(code, err, "within --seq-len=4; raise --seq-len")
+
+
 def test_generate_lays_prompts_out_as_the_run_trained(instruct_run, capsys):
     """A prompt to an instruct run is its instruction in the run's template (greedy text equal to
     plain transformers' on that layout); --format text sends it as given."""

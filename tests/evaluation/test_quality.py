@@ -101,6 +101,21 @@ def test_scores_are_the_libraries_scores(pairs):
         assert got[f"distinct_{n}"] == pytest.approx(len(set(grams)) / len(grams) if grams else 0.0)
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=30),
+       st.text(st.characters(max_codepoint=127), max_size=30))
+def test_rouge_reads_words_of_any_script(text, ascii_text):
+    """A text with a letter or digit scores ROUGE 1 against itself in any script (rouge-score's own
+    words are a-z and 0-9 only: Cyrillic scored 0); on ASCII text the words are rouge-score's."""
+    from rouge_score import tokenize
+
+    if textscores.RougeWords.tokenize(text):
+        assert textscores.rouge([text], [text]) == {"rouge1": 1.0, "rouge2": 1.0 if len(
+            textscores.RougeWords.tokenize(text)) > 1 else 0.0, "rougeL": 1.0}
+    assert textscores.rouge(["Привет мир, как дела"], ["привет мир"])["rouge1"] == pytest.approx(2 / 3)
+    assert textscores.RougeWords.tokenize(ascii_text) == tokenize.tokenize(ascii_text, None)
+
+
 def test_metric_names_are_checked():
     assert textscores.parse_metrics("bleu, rouge,bleu") == ["bleu", "rouge"]
     with pytest.raises(UserError, match="unknown metric 'bleurt'"):

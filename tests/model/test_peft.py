@@ -142,6 +142,8 @@ def test_merge_finds_the_base_beside_a_moved_adapter_and_refuses_bad_folders(lor
     (lambda d: _edit_adapter_config(d, r=16), ["does not fit its base", "size mismatch"]),
     (lambda d: _edit_adapter_config(d, target_modules=["nope"]), ["does not fit its base", "nope"]),
     (lambda d: _edit_adapter_config(d, peft_type="NOPE"), ["peft_type='NOPE'"]),
+    # a type peft knows and shardtune does not load: export --merge said "use the adapter folder as it is"
+    (lambda d: _edit_adapter_config(d, peft_type="LOHA"), ["peft_type LOHA is not one shardtune loads"]),
     (lambda d: (d / "adapter_model.safetensors").unlink(), ["has no adapter_model.safetensors"]),
     (lambda d: (d / "adapter_model.safetensors").write_bytes(b"\x10"), ["truncated or damaged"]),
 ])

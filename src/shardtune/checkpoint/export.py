@@ -167,7 +167,7 @@ def merge_source(adapter: Path) -> tuple[Path, AdapterParts]:
     from transformers.utils import logging as hf_logging
 
     from shardtune.checkpoint.adapter_folder import adapter_parts
-    from shardtune.model.adapters import MERGEABLE_PEFT_TYPES
+    from shardtune.model.adapters import MERGEABLE_PEFT_TYPES, peft_config_of
 
     hf_logging.set_verbosity_error()  # from the check on (adapter_parts reads the base's config): one line or none
     hf_logging.disable_progress_bar()
@@ -177,6 +177,7 @@ def merge_source(adapter: Path) -> tuple[Path, AdapterParts]:
         raise UserError(f"{str(adapter)!r} is not a peft adapter folder (no adapter_config.json); "
                         "--merge takes the final/ folder of a peft.method=lora/dora/ia3 run")
     parts = adapter_parts(adapter)
+    peft_config_of(parts.config)  # a type shardtune loads: "use the adapter folder as it is" must hold
     kind = str(parts.config.get("peft_type", "?"))
     if kind not in MERGEABLE_PEFT_TYPES:
         raise UserError(f"an adapter of peft_type {kind} cannot be merged into its base (its learned tokens/gates "
@@ -190,12 +191,13 @@ def merge_adapter_folder(adapter: Path, out: Path, max_shard_size: int | str = "
     run folder was moved or copied to another machine), the copy in ADAPTER/base is used. A method
     that cannot merge is refused before anything is loaded."""
     from shardtune.checkpoint.adapter_folder import fit_adapter, load_base
+    from shardtune.model.adapters import fold
 
     adapter, parts = merge_source(adapter)
     base = parts.base
     if out.exists() and any(out.iterdir()):
         raise UserError(f"export folder {str(out)!r} is not empty; choose a new folder")
-    model = fit_adapter(load_base(base, dtype="auto"), adapter, base).merge_and_unload()
+    model = fold(fit_adapter(load_base(base, dtype="auto"), adapter, base))
     with atomic_dir(out) as tmp:
         model.save_pretrained(tmp, max_shard_size=max_shard_size, safe_serialization=True)
         parts.tokenizer.save_pretrained(tmp)  # the adapter's own, else its base's (adapter_folder.tokenizer_source)

@@ -85,8 +85,9 @@ def _load(spec: str, device: str, weights: bool):
         if weights:
             model, tokenizer, _ = load_plain_model(where, device)
             return _folded(model), tokenizer, model.config, run_cfg
-        hf_config, tokenizer = checkpoint_config(where, read_meta(where))
-        return None, tokenizer, hf_config, run_cfg
+        meta = read_meta(where)
+        hf_config, tokenizer = checkpoint_config(where, meta)
+        return None, tokenizer, _folded_config(hf_config, meta["config"].get("peft", {}), run_cfg), run_cfg
 
     if kind == "adapter":  # evaluate/generate with the adapter folded into its base where it can be
         from shardtune.checkpoint.adapter_folder import adapter_parts, fit_adapter, load_base
@@ -94,7 +95,7 @@ def _load(spec: str, device: str, weights: bool):
         parts = adapter_parts(where)  # the tokenizer checked against the base's vocabulary there
         tokenizer = parts.tokenizer
         if not weights:
-            return None, tokenizer, parts.base_config, None
+            return None, tokenizer, _folded_config(parts.base_config, parts.config), None
         model = _folded(fit_adapter(load_base(parts.base), where, parts.base))
         return model.to(torch.device(device)).eval(), tokenizer, model.config, None
 
@@ -114,11 +115,23 @@ def _load(spec: str, device: str, weights: bool):
 def _folded(model):
     """A loaded peft model with a mergeable adapter (LoRA, DoRA, IA3) folded into its base: a
     plain model. Others (learned tokens, gates) stay the PeftModel (`adapter_structure`)."""
-    from shardtune.model.adapters import MERGEABLE_PEFT_TYPES
+    from shardtune.model.adapters import MERGEABLE_PEFT_TYPES, fold
 
     if getattr(model, "peft_type", None) in MERGEABLE_PEFT_TYPES:
-        return model.merge_and_unload()
+        return fold(model)
     return model
+
+
+def _folded_config(hf_config, peft: dict, run_cfg=None):
+    """The config of the model `_folded` gives, read without weights (`peft`: a checkpoint's peft
+    section or an adapter_config.json), so that every rank of eval builds rank 0's model."""
+    from shardtune.model.adapters import MERGEABLE_PEFT_TYPES, folded_config
+
+    kind = str(peft.get("peft_type", peft.get("method", "none"))).upper()
+    if kind not in MERGEABLE_PEFT_TYPES + ("DORA",):
+        return hf_config
+    trust = bool(run_cfg and run_cfg.model.trust_remote_code)
+    return folded_config(hf_config, peft.get("target_modules"), trust)
 
 
 def adapter_structure(spec: str):

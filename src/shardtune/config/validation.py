@@ -295,12 +295,13 @@ def _validate_memory_savers(cfg) -> None:
                         "activation_offload; change those settings")
 
 
-# the Hub's rule for a repo id: namespace/name, letters, digits, - _ . (no -- or .., no leading/trailing - or .)
+# the Hub's rule for a repo id: namespace/name, letters, digits, - _ . (no -- or .., no leading/trailing - or .,
+# no .git ending: huggingface_hub refuses that one itself, after the export or the run it was to upload)
 REPO_ID = re.compile(r"[A-Za-z0-9](?:[\w.-]{0,94}[A-Za-z0-9])?/[A-Za-z0-9](?:[\w.-]{0,94}[A-Za-z0-9])?")
 
 
 def is_repo_id(text: str) -> bool:
-    return bool(REPO_ID.fullmatch(text)) and "--" not in text and ".." not in text
+    return bool(REPO_ID.fullmatch(text)) and "--" not in text and ".." not in text and not text.endswith(".git")
 
 
 def is_branch_name(name: str) -> bool:

@@ -125,10 +125,12 @@ def eval_blocks(req: EvalRequest, run_cfg, tokenizer):
     as training scored them."""
     from shardtune.data import pipeline as data_lib
 
-    cfg = data_config(req, eval_config(req, run_cfg))  # check_eval set --seq-len
+    own = eval_config(req, run_cfg)  # check_eval set --seq-len
+    cfg = data_config(req, own)
     cfg.seq_len = req.seq_len or cfg.seq_len
     check_chat(cfg, tokenizer)
-    with options_named(req.data is not None or req.format is not None):
+    # --data, --format or a --seq-len other than the run's: a refusal is about eval's options
+    with options_named(req.data is not None or req.format is not None or own is not run_cfg):
         if req.data is None and req.split is None:
             _, val = data_lib.prepare(cfg, tokenizer, run_cfg.train.seed)
             if val is None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import random
+import re
 
 from shardtune.errors import UserError
 
@@ -45,11 +46,21 @@ def ngrams(tokens: list[str], n: int) -> list[tuple]:
     return [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
 
 
+class RougeWords:
+    """ROUGE's words: runs of letters and digits of any script, lowercased. rouge-score's own
+    tokenizer keeps only a-z and 0-9, so Cyrillic, Greek or CJK text scored 0 against itself
+    (and café was caf); on ASCII text the two give the same words."""
+
+    @staticmethod
+    def tokenize(text: str) -> list[str]:
+        return re.findall(r"[^\W_]+", text.lower())
+
+
 def rouge(generations: list[str], references: list[str]) -> dict:
     """Mean ROUGE-1/2/L F-measure, in [0, 1]."""
     from rouge_score import rouge_scorer
 
-    scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=False)
+    scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=False, tokenizer=RougeWords())
     totals = {"rouge1": 0.0, "rouge2": 0.0, "rougeL": 0.0}
     for gen, ref in zip(generations, references):
         for key, score in scorer.score(ref, gen).items():
