@@ -191,7 +191,7 @@ def merge_adapter_folder(adapter: Path, out: Path, max_shard_size: int | str = "
     run folder was moved or copied to another machine), the copy in ADAPTER/base is used. A method
     that cannot merge is refused before anything is loaded."""
     from shardtune.checkpoint.adapter_folder import fit_adapter, load_base
-    from shardtune.model.adapters import fold
+    from shardtune.model.fold import fold
 
     adapter, parts = merge_source(adapter)
     base = parts.base

@@ -115,7 +115,8 @@ def _load(spec: str, device: str, weights: bool):
 def _folded(model):
     """A loaded peft model with a mergeable adapter (LoRA, DoRA, IA3) folded into its base: a
     plain model. Others (learned tokens, gates) stay the PeftModel (`adapter_structure`)."""
-    from shardtune.model.adapters import MERGEABLE_PEFT_TYPES, fold
+    from shardtune.model.adapters import MERGEABLE_PEFT_TYPES
+    from shardtune.model.fold import fold
 
     if getattr(model, "peft_type", None) in MERGEABLE_PEFT_TYPES:
         return fold(model)
@@ -125,7 +126,8 @@ def _folded(model):
 def _folded_config(hf_config, peft: dict, run_cfg=None):
     """The config of the model `_folded` gives, read without weights (`peft`: a checkpoint's peft
     section or an adapter_config.json), so that every rank of eval builds rank 0's model."""
-    from shardtune.model.adapters import MERGEABLE_PEFT_TYPES, folded_config
+    from shardtune.model.adapters import MERGEABLE_PEFT_TYPES
+    from shardtune.model.fold import folded_config
 
     kind = str(peft.get("peft_type", peft.get("method", "none"))).upper()
     if kind not in MERGEABLE_PEFT_TYPES + ("DORA",):

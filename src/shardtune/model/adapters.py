@@ -78,7 +78,7 @@ def add_adapter(model, cfg: PeftConfig, seed: int | None = None, init: bool = Tr
         wrapped = get_peft_model(model, peft_config)
     except ValueError:  # e.g. a target that is a whole attention block, not a linear layer
         targets = list(getattr(peft_config, "target_modules", None) or [])
-        kinds = sorted({type(m).__name__ for n, m in model.named_modules() if _matches(n, targets)})
+        kinds = sorted({type(m).__name__ for n, m in model.named_modules() if matches(n, targets)})
         raise UserError(f"peft.target_modules={targets} names {', '.join(kinds) or 'modules'}, which cannot take "
                         f"{cfg.method} adapters; name linear layers, e.g. {', '.join(_linear_names(model)[:12])}") \
             from None
@@ -95,61 +95,9 @@ def _refuse_tied_head(model, targets, method: str) -> None:
             or getattr(head, "weight", None) is None or head.weight is not getattr(emb, "weight", None):
         return
     name = next(n for n, m in model.named_modules() if m is head)
-    if _matches(name, targets):
+    if matches(name, targets):
         raise UserError(f"peft.target_modules puts {method} adapters on {name}, the LM head, whose weight is tied to "
                         f"the input embeddings (tie_word_embeddings); leave {name} out of peft.target_modules")
-
-
-def _tied_pair(model):
-    """(input embeddings, LM head) of a plain model whose two share one weight (tied), else None."""
-    head, emb = model.get_output_embeddings(), model.get_input_embeddings()
-    weight = getattr(getattr(emb, "base_layer", emb), "weight", None)  # a peft layer keeps the base's inside
-    if head is None or weight is None or getattr(head, "weight", None) is not weight:
-        return None
-    return emb, head
-
-
-def _untie(config) -> None:
-    for cfg in {id(c): c for c in (config, config.get_text_config())}.values():
-        cfg.tie_word_embeddings = False
-
-
-def fold(peft_model):
-    """A mergeable adapter (LoRA, DoRA, IA3) folded into its base: a plain model. An adapter on
-    input embeddings tied to the LM head changed the lookup only, never the head: the head gets
-    its own copy of the base weight first (untied), else merging would move the head too and the
-    folded model would not be the one trained."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    base = peft_model.get_base_model()
-    pair = _tied_pair(base)
-    if pair is not None and isinstance(pair[0], BaseTunerLayer):
-        pair[1].weight = nn.Parameter(pair[1].weight.detach().clone(), requires_grad=False)
-        _untie(base.config)
-    return peft_model.merge_and_unload()
-
-
-def folded_config(hf_config, targets, trust_remote_code: bool = False):
-    """The config of the model `fold` gives for an adapter on `targets` (a list of names or peft's
-    regular expression) over a base of `hf_config`: untied where they adapt tied input embeddings.
-    Read from a skeleton on the meta device, so every rank builds what rank 0 folds."""
-    import copy
-    import re
-
-    from transformers import AutoModelForCausalLM
-
-    if not targets or not getattr(hf_config.get_text_config(), "tie_word_embeddings", False):
-        return hf_config
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)
-    pair = _tied_pair(model)
-    name = next((n for n, m in model.named_modules() if pair and m is pair[0]), None)
-    hit = name is not None and (re.fullmatch(targets, name) if isinstance(targets, str) else _matches(name, targets))
-    if not hit:
-        return hf_config
-    config = copy.deepcopy(hf_config)
-    _untie(config)
-    return config
 
 
 def _inputs_carry_grad(model) -> None:
@@ -182,7 +130,7 @@ def _lora_config(model, cfg: PeftConfig, init: bool):
                             "model (Conv1D layers, weights stored transposed); use peft.init=pissa or default")
     if cfg.residual_init:  # the adapter is r singular vectors (PiSSA) or r columns of Q (OLoRA) of each weight
         sides = {n.rsplit(".", 1)[-1]: min(m.weight.shape) for n, m in model.named_modules()
-                 if _matches(n, targets) and getattr(m, "weight", None) is not None and m.weight.dim() == 2}
+                 if matches(n, targets) and getattr(m, "weight", None) is not None and m.weight.dim() == 2}
         name, side = min(sides.items(), key=lambda item: item[1], default=(None, cfg.r))
         if cfg.r > side:
             raise UserError(f"peft.init={cfg.init} takes peft.r={cfg.r} directions from each adapted weight, but "
@@ -197,7 +145,7 @@ def _conv1d_targets(model, targets) -> list[str]:
     """The targets that are GPT-2-style Conv1D layers (weights stored transposed): peft must be told
     (fan_in_fan_out), or it corrects the setting itself with a warning in every run's output."""
     return sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-                   if _matches(n, targets) and type(m).__name__ == "Conv1D"})
+                   if matches(n, targets) and type(m).__name__ == "Conv1D"})
 
 
 def _ia3_config(model, cfg: PeftConfig, init: bool):
@@ -261,7 +209,7 @@ def check_method(cfg: PeftConfig, hf_config) -> None:
                         f"choose 1..{layers}")
 
 
-def _matches(name: str, targets) -> bool:
+def matches(name: str, targets) -> bool:
     """peft's rule for a target: the module's full name or its dotted suffix."""
     return any(name == t or name.endswith("." + t) for t in targets)
 
@@ -272,11 +220,11 @@ def _targets(model, chosen: list[str] | None, default: list[str] | None, what: s
     names = [name for name, _ in model.named_modules()]
     if chosen == [ALL_LINEAR]:
         chosen = all_linear(model)
-    targets = chosen or [t for t in default or [] if any(_matches(n, [t]) for n in names)]
+    targets = chosen or [t for t in default or [] if any(matches(n, [t]) for n in names)]
     if not targets:
         raise UserError(f"no default {what} target modules for model_type {model.config.model_type!r}; "
                         "set peft.target_modules=[...] (names of linear layers)")
-    missing = [t for t in targets if not any(_matches(n, [t]) for n in names)]
+    missing = [t for t in targets if not any(matches(n, [t]) for n in names)]
     if missing:
         raise UserError(f"peft.target_modules {missing} are not modules of this {model.config.model_type} model; "
                         f"choose among its linear layers: {', '.join(_linear_names(model)[:12])}")
