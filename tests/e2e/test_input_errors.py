@@ -69,6 +69,21 @@ def test_dataset_smaller_than_global_batch(capfd, recipe, out):
           "train.global_batch_size=4096", "lower the batch size")
 
 
+@pytest.mark.parametrize("row, run_format, hint", [
+    ({"messages": [{"role": "user", "content": "hi"}]}, "text", "look like chat data: set data.format=chat"),
+    ({"conversations": [{"from": "human", "value": "hi"}]}, "instruct",
+     "set data.format=chat data.messages_field=conversations"),
+    ({"instruction": "say hi", "output": "hi"}, "chat", "look like instruct data: set data.format=instruct"),
+    ({"instruction": "say hi", "output": "hi"}, "text", "look like instruct data"),
+])
+def test_data_of_another_format_is_named_as_such(capfd, recipe, out, tmp_path, row, run_format, hint):
+    """A chat dataset given to a text run said only 'set data.text_field to use its columns:
+    messages', which no text column would satisfy."""
+    path = write_jsonl(tmp_path / "rows.jsonl", [row] * 10)
+    fails(capfd, ["train", recipe, f"data.path={path}", f"data.format={run_format}", "data.seq_len=64",
+                  f"output_dir={out}"], hint)
+
+
 def test_missing_text_field(capfd, recipe, out, tmp_path):
     rows = [{"content": f"document number {i} " * 20} for i in range(10)]
     path = write_jsonl(tmp_path / "content.jsonl", rows)

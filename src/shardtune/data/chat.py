@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 
 from shardtune.config.schema import DataConfig
-from shardtune.data.formats import IGNORE_INDEX, add_example, as_text
+from shardtune.data.formats import IGNORE_INDEX, add_example, as_text, format_hint
 from shardtune.data.messages import read_messages
 from shardtune.errors import UserError, first_line
 
@@ -116,7 +116,7 @@ def chat_fn(cfg: DataConfig, tokenizer, columns: list[str], what: str):
     field = cfg.messages_field
     if field not in columns:
         raise UserError(f"data.format=chat needs a column {field!r} of messages but {what} has only: "
-                        f"{', '.join(columns)}; set data.messages_field")
+                        f"{', '.join(columns)}; set data.messages_field{format_hint(cfg, columns)}")
     check_chat_template(cfg, tokenizer)
     cutoff = cfg.example_cutoff
 

@@ -46,11 +46,25 @@ def as_text(value, sep: str = " "):
     return value
 
 
-def check_columns(wanted: list[str], columns: list[str], what: str, key: str) -> None:
+def check_columns(wanted: list[str], columns: list[str], what: str, key: str, hint: str = "") -> None:
     missing = [c for c in wanted if c not in columns]
     if missing:
         raise UserError(f"{what} has no column {missing[0]!r}, which {key} names; set {key} to use "
-                        f"its columns: {', '.join(columns)}")
+                        f"its columns: {', '.join(columns)}{hint}")
+
+
+# columns that say a dataset's format, whatever the run's data.format says: (format, columns, its keys)
+FORMAT_COLUMNS = (("chat", ("messages",), ""), ("chat", ("conversations",), " data.messages_field=conversations"),
+                  ("instruct", ("instruction", "output"), ""))
+
+
+def format_hint(cfg: DataConfig, columns) -> str:
+    """' (its columns look like chat data: data.format=chat)' where a dataset's columns are
+    another format's, for a refusal of a missing column; else ''."""
+    for fmt, named, keys in FORMAT_COLUMNS:
+        if fmt != cfg.format and set(named) <= set(columns):
+            return f" (its columns look like {fmt} data: set data.format={fmt}{keys})"
+    return ""
 
 
 def read_columns(cfg: DataConfig) -> list[tuple[str, str, bool]]:
@@ -180,7 +194,7 @@ def render_text(docs, cfg: DataConfig, what: str):
     import datasets
 
     if cfg.template is None:
-        check_columns([cfg.text_field], docs.column_names, what, "data.text_field")
+        check_columns([cfg.text_field], docs.column_names, what, "data.text_field", format_hint(cfg, docs.column_names))
         feature = docs.features[cfg.text_field]
         if isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string"):
             return docs, cfg.text_field
@@ -240,7 +254,7 @@ def instruct_fn(cfg: DataConfig, tokenizer, columns: list[str], what: str):
     for col, key in needed:
         if col not in columns:
             raise UserError(f"data.format=instruct needs a column {col!r} but {what} has only: "
-                            f"{', '.join(columns)}; set {key} to the right column")
+                            f"{', '.join(columns)}; set {key} to the right column{format_hint(cfg, columns)}")
     bos, eos = _leading_bos(tokenizer), tokenizer.eos_token_id
     cutoff, sep = cfg.example_cutoff, cfg.list_sep
 
