@@ -66,17 +66,24 @@ def prepare_growth(corpus, tokenizer: str, cache, monkeypatch) -> tuple[float, i
 
 def test_preparation_memory_does_not_grow_with_the_corpus(assets, tmp_path, monkeypatch):
     source = "\n".join(json.loads(line)["text"] for line in open(assets["train"]))
-    sizes, runs = (8, 16), []  # from 8 MB on, what is bounded is full (below)
+    sizes = (8, 16)  # from 8 MB on, what is bounded is full (below)
     for size in sizes:
         write_short_documents(tmp_path / f"{size}.jsonl", source, size)
-        runs.append(prepare_growth(tmp_path / f"{size}.jsonl", assets["tokenizer"], tmp_path / f"cache-{size}",
-                                   monkeypatch))
-    (small, small_blocks), (large, large_blocks) = runs
-    assert large_blocks > 0.9 * sizes[1] / sizes[0] * small_blocks  # the larger corpus was really prepared
+    said = []
+    for attempt in range(2):  # a growth that holds the corpus shows in every measurement, noise not twice
+        (small, small_blocks), (large, large_blocks) = (
+            prepare_growth(tmp_path / f"{size}.jsonl", assets["tokenizer"], tmp_path / f"cache-{size}-{attempt}",
+                           monkeypatch) for size in sizes)
+        assert large_blocks > 0.9 * sizes[1] / sizes[0] * small_blocks  # the larger corpus was really prepared
+        said.append(f"{small:.0f} MB at {sizes[0]} MB, {large:.0f} MB at {sizes[1]}")
+        if large - small < 0.5 * (sizes[1] - sizes[0]):
+            break
+    else:
+        raise AssertionError(f"preparation memory grew with the corpus in both measurements: {'; '.join(said)}")
     # Measured (2026-11-26): 127 MB at 2 MB, 135 at 8, 136 at 14: what is bounded (a tokenizer batch,
     # the writers' buffers) fills up below 8 MB; from 8 to 16 MB it grew 0.4-1.8 MB (the held-out
-    # split's index arrays, ~170 bytes a document). The text held as Python strings adds 9 MB there
+    # split's index arrays, ~170 bytes a document), and once 5 MB in a suite run (the other worker
+    # busy; a second measurement is taken then). The text held as Python strings adds 9 MB there
     # (planted: `list(train_docs["text"])` in `_prepare`), a column read whole with its file pages ~2 MB
     # per MB (issue 37's regression: 133 -> 188 MB from 2 to 8 MB), token ids in a Python list ~4 MB per
     # MB. Comparing 2 and 8 MB (limit 12 MB) measured the fill-up too and failed once in CI at 12.1 MB.
-    assert large - small < 0.5 * (sizes[1] - sizes[0]), f"{small:.0f} MB at {sizes[0]} MB, {large:.0f} MB at {sizes[1]}"
