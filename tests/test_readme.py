@@ -290,3 +290,17 @@ def test_the_gpu_names_the_readme_lists_are_the_table():
     names, table = [name.strip() for name in listed[1].split(",")], [gpu.name for gpu in GPUS]
     assert names == table, f"README lists {set(names) - set(table) or 'none'} not in hardware.GPUS, lacks " \
                            f"{set(table) - set(names) or 'none'} (or the order differs)"
+
+
+def test_what_a_run_writes_lists_every_name_a_run_owns():
+    """The files and folders the code counts as a run's (what --overwrite removes, resume=auto moves
+    aside, a run folder is recognised by) are each a bullet of "What a run writes"."""
+    from shardtune.checkpoint import rundir
+    from shardtune.fsio import RUN_DIRS, RUN_MARKS
+
+    section = re.search(r"^## What a run writes\n(.*?)^## ", (ROOT / "README.md").read_text(), re.S | re.M)
+    assert section, "README's 'What a run writes' section is gone"
+    listed = {name.rstrip("/") for name in re.findall(r"^- ([^—]*?) — ", section[1], re.M)
+              for name in re.findall(r"`([^`]+)`", name)}
+    owned = {*RUN_MARKS, *RUN_DIRS, *rundir.RUN_FILES, *rundir.RUN_OUTPUTS, rundir.LOCK_FILE, rundir.EARLIER + "N"}
+    assert owned <= listed, f"not in README's 'What a run writes': {sorted(owned - listed)}"
