@@ -26,7 +26,7 @@ PLACEHOLDERS = {
     "REPO": "user/model", "FILE": "README.md",  # --prompts-file must exist
     "RECIPE": RECIPE, "RECIPE.yaml": RECIPE, "OUT/config.yaml": RECIPE, "key=value": "train.lr=3e-5",
     "peft.method=M": "peft.method=lora", "KEY=V1,V2,…": "train.lr=1e-4,3e-4",
-    "KEY=DIST:LOW:HIGH": "train.lr=loguniform:1e-5:1e-3",
+    "KEY=DIST:LOW:HIGH": "train.lr=loguniform:1e-5:1e-3", "GB/s": "100",
 }
 ELLIPSIS = ("…", "...")  # after an option that takes a value: a value; elsewhere "and more of these"
 SHELL_SEPARATORS = re.compile(r"&&|;|(?<!\\)\|")  # a pipe ends a command; `\|` is a table's escaped "or"
@@ -142,6 +142,22 @@ def test_every_documented_command_line_parses_and_loads(where, words, monkeypatc
             check_config(args)
         if getattr(args, "gpu", None):  # plan's names are checked by the run, not the parser
             gpu_by_name(args.gpu)
+
+
+def test_the_commands_table_names_every_option_of_every_command():
+    """The Commands table is each command's whole synopsis: an option `--help` lists (by any of its
+    names) is in one of its command's rows, so a new option cannot stay undocumented."""
+    rows = re.findall(r"^\| `shardtune (\w+) (.*?)` \|", (ROOT / "README.md").read_text(), re.M)
+    named: dict[str, set[str]] = {}
+    for command, synopsis in rows:
+        words = (w.strip("[]()") for w in synopsis.split())
+        named.setdefault(command, set()).update(w for w in words if w.startswith("-"))
+    assert set(named) == set(subparsers()), set(named) ^ set(subparsers())
+    missing = [f"{command}: {'/'.join(action.option_strings)}" for command, parser in subparsers().items()
+               for action in parser._actions
+               if action.option_strings and not isinstance(action, argparse._HelpAction)
+               and not set(action.option_strings) & named[command]]
+    assert not missing, f"options missing from README's Commands table: {missing}"
 
 
 def test_a_synopsis_value_in_brackets_is_the_default():
@@ -274,3 +290,17 @@ def test_the_gpu_names_the_readme_lists_are_the_table():
     names, table = [name.strip() for name in listed[1].split(",")], [gpu.name for gpu in GPUS]
     assert names == table, f"README lists {set(names) - set(table) or 'none'} not in hardware.GPUS, lacks " \
                            f"{set(table) - set(names) or 'none'} (or the order differs)"
+
+
+def test_what_a_run_writes_lists_every_name_a_run_owns():
+    """The files and folders the code counts as a run's (what --overwrite removes, resume=auto moves
+    aside, a run folder is recognised by) are each a bullet of "What a run writes"."""
+    from shardtune.checkpoint import rundir
+    from shardtune.fsio import RUN_DIRS, RUN_MARKS
+
+    section = re.search(r"^## What a run writes\n(.*?)^## ", (ROOT / "README.md").read_text(), re.S | re.M)
+    assert section, "README's 'What a run writes' section is gone"
+    listed = {name.rstrip("/") for name in re.findall(r"^- ([^—]*?) — ", section[1], re.M)
+              for name in re.findall(r"`([^`]+)`", name)}
+    owned = {*RUN_MARKS, *RUN_DIRS, *rundir.RUN_FILES, *rundir.RUN_OUTPUTS, rundir.LOCK_FILE, rundir.EARLIER + "N"}
+    assert owned <= listed, f"not in README's 'What a run writes': {sorted(owned - listed)}"
