@@ -110,7 +110,9 @@ def _main(argv: list[str] | None, console) -> int:
         if prints_errors(exc):
             print(f"error: {one_line(str(exc))}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # train says what is left of a run itself; this is any other moment or command
+        if prints_errors():
+            print(f"interrupted (Ctrl-C): shardtune {args.command} stopped before it finished", file=sys.stderr)
         return EXIT_INTERRUPTED
     except SystemExit:
         raise
