@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import run_cli
 from shardtune.cli.main import main
 
 
@@ -36,3 +37,29 @@ def test_ctrl_c_in_any_command_says_so_in_one_line(monkeypatch, capsys, command,
     assert main(argv) == EXIT_INTERRUPTED
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"interrupted (Ctrl-C): shardtune {command} stopped before it finished"], err
+
+
+@pytest.mark.parametrize("argv", [["train", "output_dir=run\udcff/x"], ["export", "ckpt", "out\udcff"],
+                                  ["eval", "model\udcff"]])
+def test_a_name_that_is_not_utf8_is_one_line(monkeypatch, capsys, tmp_path, argv):
+    """A byte like 0xff in a name reaches Python as a lone surrogate: Python's file calls took it,
+    the tokenizer's save did not, and a run failed with a traceback once trained (exit 1)."""
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "\\xff" in err[0] and "not UTF-8" in err[0], err
+    assert "rename" in err[0]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_ascii_locale_runs_in_utf8_mode(tmp_path):
+    """LC_ALL=C with PYTHONUTF8=0 makes Python's file names, files and console ASCII: a recipe value
+    outside it was a UnicodeEncodeError traceback where it was written. The command starts again
+    in UTF-8 mode, and the file holds the value in UTF-8."""
+    (tmp_path / "é.yaml").write_text("model:\n  name_or_path: gpt2\ndata:\n  path: wikitext\n"
+                                     "output_dir: runs/é 中文 🚀\n", encoding="utf-8")
+    proc = run_cli(["slurm", "é.yaml", "--nodes", "1", "--gpus-per-node", "1", "-o", "job é.sbatch"], timeout=60,
+                   cwd=tmp_path, env={"LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONIOENCODING": ""})
+    assert proc.returncode == 0, proc.stderr
+    assert "'output_dir=runs/é 中文 🚀'" in (tmp_path / "job é.sbatch").read_text(encoding="utf-8")
+    assert "job é.sbatch" in proc.stdout

@@ -258,6 +258,24 @@ def test_every_key_that_names_a_file_or_folder_expands_the_home_folder(tmp_path,
     assert from_yaml.data.path == "~user-that-is-not/x"  # no such user: left as written, as a shell does
 
 
+def test_a_relative_input_that_exists_is_saved_from_the_root(monkeypatch, tmp_path):
+    """A run's config.yaml is read from other working directories (`eval RUN` reads its data): a
+    relative data.path or tokenizer there named nothing ("data file 'd.jsonl' not found"). What
+    does not exist here (a Hub id) and what a run writes (output_dir) stay as written."""
+    from shardtune.config.load import dump_yaml, load_saved_config
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d.jsonl").write_text('{"text": "a"}\n')
+    (tmp_path / "tok").mkdir()
+    cfg = load_config(None, ["data.path=d.jsonl", "model.tokenizer=./tok", "model.name_or_path=org/m",
+                             "output_dir=runs/a"])
+    (tmp_path / "config.yaml").write_text(dump_yaml(cfg))
+    monkeypatch.chdir(tmp_path / "tok")
+    saved = load_saved_config(tmp_path / "config.yaml")
+    assert (saved.data.path, saved.model.tokenizer) == (str(tmp_path / "d.jsonl"), str(tmp_path / "tok"))
+    assert (saved.model.name_or_path, saved.output_dir) == ("org/m", "runs/a")
+
+
 @pytest.mark.parametrize("override, want", [
     ("model.config.rope_scaling={type: linear, factor: 2.0}", {"type": "linear", "factor": 2.0}),
     ("model.config.n_layer=[1]", [1]),

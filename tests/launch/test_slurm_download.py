@@ -4,6 +4,7 @@ one-line error for a model or dataset missing from the cache, and `shardtune slu
 from __future__ import annotations
 
 import re
+import shlex
 import subprocess
 import sys
 
@@ -103,6 +104,21 @@ def test_slurm_script_of_a_recipe_with_a_space_into_new_folders(tmp_path, capsys
     capsys.readouterr()
     assert "#SBATCH --job-name=my-recipe\n" in script.read_text()
     subprocess.run(["bash", "-n", str(script)], check=True)
+
+
+def test_slurm_names_a_recipe_and_a_script_starting_with_a_dash_as_files(tmp_path, monkeypatch, capsys):
+    """A recipe given after `--` and a script named `-job x.sbatch`: the script's command line and
+    the printed `sbatch` line name each so that a shell passes it as one file, not as an option
+    (the job's ranks refused `train -my.yaml`; `sbatch -job x.sbatch` was two words)."""
+    from shardtune.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "-my recipe.yaml").write_text((ROOT / "recipes" / "gpt2-wikitext2.yaml").read_text())
+    assert main(["slurm", "--nodes", "1", "--gpus-per-node", "4", "--out=-job x.sbatch", "--", "-my recipe.yaml"]) == 0
+    said = capsys.readouterr().out.strip().rpartition("submit it with: ")[2]
+    assert shlex.split(said) == ["sbatch", "./-job x.sbatch"]
+    launch = re.search(r"-m shardtune train (.*)$", (tmp_path / "-job x.sbatch").read_text(), flags=re.M).group(1)
+    assert shlex.split(launch)[0] == "./-my recipe.yaml"
 
 
 # ----------------------------------------------------------------------------- download

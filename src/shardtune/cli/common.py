@@ -3,6 +3,7 @@ options that mean something only with another."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from shardtune.cli.argtypes import finite_float, non_negative_int, positive_int
@@ -30,6 +31,8 @@ def split_recipe(recipe: str | None, overrides: list[str]) -> tuple[str | None, 
         named = Path("recipes") / f"{recipe}.yaml"
         if named.is_file():
             return str(named), overrides
+    if recipe is not None and recipe.startswith("-"):  # given after `--`: the command lines made from it (the
+        recipe = os.path.join(".", recipe)  # ranks', a trial's, an sbatch script's) would read it as an option
     return recipe, overrides
 
 

@@ -4,6 +4,7 @@ with `add_parser(sub)` and `run(args)`. Imports stay lazy: `--help` must not loa
 from __future__ import annotations
 
 import argparse
+import codecs
 import importlib
 import os
 import sys
@@ -54,8 +55,35 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from shardtune.console import guarded_console
 
+    if argv is None:
+        in_utf8_mode()
     with guarded_console() as console:
         return _main(argv, console)
+
+
+def in_utf8_mode() -> None:
+    """Under the C or POSIX locale with PYTHONUTF8=0, Python encodes file names, files and the
+    console as ASCII: a path, a recipe value or a generated word outside it crashed wherever it
+    was met (a folder made, a script written, a line printed). The libraries read and write UTF-8
+    whatever the locale, so the command starts again in Python's UTF-8 mode: the same process id,
+    the same arguments as bytes; its ranks and trials inherit it. An explicit `-X utf8=0` is kept."""
+    if sys.flags.utf8_mode or codecs.lookup(sys.getfilesystemencoding()).name == "utf-8" \
+            or os.environ.get("PYTHONUTF8") == "1":  # set: this is the second start
+        return
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], {**os.environ, "PYTHONUTF8": "1"})
+
+
+def undecodable_word(argv: list[str]) -> str | None:
+    """The first word of the command line that is not UTF-8 text, or None. A name in another
+    encoding (a byte like 0xff) reaches Python as a lone surrogate, which Python's own file calls
+    accept but the tokenizer's and other libraries' do not: a run failed only when it saved its
+    model, its training lost."""
+    for word in argv:
+        try:
+            word.encode("utf-8")
+        except UnicodeEncodeError:
+            return os.fsencode(word).decode("utf-8", "backslashreplace")
+    return None
 
 
 PRINTS_ITS_PRODUCT = ("plan", "generate", "eval", "slurm")
@@ -78,6 +106,10 @@ def _main(argv: list[str] | None, console) -> int:
         return EXIT_USAGE
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
+    if (word := undecodable_word(argv)) is not None:
+        print(f"error: '{word}' on the command line is not UTF-8 text (a name in another encoding); rename the "
+              "file or folder to a UTF-8 name, or link to it from one", file=sys.stderr)
+        return EXIT_USAGE
     try:
         args, extra = parser.parse_known_args(argv)
     except SystemExit as exc:  # a bad option (one line printed), --help or --version: their exit code

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shlex
 from pathlib import Path
 
 from shardtune.cli.argtypes import int_range, nonempty_str, positive_int, slurm_time
@@ -31,13 +33,18 @@ def add_parser(sub) -> None:
     p.add_argument("-o", "--out", type=nonempty_str, help="write the script here (default: print it)")
 
 
+def shell_word(path: str) -> str:
+    """A path as one word a shell passes to a command as a file (spaces quoted, a leading - no option)."""
+    return shlex.quote(os.path.join(".", path) if path.startswith("-") else path)
+
+
 def run(args) -> int:
     from shardtune.check.run import check_config_here
     from shardtune.config.load import check_job, load_config
     from shardtune.launch.slurm import sbatch_script
 
     recipe, _ = split_recipe(args.recipe, [])  # a path, or a name in ./recipes
-    if recipe is None or "=" in args.recipe:
+    if recipe is None:
         raise UserError(f"shardtune slurm needs a recipe YAML first, got {args.recipe!r}")
     cfg = load_config(recipe, args.overrides)  # refuse a bad recipe now, not on the cluster
     check_job(cfg, args.nodes * args.gpus_per_node, args.gpus_per_node)  # and one the job's ranks cannot run
@@ -53,7 +60,7 @@ def run(args) -> int:
         refuse_foreign_file(target, "-o", "a script of `shardtune slurm`", MARK)
         make_dir(target.parent)  # like every other output: its folders are made
         write_text_atomic(target, text)
-        print(f"wrote {args.out}; submit it with: sbatch {args.out}")
+        print(f"wrote {args.out}; submit it with: sbatch {shell_word(args.out)}")
     else:
         print(text, end="")
     return 0

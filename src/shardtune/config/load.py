@@ -23,6 +23,8 @@ from shardtune.config.schema import PATH_KEYS, RunConfig
 from shardtune.config.validation import validate
 from shardtune.errors import UserError, first_line
 
+INPUT_KEYS = frozenset({"model.name_or_path", "model.tokenizer", "data.path"})  # read by a run, never written
+
 
 def parse_override(text: str) -> tuple[str, Any]:
     """`train.lr=3e-5` -> ("train.lr", 3e-05). Values are parsed as YAML scalars/lists."""
@@ -145,8 +147,18 @@ def _build(cls, data: Any, prefix: str):
         value = next((new for old, new in aliases.items() if value is old), value)
         kwargs[key] = _coerce(hints[key], value, f"{prefix}{key}")
         if f"{prefix}{key}" in PATH_KEYS and isinstance(kwargs[key], str):
-            kwargs[key] = os.path.expanduser(kwargs[key])
+            kwargs[key] = _path_value(f"{prefix}{key}", kwargs[key])
     return cls(**kwargs)
+
+
+def _path_value(key: str, text: str) -> str:
+    """`~` is the user's home, as in a shell. An input that exists here is named from the root: the
+    run's saved config is read from other working directories (`eval RUN`, `generate`, `export
+    --merge`, a resume), where a relative `data.path` named nothing or another file."""
+    path = os.path.expanduser(text)
+    if key in INPUT_KEYS and os.path.exists(path):
+        return os.path.abspath(path)
+    return path
 
 
 def _key_hint(prefix: str, key: str, fields) -> str:
