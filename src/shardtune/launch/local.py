@@ -15,9 +15,12 @@ import uuid
 from pathlib import Path
 
 from shardtune.distributed.process_group import LAUNCHER_ENV
-from shardtune.errors import EXIT_PREEMPTED, EXIT_USAGE
-from shardtune.rank.lifecycle import COMPLETED_ENV
+from shardtune.errors import EXIT_CRASH, EXIT_PREEMPTED, EXIT_USAGE
+from shardtune.rank.lifecycle import COMPLETED_ENV, ERROR_NOTE, PEER_NOTE
 from shardtune.rank.preemption import sigint_ignored
+
+# How the launcher's line about failed ranks ends (a sweep's trial looks past it for the ranks' own error).
+SUMMARY_END = "; see the ranks' output above"
 
 
 def launch_local(nproc: int, worker_argv: list[str],
@@ -70,7 +73,8 @@ def launch_local(nproc: int, worker_argv: list[str],
     except SignalException as exc:  # the ranks were stopped by the agent and have exited
         return 128 + int(exc.sigval)
     except ChildFailedError as exc:
-        code, line = failed_launch({rank: f.exitcode for rank, f in exc.failures.items()}, read_completed(completed))
+        code, line = failed_launch({rank: f.exitcode for rank, f in exc.failures.items()}, read_completed(completed),
+                                   read_notes(completed))
         if line:
             print(line, file=sys.stderr)
         return code
@@ -81,11 +85,14 @@ def launch_local(nproc: int, worker_argv: list[str],
     return 0
 
 
-def failed_launch(codes: dict[int, int], completed: dict[int, int]) -> tuple[int, str]:
+def failed_launch(codes: dict[int, int], completed: dict[int, int],
+                  notes: dict[str, dict[int, str]] | None = None) -> tuple[int, str]:
     """The launch's exit code and its line, given the failed ranks' exit codes (negative: the
-    signal) and the codes of the ranks that marked the run completed. A rank marks it only after
+    signal), the codes of the ranks that marked the run completed and the notes failed ranks left
+    (`leave_note`: a bad-input line, or that a peer left first). A rank marks it only after
     the closing barrier, so one mark means every rank had finished its work: a rank that died
     after that (or was killed by the agent because another did) failed nothing."""
+    notes = notes or {}
     if completed:
         code = max(completed.values())  # 75 (preempted, with a checkpoint) over 0
         deaths = {rank: c for rank, c in codes.items() if c != completed.get(rank, code)}
@@ -96,10 +103,33 @@ def failed_launch(codes: dict[int, int], completed: dict[int, int]) -> tuple[int
                       "the run's results are complete")
     values = set(codes.values())
     if EXIT_USAGE in values:
-        return EXIT_USAGE, ""
+        errors = notes.get(ERROR_NOTE, {})
+        if codes.get(0) == EXIT_USAGE or not errors:  # rank 0 printed the line (it speaks for the job)
+            return EXIT_USAGE, ""
+        return EXIT_USAGE, f"error: {errors[min(errors)]}"  # only a rank other than 0 had it: its line, once
     if values == {EXIT_PREEMPTED}:
         return EXIT_PREEMPTED, ""
-    return 1, f"error: {len(codes)} worker(s) failed (exit codes {sorted(values)}); see their output above"
+    # the ranks that failed, not those that stopped because one did: the agent's SIGTERM, a collective
+    # whose peer was gone
+    peers = notes.get(PEER_NOTE, {})
+    first = {rank: c for rank, c in codes.items() if rank not in peers and c != -signal.SIGTERM} or codes
+    listed = ", ".join(f"rank {rank} ({_exit_words(c)})" for rank, c in sorted(first.items()))
+    others = len(codes) - len(first)
+    return EXIT_CRASH, (f"error: {listed} failed" + (f"; {others} other rank(s) stopped with it" if others else "")
+                        + SUMMARY_END)
+
+
+def read_notes(folder: Path) -> dict[str, dict[int, str]]:
+    """What failed ranks left for the launcher (`leave_note`), by kind and rank."""
+    notes: dict[str, dict[int, str]] = {ERROR_NOTE: {}, PEER_NOTE: {}}
+    for kind, found in notes.items():
+        for path in folder.glob(f"{kind}-rank-*"):
+            try:
+                found[int(path.name.removeprefix(f"{kind}-rank-"))] = path.read_text().strip()
+            except (OSError, ValueError):
+                continue
+    notes[ERROR_NOTE] = {rank: line for rank, line in notes[ERROR_NOTE].items() if line}
+    return notes
 
 
 def _exit_words(code: int) -> str:

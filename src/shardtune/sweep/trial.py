@@ -99,9 +99,11 @@ def _cap_data_segment(limit: int) -> None:
 
 def failure_line(stderr: str) -> str:
     """The line that says what went wrong: the last exception or error line (the launcher's
-    "N worker(s) failed" summary is not it), without the `[rankN]:` prefix."""
+    "rank N ... failed" summary is not it), without the `[rankN]:` prefix."""
+    from shardtune.launch.local import SUMMARY_END
+
     lines = [re.sub(r"^\[(?:default)?rank\d+\]:\s*", "", line).strip() for line in stderr.splitlines()]
-    lines = [line for line in lines if line and not (line.startswith("error: ") and "worker(s) failed" in line)]
+    lines = [line for line in lines if line and not (line.startswith("error: ") and line.endswith(SUMMARY_END))]
     errors = [line for line in lines if re.match(r"^([\w.]*(Error|Exception|Interrupt)\b|error:)", line)]
     return (errors or lines or [""])[-1][:300]
 
