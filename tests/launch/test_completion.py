@@ -11,7 +11,7 @@ import pytest
 
 from shardtune.cli.main import main
 from shardtune.errors import EXIT_CRASH, EXIT_PREEMPTED, EXIT_USAGE, UserError
-from shardtune.launch.local import failed_launch, read_completed, read_notes
+from shardtune.launch.local import failed_launch, quiet_agent_loggers, read_completed, read_notes
 from shardtune.rank.lifecycle import COMPLETED_ENV, ERROR_NOTE, PEER_NOTE, mark_completed
 
 ABRT, TERM, KILL = -int(signal.SIGABRT), -int(signal.SIGTERM), -int(signal.SIGKILL)
@@ -119,3 +119,19 @@ def test_a_rank_leaves_its_failure_for_the_launcher(tmp_path, monkeypatch, capfd
     monkeypatch.delenv("RANK")
     with pytest.raises(RuntimeError, match="checkpoint save failed"):
         main(["report", str(tmp_path)])
+
+
+def test_the_agent_does_not_retell_a_stop(monkeypatch):
+    """A Ctrl-C of `--nproc N` is the launcher's lines only: the agent's "Received 2 death signal,
+    shutting down workers" warning is off, though its module's logger has a level of its own."""
+    import logging
+
+    from torch.distributed.launcher.api import elastic_launch  # noqa: F401 - makes the agent's loggers
+
+    names = [n for n in logging.Logger.manager.loggerDict if n.startswith("torch.distributed.elastic.agent.server")]
+    for name in names:
+        monkeypatch.setattr(logging.getLogger(name), "level", logging.getLogger(name).level)  # put back after
+    monkeypatch.setattr(logging.getLogger("torch.distributed.elastic"), "level", logging.NOTSET)
+    quiet_agent_loggers()
+    assert "torch.distributed.elastic.agent.server.api" in names
+    assert not any(logging.getLogger(name).isEnabledFor(logging.WARNING) for name in names)

@@ -32,8 +32,6 @@ def launch_local(nproc: int, worker_argv: list[str],
     the first Ctrl-C (SIGINT), after `interrupt_note`; a second Ctrl-C is passed on again, and
     the ranks stop at once; started with SIGINT ignored, it ignores it (rank/preemption.py). The
     workers die with this process (`die_with_launcher`)."""
-    import logging
-
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -45,8 +43,7 @@ def launch_local(nproc: int, worker_argv: list[str],
                           rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}",
                           max_restarts=0, monitor_interval=0.5, **grace,
                           signals_to_handle="SIGTERM,SIGHUP,SIGQUIT")  # SIGINT: `on_sigint` below
-    # The workers print their own errors; the agent's retelling would bury the one line that matters.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    quiet_agent_loggers()
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     os.environ[LAUNCHER_ENV] = str(os.getpid())
     interrupts = 0
@@ -83,6 +80,18 @@ def launch_local(nproc: int, worker_argv: list[str],
         os.environ.pop(COMPLETED_ENV, None)
         shutil.rmtree(completed, ignore_errors=True)
     return 0
+
+
+def quiet_agent_loggers() -> None:
+    """The workers print their own errors, and this launcher says how they stopped; the agent's
+    retelling ("Received 2 death signal, shutting down workers" on a Ctrl-C) would bury the one line
+    that matters. Each of its modules' loggers has a level of its own (torch's `get_logger`), which
+    a level on their parent does not override: every one is set, and the parent for those to come."""
+    import logging
+
+    for name in ["torch.distributed.elastic", *logging.Logger.manager.loggerDict]:
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 def failed_launch(codes: dict[int, int], completed: dict[int, int],
