@@ -61,7 +61,7 @@ def run_trial(sweep, point: dict, name: str, cap: int | None, micro_batch: int |
         if over:
             record.update(status="over_limit", note=f"reserved {record['mem_reserved_gib']:.3g} GiB > --mem-limit")
         return record
-    if code in (-signal.SIGKILL, 128 + signal.SIGKILL):
+    if code in (-signal.SIGKILL, 128 + signal.SIGKILL) or rank_killed(stderr):
         record.update(status="oom", note="killed by SIGKILL (the kernel's out-of-memory killer?)")
     else:
         record.update(status="oom" if any(s in stderr.lower() for s in OOM_SIGNS) else "failed",
@@ -95,6 +95,15 @@ def _cap_data_segment(limit: int) -> None:
     import resource
 
     resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+
+
+def rank_killed(stderr: str) -> bool:
+    """Under --nproc: the launcher's line names a rank that SIGKILL ended (the launcher itself then
+    exits 1, not -9): what the kernel's out-of-memory killer does to the rank over the memory."""
+    from shardtune.launch.local import SUMMARY_END
+
+    return any(line.startswith("error: ") and line.endswith(SUMMARY_END)
+               and "(signal SIGKILL) failed" in line.partition(";")[0] for line in stderr.splitlines())
 
 
 def failure_line(stderr: str) -> str:
