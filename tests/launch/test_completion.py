@@ -115,6 +115,11 @@ def test_a_rank_leaves_its_failure_for_the_launcher(tmp_path, monkeypatch, capfd
     else:  # rank 0 of torchrun points to the rank that failed, once
         assert err.count("\n") == 1 and err.startswith("error: another rank of this run failed first"), err
         assert not list(tmp_path.iterdir())
+    monkeypatch.setattr(report, "run", lambda args: (_ for _ in ()).throw(ConnectionResetError(
+        104, "Connection reset by peer")))  # a socket of its own (an upload): not a collective's peer
+    with pytest.raises(ConnectionResetError):
+        main(["report", str(tmp_path)])
+    monkeypatch.setattr(report, "run", collective)
     monkeypatch.setenv("WORLD_SIZE", "1")  # a lone process has no peer: its error is its own
     monkeypatch.delenv("RANK")
     with pytest.raises(RuntimeError, match="checkpoint save failed"):

@@ -54,10 +54,13 @@ def failed_with_a_peer(exc: BaseException) -> bool:
     bury that line."""
     if os.environ.get("WORLD_SIZE", "1").strip() in ("", "0", "1"):
         return False
+    from torch.distributed.checkpoint.api import CheckpointException
+
     seen = set()
-    while exc is not None and id(exc) not in seen:
+    while exc is not None and id(exc) not in seen:  # the collective's error, or one that retells it
         seen.add(id(exc))
-        if any(words in str(exc) for words in PEER_GONE):
+        # torch's errors (RuntimeError, DistError, DCP's), not a socket's own (an OSError: a Hub upload's)
+        if isinstance(exc, RuntimeError | CheckpointException) and any(words in str(exc) for words in PEER_GONE):
             return True
         exc = exc.__cause__ or exc.__context__
     return False
