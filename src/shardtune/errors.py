@@ -3,6 +3,7 @@ codes every command and rank ends with."""
 
 import signal
 
+EXIT_CRASH = 1  # a crash: a traceback above, or another rank's failure that this rank stopped with
 EXIT_USAGE = 2  # bad input: one line on stderr, nothing written destroyed
 # A run stopped on request (SIGTERM, SIGUSR1, one Ctrl-C) after writing a checkpoint. 75 is
 # EX_TEMPFAIL, "temporary failure, try again": a requeue script can treat it as "requeue me",

@@ -24,7 +24,7 @@ from conftest import AGENT_VARS, child_env
 from shardtune.cli.main import main
 from shardtune.data.quickstart import build_quickstart_assets
 from shardtune.distributed.process_group import check_nproc
-from shardtune.errors import EXIT_USAGE, UserError
+from shardtune.errors import EXIT_INTERRUPTED, EXIT_USAGE, UserError
 
 TINY_GPT2 = {"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2, "n_positions": 64}
 
@@ -268,6 +268,24 @@ def test_nproc_above_gpus_cli(capfd, monkeypatch, recipe, out):
 def test_nproc_not_positive(capfd, recipe, out):
     fails(capfd, ["train", recipe, "--nproc", "0", f"output_dir={out}"], "--nproc", "at least 1")
     fails(capfd, ["train", recipe, "--nproc", "-2", f"output_dir={out}"], "--nproc", "at least 1")
+
+
+@pytest.mark.parametrize("nproc", [["--nproc", "2"], []])
+def test_ctrl_c_while_the_run_is_checked_says_so(capfd, monkeypatch, recipe, out, nproc):
+    """Ctrl-C while the run is checked (the tokenizer, the model's config), before any rank or
+    training started: exit 130 with the one line every Ctrl-C stop has, not a silent 130; the
+    output folder's hold is let go."""
+    import shardtune.check.run
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(shardtune.check.run, "check_run", interrupted)
+    before = snapshot(out)
+    assert main(["train", recipe, f"output_dir={out}", *nproc]) == EXIT_INTERRUPTED
+    err = capfd.readouterr().err
+    assert err.startswith("interrupted (Ctrl-C)") and err.count("\n") == 1 and "no checkpoint" in err, err
+    assert snapshot(out) == before  # the lock let go with the launcher's hold
 
 
 def test_cuda_requested_without_gpu(capfd, monkeypatch, recipe, out):

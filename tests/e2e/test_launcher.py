@@ -1,7 +1,8 @@
 """The launcher of `--nproc 2`, as a user runs it (the real CLI): one live run per output
 folder, Ctrl-C that checkpoints and says so only when it is true, and ranks that die with their
-launcher on `kill -9` (started with SIGINT ignored, it ignores Ctrl-C). Four launches, ~15 s each
-on 2 cores. And the variables torchrun or srun set, as a rank reads them: wrong ones are one line."""
+launcher on `kill -9` (started with SIGINT ignored, it ignores Ctrl-C), a rank killed named in one
+line. Five launches, ~15 s each on 2 cores. And the variables torchrun or srun set, as a rank reads
+them: wrong ones are one line."""
 
 from __future__ import annotations
 
@@ -175,6 +176,23 @@ def test_nproc2_ignores_ctrl_c_when_started_so_and_ranks_die_with_their_launcher
     assert "Ctrl-C" not in output and "SIGINT" not in output, output
     hold_run_dir(out)
     release_run_dir(out)
+
+
+def test_nproc2_a_rank_killed_is_named_in_one_line(recipe, tmp_path, datasets_cache):
+    """kill -9 of one rank while it trains (the OOM killer): the launcher stops within seconds and
+    its one line names that rank and its signal; the rank whose collective failed with it prints no
+    traceback of its own (gloo's "Connection closed by peer" buried the line); the folder is free."""
+    out = tmp_path / "run"
+    with launched(recipe, out, datasets_cache) as proc:
+        wait_for(training(out), 180, proc)
+        ranks = children(proc.pid)
+        os.kill(ranks[-1], signal.SIGKILL)
+        output = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 1, output
+    errors = [line for line in output.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and errors[0].startswith("error: rank ") and "(signal SIGKILL) failed" in errors[0], output
+    assert "Traceback" not in output and "Connection closed" not in output, output
+    assert not any(alive(pid) for pid in ranks) and not (out / LOCK_FILE).exists()
 
 
 JOB = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29400"}

@@ -226,3 +226,31 @@ def test_a_trial_is_a_job_of_its_own_under_srun_or_torchrun(monkeypatch, tmp_pat
     with pytest.raises(Started):
         trial.run_trial(Sweep(None, ["data.path=x"], [("train.lr", ["1e-3"])], out=tmp_path), {}, "t", None)
     assert seen and not set(AGENT_VARS) & set(seen)
+
+
+@pytest.mark.parametrize("code, stderr, status", [
+    # --nproc: the kernel killed one rank (its launcher exits 1 and names it): over the memory, as a lone trial's -9
+    (1, "error: rank 1 (signal SIGKILL) failed; 1 other rank(s) stopped with it; see the ranks' output above\n", "oom"),
+    (-9, "", "oom"),
+    (1, "RuntimeError: boom\nerror: rank 1 (exit code 1) failed; 1 other rank(s) stopped with it; see the ranks' "
+        "output above\n", "failed"),
+    (1, "error: rank 1 (signal SIGTERM) failed; see the ranks' output above\n", "failed"),
+])
+def test_a_rank_killed_by_sigkill_is_out_of_memory(monkeypatch, tmp_path, code, stderr, status):
+    from shardtune.sweep import trial
+    from shardtune.sweep.grid import Sweep
+
+    class Ended:
+        def __init__(self, argv, stderr, **kwargs):
+            stderr.write(words)
+
+        def wait(self, timeout=None):
+            return code
+
+    words = stderr
+    monkeypatch.setattr(trial.subprocess, "Popen", Ended)
+    record = trial.run_trial(Sweep(None, ["data.path=x"], [("train.lr", ["1e-3"])], out=tmp_path, nproc=2), {},
+                             "t", None)
+    assert record["status"] == status, record
+    if status == "failed":
+        assert record["note"] == "RuntimeError: boom" if "boom" in stderr else record["note"].startswith("exit code")

@@ -10,7 +10,7 @@ import os
 import sys
 
 from shardtune.cli.common import TRAIN_EPILOG, config_reference
-from shardtune.errors import EXIT_INTERRUPTED, EXIT_USAGE, RankError, UserError
+from shardtune.errors import EXIT_CRASH, EXIT_INTERRUPTED, EXIT_USAGE, RankError, UserError
 
 COMMANDS = ("train", "export", "eval", "generate", "report", "slurm", "plan", "sweep", "download")  # --help order
 
@@ -141,6 +141,10 @@ def _main(argv: list[str] | None, console) -> int:
     except UserError as exc:
         if prints_errors(exc):
             print(f"error: {one_line(str(exc))}", file=sys.stderr)
+        else:  # rank 0 prints the job's line, but may not have this rank's: `--nproc N`'s launcher then says it
+            from shardtune.rank.lifecycle import ERROR_NOTE, leave_note
+
+            leave_note(ERROR_NOTE, one_line(str(exc)))
         return EXIT_USAGE
     except KeyboardInterrupt:  # train says what is left of a run itself; this is any other moment or command
         if prints_errors():
@@ -155,7 +159,17 @@ def _main(argv: list[str] | None, console) -> int:
 
         line = fs_failure_line(exc, getattr(args, "out", None) or f"the output of `shardtune {args.command}`")
         if line is None:
-            raise
+            from shardtune.rank.lifecycle import COMPLETED_ENV, PEER_NOTE, failed_with_a_peer, leave_note
+
+            if not failed_with_a_peer(exc):
+                raise
+            # another rank failed first and said why (a bad-input line, a traceback) or was killed:
+            # not a traceback per surviving rank; `--nproc N`'s launcher names the rank, else rank 0 points to it
+            leave_note(PEER_NOTE)
+            if COMPLETED_ENV not in os.environ and prints_errors():
+                print("error: another rank of this run failed first (see its output above, or its launcher's "
+                      "summary), and this one stopped with it", file=sys.stderr)
+            return EXIT_CRASH
         if prints_errors():
             print(f"error: {line}", file=sys.stderr)
         return EXIT_USAGE

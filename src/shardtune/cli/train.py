@@ -57,22 +57,23 @@ def run(args) -> int:
         from shardtune.rank.preemption import interrupted_line
         from shardtune.train.trainer import run
 
-        checked = check_run(cfg, world)  # before the process group, the model and the data
-        if is_main_process():
-            if used and LAUNCHER_ENV not in os.environ:  # else: the launcher's
-                print(used, flush=True)
-            for line in said:
-                print(line, flush=True)
         try:
-            results = run(checked, overwrite=args.overwrite)
-        except KeyboardInterrupt:  # a second Ctrl-C, or one before training started
+            checked = check_run(cfg, world)  # before the process group, the model and the data
             if is_main_process():
+                if used and LAUNCHER_ENV not in os.environ:  # else: the launcher's
+                    print(used, flush=True)
+                for line in said:
+                    print(line, flush=True)
+            results = run(checked, overwrite=args.overwrite)
+        except KeyboardInterrupt:  # a second Ctrl-C, or one before training started (checking it too)
+            if is_main_process() and LAUNCHER_ENV not in os.environ:  # else the launcher says what the ranks did
                 print(interrupted_line(cfg.output_dir), file=sys.stderr, flush=True)
             return EXIT_INTERRUPTED
         return EXIT_PREEMPTED if results.get("preempted") else 0
     # Parent of N local ranks: check the run before starting anything, and hold the output folder
     # for the run's lifetime (the ranks it starts share the hold). The ranks take the resolved values.
     from shardtune.checkpoint.rundir import prepare_run_dir, release_run_dir
+    from shardtune.rank.preemption import interrupted_line
 
     out = cfg.output_dir
     for line in ([used] if used else []) + said:
@@ -87,6 +88,9 @@ def run(args) -> int:
         if args.overwrite:
             worker.append("--overwrite")
         return _launch_preemptible(nproc, worker, Path(out))
+    except KeyboardInterrupt:  # Ctrl-C while checking or loading the launcher: no rank has started
+        print(interrupted_line(out), file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
     finally:
         release_run_dir(out)
 

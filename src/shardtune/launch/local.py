@@ -15,9 +15,12 @@ import uuid
 from pathlib import Path
 
 from shardtune.distributed.process_group import LAUNCHER_ENV
-from shardtune.errors import EXIT_PREEMPTED, EXIT_USAGE
-from shardtune.rank.lifecycle import COMPLETED_ENV
+from shardtune.errors import EXIT_CRASH, EXIT_PREEMPTED, EXIT_USAGE
+from shardtune.rank.lifecycle import COMPLETED_ENV, ERROR_NOTE, PEER_NOTE
 from shardtune.rank.preemption import sigint_ignored
+
+# How the launcher's line about failed ranks ends (a sweep's trial looks past it for the ranks' own error).
+SUMMARY_END = "; see the ranks' output above"
 
 
 def launch_local(nproc: int, worker_argv: list[str],
@@ -29,8 +32,6 @@ def launch_local(nproc: int, worker_argv: list[str],
     the first Ctrl-C (SIGINT), after `interrupt_note`; a second Ctrl-C is passed on again, and
     the ranks stop at once; started with SIGINT ignored, it ignores it (rank/preemption.py). The
     workers die with this process (`die_with_launcher`)."""
-    import logging
-
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -42,8 +43,7 @@ def launch_local(nproc: int, worker_argv: list[str],
                           rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}",
                           max_restarts=0, monitor_interval=0.5, **grace,
                           signals_to_handle="SIGTERM,SIGHUP,SIGQUIT")  # SIGINT: `on_sigint` below
-    # The workers print their own errors; the agent's retelling would bury the one line that matters.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    quiet_agent_loggers()
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     os.environ[LAUNCHER_ENV] = str(os.getpid())
     interrupts = 0
@@ -70,7 +70,8 @@ def launch_local(nproc: int, worker_argv: list[str],
     except SignalException as exc:  # the ranks were stopped by the agent and have exited
         return 128 + int(exc.sigval)
     except ChildFailedError as exc:
-        code, line = failed_launch({rank: f.exitcode for rank, f in exc.failures.items()}, read_completed(completed))
+        code, line = failed_launch({rank: f.exitcode for rank, f in exc.failures.items()}, read_completed(completed),
+                                   read_notes(completed))
         if line:
             print(line, file=sys.stderr)
         return code
@@ -81,11 +82,26 @@ def launch_local(nproc: int, worker_argv: list[str],
     return 0
 
 
-def failed_launch(codes: dict[int, int], completed: dict[int, int]) -> tuple[int, str]:
+def quiet_agent_loggers() -> None:
+    """The workers print their own errors, and this launcher says how they stopped; the agent's
+    retelling ("Received 2 death signal, shutting down workers" on a Ctrl-C) would bury the one line
+    that matters. Each of its modules' loggers has a level of its own (torch's `get_logger`), which
+    a level on their parent does not override: every one is set, and the parent for those to come."""
+    import logging
+
+    for name in ["torch.distributed.elastic", *logging.Logger.manager.loggerDict]:
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def failed_launch(codes: dict[int, int], completed: dict[int, int],
+                  notes: dict[str, dict[int, str]] | None = None) -> tuple[int, str]:
     """The launch's exit code and its line, given the failed ranks' exit codes (negative: the
-    signal) and the codes of the ranks that marked the run completed. A rank marks it only after
+    signal), the codes of the ranks that marked the run completed and the notes failed ranks left
+    (`leave_note`: a bad-input line, or that a peer left first). A rank marks it only after
     the closing barrier, so one mark means every rank had finished its work: a rank that died
     after that (or was killed by the agent because another did) failed nothing."""
+    notes = notes or {}
     if completed:
         code = max(completed.values())  # 75 (preempted, with a checkpoint) over 0
         deaths = {rank: c for rank, c in codes.items() if c != completed.get(rank, code)}
@@ -96,10 +112,33 @@ def failed_launch(codes: dict[int, int], completed: dict[int, int]) -> tuple[int
                       "the run's results are complete")
     values = set(codes.values())
     if EXIT_USAGE in values:
-        return EXIT_USAGE, ""
+        errors = notes.get(ERROR_NOTE, {})
+        if codes.get(0) == EXIT_USAGE or not errors:  # rank 0 printed the line (it speaks for the job)
+            return EXIT_USAGE, ""
+        return EXIT_USAGE, f"error: {errors[min(errors)]}"  # only a rank other than 0 had it: its line, once
     if values == {EXIT_PREEMPTED}:
         return EXIT_PREEMPTED, ""
-    return 1, f"error: {len(codes)} worker(s) failed (exit codes {sorted(values)}); see their output above"
+    # the ranks that failed, not those that stopped because one did: the agent's SIGTERM, a collective
+    # whose peer was gone
+    peers = notes.get(PEER_NOTE, {})
+    first = {rank: c for rank, c in codes.items() if rank not in peers and c != -signal.SIGTERM} or codes
+    listed = ", ".join(f"rank {rank} ({_exit_words(c)})" for rank, c in sorted(first.items()))
+    others = len(codes) - len(first)
+    return EXIT_CRASH, (f"error: {listed} failed" + (f"; {others} other rank(s) stopped with it" if others else "")
+                        + SUMMARY_END)
+
+
+def read_notes(folder: Path) -> dict[str, dict[int, str]]:
+    """What failed ranks left for the launcher (`leave_note`), by kind and rank."""
+    notes: dict[str, dict[int, str]] = {ERROR_NOTE: {}, PEER_NOTE: {}}
+    for kind, found in notes.items():
+        for path in folder.glob(f"{kind}-rank-*"):
+            try:
+                found[int(path.name.removeprefix(f"{kind}-rank-"))] = path.read_text().strip()
+            except (OSError, ValueError):
+                continue
+    notes[ERROR_NOTE] = {rank: line for rank, line in notes[ERROR_NOTE].items() if line}
+    return notes
 
 
 def _exit_words(code: int) -> str:

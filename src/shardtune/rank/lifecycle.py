@@ -15,7 +15,13 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 # A folder the launcher makes for each launch: a rank that has passed the run's closing barrier
 # writes rank-N there, holding the exit code it means to end with. A rank that then dies during
 # the interpreter's shutdown (a C++ thread of a library alive at exit) has not failed the run.
+# A rank that ends on an error leaves its word for the launcher there too (`leave_note`).
 COMPLETED_ENV = "SHARDTUNE_COMPLETED_DIR"
+# What a rank that fails leaves for the launcher: its bad-input line (a rank other than 0, which
+# alone prints the job's line, may be the only one that has it), or that a peer left first.
+ERROR_NOTE, PEER_NOTE = "error", "peer"
+# A collective whose peer is gone (its process died or left): gloo's and NCCL's words for it.
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "remote process exited")
 
 
 def mark_completed(code: int) -> None:
@@ -26,6 +32,38 @@ def mark_completed(code: int) -> None:
         tmp = Path(folder) / f".rank-{os.environ.get('RANK', '0')}"
         tmp.write_text(str(code))
         os.replace(tmp, tmp.with_name(tmp.name[1:]))
+
+
+def leave_note(kind: str, text: str = "") -> None:
+    """A rank of `launch_local` that ends on an error: `kind` ERROR_NOTE with its one line, or
+    PEER_NOTE (a collective failed because another rank had died or left first)."""
+    folder = os.environ.get(COMPLETED_ENV)
+    if not folder:
+        return
+    tmp = Path(folder) / f".{kind}-rank-{os.environ.get('RANK', '0')}"
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, tmp.with_name(tmp.name[1:]))
+    except OSError:
+        pass  # the launcher then says less, never wrongly
+
+
+def failed_with_a_peer(exc: BaseException) -> bool:
+    """In a rank of several: `exc` is a collective failing because another rank died or left
+    first (that rank's own output and its launcher tell why); this rank's traceback would only
+    bury that line."""
+    if os.environ.get("WORLD_SIZE", "1").strip() in ("", "0", "1"):
+        return False
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    seen = set()
+    while exc is not None and id(exc) not in seen:  # the collective's error, or one that retells it
+        seen.add(id(exc))
+        # torch's errors (RuntimeError, DistError, DCP's), not a socket's own (an OSError: a Hub upload's)
+        if isinstance(exc, RuntimeError | CheckpointException) and any(words in str(exc) for words in PEER_GONE):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def leave_rank(code: int) -> None:

@@ -61,7 +61,7 @@ def run_trial(sweep, point: dict, name: str, cap: int | None, micro_batch: int |
         if over:
             record.update(status="over_limit", note=f"reserved {record['mem_reserved_gib']:.3g} GiB > --mem-limit")
         return record
-    if code in (-signal.SIGKILL, 128 + signal.SIGKILL):
+    if code in (-signal.SIGKILL, 128 + signal.SIGKILL) or rank_killed(stderr):
         record.update(status="oom", note="killed by SIGKILL (the kernel's out-of-memory killer?)")
     else:
         record.update(status="oom" if any(s in stderr.lower() for s in OOM_SIGNS) else "failed",
@@ -97,11 +97,22 @@ def _cap_data_segment(limit: int) -> None:
     resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
 
 
+def rank_killed(stderr: str) -> bool:
+    """Under --nproc: the launcher's line names a rank that SIGKILL ended (the launcher itself then
+    exits 1, not -9): what the kernel's out-of-memory killer does to the rank over the memory."""
+    from shardtune.launch.local import SUMMARY_END
+
+    return any(line.startswith("error: ") and line.endswith(SUMMARY_END)
+               and "(signal SIGKILL) failed" in line.partition(";")[0] for line in stderr.splitlines())
+
+
 def failure_line(stderr: str) -> str:
     """The line that says what went wrong: the last exception or error line (the launcher's
-    "N worker(s) failed" summary is not it), without the `[rankN]:` prefix."""
+    "rank N ... failed" summary is not it), without the `[rankN]:` prefix."""
+    from shardtune.launch.local import SUMMARY_END
+
     lines = [re.sub(r"^\[(?:default)?rank\d+\]:\s*", "", line).strip() for line in stderr.splitlines()]
-    lines = [line for line in lines if line and not (line.startswith("error: ") and "worker(s) failed" in line)]
+    lines = [line for line in lines if line and not (line.startswith("error: ") and line.endswith(SUMMARY_END))]
     errors = [line for line in lines if re.match(r"^([\w.]*(Error|Exception|Interrupt)\b|error:)", line)]
     return (errors or lines or [""])[-1][:300]
 
