@@ -147,7 +147,9 @@ def _main(argv: list[str] | None, console) -> int:
             leave_note(ERROR_NOTE, one_line(str(exc)))
         return EXIT_USAGE
     except KeyboardInterrupt:  # train says what is left of a run itself; this is any other moment or command
-        if prints_errors():
+        from shardtune.distributed.process_group import LAUNCHER_ENV
+
+        if prints_errors() and LAUNCHER_ENV not in os.environ:  # a rank of `--nproc N`: its launcher says it
             print(f"interrupted (Ctrl-C): shardtune {args.command} stopped before it finished", file=sys.stderr)
         return EXIT_INTERRUPTED
     except SystemExit:
