@@ -107,3 +107,26 @@ def test_an_opening_assistant_turn_of_a_template_that_changes_the_text(tokenizer
     text, kept = labelled(tokenizer, messages, SHOUTING)
     assert kept == "HELLO<|endoftext|>BYE<|endoftext|>", (text, kept)
     assert chat.chat_prompt_and_reply(tokenizer, messages[:1], 0, "messages") is None  # nothing to prompt with
+
+
+CELLS = st.one_of(st.none(), st.integers(-99, 99), st.text(max_size=6), st.lists(st.text(max_size=3), max_size=3),
+                  st.lists(st.integers(0, 9), max_size=3))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(row=st.fixed_dictionaries({"a": CELLS, "b-c": CELLS}),
+       spec=st.sampled_from(["", "!r", ":>6", "!s:^5", ":05d"]), other=st.sampled_from(["{a}", "{b-c}", "x"]))
+def test_a_template_of_whole_cells_renders_as_the_cell_formatter_does(row, spec, other):
+    """fill's fast path for templates that name whole cells (str.format_map over the cells made
+    text) gives exactly what the cell formatter gives, or the same refusal."""
+    template = f"<{{a{spec}}}|{other}>"
+
+    def outcome(render):
+        try:
+            return render()
+        except (UserError, ValueError, TypeError) as exc:
+            return type(exc).__name__ if not isinstance(exc, UserError) else "refused"
+
+    slow = outcome(lambda: F._Cells(" ").vformat(template, (), row))
+    fast = outcome(lambda: F.fill(template, row))
+    assert fast == slow or (fast == "refused" and slow in ("ValueError", "TypeError")), (template, row, fast, slow)
