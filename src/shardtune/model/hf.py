@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 import warnings
 from pathlib import Path
 
@@ -21,15 +20,13 @@ from shardtune.config.schema import ModelConfig
 from shardtune.errors import UserError, first_line
 from shardtune.families import (
     HEADS,
-    HIDDEN,
     KV_HEADS,
     LANGUAGE_FIELDS,
-    LAYERS,
-    config_field,
     config_value,
     set_layer_count,
     text_config,
 )
+from shardtune.model.config_values import check_ranges, check_sizes
 from shardtune.model.files import (
     TOKENIZER_FILES,
     TOKENIZER_JSON,
@@ -141,76 +138,6 @@ def _quiet_type_default_ids(overrides: dict):
         yield
     finally:
         logger.removeFilter(keep)
-
-
-# sizes a model needs at least 1 of, and what it has none of with 0
-SIZES = ((("vocab_size",), "vocabulary"), (LAYERS, "decoder blocks"), (HIDDEN, "hidden units"),
-         (HEADS, "attention heads"))
-
-
-def check_sizes(hf_config, cfg: ModelConfig) -> None:
-    """A size below 1 is refused by every command, naming where it is set: `n_layer: 0` builds a
-    model with no decoder block (nothing to fine-tune; it generates from its embeddings alone), a
-    `vocab_size: 0` an empty embedding (torch warns, then the weights do not fit)."""
-    for names, lacks in SIZES:
-        found = config_field(hf_config, *names)
-        if found is None or found[1] >= 1:
-            continue
-        aliases = {**getattr(hf_config, "attribute_map", {}), **getattr(text_config(hf_config), "attribute_map", {})}
-        name, value = aliases.get(found[0], found[0]), found[1]  # as config.json names it: n_layer for GPT-2
-        given = next((k for k, v in cfg.config.items() if aliases.get(k, k) == name and v == value), None)
-        if cfg.name_or_path is None or given is not None:
-            key = given or name
-            raise UserError(f"model.config.{key}={value} leaves the model with no {lacks}; set "
-                            f"model.config.{key} to 1 or more")
-        file = Path(cfg.name_or_path) / "config.json"
-        origin = repr(str(file)) if file.is_file() else f"the config of model {cfg.name_or_path!r}"
-        raise UserError(f"{name}={value} in {origin} leaves the model with no {lacks}; use another model, or "
-                        f"correct {name} in its config.json")
-
-
-# config fields by name, with the values they can take: transformers checks few of them (a rope
-# factor below 1 it only warns about), and a value out of range builds, then fails mid-step (torch's
-# dropout refuses p > 1) or trains on garbage or NaN from step 1 (a rotary base of 0 or less, a
-# scaling factor below 1, a negative norm epsilon). (pattern on the dotted name, allowed, what the
-# field is, the range said in the fix)
-RANGES = (
-    (re.compile(r"dropout|pdrop|layerdrop|drop_path"), lambda v: 0 <= v <= 1, "a dropout probability",
-     "a value from 0 to 1 (0: no dropout)"),
-    (re.compile(r"(^|\.)rope_theta$"), lambda v: v > 0, "a rotary base", "a value above 0 (10000 is usual)"),
-    (re.compile(r"(^|\.)(rope_scaling|rope_parameters)\.factor$"), lambda v: v >= 1, "a rotary scaling factor",
-     "a value of 1 or more (1: no scaling)"),
-    (re.compile(r"(^|_)eps(ilon)?$"), lambda v: v >= 0, "a norm's epsilon", "a small value of 0 or more (1e-5)"),
-)
-
-
-def check_ranges(hf_config, cfg: ModelConfig) -> None:
-    """A config field out of the range its name says (RANGES), in the config or any of its
-    sub-configs, refused naming where it is set."""
-    found = next(_out_of_range(hf_config.to_dict()), None)
-    if found is None:
-        return
-    name, value, (_, _, what, fix) = found
-    if cfg.name_or_path is None or name.split(".")[-1] in cfg.config or name in cfg.config:
-        raise UserError(f"model.config.{name}={value} is {what} out of range; set model.config.{name} to {fix}")
-    file = Path(cfg.name_or_path) / "config.json"
-    origin = repr(str(file)) if file.is_file() else f"the config of model {cfg.name_or_path!r}"
-    raise UserError(f"{name}={value} in {origin} is {what} out of range; correct it in its config.json, or set "
-                    f"model.config.{name} to {fix}")
-
-
-def _out_of_range(tree: dict, prefix: str = ""):
-    """(dotted name, value, rule) of each number out of its field's range in a config's dict."""
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            yield from _out_of_range(value, name + ".")
-            continue
-        numbers = [v for v in (value if isinstance(value, (list, tuple)) else [value])
-                   if isinstance(v, (int, float)) and not isinstance(v, bool)]
-        for rule in RANGES:
-            if rule[0].search(name) and not all(rule[1](v) for v in numbers):
-                yield name, value, rule
 
 
 def check_buildable(hf_config, trust_remote_code: bool, what: str) -> None:
