@@ -64,14 +64,13 @@ def never_started(out: Path) -> bool:
 
 
 def refuse_run_file(path: Path, option: str) -> None:
-    """An output file onto a run's own record (its config.yaml, metrics.jsonl, preemption mark) or
-    into its folders: never replaced, whatever --overwrite says (it allows replacing a file of the
-    command's own, not the run it reads)."""
+    """An output file onto a run's own record (its config.yaml, metrics.jsonl, preemption mark):
+    never replaced, whatever --overwrite says (it allows replacing a file of the command's own, not
+    the run it reads). Inside the run's folders: fsio.refuse_foreign_file, which every file output calls."""
     folder = path.resolve().parent
     if path.name in RUN_FILES and all((folder / name).is_file() for name in RUN_MARKS):
         raise UserError(f"{option} {str(path)!r} is the {path.name} of the run in {str(folder)!r}; choose another "
                         f"{option}")
-    refuse_inside_run(path, option)
 
 
 def claim_output_dir(out: Path, overwrite: bool, check_only: bool = False, resuming: bool = False) -> None:
