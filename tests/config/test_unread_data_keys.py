@@ -17,7 +17,8 @@ OTHER_CHAT = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }};{% end
 DIALOGUE = [{"role": "user", "content": "what is the longest river in the world, and how is its length measured?"},
             {"role": "assistant", "content": "the nile, or the amazon by some counts: where a river begins is "
                                              "a matter of choice, and the amazon's mouth is wide enough to be "
-                                             "measured along more than one of its channels, so the answer depends on whom you ask."}]
+                                             "measured along more than one of its channels, so the answer "
+                                             "depends on whom you ask."}]
 
 # Another value for each key that shapes the token rows; every column the values name is in ROWS.
 ANOTHER = {
