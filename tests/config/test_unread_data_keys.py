@@ -54,12 +54,15 @@ def tokenize(assets):
     from shardtune.model.hf import load_tokenizer
 
     docs = datasets.Dataset.from_list([row(i) for i in range(12)])
+    tokenizer, done = load_tokenizer(ModelConfig(tokenizer=assets["tokenizer"])), {}
 
     def rows(cfg: DataConfig) -> list:
-        tokenizer = load_tokenizer(ModelConfig(tokenizer=assets["tokenizer"]))  # chat_template is set on it
-        split = tokenize_split(docs, cfg, tokenizer, "the test rows", warn=lambda line: None)
-        return [{k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in split[i].items()}
-                for i in range(len(split))]
+        if repr(cfg) not in done:
+            tokenizer.chat_template = None  # data.chat_template is set on the tokenizer: none before it
+            split = tokenize_split(docs, cfg, tokenizer, "the test rows", warn=lambda line: None)
+            done[repr(cfg)] = [{k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in split[i].items()}
+                               for i in range(len(split))]
+        return done[repr(cfg)]
 
     return rows
 
