@@ -48,7 +48,7 @@ def worker(spec: dict) -> None:
     import transformers  # noqa: F401
 
     from shardtune.config.load import load_config
-    from shardtune.data import pipeline as data_lib
+    from shardtune.data.batches import collate
     from shardtune.model.hf import count_params
     from shardtune.telemetry.metrics import state_bytes
     from shardtune.train.step import token_loss
@@ -62,7 +62,7 @@ def worker(spec: dict) -> None:
     train_s = time.perf_counter() - t0
     # fit() ends each step with zero_grad(set_to_none=True): one more backward to measure gradients.
     dist = trainer.dist
-    batch = data_lib.collate(trainer.train_ds, [dist.rank], dist.device)
+    batch = collate(trainer.train_ds, [dist.rank], dist.device)
     loss_sum, count, _ = token_loss(trainer.model, batch)
     (loss_sum / count).backward()
     total, _ = count_params(trainer.model)

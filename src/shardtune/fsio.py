@@ -3,7 +3,7 @@ for any filesystem failure at any output (the CLI's handler calls `fs_failure_li
 
 - `atomic_dir(final)`: build a folder under a temporary sibling name, rename it into place when
   complete; a failure removes the partial folder (a half-written model folder would otherwise
-  load as a model).
+  load as a model). Its files get the permissions the umask gives (safetensors writes 0600).
 - `write_text_atomic(path, text)`: the same for one file.
 - `refuse_foreign(folder, ...)`, `refuse_foreign_file(path, ...)`: a command replaces only a folder
   or a file of its own kind, and writes nothing inside a run's own folders (`refuse_inside_run`).
@@ -87,6 +87,7 @@ def atomic_dir(final: Path, replace: bool = False):
     tmp.mkdir()
     try:
         yield tmp
+        share_as_umask(tmp)
         if replace and final.is_dir() and not final.is_symlink() and any(final.iterdir()):
             old = final.with_name(f".{final.name}.old-{os.getpid()}")
             os.rename(final, old)
@@ -97,6 +98,30 @@ def atomic_dir(final: Path, replace: bool = False):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def process_umask() -> int:
+    """This process's umask, read without setting it (os.umask can only set it: a moment in which
+    another thread's new files would get the wrong mode)."""
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    return 0o022
+
+
+def share_as_umask(folder: Path) -> None:
+    """Give each file under `folder` the read/write permissions the umask allows, as a file opened
+    by the command itself gets: safetensors writes its files owner-only (0600), so a model folder
+    handed to a colleague or a serving account could not be read. Nothing is taken away."""
+    allowed = 0o666 & ~process_umask()
+    for path in folder.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            mode = path.stat().st_mode & 0o7777
+            if mode | allowed != mode:
+                with contextlib.suppress(PermissionError):  # another account's file (a shared folder): as it is
+                    os.chmod(path, mode | allowed)
 
 
 def dead_partials(final: Path) -> list[Path]:

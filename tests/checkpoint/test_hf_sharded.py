@@ -139,6 +139,7 @@ def test_a_run_loaded_the_sharded_way_trains_like_the_broadcast_one(assets, tmp_
     from shardtune.checkpoint.loading import load_plain_model
     from shardtune.config.load import load_config
     from shardtune.errors import UserError
+    from shardtune.fsio import process_umask
     from shardtune.train.trainer import run
 
     cfg = dict(TINY["gpt2"])
@@ -184,6 +185,10 @@ def test_a_run_loaded_the_sharded_way_trains_like_the_broadcast_one(assets, tmp_
     assert in_hf.keys() == ref.keys() and all(torch.equal(in_hf[k], ref[k]) and torch.equal(again[k], ref[k])
                                               for k in ref)
     assert not list((tmp_path / "broadcast" / "checkpoints" / step2.name).glob("*.safetensors"))
+    # every file is readable as the umask allows (safetensors writes 0600 by itself)
+    allowed = 0o666 & ~process_umask()
+    assert not [p for name in ("broadcast", "sharded", "resumed", "exported") for p in (tmp_path / name).rglob("*")
+                if p.is_file() and (p.stat().st_mode & allowed) != allowed]
     weights = step2 / "model.safetensors"  # truncated on disk: one line naming it
     weights.write_bytes(weights.read_bytes()[:1000])
     with pytest.raises(UserError, match=f"weights file '{weights}' is truncated or damaged"):

@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shardtune.config.schema import DataConfig
+from shardtune.data import batches as B
 from shardtune.data import pipeline as D
 from shardtune.errors import UserError
 
@@ -87,30 +88,30 @@ def test_a_validation_split_shorter_than_one_sequence_is_said_not_dropped_silent
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_ranks_see_distinct_parts_of_the_same_global_batches(world):
     n, global_batch, micro = 100, 8, 2
-    reference = D.BatchPlan(n, global_batch, micro, 1, 0, seed=7)
+    reference = B.BatchPlan(n, global_batch, micro, 1, 0, seed=7)
     for epoch, step in [(0, 0), (0, 5), (1, 3)]:
         expected = [i for mb in reference.micro_batches(epoch, step) for i in mb]
-        per_rank = [D.BatchPlan(n, global_batch, micro, world, r, seed=7).micro_batches(epoch, step)
+        per_rank = [B.BatchPlan(n, global_batch, micro, world, r, seed=7).micro_batches(epoch, step)
                     for r in range(world)]
         seen = [i for rank in per_rank for mb in rank for i in mb]
         assert len(seen) == len(set(seen)) == global_batch  # distinct across ranks
         assert sorted(seen) == sorted(expected)  # the same global batch whatever the world size
         assert all(len(mb) == micro and len(rank) == global_batch // (micro * world)
                    for rank in per_rank for mb in rank)
-    plan = D.BatchPlan(n, global_batch, micro, 1, 0, seed=7)
+    plan = B.BatchPlan(n, global_batch, micro, 1, 0, seed=7)
     assert plan.order(0).tolist() != plan.order(1).tolist()  # reshuffled every epoch
     assert plan.steps_per_epoch == n // global_batch
 
 
 def test_eval_batches_cover_everything_once_with_equal_counts_per_rank():
     n, micro, world = 11, 2, 3
-    per_rank = [D.eval_batches(n, micro, world, r) for r in range(world)]
+    per_rank = [B.eval_batches(n, micro, world, r) for r in range(world)]
     assert len({len(b) for b in per_rank}) == 1
     real = sorted(i for b in per_rank for mb in b for i in mb if i >= 0)
     assert real == list(range(n))
-    capped = [D.eval_batches(n, micro, world, r, max_batches=4) for r in range(world)]
+    capped = [B.eval_batches(n, micro, world, r, max_batches=4) for r in range(world)]
     assert sorted(i for b in capped for mb in b for i in mb if i >= 0) == list(range(8))
-    assert [i for mb in D.eval_batches(n, micro, 1, 0, max_batches=4) for i in mb] == list(range(8))
+    assert [i for mb in B.eval_batches(n, micro, 1, 0, max_batches=4) for i in mb] == list(range(8))
 
 
 @settings(max_examples=200, deadline=None)
@@ -120,7 +121,7 @@ def test_eval_batches_hold_no_more_rows_than_the_data_needs(n, micro, world, max
     """A micro-batch far above the data (eval --micro-batch-size 1e11) built that many blank rows and
     ran out of memory: each rank's batches hold at most its share of the sequences, every sequence
     of the capped set exactly once, and every rank as many batches as the others."""
-    per_rank = [D.eval_batches(n, micro, world, r, max_batches) for r in range(world)]
+    per_rank = [B.eval_batches(n, micro, world, r, max_batches) for r in range(world)]
     wanted = min(n, max_batches * micro) if max_batches else n
     assert len({len(b) for b in per_rank}) == 1
     assert sorted(i for b in per_rank for mb in b for i in mb if i >= 0) == list(range(wanted))
@@ -132,14 +133,14 @@ def test_collate_masks_padding_rows(tokenizer, assets):
 
     cfg = DataConfig(path=assets["train"].rsplit("/", 1)[0], seq_len=16)
     train, _ = D.prepare(cfg, tokenizer, seed=0)
-    batch = D.collate(train, [0, -1], torch.device("cpu"))
+    batch = B.collate(train, [0, -1], torch.device("cpu"))
     assert torch.equal(batch["labels"][0], batch["input_ids"][0])
     assert (batch["labels"][1] == D.IGNORE_INDEX).all()
 
 
 def test_too_few_sequences_for_one_global_batch_is_a_user_error():
     with pytest.raises(UserError, match="global_batch_size"):
-        D.BatchPlan(3, 8, 2, 1, 0, seed=0)
+        B.BatchPlan(3, 8, 2, 1, 0, seed=0)
 
 
 def test_blank_documents_add_no_tokens(tokenizer):
@@ -159,13 +160,13 @@ def test_the_prefetcher_hands_over_each_step_in_order_across_epochs():
     import torch
 
     ds = datasets.Dataset.from_dict({"input_ids": [[i] * 4 for i in range(12)]}).with_format("torch")
-    plan = D.BatchPlan(12, global_batch=4, micro_batch=2, world_size=1, rank=0, seed=3)
+    plan = B.BatchPlan(12, global_batch=4, micro_batch=2, world_size=1, rank=0, seed=3)
     cpu = torch.device("cpu")
 
     def assemble(step):
-        return [D.collate(ds, mb, cpu) for mb in plan.micro_batches(*divmod(step, plan.steps_per_epoch))]
+        return [B.collate(ds, mb, cpu) for mb in plan.micro_batches(*divmod(step, plan.steps_per_epoch))]
 
-    prefetcher = D.Prefetcher(assemble, cpu, first_step=2, end_step=7)  # 3 steps an epoch
+    prefetcher = B.Prefetcher(assemble, cpu, first_step=2, end_step=7)  # 3 steps an epoch
     try:
         for step in range(2, 7):
             got, waited = prefetcher.take(step)
@@ -175,7 +176,7 @@ def test_the_prefetcher_hands_over_each_step_in_order_across_epochs():
         assert prefetcher.pending is None  # nothing assembled past the end
     finally:
         prefetcher.close()
-    prefetcher = D.Prefetcher(assemble, cpu, first_step=0, end_step=3)
+    prefetcher = B.Prefetcher(assemble, cpu, first_step=0, end_step=3)
     with pytest.raises(AssertionError, match="prefetched step 0, asked for 1"):
         prefetcher.take(1)
     prefetcher.close()

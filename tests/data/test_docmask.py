@@ -9,6 +9,7 @@ import pytest
 
 from conftest import TINY, losses, spread_alpaca, tiny_overrides
 from shardtune.config.schema import DataConfig
+from shardtune.data import batches as B
 from shardtune.data import docmask as docmask
 from shardtune.data import pipeline as D
 from shardtune.errors import UserError
@@ -58,13 +59,13 @@ def test_document_in_a_packed_block_has_the_logits_it_has_alone(arch, attn, docs
 
     rows, masked, plain = docs_blocks
     model = tiny_model(arch, attn)
-    batch = D.collate(masked, [0], torch.device("cpu"))
+    batch = B.collate(masked, [0], torch.device("cpu"))
     assert batch["position_ids"][0].tolist() == [*range(9), *range(23), *range(14), *range(6), *range(12)]
     # no prediction across a document boundary: each document's first token has no label
     assert [i for i, t in enumerate(batch["labels"][0].tolist()) if t == IGNORE] == [9, 32, 46, 52]
     with torch.no_grad():
         packed = model(**docmask.model_inputs(model, batch)).logits[0]
-        leaky = model(**docmask.model_inputs(model, D.collate(plain, [0], torch.device("cpu")))).logits[0]
+        leaky = model(**docmask.model_inputs(model, B.collate(plain, [0], torch.device("cpu")))).logits[0]
         start = 0
         for row in rows[:4]:  # the fifth is cut by the block's end
             alone = model(input_ids=torch.tensor([row]), use_cache=False).logits[0]
@@ -91,8 +92,8 @@ def test_padding_free_batch_has_the_padded_batch_loss(arch):
     loss_lib.install(model, 16)
     cpu = torch.device("cpu")
     with torch.no_grad():
-        padded = token_loss(model, D.collate(ds, [0, 1, 2, 3, -1], cpu, pad_id=0), accuracy=True)
-        flat_batch = D.collate(ds, [0, 1, 2, 3, -1], cpu, pad_id=0, padding_free=True)
+        padded = token_loss(model, B.collate(ds, [0, 1, 2, 3, -1], cpu, pad_id=0), accuracy=True)
+        flat_batch = B.collate(ds, [0, 1, 2, 3, -1], cpu, pad_id=0, padding_free=True)
         flat = token_loss(model, flat_batch, accuracy=True)
     assert flat_batch["input_ids"].shape == (1, 40 + 7 + 19 + 60 + 40) and "attention_mask" not in flat_batch
     assert int(padded[1]) == int(flat[1]) == sum(len(x) - len(x) // 2 - (len(x) // 2 == 0) for x in ids)
@@ -178,7 +179,7 @@ def test_flash_attention_varlen_keeps_documents_apart(arch, docs_blocks):
 
     rows, masked, _ = docs_blocks
     model = tiny_model(arch, "flash_attention_2").to("cuda", torch.bfloat16)
-    batch = D.collate(masked, [0, 0], torch.device("cuda"))  # two rows: the lengths span the micro-batch
+    batch = B.collate(masked, [0, 0], torch.device("cuda"))  # two rows: the lengths span the micro-batch
     with torch.no_grad():
         packed = model(**docmask.model_inputs(model, batch)).logits.float()
         alone = model(input_ids=torch.tensor([rows[1]], device="cuda"), use_cache=False).logits[0].float()

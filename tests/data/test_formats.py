@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from conftest import TINY, losses, tiny_overrides
 from shardtune.config.load import load_config
 from shardtune.config.schema import DataConfig
+from shardtune.data import batches as B
 from shardtune.data import chat
 from shardtune.data import formats as F
 from shardtune.data import pipeline as D
@@ -167,7 +168,7 @@ def test_instruct_prepare_truncates_to_cutoff_len_and_drops_examples_with_no_res
     cfg = DataConfig(path=str(path), format="instruct", seq_len=256, cutoff_len=cutoff, val_size=4)
     train, val = D.prepare(cfg, tokenizer, seed=0)
     assert len(val) + len(train) < 40 and len(train) > 0  # the examples with an input were dropped
-    assert max(D.lengths(train)) <= cutoff and set(train.column_names) == {"input_ids", "labels", "length"}
+    assert max(B.sample_lengths(train)) <= cutoff and set(train.column_names) == {"input_ids", "labels", "length"}
     assert all((row["labels"][1:] != IGNORE).any() for row in train)
     with pytest.raises(UserError, match="cutoff_len"):
         D.prepare(DataConfig(path=str(path), format="instruct", seq_len=256, cutoff_len=8), tokenizer, seed=0)
@@ -297,13 +298,13 @@ def test_collate_pads_variable_rows_and_masks_padding(tokenizer):
     ds = datasets.Dataset.from_dict({"input_ids": [[5, 6, 7, 8], [9, 10], [11, 12]],
                                      "labels": [[IGNORE, IGNORE, 7, 8], [IGNORE, 10], [11, 12]]}
                                     ).with_format("torch")
-    b = D.collate(ds, [0, 1, -1], torch.device("cpu"), pad_id=99)
+    b = B.collate(ds, [0, 1, -1], torch.device("cpu"), pad_id=99)
     assert b["input_ids"].tolist() == [[5, 6, 7, 8], [9, 10, 99, 99], [5, 6, 7, 8]]
     assert b["labels"].tolist() == [[IGNORE, IGNORE, 7, 8], [IGNORE, 10, IGNORE, IGNORE], [IGNORE] * 4]
     assert b["attention_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 1]]
-    same = D.collate(ds, [1, 2], torch.device("cpu"), pad_id=99)  # nothing to pad: no mask
+    same = B.collate(ds, [1, 2], torch.device("cpu"), pad_id=99)  # nothing to pad: no mask
     assert set(same) == {"input_ids", "labels"} and same["labels"].tolist() == [[IGNORE, 10], [11, 12]]
-    no_labels = D.collate(ds.remove_columns("labels"), [0, 1], torch.device("cpu"))
+    no_labels = B.collate(ds.remove_columns("labels"), [0, 1], torch.device("cpu"))
     assert no_labels["labels"].tolist() == [[5, 6, 7, 8], [9, 10, IGNORE, IGNORE]]
 
 
@@ -320,12 +321,12 @@ def test_group_by_length_batches_similar_lengths_the_same_for_every_world_size()
                 total += sum(max(lengths[i] for i in mb) - lengths[i] for i in mb)
         return total
 
-    grouped = D.BatchPlan(n, global_batch, micro, 1, 0, seed=3, lengths=lengths)
-    plain = D.BatchPlan(n, global_batch, micro, 1, 0, seed=3)
+    grouped = B.BatchPlan(n, global_batch, micro, 1, 0, seed=3, lengths=lengths)
+    plain = B.BatchPlan(n, global_batch, micro, 1, 0, seed=3)
     assert padding(grouped, 0) < padding(plain, 0) / 5
     order = grouped.order(0).tolist()
     assert sorted(order) == list(range(n))  # a permutation
-    assert order == D.BatchPlan(n, global_batch, micro, 1, 0, seed=3, lengths=lengths).order(0).tolist()
+    assert order == B.BatchPlan(n, global_batch, micro, 1, 0, seed=3, lengths=lengths).order(0).tolist()
     assert order != grouped.order(1).tolist()
     first_batch_lengths = [lengths[i] for i in order[:global_batch]]
     assert first_batch_lengths == sorted(first_batch_lengths, reverse=True)
@@ -335,7 +336,7 @@ def test_group_by_length_batches_similar_lengths_the_same_for_every_world_size()
         for epoch, step in [(0, 0), (0, 17), (1, 60)]:
             want = sorted(i for mb in grouped.micro_batches(epoch, step) for i in mb)
             got = sorted(i for r in range(world) for mb in
-                         D.BatchPlan(n, global_batch, micro, world, r, seed=3, lengths=lengths)
+                         B.BatchPlan(n, global_batch, micro, world, r, seed=3, lengths=lengths)
                          .micro_batches(epoch, step) for i in mb)
             assert got == want
 
@@ -345,14 +346,14 @@ def test_padded_instruct_batches_keep_every_loss_token(tmp_path, tokenizer):
 
     path = write_jsonl(tmp_path / "alpaca.jsonl", ALPACA * 4)
     train, _ = D.prepare(DataConfig(path=str(path), format="instruct", val_size=0), tokenizer, seed=0)
-    (mb,) = D.BatchPlan(len(train), 16, 16, 1, 0, seed=0).micro_batches(0, 0)
-    batch = D.collate(train, mb, torch.device("cpu"), pad_id=tokenizer.pad_token_id)
+    (mb,) = B.BatchPlan(len(train), 16, 16, 1, 0, seed=0).micro_batches(0, 0)
+    batch = B.collate(train, mb, torch.device("cpu"), pad_id=tokenizer.pad_token_id)
     assert int((batch["labels"] != IGNORE).sum()) == sum(int((train[i]["labels"] != IGNORE).sum()) for i in mb)
     assert batch["attention_mask"].sum(1).tolist() == [len(train[i]["input_ids"]) for i in mb]
     assert (batch["input_ids"][batch["attention_mask"] == 0] == tokenizer.pad_token_id).all()
     # grouped by length, these four distinct examples (x4) need no padding at all
-    grouped = D.BatchPlan(len(train), 16, 4, 1, 0, seed=0, lengths=D.lengths(train))
-    assert not any("attention_mask" in D.collate(train, mb, torch.device("cpu")) for mb in grouped.micro_batches(0, 0))
+    grouped = B.BatchPlan(len(train), 16, 4, 1, 0, seed=0, lengths=B.sample_lengths(train))
+    assert not any("attention_mask" in B.collate(train, mb, torch.device("cpu")) for mb in grouped.micro_batches(0, 0))
 
 
 def test_instruct_run_trains_three_steps(assets, tmp_path):

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from shardtune.config.schema import DataConfig
+from shardtune.data import batches as B
 from shardtune.data import pipeline as D
 from shardtune.data.packing import PackedBlocks
 
@@ -44,9 +45,9 @@ def test_blocks_and_their_order_equal_the_in_memory_recipe_on_the_fixture(assets
     assert train[:]["input_ids"].tolist() == want and set(train[3]) == {"input_ids"}
     assert val[:]["input_ids"].tolist() == reference_blocks(val_docs["text"], tokenizer, 48)
     # BatchPlan is unchanged, so every rank's micro-batches hold the same blocks as before
-    plan = D.BatchPlan(len(train), 8, 2, 2, 1, seed=5)
+    plan = B.BatchPlan(len(train), 8, 2, 2, 1, seed=5)
     for mb in plan.micro_batches(1, 3):
-        batch = D.collate(train, mb, torch.device("cpu"))
+        batch = B.collate(train, mb, torch.device("cpu"))
         assert batch["input_ids"].tolist() == [want[i] for i in mb] == batch["labels"].tolist()
         assert set(batch) == {"input_ids", "labels"}
 

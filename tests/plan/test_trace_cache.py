@@ -45,8 +45,12 @@ def test_a_second_search_of_the_same_shape_traces_nothing_and_answers_the_same(t
     cfg = tiny()
     hf_config = load_hf_config(cfg.model)
     first, second = TraceCache(tmp_path), TraceCache(tmp_path)
-    ranked = [search(cfg, hf_config, Target(1, 1, gpu.memory_bytes, gpu), lambda _: None, cache)
+    said: dict = {first: [], second: []}
+    ranked = [search(cfg, hf_config, Target(1, 1, gpu.memory_bytes, gpu), said[cache].append, cache)
               for gpu, cache in ((gpu_by_name("T4"), first), (gpu_by_name("T4"), second))]
     assert first.misses > 0 and first.hits == 0 and second.misses == 0 and second.hits == first.misses
+    # "tracing LAYOUT" is said where a layout is traced, not where its traces are read back
+    assert [line for line in said[first] if line.startswith("tracing ")]
+    assert not [line for line in said[second] if line.startswith("tracing ")]
     assert [(e.candidate, e.fits, e.tokens_per_s) for e in ranked[0]] == \
         [(e.candidate, e.fits, e.tokens_per_s) for e in ranked[1]]

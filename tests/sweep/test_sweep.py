@@ -114,7 +114,7 @@ def test_max_batch_search_finds_the_boundary_under_a_real_memory_cap(assets, tmp
     out = tmp_path / "out"
     cap = libraries_mib() + 630
     result = run_cli(["sweep", str(recipe), "--grid", "model.config.n_head=4,3", "--max-batch", "--mem-limit",
-                      f"{cap}MiB", "--steps", "2", "--out", str(out)])
+                      f"{cap}MiB", "--steps", "1", "--out", str(out)])
     assert result.returncode == 0, result.stderr[-3000:]
     trials = {(r["model.config.n_head"], int(r["micro_batch"])): r for r in rows(out)}
     fits = [mb for (heads, mb), r in trials.items() if heads == "4" and r["status"] == "ok"]

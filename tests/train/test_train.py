@@ -60,7 +60,8 @@ def test_loss_is_the_token_mean_a_plain_forward_computes(assets, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from shardtune.config.load import load_config as load
-    from shardtune.data.pipeline import BatchPlan, prepare
+    from shardtune.data.batches import BatchPlan
+    from shardtune.data.pipeline import prepare
     from shardtune.model.hf import load_hf_config, load_source_model, load_tokenizer
 
     cfg = load(None, tiny_overrides(assets, tmp_path, **{"train.max_steps": 1}), defaults={})

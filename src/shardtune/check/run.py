@@ -12,6 +12,7 @@ from typing import Any
 
 from shardtune.config.load import check_world
 from shardtune.config.schema import RunConfig
+from shardtune.config.validation import unread_data_keys
 from shardtune.errors import UserError
 
 
@@ -120,7 +121,10 @@ def check_run(cfg: RunConfig, world_size: int | None = None, device=None, say=No
     check_machine(cfg, device)
     accum = check_world(cfg, world_size)
     main = is_main_process()
-    publishes = check_ready(cfg.publish, say or (lambda text: print(text, flush=True) if main else None))
+    say = say or (lambda text: print(text, flush=True) if main else None)
+    publishes = check_ready(cfg.publish, say)
+    for line in unread_data_keys(cfg.data):
+        say(line)
     if main:  # only rank 0 logs to the trackers
         check_trackers(cfg.log.trackers, out=Path(cfg.output_dir))
     tokenizer = load_tokenizer(cfg.model)

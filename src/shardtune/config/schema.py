@@ -72,6 +72,13 @@ class DataConfig(Section):
     document_mask: bool | None = None  # attention and positions restart per document (default: packed instruct/chat)
     padding_free: bool = False  # unpacked instruct/chat: a micro-batch's examples in one row, no padding
 
+    FORMAT_KEYS: typing.ClassVar[dict] = {  # keys only some formats read (config.validation.unread_data_keys)
+        "text_field": ("text",), "template": ("text", "instruct"), "list_sep": ("text", "instruct"),
+        "instruction_field": ("instruct",), "input_field": ("instruct",), "output_field": ("instruct",),
+        "messages_field": ("chat",), "chat_template": ("chat",), "train_on_inputs": ("instruct", "chat"),
+        "cutoff_len": ("instruct", "chat"), "packing": ("instruct", "chat"), "group_by_length": ("instruct", "chat"),
+    }
+
     @property
     def masks_documents(self) -> bool:
         """Whether batches carry restarting positions and a document mask (data.document_mask resolved)."""

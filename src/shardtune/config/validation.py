@@ -212,6 +212,33 @@ def _validate_format(d) -> None:
                             "response follows the prompt by itself)")
 
 
+def unread_data_keys(d) -> list[str]:
+    """Warning lines for the data keys set away from their defaults that this run does not read
+    (data.chat_template with data.format=text, data.instruction_field beside a data.template): a
+    warning, not a refusal, so the saved config of a run that set one still resumes."""
+    defaults, lines = type(d)(), []
+    for f in dataclasses.fields(d):
+        key = f.name
+        if getattr(d, key) == getattr(defaults, key):
+            continue
+        formats = d.FORMAT_KEYS.get(key, (d.format,))
+        if d.format not in formats:
+            why, other = f"is read only with data.format={' or '.join(formats)}", f"set data.format={formats[0]}"
+        elif key in ("text_field", "instruction_field", "input_field") and d.template is not None:
+            why, other = "is not read beside data.template (the template names the columns)", "drop data.template"
+        elif key == "group_by_length" and d.packing:
+            why, other = "has no effect on packed blocks (each is data.seq_len tokens)", "set data.packing=false"
+        elif key == "document_mask" and d.document_mask and d.format != "text" and not (d.packing or d.padding_free):
+            why, other = "has no effect on unpacked examples (a row holds one)", "set data.packing=true"
+        elif key == "val_size" and d.val_split is not None:
+            why, other = "is not read when data.val_split names the validation split", "drop data.val_split"
+        else:
+            continue
+        lines.append(f"warning: data.{key} {why}, and this run (data.format={d.format}) ignores it; drop it, "
+                     f"or {other}")
+    return lines
+
+
 def _validate_adapters(cfg) -> None:
     p, fr, m = cfg.peft, cfg.freeze, cfg.model
     _check_method_keys(p)

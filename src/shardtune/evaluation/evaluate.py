@@ -151,7 +151,7 @@ def eval_blocks(req: EvalRequest, run_cfg, tokenizer):
 def eval_one(spec: str, req: EvalRequest, dist, data_cfg) -> dict:
     """Metrics of one model over all ranks (collective), on the data that `data_cfg` (the run
     config of the evaluated checkpoint, or None) and `req` select."""
-    from shardtune.data import pipeline as data_lib
+    from shardtune.data.batches import eval_batches
     from shardtune.distributed.collectives import rank0_first
     from shardtune.distributed.fsdp import build_mesh
     from shardtune.model.build import ModelSpec, build_model
@@ -169,7 +169,7 @@ def eval_one(spec: str, req: EvalRequest, dist, data_cfg) -> dict:
     held = [source]  # popped by build_model: rank 0's full copy is freed once it is handed out
     del source
     model = build_model(layout, build_mesh(layout.fsdp, dist), dist.device, source=held.pop).model
-    batches = data_lib.eval_batches(len(ds), req.micro_batch_size, dist.world_size, dist.rank, req.max_batches)
+    batches = eval_batches(len(ds), req.micro_batch_size, dist.world_size, dist.rank, req.max_batches)
     metrics = evaluate(model, ds, batches, dist.device)
     metrics["sequences"] = sum(1 for b in batches for i in b if i >= 0)
     if dist.world_size > 1:

@@ -250,6 +250,7 @@ def best_speed(layout: Candidate, params_trace: StepTrace, hf_config, cfg: RunCo
 def search(cfg: RunConfig, hf_config, target: Target, say=print, cache: TraceCache | None = None) -> list[Estimate]:
     """Every candidate, best first: the fitting ones by predicted tokens/s, then the others."""
     sizes = micro_batches(cfg, target.world)
+    cache = cache or TraceCache(None)
     menu = layouts(cfg, target)
     lightest = min(menu, key=_lightness)
     estimates: list[Estimate] = []
@@ -286,7 +287,7 @@ def search(cfg: RunConfig, hf_config, target: Target, say=print, cache: TraceCac
             order.remove(light)
             order[:0] = [light, layout]
             continue
-        say(f"tracing {_layout_label(layout)}")
+        cache.announce = functools.partial(say, f"tracing {_layout_label(layout)}")  # not said for cached traces
         run = layout_cfg(cfg, layout, target)
         budget = target.memory_bytes * (1 - target.margin)
         low = None
@@ -323,6 +324,7 @@ def search(cfg: RunConfig, hf_config, target: Target, say=print, cache: TraceCac
             # prefers), then the lighter (the likelier to fit)
             order.sort(key=lambda c: (-round(math.log(bounds[c]) / TIE), changes(c, cfg),
                                       _SHARDING_ORDER[c.sharding], not c.activation_offload, c.reduce_dtype != "bf16"))
+    cache.announce = None  # the last layout's, if all its traces were read
     return rank(estimates, cfg)
 
 

@@ -234,10 +234,10 @@ def _create_optimizer_state(model, optimizer) -> None:
 def shape_only_batches(cfg: RunConfig, micro: list[list[int]], device) -> tuple[list[dict], bool]:
     """(micro-batches of the recipe's shape, whether a step counts their tokens with a loss),
     made as training makes them (data.collate, data.equal_blocks)."""
-    from shardtune.data import packing, pipeline
+    from shardtune.data import batches, packing
 
     data = _ShapeOnlyData(cfg)
-    return [pipeline.collate(data, indices, device, 0, cfg.data.padding_free) for indices in micro], \
+    return [batches.collate(data, indices, device, 0, cfg.data.padding_free) for indices in micro], \
         not packing.equal_blocks(data)
 
 

@@ -57,6 +57,7 @@ class TraceCache:
     def __init__(self, folder: Path | None):
         self.folder = folder  # None: off
         self.hits = self.misses = 0
+        self.announce = None  # said once, before the next trace that is not read from the folder
 
     @classmethod
     def default(cls) -> TraceCache:
@@ -81,6 +82,7 @@ class TraceCache:
 
         local_world = local_world or world
         if self.folder is None:
+            self._say_announce()
             return trace_lib.trace_step(cfg, hf_config, world, local_world, layers, target)
         path = self.folder / f"{self.key(cfg, hf_config, world, local_world, layers, target)}.json"
         try:
@@ -90,10 +92,16 @@ class TraceCache:
                              stored["params"])
         except (OSError, ValueError, KeyError, TypeError):
             pass
+        self._say_announce()
         trace = trace_lib.trace_step(cfg, hf_config, world, local_world, layers, target)
         self.misses += 1
         self._store(path, trace)
         return trace
+
+    def _say_announce(self) -> None:
+        announce, self.announce = self.announce, None
+        if announce is not None:
+            announce()
 
     def _store(self, path: Path, trace: StepTrace) -> None:
         """Written whole or not at all (a rename); a folder that cannot be written only costs speed."""

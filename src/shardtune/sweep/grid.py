@@ -354,7 +354,7 @@ def run_sweep(sweep: Sweep) -> Path:
     cap = limit if sweep.device == "cpu" else None  # a GPU's own memory is the real limit there
     points = sweep.points()
     print(f"sweep: {len(points)} grid point(s){', max-batch search' if sweep.max_batch else ''} on "
-          f"{sweep.nproc} {sweep.device} rank(s), {sweep.steps} steps each -> {sweep.out}"
+          f"{sweep.nproc} {sweep.device} rank(s), {sweep.steps} step(s) each -> {sweep.out}"
           + (f" ({len(state.trials)} trial(s) already done)" if state.trials else ""), flush=True)
     predict = Predictions(sweep)
     summaries = []

@@ -103,7 +103,7 @@ def markdown(sweep, summaries: list[dict], limit: int | None) -> str:
         lines.append("| " + " | ".join([*cells, summary["note"] or ""]) + " |")
     where = f"{sweep.nproc} {sweep.device} rank(s)" + (f", limit {_size(limit / GIB)} per rank" if limit else "")
     text = [f"# shardtune sweep: {sweep.recipe or 'quickstart'}", "",
-            f"{where}; {sweep.steps} steps per trial; global batch kept; overrides: "
+            f"{where}; {sweep.steps} step(s) per trial; global batch kept; overrides: "
             f"{' '.join(sweep.overrides) or 'none'}.", "", *lines, ""]
     return "\n".join(text)
 

@@ -305,7 +305,7 @@ def run_search(sweep: Sweep, search: Search) -> Path:
     study = open_study(sweep, search)
     done = finished(study)
     print(f"search: {search.trials} trial(s) of {', '.join(p.key for p in search.space)} ({search.sampler}, "
-          f"pruner {search.pruner}) on {sweep.nproc} {sweep.device} rank(s), {sweep.steps} steps each -> "
+          f"pruner {search.pruner}) on {sweep.nproc} {sweep.device} rank(s), {sweep.steps} step(s) each -> "
           f"{sweep.out}" + (f" ({done} already finished)" if done else ""), flush=True)
     cap = sweep.mem_limit if sweep.device == "cpu" else None
     try:

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from shardtune.config.schema import RunConfig
 from shardtune.data import docmask
-from shardtune.data import pipeline as data_lib
+from shardtune.data.batches import collate
+from shardtune.data.formats import IGNORE_INDEX
 from shardtune.distributed.collectives import all_sum, all_sum_on_device, stack_on_device
 from shardtune.distributed.process_group import Dist
 from shardtune.model import loss as loss_lib
@@ -27,8 +28,8 @@ def token_loss(model, batch, accuracy: bool = False, router: bool = False):
 
     # position t predicts token t+1; padding the labels (not slicing the logits) avoids a copy.
     # Prompt tuning's virtual tokens come first in the outputs: no labels there either.
-    labels = F.pad(batch["labels"][:, 1:], (output_offset(model), 1), value=data_lib.IGNORE_INDEX)
-    mask = labels != data_lib.IGNORE_INDEX
+    labels = F.pad(batch["labels"][:, 1:], (output_offset(model), 1), value=IGNORE_INDEX)
+    mask = labels != IGNORE_INDEX
     count = mask.sum()
     inputs = docmask.model_inputs(model, batch)
     if loss_lib.is_installed(model):
@@ -39,7 +40,7 @@ def token_loss(model, batch, accuracy: bool = False, router: bool = False):
         out = model(**inputs)
         logits = out.logits
         flat = logits.reshape(-1, logits.size(-1)).float()
-        loss_sum = F.cross_entropy(flat, labels.reshape(-1), ignore_index=data_lib.IGNORE_INDEX, reduction="sum")
+        loss_sum = F.cross_entropy(flat, labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
         correct = ((logits.argmax(-1) == labels) & mask).sum() if accuracy else None
     extra = loss_lib.router_loss(model, out) if router else None
     if extra is not None:
@@ -56,7 +57,7 @@ def evaluate(model, ds, batches, device, pad_id: int = 0, padding_free: bool = F
     correct = torch.zeros((), dtype=torch.float64, device=device)
     with torch.no_grad():
         for indices in batches:
-            s, n, c = token_loss(model, data_lib.collate(ds, indices, device, pad_id, padding_free), accuracy=True)
+            s, n, c = token_loss(model, collate(ds, indices, device, pad_id, padding_free), accuracy=True)
             loss_sum += s
             count += n
             correct += c
@@ -185,7 +186,7 @@ def train_step(model, optimizer, scaler, batches: list[dict], cfg: RunConfig, di
     pairs = sum(attention_pairs(b) for b in batches)
     if count_tokens:
         # counted and summed over ranks on the device: no host synchronisation before the forward
-        global_tokens = sum((b["labels"][:, 1:] != data_lib.IGNORE_INDEX).sum() for b in batches).double()
+        global_tokens = sum((b["labels"][:, 1:] != IGNORE_INDEX).sum() for b in batches).double()
         if dist.world_size > 1:
             torch.distributed.all_reduce(global_tokens)
         scale = dist.world_size / global_tokens.clamp(min=1.0)

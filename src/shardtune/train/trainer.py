@@ -14,6 +14,7 @@ from shardtune.checkpoint.rundir import PREEMPTED_MARKER
 from shardtune.config.load import dump_yaml
 from shardtune.config.schema import RunConfig, TrainConfig
 from shardtune.config.validation import INT_LIMIT
+from shardtune.data import batches as batching
 from shardtune.data import pipeline as data_lib
 from shardtune.data.packing import equal_blocks
 from shardtune.distributed.activation_memory import describe_memory_savers
@@ -93,12 +94,12 @@ class Trainer:
         self.train_ds, self.val_ds = rank0_first(dist, lambda: data_lib.prepare(cfg.data, tokenizer, cfg.train.seed,
                                                                                   cfg.train.global_batch_size))
         t = cfg.train
-        self.plan = data_lib.BatchPlan(len(self.train_ds), t.global_batch_size, t.micro_batch_size,
-                                       dist.world_size, dist.rank, t.seed,
-                                       lengths=data_lib.lengths(self.train_ds) if cfg.data.group_by_length else None)
+        lengths = batching.sample_lengths(self.train_ds) if cfg.data.group_by_length else None
+        self.plan = batching.BatchPlan(len(self.train_ds), t.global_batch_size, t.micro_batch_size,
+                                       dist.world_size, dist.rank, t.seed, lengths=lengths)
         self.total_steps = total_steps(t, self.plan.steps_per_epoch)
         eval_mb = cfg.eval.micro_batch_size or t.micro_batch_size
-        self.val_batches = data_lib.eval_batches(len(self.val_ds), eval_mb, dist.world_size, dist.rank,
+        self.val_batches = batching.eval_batches(len(self.val_ds), eval_mb, dist.world_size, dist.rank,
                                                  cfg.eval.max_batches) if self.val_ds is not None else []
 
         self.built = self._build_model()
@@ -238,17 +239,17 @@ class Trainer:
                  f"({results['tokens_per_s']:.0f} tokens/s)")
         return results
 
-    def prefetcher(self) -> data_lib.Prefetcher:
+    def prefetcher(self) -> batching.Prefetcher:
         """This rank's micro-batches of every step from the current one on, one step ahead."""
 
         plan, cpu, pad_id = self.plan, torch.device("cpu"), self.tokenizer.pad_token_id or 0
 
         def assemble(step: int) -> list[dict]:
             epoch, in_epoch = divmod(step, plan.steps_per_epoch)
-            return [data_lib.collate(self.train_ds, indices, cpu, pad_id, self.cfg.data.padding_free)
+            return [batching.collate(self.train_ds, indices, cpu, pad_id, self.cfg.data.padding_free)
                     for indices in plan.micro_batches(epoch, in_epoch)]
 
-        return data_lib.Prefetcher(assemble, self.dist.device, self.state.step, self.total_steps)
+        return batching.Prefetcher(assemble, self.dist.device, self.state.step, self.total_steps)
 
     def _loop(self, parts: LoopParts, results: dict) -> float:
         """Steps until done or preempted; returns the number of tokens trained on. The host reads
@@ -345,32 +346,20 @@ class Trainer:
         return record, numbers.stop
 
     def nonfinite(self, step: int, loss: float, grad_norm: float, grad_norms) -> dict:
-        """A NaN/inf loss or gradient: the update was not applied (train_step); stop or go on. Says
-        where it came from: which parameters' gradients are not finite (step.GradNorms.nonfinite), and
-        the step's samples (and the documents in them), so a bad document can be found. Returns those
-        for the metrics record (on_nan=skip)."""
-        bad = grad_norms.nonfinite(self.model, self.dist.world_size) if grad_norms else None
-        samples = data_lib.describe_samples(self.train_ds, self.plan.global_indices(step - 1))
-        origin = {"nonfinite_grads": bad, **samples}
-        grads = "every gradient finite" if bad is None else \
-            f"non-finite gradients in {bad['count']} parameters, from {bad['first']} to {bad['last']} (model order), " \
-            f"beginning in {bad['block']} at {', '.join(bad['entry'])}"
-        where_from = f"{grads}; samples {data_lib.format_samples(origin)}"
-        what = f"loss {loss} / gradient norm {grad_norm} at step {step} ({where_from})"
+        """A NaN/inf loss or gradient: the update was not applied (train_step); stop, saying where it
+        came from (train.nonfinite), or go on, returning that for the metrics record (on_nan=skip)."""
+        from shardtune.train import nonfinite
+
+        origin = nonfinite.origin(self.model, self.dist.world_size, self.train_ds, self.plan.global_indices(step - 1),
+                                  grad_norms)
+        what = nonfinite.describe(origin, step, loss, grad_norm)
         if self.cfg.on_nan == "skip":
             self.say(f"warning: {what}; skipped that update (on_nan=skip)")
             return origin
         self.ckpt.wait()
         from shardtune.checkpoint.folders import find_latest
 
-        good = find_latest(self.out / "checkpoints")
-        where = f"the last good checkpoint is {good}" if good else "no checkpoint was written"
-        # step 1 computes on the starting weights: no learning rate has acted yet, so the model
-        # (its config's eps or rope_theta, its weights) or the samples made the NaN, not train.lr
-        fix = "lower train.lr or set on_nan=skip" if step > 1 else \
-            "no update came before it, so not train.lr: check the model's config and weights (e.g. a norm eps or " \
-            "rope_theta of 0 or less) and the samples named"
-        raise UserError(f"{what}; stopped without applying it (on_nan=stop), {where}; {fix}")
+        raise UserError(nonfinite.stop_line(what, step, find_latest(self.out / "checkpoints")))
 
     def export(self, folder: Path | None = None) -> Path:
         """final/: a plain HF folder (a peft run's: its adapter), written whole or not at all."""
