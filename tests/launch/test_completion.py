@@ -83,17 +83,26 @@ def _as_rank(monkeypatch, tmp_path, rank: int, world: int = 2) -> None:
 
 
 @pytest.mark.parametrize("launched", [True, False])
-def test_a_rank_leaves_its_failure_for_the_launcher(tmp_path, monkeypatch, capfd, launched):
+def test_a_rank_leaves_its_failure_for_the_launcher(tmp_path, tmp_path_factory, monkeypatch, capfd, launched):
     """In process: a rank other than 0 whose command raised bad input rank 0 may not have leaves its
-    line for the launcher (printing nothing: rank 0 prints the shared ones); a rank whose collective
+    line for the launcher (printing nothing: rank 0 prints the shared ones), under torchrun in its
+    elastic error file, whose message torchrun's failure summary shows; a rank whose collective
     failed because a peer died leaves no traceback, only a note; the launcher reads both back."""
     import shardtune.cli.report as report
 
     _as_rank(monkeypatch, tmp_path, 1)
+    error_file = tmp_path_factory.mktemp("elastic") / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))  # as torchrun's agent sets it, and ours
     if not launched:  # torchrun's rank: no launcher of ours to tell
         monkeypatch.delenv(COMPLETED_ENV)
     monkeypatch.setattr(report, "run", lambda args: (_ for _ in ()).throw(UserError(LINE + "\nsecond line")))
     assert main(["report", str(tmp_path)]) == EXIT_USAGE
+    assert error_file.exists() != launched  # `--nproc N` says the line itself: no second summary
+    if not launched:  # torchrun's summary, as torch formats it from the file
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+        summary = ChildFailedError("shardtune", {1: ProcessFailure(1, 4242, EXIT_USAGE, str(error_file))}).format_msg()
+        assert f"error: {LINE}\\nsecond line" in summary and "rank      : 1" in summary, summary
     gone = RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4242")
 
     def collective(args):

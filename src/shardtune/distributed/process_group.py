@@ -3,6 +3,7 @@ lone process (a world of 1 is still a process group, so there is one code path).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -12,6 +13,9 @@ from shardtune.errors import RankError, UserError
 
 # Set by `launch_local` for its workers: the pid of the launcher that started them.
 LAUNCHER_ENV = "SHARDTUNE_LAUNCHER_PID"
+# A rank still waiting for its peers after this many seconds says so, once: a shell that kept
+# RANK/WORLD_SIZE from a job made a lone `shardtune train` wait silently (torch's timeout: 30 min).
+WAIT_NOTICE_S = 30.0
 
 
 @dataclass
@@ -168,10 +172,37 @@ def init_distributed(requested_device: str) -> Dist:
     backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():
         if launched_by_agent():
-            dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
+            with waiting_notice(WAIT_NOTICE_S):
+                dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
         else:  # a lone process: a private in-memory store, no ports
             dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
     world = dist.get_world_size()
     return Dist(rank=dist.get_rank(), world_size=world,
                 local_world_size=env_int("LOCAL_WORLD_SIZE", world, least=1),
                 device=device)
+
+
+@contextlib.contextmanager
+def waiting_notice(seconds: float):
+    """One line to stderr if the block (joining the process group) is still waiting after
+    `seconds`: which rank waits for whom, where those numbers came from, and what to unset for a
+    process meant to run alone."""
+    import sys
+    import threading
+
+    def say() -> None:
+        rank, world = os.environ.get("RANK", "?"), os.environ.get("WORLD_SIZE", "?")
+        source = ("torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "Slurm" if "SLURM_PROCID" in os.environ
+                  else "the environment")
+        print(f"rank {rank} of {world} (RANK and WORLD_SIZE from {source}) is waiting for the other ranks at "
+              f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} ({seconds:g}s so far); a process "
+              "meant to run alone: stop it and unset RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT", file=sys.stderr,
+              flush=True)
+
+    timer = threading.Timer(seconds, say)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()

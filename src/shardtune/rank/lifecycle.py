@@ -36,9 +36,14 @@ def mark_completed(code: int) -> None:
 
 def leave_note(kind: str, text: str = "") -> None:
     """A rank of `launch_local` that ends on an error: `kind` ERROR_NOTE with its one line, or
-    PEER_NOTE (a collective failed because another rank had died or left first)."""
+    PEER_NOTE (a collective failed because another rank had died or left first). A rank of plain
+    torchrun leaves its bad-input line in its elastic error file instead, whose message torchrun's
+    failure summary shows as that rank's ("Root Cause"): rank 0 prints the job's line, and may not
+    have this one (a data path missing on one node only)."""
     folder = os.environ.get(COMPLETED_ENV)
     if not folder:
+        if kind == ERROR_NOTE:
+            _elastic_error_file(f"error: {text}")
         return
     tmp = Path(folder) / f".{kind}-rank-{os.environ.get('RANK', '0')}"
     try:
@@ -46,6 +51,22 @@ def leave_note(kind: str, text: str = "") -> None:
         os.replace(tmp, tmp.with_name(tmp.name[1:]))
     except OSError:
         pass  # the launcher then says less, never wrongly
+
+
+def _elastic_error_file(line: str) -> None:
+    """`line` as this rank's error in $TORCHELASTIC_ERROR_FILE, in the layout torch's elastic
+    `ErrorHandler.record_exception` writes (with the line where it puts a traceback)."""
+    import json
+    import time
+
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        record = {"message": {"message": line, "extraInfo": {"py_callstack": line,
+                                                               "timestamp": str(int(time.time()))}}}
+        try:
+            Path(path).write_text(json.dumps(record))
+        except OSError:
+            pass  # torchrun's summary then says <N/A>, as without it
 
 
 def failed_with_a_peer(exc: BaseException) -> bool:
