@@ -293,8 +293,21 @@ def generate(model, tokenizer, prompts: list, max_new_tokens: int = 64, temperat
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in batch], device=device)
         with torch.no_grad():
             out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, pad_token_id=pad, **sample)
-        outputs += tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+        outputs += [continuation(tokenizer, r, new) for r, new in zip(batch, out[:, width:].tolist(), strict=True)]
     return outputs
+
+
+def continuation(tokenizer, prompt_ids: list[int], new_ids: list[int]) -> str:
+    """The text `new_ids` add after `prompt_ids`. Decoded alone, new tokens lose what a decoder
+    gives only after an earlier token (a SentencePiece word's leading space: Llama-2, Mistral, whose
+    `The capital is` + `Paris` read `The capital isParis`), and a character whose bytes the prompt
+    began (byte-level BPE) is U+FFFD twice; decoded after the prompt they read as the model wrote them."""
+    head = tokenizer.decode(prompt_ids, skip_special_tokens=True)
+    whole = tokenizer.decode(list(prompt_ids) + list(new_ids), skip_special_tokens=True)
+    for stem in (head, head.rstrip("\ufffd")):  # a character cut at the prompt's end is whole with the new bytes
+        if whole.startswith(stem):
+            return whole[len(stem):]
+    return tokenizer.decode(new_ids, skip_special_tokens=True)  # a decoder that rewrites the prompt's text
 
 
 def run_generate(req: GenerateRequest) -> list[str]:
