@@ -83,3 +83,40 @@ def test_a_text_documents_prompt_and_reference_are_its_text():
     [ex] = examples(req, DataConfig(format="text", path="docs"), Dataset.from_dict({"text": [text]}),
                     metaspace_tokenizer())
     assert ex.prompt + ex.reference == text
+
+
+@pytest.fixture(scope="module")
+def gpt2(assets):
+    """A tiny random GPT-2 on the corpus tokenizer whose generation_config.json asks for a decoding
+    of its own (as hub models' files do): repetition penalty, no repeated tokens, beams, top-k 1."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from conftest import TINY
+
+    tok = byte_level_tokenizer(assets["tokenizer"])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**{
+        **TINY["gpt2"], "vocab_size": len(tok), "bos_token_id": tok.eos_token_id, "eos_token_id": tok.eos_token_id}))
+    model.generation_config.update(repetition_penalty=10.0, no_repeat_ngram_size=1, num_beams=2, top_k=1, min_p=0.5)
+    return model.eval(), tok
+
+
+def test_greedy_is_the_likeliest_token_whatever_the_models_generation_config(gpt2):
+    """--temperature 0 is argmax decoding, step by step by hand, not the model file's beams and penalties."""
+    model, tok = gpt2
+    ids = tok("Return the value", add_special_tokens=False)["input_ids"]
+    new = []
+    with torch.no_grad():
+        for _ in range(8):
+            new.append(int(model(input_ids=torch.tensor([ids + new])).logits[0, -1].argmax()))
+    assert generate(model, tok, ["Return the value"], max_new_tokens=8, temperature=0) == \
+        [continuation(tok, ids, new)]
+
+
+def test_sampling_at_top_p_1_draws_from_the_whole_vocabulary(gpt2):
+    """--top-p 1 at a high temperature draws nearly uniformly from all tokens: transformers' own
+    top-k of 50 (or the model file's top-k 1 and min-p) kept it to the 50 likeliest at most."""
+    model, tok = gpt2
+    texts = generate(model, tok, ["Return the value"] * 400, max_new_tokens=1, temperature=1e4, top_p=1.0,
+                     batch_size=400)
+    assert len(set(texts)) > 80, sorted(set(texts))  # ~127 of the ~172 tokens that decode alone to a text of their own

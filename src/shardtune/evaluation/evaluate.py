@@ -257,6 +257,12 @@ def read_prompts(req: GenerateRequest) -> list[str]:
 # A temperature below this decodes greedily: sampling at it picks the likeliest token anyway, and
 # the logits divided by it can overflow float32 to inf (1e-300 does), which sampling cannot take.
 GREEDY_BELOW = 1e-5
+# Only the options choose the next token: transformers adds whatever decoding settings the model's
+# generation_config.json holds (a hub model's repetition penalty, beams, top-k, min-p) and, when it
+# samples, a top-k of 50 of its own, so --top-p 1 was no full-distribution sampling. These turn each off.
+PLAIN_DECODING = dict(num_beams=1, repetition_penalty=1.0, no_repeat_ngram_size=0, min_length=0, min_new_tokens=None,
+                      bad_words_ids=None, sequence_bias=None, guidance_scale=None)
+PLAIN_SAMPLING = dict(top_k=0, typical_p=1.0, min_p=None, epsilon_cutoff=0.0, eta_cutoff=0.0)
 
 
 def generate(model, tokenizer, prompts: list, max_new_tokens: int = 64, temperature: float = 0.7,
@@ -270,8 +276,8 @@ def generate(model, tokenizer, prompts: list, max_new_tokens: int = 64, temperat
         raise UserError("need --temperature >= 0, 0 < --top-p <= 1 and --max-new-tokens >= 1")
     torch.manual_seed(seed)
     device = next(model.parameters()).device
-    sample = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature >= GREEDY_BELOW \
-        else dict(do_sample=False)
+    sample = dict(do_sample=True, temperature=temperature, top_p=top_p, **PLAIN_SAMPLING) \
+        if temperature >= GREEDY_BELOW else dict(do_sample=False)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
     rows = [list(p) if not isinstance(p, str) else tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
@@ -292,7 +298,8 @@ def generate(model, tokenizer, prompts: list, max_new_tokens: int = 64, temperat
         ids = torch.tensor([[pad] * (width - len(r)) + r for r in batch], device=device)
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in batch], device=device)
         with torch.no_grad():
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, pad_token_id=pad, **sample)
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, pad_token_id=pad,
+                                 **PLAIN_DECODING, **sample)
         outputs += [continuation(tokenizer, r, new) for r, new in zip(batch, out[:, width:].tolist(), strict=True)]
     return outputs
 
