@@ -248,7 +248,9 @@ def read_prompts(req: GenerateRequest) -> list[str]:
         except UnicodeDecodeError as exc:
             raise UserError(f"--prompts-file {req.prompts_file!r} is not UTF-8 text (byte {exc.start}); save it "
                             "as UTF-8, one prompt per line") from None
-        prompts += [line for line in text.splitlines() if line.strip()]
+        # lines end at \n alone (read_text made \r\n and \r one): splitlines() also cut a prompt at a form feed,
+        # U+2028, U+0085 or \x1c-\x1e inside it, giving two prompts for one line
+        prompts += [line for line in text.split("\n") if line.strip()]
     if not prompts:
         raise UserError("no prompt given; pass --prompt TEXT or --prompts-file FILE (one prompt per line)")
     return prompts
