@@ -203,6 +203,7 @@ def test_chat_prompt_ends_with_the_generation_prompt(assets):
     (["--generate", "0"], "--generate: must be at least 1"),
     (["--generate", "2", "--metrics", "rouge,bleurt"], "unknown metric 'bleurt'"),
     (["--generate", "2", "--prompt-tokens", "0"], "--prompt-tokens"),
+    (["--generate", "2", "--format", "instruct", "--prompt-tokens", "8"], "--prompt-tokens applies only to text"),
     (["--generate", "2", "--top-p", "0"], "--top-p"),
     (["--generate", "2", "--nproc", "2"], "one process"),
 ])

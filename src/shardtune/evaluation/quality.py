@@ -153,6 +153,9 @@ def fit_lengths(req: QualityRequest, cfg, hf_config):
     if req.compare:
         rooms.append(lengths.room_of(req.compare, load_model(req.compare, weights=False)[2]))
     room = lengths.smallest(rooms)
+    if cfg.format != "text" and req.prompt_tokens is not None:  # was ignored: its row's prompt part is the prompt
+        raise UserError(f"--prompt-tokens applies only to text documents; a {cfg.format} row's prompt is its prompt "
+                        "part as training renders it; drop --prompt-tokens (or choose --format text)")
     if cfg.format == "text":
         prompt, new = lengths.prompt_and_new_tokens(req.prompt_tokens, req.max_new_tokens, room)
         return dataclasses.replace(req, prompt_tokens=prompt, max_new_tokens=new), room
