@@ -4,6 +4,8 @@ generation prompt, an instruct run's template, and what a single prompt cannot f
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shardtune.config.schema import DataConfig
 from shardtune.errors import UserError
@@ -77,3 +79,18 @@ def test_a_prompts_file_saved_with_a_bom_gives_its_prompts_without_it(tmp_path):
     path = tmp_path / "prompts.txt"
     path.write_bytes("\ufeffOnce upon\r\na time\r\n".encode())
     assert read_prompts(GenerateRequest(model="m", prompts_file=str(path))) == ["Once upon", "a time"]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.text(st.characters(codec="utf-8", exclude_categories=("Cs",), exclude_characters="\r\n")),
+                max_size=6), st.sampled_from(["\n", "\r\n", "\r"]))
+def test_a_prompts_file_gives_one_prompt_per_line(tmp_path_factory, lines, end):
+    """Each non-blank line is one prompt, whatever it holds: a form feed, U+2028 or U+0085 inside a
+    line cut it into two prompts (str.splitlines), numbering every later prompt wrong."""
+    from shardtune.evaluation.evaluate import GenerateRequest, read_prompts
+
+    path = tmp_path_factory.mktemp("prompts") / "prompts.txt"
+    path.write_bytes(end.join(lines).encode())
+    want = [line for line in lines if line.strip()]
+    if want:
+        assert read_prompts(GenerateRequest(model="m", prompts_file=str(path))) == want

@@ -248,7 +248,9 @@ def read_prompts(req: GenerateRequest) -> list[str]:
         except UnicodeDecodeError as exc:
             raise UserError(f"--prompts-file {req.prompts_file!r} is not UTF-8 text (byte {exc.start}); save it "
                             "as UTF-8, one prompt per line") from None
-        prompts += [line for line in text.splitlines() if line.strip()]
+        # lines end at \n alone (read_text made \r\n and \r one): splitlines() also cut a prompt at a form feed,
+        # U+2028, U+0085 or \x1c-\x1e inside it, giving two prompts for one line
+        prompts += [line for line in text.split("\n") if line.strip()]
     if not prompts:
         raise UserError("no prompt given; pass --prompt TEXT or --prompts-file FILE (one prompt per line)")
     return prompts
@@ -257,6 +259,12 @@ def read_prompts(req: GenerateRequest) -> list[str]:
 # A temperature below this decodes greedily: sampling at it picks the likeliest token anyway, and
 # the logits divided by it can overflow float32 to inf (1e-300 does), which sampling cannot take.
 GREEDY_BELOW = 1e-5
+# Only the options choose the next token: transformers adds whatever decoding settings the model's
+# generation_config.json holds (a hub model's repetition penalty, beams, top-k, min-p) and, when it
+# samples, a top-k of 50 of its own, so --top-p 1 was no full-distribution sampling. These turn each off.
+PLAIN_DECODING = dict(num_beams=1, repetition_penalty=1.0, no_repeat_ngram_size=0, min_length=0, min_new_tokens=None,
+                      bad_words_ids=None, sequence_bias=None, guidance_scale=None)
+PLAIN_SAMPLING = dict(top_k=0, typical_p=1.0, min_p=None, epsilon_cutoff=0.0, eta_cutoff=0.0)
 
 
 def generate(model, tokenizer, prompts: list, max_new_tokens: int = 64, temperature: float = 0.7,
@@ -270,8 +278,8 @@ def generate(model, tokenizer, prompts: list, max_new_tokens: int = 64, temperat
         raise UserError("need --temperature >= 0, 0 < --top-p <= 1 and --max-new-tokens >= 1")
     torch.manual_seed(seed)
     device = next(model.parameters()).device
-    sample = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature >= GREEDY_BELOW \
-        else dict(do_sample=False)
+    sample = dict(do_sample=True, temperature=temperature, top_p=top_p, **PLAIN_SAMPLING) \
+        if temperature >= GREEDY_BELOW else dict(do_sample=False)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
     rows = [list(p) if not isinstance(p, str) else tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
@@ -292,9 +300,23 @@ def generate(model, tokenizer, prompts: list, max_new_tokens: int = 64, temperat
         ids = torch.tensor([[pad] * (width - len(r)) + r for r in batch], device=device)
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in batch], device=device)
         with torch.no_grad():
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, pad_token_id=pad, **sample)
-        outputs += tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, pad_token_id=pad,
+                                 **PLAIN_DECODING, **sample)
+        outputs += [continuation(tokenizer, r, new) for r, new in zip(batch, out[:, width:].tolist(), strict=True)]
     return outputs
+
+
+def continuation(tokenizer, prompt_ids: list[int], new_ids: list[int]) -> str:
+    """The text `new_ids` add after `prompt_ids`. Decoded alone, new tokens lose what a decoder
+    gives only after an earlier token (a SentencePiece word's leading space: Llama-2, Mistral, whose
+    `The capital is` + `Paris` read `The capital isParis`), and a character whose bytes the prompt
+    began (byte-level BPE) is U+FFFD twice; decoded after the prompt they read as the model wrote them."""
+    head = tokenizer.decode(prompt_ids, skip_special_tokens=True)
+    whole = tokenizer.decode(list(prompt_ids) + list(new_ids), skip_special_tokens=True)
+    for stem in (head, head.rstrip("\ufffd")):  # a character cut at the prompt's end is whole with the new bytes
+        if whole.startswith(stem):
+            return whole[len(stem):]
+    return tokenizer.decode(new_ids, skip_special_tokens=True)  # a decoder that rewrites the prompt's text
 
 
 def run_generate(req: GenerateRequest) -> list[str]:

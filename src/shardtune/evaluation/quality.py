@@ -18,7 +18,7 @@ from shardtune.checkpoint.loading import load_model, model_step, run_folder
 from shardtune.checkpoint.rundir import refuse_run_file
 from shardtune.errors import UserError
 from shardtune.evaluation import lengths, textscores
-from shardtune.evaluation.evaluate import data_config, generate, options_named
+from shardtune.evaluation.evaluate import continuation, data_config, generate, options_named
 from shardtune.evaluation.prompts import check_chat
 from shardtune.fsio import make_dir, refuse_foreign_file, write_text_atomic
 
@@ -101,8 +101,8 @@ def examples(req: QualityRequest, cfg, docs, tokenizer) -> list[Example]:
         for text in docs[field]:
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             if len(ids) > req.prompt_tokens:  # a document with a continuation to compare with
-                prompt = ids[:req.prompt_tokens]
-                reference = tokenizer.decode(ids[req.prompt_tokens:req.prompt_tokens + req.max_new_tokens])
+                prompt, after = ids[:req.prompt_tokens], ids[req.prompt_tokens:req.prompt_tokens + req.max_new_tokens]
+                reference = continuation(tokenizer, prompt, after)  # as the generations are decoded
                 out.append(Example(tokenizer.decode(prompt), reference, prompt))
             if len(out) == req.generate:
                 break
@@ -153,6 +153,9 @@ def fit_lengths(req: QualityRequest, cfg, hf_config):
     if req.compare:
         rooms.append(lengths.room_of(req.compare, load_model(req.compare, weights=False)[2]))
     room = lengths.smallest(rooms)
+    if cfg.format != "text" and req.prompt_tokens is not None:  # was ignored: its row's prompt part is the prompt
+        raise UserError(f"--prompt-tokens applies only to text documents; a {cfg.format} row's prompt is its prompt "
+                        "part as training renders it; drop --prompt-tokens (or choose --format text)")
     if cfg.format == "text":
         prompt, new = lengths.prompt_and_new_tokens(req.prompt_tokens, req.max_new_tokens, room)
         return dataclasses.replace(req, prompt_tokens=prompt, max_new_tokens=new), room

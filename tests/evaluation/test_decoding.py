@@ -1,0 +1,122 @@
+"""How `generate` and `eval --generate` decode: the new tokens' text as it reads after the prompt
+(a SentencePiece tokenizer's word spaces, a byte-level one's characters cut at the prompt's end)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shardtune.evaluation.evaluate import continuation, generate
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+WORDS = ["The", "capital", "of", "France", "is", "Paris", "café", "naïve", "日本語", "テキスト", "🙂", "x=1;", "\n"]
+
+
+@functools.cache
+def metaspace_tokenizer():
+    """A Llama-2/Mistral-style tokenizer (BPE over `▁`-marked words, byte fallback): its decoder
+    drops the `▁` space of the first token it decodes."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tk.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tk.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    tk.train_from_iterator([" ".join(WORDS)] * 4, trainers.BpeTrainer(vocab_size=120, special_tokens=[
+        "<unk>", "<s>", "</s>"], initial_alphabet=[f"<0x{b:02X}>" for b in range(256)]))
+    return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+@functools.cache
+def byte_level_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from(WORDS), min_size=1, max_size=8).map(" ".join), st.integers(0, 40), st.booleans())
+def test_new_tokens_read_as_they_do_after_the_prompt(assets, text, cut, metaspace):
+    """Prompt ids then new ids: the new text is what the whole adds to the prompt's text (less a
+    character the prompt's last bytes began): decoded alone, `is` + `Paris` read `isParis` on a
+    SentencePiece tokenizer and a character cut in two was two U+FFFD on a byte-level one."""
+    tok = metaspace_tokenizer() if metaspace else byte_level_tokenizer(assets["tokenizer"])
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    cut = min(cut, len(ids))
+    head = tok.decode(ids[:cut]).rstrip("\ufffd")
+    assert head + continuation(tok, ids[:cut], ids[cut:]) == tok.decode(ids)
+
+
+def test_generate_prints_the_prompt_and_the_text_the_model_wrote():
+    """generate's texts after their prompts equal transformers' decoding of the whole output on a
+    SentencePiece tokenizer (a Llama with it): the word after the prompt keeps its space."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tok = metaspace_tokenizer()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        model_type="llama", num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=64, vocab_size=len(tok), bos_token_id=1,
+        eos_token_id=2)).eval()
+    prompts = ["The capital of France is", "café naïve"]
+    for prompt, text in zip(prompts, generate(model, tok, prompts, max_new_tokens=6, temperature=0), strict=True):
+        ids = tok(prompt, add_special_tokens=False)["input_ids"]
+        whole = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, pad_token_id=2)[0]
+        assert prompt + text == tok.decode(whole, skip_special_tokens=True)
+
+
+def test_a_text_documents_prompt_and_reference_are_its_text():
+    """eval --generate's reference of a text document is decoded after its prompt, as the
+    generations are: prompt + reference is the document's text."""
+    from datasets import Dataset
+
+    from shardtune.config.schema import DataConfig
+    from shardtune.evaluation.quality import QualityRequest, examples
+
+    text = "The capital of France is Paris café naïve"
+    req = QualityRequest(model="m", generate=1, prompt_tokens=6, max_new_tokens=200)
+    [ex] = examples(req, DataConfig(format="text", path="docs"), Dataset.from_dict({"text": [text]}),
+                    metaspace_tokenizer())
+    assert ex.prompt + ex.reference == text
+
+
+@pytest.fixture(scope="module")
+def gpt2(assets):
+    """A tiny random GPT-2 on the corpus tokenizer whose generation_config.json asks for a decoding
+    of its own (as hub models' files do): repetition penalty, no repeated tokens, beams, top-k 1."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from conftest import TINY
+
+    tok = byte_level_tokenizer(assets["tokenizer"])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**{
+        **TINY["gpt2"], "vocab_size": len(tok), "bos_token_id": tok.eos_token_id, "eos_token_id": tok.eos_token_id}))
+    model.generation_config.update(repetition_penalty=10.0, no_repeat_ngram_size=1, num_beams=2, top_k=1, min_p=0.5)
+    return model.eval(), tok
+
+
+def test_greedy_is_the_likeliest_token_whatever_the_models_generation_config(gpt2):
+    """--temperature 0 is argmax decoding, step by step by hand, not the model file's beams and penalties."""
+    model, tok = gpt2
+    ids = tok("Return the value", add_special_tokens=False)["input_ids"]
+    new = []
+    with torch.no_grad():
+        for _ in range(8):
+            new.append(int(model(input_ids=torch.tensor([ids + new])).logits[0, -1].argmax()))
+    assert generate(model, tok, ["Return the value"], max_new_tokens=8, temperature=0) == \
+        [continuation(tok, ids, new)]
+
+
+def test_sampling_at_top_p_1_draws_from_the_whole_vocabulary(gpt2):
+    """--top-p 1 at a high temperature draws nearly uniformly from all tokens: transformers' own
+    top-k of 50 (or the model file's top-k 1 and min-p) kept it to the 50 likeliest at most."""
+    model, tok = gpt2
+    texts = generate(model, tok, ["Return the value"] * 400, max_new_tokens=1, temperature=1e4, top_p=1.0,
+                     batch_size=400)
+    assert len(set(texts)) > 80, sorted(set(texts))  # ~127 of the ~172 tokens that decode alone to a text of their own
