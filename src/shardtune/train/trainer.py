@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from fractions import Fraction
 from pathlib import Path
 
 import torch
@@ -47,15 +48,17 @@ HISTOGRAMS = "_histograms"  # a record's log.watch histograms, for the trackers 
 
 
 def total_steps(t: TrainConfig, steps_per_epoch: int) -> int:
-    """train.max_steps, else train.epochs of this data's steps (at least one). Epochs are a float:
-    times the steps of an epoch they can pass any step counter (2**63-1), or overflow to infinity."""
+    """train.max_steps, else train.epochs of this data's steps (at least one), rounded down. The
+    product is taken of the decimal written (repr), exactly: in floats 0.29 x 100 steps is 28.999...,
+    28 steps. Times the steps of an epoch, epochs can pass any step counter (2**63-1)."""
     if t.max_steps > 0:
         return t.max_steps
-    steps = t.epochs * steps_per_epoch
-    if not steps <= INT_LIMIT:
-        raise UserError(f"train.epochs={t.epochs:g} is {steps:.3g} optimizer steps of this data ({steps_per_epoch} "
-                        "per epoch), more than 2**63-1; give fewer train.epochs, or set train.max_steps")
-    return max(1, int(steps))
+    steps = Fraction(repr(t.epochs)) * steps_per_epoch
+    if steps > INT_LIMIT:
+        raise UserError(f"train.epochs={t.epochs:g} is {float(steps):.3g} optimizer steps of this data "
+                        f"({steps_per_epoch} per epoch), more than 2**63-1; give fewer train.epochs, "
+                        "or set train.max_steps")
+    return max(1, math.floor(steps))
 
 
 class Trainer:
