@@ -48,9 +48,8 @@ HISTOGRAMS = "_histograms"  # a record's log.watch histograms, for the trackers 
 
 
 def total_steps(t: TrainConfig, steps_per_epoch: int) -> int:
-    """train.max_steps, else train.epochs of this data's steps (at least one), rounded down. The
-    product is taken of the decimal written (repr), exactly: in floats 0.29 x 100 steps is 28.999...,
-    28 steps. Times the steps of an epoch, epochs can pass any step counter (2**63-1)."""
+    """train.max_steps, else train.epochs (the decimal written, exactly: 0.29 x 100 is 28.999... in floats)
+    of this data's steps, rounded down, at least one; it may pass any step counter (2**63-1)."""
     if t.max_steps > 0:
         return t.max_steps
     steps = Fraction(repr(t.epochs)) * steps_per_epoch
@@ -343,8 +342,8 @@ class Trainer:
         record = {"step": step, "epoch": epoch, "loss": loss, "lr": queued.lr, "grad_norm": grad_norm,
                   "tokens_seen": self.state.tokens_seen, **meter.report(), **memory_stats(self.dist.device),
                   **live.read(), **gpu.read(), **watched}
-        if self.scaler:
-            record["loss_scale"] = float(self.scaler.get_scale())
+        if self.scaler:  # this step's, queued with it: the scaler's own is a later step's by now
+            record["loss_scale"] = numbers.loss_scale
         progress.update(0, loss=loss, tok_s=record["tokens_per_s"])
         return record, numbers.stop
 
