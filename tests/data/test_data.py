@@ -103,6 +103,24 @@ def test_ranks_see_distinct_parts_of_the_same_global_batches(world):
     assert plan.steps_per_epoch == n // global_batch
 
 
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 400), global_batch=st.integers(1, 64), seed=st.integers(0, 2**31), epoch=st.integers(0, 3),
+       lengths_seed=st.integers(0, 2**31))
+def test_group_by_length_reorders_an_epoch_but_trains_the_plain_orders_samples(n, global_batch, seed, epoch,
+                                                                               lengths_seed):
+    """The samples past an epoch's last whole batch are the plain order's, at random: grouping cut them
+    after sorting, the shortest of the dataset (of its last chunk) left out of every epoch."""
+    import random
+
+    global_batch = min(global_batch, n)
+    lengths = [random.Random(lengths_seed + i).randint(1, 50) for i in range(n)]
+    plain = B.BatchPlan(n, global_batch, global_batch, 1, 0, seed)
+    grouped = B.BatchPlan(n, global_batch, global_batch, 1, 0, seed, lengths=lengths)
+    usable = plain.steps_per_epoch * global_batch
+    assert sorted(grouped.order(epoch).tolist()) == list(range(n))
+    assert sorted(grouped.order(epoch)[:usable].tolist()) == sorted(plain.order(epoch)[:usable].tolist())
+
+
 def test_eval_batches_cover_everything_once_with_equal_counts_per_rank():
     n, micro, world = 11, 2, 3
     per_rank = [B.eval_batches(n, micro, world, r) for r in range(world)]

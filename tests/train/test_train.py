@@ -35,6 +35,20 @@ def test_precisions_and_offload_train_on_cpu(assets, tmp_path, extra):
         assert all(r["loss_scale"] > 0 for r in rows if "loss" in r)
 
 
+def test_each_step_records_its_own_loss_scale(assets, tmp_path, monkeypatch):
+    """A scale of 2**40 overflows fp16's gradients: every step is skipped and halves it. A record
+    showed the scale of the step after it (the host reads a step once the next has run)."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    import shardtune.train.optim as optim
+
+    monkeypatch.setattr(optim, "build_grad_scaler", lambda precision, device: ShardedGradScaler(
+        device=device.type, init_scale=2.0 ** 40))
+    train(assets, tmp_path, **{"precision": "fp16", "train.max_steps": 3, "data.val_size": 0, "save_final": "false"})
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss_scale"] for r in rows if "loss" in r] == [2.0 ** 39, 2.0 ** 38, 2.0 ** 37]
+
+
 def test_run_folder_holds_resolved_config_metrics_and_hf_export(assets, tmp_path):
     train(assets, tmp_path, **{"train.max_steps": 4, "log.every_steps": 2})
     cfg = yaml.safe_load((tmp_path / "config.yaml").read_text())

@@ -57,17 +57,19 @@ class BatchPlan:
         return self._order
 
     def _grouped(self, order, gen):
-        lengths = torch.as_tensor(self.lengths)[order]
+        # The tail (not trained on this epoch) is cut before sorting, at random as in the plain order:
+        # cut after, it was the shortest samples of the last chunk, left out of every epoch.
+        usable = self.steps_per_epoch * self.global_batch
+        kept, tail = order[:usable], order[usable:]
+        lengths = torch.as_tensor(self.lengths)[kept]
         chunk = self.GROUP_BATCHES * self.global_batch
         parts = []
-        for start in range(0, self.num_samples, chunk):
+        for start in range(0, usable, chunk):
             by_len = torch.sort(lengths[start:start + chunk], descending=True, stable=True).indices
-            parts.append(order[start:start + chunk][by_len])
-        order = torch.cat(parts)
-        usable = self.steps_per_epoch * self.global_batch
-        batches = order[:usable].view(self.steps_per_epoch, self.global_batch)
+            parts.append(kept[start:start + chunk][by_len])
+        batches = torch.cat(parts).view(self.steps_per_epoch, self.global_batch)
         shuffled = batches[torch.randperm(self.steps_per_epoch, generator=gen)].reshape(-1)
-        return torch.cat([shuffled, order[usable:]])  # the tail is not trained on this epoch
+        return torch.cat([shuffled, tail])
 
     def global_indices(self, step: int) -> list[int]:
         """The sample indices of optimizer step `step` (0-based, counted over epochs), all ranks'."""

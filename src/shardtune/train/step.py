@@ -76,6 +76,7 @@ class StepResult:
     grad_norm: torch.Tensor  # noqa: F821
     watch: torch.Tensor | None = None  # noqa: F821  watch.Watch's per-block norms (device tensor), on a watch step
     grad_norms: GradNorms | None = None  # per parameter, for naming a non-finite one
+    loss_scale: torch.Tensor | None = None  # noqa: F821  fp16: the grad scaler's scale after this step's update
 
 
 @dataclass
@@ -87,19 +88,22 @@ class StepNumbers:
     attention_pairs: float  # their (query, key) pairs, all ranks'
     stop: bool  # a rank was asked to stop (signals.Preemption)
     grad_norm: float
+    loss_scale: float  # 0 without a grad scaler
 
 
 def queue_numbers(out: StepResult, stop_requested: int, device) -> torch.Tensor:
     """A step's numbers in one device tensor, for `read_numbers` to take later: one small
-    all-reduce (loss, input tokens, stop requests) is queued, and nothing waits for it."""
+    all-reduce (loss, input tokens, stop requests) is queued, and nothing waits for it. The loss scale
+    is copied now: the scaler's own tensor changes with the next step, before the host reads this one."""
     summed = all_sum_on_device(out.loss_sum, out.input_tokens, out.attention_pairs, stop_requested, device=device)
-    return torch.cat([summed, stack_on_device(out.loss_tokens, out.grad_norm, device=device)])
+    scale = out.loss_scale if out.loss_scale is not None else 0
+    return torch.cat([summed, stack_on_device(out.loss_tokens, out.grad_norm, scale, device=device)])
 
 
 def read_numbers(numbers: torch.Tensor) -> StepNumbers:
     """The host's copy of `queue_numbers`' tensor: waits for that step's work to finish."""
-    loss_sum, tokens, pairs, stop, loss_tokens, grad_norm = numbers.tolist()
-    return StepNumbers(loss_sum / max(loss_tokens, 1.0), tokens, pairs, stop > 0, grad_norm)
+    loss_sum, tokens, pairs, stop, loss_tokens, grad_norm, loss_scale = numbers.tolist()
+    return StepNumbers(loss_sum / max(loss_tokens, 1.0), tokens, pairs, stop > 0, grad_norm, loss_scale)
 
 
 def attention_pairs(batch: dict):
@@ -207,9 +211,11 @@ def train_step(model, optimizer, scaler, batches: list[dict], cfg: RunConfig, di
     grads = watch.grads() if watch is not None and "grad" in watch.kinds else None  # before clipping
     grad_norm, grad_norms = clip_gradients(model, cfg.train.max_grad_norm)
     # A NaN/inf update would poison every weight: it is skipped here, and fit() decides what next.
+    loss_scale = None
     if scaler:
         scaler.step(optimizer)  # skips non-finite steps itself; asks the host (foreach kernels, see optim.py)
         scaler.update()
+        loss_scale = scaler._get_scale_async()  # a device tensor (get_scale() would ask the host)
     elif optimizer.defaults.get("fused"):  # the fused kernel skips the update on the device: no host sync
         optimizer.found_inf = (~torch.isfinite(grad_norm)).float()
         optimizer.step()
@@ -218,4 +224,4 @@ def train_step(model, optimizer, scaler, batches: list[dict], cfg: RunConfig, di
     optimizer.zero_grad(set_to_none=True)
     if watch is not None:
         watch = watch.finish(grads, watch.params_now() if "param" in watch.kinds else None)
-    return StepResult(loss_sum, global_tokens, input_tokens, pairs, grad_norm, watch, grad_norms)
+    return StepResult(loss_sum, global_tokens, input_tokens, pairs, grad_norm, watch, grad_norms, loss_scale)

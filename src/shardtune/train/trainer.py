@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from fractions import Fraction
 from pathlib import Path
 
 import torch
@@ -47,15 +48,16 @@ HISTOGRAMS = "_histograms"  # a record's log.watch histograms, for the trackers 
 
 
 def total_steps(t: TrainConfig, steps_per_epoch: int) -> int:
-    """train.max_steps, else train.epochs of this data's steps (at least one). Epochs are a float:
-    times the steps of an epoch they can pass any step counter (2**63-1), or overflow to infinity."""
+    """train.max_steps, else train.epochs (the decimal written, exactly: 0.29 x 100 is 28.999... in floats)
+    of this data's steps, rounded down, at least one; it may pass any step counter (2**63-1)."""
     if t.max_steps > 0:
         return t.max_steps
-    steps = t.epochs * steps_per_epoch
-    if not steps <= INT_LIMIT:
-        raise UserError(f"train.epochs={t.epochs:g} is {steps:.3g} optimizer steps of this data ({steps_per_epoch} "
-                        "per epoch), more than 2**63-1; give fewer train.epochs, or set train.max_steps")
-    return max(1, int(steps))
+    steps = Fraction(repr(t.epochs)) * steps_per_epoch
+    if steps > INT_LIMIT:
+        raise UserError(f"train.epochs={t.epochs:g} is {float(steps):.3g} optimizer steps of this data "
+                        f"({steps_per_epoch} per epoch), more than 2**63-1; give fewer train.epochs, "
+                        "or set train.max_steps")
+    return max(1, math.floor(steps))
 
 
 class Trainer:
@@ -340,8 +342,8 @@ class Trainer:
         record = {"step": step, "epoch": epoch, "loss": loss, "lr": queued.lr, "grad_norm": grad_norm,
                   "tokens_seen": self.state.tokens_seen, **meter.report(), **memory_stats(self.dist.device),
                   **live.read(), **gpu.read(), **watched}
-        if self.scaler:
-            record["loss_scale"] = float(self.scaler.get_scale())
+        if self.scaler:  # this step's, queued with it: the scaler's own is a later step's by now
+            record["loss_scale"] = numbers.loss_scale
         progress.update(0, loss=loss, tok_s=record["tokens_per_s"])
         return record, numbers.stop
 
