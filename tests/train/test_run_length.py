@@ -1,4 +1,4 @@
-"""How many optimizer steps a run trains (trainer.total_steps) against exact decimal arithmetic:
+"""How many optimizer steps a run trains (train.optim.total_steps) against exact decimal arithmetic:
 train.epochs as written, times the steps of an epoch, rounded down."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from shardtune.config.schema import TrainConfig
 from shardtune.errors import UserError
-from shardtune.train.trainer import total_steps
+from shardtune.train.optim import total_steps
 
 
 @settings(max_examples=300, deadline=None)

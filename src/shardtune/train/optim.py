@@ -16,11 +16,13 @@ and the expensive part: the C++ compile) still serves every rank."""
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import torch
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from shardtune.config.schema import TrainConfig
+from shardtune.config.validation import INT_LIMIT
 from shardtune.errors import UserError
 
 
@@ -138,3 +140,16 @@ def set_lr(optimizer, lr: float) -> None:
             group["lr"].fill_(group_lr)
         else:
             group["lr"] = group_lr
+
+
+def total_steps(t: TrainConfig, steps_per_epoch: int) -> int:
+    """train.max_steps, else train.epochs (the decimal written, exactly: 0.29 x 100 is 28.999... in floats)
+    of this data's steps, rounded down, at least one; it may pass any step counter (2**63-1)."""
+    if t.max_steps > 0:
+        return t.max_steps
+    steps = Fraction(repr(t.epochs)) * steps_per_epoch
+    if steps > INT_LIMIT:
+        raise UserError(f"train.epochs={t.epochs:g} is {float(steps):.3g} optimizer steps of this data "
+                        f"({steps_per_epoch} per epoch), more than 2**63-1; give fewer train.epochs, "
+                        "or set train.max_steps")
+    return max(1, math.floor(steps))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import time
-from fractions import Fraction
 from pathlib import Path
 
 import torch
@@ -13,8 +12,7 @@ import torch.distributed
 from shardtune.check.run import CheckedRun, check_run
 from shardtune.checkpoint.rundir import PREEMPTED_MARKER
 from shardtune.config.load import dump_yaml
-from shardtune.config.schema import RunConfig, TrainConfig
-from shardtune.config.validation import INT_LIMIT
+from shardtune.config.schema import RunConfig
 from shardtune.data import batches as batching
 from shardtune.data import pipeline as data_lib
 from shardtune.data.packing import equal_blocks
@@ -41,23 +39,11 @@ from shardtune.telemetry.metrics import (
     matmul_params,
     memory_stats,
 )
+from shardtune.train.optim import total_steps
 from shardtune.train.state import LoopParts, QueuedStep, TrainState, seed_everything
 from shardtune.train.step import evaluate, queue_numbers, read_numbers, train_step
 
 HISTOGRAMS = "_histograms"  # a record's log.watch histograms, for the trackers only
-
-
-def total_steps(t: TrainConfig, steps_per_epoch: int) -> int:
-    """train.max_steps, else train.epochs (the decimal written, exactly: 0.29 x 100 is 28.999... in floats)
-    of this data's steps, rounded down, at least one; it may pass any step counter (2**63-1)."""
-    if t.max_steps > 0:
-        return t.max_steps
-    steps = Fraction(repr(t.epochs)) * steps_per_epoch
-    if steps > INT_LIMIT:
-        raise UserError(f"train.epochs={t.epochs:g} is {float(steps):.3g} optimizer steps of this data "
-                        f"({steps_per_epoch} per epoch), more than 2**63-1; give fewer train.epochs, "
-                        "or set train.max_steps")
-    return max(1, math.floor(steps))
 
 
 class Trainer:
