@@ -48,17 +48,20 @@ def _figure(path: Path, title: str, xlabel: str, ylabel: str, log_scale: bool, r
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=size)
-    try:
-        yield ax
-        for y, label in rules:
-            ax.axhline(y, color="black", linestyle="--", linewidth=1, label=label)
-        ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
-        if log_scale:
-            ax.set_yscale("log")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-    finally:
-        plt.close(fig)
+    # labels are run folders, score names and grid values as written: a `$` in them is text, not
+    # mathtext (`a$\x$` failed the whole report with matplotlib's parse error)
+    with matplotlib.rc_context({"text.parse_math": False}):
+        fig, ax = plt.subplots(figsize=size)
+        try:
+            yield ax
+            for y, label in rules:
+                ax.axhline(y, color="black", linestyle="--", linewidth=1, label=label)
+            ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+            if log_scale:
+                ax.set_yscale("log")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+            fig.tight_layout()
+            fig.savefig(path, dpi=110)
+        finally:
+            plt.close(fig)
