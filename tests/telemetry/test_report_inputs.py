@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from conftest import main_in_process
 
 GENERATION = {"settings": {"generate": 2, "data": "d.jsonl", "format": "text", "prompts": 1, "max_new_tokens": 4,
@@ -43,3 +45,32 @@ def test_dollar_signs_in_names_are_drawn_as_text(tmp_path):
     assert rc == 0, err
     assert sorted(p.name for p in (tmp_path / "report").iterdir()) == ["generation-a$\\x$b.png", "loss.png",
                                                                         "report.md"]
+
+
+@pytest.mark.parametrize("path, value", [
+    (("models", "model", "scores"), [1, 2]),
+    (("models", "model", "scores"), "high"),
+    (("models", "model", "scores", "bleu"), "high"),
+    (("models", "base"), [1]),
+    (("settings",), [1]),
+    (("examples",), {"a": 1}),
+    (("examples",), [5]),
+    (("examples", 0, "prompt"), 5),
+    ((), ["models"]),
+])
+def test_a_generation_file_of_other_types_is_one_line(tmp_path, path, value):
+    """Each of these failed half-way through the report with whatever its part raised."""
+    run = _run(tmp_path / "run", _edited(path, value))
+    rc, err = main_in_process(["report", str(run), "--out", str(tmp_path / "report")])
+    assert rc == 2 and err.count("\n") == 1, err
+    assert "generation.json' is not a generation-quality file" in err and not (tmp_path / "report").exists()
+
+
+def test_scores_a_plot_cannot_draw_get_no_bar(tmp_path):
+    """A score of NaN, inf, null or 10**400 (an edited file): its bar is left out (10**400 failed
+    matplotlib's conversion), the table says it as it is."""
+    scores = {"rouge1": float("nan"), "bleu": float("inf"), "chrf": None, "rougeL": 10 ** 400, "rouge2": 0.2}
+    run = _run(tmp_path / "run", _edited(("models", "model", "scores"), scores))
+    rc, err = main_in_process(["report", str(run), "--out", str(tmp_path / "report")])
+    assert rc == 0, err
+    assert "| rouge2 | 0.2 |" in (tmp_path / "report" / "report.md").read_text()

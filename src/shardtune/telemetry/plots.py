@@ -6,6 +6,14 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
+PLOTTABLE = 1e300  # beyond it a plot's axis margins overflow to inf (matplotlib fails on 1e308)
+
+
+def plottable(value) -> bool:
+    """A number a plot can draw: not a bool, NaN, inf or beyond PLOTTABLE (as a metrics.jsonl or
+    generation.json edited or damaged may hold)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) < PLOTTABLE
+
 
 def fmt(value) -> str:
     if value is None:
