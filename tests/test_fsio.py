@@ -85,3 +85,32 @@ def test_a_data_line_nested_too_deep_is_named(tmp_path):
     data = tmp_path / "train.jsonl"
     data.write_text('{"text": "fine"}\n' + "[" * 5000 + "\n")
     assert first_line_not_an_object([str(data)]).startswith(f"line 2 of {str(data)!r} is not JSON (nested deeper")
+
+
+@pytest.mark.parametrize("name", [".", "./", "sub/..", "{cwd}"])
+def test_a_folder_written_whole_is_never_the_working_directory(monkeypatch, tmp_path, name):
+    """`export RUN .` and `report RUN --out .` escaped as a traceback (`.` has no name to make a
+    temporary sibling of); `DIR/.` was renamed onto the working directory, leaving the shell in a
+    removed folder that looked empty."""
+    from shardtune.errors import UserError
+    from shardtune.fsio import atomic_dir
+
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match="is the working directory"), atomic_dir(name.format(cwd=tmp_path)):
+        pass
+    assert os.listdir(tmp_path) == ["sub"]
+
+
+def test_a_link_to_a_folder_is_written_through(tmp_path):
+    """A folder written whole, named by a link to a folder (out -> /bigdisk/model): its target is
+    filled or replaced and the link kept (a rename onto the link failed as 'Not a directory')."""
+    from shardtune.fsio import atomic_dir
+
+    (tmp_path / "target").mkdir()
+    (tmp_path / "link").symlink_to("target")
+    for text in ("first", "second"):
+        with atomic_dir(tmp_path / "link", replace=True) as tmp:
+            (tmp / "a.txt").write_text(text)
+    assert os.readlink(tmp_path / "link") == "target" and sorted(os.listdir(tmp_path)) == ["link", "target"]
+    assert (tmp_path / "target" / "a.txt").read_text() == "second"

@@ -74,12 +74,28 @@ def make_dir(folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
 
 
+def whole_folder(final: Path, option: str = "output folder") -> Path:
+    """Where `atomic_dir(final)` renames its folder: `.` or `x/..` as the folder they name (they
+    have no name of their own to make a sibling of), a link to a folder as the folder it leads to
+    (renamed onto, the link failed as "Not a directory"; the link stays). The working directory is
+    refused: renamed onto, it would leave the shell in a removed folder that looks empty."""
+    final = Path(final)
+    if final.name in ("", ".."):
+        final = final.resolve()
+    elif final.is_symlink() and final.is_dir():
+        final = Path(os.path.realpath(final))
+    if final.resolve() == Path.cwd().resolve():
+        raise UserError(f"{option} {str(final)!r} is the working directory, which would be replaced whole; "
+                        "name a new folder in it (e.g. ./model), or run from the folder above")
+    return final
+
+
 @contextlib.contextmanager
 def atomic_dir(final: Path, replace: bool = False):
     """Yield a fresh temporary sibling of `final` to fill; when the block ends without error it
     becomes `final` (an empty `final` is replaced; a non-empty one only with `replace`, else it
     is an error). On any failure the partial folder is removed and nothing else changes."""
-    final = Path(final)
+    final = whole_folder(final)
     make_dir(final.parent)
     tmp = partial_name(final)
     for stale in [tmp, *dead_partials(final)]:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -74,3 +75,12 @@ def test_scores_a_plot_cannot_draw_get_no_bar(tmp_path):
     rc, err = main_in_process(["report", str(run), "--out", str(tmp_path / "report")])
     assert rc == 0, err
     assert "| rouge2 | 0.2 |" in (tmp_path / "report" / "report.md").read_text()
+
+
+def test_a_report_into_the_working_directory_is_one_line(tmp_path, monkeypatch):
+    """`--out .` escaped as a traceback (fsio.whole_folder; test_fsio.py has the mechanism)."""
+    run = _run(tmp_path / "run")
+    monkeypatch.chdir(run)
+    rc, err = main_in_process(["report", ".", "--out", "."])
+    assert rc == 2 and "report folder" in err and "is the working directory" in err and err.count("\n") == 1, err
+    assert os.listdir(run) == ["metrics.jsonl"]

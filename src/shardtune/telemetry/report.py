@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from shardtune.errors import UserError
-from shardtune.fsio import atomic_dir, json_loads, refuse_foreign
+from shardtune.fsio import atomic_dir, json_loads, refuse_foreign, whole_folder
 from shardtune.telemetry.plots import fmt, plottable, save_plot
 
 # (file stem, title, y label, [(metric, line label suffix)], log scale)
@@ -112,6 +112,7 @@ def write_report(runs: list[Path], out: Path) -> Path:
         if generated is not None:
             note = not_current(run, generated, last_step(data[name]) if name in data else None)
             generations[name] = generated, note
+    out = whole_folder(out, "report folder")
     refuse_foreign(out, "report folder", "a report (PNGs and report.md)",
                    lambda name: name.endswith(".png") or name == "report.md")
     with atomic_dir(out, replace=True) as tmp:  # an earlier report is replaced whole, or kept whole
