@@ -181,6 +181,22 @@ def test_download_passes_dataset_configs_and_an_hf_home_cache(monkeypatch, tmp_p
     assert f"HF_HOME={tmp_path}" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("inner", ["checkpoints", "final"])
+def test_a_cache_inside_a_runs_own_folders_is_refused(monkeypatch, tmp_path, capsys, inner):
+    """--cache-dir RUN/checkpoints/hf was made and filled there, where that run's --overwrite (or its
+    final save, for final/) deletes the downloads: refused before any folder is made or any network use."""
+    from shardtune.cli.main import main
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    run = tmp_path / "run"
+    (run / inner).mkdir(parents=True)
+    for name in ("config.yaml", "metrics.jsonl"):
+        (run / name).write_text("")
+    assert main(["download", "some-org/model", "--cache-dir", str(run / inner / "hf")]) == 2
+    assert f"inside {inner}/ of the run" in _one_line_error(capsys.readouterr().err)
+    assert not (run / inner / "hf").exists()
+
+
 @pytest.mark.parametrize("missing, names, command", [
     ({"model.name_or_path": "some-org/not-cached", "model.tokenizer": "null"},
      "some-org/not-cached", "shardtune download some-org/not-cached"),
