@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import shlex
 from pathlib import Path
 
 from shardtune.cli.argtypes import int_range, nonempty_str, positive_int, slurm_time
@@ -33,15 +31,11 @@ def add_parser(sub) -> None:
     p.add_argument("-o", "--out", type=nonempty_str, help="write the script here (default: print it)")
 
 
-def shell_word(path: str) -> str:
-    """A path as one word a shell passes to a command as a file (spaces quoted, a leading - no option)."""
-    return shlex.quote(os.path.join(".", path) if path.startswith("-") else path)
-
-
 def run(args) -> int:
     from shardtune.check.run import check_config_here
     from shardtune.config.load import check_job, load_config
-    from shardtune.launch.slurm import sbatch_script
+    from shardtune.fsio import refuse_inside_run, refuse_non_folder
+    from shardtune.launch.slurm import sbatch_script, shell_word
 
     recipe, _ = split_recipe(args.recipe, [])  # a path, or a name in ./recipes
     if recipe is None:
@@ -50,6 +44,12 @@ def run(args) -> int:
     check_job(cfg, args.nodes * args.gpus_per_node, args.gpus_per_node)  # and one the job's ranks cannot run
     check_config_here(cfg)  # and a model (where it is here) that cannot take the run: its positions, adapters
     out = args.output_dir or cfg.output_dir or f"runs/{cfg.recipe}"
+    # refused as the job's train would at its start, after the queue; a link that leads nowhere here
+    # may lead to the compute nodes' own disk
+    option = "--output-dir" if args.output_dir else "output_dir"
+    if Path(out).exists():
+        refuse_non_folder(Path(out), option)
+    refuse_inside_run(Path(out), option)
     text = sbatch_script(recipe, out, args.nodes, args.gpus_per_node, overrides=args.overrides,
                          job_name=args.job_name, time=args.time, partition=args.partition, account=args.account,
                          signal_lead_s=args.signal_lead, offline=not args.online)
