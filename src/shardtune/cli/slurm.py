@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shardtune.cli.argtypes import int_range, nonempty_str, positive_int, slurm_time
+from shardtune.cli.argtypes import fs_path, int_range, nonempty_str, positive_int, slurm_time
 from shardtune.cli.common import split_recipe
 from shardtune.errors import UserError
 
@@ -17,7 +17,7 @@ def add_parser(sub) -> None:
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for the job")
     p.add_argument("--nodes", type=positive_int, required=True)
     p.add_argument("--gpus-per-node", type=positive_int, required=True)
-    p.add_argument("--output-dir", type=nonempty_str,
+    p.add_argument("--output-dir", type=fs_path,
                    help="the run's output_dir (default: the recipe's, else runs/<recipe>)")
     p.add_argument("--time", type=slurm_time, default="24:00:00", help="time limit (default 24:00:00)")
     p.add_argument("--partition", type=nonempty_str)
@@ -28,7 +28,7 @@ def add_parser(sub) -> None:
                     "sends SIGUSR1 to checkpoint (default 300)")
     p.add_argument("--online", action="store_true", help="let compute nodes use the network (default: "
                     "HF_HUB_OFFLINE=1, models and data from `shardtune download`)")
-    p.add_argument("-o", "--out", type=nonempty_str, help="write the script here (default: print it)")
+    p.add_argument("-o", "--out", type=fs_path, help="write the script here (default: print it)")
 
 
 def run(args) -> int:
