@@ -114,3 +114,20 @@ def test_a_link_to_a_folder_is_written_through(tmp_path):
             (tmp / "a.txt").write_text(text)
     assert os.readlink(tmp_path / "link") == "target" and sorted(os.listdir(tmp_path)) == ["link", "target"]
     assert (tmp_path / "target" / "a.txt").read_text() == "second"
+
+
+def test_nothing_is_written_inside_what_a_runs_overwrite_removes(tmp_path):
+    """report/, tensorboard/, mlruns/, wandb/ go with a run when its --overwrite replaces it: a new
+    run, an export or a cache put inside one was deleted with them. report/ itself stays report's."""
+    from shardtune.errors import UserError
+    from shardtune.fsio import RUN_MARKS, RUN_OUTPUT_DIRS, refuse_inside_run
+
+    for name in RUN_MARKS:
+        (tmp_path / name).write_text("")
+    for inner in RUN_OUTPUT_DIRS:
+        for out in (tmp_path / inner, tmp_path / inner / "new"):
+            with pytest.raises(UserError, match=f"inside {inner}/ of the run in"):
+                refuse_inside_run(out, "output_dir")
+    refuse_inside_run(tmp_path / "report", "report folder", own="report")
+    with pytest.raises(UserError, match="inside report/"):
+        refuse_inside_run(tmp_path / "report" / "old", "report folder", own="report")

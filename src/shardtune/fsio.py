@@ -201,34 +201,38 @@ def refuse_non_folder(folder: Path, option: str) -> None:
 
 RUN_MARKS = ("config.yaml", "metrics.jsonl")  # every run writes both: a folder with them is a run
 RUN_DIRS = ("final", "checkpoints", "profile", "publish")  # a run's own folders, replaced by its saves
+# written about a run by its trackers and by `report`: removed with it by --overwrite, moved aside by resume=auto
+RUN_OUTPUT_DIRS = ("tensorboard", "mlruns", "wandb", "report")
 
 
-def enclosing_run(out: Path) -> tuple[Path, str] | None:
-    """(a run's folder, which of its RUN_DIRS) when `out` is, or lies inside, a folder of another
-    run that the run itself replaces (--overwrite, checkpoint rotation, its final save); a run is a
-    folder with all of RUN_MARKS, so a user's own folder named final/ is not one."""
+def enclosing_run(out: Path, own: str | None = None) -> tuple[Path, str] | None:
+    """(a run's folder, which of its RUN_DIRS or RUN_OUTPUT_DIRS) when `out` is, or lies inside, a
+    folder of another run that the run itself replaces or removes (--overwrite, checkpoint rotation,
+    its final save); `own`: the one such folder the command writes as a whole (report's report/). A
+    run is a folder with all of RUN_MARKS, so a user's own folder named final/ is not one."""
     path = Path(out).resolve()
     for inner in (path, *path.parents):
-        if inner.name in RUN_DIRS and all((inner.parent / name).is_file() for name in RUN_MARKS):
+        if inner.name in RUN_DIRS + RUN_OUTPUT_DIRS and not (inner == path and inner.name == own) \
+                and all((inner.parent / name).is_file() for name in RUN_MARKS):
             return inner.parent, inner.name
     return None
 
 
-def refuse_inside_run(out: Path, option: str) -> None:
-    """An output inside a run's own folders (checkpoints/, final/, ...) is replaced by that run's
-    saves or its --overwrite: refused, for every command that writes one."""
-    if (owner := enclosing_run(out)) is not None:
+def refuse_inside_run(out: Path, option: str, own: str | None = None) -> None:
+    """An output inside a run's own folders (checkpoints/, final/, report/, ...) is replaced by that
+    run's saves or removed by its --overwrite: refused, for every command that writes one."""
+    if (owner := enclosing_run(out, own)) is not None:
         run, inner = owner
         raise UserError(f"{option} {str(out)!r} is or lies inside {inner}/ of the run in {str(run)!r}, which that "
                         f"run's --overwrite or its saves replace; choose another {option} outside it")
 
 
-def refuse_foreign(folder: Path, option: str, kind: str, ours) -> None:
+def refuse_foreign(folder: Path, option: str, kind: str, ours, own: str | None = None) -> None:
     """Refuse to write into `folder` when it holds anything `ours(name)` does not claim (another
     run, a user's files), or lies inside a run's own folders: only a folder of the command's own
     kind is replaced without asking."""
     refuse_non_folder(folder, option)
-    refuse_inside_run(folder, option)
+    refuse_inside_run(folder, option, own)
     if not folder.is_dir():
         return
     foreign = sorted(p.name for p in folder.iterdir() if not ours(p.name) and PARTIAL not in p.name)

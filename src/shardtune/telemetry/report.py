@@ -114,7 +114,7 @@ def write_report(runs: list[Path], out: Path) -> Path:
             generations[name] = generated, note
     out = whole_folder(out, "report folder")
     refuse_foreign(out, "report folder", "a report (PNGs and report.md)",
-                   lambda name: name.endswith(".png") or name == "report.md")
+                   lambda name: name.endswith(".png") or name == "report.md", own="report")
     with atomic_dir(out, replace=True) as tmp:  # an earlier report is replaced whole, or kept whole
         _write_report(data, generations, tmp)
     for _, note in generations.values():
