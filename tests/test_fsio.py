@@ -85,3 +85,49 @@ def test_a_data_line_nested_too_deep_is_named(tmp_path):
     data = tmp_path / "train.jsonl"
     data.write_text('{"text": "fine"}\n' + "[" * 5000 + "\n")
     assert first_line_not_an_object([str(data)]).startswith(f"line 2 of {str(data)!r} is not JSON (nested deeper")
+
+
+@pytest.mark.parametrize("name", [".", "./", "sub/..", "{cwd}"])
+def test_a_folder_written_whole_is_never_the_working_directory(monkeypatch, tmp_path, name):
+    """`export RUN .` and `report RUN --out .` escaped as a traceback (`.` has no name to make a
+    temporary sibling of); `DIR/.` was renamed onto the working directory, leaving the shell in a
+    removed folder that looked empty."""
+    from shardtune.errors import UserError
+    from shardtune.fsio import atomic_dir
+
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match="is the working directory"), atomic_dir(name.format(cwd=tmp_path)):
+        pass
+    assert os.listdir(tmp_path) == ["sub"]
+
+
+def test_a_link_to_a_folder_is_written_through(tmp_path):
+    """A folder written whole, named by a link to a folder (out -> /bigdisk/model): its target is
+    filled or replaced and the link kept (a rename onto the link failed as 'Not a directory')."""
+    from shardtune.fsio import atomic_dir
+
+    (tmp_path / "target").mkdir()
+    (tmp_path / "link").symlink_to("target")
+    for text in ("first", "second"):
+        with atomic_dir(tmp_path / "link", replace=True) as tmp:
+            (tmp / "a.txt").write_text(text)
+    assert os.readlink(tmp_path / "link") == "target" and sorted(os.listdir(tmp_path)) == ["link", "target"]
+    assert (tmp_path / "target" / "a.txt").read_text() == "second"
+
+
+def test_nothing_is_written_inside_what_a_runs_overwrite_removes(tmp_path):
+    """report/, tensorboard/, mlruns/, wandb/ go with a run when its --overwrite replaces it: a new
+    run, an export or a cache put inside one was deleted with them. report/ itself stays report's."""
+    from shardtune.errors import UserError
+    from shardtune.fsio import RUN_MARKS, RUN_OUTPUT_DIRS, refuse_inside_run
+
+    for name in RUN_MARKS:
+        (tmp_path / name).write_text("")
+    for inner in RUN_OUTPUT_DIRS:
+        for out in (tmp_path / inner, tmp_path / inner / "new"):
+            with pytest.raises(UserError, match=f"inside {inner}/ of the run in"):
+                refuse_inside_run(out, "output_dir")
+    refuse_inside_run(tmp_path / "report", "report folder", own="report")
+    with pytest.raises(UserError, match="inside report/"):
+        refuse_inside_run(tmp_path / "report" / "old", "report folder", own="report")

@@ -74,12 +74,28 @@ def make_dir(folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
 
 
+def whole_folder(final: Path, option: str = "output folder") -> Path:
+    """Where `atomic_dir(final)` renames its folder: `.` or `x/..` as the folder they name (they
+    have no name of their own to make a sibling of), a link to a folder as the folder it leads to
+    (renamed onto, the link failed as "Not a directory"; the link stays). The working directory is
+    refused: renamed onto, it would leave the shell in a removed folder that looks empty."""
+    final = Path(final)
+    if final.name in ("", ".."):
+        final = final.resolve()
+    elif final.is_symlink() and final.is_dir():
+        final = Path(os.path.realpath(final))
+    if final.resolve() == Path.cwd().resolve():
+        raise UserError(f"{option} {str(final)!r} is the working directory, which would be replaced whole; "
+                        "name a new folder in it (e.g. ./model), or run from the folder above")
+    return final
+
+
 @contextlib.contextmanager
 def atomic_dir(final: Path, replace: bool = False):
     """Yield a fresh temporary sibling of `final` to fill; when the block ends without error it
     becomes `final` (an empty `final` is replaced; a non-empty one only with `replace`, else it
     is an error). On any failure the partial folder is removed and nothing else changes."""
-    final = Path(final)
+    final = whole_folder(final)
     make_dir(final.parent)
     tmp = partial_name(final)
     for stale in [tmp, *dead_partials(final)]:
@@ -185,34 +201,38 @@ def refuse_non_folder(folder: Path, option: str) -> None:
 
 RUN_MARKS = ("config.yaml", "metrics.jsonl")  # every run writes both: a folder with them is a run
 RUN_DIRS = ("final", "checkpoints", "profile", "publish")  # a run's own folders, replaced by its saves
+# written about a run by its trackers and by `report`: removed with it by --overwrite, moved aside by resume=auto
+RUN_OUTPUT_DIRS = ("tensorboard", "mlruns", "wandb", "report")
 
 
-def enclosing_run(out: Path) -> tuple[Path, str] | None:
-    """(a run's folder, which of its RUN_DIRS) when `out` is, or lies inside, a folder of another
-    run that the run itself replaces (--overwrite, checkpoint rotation, its final save); a run is a
-    folder with all of RUN_MARKS, so a user's own folder named final/ is not one."""
+def enclosing_run(out: Path, own: str | None = None) -> tuple[Path, str] | None:
+    """(a run's folder, which of its RUN_DIRS or RUN_OUTPUT_DIRS) when `out` is, or lies inside, a
+    folder of another run that the run itself replaces or removes (--overwrite, checkpoint rotation,
+    its final save); `own`: the one such folder the command writes as a whole (report's report/). A
+    run is a folder with all of RUN_MARKS, so a user's own folder named final/ is not one."""
     path = Path(out).resolve()
     for inner in (path, *path.parents):
-        if inner.name in RUN_DIRS and all((inner.parent / name).is_file() for name in RUN_MARKS):
+        if inner.name in RUN_DIRS + RUN_OUTPUT_DIRS and not (inner == path and inner.name == own) \
+                and all((inner.parent / name).is_file() for name in RUN_MARKS):
             return inner.parent, inner.name
     return None
 
 
-def refuse_inside_run(out: Path, option: str) -> None:
-    """An output inside a run's own folders (checkpoints/, final/, ...) is replaced by that run's
-    saves or its --overwrite: refused, for every command that writes one."""
-    if (owner := enclosing_run(out)) is not None:
+def refuse_inside_run(out: Path, option: str, own: str | None = None) -> None:
+    """An output inside a run's own folders (checkpoints/, final/, report/, ...) is replaced by that
+    run's saves or removed by its --overwrite: refused, for every command that writes one."""
+    if (owner := enclosing_run(out, own)) is not None:
         run, inner = owner
         raise UserError(f"{option} {str(out)!r} is or lies inside {inner}/ of the run in {str(run)!r}, which that "
                         f"run's --overwrite or its saves replace; choose another {option} outside it")
 
 
-def refuse_foreign(folder: Path, option: str, kind: str, ours) -> None:
+def refuse_foreign(folder: Path, option: str, kind: str, ours, own: str | None = None) -> None:
     """Refuse to write into `folder` when it holds anything `ours(name)` does not claim (another
     run, a user's files), or lies inside a run's own folders: only a folder of the command's own
     kind is replaced without asking."""
     refuse_non_folder(folder, option)
-    refuse_inside_run(folder, option)
+    refuse_inside_run(folder, option, own)
     if not folder.is_dir():
         return
     foreign = sorted(p.name for p in folder.iterdir() if not ours(p.name) and PARTIAL not in p.name)

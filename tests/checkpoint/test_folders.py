@@ -37,6 +37,15 @@ def test_every_way_to_name_the_newest_checkpoint(tmp_path, spec):
     assert resolve_checkpoint(tmp_path / spec) == tmp_path / "checkpoints" / "step-000002"
 
 
+@pytest.mark.parametrize("named", ["{other}/checkpoints/step-000009", "../../other/checkpoints/step-000009"])
+def test_latest_names_a_checkpoint_of_its_own_run_only(tmp_path, named):
+    """A `latest` edited to hold a path exported (and resumed) another run's checkpoint, silently."""
+    fake_run(tmp_path / "run")
+    fake_run(tmp_path / "other", steps=(9,))
+    (tmp_path / "run" / "checkpoints" / "latest").write_text(named.format(other=tmp_path / "other") + "\n")
+    assert resolve_checkpoint(tmp_path / "run") == tmp_path / "run" / "checkpoints" / "step-000002"
+
+
 def test_resuming_past_max_steps_is_refused(tmp_path):
     """train.max_steps below the checkpoint's step trained nothing, saved final/ again and ended 0;
     equal (a finished run requeued) still ends at once."""

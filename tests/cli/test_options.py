@@ -88,3 +88,33 @@ def test_an_ignored_option_is_one_line_before_any_work(capsys, tmp_path, monkeyp
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and needle in err[0], err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv, dests", [
+    (["export", "ck", "~/model"], ["out"]),
+    (["report", "~/run", "--out=~/report"], ["runs", "out"]),
+    (["slurm", "r.yaml", "--nodes", "1", "--gpus-per-node", "1", "--out=~/job.sbatch", "--output-dir=~/run"],
+     ["out", "output_dir"]),
+    (["sweep", "--out=~/sweep"], ["out"]),
+    (["eval", "m", "--data=~/d.jsonl", "--out=~/g.json"], ["data", "out"]),
+    (["download", "x", "--cache-dir=~/hf"], ["cache_dir"]),
+])
+def test_a_path_option_reads_a_tilde_as_home(monkeypatch, tmp_path, argv, dests):
+    """`--out=~/r` is one word, whose `~` the shell leaves alone: `report` wrote ./~/r and said
+    'report written to ~/r/report.md' (the config's paths and the inputs read `~` as home already)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    args, _ = build_parser().parse_known_args(argv)
+    for dest in dests:
+        value = getattr(args, dest)
+        assert all(v.startswith(f"{tmp_path}/") for v in (value if isinstance(value, list) else [value])), (dest, value)
+
+
+def test_a_report_to_a_tilde_path_is_written_at_home(monkeypatch, tmp_path):
+    import json
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 5.0}) + "\n")
+    assert main(["report", "run", "--out=~/report"]) == 0
+    assert (tmp_path / "home" / "report" / "report.md").is_file() and not (tmp_path / "~").exists()

@@ -121,6 +121,26 @@ def test_slurm_names_a_recipe_and_a_script_starting_with_a_dash_as_files(tmp_pat
     assert shlex.split(launch)[0] == "./-my recipe.yaml"
 
 
+def test_slurm_refuses_an_output_dir_its_job_would_refuse(tmp_path, capsys):
+    """An output_dir that is a file or lies inside a run's checkpoints/ or final/ wrote a script whose
+    job train refused at its start, after its wait in the queue; one starting with '-' made the
+    script's `rm -f -x/PREEMPTED` take it for options."""
+    from shardtune.cli.main import main
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    for name in ("config.yaml", "metrics.jsonl"):
+        (run / name).write_text("")
+    argv = ["slurm", "recipes/gpt2-wikitext2.yaml", "--nodes", "1", "--gpus-per-node", "4", "-o",
+            str(tmp_path / "job.sbatch")]
+    for given, words in ((f"--output-dir={run / 'checkpoints' / 'new'}", "inside checkpoints/ of the run"),
+                         (f"output_dir={run / 'metrics.jsonl'}", "output_dir '")):
+        assert main([*argv, given]) == 2 and not (tmp_path / "job.sbatch").exists()
+        assert words in _one_line_error(capsys.readouterr().err)
+    assert main([*argv, "--output-dir=-x"]) == 0
+    assert "rm -f ./-x/PREEMPTED\n" in (tmp_path / "job.sbatch").read_text()
+
+
 # ----------------------------------------------------------------------------- download
 
 
@@ -179,6 +199,22 @@ def test_download_passes_dataset_configs_and_an_hf_home_cache(monkeypatch, tmp_p
                      ("dataset", "Salesforce/wikitext", "wikitext-2-raw-v1", str(tmp_path / "datasets")),
                      ("dataset", "org/d", "cfg", str(tmp_path / "datasets"))]
     assert f"HF_HOME={tmp_path}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("inner", ["checkpoints", "final"])
+def test_a_cache_inside_a_runs_own_folders_is_refused(monkeypatch, tmp_path, capsys, inner):
+    """--cache-dir RUN/checkpoints/hf was made and filled there, where that run's --overwrite (or its
+    final save, for final/) deletes the downloads: refused before any folder is made or any network use."""
+    from shardtune.cli.main import main
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    run = tmp_path / "run"
+    (run / inner).mkdir(parents=True)
+    for name in ("config.yaml", "metrics.jsonl"):
+        (run / name).write_text("")
+    assert main(["download", "some-org/model", "--cache-dir", str(run / inner / "hf")]) == 2
+    assert f"inside {inner}/ of the run" in _one_line_error(capsys.readouterr().err)
+    assert not (run / inner / "hf").exists()
 
 
 @pytest.mark.parametrize("missing, names, command", [

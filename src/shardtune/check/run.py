@@ -159,9 +159,10 @@ def check_export(spec: str, out, merge: bool = False) -> None:
 def check_export_folder(source, what: str, out) -> None:
     """An export's output folder: not a file, not inside what it exports (`source`, a `what`) or
     inside a run's folders that the run replaces, and new or empty."""
-    from shardtune.fsio import refuse_inside_run, refuse_non_folder
+    from shardtune.fsio import refuse_inside_run, refuse_non_folder, whole_folder
 
     refuse_non_folder(out, "export folder")
+    whole_folder(out, "export folder")  # written whole and renamed into place: never the working directory
     if out.resolve() == source.resolve() or source.resolve() in out.resolve().parents:
         raise UserError(f"export folder {str(out)!r} lies inside {what} {str(source)!r} (removing that {what} "
                         "would remove the export); choose a folder outside it")

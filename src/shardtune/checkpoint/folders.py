@@ -72,11 +72,13 @@ def finish_interrupted_saves(root: Path) -> None:
 
 
 def find_latest(root: Path) -> Path | None:
-    """`latest` if it names a usable checkpoint, else the usable one with the highest step."""
+    """`latest` if it names a usable checkpoint of `root`, else the usable one with the highest step.
+    It names one by its folder name (as the saves write it): a path there (`/other/run/...`, `../..`)
+    led export and resume=auto to another run's checkpoint without a word."""
     try:
-        named = root / (root / "latest").read_text().strip()
-        if named.name and is_usable(named):
-            return named
+        named = (root / "latest").read_text().strip()
+        if NAME.match(named) and is_usable(root / named):
+            return root / named
     except (OSError, ValueError):
         pass
     found = [p for p in complete_checkpoints(root) if is_usable(p)]

@@ -26,6 +26,7 @@ from shardtune.fsio import (
     PARTIAL,
     RUN_DIRS,
     RUN_MARKS,
+    RUN_OUTPUT_DIRS,
     json_loads,
     refuse_inside_run,
     refuse_non_folder,
@@ -38,7 +39,7 @@ PREEMPTED_MARKER = "PREEMPTED"
 RUN_FILES = (*RUN_MARKS, PREEMPTED_MARKER)
 # written in a run's folder by its trackers and by the commands about it (report, eval --generate): they
 # describe that run, so they go with it when --overwrite replaces it or resume=auto moves it aside
-RUN_OUTPUTS = ("tensorboard", "mlruns", "wandb", RUN_IDS, "report", "generation.json")
+RUN_OUTPUTS = (*RUN_OUTPUT_DIRS, RUN_IDS, "generation.json")
 EARLIER = "earlier-attempt-"  # OUT/earlier-attempt-N: an attempt without a usable checkpoint, kept
 LOCK_FILE = ".shardtune.lock"  # "pid P on HOST since TIME" of the live run; removed when it ends
 

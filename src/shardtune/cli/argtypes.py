@@ -74,6 +74,12 @@ def nonempty_str(text: str) -> str:
     return text
 
 
+def fs_path(text: str) -> str:
+    """A file or folder name; `~` is the user's home, as in the config's paths: `--out=~/r` is one word
+    whose `~` a shell leaves as it is, and the command wrote ./~/r while it said ~/r."""
+    return os.path.expanduser(nonempty_str(text))
+
+
 def size(text: str) -> str:
     """A memory size (16GiB, 80GB, 15360MiB): checked here, kept as written (the callers parse it)."""
     from shardtune.errors import UserError
@@ -115,7 +121,7 @@ def slurm_time(text: str) -> str:
 
 def regular_file(text: str) -> str:
     """An existing regular file (not a folder, FIFO or device: reading those hangs or never ends)."""
-    nonempty_str(text)
+    text = fs_path(text)
     try:
         mode = os.stat(text).st_mode
     except OSError as exc:

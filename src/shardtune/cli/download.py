@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shardtune.cli.argtypes import nonempty_str
+from shardtune.cli.argtypes import fs_path, nonempty_str
 from shardtune.errors import UserError
 
 
@@ -13,7 +13,7 @@ def add_parser(sub) -> None:
     p.add_argument("targets", nargs="+", metavar="TARGET", type=nonempty_str,
                    help="a recipe YAML (its model, tokenizer and "
                     "dataset), or hub ids: model:ID, dataset:ID or dataset:ID:CONFIG (a bare ID is a model)")
-    p.add_argument("--cache-dir", type=nonempty_str, help="cache folder (default: the HF cache, $HF_HOME)")
+    p.add_argument("--cache-dir", type=fs_path, help="cache folder (default: the HF cache, $HF_HOME)")
 
 
 def run(args) -> int:

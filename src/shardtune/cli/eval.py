@@ -3,7 +3,7 @@ with `--generate N`, what it generates for N prompts, scored against the referen
 
 from __future__ import annotations
 
-from shardtune.cli.argtypes import int_range, non_negative_int, nonempty_str, positive_int, ranks
+from shardtune.cli.argtypes import fs_path, int_range, non_negative_int, nonempty_str, positive_int, ranks
 from shardtune.cli.common import add_decoding_args, only_with
 from shardtune.evaluation.textscores import DEFAULT_METRICS  # a light module: the CLI stays lazy
 
@@ -11,7 +11,7 @@ from shardtune.evaluation.textscores import DEFAULT_METRICS  # a light module: t
 def add_parser(sub) -> None:
     p = sub.add_parser("eval", help="loss, perplexity and next-token accuracy of a model or checkpoint")
     p.add_argument("model", type=nonempty_str, help="HF folder or hub id, run folder, or checkpoint folder")
-    p.add_argument("--data", type=nonempty_str,
+    p.add_argument("--data", type=fs_path,
                    help="dataset (hub id, file or folder); default: the checkpoint's validation split")
     p.add_argument("--data-name", type=nonempty_str, help="hub dataset config name")
     p.add_argument("--split", type=nonempty_str, help="split to evaluate (default: validation, else test, else train)")
@@ -41,7 +41,7 @@ def add_parser(sub) -> None:
     g.add_argument("--mauve-featurizer", type=nonempty_str, metavar="MODEL",
                    help="model whose features MAUVE compares (local "
                    "folder or an already downloaded hub id; MAUVE needs `pip install 'shardtune[mauve]'`)")
-    g.add_argument("--out", type=nonempty_str,
+    g.add_argument("--out", type=fs_path,
                    help="JSON file for the scores and generations (default: RUN/generation.json for a "
                    "run, else ./generation.json)")
     g.add_argument("--overwrite", action="store_true", help="replace --out even if it is not an earlier output of "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shardtune.cli.argtypes import hub_repo, nonempty_str, size_bytes
+from shardtune.cli.argtypes import fs_path, hub_repo, nonempty_str, size_bytes
 from shardtune.cli.common import only_with
 
 
@@ -13,7 +13,7 @@ def add_parser(sub) -> None:
     p.add_argument("checkpoint", type=nonempty_str,
                    help="checkpoint folder (OUTPUT_DIR/checkpoints/step-N), or a run's "
                         "output_dir for its newest checkpoint")
-    p.add_argument("out", type=nonempty_str, help="new folder for the model (safetensors, config, tokenizer)")
+    p.add_argument("out", type=fs_path, help="new folder for the model (safetensors, config, tokenizer)")
     p.add_argument("--max-shard-size", type=size_bytes, default="2GB", help="split weights into files of at most this "
                         "size (default: 2GB)")
     p.add_argument("--push-to-hub", metavar="REPO", type=hub_repo, help="then upload the folder to this hub repo")

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shardtune.cli.argtypes import nonempty_str
+from shardtune.cli.argtypes import fs_path
 from shardtune.errors import UserError
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("report", help="PNG plots and a markdown summary of one or more runs")
-    p.add_argument("runs", nargs="+", metavar="RUN_DIR", type=nonempty_str, help="output folders of runs (overlaid)")
-    p.add_argument("--out", type=nonempty_str, help="folder for the plots and report.md (default: RUN_DIR/report, or "
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", type=fs_path, help="output folders of runs (overlaid)")
+    p.add_argument("--out", type=fs_path, help="folder for the plots and report.md (default: RUN_DIR/report, or "
                      "./report-compare for several runs)")
 
 

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import shlex
 from pathlib import Path
 
-from shardtune.cli.argtypes import int_range, nonempty_str, positive_int, slurm_time
+from shardtune.cli.argtypes import fs_path, int_range, nonempty_str, positive_int, slurm_time
 from shardtune.cli.common import split_recipe
 from shardtune.errors import UserError
 
@@ -19,7 +17,7 @@ def add_parser(sub) -> None:
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for the job")
     p.add_argument("--nodes", type=positive_int, required=True)
     p.add_argument("--gpus-per-node", type=positive_int, required=True)
-    p.add_argument("--output-dir", type=nonempty_str,
+    p.add_argument("--output-dir", type=fs_path,
                    help="the run's output_dir (default: the recipe's, else runs/<recipe>)")
     p.add_argument("--time", type=slurm_time, default="24:00:00", help="time limit (default 24:00:00)")
     p.add_argument("--partition", type=nonempty_str)
@@ -30,18 +28,14 @@ def add_parser(sub) -> None:
                     "sends SIGUSR1 to checkpoint (default 300)")
     p.add_argument("--online", action="store_true", help="let compute nodes use the network (default: "
                     "HF_HUB_OFFLINE=1, models and data from `shardtune download`)")
-    p.add_argument("-o", "--out", type=nonempty_str, help="write the script here (default: print it)")
-
-
-def shell_word(path: str) -> str:
-    """A path as one word a shell passes to a command as a file (spaces quoted, a leading - no option)."""
-    return shlex.quote(os.path.join(".", path) if path.startswith("-") else path)
+    p.add_argument("-o", "--out", type=fs_path, help="write the script here (default: print it)")
 
 
 def run(args) -> int:
     from shardtune.check.run import check_config_here
     from shardtune.config.load import check_job, load_config
-    from shardtune.launch.slurm import sbatch_script
+    from shardtune.fsio import refuse_inside_run, refuse_non_folder
+    from shardtune.launch.slurm import sbatch_script, shell_word
 
     recipe, _ = split_recipe(args.recipe, [])  # a path, or a name in ./recipes
     if recipe is None:
@@ -50,6 +44,12 @@ def run(args) -> int:
     check_job(cfg, args.nodes * args.gpus_per_node, args.gpus_per_node)  # and one the job's ranks cannot run
     check_config_here(cfg)  # and a model (where it is here) that cannot take the run: its positions, adapters
     out = args.output_dir or cfg.output_dir or f"runs/{cfg.recipe}"
+    # refused as the job's train would at its start, after the queue; a link that leads nowhere here
+    # may lead to the compute nodes' own disk
+    option = "--output-dir" if args.output_dir else "output_dir"
+    if Path(out).exists():
+        refuse_non_folder(Path(out), option)
+    refuse_inside_run(Path(out), option)
     text = sbatch_script(recipe, out, args.nodes, args.gpus_per_node, overrides=args.overrides,
                          job_name=args.job_name, time=args.time, partition=args.partition, account=args.account,
                          signal_lead_s=args.signal_lead, offline=not args.online)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shardtune.cli.argtypes import non_negative_int, nonempty_str, positive_int, ranks, size
+from shardtune.cli.argtypes import fs_path, non_negative_int, nonempty_str, positive_int, ranks, size
 from shardtune.cli.common import only_with, recipe_and_defaults
 
 
@@ -24,7 +24,7 @@ def add_parser(sub) -> None:
     p.add_argument("--mem-limit", type=size, metavar="SIZE", help="memory per rank, e.g. 2GiB: on CPU a real cap on "
                     "each trial process; on a GPU the budget a trial must stay under (default: the GPU's memory; on "
                     "CPU with --max-batch, the machine's memory over the ranks)")
-    p.add_argument("--out", type=nonempty_str, help="folder for sweep.csv, sweep.md, plots and trials (default: "
+    p.add_argument("--out", type=fs_path, help="folder for sweep.csv, sweep.md, plots and trials (default: "
                     "runs/sweep-<recipe>); rerunning with the same folder continues the sweep")
     s = p.add_argument_group("hyperparameter search (--search; instead of --grid)")
     s.add_argument("--search", action="append", type=nonempty_str, default=[], metavar="KEY=DIST:LOW:HIGH",

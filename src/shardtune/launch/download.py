@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from shardtune.errors import UserError, first_line
-from shardtune.fsio import make_dir
+from shardtune.fsio import make_dir, refuse_inside_run
 from shardtune.names import hub_id
 
 # Weights in formats shardtune never reads: skipped so a 7B download is not three 7B downloads.
@@ -59,6 +59,7 @@ def download(targets: list[tuple[str, str, str | None]], cache_dir: str | None =
                         "machine with network")
     root = Path(cache_dir).expanduser() if cache_dir else None
     if root is not None:
+        refuse_inside_run(root, "--cache-dir")  # a run's --overwrite or saves would delete the downloads
         make_dir(root)  # a cache that cannot be written is told now, as itself, not as a network failure
     paths = []
     for kind, repo, config_name in targets:

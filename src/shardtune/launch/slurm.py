@@ -12,6 +12,7 @@ again with `resume=auto`.
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 from pathlib import Path
@@ -29,6 +30,11 @@ def time_limit_s(text: str) -> int:
         return int(days) * 86400 + parts[0] * 3600 + parts[1] * 60 + parts[2]
     scale = {1: (60,), 2: (60, 1), 3: (3600, 60, 1)}[len(parts)]
     return sum(p * s for p, s in zip(parts, scale, strict=True))
+
+
+def shell_word(path: str) -> str:
+    """A path as one word a shell passes to a command as a file (spaces quoted, a leading - no option)."""
+    return shlex.quote(os.path.join(".", path) if path.startswith("-") else path)
 
 
 def sbatch_script(recipe: str, output_dir: str, nodes: int, gpus_per_node: int, *, overrides: list[str],
@@ -51,7 +57,7 @@ def sbatch_script(recipe: str, output_dir: str, nodes: int, gpus_per_node: int, 
         # the log is {job_name}-%j.log: a slash names a folder Slurm does not make, `%` is its file-name pattern
         raise UserError(f"--job-name {job_name!r} holds '/' or '%', which the job's log file name "
                         f"({job_name}-%j.log) cannot carry; give a name without them")
-    out = shlex.quote(output_dir)
+    out = shell_word(output_dir)  # `rm -f -x/PREEMPTED` took -x for its options
     train_args = " ".join(shlex.quote(a) for a in [recipe, *overrides, f"output_dir={output_dir}", "resume=auto"])
     optional = "".join(f"#SBATCH --{key}={value}\n" for key, value in
                        (("partition", partition), ("account", account)) if value)

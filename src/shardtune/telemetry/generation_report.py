@@ -7,7 +7,6 @@ run's. A file without the step (older shardtune) is read as before, with that sa
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from shardtune.errors import UserError
@@ -23,12 +22,31 @@ def read_generation(run: Path) -> dict | None:
     if not path.is_file():
         return None
     try:
-        data = json_loads(path.read_text())
-        data["models"]["model"]["scores"]  # noqa: B018  the part the report needs
-    except (json.JSONDecodeError, KeyError, TypeError):
+        data = json_loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError):  # not JSON, not text, an integer past Python's digit limit
+        data = None
+    if not _well_formed(data):
         raise UserError(f"{str(path)!r} is not a generation-quality file of `shardtune eval --generate`; "
-                        "rerun that command or remove the file") from None
+                        "rerun that command or remove the file")
     return data
+
+
+def _well_formed(data) -> bool:
+    """Every part the report reads, of the type `eval --generate` writes it (an edited or foreign
+    file failed half-way through the report with whatever the first odd part raised)."""
+    models = data.get("models") if isinstance(data, dict) else None
+    if not isinstance(models, dict) or "model" not in models:
+        return False
+    roles = [r for r in ("base", "model") if r in models]
+    for role in roles:
+        scores = models[role].get("scores") if isinstance(models[role], dict) else None
+        if not isinstance(scores, dict) or not all(
+                v is None or isinstance(v, (int, float)) and not isinstance(v, bool) for v in scores.values()):
+            return False
+    examples = data.get("examples", [])
+    return isinstance(data.get("settings", {}), dict) and isinstance(examples, list) and all(
+        isinstance(ex, dict) and all(isinstance(ex.get(k, ""), str) for k in ("prompt", "reference", *roles))
+        for ex in examples)
 
 
 def scored_step(data: dict) -> int | None:
@@ -52,8 +70,12 @@ def not_current(run: Path, data: dict, step: int | None) -> str | None:
             f"last step ({step}): {rerun}")
 
 
-def points(key: str, value: float) -> float:
-    return value * 100 if key.startswith(UNIT_SCALE) else value
+def points(key: str, value) -> float | None:
+    """A score as its bar's height; None (no bar) for one a plot cannot draw (NaN, inf, 1e400)."""
+    from shardtune.telemetry.plots import plottable
+
+    height = value * 100 if key.startswith(UNIT_SCALE) and plottable(value) else value
+    return height if plottable(height) else None
 
 
 def cell(text: str, width: int = 120) -> str:
@@ -86,6 +108,6 @@ def generation_section(name: str, data: dict, out: Path, note: str | None = None
     lines += ["", f"![{stem}]({stem}.png)", "", "| prompt (end) | reference | "
               + " | ".join(labels[r] for r in roles) + " |", "|---|---|" + "---|" * len(roles)]
     for ex in data.get("examples", [])[:SHOWN]:
-        lines.append(f"| {cell(ex['prompt'][-100:], 100)} | {cell(ex['reference'])} | "
+        lines.append(f"| {cell(ex.get('prompt', '')[-100:], 100)} | {cell(ex.get('reference', ''))} | "
                      + " | ".join(cell(ex.get(r, "")) for r in roles) + " |")
     return lines + [""]

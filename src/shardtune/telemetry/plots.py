@@ -6,6 +6,14 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
+PLOTTABLE = 1e300  # beyond it a plot's axis margins overflow to inf (matplotlib fails on 1e308)
+
+
+def plottable(value) -> bool:
+    """A number a plot can draw: not a bool, NaN, inf or beyond PLOTTABLE (as a metrics.jsonl or
+    generation.json edited or damaged may hold)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) < PLOTTABLE
+
 
 def fmt(value) -> str:
     if value is None:
@@ -48,17 +56,20 @@ def _figure(path: Path, title: str, xlabel: str, ylabel: str, log_scale: bool, r
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=size)
-    try:
-        yield ax
-        for y, label in rules:
-            ax.axhline(y, color="black", linestyle="--", linewidth=1, label=label)
-        ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
-        if log_scale:
-            ax.set_yscale("log")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-    finally:
-        plt.close(fig)
+    # labels are run folders, score names and grid values as written: a `$` in them is text, not
+    # mathtext (`a$\x$` failed the whole report with matplotlib's parse error)
+    with matplotlib.rc_context({"text.parse_math": False}):
+        fig, ax = plt.subplots(figsize=size)
+        try:
+            yield ax
+            for y, label in rules:
+                ax.axhline(y, color="black", linestyle="--", linewidth=1, label=label)
+            ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+            if log_scale:
+                ax.set_yscale("log")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+            fig.tight_layout()
+            fig.savefig(path, dpi=110)
+        finally:
+            plt.close(fig)

@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from shardtune.errors import UserError
-from shardtune.fsio import atomic_dir, json_loads, refuse_foreign
-from shardtune.telemetry.plots import fmt, save_plot
+from shardtune.fsio import atomic_dir, json_loads, refuse_foreign, whole_folder
+from shardtune.telemetry.plots import fmt, plottable, save_plot
 
 # (file stem, title, y label, [(metric, line label suffix)], log scale)
 PLOTS = [
@@ -57,16 +57,9 @@ def logged_step(run: Path) -> int | None:
         return None
 
 
-PLOTTABLE = 1e300  # beyond it a plot's axis margins overflow to inf (matplotlib fails on 1e308)
-
-
 def series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
-    points = [(r.get("step", 0), r[key]) for r in rows if _plottable(r.get(key)) and _plottable(r.get("step", 0))]
+    points = [(r.get("step", 0), r[key]) for r in rows if plottable(r.get(key)) and plottable(r.get("step", 0))]
     return [p[0] for p in points], [p[1] for p in points]
-
-
-def _plottable(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) < PLOTTABLE
 
 
 def timed_windows(rows: list[dict], skip: int = 1) -> list[tuple[dict, int, float]]:
@@ -74,7 +67,7 @@ def timed_windows(rows: list[dict], skip: int = 1) -> list[tuple[dict, int, floa
     warm caches, live-memory tracking) left out where later ones exist."""
     windows, previous = [], None
     for r in rows:
-        if all(_plottable(r.get(k)) for k in ("step", "tokens_per_s", "step_time_s")):
+        if all(plottable(r.get(k)) for k in ("step", "tokens_per_s", "step_time_s")):
             steps = r["step"] - previous if previous is not None and r["step"] > previous else 1
             windows.append((r, steps, steps * r["step_time_s"]))
             previous = r["step"]
@@ -85,7 +78,7 @@ def over_time(windows: list[tuple[dict, int, float]], key: str) -> float | None:
     """A rate or a share of the time (tokens/s, MFU, GPU use) of the windows taken together: each
     weighted by its seconds, so that tokens/s is all their tokens over all their time (a plain mean
     of the windows' rates overstates a run whose speed varies)."""
-    pairs = [(r[key], seconds) for r, _, seconds in windows if _plottable(r.get(key))]
+    pairs = [(r[key], seconds) for r, _, seconds in windows if plottable(r.get(key))]
     total = sum(seconds for _, seconds in pairs)
     return sum(value * seconds for value, seconds in pairs) / total if total > 0 else None
 
@@ -119,8 +112,9 @@ def write_report(runs: list[Path], out: Path) -> Path:
         if generated is not None:
             note = not_current(run, generated, last_step(data[name]) if name in data else None)
             generations[name] = generated, note
+    out = whole_folder(out, "report folder")
     refuse_foreign(out, "report folder", "a report (PNGs and report.md)",
-                   lambda name: name.endswith(".png") or name == "report.md")
+                   lambda name: name.endswith(".png") or name == "report.md", own="report")
     with atomic_dir(out, replace=True) as tmp:  # an earlier report is replaced whole, or kept whole
         _write_report(data, generations, tmp)
     for _, note in generations.values():

@@ -1,0 +1,86 @@
+"""`shardtune report` on run folders as a user may have named or edited them: drawn, or one line
+(exit 2) naming the file, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from conftest import main_in_process
+
+GENERATION = {"settings": {"generate": 2, "data": "d.jsonl", "format": "text", "prompts": 1, "max_new_tokens": 4,
+                           "temperature": 0.0, "seed": 0},
+              "models": {"model": {"spec": "run", "step": 1, "scores": {"rouge1": 0.3, "bleu": 4.0}}},
+              "examples": [{"prompt": "a prompt", "reference": "its end", "model": "an end"}]}
+
+
+def _run(folder: Path, generation: dict | None = None) -> Path:
+    """A run folder of one logged step (one plot to draw) and, if given, its generation.json."""
+    folder.mkdir(parents=True)
+    (folder / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 5.0}) + "\n")
+    if generation is not None:
+        (folder / "generation.json").write_text(json.dumps(generation))
+    return folder
+
+
+def _edited(path: tuple, value):
+    """GENERATION with the part at `path` replaced by `value` (the whole file for ())."""
+    if not path:
+        return value
+    data = json.loads(json.dumps(GENERATION))
+    part = data
+    for key in path[:-1]:
+        part = part[key]
+    part[path[-1]] = value
+    return data
+
+
+def test_dollar_signs_in_names_are_drawn_as_text(tmp_path):
+    """matplotlib read `$...$` in a label as mathtext: a run folder `a$\\x$b` (or a score named so)
+    failed the whole report with its parse error."""
+    run = _run(tmp_path / "a$\\x$b", _edited(("models", "model", "scores", "x$\\frac$"), 1.0))
+    rc, err = main_in_process(["report", str(run), "--out", str(tmp_path / "report")])
+    assert rc == 0, err
+    assert sorted(p.name for p in (tmp_path / "report").iterdir()) == ["generation-a$\\x$b.png", "loss.png",
+                                                                        "report.md"]
+
+
+@pytest.mark.parametrize("path, value", [
+    (("models", "model", "scores"), [1, 2]),
+    (("models", "model", "scores"), "high"),
+    (("models", "model", "scores", "bleu"), "high"),
+    (("models", "base"), [1]),
+    (("settings",), [1]),
+    (("examples",), {"a": 1}),
+    (("examples",), [5]),
+    (("examples", 0, "prompt"), 5),
+    ((), ["models"]),
+])
+def test_a_generation_file_of_other_types_is_one_line(tmp_path, path, value):
+    """Each of these failed half-way through the report with whatever its part raised."""
+    run = _run(tmp_path / "run", _edited(path, value))
+    rc, err = main_in_process(["report", str(run), "--out", str(tmp_path / "report")])
+    assert rc == 2 and err.count("\n") == 1, err
+    assert "generation.json' is not a generation-quality file" in err and not (tmp_path / "report").exists()
+
+
+def test_scores_a_plot_cannot_draw_get_no_bar(tmp_path):
+    """A score of NaN, inf, null or 10**400 (an edited file): its bar is left out (10**400 failed
+    matplotlib's conversion), the table says it as it is."""
+    scores = {"rouge1": float("nan"), "bleu": float("inf"), "chrf": None, "rougeL": 10 ** 400, "rouge2": 0.2}
+    run = _run(tmp_path / "run", _edited(("models", "model", "scores"), scores))
+    rc, err = main_in_process(["report", str(run), "--out", str(tmp_path / "report")])
+    assert rc == 0, err
+    assert "| rouge2 | 0.2 |" in (tmp_path / "report" / "report.md").read_text()
+
+
+def test_a_report_into_the_working_directory_is_one_line(tmp_path, monkeypatch):
+    """`--out .` escaped as a traceback (fsio.whole_folder; test_fsio.py has the mechanism)."""
+    run = _run(tmp_path / "run")
+    monkeypatch.chdir(run)
+    rc, err = main_in_process(["report", ".", "--out", "."])
+    assert rc == 2 and "report folder" in err and "is the working directory" in err and err.count("\n") == 1, err
+    assert os.listdir(run) == ["metrics.jsonl"]
