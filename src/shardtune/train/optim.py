@@ -149,7 +149,7 @@ def total_steps(t: TrainConfig, steps_per_epoch: int) -> int:
         return t.max_steps
     steps = Fraction(repr(t.epochs)) * steps_per_epoch
     if steps > INT_LIMIT:
-        raise UserError(f"train.epochs={t.epochs:g} is {float(steps):.3g} optimizer steps of this data "
+        raise UserError(f"train.epochs={t.epochs:g} is {t.epochs * steps_per_epoch:.3g} optimizer steps of this data "
                         f"({steps_per_epoch} per epoch), more than 2**63-1; give fewer train.epochs, "
                         "or set train.max_steps")
     return max(1, math.floor(steps))
