@@ -117,6 +117,22 @@ def _load_checked(cfg: ModelConfig, local_files_only: bool):
     return hf_config
 
 
+def load_generation_config(source: str | Path | None, hf_config):
+    """The model's generation settings: the generation_config.json of `source` (a model folder, a
+    Hub id, a checkpoint) where it has one, else those transformers derives from `hf_config`.
+    final/, checkpoints and exports write these, so generation afterwards stops and samples as the
+    model's own settings say: derived from config.json, a list of end-of-sequence ids (Llama 3's
+    end of turn) was cut to its first, and the sampling defaults were dropped."""
+    from transformers import GenerationConfig
+
+    if source is not None and (not Path(source).is_dir() or (Path(source) / "generation_config.json").is_file()):
+        try:
+            return GenerationConfig.from_pretrained(source)
+        except (OSError, ValueError):  # a Hub repo without one (or out of reach): derived, as before
+            pass
+    return GenerationConfig.from_model_config(hf_config)
+
+
 # the special-token ids match_tokenizer sets from the tokenizer on a config built from model.config
 TOKENIZER_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
