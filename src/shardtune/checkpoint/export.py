@@ -135,10 +135,10 @@ def push_to_hub(folder: Path, repo: str, private: bool = False) -> None:
 def save_adapter_folder(state_dict: dict, peft_model, model_cfg, peft_cfg, hf_config, tokenizer, out: Path,
                         final: Path | None = None, max_shard_size: int | str = "2GB", generation=None) -> None:
     """A peft run (any method): the adapter in peft's format (`PeftModel.from_pretrained` loads
-    it). A base that is not a hub model (a local folder or a random init), or whose weights the
-    method changed (PiSSA/OLoRA keep the residual), is saved beside it, in out/base (sharded
-    above `max_shard_size`, as a full model's export is), and the adapter config points there, so
-    the pair loads on any machine that has the folder."""
+    it). A base that is not a hub model as it is (a local folder, a random init, a hub model with
+    model.config overrides), or whose weights the method changed (PiSSA/OLoRA keep the residual),
+    is saved beside it, in out/base (sharded above `max_shard_size`, as a full model's export is),
+    and the adapter config points there, so the pair loads on any machine that has the folder."""
     import copy
 
     from safetensors.torch import save_file
@@ -153,7 +153,10 @@ def save_adapter_folder(state_dict: dict, peft_model, model_cfg, peft_cfg, hf_co
     config = copy.deepcopy(peft_model.peft_config["default"])
     if hasattr(config, "init_lora_weights"):
         config.init_lora_weights = True  # loading must not initialise again (PiSSA/OLoRA would change the base)
-    pretrained = model_cfg.name_or_path and not model_cfg.random_init and not peft_cfg.residual_init
+    # the hub id names the base trained only without model.config overrides (rope scaling, norm eps,
+    # ...: the adapter on the hub's own config gave other logits); QLoRA's 4-bit base is never copied
+    overridden = model_cfg.config and peft_cfg.quantize == "none"
+    pretrained = model_cfg.name_or_path and not model_cfg.random_init and not peft_cfg.residual_init and not overridden
     if pretrained and (not Path(model_cfg.name_or_path).exists() or peft_cfg.quantize != "none"):
         # a hub id, or (QLoRA) the local folder the 4-bit base was quantized from
         local = Path(model_cfg.name_or_path)
