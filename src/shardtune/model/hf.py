@@ -295,13 +295,18 @@ def load_tokenizer(cfg: ModelConfig):
 
 
 def build_meta_model(hf_config, trust_remote_code: bool = False, what: str = "the model config"):
-    """The model's structure with no storage: cheap on every rank."""
+    """The model's structure with no storage: cheap on every rank. It gets a copy of `hf_config`:
+    from_config keeps the object itself, so what the build sets on the model's config (activation
+    checkpointing turns the cache off) reached the run's config, which final/ and every checkpoint
+    save (config.json said use_cache=false: generation afterwards ran without its cache)."""
+    import copy
+
     from transformers import AutoModelForCausalLM
 
     try:  # torch's warning about initializing an empty tensor: no tensor is made on the meta device
         with torch.device("meta"), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Initializing zero-element tensors", category=UserWarning)
-            return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32,
+            return AutoModelForCausalLM.from_config(copy.deepcopy(hf_config), dtype=torch.float32,
                                                     trust_remote_code=trust_remote_code)
     except Exception as exc:  # its modules' own checks: ValueError, ZeroDivisionError, strict-dataclass errors
         raise UserError(f"transformers cannot build {what} ({type(exc).__name__}: {reason(exc)}); "
