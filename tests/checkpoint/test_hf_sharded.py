@@ -130,8 +130,10 @@ def test_a_run_loaded_the_sharded_way_trains_like_the_broadcast_one(assets, tmp_
     `shardtune export` of a checkpoint (streamed, file by file) equals today's whole-model export.
     checkpoint.hf_format=true: the checkpoint's model in safetensors only; from_pretrained loads
     the folder, bitwise the broadcast run's checkpoint; export reads it; a resume from it (model
-    from safetensors, optimizer from DCP) continues with the same losses and the same weights."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from safetensors, optimizer from DCP) continues with the same losses and the same weights.
+    Every folder written carries the source model's generation_config.json (derived from
+    config.json, its end-of-sequence list was cut to one id and its sampling settings dropped)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     from conftest import losses, tiny_overrides
     from shardtune.checkpoint.export import export_checkpoint, save_hf_folder
@@ -146,6 +148,8 @@ def test_a_run_loaded_the_sharded_way_trains_like_the_broadcast_one(assets, tmp_
     torch.manual_seed(2)
     AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), vocab_size=300, **cfg)) \
         .save_pretrained(tmp_path / "src")
+    generation = GenerationConfig(eos_token_id=[0, 7], do_sample=True, temperature=0.6, top_p=0.9)
+    generation.save_pretrained(tmp_path / "src")
     runs = {}
     for name, flag in (("broadcast", "false"), ("sharded", "true")):
         extra = {"model.name_or_path": str(tmp_path / "src"), "model.sharded_load": flag,
@@ -169,7 +173,8 @@ def test_a_run_loaded_the_sharded_way_trains_like_the_broadcast_one(assets, tmp_
     assert len(list((tmp_path / "exported").glob("model-*-of-*.safetensors"))) > 1
     # today's export, of the broadcast run's checkpoint (all DCP): the same weights
     model, tokenizer, _ = load_plain_model(find_latest(tmp_path / "broadcast" / "checkpoints"))
-    save_hf_folder(model.state_dict(), model.config, tokenizer, tmp_path / "gathered", "100KB")
+    assert model.generation_config.to_diff_dict() == generation.to_diff_dict()  # eval and generate of a checkpoint
+    save_hf_folder(model.state_dict(), model.config, tokenizer, tmp_path / "gathered", "100KB", model.generation_config)
     assert_same_folder(tmp_path / "exported", tmp_path / "gathered")
     # checkpoint.hf_format: the model only in safetensors (DCP holds the rest), the folder loads
     # in transformers, and the run resumed from step 1 ends on the same weights
@@ -185,6 +190,9 @@ def test_a_run_loaded_the_sharded_way_trains_like_the_broadcast_one(assets, tmp_
     assert in_hf.keys() == ref.keys() and all(torch.equal(in_hf[k], ref[k]) and torch.equal(again[k], ref[k])
                                               for k in ref)
     assert not list((tmp_path / "broadcast" / "checkpoints" / step2.name).glob("*.safetensors"))
+    for folder in (tmp_path / "broadcast" / "final", tmp_path / "sharded" / "final", tmp_path / "exported", step2,
+                   tmp_path / "resumed" / "final", find_latest(tmp_path / "broadcast" / "checkpoints")):
+        assert GenerationConfig.from_pretrained(folder).to_diff_dict() == generation.to_diff_dict(), folder
     # every file is readable as the umask allows (safetensors writes 0600 by itself)
     allowed = 0o666 & ~process_umask()
     assert not [p for name in ("broadcast", "sharded", "resumed", "exported") for p in (tmp_path / name).rglob("*")

@@ -11,17 +11,18 @@ from conftest import TINY
 PROBE = (torch.arange(40).reshape(2, 20) * 7) % 250
 
 
-def adapter_folder(tmp_path, assets, targets: list[str]):
+def adapter_folder(tmp_path, assets, targets: list[str], dtype=torch.float32):
     """(adapter folder, the peft model's logits of PROBE): LoRA with random (non-zero) weights on
-    `targets` of a tiny GPT-2 whose head is tied to its input embeddings."""
+    `targets` of a tiny GPT-2 whose head is tied to its input embeddings, its base saved in `dtype`
+    and trained in fp32 (as a run reads its base)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(0)
     config = AutoConfig.for_model(**{**TINY["gpt2"], "n_layer": 1, "n_embd": 32, "vocab_size": 300})
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "base")
+    AutoModelForCausalLM.from_config(config).to(dtype).save_pretrained(tmp_path / "base")
     AutoTokenizer.from_pretrained(assets["tokenizer"]).save_pretrained(tmp_path / "base")
-    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base")  # the adapter names this folder
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)  # the adapter names it
     assert base.config.tie_word_embeddings
     model = get_peft_model(base, LoraConfig(r=4, target_modules=targets, lora_dropout=0.0))
     with torch.no_grad():
@@ -54,3 +55,16 @@ def test_a_folded_adapter_is_the_adapter_model_even_on_tied_embeddings(tmp_path,
     untied = "wte" in targets
     assert config.tie_word_embeddings is merged.config.tie_word_embeddings is (not untied)
     assert load_model(str(folder), weights=False)[2].tie_word_embeddings is (not untied)
+
+
+def test_an_adapter_on_a_bf16_base_is_evaluated_as_trained(tmp_path, assets, single_thread):
+    """A hub base is mostly stored in bf16, and a run trains on it read into fp32: eval and generate
+    fold the adapter into that fp32 base, as they load a checkpoint of the run. Folded into the
+    base as transformers loads it by default (bf16), part of the adapter's update was rounded away."""
+    from shardtune.checkpoint.loading import load_model
+
+    folder, want = adapter_folder(tmp_path, assets, ["c_attn"], torch.bfloat16)
+    model = load_model(str(folder))[0]
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    with torch.no_grad():
+        assert (model(input_ids=PROBE).logits - want).abs().max() < 1e-5

@@ -242,7 +242,7 @@ def test_an_interrupted_export_leaves_no_partial_folder(capfd, earlier_run, monk
     gone.wait()
     (tmp_path / f".out.partial-{gone.pid}").mkdir()
 
-    def killed(path, hf_config, tokenizer, out, max_shard_size):
+    def killed(path, hf_config, tokenizer, out, *_):
         (out / "model.safetensors").write_bytes(b"half")
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(5)  # the handler runs before this ends
@@ -288,7 +288,7 @@ def test_train_failing_in_final_leaves_no_final(capfd, monkeypatch, recipe, tmp_
     final/'s file, no final/ (nothing for from_pretrained to take for the model), the checkpoint kept."""
     import shardtune.checkpoint.final as final_mod
 
-    def half(state_dict, hf_config, tokenizer, out, max_shard_size="2GB"):
+    def half(state_dict, hf_config, tokenizer, out, *_, **__):
         (out / "config.json").write_text("{}")
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(out / "model.safetensors"))
 

@@ -43,6 +43,16 @@ def test_without_a_source_the_sharded_skeleton_stays_on_meta(one_rank, arch, blo
     assert built.model.config._attn_implementation == "sdpa"  # fused attention kernels on CUDA
 
 
+def test_the_build_leaves_the_run_config_as_it_was(one_rank):
+    """What the build sets on the model's config (activation checkpointing turns the cache off)
+    stays off the run's config, which final/ and every checkpoint save: their config.json said
+    use_cache=false, and generation afterwards ran without its cache."""
+    spec = ModelSpec(hf_config("llama"), activation_checkpointing="full")
+    saved = spec.hf_config.to_dict()
+    built = build_model(spec, build_mesh(spec.fsdp, one_rank), one_rank.device)
+    assert built.model.config.use_cache is False and spec.hf_config.to_dict() == saved
+
+
 def test_a_source_fills_the_weights_and_adapters_match(one_rank):
     from transformers import AutoModelForCausalLM
 

@@ -167,8 +167,10 @@ def _edit_adapter_config(folder, **values):
     (folder / "adapter_config.json").write_text(json.dumps({**config, **values}))
 
 
-def test_hub_base_adapter_points_at_the_hub_id_and_saves_no_base(tmp_path):
-    """A hub base is not copied: adapter_config.json names it, as peft's own save would."""
+@pytest.mark.parametrize("overrides", [{}, {"rms_norm_eps": 1e-3}])
+def test_hub_base_adapter_points_at_the_hub_id_and_saves_no_base(tmp_path, overrides):
+    """A hub base is not copied: adapter_config.json names it, as peft's own save would. With
+    model.config overrides the base trained is not the hub's: it is saved beside the adapter."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -177,17 +179,21 @@ def test_hub_base_adapter_points_at_the_hub_id_and_saves_no_base(tmp_path):
     from shardtune.model.adapters import add_adapter
 
     cfg = dict(TINY["llama"])
-    hf_config = AutoConfig.for_model(cfg.pop("model_type"), vocab_size=300, **cfg)
+    hf_config = AutoConfig.for_model(cfg.pop("model_type"), vocab_size=300, **cfg, **overrides)
     model = add_adapter(AutoModelForCausalLM.from_config(hf_config), PeftConfig(method="lora"), seed=0)
     for name, p in model.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(p)
-    save_adapter_folder(model.state_dict(), model, ModelConfig(name_or_path="meta-llama/Llama-2-7b-hf"),
+    save_adapter_folder(model.state_dict(), model, ModelConfig(name_or_path="meta-llama/Llama-2-7b-hf",
+                                                               config=overrides),
                         PeftConfig(method="lora"), hf_config, None, tmp_path / "final")
     config = json.loads((tmp_path / "final" / "adapter_config.json").read_text())
-    assert config["base_model_name_or_path"] == "meta-llama/Llama-2-7b-hf"
+    base = tmp_path / "final" / "base"
+    assert config["base_model_name_or_path"] == (str(base.resolve()) if overrides else "meta-llama/Llama-2-7b-hf")
     assert set(config["target_modules"]) == {"q_proj", "v_proj"}
-    assert not (tmp_path / "final" / "base").exists()
+    if overrides:
+        assert json.loads((base / "config.json").read_text())["rms_norm_eps"] == overrides["rms_norm_eps"]
+    assert base.exists() is bool(overrides)
     from safetensors.torch import load_file
 
     saved = load_file(tmp_path / "final" / "adapter_model.safetensors")

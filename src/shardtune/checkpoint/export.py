@@ -21,9 +21,11 @@ def gather_full_state_dict(model) -> dict:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def save_hf_folder(state_dict: dict, hf_config, tokenizer, out: Path, max_shard_size: int | str = "2GB") -> None:
-    """Write config, safetensors weights (sharded above max_shard_size), generation config and
-    tokenizer, loadable by `AutoModelForCausalLM.from_pretrained(out)` unchanged."""
+def save_hf_folder(state_dict: dict, hf_config, tokenizer, out: Path, max_shard_size: int | str = "2GB",
+                   generation=None) -> None:
+    """Write config, safetensors weights (sharded above max_shard_size), generation config (`generation`,
+    else derived from hf_config) and tokenizer, loadable by `AutoModelForCausalLM.from_pretrained(out)`
+    unchanged."""
     from transformers import AutoModelForCausalLM, GenerationConfig
     from transformers.utils import logging as hf_logging
 
@@ -37,8 +39,8 @@ def save_hf_folder(state_dict: dict, hf_config, tokenizer, out: Path, max_shard_
     if missing:
         raise RuntimeError(f"export is missing weights: {missing[:5]}")
     out.mkdir(parents=True, exist_ok=True)
-    if shell.generation_config is None:
-        shell.generation_config = GenerationConfig.from_model_config(hf_config)
+    if generation is not None or shell.generation_config is None:
+        shell.generation_config = generation or GenerationConfig.from_model_config(hf_config)
     shell.save_pretrained(out, max_shard_size=max_shard_size, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
@@ -64,6 +66,7 @@ def write_export(path: Path, out: Path, max_shard_size: int | str = "2GB", repla
 
     from shardtune.checkpoint.folders import read_meta
     from shardtune.checkpoint.loading import checkpoint_config, known_fields, load_plain_model
+    from shardtune.model.hf import load_generation_config
 
     hf_logging.set_verbosity_error()
     meta = read_meta(path)
@@ -72,7 +75,8 @@ def write_export(path: Path, out: Path, max_shard_size: int | str = "2GB", repla
         # a full model: one output file in memory at a time
         hf_config, tokenizer = checkpoint_config(path, meta)
         with atomic_dir(out, replace=replace) as tmp:
-            done = export_streamed(path, hf_config, tokenizer, tmp, max_shard_size)
+            done = export_streamed(path, hf_config, tokenizer, tmp, max_shard_size,
+                                   load_generation_config(path, hf_config))
         if done:
             return meta
     model, tokenizer, meta = load_plain_model(path)
@@ -82,13 +86,14 @@ def write_export(path: Path, out: Path, max_shard_size: int | str = "2GB", repla
 
             save_adapter_folder(model.state_dict(), model, known_fields(ModelConfig, meta["config"].get("model", {})),
                                 known_fields(PeftConfig, meta["config"].get("peft", {})), model.config, tokenizer, tmp,
-                                final=out, max_shard_size=max_shard_size)
+                                final=out, max_shard_size=max_shard_size, generation=model.generation_config)
         else:
-            save_hf_folder(model.state_dict(), model.config, tokenizer, tmp, max_shard_size)
+            save_hf_folder(model.state_dict(), model.config, tokenizer, tmp, max_shard_size, model.generation_config)
     return meta
 
 
-def export_streamed(path: Path, hf_config, tokenizer, out: Path, max_shard_size: int | str = "2GB") -> bool:
+def export_streamed(path: Path, hf_config, tokenizer, out: Path, max_shard_size: int | str = "2GB",
+                    generation=None) -> bool:
     """A full-model checkpoint -> the folder save_pretrained writes, holding one output file's
     tensors at a time (read from the DCP files by key, written tensor by tensor), never the whole
     model. False (nothing written) where the model's keys are renamed on save; the caller loads
@@ -109,7 +114,7 @@ def export_streamed(path: Path, hf_config, tokenizer, out: Path, max_shard_size:
         dcp_load({"model": part}, path, no_dist=True)
         write_safetensors(out / name, part)  # a full disk: an OSError naming the file
         del part
-    write_index_and_configs(out, shell, file_of, hf_config, tokenizer)
+    write_index_and_configs(out, shell, file_of, hf_config, tokenizer, generation)
     return True
 
 
@@ -128,12 +133,12 @@ def push_to_hub(folder: Path, repo: str, private: bool = False) -> None:
 
 
 def save_adapter_folder(state_dict: dict, peft_model, model_cfg, peft_cfg, hf_config, tokenizer, out: Path,
-                        final: Path | None = None, max_shard_size: int | str = "2GB") -> None:
+                        final: Path | None = None, max_shard_size: int | str = "2GB", generation=None) -> None:
     """A peft run (any method): the adapter in peft's format (`PeftModel.from_pretrained` loads
-    it). A base that is not a hub model (a local folder or a random init), or whose weights the
-    method changed (PiSSA/OLoRA keep the residual), is saved beside it, in out/base (sharded
-    above `max_shard_size`, as a full model's export is), and the adapter config points there, so
-    the pair loads on any machine that has the folder."""
+    it). A base that is not a hub model as it is (a local folder, a random init, a hub model with
+    model.config overrides), or whose weights the method changed (PiSSA/OLoRA keep the residual),
+    is saved beside it, in out/base (sharded above `max_shard_size`, as a full model's export is),
+    and the adapter config points there, so the pair loads on any machine that has the folder."""
     import copy
 
     from safetensors.torch import save_file
@@ -148,13 +153,17 @@ def save_adapter_folder(state_dict: dict, peft_model, model_cfg, peft_cfg, hf_co
     config = copy.deepcopy(peft_model.peft_config["default"])
     if hasattr(config, "init_lora_weights"):
         config.init_lora_weights = True  # loading must not initialise again (PiSSA/OLoRA would change the base)
-    pretrained = model_cfg.name_or_path and not model_cfg.random_init and not peft_cfg.residual_init
+    # the hub id names the base trained only without model.config overrides (rope scaling, norm eps,
+    # ...: the adapter on the hub's own config gave other logits); QLoRA's 4-bit base is never copied
+    overridden = model_cfg.config and peft_cfg.quantize == "none"
+    pretrained = model_cfg.name_or_path and not model_cfg.random_init and not peft_cfg.residual_init and not overridden
     if pretrained and (not Path(model_cfg.name_or_path).exists() or peft_cfg.quantize != "none"):
         # a hub id, or (QLoRA) the local folder the 4-bit base was quantized from
         local = Path(model_cfg.name_or_path)
         config.base_model_name_or_path = str(local.resolve()) if local.exists() else model_cfg.name_or_path
     else:
-        save_hf_folder(base_weights(peft_model, state_dict), hf_config, tokenizer, out / "base", max_shard_size)
+        save_hf_folder(base_weights(peft_model, state_dict), hf_config, tokenizer, out / "base", max_shard_size,
+                       generation)
         config.base_model_name_or_path = str(((final or out) / "base").resolve())
     config.save_pretrained(str(out))
     if tokenizer is not None:

@@ -13,18 +13,20 @@ from shardtune.checkpoint.hf_sharded import save_hf_sharded
 from shardtune.fsio import atomic_dir
 
 
-def save_final(model, cfg, hf_config, tokenizer, folder: Path, is_main: bool) -> str | None:
+def save_final(model, cfg, hf_config, tokenizer, folder: Path, is_main: bool, generation=None) -> str | None:
     """A run's final/ from its sharded model, on every rank together: written by all ranks with
-    checkpoint.sharded_final (returns how), else gathered to rank 0's CPU and written there."""
+    checkpoint.sharded_final (returns how), else gathered to rank 0's CPU and written there.
+    `generation`: the model's generation config (model.hf.load_generation_config)."""
     if cfg.checkpoint.sharded_final and not cfg.peft.adapter:  # peft: the adapter, below
-        return save_final_sharded(model, hf_config, tokenizer, folder)
+        return save_final_sharded(model, hf_config, tokenizer, folder, generation=generation)
     full = gather_full_state_dict(model)
     if is_main:
         with atomic_dir(folder, replace=True) as tmp:  # final/ appears only once complete
             if cfg.peft.adapter:
-                save_adapter_folder(full, model, cfg.model, cfg.peft, hf_config, tokenizer, tmp, final=folder)
+                save_adapter_folder(full, model, cfg.model, cfg.peft, hf_config, tokenizer, tmp, final=folder,
+                                    generation=generation)
             else:
-                save_hf_folder(full, hf_config, tokenizer, tmp)
+                save_hf_folder(full, hf_config, tokenizer, tmp, generation=generation)
     del full
     return None
 
@@ -56,13 +58,14 @@ def shared_atomic_dir(final: Path):
         ctx.__exit__(None, None, None)
 
 
-def save_final_sharded(model, hf_config, tokenizer, folder: Path, max_shard_size: int | str = "2GB") -> str:
+def save_final_sharded(model, hf_config, tokenizer, folder: Path, max_shard_size: int | str = "2GB",
+                       generation=None) -> str:
     """Collective: `folder` written by every rank (atomically); a model whose keys transformers
     renames on save is gathered to rank 0 instead. Returns which path wrote it."""
     with shared_atomic_dir(folder) as tmp:
-        if save_hf_sharded(model, hf_config, tokenizer, tmp, max_shard_size):
+        if save_hf_sharded(model, hf_config, tokenizer, tmp, max_shard_size, generation):
             return "sharded"
         full = gather_full_state_dict(model)
         if dist.get_rank() == 0:
-            save_hf_folder(full, hf_config, tokenizer, tmp, max_shard_size)
+            save_hf_folder(full, hf_config, tokenizer, tmp, max_shard_size, generation)
     return "gathered"

@@ -81,7 +81,8 @@ def _refuse(hf_config) -> None:
                     "`shardtune export` on a checkpoint")
 
 
-def save_hf_sharded(model, hf_config, tokenizer, out: Path, max_shard_size: int | str = "2GB") -> bool:
+def save_hf_sharded(model, hf_config, tokenizer, out: Path, max_shard_size: int | str = "2GB",
+                    generation=None) -> bool:
     """Collective: every rank writes its part of `model` (FSDP2-sharded) into `out` (the same
     path on every rank, an existing empty folder). Returns False, having written nothing, when
     the model's keys or placements cannot be written this way (the caller gathers instead)."""
@@ -97,7 +98,8 @@ def save_hf_sharded(model, hf_config, tokenizer, out: Path, max_shard_size: int 
     rank, world = dist.get_rank(), dist.get_world_size()
     together(lambda: [create_safetensors(out / name, *layout[name]) for name in files[rank::world]])
     together(lambda: [_fill(out / name, layout[name][1], state_dict) for name in files])
-    together(lambda: write_index_and_configs(out, shell, file_of, hf_config, tokenizer) if rank == 0 else None)
+    together(lambda: write_index_and_configs(out, shell, file_of, hf_config, tokenizer, generation)
+             if rank == 0 else None)
     return True
 
 

@@ -96,7 +96,9 @@ def _load(spec: str, device: str, weights: bool):
         tokenizer = parts.tokenizer
         if not weights:
             return None, tokenizer, _folded_config(parts.base_config, parts.config), None
-        model = _folded(fit_adapter(load_base(parts.base), where, parts.base))
+        # fp32, as a run reads the base and as a checkpoint or a model folder loads: a bf16 base (a hub
+        # model's, as transformers loads it by default) rounded the folded update away in part
+        model = _folded(fit_adapter(load_base(parts.base, dtype=torch.float32), where, parts.base))
         return model.to(torch.device(device)).eval(), tokenizer, model.config, None
 
     from shardtune.config.schema import ModelConfig
@@ -197,6 +199,11 @@ def load_plain_model(path: Path, device: str = "cpu"):
         # the structure only: every value (PiSSA/OLoRA's residual base too) comes from the checkpoint
         model = add_adapter(model, known_fields(PeftConfig, peft_cfg), init=False)
     dcp_load({"model": model.state_dict()}, path, no_dist=True)
+    from shardtune.model.hf import load_generation_config
+
+    # the run's, saved beside the shards (none in an older checkpoint: derived, as from_config does)
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft generates with its base's
+    inner.generation_config = load_generation_config(path, hf_config)
     model.tie_weights()
     model.eval()
     return model, tokenizer, meta

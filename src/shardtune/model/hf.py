@@ -117,6 +117,22 @@ def _load_checked(cfg: ModelConfig, local_files_only: bool):
     return hf_config
 
 
+def load_generation_config(source: str | Path | None, hf_config):
+    """The model's generation settings: the generation_config.json of `source` (a model folder, a
+    Hub id, a checkpoint) where it has one, else those transformers derives from `hf_config`.
+    final/, checkpoints and exports write these, so generation afterwards stops and samples as the
+    model's own settings say: derived from config.json, a list of end-of-sequence ids (Llama 3's
+    end of turn) was cut to its first, and the sampling defaults were dropped."""
+    from transformers import GenerationConfig
+
+    if source is not None and (not Path(source).is_dir() or (Path(source) / "generation_config.json").is_file()):
+        try:
+            return GenerationConfig.from_pretrained(source)
+        except (OSError, ValueError):  # a Hub repo without one (or out of reach): derived, as before
+            pass
+    return GenerationConfig.from_model_config(hf_config)
+
+
 # the special-token ids match_tokenizer sets from the tokenizer on a config built from model.config
 TOKENIZER_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
@@ -279,13 +295,18 @@ def load_tokenizer(cfg: ModelConfig):
 
 
 def build_meta_model(hf_config, trust_remote_code: bool = False, what: str = "the model config"):
-    """The model's structure with no storage: cheap on every rank."""
+    """The model's structure with no storage: cheap on every rank. It gets a copy of `hf_config`:
+    from_config keeps the object itself, so what the build sets on the model's config (activation
+    checkpointing turns the cache off) reached the run's config, which final/ and every checkpoint
+    save (config.json said use_cache=false: generation afterwards ran without its cache)."""
+    import copy
+
     from transformers import AutoModelForCausalLM
 
     try:  # torch's warning about initializing an empty tensor: no tensor is made on the meta device
         with torch.device("meta"), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Initializing zero-element tensors", category=UserWarning)
-            return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32,
+            return AutoModelForCausalLM.from_config(copy.deepcopy(hf_config), dtype=torch.float32,
                                                     trust_remote_code=trust_remote_code)
     except Exception as exc:  # its modules' own checks: ValueError, ZeroDivisionError, strict-dataclass errors
         raise UserError(f"transformers cannot build {what} ({type(exc).__name__}: {reason(exc)}); "

@@ -276,10 +276,11 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
         os.close(fd)
 
 
-def write_index_and_configs(out: Path, shell, file_of: dict[str, str], hf_config, tokenizer) -> None:
-    """Beside the weight files: the index (more than one file), configs, tokenizer."""
+def write_index_and_configs(out: Path, shell, file_of: dict[str, str], hf_config, tokenizer, generation=None) -> None:
+    """Beside the weight files: the index (more than one file), configs (`generation`: the generation
+    config, else derived from hf_config), tokenizer."""
     _write_index(out, shell, file_of)
-    _write_configs(shell, hf_config, tokenizer, out)
+    _write_configs(shell, hf_config, tokenizer, out, generation)
 
 
 def _write_index(out: Path, shell, file_of: dict[str, str]) -> None:
@@ -294,15 +295,15 @@ def _write_index(out: Path, shell, file_of: dict[str, str]) -> None:
     (out / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
-def _write_configs(shell, hf_config, tokenizer, out: Path) -> None:
+def _write_configs(shell, hf_config, tokenizer, out: Path, generation=None) -> None:
     """config.json, generation_config.json and the tokenizer, as save_pretrained writes them."""
     from transformers import GenerationConfig
 
     shell.config.dtype = str(shell.dtype).split(".")[1]
     shell.config.architectures = [type(shell).__name__]
     shell.config.save_pretrained(out)
-    if shell.generation_config is None:
-        shell.generation_config = GenerationConfig.from_model_config(hf_config)
+    if generation is not None or shell.generation_config is None:
+        shell.generation_config = generation or GenerationConfig.from_model_config(hf_config)
     if shell.can_generate():
         shell.generation_config.save_pretrained(out)
     if tokenizer is not None:

@@ -25,7 +25,7 @@ from shardtune.model import float8, kernels
 from shardtune.model import loss as loss_lib
 from shardtune.model.adapters import load_qlora_model
 from shardtune.model.build import BuiltModel, ModelSpec, build_model
-from shardtune.model.hf import count_params, load_source_model
+from shardtune.model.hf import count_params, load_generation_config, load_source_model
 from shardtune.telemetry.metrics import (
     GPUSampler,
     LiveMemory,
@@ -78,6 +78,8 @@ class Trainer:
         # ---- data (rank 0 tokenizes first; the others hit the cache)
         self.tokenizer = tokenizer = run.tokenizer
         self.hf_config = hf_config = run.hf_config
+        # what final/ and checkpoints say generation stops at and samples with (rank 0 writes them)
+        self.generation_config = load_generation_config(cfg.model.name_or_path, hf_config) if dist.is_main else None
         self.accum = run.accum
         self.train_ds, self.val_ds = rank0_first(dist, lambda: data_lib.prepare(cfg.data, tokenizer, cfg.train.seed,
                                                                                   cfg.train.global_batch_size))
@@ -172,6 +174,7 @@ class Trainer:
     def write_checkpoint_extras(self, folder: Path) -> None:
         """The HF config and tokenizer beside the shards: export/eval/generate need nothing else."""
         self.hf_config.save_pretrained(folder)
+        self.generation_config.save_pretrained(folder)
         self.tokenizer.save_pretrained(folder / "tokenizer")
 
     def say(self, text: str) -> None:
@@ -354,7 +357,8 @@ class Trainer:
         from shardtune.checkpoint.final import save_final
 
         folder = folder or self.out / "final"
-        how = save_final(self.model, self.cfg, self.hf_config, self.tokenizer, folder, self.dist.is_main)
+        how = save_final(self.model, self.cfg, self.hf_config, self.tokenizer, folder, self.dist.is_main,
+                         self.generation_config)
         self.say(f"model saved to {folder}{f' ({how})' if how else ''}")
         return folder
 
