@@ -51,6 +51,8 @@ def assistant_spans(messages: list[dict], render) -> tuple[str, list[tuple[int, 
 
 # private-use characters: in no message, and kept as they are by any template that does not rewrite content
 MARK = "\ue000turn\ue000"
+NOT_VERBATIM = ("the chat template does not render assistant messages verbatim, so their tokens cannot be found; "
+                "set data.chat_template to a simpler template")
 
 
 def _found(full: str, messages: list[dict], i: int, render, before: str | None, cursor: int) -> tuple[int, int]:
@@ -59,11 +61,10 @@ def _found(full: str, messages: list[dict], i: int, render, before: str | None, 
     conversation rendered with a mark for it), else the content searched after what `full` shares
     with the turns before it (a system or user message, or the turn's header, may hold the same
     words); through the end of turn that follows the content when the turn is rendered last
-    (<|im_end|>), where `full` has it there too."""
+    (<|im_end|>), as far as `full` has it there too."""
     content = messages[i].get("content")
     if not isinstance(content, str) or not content:
-        raise UserError("the chat template does not render assistant messages verbatim, so their "
-                        "tokens cannot be found; set data.chat_template to a simpler template")
+        raise UserError(NOT_VERBATIM)
     turn = {**messages[i], "content": MARK}
     try:
         marked, last = render([*messages[:i], turn, *messages[i + 1:]], False), render([*messages[:i], turn], False)
@@ -75,11 +76,13 @@ def _found(full: str, messages: list[dict], i: int, render, before: str | None, 
         after = max(cursor, len(os.path.commonprefix([before, full]))) if before is not None else cursor
         start = full.find(content, after)
         if start < 0:
-            raise UserError("the chat template does not render assistant messages verbatim, so their "
-                            "tokens cannot be found; set data.chat_template to a simpler template")
+            raise UserError(NOT_VERBATIM)
     end = start + len(content)
-    closing = last[last.find(MARK) + len(MARK):].rstrip() if MARK in last else ""
-    return start, end + len(closing) if closing and full.startswith(closing, end) else end
+    # the turn's end as the template closes it when last, to a whitespace, as far as `full` has it too: a
+    # conversation's end may add more (Phi-3's: <|end|>\n then EOS, where a next turn follows <|end|>\n)
+    tail = last[last.find(MARK) + len(MARK):] if MARK in last else ""
+    ends = (tail[:k].rstrip() for k in range(len(tail), 0, -1) if k == len(tail) or tail[k].isspace())
+    return start, end + len(next((c for c in ends if full.startswith(c, end)), ""))
 
 
 def _opening(message: dict, render) -> str:
