@@ -1,6 +1,7 @@
 """How rows become text, tokens and labels at their edges: a data.template's fields over list and
 record cells (indexing the cell, not its joined text), fields that are not data, and a chat
-conversation's labels whatever its turns (an assistant turn first, same-role turns, tools)."""
+conversation's labels whatever its turns (an assistant turn first, same-role turns, tools) and
+whatever its template renders otherwise when a turn is the last."""
 
 from __future__ import annotations
 
@@ -108,6 +109,32 @@ def test_an_opening_assistant_turn_of_a_template_that_changes_the_text(tokenizer
     assert kept == "HELLO<|endoftext|>BYE<|endoftext|>", (text, kept)
     assert chat.chat_prompt_and_reply(tokenizer, messages[:1], 0, "messages") is None  # nothing to prompt with
 
+
+# templates that render an assistant turn otherwise when it is the conversation's last, so every
+# earlier one is found by its content: Qwen3's marks the turn (there an empty thinking block),
+# Phi-3's ends the conversation with EOS where no generation prompt follows
+MARKS_THE_LAST = ("{% for m in messages %}<|{{ m['role'] }}|>\n{% if loop.last and m['role'] == 'assistant' %}"
+                  "(last) {% endif %}{{ m['content'] }}<|endoftext|>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+ENDS_THE_CONVERSATION = CHAT_TEMPLATE.replace("{% endif %}", "{% else %}[end]{% endif %}")
+WORDS = st.lists(st.sampled_from(["ok", "look", "a", "no"]), min_size=1, max_size=3).map(" ".join)
+
+
+@pytest.mark.parametrize("template, opens, closes", [(MARKS_THE_LAST, "(last) ", ""),
+                                                     (ENDS_THE_CONVERSATION, "", "\n[end]")])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(exchanges=st.lists(st.tuples(st.sampled_from(["system", "user"]), WORDS, st.none() | WORDS), min_size=1,
+                          max_size=4))
+def test_chat_turns_a_template_renders_otherwise_last_are_their_own_words_and_end_of_turn(tokenizer, template, opens,
+                                                                                        closes, exchanges):
+    """A turn found by its content is the assistant's words (not the same words in an earlier
+    message or in the turn's header: `a` in `<|assistant|>`), with the end of its turn."""
+    turns = [t for role, said, reply in exchanges
+             for t in [(role, said)] + [("assistant", reply)] * (reply is not None)]
+    text, kept = labelled(tokenizer, [{"role": r, "content": c} for r, c in turns], template)
+    eos, last = tokenizer.eos_token, len(turns) - 1
+    assert kept == "".join((opens + c + eos + closes) if i == last else c + eos for i, (r, c) in enumerate(turns)
+                           if r == "assistant"), text
 
 CELLS = st.one_of(st.none(), st.integers(-99, 99), st.text(max_size=6), st.lists(st.text(max_size=3), max_size=3),
                   st.lists(st.integers(0, 9), max_size=3))

@@ -26,30 +26,63 @@ def assistant_spans(messages: list[dict], render) -> tuple[str, list[tuple[int, 
     """(full text, character spans that get loss). A span runs from the end of the generation
     prompt before an assistant turn to the end of that turn as the template renders it, found
     by rendering prefixes; templates whose prefixes are not stable (some rewrite earlier turns)
-    fall back to finding the message content itself."""
+    fall back to finding the message content itself (`_found`)."""
     full = render(messages, False)
     spans, cursor = [], 0
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
+        before = through = None
         try:
             before = render(messages[:i], True) if i else _opening(m, render)
             through = render(messages[:i + 1], False)
-            start, end = len(before), len(through)
-            stable = full.startswith(through) and full.startswith(before) and cursor <= start < end
         except Exception:  # e.g. a template that refuses a conversation ending on a user turn
-            stable = False
-        if not stable:
-            content = m.get("content")
-            start = full.find(content, cursor) if isinstance(content, str) and content else -1
-            if start < 0:
-                raise UserError("the chat template does not render assistant messages verbatim, so their "
-                                "tokens cannot be found; set data.chat_template to a simpler template")
-            end = start + len(content)
+            pass
+        if before is not None and through is not None and full.startswith(through) and full.startswith(before) \
+                and cursor <= len(before) < len(through):
+            start, end = len(before), len(through)
+        else:
+            start, end = _found(full, messages, i, render, before, cursor)
         end = start + len(full[start:end].rstrip())  # the newline after an end-of-turn token is not generated
         spans.append((start, end))
         cursor = end
     return full, spans
+
+
+# private-use characters: in no message, and kept as they are by any template that does not rewrite content
+MARK = "\ue000turn\ue000"
+NOT_VERBATIM = ("the chat template does not render assistant messages verbatim, so their tokens cannot be found; "
+                "set data.chat_template to a simpler template")
+
+
+def _found(full: str, messages: list[dict], i: int, render, before: str | None, cursor: int) -> tuple[int, int]:
+    """(start, end) in `full` of assistant turn i where the template renders it otherwise in the
+    whole conversation (Qwen3's marks only the last turn): where the template puts its content (the
+    conversation rendered with a mark for it), else the content searched after what `full` shares
+    with the turns before it (a system or user message, or the turn's header, may hold the same
+    words); through the end of turn that follows the content when the turn is rendered last
+    (<|im_end|>), as far as `full` has it there too."""
+    content = messages[i].get("content")
+    if not isinstance(content, str) or not content:
+        raise UserError(NOT_VERBATIM)
+    turn = {**messages[i], "content": MARK}
+    try:
+        marked, last = render([*messages[:i], turn, *messages[i + 1:]], False), render([*messages[:i], turn], False)
+    except Exception:
+        marked = last = ""
+    start = marked.find(MARK)
+    if not (cursor <= start and full.startswith(marked[:start]) and full.startswith(content, start)
+            and full[start + len(content):] == marked[start + len(MARK):]):
+        after = max(cursor, len(os.path.commonprefix([before, full]))) if before is not None else cursor
+        start = full.find(content, after)
+        if start < 0:
+            raise UserError(NOT_VERBATIM)
+    end = start + len(content)
+    # the turn's end as the template closes it when last, to a whitespace, as far as `full` has it too: a
+    # conversation's end may add more (Phi-3's: <|end|>\n then EOS, where a next turn follows <|end|>\n)
+    tail = last[last.find(MARK) + len(MARK):] if MARK in last else ""
+    ends = (tail[:k].rstrip() for k in range(len(tail), 0, -1) if k == len(tail) or tail[k].isspace())
+    return start, end + len(next((c for c in ends if full.startswith(c, end)), ""))
 
 
 def _opening(message: dict, render) -> str:
