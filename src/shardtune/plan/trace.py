@@ -156,6 +156,7 @@ def trace_step(cfg: RunConfig, hf_config, world_size: int, local_world_size: int
         dtensor_meta_outside_trace,
         fake_grouped_mm,
         fused_adamw_on_shards,
+        one_sequence_per_row,
     )
     from shardtune.plan.priced import offloaded_activations, state_bytes
     from shardtune.train.optim import build_grad_scaler, build_optimizer
@@ -196,8 +197,11 @@ def trace_step(cfg: RunConfig, hf_config, world_size: int, local_world_size: int
             # a CUDA run's offloaded activations go to the host; on CPU offloading moves nothing
             offload = offloaded_activations(tracker, model) if target == "cuda" and cfg.activation_offload \
                 else contextlib.nullcontext()
+            # rows that bring their positions (documents, padding-free) restart them: packed, as traced
+            packed = any("position_ids" in b for b in real_batches)
+            rows = contextlib.nullcontext() if packed else one_sequence_per_row()
             with tracker, AnswerScalars(), dtensor_meta_outside_trace(), fake_grouped_mm(), fused_adamw_on_shards(), \
-                    attention, offload:
+                    attention, offload, rows:
                 handle = model.register_forward_pre_hook(tracker.next_micro_step, prepend=True)
                 try:
                     batches = _faked(real_batches)
