@@ -67,3 +67,22 @@ def test_a_sweep_grid_over_methods_builds_every_trial_and_plan_refuses_a_method_
     line = err.splitlines()[-1]  # after the quickstart's note of which defaults apply
     assert code == 2 and "Traceback" not in err and line.startswith("error: peft.method=adaption_prompt") \
         and "'opt'" in line, err
+
+
+def test_frozen_experts_are_traced_as_their_grouped_matmul_runs():
+    """A mixture of experts in fp32 runs torch's grouped matmul, whose autograd keeps a frozen
+    expert's input for no gradient; the trace sent fp32 to transformers' fallback op, which kept
+    every input and weight and made a gradient for each frozen weight (+9.5 % with LoRA here)."""
+    from archs import arch_config
+    from test_plan import measured_step
+
+    from shardtune.model.hf import load_hf_config
+    from shardtune.plan.trace import trace_step
+
+    cfg = load_config(None, [f"model.config={json.dumps(arch_config('mixtral'))}", "data.path=unused",
+                             "data.seq_len=64", "train.micro_batch_size=2", "train.global_batch_size=2", "device=cpu",
+                             "peft.method=lora"])
+    hf_config = load_hf_config(cfg.model)
+    predicted = trace_step(cfg, hf_config, world_size=1).peak_bytes()
+    measured = measured_step(cfg, hf_config)
+    assert -0.01 <= (predicted - measured) / measured <= 0.03, (predicted, measured)
