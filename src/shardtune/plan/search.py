@@ -142,6 +142,9 @@ def screen(cfg: RunConfig, hf_config, target: Target, device: str = "cuda", cach
 
     layers = trace_lib.layer_count(hf_config)
     traces = dict(traces or {})
+    if cfg.peft.adapter_layers == layers:  # every block adapted, and so every block of a copy
+        cfg = copy.deepcopy(cfg)
+        cfg.peft.adapter_layers = None
     for depth in screen_depths(cfg, hf_config):
         for mb in micro:
             if (depth, mb) in traces:
@@ -169,7 +172,8 @@ def screen_depths(cfg: RunConfig, hf_config) -> tuple[int, ...]:
     from shardtune.plan import trace as trace_lib
 
     layers = trace_lib.layer_count(hf_config)
-    if cfg.fsdp.wrap != "block" or cfg.freeze.trainable_blocks is not None:
+    if cfg.fsdp.wrap != "block" or cfg.freeze.trainable_blocks is not None \
+            or cfg.peft.adapter_layers not in (None, layers):  # the top blocks alone trained or adapted
         return (layers,)
     n = cfg.activation_checkpointing_every if cfg.activation_checkpointing == "every_n" else 1
     kinds = [(kind, i % n) for i, kind in enumerate(layer_kinds(hf_config))]
