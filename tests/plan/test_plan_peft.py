@@ -112,20 +112,23 @@ def test_a_graph_dora_drops_in_forward_is_freed_at_once_as_in_a_real_step():
     assert -0.01 <= (predicted - measured) / measured <= 0.03, (predicted, measured)
 
 
-def test_adaption_prompt_on_the_top_layers_is_priced_as_the_whole_model():
-    """The search traces copies of 3 and 4 blocks: with peft.adapter_layers of more than that,
-    each copy refused it ('the model has 3 decoder layers'), and plan found nothing that fits a
-    tiny model. All blocks adapted: so is every block of a copy; the top few: the whole depth."""
+def test_adapters_of_some_blocks_only_are_priced_at_the_whole_depth():
+    """The search traces copies of 3 and 4 blocks: with peft.adapter_layers of more than that, or
+    LoRA targets in block 4, each copy refused them ('the model has 3 decoder layers', 'not
+    modules of this llama model'), and plan found nothing that fits a tiny model. All blocks
+    adapted: so is every block of a copy; some of them: the whole depth."""
     from shardtune.model.hf import load_hf_config
     from shardtune.plan.cost import Target
     from shardtune.plan.search import screen, screen_depths
     from shardtune.plan.trace import trace_step
 
-    model = {**TINY["llama"], "num_hidden_layers": 5, "vocab_size": 300}
-    cfg = tiny("peft.method=adaption_prompt", "peft.adapter_layers=5", "data.seq_len=8",
-               f"model.config={json.dumps(model)}")
+    five = f"model.config={json.dumps({**TINY['llama'], 'num_hidden_layers': 5, 'vocab_size': 300})}"
+    cfg = tiny("peft.method=adaption_prompt", "peft.adapter_layers=5", "data.seq_len=8", five)
     hf_config = load_hf_config(cfg.model)
     screened = screen(cfg, hf_config, Target(1, 1, 0, None), "cpu", micro=(2,))(2).peak_bytes()
     assert screened == pytest.approx(trace_step(cfg, hf_config, world_size=1).peak_bytes(), rel=0.01)
     cfg.peft.adapter_layers = 4
     assert screen_depths(cfg, hf_config) == (5,)
+    block_4 = tiny("peft.method=lora", "peft.target_modules=[layers.4.self_attn.q_proj]", five)
+    assert screen_depths(block_4, hf_config) == (5,)
+    assert screen_depths(tiny("peft.method=lora", five), hf_config) == (3, 4)
