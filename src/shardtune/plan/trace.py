@@ -190,7 +190,7 @@ def trace_step(cfg: RunConfig, hf_config, world_size: int, local_world_size: int
                 model.tie_weights()
             model.train()
             optimizer = build_optimizer(model, cfg.train, dist.device, cfg.precision, cfg.peft.lora_plus_ratio)
-            _create_optimizer_state(model, optimizer)
+            create_optimizer_state(model, optimizer)
             scaler = build_grad_scaler(cfg.precision, dist.device)
             tracker = PhaseTracker(model, optimizer, blocks, BACKEND_COPIES[backend_of(target)])
             attention = cuda_attention() if target == "cuda" else contextlib.nullcontext()
@@ -214,7 +214,7 @@ def trace_step(cfg: RunConfig, hf_config, world_size: int, local_world_size: int
     return StepTrace(tracker.peaks, layer_count(hf_config), steady, params).with_state(state)
 
 
-def _create_optimizer_state(model, optimizer) -> None:
+def create_optimizer_state(model, optimizer) -> None:
     """AdamW creates its state on its first step; make it now, so the traced step is a steady one."""
 
     for p in model.parameters():
