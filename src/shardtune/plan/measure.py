@@ -20,7 +20,8 @@ from shardtune.config.schema import RunConfig
 
 def measure_step(cfg: RunConfig, hf_config, dist, state_only: bool = False, optimizer_only: bool = False) -> int:
     """Peak bytes held during one steady training step of `cfg`, really run on this rank of the
-    current process group: a first step creates the optimizer state, the second is measured.
+    current process group: the optimizer state made first (as traced: fp16's gradient scaler may
+    skip the first real steps, and a skipped step makes none), a first step run, the second measured.
     Collective. `state_only`: the bytes of the optimizer state after the first step instead
     (on CUDA torchao's compiled step refuses to run under MemTracker's dispatch mode, so a
     low-precision state is measured this way). `optimizer_only` (CPU): the peak of the second
@@ -30,7 +31,7 @@ def measure_step(cfg: RunConfig, hf_config, dist, state_only: bool = False, opti
     from shardtune.distributed.fsdp import build_mesh
     from shardtune.model.build import ModelSpec, build_model
     from shardtune.model.hf import load_source_model
-    from shardtune.plan.trace import shape_only_batches
+    from shardtune.plan.trace import create_optimizer_state, shape_only_batches
     from shardtune.train.optim import build_grad_scaler, build_optimizer
     from shardtune.train.step import train_step
 
@@ -40,6 +41,7 @@ def measure_step(cfg: RunConfig, hf_config, dist, state_only: bool = False, opti
     model = built.model.train()
     optimizer = build_optimizer(model, cfg.train, dist.device, cfg.precision, cfg.peft.lora_plus_ratio)
     scaler = build_grad_scaler(cfg.precision, dist.device)
+    create_optimizer_state(model, optimizer)  # as traced: fp16's scaler may skip the first steps, which make none
     micro = [[0] * cfg.train.micro_batch_size for _ in range(accum)]
 
     def step() -> None:  # the batches are made inside, as in the traced step

@@ -10,6 +10,7 @@ import functools
 
 import torch
 from torch._prims_common import is_non_overlapping_and_dense_or_false
+from torch.distributed._tools import mod_tracker
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
 
 from shardtune.plan.fake_step import propagating
@@ -49,6 +50,17 @@ class PhaseTracker(FSDPMemTracker):
         self.backward_seen = False
         self.totals: dict[tuple, int] = {}
         self.host_bytes = self.host_peak = 0  # saved activations moved to host memory (priced.offloaded_activations)
+
+    def __enter__(self):
+        self._acyclic = _without_cycles()
+        self._acyclic.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *args):
+        try:
+            super().__exit__(*args)
+        finally:
+            self._acyclic.__exit__(*args)
 
     def _instrument_fsdp_module(self) -> None:
         """The base class swaps each FSDP module's forward hooks for its own wrappers of the
@@ -127,6 +139,23 @@ class PhaseTracker(FSDPMemTracker):
         key = self.phase()
         if total > self.totals.get(key, -1):
             self.totals[key], self.peaks[key] = total, self.current()
+
+
+def _without_cycles():
+    """ModTracker (under the base class) hooks every module's inputs to see its backward end:
+    `register_multi_grad_hook(mode="all")`, whose hook holds the inputs' autograd nodes, which hold
+    the hook: a reference cycle. A graph a module builds and drops in forward (DoRA's weight, made
+    from an identity matrix through lora_A and lora_B, then detached) lives on in it until Python's
+    collector runs, where a real step frees it at once (DoRA +1.4 to +2.1 % on a tiny Llama, varying
+    with the collector's timing). One input, the usual case, needs no nodes: its hook running is
+    the whole of "all", which "any" does without holding them."""
+    from unittest import mock
+
+    register = mod_tracker.register_multi_grad_hook
+
+    def acyclic(tensors, fn, *, mode="all"):
+        return register(tensors, fn, mode="any" if len(tensors) == 1 else mode)
+    return mock.patch.object(mod_tracker, "register_multi_grad_hook", acyclic)
 
 
 def accumulates_in_place(func, args, kwargs) -> bool:

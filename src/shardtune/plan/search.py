@@ -142,6 +142,9 @@ def screen(cfg: RunConfig, hf_config, target: Target, device: str = "cuda", cach
 
     layers = trace_lib.layer_count(hf_config)
     traces = dict(traces or {})
+    if cfg.peft.adapter_layers == layers:  # every block adapted, and so every block of a copy
+        cfg = copy.deepcopy(cfg)
+        cfg.peft.adapter_layers = None
     for depth in screen_depths(cfg, hf_config):
         for mb in micro:
             if (depth, mb) in traces:
@@ -169,7 +172,8 @@ def screen_depths(cfg: RunConfig, hf_config) -> tuple[int, ...]:
     from shardtune.plan import trace as trace_lib
 
     layers = trace_lib.layer_count(hf_config)
-    if cfg.fsdp.wrap != "block" or cfg.freeze.trainable_blocks is not None:
+    if cfg.fsdp.wrap != "block" or cfg.freeze.trainable_blocks is not None \
+            or cfg.peft.adapter_layers not in (None, layers) or _names_blocks(cfg.peft):  # some blocks alone adapted
         return (layers,)
     n = cfg.activation_checkpointing_every if cfg.activation_checkpointing == "every_n" else 1
     kinds = [(kind, i % n) for i, kind in enumerate(layer_kinds(hf_config))]
@@ -179,6 +183,13 @@ def screen_depths(cfg: RunConfig, hf_config) -> tuple[int, ...]:
         if low + period < layers:
             return low, low + period
     return (layers,)
+
+
+def _names_blocks(peft) -> bool:
+    """Whether peft's targets name modules of particular blocks (`layers.10.self_attn.q_proj`):
+    a copy of 3 blocks has none of them, the model's blocks then differ."""
+    names = (peft.target_modules or []) + (peft.feedforward_modules or [])
+    return any(part.isdigit() for name in names for part in name.split("."))
 
 
 def traced(make):

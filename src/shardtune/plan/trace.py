@@ -156,6 +156,7 @@ def trace_step(cfg: RunConfig, hf_config, world_size: int, local_world_size: int
         dtensor_meta_outside_trace,
         fake_grouped_mm,
         fused_adamw_on_shards,
+        one_sequence_per_row,
     )
     from shardtune.plan.priced import offloaded_activations, state_bytes
     from shardtune.train.optim import build_grad_scaler, build_optimizer
@@ -189,15 +190,18 @@ def trace_step(cfg: RunConfig, hf_config, world_size: int, local_world_size: int
                 model.tie_weights()
             model.train()
             optimizer = build_optimizer(model, cfg.train, dist.device, cfg.precision, cfg.peft.lora_plus_ratio)
-            _create_optimizer_state(model, optimizer)
+            create_optimizer_state(model, optimizer)
             scaler = build_grad_scaler(cfg.precision, dist.device)
             tracker = PhaseTracker(model, optimizer, blocks, BACKEND_COPIES[backend_of(target)])
             attention = cuda_attention() if target == "cuda" else contextlib.nullcontext()
             # a CUDA run's offloaded activations go to the host; on CPU offloading moves nothing
             offload = offloaded_activations(tracker, model) if target == "cuda" and cfg.activation_offload \
                 else contextlib.nullcontext()
+            # rows that bring their positions (documents, padding-free) restart them: packed, as traced
+            packed = any("position_ids" in b for b in real_batches)
+            rows = contextlib.nullcontext() if packed else one_sequence_per_row()
             with tracker, AnswerScalars(), dtensor_meta_outside_trace(), fake_grouped_mm(), fused_adamw_on_shards(), \
-                    attention, offload:
+                    attention, offload, rows:
                 handle = model.register_forward_pre_hook(tracker.next_micro_step, prepend=True)
                 try:
                     batches = _faked(real_batches)
@@ -210,7 +214,7 @@ def trace_step(cfg: RunConfig, hf_config, world_size: int, local_world_size: int
     return StepTrace(tracker.peaks, layer_count(hf_config), steady, params).with_state(state)
 
 
-def _create_optimizer_state(model, optimizer) -> None:
+def create_optimizer_state(model, optimizer) -> None:
     """AdamW creates its state on its first step; make it now, so the traced step is a steady one."""
 
     for p in model.parameters():
