@@ -214,7 +214,8 @@ def test_a_layout_too_big_at_micro_batch_2_is_not_traced_further_unless_micro_ba
     larger micro-batch holds more) and micro-batch 1 could not beat what fits; else it traces on."""
     from shardtune.model.hf import load_hf_config
     from shardtune.plan.cost import Candidate, Target
-    from shardtune.plan.search import _none_fit_from, layout_cfg, micro_batches, screen
+    from shardtune.plan.menu import layout_cfg, micro_batches
+    from shardtune.plan.search import _none_fit_from, screen
 
     cfg = tiny_cfg("gpt2")
     hf_config = load_hf_config(cfg.model)
@@ -255,8 +256,9 @@ def test_the_largest_micro_batch_is_never_below_the_best_that_fits():
 
     from shardtune.model.hf import load_hf_config
     from shardtune.plan.cost import Candidate, Target
+    from shardtune.plan.menu import layout_cfg
     from shardtune.plan.report import LARGEST_PRICED, largest_micro_batch
-    from shardtune.plan.search import estimate, layout_cfg, screen
+    from shardtune.plan.search import estimate, screen
 
     cfg = tiny_cfg("llama", "train.micro_batch_size=4", "train.global_batch_size=4")
     hf_config = load_hf_config(cfg.model)

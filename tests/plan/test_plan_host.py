@@ -39,7 +39,8 @@ def test_the_7b_answer_that_needed_337_gib_of_host_ram_is_refused_on_v100s():
     offloading was measured, hardware.MEASURED_RESERVE; here the V100's host budget with 24 GiB of
     GPU memory, so that host RAM is what decides.)"""
     from shardtune.plan.fit import resolve_hf_config
-    from shardtune.plan.search import estimate, layout_cfg, screen
+    from shardtune.plan.menu import layout_cfg
+    from shardtune.plan.search import estimate, screen
 
     cfg = load_config("recipes/llama2-7b-fsdp.yaml", [])
     hf_config, _ = resolve_hf_config(cfg)

@@ -1,5 +1,5 @@
 """Every layout the planner can recommend starts and takes a real step (CPU counterpart of the GPU
-suite's rows): the candidates of `plan.search.layouts` x `variants` on 2 ranks, chosen so that
+suite's rows): the candidates of `plan.menu.layouts` x `plan.search.variants` on 2 ranks, chosen so that
 every pair of values of their dimensions (sharding, precision, checkpointing, activation
 offloading, reduction dtype, optimizer state, CPU offload) runs together at least once, all in
 one launch (tests/dist_harness.py), one optimizer step each."""
@@ -18,7 +18,8 @@ from conftest import ROOT, child_env, losses, tiny_overrides
 from shardtune.config.load import load_config
 from shardtune.hardware import gpu_by_name
 from shardtune.plan.cost import Candidate, Target
-from shardtune.plan.search import layouts, variants
+from shardtune.plan.menu import layouts
+from shardtune.plan.search import variants
 
 pytestmark = pytest.mark.multiproc
 DIMS = ("sharding", "precision", "checkpointing", "activation_offload", "reduce_dtype", "optimizer_state",

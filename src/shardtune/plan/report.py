@@ -18,7 +18,8 @@ from shardtune.hardware import GIB, STATES, float8_needs, gpu_by_name, parse_siz
 from shardtune.plan.cost import Candidate, Target, setting
 from shardtune.plan.fit import resolve_hf_config
 from shardtune.plan.keys import refuse_unpriced
-from shardtune.plan.search import TIE, Estimate, confirm, estimate, layout_cfg, screen, search
+from shardtune.plan.menu import layout_cfg
+from shardtune.plan.search import TIE, Estimate, confirm, estimate, screen, search
 from shardtune.plan.trace_cache import TraceCache
 
 ROWS = [("sharded_params", "sharded parameters"), ("gathered_params", "gathered parameters"),

@@ -36,6 +36,7 @@ from shardtune.plan.cost import (
     setting,
     step_time,
 )
+from shardtune.plan.menu import SHARDING_ORDER, layout_cfg, layouts, micro_batches, needs_at_least
 from shardtune.plan.trace import StepTrace
 from shardtune.plan.trace_cache import TraceCache
 
@@ -58,75 +59,6 @@ class Estimate:
     seconds: dict = field(default_factory=dict)  # step time by part (cost.step_time)
     trace: StepTrace | None = field(default=None, repr=False)
     at: object = field(default=None, repr=False)  # micro-batch -> StepTrace of this layout (screen())
-
-
-# ----------------------------------------------------------------------------- the menu
-
-
-def precisions(cfg: RunConfig, target: Target) -> list[str]:
-    """The recipe's precision (fp16 where the card has no bf16), and a half precision beside fp32."""
-    first = cfg.precision
-    if target.gpu is not None and not target.gpu.supports(first):
-        first = "fp16"
-    half = "fp16" if target.gpu is not None and not target.gpu.supports("bf16") else "bf16"
-    return [first] + ([half] if first == "fp32" else [])
-
-
-def shardings(cfg: RunConfig, target: Target) -> list[str]:
-    """Least memory first (full_shard <= shard_grad_op <= no_shard per rank)."""
-    if target.world == 1:
-        return ["full_shard"]  # one rank: all strategies are the same step
-    return ["full_shard"] + (["hybrid_shard"] if target.nodes > 1 else []) + ["shard_grad_op", "no_shard"]
-
-
-def micro_batches(cfg: RunConfig, world: int) -> list[int]:
-    """Powers of two (and the recipe's own size) that keep the recipe's global batch (accumulation
-    fills in)."""
-    g = cfg.train.global_batch_size
-    own = {cfg.train.micro_batch_size} if isinstance(cfg.train.micro_batch_size, int) else set()
-    sizes = sorted({2 ** i for i in range(20)} | own)
-    out = [mb for mb in sizes if mb * world <= g and g % (mb * world) == 0]
-    if not out:
-        raise UserError(f"train.global_batch_size={g} cannot be split over {world} ranks; set it to a multiple of "
-                        f"{world}")
-    return out
-
-
-def layouts(cfg: RunConfig, target: Target) -> list[Candidate]:
-    """Every layout of the menu (as a Candidate at micro-batch 0 with fp32 state, no CPU offload);
-    QLoRA's (one GPU, no FSDP) take full checkpointing or none, no offloading and no reduction."""
-    qlora = cfg.peft.quantize != "none"
-    out = []
-    for precision in precisions(cfg, target):
-        for sharding in shardings(cfg, target):
-            for checkpointing in (("none", "full") if qlora else CHECKPOINTING):
-                for offload in ((False,) if qlora else (False, True)):
-                    for reduce in (["fp32", "bf16"] if precision == "bf16" and not qlora else ["fp32"]):
-                        out.append(Candidate(sharding, precision, 0, checkpointing, cfg.activation_checkpointing_every,
-                                             offload, reduce))
-    return out
-
-
-_SHARDING_ORDER = {"full_shard": 0, "hybrid_shard": 1, "shard_grad_op": 2, "no_shard": 3}
-
-
-def needs_at_least(heavy: Candidate, light: Candidate) -> bool:
-    """Whether layout `heavy` holds at least what `light` holds in every respect: more sharded
-    states, more kept activations (full < selective, every_n < none), no offloading where the
-    other offloads, wider gradients, wider compute."""
-    def ck(c):  # a partial order: selective and every_n are not comparable
-        return {"full": 0, "none": 2}.get(c.checkpointing, 1)
-    return (_SHARDING_ORDER[heavy.sharding] >= _SHARDING_ORDER[light.sharding]
-            and (heavy.checkpointing == light.checkpointing or ck(heavy) > ck(light))
-            and heavy.activation_offload <= light.activation_offload
-            and (heavy.reduce_dtype == light.reduce_dtype or heavy.reduce_dtype == "fp32")
-            and (heavy.precision == light.precision or heavy.precision == "fp32")
-            and heavy.every == light.every)
-
-
-def layout_cfg(cfg: RunConfig, layout: Candidate, target: Target) -> RunConfig:
-    return dataclasses.replace(layout, micro_batch=cfg.train.micro_batch_size if
-                               isinstance(cfg.train.micro_batch_size, int) else 1).apply(cfg, target)
 
 
 # ----------------------------------------------------------------------------- tracing
@@ -334,7 +266,7 @@ def search(cfg: RunConfig, hf_config, target: Target, say=print, cache: TraceCac
             # fastest first; among speeds within a tie, the closest to the recipe (what the ranking
             # prefers), then the lighter (the likelier to fit)
             order.sort(key=lambda c: (-round(math.log(bounds[c]) / TIE), changes(c, cfg),
-                                      _SHARDING_ORDER[c.sharding], not c.activation_offload, c.reduce_dtype != "bf16"))
+                                      SHARDING_ORDER[c.sharding], not c.activation_offload, c.reduce_dtype != "bf16"))
     cache.announce = None  # the last layout's, if all its traces were read
     return rank(estimates, cfg)
 
@@ -361,7 +293,7 @@ def _none_fit_from(low, layout: Candidate, sizes: list[int], hf_config, cfg: Run
 
 def _lightness(c: Candidate) -> tuple:
     """Sorts the layouts that likely need the least memory first."""
-    return (_SHARDING_ORDER[c.sharding], CHECKPOINTING[::-1].index(c.checkpointing), not c.activation_offload,
+    return (SHARDING_ORDER[c.sharding], CHECKPOINTING[::-1].index(c.checkpointing), not c.activation_offload,
             c.reduce_dtype != "bf16", c.precision == "fp32")
 
 
