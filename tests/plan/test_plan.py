@@ -33,6 +33,18 @@ def measured_step(cfg, hf_config) -> int:
         dist.destroy_process_group()
 
 
+def assert_traced_as_measured(model: dict, *overrides: str) -> None:
+    """The traced peak of one step of `model` (config dict) with `overrides` on one CPU rank is the
+    measured one, from 1 % below to 3 % above."""
+    from shardtune.model.hf import load_hf_config
+
+    cfg = load_config(None, [f"model.config={json.dumps(model)}", "data.path=unused", "device=cpu", *overrides])
+    hf_config = load_hf_config(cfg.model)
+    predicted = trace_step(cfg, hf_config, world_size=1).peak_bytes()
+    measured = measured_step(cfg, hf_config)
+    assert -0.01 <= (predicted - measured) / measured <= 0.03, (predicted, measured)
+
+
 @pytest.mark.parametrize("arch", ["gpt2", "opt", "llama"])
 def test_fake_trace_of_a_step_on_four_ranks(arch):
     from shardtune.model.hf import load_hf_config
@@ -90,17 +102,10 @@ def test_a_tied_embedding_gradient_is_summed_in_place_as_in_a_real_step():
     buffer, which a real step sums in place; under the trace's dispatch mode autograd sums out of
     place (issue 36: one vocab x hidden too many, +16 % here, +4.8 % on GPT-2 small's 2-rank
     checkpointed row). The other sums of the step (residual streams) are traced as run too."""
-    from shardtune.model.hf import load_hf_config
-
     model = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
              "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 32000, "max_position_embeddings": 64,
              "tie_word_embeddings": True}
-    cfg = load_config(None, [f"model.config={json.dumps(model)}", "data.path=unused", "data.seq_len=16",
-                             "train.micro_batch_size=1", "train.global_batch_size=1", "device=cpu"])
-    hf_config = load_hf_config(cfg.model)
-    predicted = trace_step(cfg, hf_config, world_size=1).peak_bytes()
-    measured = measured_step(cfg, hf_config)
-    assert -0.01 <= (predicted - measured) / measured <= 0.03, (predicted, measured)
+    assert_traced_as_measured(model, "data.seq_len=16", "train.micro_batch_size=1", "train.global_batch_size=1")
 
 
 def test_rows_of_one_sequence_trace_no_mask_and_no_repeated_kv_heads():
@@ -108,31 +113,17 @@ def test_rows_of_one_sequence_trace_no_mask_and_no_repeated_kv_heads():
     positions' values and keeps no mask, and grouped-query attention takes its K/V heads as they
     are. On fake positions it assumed packed sequences: a seq x seq mask and each layer's K and V
     repeated to the query heads (+3.4 % on a tiny 4/2-head Llama, +6.4 % here)."""
-    from shardtune.model.hf import load_hf_config
-
     model = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64,
              "num_attention_heads": 8, "num_key_value_heads": 1, "vocab_size": 64, "max_position_embeddings": 128}
-    cfg = load_config(None, [f"model.config={json.dumps(model)}", "data.path=unused", "data.seq_len=64",
-                             "train.micro_batch_size=2", "train.global_batch_size=2", "device=cpu"])
-    hf_config = load_hf_config(cfg.model)
-    predicted = trace_step(cfg, hf_config, world_size=1).peak_bytes()
-    measured = measured_step(cfg, hf_config)
-    assert -0.01 <= (predicted - measured) / measured <= 0.03, (predicted, measured)
+    assert_traced_as_measured(model, "data.seq_len=64", "train.micro_batch_size=2", "train.global_batch_size=2")
 
 
 def test_an_fp16_step_is_measured_with_its_optimizer_state():
     """fp16's gradient scaler skips a random model's first steps (overflow at its initial scale),
     and a skipped step makes no optimizer state: the measure's warm-up step left none, and the
     traced fp16 peak (with the state a steady run holds) read +67 % over it."""
-    from shardtune.model.hf import load_hf_config
-
-    model = {**TINY["llama"], "vocab_size": 300}
-    cfg = load_config(None, [f"model.config={json.dumps(model)}", "data.path=unused", "data.seq_len=32",
-                             "train.micro_batch_size=2", "train.global_batch_size=2", "device=cpu", "precision=fp16"])
-    hf_config = load_hf_config(cfg.model)
-    predicted = trace_step(cfg, hf_config, world_size=1).peak_bytes()
-    measured = measured_step(cfg, hf_config)
-    assert -0.01 <= (predicted - measured) / measured <= 0.03, (predicted, measured)
+    assert_traced_as_measured({**TINY["llama"], "vocab_size": 300}, "data.seq_len=32", "train.micro_batch_size=2",
+                              "train.global_batch_size=2", "precision=fp16")
 
 
 def test_plan_prints_a_command_line_that_loads(tmp_path):
