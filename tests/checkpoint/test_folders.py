@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from shardtune.checkpoint.folders import resolve_checkpoint
+from shardtune.checkpoint.folders import resolve_checkpoint, step_of
 from shardtune.checkpoint.rundir import prepare_run_dir, release_run_dir
 from shardtune.config.load import load_config
 from shardtune.errors import UserError
@@ -112,3 +112,22 @@ def test_a_checkpoint_whose_steps_disagree_is_refused(tmp_path, edit):
     (folder / "meta.json").write_text(json.dumps({**meta, "format": 2, "train_state": {"step": 2}, **edit}))
     with pytest.raises(UserError, match=r"is inconsistent: its folder name and meta.json give steps 2, [57]"):
         read_meta(folder)
+
+
+def test_keep_last_after_a_resume_from_an_earlier_checkpoint_keeps_this_runs_own(tmp_path, one_rank):
+    """Resumed from step 4 of a run that saved 3, 4, 6, 8, 9 (a new lr, same folder), keep_last=2: the
+    new step 8 left only itself and the old 9, a checkpoint of the continuation the resume replaced."""
+    from shardtune.checkpoint.dcp import Checkpointer
+    from shardtune.config.schema import CheckpointConfig
+
+    fake_run(tmp_path, steps=(3, 4, 6, 8, 9))
+    root = tmp_path / "checkpoints"
+    ckpt = Checkpointer(root, CheckpointConfig(keep_last=2), tensors=None, states={})
+    config = json.loads((root / "step-000004" / "meta.json").read_text())["config"]
+    for step, kept in [(6, [4, 6, 8, 9]), (8, [6, 8, 9])]:  # the old 8 and 9 go as the run reaches them
+        tmp = root / f".tmp-step-{step:06d}"
+        tmp.mkdir()
+        (tmp / ".metadata").write_text("")
+        ckpt._write_rest(None, tmp, {"step": step, "config": config})
+        assert sorted(step_of(p) for p in root.glob("step-*")) == kept
+    assert (root / "latest").read_text() == "step-000008\n"

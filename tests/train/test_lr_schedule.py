@@ -45,3 +45,20 @@ def test_transformers_cosine_with_min_lr_differs_in_warmup_only():
                        min_lr_rate=0.1)
     differ = [s for s in range(101) if lr_factor(s, 100, cfg) != pytest.approx(theirs(s), abs=1e-12)]
     assert differ == list(range(10))
+
+
+def test_a_resume_on_another_schedule_says_so():
+    """max_steps raised from 10 to 14 on resume at step 6: step 7's cosine lr jumped from 5.5e-4 to
+    7.75e-4 without a word; the same schedule says nothing, nor a change that leaves step 7's lr."""
+    from shardtune.train.optim import schedule_change
+
+    saved = {"lr": 1e-3, "warmup_steps": 2, "max_steps": 10, "min_lr_ratio": 0.1, "added_later": 1}
+    now = TrainConfig(lr=1e-3, warmup_steps=2, max_steps=14)
+    line = schedule_change(saved, now, 6, 4)
+    assert line == ("learning rate: step 7 trains at 0.000775, where the checkpoint's run was at 0.00055: the "
+                    "schedule is this run's (cosine over 14 steps, the checkpoint's run 10), taken up at step 6")
+    assert schedule_change(saved, TrainConfig(lr=1e-3, warmup_steps=2, max_steps=10), 6, 4) is None
+    assert schedule_change({**saved, "max_steps": 0, "epochs": 2.5}, TrainConfig(lr=1e-3, warmup_steps=2,
+                                                                                 max_steps=10), 6, 4) is None
+    assert "(constant over 10 steps)" in schedule_change(saved, TrainConfig(lr=1e-3, warmup_steps=2, max_steps=10,
+                                                                            lr_schedule="constant"), 6, 4)

@@ -28,7 +28,7 @@ import time
 import warnings
 from pathlib import Path
 
-from shardtune.checkpoint.folders import MODEL_FILES, complete_checkpoints, find_latest, read_meta
+from shardtune.checkpoint.folders import MODEL_FILES, complete_checkpoints, find_latest, read_meta, step_of
 from shardtune.config.schema import CheckpointConfig
 from shardtune.diskspace import free_bytes, human_size, no_room, tensor_bytes
 from shardtune.errors import UserError, first_line
@@ -240,10 +240,12 @@ class Checkpointer:
         os.rename(tmp, final)
         write_text_atomic(self.root / "latest", final.name + "\n", sync=True)
         shutil.rmtree(trash, ignore_errors=True)
-        keep = self.cfg.keep_last
-        for old in complete_checkpoints(self.root)[:-keep] if keep else []:
-            if old != final:
-                shutil.rmtree(old, ignore_errors=True)
+        # keep_last counts this run's checkpoints, up to this one: later steps are what a resume from an
+        # earlier checkpoint left behind (each replaced once the run reaches its step), and counting them
+        # removed this run's own (keep_last=2 after a resume from step 4 of 3,4,6,8,9: new 8, old 9 kept)
+        keep, ours = self.cfg.keep_last, [p for p in complete_checkpoints(self.root) if step_of(p) <= meta["step"]]
+        for old in ours[:-keep] if keep else []:
+            shutil.rmtree(old, ignore_errors=True)
         self.committed(final, meta["step"])
 
     def load(self, path: str | Path) -> dict:

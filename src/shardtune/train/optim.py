@@ -132,6 +132,23 @@ def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
     return cfg.lr * lr_factor(step, total, cfg)
 
 
+def schedule_change(saved: dict, now: TrainConfig, step: int, steps_per_epoch: int) -> str | None:
+    """A resume from step `step` trains on this run's schedule; where the checkpoint's run (its
+    train config, `saved`) had trained the next step at another lr, one line says so: a raised
+    train.max_steps or epochs stretches the decay and the lr jumps back up, without a word before."""
+    import dataclasses
+
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    old = TrainConfig(**{k: v for k, v in saved.items() if k in known})  # a key added since: its default
+    then_total, total = total_steps(old, steps_per_epoch), total_steps(now, steps_per_epoch)
+    then, lr = lr_at(step, then_total, old), lr_at(step, total, now)
+    if math.isclose(then, lr, rel_tol=1e-9, abs_tol=0.0):
+        return None
+    span = f"{total} steps, the checkpoint's run {then_total}" if total != then_total else f"{total} steps"
+    return (f"learning rate: step {step + 1} trains at {lr:.4g}, where the checkpoint's run was at {then:.4g}: "
+            f"the schedule is this run's ({now.lr_schedule} over {span}), taken up at step {step}")
+
+
 def set_lr(optimizer, lr: float) -> None:
     """Every group at `lr` times its own scale (LoRA+'s B matrices: the ratio)."""
     for group in optimizer.param_groups:

@@ -39,7 +39,7 @@ from shardtune.telemetry.metrics import (
     matmul_params,
     memory_stats,
 )
-from shardtune.train.optim import total_steps
+from shardtune.train.optim import schedule_change, total_steps
 from shardtune.train.state import LoopParts, QueuedStep, TrainState, seed_everything
 from shardtune.train.step import evaluate, queue_numbers, read_numbers, train_step
 
@@ -132,6 +132,9 @@ class Trainer:
         self.publishing = Publishing(cfg, out, run.publishes, dist.is_main, self.say, resuming=bool(resume_from))
         if note := space_warning(out / "checkpoints", cfg.checkpoint, checkpoint_bytes(model, dist.world_size),
                                  self.total_steps, self.plan.steps_per_epoch):
+            self.say(note)
+        if meta is not None and (note := schedule_change(meta["config"].get("train", {}), t, self.state.step,
+                                                          self.plan.steps_per_epoch)):
             self.say(note)
         if meta is not None and meta["world_size"] != dist.world_size:
             self.say(f"checkpoint written by {meta['world_size']} rank(s), resuming on {dist.world_size}: "
