@@ -106,6 +106,32 @@ def test_study_prunes_resumes_and_draws(assets, tmp_path, monkeypatch, capsys):
     assert "another space" in capsys.readouterr().err
 
 
+def test_an_interrupted_trial_is_not_counted_as_a_finished_one(assets, tmp_path, monkeypatch):
+    """Ctrl-C during a trial: optuna marks it failed, and a rerun counted it towards --trials (a
+    search of 3 ran 2, the table said the interrupted values failed); another runs in its place."""
+    calls = []
+    fake_trials(monkeypatch, calls)
+    fake = search_lib.run_trial
+
+    def interrupted_second(*args, **kwargs):
+        if len(calls) == 1:
+            calls.append("interrupted")
+            raise KeyboardInterrupt
+        return fake(*args, **kwargs)
+
+    monkeypatch.setattr(search_lib, "run_trial", interrupted_second)
+    monkeypatch.setattr("shardtune.sweep.grid.check_models", lambda *args: None)  # seconds, and not this test's
+    monkeypatch.setattr("shardtune.sweep.search_report.draw", lambda *args: [])
+    out = tmp_path / "search"
+    argv = ["sweep", *overrides(assets, tmp_path), "--search", "train.lr=loguniform:1e-5:1e-1", "--steps", "2",
+            "--trials", "3", "--pruner", "none", "--out", str(out)]
+    assert main(argv) != 0 and calls == ["trial-0000", "interrupted"]
+    assert main(argv) == 0
+    assert calls[2:] == ["trial-0002", "trial-0003"]  # the interrupted trial 1 is not one of the 3
+    assert [(r["state"], r["note"]) for r in csv_rows(out)] == [
+        ("complete", ""), ("fail", "interrupted: not counted"), ("complete", ""), ("complete", "")]
+
+
 def test_search_without_optuna_names_its_extra(assets, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "optuna", None)  # as if not installed
     code = main(["sweep", *overrides(assets, tmp_path), "--search", "train.lr=uniform:0.1:0.2", "--out",

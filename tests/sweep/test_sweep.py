@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import subprocess
 import sys
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import TINY, child_env, run_cli, tiny_overrides
 from shardtune.cli.main import main
 from shardtune.config.load import dump_yaml, load_config
 from shardtune.sweep.max_batch import search_max_batch, seed_index
-from shardtune.sweep.report import _size
+from shardtune.sweep.report import _size, slug
 from shardtune.sweep.trial import CAPPED_ENV
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -158,6 +161,43 @@ def test_the_search_probes_few_micro_batches():
     assert seed_index(candidates, 16, 1000, lambda mb: 100 * mb) == 3
     assert seed_index(candidates, 16, None, lambda mb: 100 * mb) == 4
     assert seed_index(candidates, 16, 50, lambda mb: 100 * mb) == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), n=st.integers(1, 12), boundary=st.integers(0, 12), seed=st.integers(0, 11),
+       better=st.none() | st.integers(-2, 14))
+def test_the_search_finds_the_boundary_of_any_monotone_pattern(data, n, boundary, seed, better):
+    """Any candidates, seed and reseed: the largest fitting micro-batch (at the first or the last
+    candidate too), each tried once, few trials; a broken candidate ends the search at a true fit."""
+    candidates = sorted(data.draw(st.sets(st.integers(1, 512), min_size=n, max_size=n)))
+    boundary, seed = min(boundary, n), min(seed, n - 1)
+    broken = data.draw(st.none() | st.sampled_from(candidates))
+    tried = []
+
+    def attempt(mb):
+        assert mb not in tried
+        tried.append(mb)
+        return "broken" if mb == broken else "fits" if candidates.index(mb) < boundary else "too_big"
+
+    best, why = search_max_batch(candidates, seed, attempt, lambda: better)
+    truth = candidates[boundary - 1] if boundary else None
+    if broken in tried:
+        assert why == "broken" and (best is None or best <= (truth or 0))
+    else:
+        assert (best, why) == (truth, "none fits" if not boundary else "all fit" if boundary == n else "boundary")
+        assert len(tried) <= 2 * n.bit_length() + 2
+
+
+def test_every_grid_point_has_its_own_trial_name():
+    """A name cut at 150 characters (six keys) or stripped of '/' made two points one trial: the
+    second point was "already done" and the table showed the first point's numbers for it."""
+    six = {"fsdp.sharding": "full_shard", "activation_checkpointing": "true", "model.config.num_hidden_layers": "2",
+           "train.optimizer": "adamw", "fsdp.reshard_after_forward": "true", "precision": "bf16"}
+    pairs = [(six, {**six, "precision": "fp32"}), ({"data.path": "/a/b.json"}, {"data.path": "/ab.json"}),
+             ({"train.betas": "[0.9,0.95]"}, {"train.betas": "0.9-0.95"})]
+    for a, b in pairs:
+        assert slug(a) != slug(b) and re.fullmatch(r"[A-Za-z0-9_.-]{1,160}", slug(a)), (slug(a), slug(b))
+    assert slug({"precision": "bf16"}) == "precision-bf16"  # a plain point keeps its readable name
 
 
 @pytest.mark.parametrize("args, message", [

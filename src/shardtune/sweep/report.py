@@ -4,6 +4,8 @@ point) and PNG plots of throughput and memory against the micro-batch."""
 from __future__ import annotations
 
 import csv
+import hashlib
+import json
 import re
 from pathlib import Path
 
@@ -13,9 +15,15 @@ from shardtune.telemetry.plots import fmt, save_bars, save_plot
 
 
 def slug(point: dict) -> str:
-    """A grid point as a file name (its trial's folder)."""
+    """A grid point as a file name (its trial's folder and its name in sweep.json). A name cut
+    short or stripped of characters gets a hash of the point: two points whose names came out
+    alike were one trial (the second reused the first's record)."""
     text = "_".join(f"{k}-{v}" for k, v in point.items()) or "recipe"
-    return re.sub(r"[^A-Za-z0-9_.-]+", "", text.replace("=", "-").replace(",", "-"))[:150]
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "", text.replace("=", "-").replace(",", "-"))
+    if name == text and len(name) <= 150:
+        return name
+    digest = hashlib.sha1(json.dumps(list(point.items())).encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    return f"{name[:150]}-{digest}"
 
 
 COLUMNS = ["micro_batch", "accumulation", "status", "tokens_per_s", "step_time_s", "mfu", "mem_allocated_gib",

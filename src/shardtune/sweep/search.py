@@ -24,7 +24,7 @@ DISTRIBUTIONS = ("loguniform", "uniform", "int", "logint", "choice")
 SAMPLERS = ("tpe", "random")
 PRUNERS = ("median", "halving", "none")
 OBJECTIVES = {"val_loss": "eval_loss", "eval_loss": "eval_loss", "val_ppl": "eval_ppl", "eval_ppl": "eval_ppl"}
-FINISHED = ("COMPLETE", "PRUNED", "FAIL")  # trial states that count towards --trials
+FINISHED = ("COMPLETE", "PRUNED", "FAIL")  # trial states that count towards --trials (`counts`)
 SEARCH_FILES = ("study.db", "study.db-journal", "search.csv", "search.md", "trials")  # with the plots
 HEARTBEAT_S = 10  # a trial whose worker stopped beating this many x 3 seconds ago is marked failed
 
@@ -287,8 +287,15 @@ def trial_folder(sweep: Sweep, study_name: str, number: int) -> str:
     return f"{own}-{safe}"
 
 
+def counts(trial) -> bool:
+    """A trial that counts towards --trials: complete, pruned, or failed after its process ended
+    (it has a record). One stopped by Ctrl-C or whose worker died (failed by the heartbeat) says
+    nothing of its values; a rerun runs another in its place, as the grid sweep reruns one."""
+    return trial.state.name in FINISHED and (trial.state.name != "FAIL" or "record" in trial.user_attrs)
+
+
 def finished(study) -> int:
-    return sum(1 for t in study.get_trials(deepcopy=False) if t.state.name in FINISHED)
+    return sum(1 for t in study.get_trials(deepcopy=False) if counts(t))
 
 
 def run_search(sweep: Sweep, search: Search) -> Path:
@@ -297,7 +304,7 @@ def run_search(sweep: Sweep, search: Search) -> Path:
     from shardtune.sweep.search_report import write_search_outputs
 
     try:
-        import optuna
+        import optuna  # noqa: F401  here: its absence is one line, before any check
     except ImportError:
         raise UserError("--search needs the 'optuna' package: pip install 'shardtune[tune]'") from None
     check(sweep, search)
@@ -310,8 +317,10 @@ def run_search(sweep: Sweep, search: Search) -> Path:
     cap = sweep.mem_limit if sweep.device == "cpu" else None
     try:
         if done < search.trials:
-            stop = optuna.study.MaxTrialsCallback(search.trials, states=tuple(
-                getattr(optuna.trial.TrialState, s) for s in FINISHED))
+            def stop(study, _trial) -> None:  # other workers' trials count too
+                if finished(study) >= search.trials:
+                    study.stop()
+
             study.optimize(objective_of(sweep, search, cap), n_trials=search.trials - done, catch=(TrialFailed,),
                            callbacks=[stop], gc_after_trial=False)
     finally:  # also after an interrupt: what is done is written

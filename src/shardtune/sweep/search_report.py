@@ -20,8 +20,10 @@ def trial_rows(study) -> list[dict]:
     for t in study.get_trials(deepcopy=False):
         record = t.user_attrs.get("record", {})
         last_step = max(t.intermediate_values) if t.intermediate_values else None
+        # failed without a record: stopped by Ctrl-C or a dead worker, not counted (search.counts)
+        note = "interrupted: not counted" if t.state.name == "FAIL" and not record else record.get("note", "")
         rows.append({"trial": t.number, "state": t.state.name.lower(), "value": t.value, **t.params,
-                     "last_step": last_step, "seconds": record.get("seconds"), "note": record.get("note", "")})
+                     "last_step": last_step, "seconds": record.get("seconds"), "note": note})
     return rows
 
 
