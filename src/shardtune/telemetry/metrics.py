@@ -166,12 +166,14 @@ def matmul_params(model) -> tuple[int, int]:
     embedding lookups (an LM head counts even when tied to the input embedding: it multiplies),
     and of a mixture of experts' fused 3-D expert weights (experts x ...) only the share of the
     experts each token is routed to (`num_experts_per_tok` of them): FLOPs follow the active
-    experts, memory (not counted here) all of them."""
+    experts, memory (not counted here) all of them. Each weight counts once, where it is a parameter."""
 
     top_k = config_value(model.config, "num_experts_per_tok")
     total = trainable = 0
     for module in model.modules():
-        weight = getattr(module, "weight", None)
+        # the module's own parameter: an adapter's wrapper (peft's lora.Linear) answers `weight` with
+        # its base layer's, which is counted where it lives
+        weight = module._parameters.get("weight")
         if not isinstance(module, nn.Embedding) and weight is not None and weight.ndim == 2:
             total += weight.numel()
             trainable += weight.numel() if weight.requires_grad else 0
