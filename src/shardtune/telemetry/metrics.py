@@ -147,18 +147,43 @@ def flops_per_token(num_params: int, hf_config, seq_len: int, trainable: int | N
     return _weight_flops(num_params, trainable) + 3.0 * attention_flops(hf_config, seq_len)
 
 
-def flops_rates(num_params: int, hf_config, seq_len: int, trainable: int | None = None) -> tuple[float, float]:
+def flops_rates(num_params: int, hf_config, seq_len: int, trainable: int | None = None,
+                reach: tuple[int, float] | None = None) -> tuple[float, float]:
     """(training FLOPs per token of the weights, training FLOPs per (query, key) pair of attention):
     `flops_per_token` split so that a step's attention follows its documents' lengths, not
     `seq_len`'s. Attention's FLOPs per token grow with the tokens attended to (counted at `seq_len`
     by `attention_flops`), so a document of l tokens costs l² pairs: a short instruct example (padded
     or not) or a document of a masked packed row costs what it computes alone; l = seq_len is
-    `flops_per_token`."""
-    return _weight_flops(num_params, trainable), 3.0 * attention_flops(hf_config, seq_len) / seq_len
+    `flops_per_token`. `reach`: how far backward goes (`backward_reach`; None: through everything)."""
+    input_grads, attention_share = reach if reach is not None else (None, 1.0)
+    return (_weight_flops(num_params, trainable, input_grads),
+            (1.0 + 2.0 * attention_share) * attention_flops(hf_config, seq_len) / seq_len)
 
 
-def _weight_flops(num_params: int, trainable: int | None) -> float:
-    return 4.0 * num_params + 2.0 * (num_params if trainable is None else trainable)
+def _weight_flops(num_params: int, trainable: int | None, input_grads: int | None = None) -> float:
+    return (2.0 * num_params + 2.0 * (num_params if input_grads is None else input_grads)
+            + 2.0 * (num_params if trainable is None else trainable))
+
+
+def _matmul_weights(model):
+    """(elements a token is multiplied by, the weight, whether backward computes that matmul's input
+    gradient) of each weight `matmul_params` counts, in model order (embeddings first, head last).
+    Backward computes an input gradient only on the way to a parameter that trains: below the
+    first one (frozen blocks under freeze.trainable_blocks, all but the head with freeze.head_only)
+    it stops. A peft model's frozen input embedding passes a gradient on (adapters._inputs_carry_grad):
+    every weight's."""
+    top_k = config_value(model.config, "num_experts_per_tok")
+    below_trained = hasattr(model, "peft_config")
+    for module in model.modules():
+        # the module's own parameter: an adapter's wrapper (peft's lora.Linear) answers `weight` with
+        # its base layer's, which is counted where it lives
+        weight = module._parameters.get("weight")
+        if not isinstance(module, nn.Embedding) and weight is not None and weight.ndim == 2:
+            yield weight.numel(), weight, below_trained
+        for param in module.parameters(recurse=False):
+            if param.ndim == 3 and top_k:
+                yield param.numel() * min(top_k, param.shape[0]) // param.shape[0], param, below_trained
+        below_trained = below_trained or any(p.requires_grad for p in module.parameters(recurse=False))
 
 
 def matmul_params(model) -> tuple[int, int]:
@@ -166,21 +191,24 @@ def matmul_params(model) -> tuple[int, int]:
     embedding lookups (an LM head counts even when tied to the input embedding: it multiplies),
     and of a mixture of experts' fused 3-D expert weights (experts x ...) only the share of the
     experts each token is routed to (`num_experts_per_tok` of them): FLOPs follow the active
-    experts, memory (not counted here) all of them."""
+    experts, memory (not counted here) all of them. Each weight counts once, where it is a parameter."""
+    weights = list(_matmul_weights(model))
+    return sum(n for n, _, _ in weights), sum(n for n, w, _ in weights if w.requires_grad)
 
-    top_k = config_value(model.config, "num_experts_per_tok")
-    total = trainable = 0
-    for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if not isinstance(module, nn.Embedding) and weight is not None and weight.ndim == 2:
-            total += weight.numel()
-            trainable += weight.numel() if weight.requires_grad else 0
-        for param in module.parameters(recurse=False):
-            if param.ndim == 3 and top_k:
-                active = param.numel() * min(top_k, param.shape[0]) // param.shape[0]
-                total += active
-                trainable += active if param.requires_grad else 0
-    return total, trainable
+
+def backward_reach(model, block_cls: type | None) -> tuple[int, float]:
+    """How far backward goes: (the elements of `matmul_params`' weights whose input gradient it
+    computes, 2 FLOPs per token each; the share of the `block_cls` blocks whose attention it passes
+    through, 2 x attention's forward FLOPs each). All of them, 1.0, in a model whose first parameters
+    train; with freeze.trainable_blocks=k, the top k blocks'; with freeze.head_only, none."""
+    through = sum(n for n, _, reached in _matmul_weights(model) if reached)
+    modules = list(model.modules())
+    first = 0 if hasattr(model, "peft_config") else next(
+        (i for i, m in enumerate(modules) if any(p.requires_grad for p in m.parameters(recurse=False))), len(modules))
+    # a block is reached when a trained parameter lies in it or before it: its last module's index
+    ends = [i + sum(1 for _ in m.modules()) - 1 for i, m in enumerate(modules)
+            if block_cls is not None and isinstance(m, block_cls)]
+    return through, (sum(first <= end for end in ends) / len(ends) if ends else 1.0)
 
 
 def state_bytes(model, optimizer) -> dict:

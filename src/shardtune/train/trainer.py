@@ -34,6 +34,7 @@ from shardtune.telemetry.metrics import (
     StepClock,
     StepMeter,
     StepProfiler,
+    backward_reach,
     device_peak_flops,
     flops_rates,
     matmul_params,
@@ -101,7 +102,8 @@ class Trainer:
                            histograms=bool(HISTOGRAM_TRACKERS & set(cfg.log.trackers)))
         total, trainable = count_params(model)
         matmul, matmul_trainable = matmul_params(model)
-        self.flops = flops_rates(matmul, hf_config, cfg.data.seq_len, matmul_trainable)
+        self.flops = flops_rates(matmul, hf_config, cfg.data.seq_len, matmul_trainable,
+                                 backward_reach(model, self.built.block_cls))
         self.say(f"model: {type(model).__name__.removeprefix('FSDP')} {total:,} params "
                  f"({trainable:,} trainable, {100 * trainable / max(total, 1):.3g}%) | "
                  f"{dist.world_size} rank(s) on {dist.device.type} | {cfg.fsdp.sharding} | {cfg.precision} | "
