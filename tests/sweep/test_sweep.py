@@ -161,6 +161,8 @@ def test_the_search_probes_few_micro_batches():
     assert seed_index(candidates, 16, 1000, lambda mb: 100 * mb) == 3
     assert seed_index(candidates, 16, None, lambda mb: 100 * mb) == 4
     assert seed_index(candidates, 16, 50, lambda mb: 100 * mb) == 0
+    # a size the planner cannot predict (None) is not taken for one that fits: no TypeError either
+    assert seed_index(candidates, 16, 1000, lambda mb: 100 * mb if mb <= 4 else None) == 2
 
 
 @settings(max_examples=300, deadline=None)

@@ -57,7 +57,8 @@ def seed_index(candidates: list[int], start: int, budget: int | None, predict=No
     lo, hi = -1, len(candidates)
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if predict(candidates[mid]) <= budget else (lo, mid)
+        peak = predict(candidates[mid])  # None: the planner cannot say at this size (taken as not fitting)
+        lo, hi = (mid, hi) if peak is not None and peak <= budget else (lo, mid)
     return max(lo, 0)
 
 
