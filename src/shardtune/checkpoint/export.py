@@ -65,7 +65,7 @@ def write_export(path: Path, out: Path, max_shard_size: int | str = "2GB", repla
     from transformers.utils import logging as hf_logging
 
     from shardtune.checkpoint.folders import read_meta
-    from shardtune.checkpoint.loading import checkpoint_config, known_fields, load_plain_model
+    from shardtune.checkpoint.loading import checkpoint_config, load_plain_model
     from shardtune.model.hf import load_generation_config
 
     hf_logging.set_verbosity_error()
@@ -82,7 +82,7 @@ def write_export(path: Path, out: Path, max_shard_size: int | str = "2GB", repla
     model, tokenizer, meta = load_plain_model(path)
     with atomic_dir(out, replace=replace) as tmp:  # a disk that fills half-way leaves no folder that loads
         if getattr(model, "peft_config", None):  # a peft run's checkpoint: the adapter, as in final/
-            from shardtune.config.schema import ModelConfig, PeftConfig
+            from shardtune.config.schema import ModelConfig, PeftConfig, known_fields
 
             save_adapter_folder(model.state_dict(), model, known_fields(ModelConfig, meta["config"].get("model", {})),
                                 known_fields(PeftConfig, meta["config"].get("peft", {})), model.config, tokenizer, tmp,

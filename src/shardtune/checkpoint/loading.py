@@ -141,7 +141,7 @@ def _folded_config(hf_config, peft: dict, run_cfg=None):
 def adapter_structure(spec: str):
     """The peft structure of the model `load_model(spec)` returns (a PeftConfig; method none for a
     plain or folded model), so that every rank builds the same skeleton for it: cheap, no weights."""
-    from shardtune.config.schema import PeftConfig
+    from shardtune.config.schema import PeftConfig, known_fields
     from shardtune.model.adapters import peft_config_of
 
     kind, where = resolve_model(spec)
@@ -154,11 +154,6 @@ def adapter_structure(spec: str):
     else:
         return PeftConfig()
     return PeftConfig() if peft.mergeable else peft
-
-
-def known_fields(cls, values: dict):
-    """A config dataclass from a saved section (a checkpoint's; keys of other versions dropped)."""
-    return cls(**{k: v for k, v in values.items() if k in cls.__dataclass_fields__})
 
 
 def checkpoint_config(path: Path, meta: dict):
@@ -193,7 +188,7 @@ def load_plain_model(path: Path, device: str = "cpu"):
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, trust_remote_code=trust)
     peft_cfg = meta["config"].get("peft", {})
     if peft_cfg.get("method", "none") != "none":  # the checkpoint holds the adapter-wrapped names
-        from shardtune.config.schema import PeftConfig
+        from shardtune.config.schema import PeftConfig, known_fields
         from shardtune.model.adapters import add_adapter
 
         # the structure only: every value (PiSSA/OLoRA's residual base too) comes from the checkpoint

@@ -274,6 +274,12 @@ class RunConfig(Section):
 PATH_KEYS = frozenset({"output_dir", "resume", "model.name_or_path", "model.tokenizer", "data.path"})
 
 
+def known_fields(cls, values: dict):
+    """A config section (dataclass `cls`) from a saved one (a checkpoint's): keys of other versions
+    dropped, keys added since at their defaults."""
+    return cls(**{k: v for k, v in values.items() if k in cls.__dataclass_fields__})
+
+
 def config_keys(cls=None, prefix: str = "") -> list[str]:
     """Every dotted key of the schema, walked from the dataclasses (`recipe` is the loader's)."""
     cls = cls or RunConfig

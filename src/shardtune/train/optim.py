@@ -21,7 +21,7 @@ from fractions import Fraction
 import torch
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from shardtune.config.schema import TrainConfig
+from shardtune.config.schema import TrainConfig, known_fields
 from shardtune.config.validation import INT_LIMIT
 from shardtune.errors import UserError
 
@@ -136,10 +136,7 @@ def schedule_change(saved: dict, now: TrainConfig, step: int, steps_per_epoch: i
     """A resume from step `step` trains on this run's schedule; where the checkpoint's run (its
     train config, `saved`) had trained the next step at another lr, one line says so: a raised
     train.max_steps or epochs stretches the decay and the lr jumps back up, without a word before."""
-    import dataclasses
-
-    known = {f.name for f in dataclasses.fields(TrainConfig)}
-    old = TrainConfig(**{k: v for k, v in saved.items() if k in known})  # a key added since: its default
+    old = known_fields(TrainConfig, saved)
     then_total, total = total_steps(old, steps_per_epoch), total_steps(now, steps_per_epoch)
     then, lr = lr_at(step, then_total, old), lr_at(step, total, now)
     if math.isclose(then, lr, rel_tol=1e-9, abs_tol=0.0):
