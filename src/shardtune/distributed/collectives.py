@@ -42,6 +42,18 @@ def all_sum(*values, device) -> list[float]:
     return all_sum_on_device(*values, device=device).tolist()
 
 
+def all_max(values: dict, device) -> dict:
+    """`values` (numbers by name; every rank has the same names) each at its largest over all ranks, as
+    floats (one all-reduce; a host sync): a peak that is one device's, like its memory, is the fullest one's."""
+    import torch.distributed as dist
+
+    if not values or dist.get_world_size() == 1:
+        return values
+    t = stack_on_device(*values.values(), device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return dict(zip(values, t.tolist(), strict=True))
+
+
 def all_sum_on_device(*values, device):
     """The element-wise sum of `values` over all ranks as one float64 tensor on `device`: the
     all-reduce is queued, nothing waits for it until the tensor is read."""
