@@ -43,13 +43,17 @@ def all_sum(*values, device) -> list[float]:
 
 
 def all_max(values: dict, device) -> dict:
-    """`values` (numbers by name; every rank has the same names) each at its largest over all ranks, as
-    floats (one all-reduce; a host sync): a peak that is one device's, like its memory, is the fullest one's."""
+    """`values` (host numbers by name; every rank has the same names) each at its largest over all
+    ranks: a peak that is one device's, like its memory, is the fullest one's. Reduced in host
+    memory where the group has a CPU backend (gloo beside NCCL: init_distributed's): a tensor
+    on `device` would wait for the work queued there, the next step's included."""
+    import torch
     import torch.distributed as dist
 
     if not values or dist.get_world_size() == 1:
         return values
-    t = stack_on_device(*values.values(), device=device)
+    where = "cpu" if "cpu:" in dist.get_backend_config() else device
+    t = torch.tensor(list(values.values()), dtype=torch.float64, device=where)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return dict(zip(values, t.tolist(), strict=True))
 
