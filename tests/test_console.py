@@ -75,6 +75,20 @@ def test_other_failures_of_the_console_are_not_taken_for_a_reader_leaving(monkey
         print("x")
 
 
+def test_a_log_handler_closing_its_stream_leaves_the_console_open(monkeypatch):
+    """absl's handler (rouge-score sets it up: `eval --generate`) closes the stream it took at exit
+    unless that is sys.stderr then, which the wrapper no longer is: stderr was closed, and a rank of
+    torchrun died flushing it on its way out (lifecycle.leave_rank)."""
+    absl_logging = pytest.importorskip("absl.logging")
+    stream = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stream)
+    with guarded_console():
+        handler = absl_logging.PythonHandler(stream=sys.stderr)
+        handler.stream.write("a line\n")
+    handler.close()
+    assert not stream.closed and stream.getvalue() == "a line\n"
+
+
 @pytest.mark.parametrize("command", COMMANDS)
 def test_which_commands_stop(monkeypatch, command):
     monkeypatch.delenv("WORLD_SIZE", raising=False)

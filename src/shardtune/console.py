@@ -64,6 +64,13 @@ class _Guarded:
         for line in lines:
             self.write(line)
 
+    def close(self) -> None:
+        """Only flushed: the process's stream is not the wrapper's to close. A library's log handler
+        closes the stream it took at exit (absl's, which rouge-score sets up, when the stream is not
+        the sys.stderr of that moment: this wrapper, once the command is over), and the rank's own
+        exit (lifecycle.leave_rank) then died flushing a closed stderr."""
+        self.flush()
+
     def flush(self) -> None:
         if self.reader_left:
             return

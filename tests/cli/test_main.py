@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 from conftest import run_cli
-from shardtune.cli.main import main
+from shardtune.cli.main import COMMANDS, main
+from shardtune.errors import UserError
 
 
 @pytest.mark.parametrize("argv", [["train", "train.max_steps=1"], ["plan", "--gpus", "1", "--gpu-mem", "16GiB"],
@@ -50,6 +53,32 @@ def test_a_name_that_is_not_utf8_is_one_line(monkeypatch, capsys, tmp_path, argv
     assert len(err) == 1 and err[0].startswith("error: ") and "\\xff" in err[0] and "not UTF-8" in err[0], err
     assert "rename" in err[0]
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_a_one_process_command_refuses_to_be_a_rank_of_several(monkeypatch, capsys, tmp_path, command):
+    """Under `torchrun --nproc_per_node 2 -m shardtune CMD`, every rank did all of a one-process
+    command: generate and eval --generate printed everything twice (and both wrote --out), export's
+    second rank failed ("another process wrote there"). Only train and eval's loss take ranks."""
+    from shardtune.cli.common import RANKED, check_one_process
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for generate in (None, 3):
+        args = argparse.Namespace(command=command, generate=generate)
+        if command in RANKED and generate is None:
+            check_one_process(args)
+        else:
+            with pytest.raises(UserError, match=r"runs in one process, and this is one of WORLD_SIZE=2 ranks"):
+                check_one_process(args)
+    monkeypatch.setenv("WORLD_SIZE", "1")  # torchrun --nproc_per_node 1: a process of its own
+    check_one_process(argparse.Namespace(command=command, generate=3))
+    if command == "export":  # one line, exit 2, nothing written
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("RANK", "0")
+        assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: shardtune export runs in one process"), err
+        assert list(tmp_path.iterdir()) == []
 
 
 def test_an_ascii_locale_runs_in_utf8_mode(tmp_path):

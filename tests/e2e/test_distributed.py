@@ -150,6 +150,7 @@ def test_two_ranks_match_one_process_for_every_sharding(assets, baseline, baseli
     prompt tuning);
     the planner's traced peak agrees with the step really run on 2 ranks where gloo's own copies
     decide the peak (tests/plan_measured.py);
+    the logged peak memory is the fullest rank's;
     a locally saved GPT-2 and Llama load on 2 ranks exactly (rank 0's broadcast and model.sharded_load)
     and, written back by both ranks (checkpoint.sharded_final), load bitwise equal; final/ round-trips
     (job 0 writes it sharded); a checkpoint.hf_format checkpoint resumes on 2 ranks."""
@@ -182,6 +183,7 @@ def test_two_ranks_match_one_process_for_every_sharding(assets, baseline, baseli
         "hf_resume": {"resume": str(tmp_path / "full_shard" / "checkpoints" / "step-000003")},
     }
     spec = {"result": str(tmp_path / "result.json"), "load": saved, "export": True, "float8_on_cpu": True,
+            "rank_memory": True,
             "measure": MEASURED,
             "jobs": [tiny_overrides(assets, tmp_path / name, **extra) for name, extra in jobs.items()]
             + [peft_overrides(assets, tmp_path / name, name) for name in PEFT_METHODS]}
@@ -204,6 +206,9 @@ def test_two_ranks_match_one_process_for_every_sharding(assets, baseline, baseli
         assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < TOL, (name, got, want)
     for name in ("full_shard", "no_shard"):
         same_watch(tmp_path / name, baseline_dir)
+    # peak memory is the fullest rank's, not rank 0's: rank 1 reports 100 GiB more (dist_harness rank_memory)
+    logged = [json.loads(line) for line in (tmp_path / "full_shard" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["mem_rss_peak_gib"] > 100 for r in logged if "loss" in r), logged
     for name, overrides in MEASURED.items():
         error = traced_error(overrides, result["measured"][name], world_size=2)
         assert -UNDER <= error <= OVER, (name, error)

@@ -67,6 +67,24 @@ def check_only_with(args) -> None:
                             else f"{used} does nothing with {name}; drop {used}")
 
 
+# the commands whose work is split over ranks (torchrun, srun, --nproc); every other is one process's
+RANKED = ("train", "eval")
+
+
+def check_one_process(args) -> None:
+    """A command that is one process's work, started as one of several ranks (`torchrun
+    --nproc_per_node 2 -m shardtune export ...`): every rank did all of it, printing its product
+    once per rank and racing the others to write the same files (an export's second rank failed:
+    "another process wrote there"); one line instead. torchrun's WORLD_SIZE, not Slurm's task
+    count: an sbatch script's own step has one, and runs these commands alone."""
+    world = os.environ.get("WORLD_SIZE", "1").strip()
+    if not world.isdigit() or int(world) <= 1 or (args.command in RANKED and getattr(args, "generate", None) is None):
+        return
+    what = "eval --generate" if args.command == "eval" else args.command
+    raise UserError(f"shardtune {what} runs in one process, and this is one of WORLD_SIZE={world} ranks "
+                    "(torchrun started it); run it without torchrun (a stray WORLD_SIZE: unset it)")
+
+
 def add_decoding_args(p, temperature: float) -> None:
     """How `generate` and `eval --generate` decode."""
     p.add_argument("--max-new-tokens", type=positive_int, default=None,

@@ -134,8 +134,9 @@ def _main(argv: list[str] | None, console) -> int:
     quiet_third_party()
     die_with_launcher()  # a rank of `--nproc N` or torchrun: no training on after its launcher is gone
     try:
-        from shardtune.cli.common import check_only_with
+        from shardtune.cli.common import check_one_process, check_only_with
 
+        check_one_process(args)
         check_only_with(args)
         return importlib.import_module(f"shardtune.cli.{args.command}").run(args)
     except UserError as exc:

@@ -42,6 +42,22 @@ def all_sum(*values, device) -> list[float]:
     return all_sum_on_device(*values, device=device).tolist()
 
 
+def all_max(values: dict, device) -> dict:
+    """`values` (host numbers by name; every rank has the same names) each at its largest over all
+    ranks: a peak that is one device's, like its memory, is the fullest one's. Reduced in host
+    memory where the group has a CPU backend (gloo beside NCCL: init_distributed's): a tensor
+    on `device` would wait for the work queued there, the next step's included."""
+    import torch
+    import torch.distributed as dist
+
+    if not values or dist.get_world_size() == 1:
+        return values
+    where = "cpu" if "cpu:" in dist.get_backend_config() else device
+    t = torch.tensor(list(values.values()), dtype=torch.float64, device=where)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return dict(zip(values, t.tolist(), strict=True))
+
+
 def all_sum_on_device(*values, device):
     """The element-wise sum of `values` over all ranks as one float64 tensor on `device`: the
     all-reduce is queued, nothing waits for it until the tensor is read."""

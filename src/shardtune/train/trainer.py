@@ -17,7 +17,7 @@ from shardtune.data import batches as batching
 from shardtune.data import pipeline as data_lib
 from shardtune.data.packing import equal_blocks
 from shardtune.distributed.activation_memory import describe_memory_savers
-from shardtune.distributed.collectives import broadcast_value, rank0_first
+from shardtune.distributed.collectives import all_max, broadcast_value, rank0_first
 from shardtune.distributed.fsdp import build_mesh
 from shardtune.distributed.process_group import init_distributed
 from shardtune.errors import EXIT_PREEMPTED, UserError
@@ -333,9 +333,10 @@ class Trainer:
                 watched[HISTOGRAMS] = histograms
         if step % cfg.log.every_steps and step != self.total_steps:
             return ({"step": step, "epoch": epoch, **watched} if watched else {}), numbers.stop
+        # each rank's own peaks: the record holds the fullest device's (the one that runs out first)
+        memory = all_max({**memory_stats(self.dist.device), **live.read()}, self.dist.device)
         record = {"step": step, "epoch": epoch, "loss": loss, "lr": queued.lr, "grad_norm": grad_norm,
-                  "tokens_seen": self.state.tokens_seen, **meter.report(), **memory_stats(self.dist.device),
-                  **live.read(), **gpu.read(), **watched}
+                  "tokens_seen": self.state.tokens_seen, **meter.report(), **memory, **gpu.read(), **watched}
         if self.scaler:  # this step's, queued with it: the scaler's own is a later step's by now
             record["loss_scale"] = numbers.loss_scale
         progress.update(0, loss=loss, tok_s=record["tokens_per_s"])
