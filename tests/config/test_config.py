@@ -287,13 +287,13 @@ def test_a_structured_override_inside_a_free_form_mapping_is_its_value(override,
     import copy
     import pickle
 
-    from shardtune.config.load import Override
+    from shardtune.config.recipe_yaml import Written
 
     cfg = load_config(None, ["model.config.model_type=gpt2", "data.path=d.jsonl", override])
     value = cfg.model.config[override.split("=")[0].split(".")[-1]]
     assert value == want and type(value) is type(want)
     assert copy.deepcopy(cfg).model.config == cfg.model.config
-    text = Override("[1]", [1])  # and the override itself survives a copy
+    text = Written("[1]", [1])  # and the override itself survives a copy
     assert copy.deepcopy(text) == "[1]" and pickle.loads(pickle.dumps(text)).parsed == [1]
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import datetime
 import difflib
 import os
 import types
@@ -18,7 +19,7 @@ from typing import Any, Literal
 
 import yaml
 
-from shardtune.config.recipe_yaml import YAMLSyntaxError, load_yaml
+from shardtune.config.recipe_yaml import Written, YAMLSyntaxError, load_yaml
 from shardtune.config.schema import PATH_KEYS, RunConfig
 from shardtune.config.validation import validate
 from shardtune.errors import UserError, first_line
@@ -27,7 +28,8 @@ INPUT_KEYS = frozenset({"model.name_or_path", "model.tokenizer", "data.path"})  
 
 
 def parse_override(text: str) -> tuple[str, Any]:
-    """`train.lr=3e-5` -> ("train.lr", 3e-05). Values are parsed as YAML scalars/lists."""
+    """`train.lr=3e-5` -> ("train.lr", 3e-05 as Written: its text kept). Values are parsed as YAML
+    scalars/lists, as in a recipe."""
     key, sep, raw = text.partition("=")
     if not sep or not key:
         raise UserError(f"override {text!r} is not key=value; write it like train.lr=3e-5")
@@ -35,28 +37,16 @@ def parse_override(text: str) -> tuple[str, Any]:
         value = load_yaml(raw, f"the value of {key}") if raw != "" else None
     except YAMLSyntaxError:
         value = raw
-    if not isinstance(value, (str, type(None))) and not isinstance(value, (bool, int, float)):
-        value = Override(raw, value)  # `data.template=Q: {q}` reads as YAML but is meant as text
+    if not isinstance(value, (str, type(None), bool, int, float)):  # a number or date is a Written already
+        value = Written(raw, value)  # `data.template=Q: {q}` reads as YAML but is meant as text
     return key.strip(), value
-
-
-class Override(str):
-    """Command-line text that YAML read as a list/mapping: string-typed keys take the text."""
-
-    def __new__(cls, raw: str, parsed):
-        obj = super().__new__(cls, raw)
-        obj.parsed = parsed
-        return obj
-
-    def __getnewargs__(self):  # copy.deepcopy and pickle make it again from both
-        return str(self), self.parsed
 
 
 def _plain(value: Any) -> Any:
     """A free-form value (model.config) with the overrides inside it as YAML read them:
     `model.config.rope_scaling={type: linear, factor: 2}` a mapping, not its text."""
-    if isinstance(value, Override):
-        return _plain(value.parsed)
+    if isinstance(value, Written):  # a date as written (`2024-01-01`, as JSON and YAML 1.2 read it), not a date
+        return str(value) if isinstance(value.parsed, datetime.date) else _plain(value.parsed)
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
     return [_plain(v) for v in value] if isinstance(value, list) else value
@@ -70,7 +60,7 @@ def set_dotted(tree: dict, key: str, value: Any) -> None:
     parts = key.split(".")
     for depth, part in enumerate(parts[:-1], 1):
         child = node.get(part)
-        if isinstance(child, Override) and isinstance(child.parsed, dict):
+        if isinstance(child, Written) and isinstance(child.parsed, dict):
             child = node[part] = child.parsed
         if child is not None and not isinstance(child, dict):
             raise UserError(f"cannot set {key}: {'.'.join(parts[:depth])} is {_short(child)}, not a mapping")
@@ -173,7 +163,7 @@ def _key_hint(prefix: str, key: str, fields) -> str:
 
 
 def _coerce(tp, value: Any, key: str):
-    if isinstance(value, Override):
+    if isinstance(value, Written):  # the text as written for a key typed as text (`007`, not 7)
         wants_text = tp is str or str in typing.get_args(tp)
         value = str(value) if wants_text else value.parsed
     origin = typing.get_origin(tp)

@@ -119,17 +119,24 @@ def _refuse_repeated_names(key: str, value) -> None:
         raise UserError(f"{key} lists {twice} twice; name each once, e.g. {key}=[{once}]")
 
 
+JSON_LEAVES = (str, int, float, bool, type(None))  # what a model's config.json (and meta.json) holds
+
+
 def _check_value(key: str, value) -> None:
     if isinstance(value, dict):  # model.config: passed to transformers, which checks little
         for name, inner in value.items():
             if isinstance(inner, float) and not math.isfinite(inner):
                 raise UserError(f"{key}.{name}={inner} is not a finite number; give a real value")
+            _check_json(f"{key}.{name}", inner)
             if isinstance(inner, (dict, list)):
                 _check_value(f"{key}.{name}", inner)
     elif isinstance(value, list):
         for inner in value:
             if isinstance(inner, float) and not math.isfinite(inner):
                 raise UserError(f"{key} holds {inner}, not a finite number; give real values")
+            _check_json(key, inner)
+            if isinstance(inner, (dict, list)):
+                _check_value(key, inner)
     elif isinstance(value, str):
         if key not in MAY_BE_EMPTY and not value.strip():
             raise UserError(f"{key} is empty; give a value, or leave it out for the default")
@@ -144,6 +151,14 @@ def _check_value(key: str, value) -> None:
         if why:
             shown = value if abs(value) < 10 ** 30 else f"a number of about {int(math.log10(abs(value)))} digits"
             raise UserError(f"{key}={shown} {why}; give a value in range")
+
+
+def _check_json(key: str, value) -> None:
+    """A value inside model.config (or a list) that JSON cannot write (`!!binary`, `!!set`): the run's
+    config.json and checkpoints could not be saved, a crash mid-build."""
+    if not isinstance(value, (*JSON_LEAVES, dict, list)):
+        raise UserError(f"{key} holds a {type(value).__name__} value, which a config.json cannot hold; give text, "
+                        "a number, true/false, null, a list or a mapping")
 
 
 def validate(cfg) -> None:
