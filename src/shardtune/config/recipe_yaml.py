@@ -55,7 +55,7 @@ class StrictLoader(yaml.SafeLoader):
                                     "keep one of them")
                 seen[key] = key_node.start_mark.line + 1
         mapping = super().construct_mapping(node, deep=deep)
-        return {_parsed(k): v for k, v in mapping.items()}  # a key is what YAML read (`1:` an int): only values keep text
+        return {_parsed(k): v for k, v in mapping.items()}  # a key is what YAML read (`1:` an int)
 
 
 def _written(construct):
