@@ -5,6 +5,7 @@ both load the same config or both refuse; a key typed as text takes the text as 
 from __future__ import annotations
 
 import typing
+from pathlib import Path
 
 import pytest
 import yaml
@@ -92,3 +93,42 @@ def test_model_config_takes_only_what_a_config_json_holds(value):
     writes the config as JSON)."""
     with pytest.raises(UserError, match="which a config.json cannot hold"):
         load_config(None, ["model.config={model_type: gpt2}", "data.path=d.jsonl", f"model.config.foo={value}"])
+
+
+@settings(max_examples=60, derandomize=True, deadline=None, database=None)
+@given(text=st.one_of(st.sampled_from(["runs/exp #2", "#1", "no", "null", "'q'", "&a x", " x", "x\ny", "[a]", "007"]),
+                      st.text(st.characters(exclude_categories=("Cs",)), max_size=12)))
+def test_an_override_word_reads_back_as_its_text(text):
+    from shardtune.config.load import override_word, parse_override
+
+    assert parse_override(override_word("output_dir", text)) == ("output_dir", text)
+
+
+FOLDERS = ["runs/exp #2", "no", "null", "x 'y'"]  # YAML: runs/exp and a comment, false, None, x 'y' (kept)
+
+
+@pytest.mark.parametrize("folder", FOLDERS)
+def test_the_folder_handed_to_ranks_trials_and_jobs_is_the_one_given(folder, assets, tmp_path, monkeypatch):
+    """The parent of `train --nproc 2`, a sweep's trials and a Slurm job's train got `output_dir=runs/exp #2`,
+    which they read as runs/exp: the ranks wrote into another folder than the one the parent held."""
+    import shlex
+
+    import shardtune.cli.train as cli_train
+    from conftest import tiny_overrides
+    from shardtune.cli.main import main
+    from shardtune.config.load import override_word, parse_override
+    from shardtune.launch.slurm import sbatch_script
+    from shardtune.sweep.grid import Sweep
+
+    monkeypatch.chdir(tmp_path)
+    workers = []
+    monkeypatch.setattr(cli_train, "_launch_preemptible", lambda n, worker, out: workers.append(worker) or 0)
+    quoted = override_word("output_dir", folder)  # as a user quotes it for YAML: output_dir="runs/exp #2"
+    assert main(["train", *tiny_overrides(assets, tmp_path), quoted, "--nproc", "2"]) == 0
+    script = sbatch_script("r.yaml", folder, 1, 2, overrides=[], offline=True)
+    job = next(line for line in script.splitlines() if "resume=auto" in line)
+    trial = Sweep("r.yaml", [], []).trial_overrides({}, None, Path(folder))
+    handed = {"rank": workers[0], "job": shlex.split(job), "trial": trial}
+    for who, words in handed.items():
+        given = [parse_override(w)[1] for w in words if w.startswith("output_dir=")]
+        assert given[-1:] == [folder], (who, words)

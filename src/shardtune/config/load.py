@@ -42,6 +42,16 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
+def override_word(key: str, text: str) -> str:
+    """The `key=text` word that `parse_override` reads back as `text`, for a value shardtune hands on
+    (the output folder of its ranks, trials, Slurm job): YAML read `runs/exp #2` as runs/exp (a
+    comment) and `no` as false, so such a text goes double-quoted."""
+    word = f"{key}={text}"
+    if parse_override(word)[1] == text:  # a Written number compares as its text
+        return word
+    return f"{key}={yaml.safe_dump(text, default_style=chr(34), width=float('inf'), allow_unicode=True).strip()}"
+
+
 def _plain(value: Any) -> Any:
     """A free-form value (model.config) with the overrides inside it as YAML read them:
     `model.config.rope_scaling={type: linear, factor: 2}` a mapping, not its text."""
