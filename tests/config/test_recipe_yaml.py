@@ -1,6 +1,7 @@
-"""A value means the same in a recipe and as a `key=value` override, for every key of the schema,
-whatever YAML 1.1 makes of its text (`007`, `0x10`, `1.10`, `12:30`, `2024-01-01`, `yes`, `.nan`):
-both load the same config or both refuse; a key typed as text takes the text as written."""
+"""A value means the same in a recipe, as a `key=value` override and in a run's saved config.yaml,
+for every key of the schema, whatever YAML 1.1 makes of its text (`007`, `0x10`, `1.10`, `12:30`,
+`2024-01-01`, `yes`, `.nan`): all load the same config or refuse; a key typed as text takes the
+text as written. The words shardtune hands its ranks, trials and jobs read back as written."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import yaml
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from shardtune.config.load import load_config
+from shardtune.config.load import dump_yaml, load_config
 from shardtune.config.schema import config_keys, key_type
 from shardtune.errors import UserError
 
@@ -20,7 +21,8 @@ BASE = {"model": {"config": {"model_type": "gpt2"}}, "data": {"path": "d.jsonl"}
 # plain scalars YAML 1.1 reads as something other than text, beside their quoted and ordinary forms
 ODD = ["007", "0x10", "0o17", "010", "1_000", "1.10", "1.50", "1e3", "1.5e-3", "12:30", "190:20:30", ".inf",
        "-.inf", ".nan", "2024-01-01", "2024-01-01 10:00:00", "2001-12-14t21:59:43.10-05:00", "yes", "no", "on",
-       "off", "true", "null", "~", "'007'", '"1.10"', "abc", "-1", "0", "3", "0.5", "[a, 1]", "[007, 1.10]", "{}"]
+       "off", "true", "null", "~", "'007'", '"1.10"', '"1e5"', "abc", "-1", "0", "3", "0.5", "[a, 1]", "[007, 1.10]",
+       "{}"]
 TEXT_KEYS = [k for k in config_keys() if str in (key_type(k), *typing.get_args(key_type(k)))]
 
 
@@ -62,6 +64,10 @@ def test_a_value_means_the_same_in_a_recipe_and_an_override(tmp_path, monkeypatc
     base.write_text(yaml.safe_dump(BASE))
     from_recipe, from_override = loaded(recipe, []), loaded(base, [f"{key}={text}"])
     assert from_recipe == from_override, (key, text)
+    if from_recipe != "refused":  # and a run's saved config.yaml (eval RUN, resume) reads back as the run
+        saved = tmp_path / "config.yaml"
+        saved.write_text(dump_yaml(load_config(recipe)))
+        assert loaded(saved, []) == from_recipe, (key, text)
     node = yaml.compose(text)
     kind = node.tag.rsplit(":", 1)[-1] if isinstance(node, yaml.ScalarNode) and node.style is None else None
     # a text key takes a plain number or date as written; a free mapping (model.config) a date, as JSON would
@@ -132,3 +138,12 @@ def test_the_folder_handed_to_ranks_trials_and_jobs_is_the_one_given(folder, ass
     for who, words in handed.items():
         given = [parse_override(w)[1] for w in words if w.startswith("output_dir=")]
         assert given[-1:] == [folder], (who, words)
+
+
+@pytest.mark.parametrize("override", ['model.config.x="1e5"', 'model.config.x=["1.5e3", 2e-3]', 'output_dir="1e3"'])
+def test_a_saved_config_reads_back_as_the_run(tmp_path, override):
+    """config.yaml wrote the text "1e5" plain, and the loader (which reads 1e5 as a number, as JSON
+    does) read it back as 100000.0: `eval RUN` and a resume saw another model config."""
+    cfg = load_config(None, ["model.config={model_type: gpt2}", "data.path=d.jsonl", override])
+    (tmp_path / "config.yaml").write_text(dump_yaml(cfg))
+    assert load_config(tmp_path / "config.yaml").to_dict() == cfg.to_dict()

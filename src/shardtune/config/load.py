@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import yaml
 
-from shardtune.config.recipe_yaml import Written, YAMLSyntaxError, load_yaml
+from shardtune.config.recipe_yaml import Dumper, Written, YAMLSyntaxError, load_yaml
 from shardtune.config.schema import PATH_KEYS, RunConfig
 from shardtune.config.validation import validate
 from shardtune.errors import UserError, first_line
@@ -297,4 +297,4 @@ def check_job(cfg: RunConfig, world: int, local_world: int) -> None:
 
 
 def dump_yaml(cfg: RunConfig) -> str:
-    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+    return yaml.dump(cfg.to_dict(), Dumper=Dumper, sort_keys=False)

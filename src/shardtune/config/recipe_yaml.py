@@ -77,9 +77,13 @@ def _parsed(value):
 # A number with an exponent (1e-06, 1.5e3: as JSON and Python write floats) is a float, as in YAML
 # 1.2; PyYAML's YAML 1.1 wants a dot and a signed exponent, reads the rest as text, and a free
 # mapping (model.config) kept it so.
-StrictLoader.add_implicit_resolver("tag:yaml.org,2002:float",
-                                   re.compile(r"^[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)[eE][-+]?[0-9]+$"),
-                                   list("-+.0123456789"))
+class Dumper(yaml.SafeDumper):
+    """Writes what StrictLoader reads back the same: the text "1e5" quoted (plain, it would read as a float)."""
+
+
+for _cls in (StrictLoader, Dumper):
+    _cls.add_implicit_resolver("tag:yaml.org,2002:float",
+                               re.compile(r"^[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)[eE][-+]?[0-9]+$"), list("-+.0123456789"))
 
 
 def _check_expanded_size(root) -> None:
