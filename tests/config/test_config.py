@@ -93,6 +93,7 @@ def test_out_of_range_numbers_are_refused_with_the_key(override, key):
     ("data.seq_len=1", "data.seq_len=1 must be at least 2"),  # nothing to predict: loss 0, perplexity 1
     ("peft.dropout=1.0", "peft.dropout"),
     ("log.peak_tflops=.inf", "log.peak_tflops=inf"),
+    ("data.val_size=1.5", "data.val_size=1.5 is neither a fraction"),  # held out one document, not 1.5 %
 ])
 def test_values_the_libraries_would_reject_or_that_mean_nothing_are_refused(override, needle):
     with pytest.raises(UserError, match=re.escape(needle)):

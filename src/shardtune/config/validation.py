@@ -178,6 +178,9 @@ def validate(cfg) -> None:
         raise UserError("set train.max_steps or train.epochs to a positive number")
     if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
         raise UserError(f"train.betas must be two numbers in [0, 1), got {t.betas}; e.g. train.betas=[0.9,0.95]")
+    if d.val_size >= 1 and not float(d.val_size).is_integer():  # 1.5 held out one document (1.5 %?)
+        raise UserError(f"data.val_size={d.val_size:g} is neither a fraction below 1 nor a whole count of documents; "
+                        f"give a count like {int(d.val_size)} or a fraction like {d.val_size / 100:g}")
     if d.start_idx is not None and d.end_idx is not None and d.end_idx <= d.start_idx:
         raise UserError(f"data.end_idx={d.end_idx} must be greater than data.start_idx={d.start_idx}")
     if cfg.resume == "auto" and not cfg.output_dir:
