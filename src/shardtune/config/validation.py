@@ -73,7 +73,8 @@ class Range:
 # Every number of the config is finite, 0 or more and (ints) at most INT_LIMIT unless this table
 # says otherwise; a new key gets those bounds by itself and an entry here only when they differ.
 BOUNDS = {
-    "train.micro_batch_size": Range(1), "train.global_batch_size": Range(1), "train.lr": Range(None, above=0),
+    # a global batch of 2**40 sequences is far beyond any run (and micro_batch_size=auto's divisors stay quick)
+    "train.micro_batch_size": Range(1), "train.global_batch_size": Range(1, 2 ** 40), "train.lr": Range(None, above=0),
     "train.min_lr_ratio": Range(0, 1), "train.betas": Range(0, below=1),
     # a block of one token has nothing to predict: loss 0, perplexity 1, a wrong answer
     "data.seq_len": Range(2), "data.cutoff_len": Range(2), "data.num_proc": Range(1, 1024),
