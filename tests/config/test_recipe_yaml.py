@@ -93,7 +93,8 @@ def test_a_number_is_a_number_only_for_a_number_key(override, want):
     assert value == want and type(value) is type(want)
 
 
-@pytest.mark.parametrize("value", ["!!binary aGk=", "!!set {a}", "[[!!binary aGk=]]", "{x: !!set {a}}"])
+@pytest.mark.parametrize("value", ["!!binary aGk=", "!!set {a}", "[[!!binary aGk=]]", "{x: !!set {a}}",
+                                   "{2024-01-01: 1}"])
 def test_model_config_takes_only_what_a_config_json_holds(value):
     """A bytes or set value inside model.config loaded, then crashed the run mid-build (transformers
     writes the config as JSON)."""

@@ -126,6 +126,9 @@ JSON_LEAVES = (str, int, float, bool, type(None))  # what a model's config.json 
 def _check_value(key: str, value) -> None:
     if isinstance(value, dict):  # model.config: passed to transformers, which checks little
         for name, inner in value.items():
+            if not isinstance(name, JSON_LEAVES):  # a date as a key (`2024-01-01:`): JSON cannot write it
+                raise UserError(f"{key} has the key {name!r}, which a config.json cannot hold; quote it, e.g. "
+                                f"'{name}'")
             if isinstance(inner, float) and not math.isfinite(inner):
                 raise UserError(f"{key}.{name}={inner} is not a finite number; give a real value")
             _check_json(f"{key}.{name}", inner)
