@@ -76,11 +76,23 @@ def test_readme_config_reference_is_the_schemas():
     ("eval.every_steps=-1", "eval.every_steps"), ("fsdp.forward_prefetch=-2", "fsdp.forward_prefetch"),
     ("train.max_grad_norm=-1", "train.max_grad_norm"), ("log.peak_tflops=0", "log.peak_tflops"),
     ("checkpoint.keep_last=-1", "checkpoint.keep_last"), ("data.val_size=-0.1", "data.val_size"),
-    ("loss_chunk_tokens=-5", "loss_chunk_tokens"),
+    ("loss_chunk_tokens=-5", "loss_chunk_tokens"), ("train.global_batch_size=1099511627777", "train.global_batch_size"),
 ])
 def test_out_of_range_numbers_are_refused_with_the_key(override, key):
     with pytest.raises(UserError, match=key):
         load_config(None, ["model.config={model_type: gpt2}", "data.path=x", override])
+
+
+def test_auto_micro_batches_are_the_divisors_of_the_batch_per_rank():
+    """micro_batch_size=auto's candidates: counted up to the batch per rank, a global batch of 1e9
+    took minutes before train, plan, sweep or slurm said a word (2**40, the largest taken: hours)."""
+    from shardtune.config.load import auto_micro_batches
+
+    for n in range(1, 400):
+        assert auto_micro_batches(n * 4, 4) == [m for m in range(1, n + 1) if n % m == 0]
+    assert auto_micro_batches(2 ** 40, 1) == [2 ** k for k in range(41)]
+    with pytest.raises(UserError, match="do not divide"):
+        auto_micro_batches(6, 4)
 
 
 @pytest.mark.parametrize("override, needle", [
@@ -93,6 +105,7 @@ def test_out_of_range_numbers_are_refused_with_the_key(override, key):
     ("data.seq_len=1", "data.seq_len=1 must be at least 2"),  # nothing to predict: loss 0, perplexity 1
     ("peft.dropout=1.0", "peft.dropout"),
     ("log.peak_tflops=.inf", "log.peak_tflops=inf"),
+    ("data.val_size=1.5", "data.val_size=1.5 is neither a fraction"),  # held out one document, not 1.5 %
 ])
 def test_values_the_libraries_would_reject_or_that_mean_nothing_are_refused(override, needle):
     with pytest.raises(UserError, match=re.escape(needle)):
@@ -287,13 +300,13 @@ def test_a_structured_override_inside_a_free_form_mapping_is_its_value(override,
     import copy
     import pickle
 
-    from shardtune.config.load import Override
+    from shardtune.config.recipe_yaml import Written
 
     cfg = load_config(None, ["model.config.model_type=gpt2", "data.path=d.jsonl", override])
     value = cfg.model.config[override.split("=")[0].split(".")[-1]]
     assert value == want and type(value) is type(want)
     assert copy.deepcopy(cfg).model.config == cfg.model.config
-    text = Override("[1]", [1])  # and the override itself survives a copy
+    text = Written("[1]", [1])  # and the override itself survives a copy
     assert copy.deepcopy(text) == "[1]" and pickle.loads(pickle.dumps(text)).parsed == [1]
 
 

@@ -29,7 +29,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     """Resolve the run, check it, then build and train it here or in `--nproc N` ranks."""
     from shardtune.check.run import check_run
-    from shardtune.config.load import load_config
+    from shardtune.config.load import load_config, override_word
     from shardtune.distributed.process_group import (
         agent_world,
         check_agent_env,
@@ -82,8 +82,8 @@ def run(args) -> int:
         prepare_run_dir(cfg, args.overwrite, check_only=True)  # cheap: a live run's folder is refused at once
         check_run(cfg, nproc, say=lambda line: None)  # one error here, not one per rank
         # the ranks take what the autos chose: planning again, each on its own reading of free RAM, could differ
-        worker = ["train", *([recipe] if recipe else []), *overrides, f"output_dir={out}", f"device={cfg.device}",
-                  f"train.micro_batch_size={cfg.train.micro_batch_size}",
+        worker = ["train", *([recipe] if recipe else []), *overrides, override_word("output_dir", out),
+                  f"device={cfg.device}", f"train.micro_batch_size={cfg.train.micro_batch_size}",
                   f"activation_checkpointing={cfg.activation_checkpointing}"]
         if args.overwrite:
             worker.append("--overwrite")

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import datetime
 import difflib
+import math
 import os
 import types
 import typing
@@ -18,7 +20,7 @@ from typing import Any, Literal
 
 import yaml
 
-from shardtune.config.recipe_yaml import YAMLSyntaxError, load_yaml
+from shardtune.config.recipe_yaml import Dumper, Written, YAMLSyntaxError, load_yaml
 from shardtune.config.schema import PATH_KEYS, RunConfig
 from shardtune.config.validation import validate
 from shardtune.errors import UserError, first_line
@@ -27,7 +29,8 @@ INPUT_KEYS = frozenset({"model.name_or_path", "model.tokenizer", "data.path"})  
 
 
 def parse_override(text: str) -> tuple[str, Any]:
-    """`train.lr=3e-5` -> ("train.lr", 3e-05). Values are parsed as YAML scalars/lists."""
+    """`train.lr=3e-5` -> ("train.lr", 3e-05 as Written: its text kept). Values are parsed as YAML
+    scalars/lists, as in a recipe."""
     key, sep, raw = text.partition("=")
     if not sep or not key:
         raise UserError(f"override {text!r} is not key=value; write it like train.lr=3e-5")
@@ -35,28 +38,26 @@ def parse_override(text: str) -> tuple[str, Any]:
         value = load_yaml(raw, f"the value of {key}") if raw != "" else None
     except YAMLSyntaxError:
         value = raw
-    if not isinstance(value, (str, type(None))) and not isinstance(value, (bool, int, float)):
-        value = Override(raw, value)  # `data.template=Q: {q}` reads as YAML but is meant as text
+    if not isinstance(value, (str, type(None), bool, int, float)):  # a number or date is a Written already
+        value = Written(raw, value)  # `data.template=Q: {q}` reads as YAML but is meant as text
     return key.strip(), value
 
 
-class Override(str):
-    """Command-line text that YAML read as a list/mapping: string-typed keys take the text."""
-
-    def __new__(cls, raw: str, parsed):
-        obj = super().__new__(cls, raw)
-        obj.parsed = parsed
-        return obj
-
-    def __getnewargs__(self):  # copy.deepcopy and pickle make it again from both
-        return str(self), self.parsed
+def override_word(key: str, text: str) -> str:
+    """The `key=text` word that `parse_override` reads back as `text`, for a value shardtune hands on
+    (the output folder of its ranks, trials, Slurm job): YAML read `runs/exp #2` as runs/exp (a
+    comment) and `no` as false, so such a text goes double-quoted."""
+    word = f"{key}={text}"
+    if parse_override(word)[1] == text:  # a Written number compares as its text
+        return word
+    return f"{key}={yaml.safe_dump(text, default_style=chr(34), width=float('inf'), allow_unicode=True).strip()}"
 
 
 def _plain(value: Any) -> Any:
     """A free-form value (model.config) with the overrides inside it as YAML read them:
     `model.config.rope_scaling={type: linear, factor: 2}` a mapping, not its text."""
-    if isinstance(value, Override):
-        return _plain(value.parsed)
+    if isinstance(value, Written):  # a date as written (`2024-01-01`, as JSON and YAML 1.2 read it), not a date
+        return str(value) if isinstance(value.parsed, datetime.date) else _plain(value.parsed)
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
     return [_plain(v) for v in value] if isinstance(value, list) else value
@@ -70,7 +71,7 @@ def set_dotted(tree: dict, key: str, value: Any) -> None:
     parts = key.split(".")
     for depth, part in enumerate(parts[:-1], 1):
         child = node.get(part)
-        if isinstance(child, Override) and isinstance(child.parsed, dict):
+        if isinstance(child, Written) and isinstance(child.parsed, dict):
             child = node[part] = child.parsed
         if child is not None and not isinstance(child, dict):
             raise UserError(f"cannot set {key}: {'.'.join(parts[:depth])} is {_short(child)}, not a mapping")
@@ -173,7 +174,7 @@ def _key_hint(prefix: str, key: str, fields) -> str:
 
 
 def _coerce(tp, value: Any, key: str):
-    if isinstance(value, Override):
+    if isinstance(value, Written):  # the text as written for a key typed as text (`007`, not 7)
         wants_text = tp is str or str in typing.get_args(tp)
         value = str(value) if wants_text else value.parsed
     origin = typing.get_origin(tp)
@@ -270,7 +271,9 @@ def auto_micro_batches(global_batch: int, world_size: int) -> list[int]:
     if rest or not per_rank:
         raise UserError(f"train.micro_batch_size=auto keeps train.global_batch_size={global_batch}, which "
                         f"{world_size} ranks do not divide; set the global batch to a multiple of {world_size}")
-    return [m for m in range(1, per_rank + 1) if per_rank % m == 0]
+    # divisors in pairs up to the square root: a loop to per_rank took minutes for a global batch of 1e9
+    small = [m for m in range(1, math.isqrt(per_rank) + 1) if per_rank % m == 0]
+    return sorted({*small, *(per_rank // m for m in small)})
 
 
 def hybrid_mesh(fsdp, world: int, local_world: int) -> tuple[int, int]:
@@ -297,4 +300,4 @@ def check_job(cfg: RunConfig, world: int, local_world: int) -> None:
 
 
 def dump_yaml(cfg: RunConfig) -> str:
-    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+    return yaml.dump(cfg.to_dict(), Dumper=Dumper, sort_keys=False)

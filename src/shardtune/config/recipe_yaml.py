@@ -14,8 +14,26 @@ from shardtune.errors import UserError
 MAX_NODES = 100_000  # far above any recipe (the whole schema is ~100 keys), far below a bomb
 
 
+class Written(str):
+    """A value YAML read from text, with that text: a key typed as text (`config.load`) takes the
+    text, any other key the value YAML read (`.parsed`)."""
+
+    def __new__(cls, raw: str, parsed):
+        obj = super().__new__(cls, raw)
+        obj.parsed = parsed
+        return obj
+
+    def __getnewargs__(self):  # copy.deepcopy and pickle make it again from both
+        return str(self), self.parsed
+
+    def __repr__(self) -> str:  # a number as a number in messages; a list/mapping override as its text
+        return str.__repr__(self) if isinstance(self.parsed, (list, dict)) else repr(self.parsed)
+
+
 class StrictLoader(yaml.SafeLoader):
-    """SafeLoader that refuses duplicate mapping keys and over-large alias expansions."""
+    """SafeLoader that refuses duplicate mapping keys and over-large alias expansions, and keeps
+    the text of a plain number or date (`Written`): YAML 1.1 reads `output_dir: 007` as 7 and
+    `publish.revision: 1.10` as 1.1, which a key typed as text turned into '7' and '1.1'."""
 
     def construct_document(self, node):
         _check_expanded_size(node)
@@ -27,7 +45,7 @@ class StrictLoader(yaml.SafeLoader):
             for key_node, _ in node.value:
                 if key_node.tag == "tag:yaml.org,2002:merge":
                     continue
-                key = self.construct_object(key_node, deep=True)
+                key = _parsed(self.construct_object(key_node, deep=True))
                 try:
                     earlier = seen.get(key)
                 except TypeError:  # an unhashable key: SafeLoader's own error tells it
@@ -36,15 +54,36 @@ class StrictLoader(yaml.SafeLoader):
                     raise UserError(f"key {key!r} is given twice (lines {earlier} and {key_node.start_mark.line + 1}); "
                                     "keep one of them")
                 seen[key] = key_node.start_mark.line + 1
-        return super().construct_mapping(node, deep=deep)
+        mapping = super().construct_mapping(node, deep=deep)
+        return {_parsed(k): v for k, v in mapping.items()}  # a key is what YAML read (`1:` an int)
+
+
+def _written(construct):
+    def construct_written(loader, node):
+        value = construct(loader, node)
+        return Written(node.value, value) if node.style is None else value  # plain (not quoted, not tagged)
+
+    return construct_written
+
+
+for _tag in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float", "tag:yaml.org,2002:timestamp"):
+    StrictLoader.add_constructor(_tag, _written(StrictLoader.yaml_constructors[_tag]))
+
+
+def _parsed(value):
+    return value.parsed if isinstance(value, Written) else value
 
 
 # A number with an exponent (1e-06, 1.5e3: as JSON and Python write floats) is a float, as in YAML
 # 1.2; PyYAML's YAML 1.1 wants a dot and a signed exponent, reads the rest as text, and a free
 # mapping (model.config) kept it so.
-StrictLoader.add_implicit_resolver("tag:yaml.org,2002:float",
-                                   re.compile(r"^[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)[eE][-+]?[0-9]+$"),
-                                   list("-+.0123456789"))
+class Dumper(yaml.SafeDumper):
+    """Writes what StrictLoader reads back the same: the text "1e5" quoted (plain, it would read as a float)."""
+
+
+for _cls in (StrictLoader, Dumper):
+    _cls.add_implicit_resolver("tag:yaml.org,2002:float",
+                               re.compile(r"^[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)[eE][-+]?[0-9]+$"), list("-+.0123456789"))
 
 
 def _check_expanded_size(root) -> None:

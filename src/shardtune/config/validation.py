@@ -73,7 +73,8 @@ class Range:
 # Every number of the config is finite, 0 or more and (ints) at most INT_LIMIT unless this table
 # says otherwise; a new key gets those bounds by itself and an entry here only when they differ.
 BOUNDS = {
-    "train.micro_batch_size": Range(1), "train.global_batch_size": Range(1), "train.lr": Range(None, above=0),
+    # a global batch of 2**40 sequences is far beyond any run (and micro_batch_size=auto's divisors stay quick)
+    "train.micro_batch_size": Range(1), "train.global_batch_size": Range(1, 2 ** 40), "train.lr": Range(None, above=0),
     "train.min_lr_ratio": Range(0, 1), "train.betas": Range(0, below=1),
     # a block of one token has nothing to predict: loss 0, perplexity 1, a wrong answer
     "data.seq_len": Range(2), "data.cutoff_len": Range(2), "data.num_proc": Range(1, 1024),
@@ -119,17 +120,27 @@ def _refuse_repeated_names(key: str, value) -> None:
         raise UserError(f"{key} lists {twice} twice; name each once, e.g. {key}=[{once}]")
 
 
+JSON_LEAVES = (str, int, float, bool, type(None))  # what a model's config.json (and meta.json) holds
+
+
 def _check_value(key: str, value) -> None:
     if isinstance(value, dict):  # model.config: passed to transformers, which checks little
         for name, inner in value.items():
+            if not isinstance(name, JSON_LEAVES):  # a date as a key (`2024-01-01:`): JSON cannot write it
+                raise UserError(f"{key} has the key {name!r}, which a config.json cannot hold; quote it, e.g. "
+                                f"'{name}'")
             if isinstance(inner, float) and not math.isfinite(inner):
                 raise UserError(f"{key}.{name}={inner} is not a finite number; give a real value")
+            _check_json(f"{key}.{name}", inner)
             if isinstance(inner, (dict, list)):
                 _check_value(f"{key}.{name}", inner)
     elif isinstance(value, list):
         for inner in value:
             if isinstance(inner, float) and not math.isfinite(inner):
                 raise UserError(f"{key} holds {inner}, not a finite number; give real values")
+            _check_json(key, inner)
+            if isinstance(inner, (dict, list)):
+                _check_value(key, inner)
     elif isinstance(value, str):
         if key not in MAY_BE_EMPTY and not value.strip():
             raise UserError(f"{key} is empty; give a value, or leave it out for the default")
@@ -144,6 +155,14 @@ def _check_value(key: str, value) -> None:
         if why:
             shown = value if abs(value) < 10 ** 30 else f"a number of about {int(math.log10(abs(value)))} digits"
             raise UserError(f"{key}={shown} {why}; give a value in range")
+
+
+def _check_json(key: str, value) -> None:
+    """A value inside model.config (or a list) that JSON cannot write (`!!binary`, `!!set`): the run's
+    config.json and checkpoints could not be saved, a crash mid-build."""
+    if not isinstance(value, (*JSON_LEAVES, dict, list)):
+        raise UserError(f"{key} holds a {type(value).__name__} value, which a config.json cannot hold; give text, "
+                        "a number, true/false, null, a list or a mapping")
 
 
 def validate(cfg) -> None:
@@ -163,6 +182,9 @@ def validate(cfg) -> None:
         raise UserError("set train.max_steps or train.epochs to a positive number")
     if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
         raise UserError(f"train.betas must be two numbers in [0, 1), got {t.betas}; e.g. train.betas=[0.9,0.95]")
+    if d.val_size >= 1 and not float(d.val_size).is_integer():  # 1.5 held out one document (1.5 %?)
+        raise UserError(f"data.val_size={d.val_size:g} is neither a fraction below 1 nor a whole count of documents; "
+                        f"give a count like {int(d.val_size)} or a fraction like {d.val_size / 100:g}")
     if d.start_idx is not None and d.end_idx is not None and d.end_idx <= d.start_idx:
         raise UserError(f"data.end_idx={d.end_idx} must be greater than data.start_idx={d.start_idx}")
     if cfg.resume == "auto" and not cfg.output_dir:

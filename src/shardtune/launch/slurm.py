@@ -18,6 +18,7 @@ import shlex
 from pathlib import Path
 
 from shardtune.checkpoint.rundir import PREEMPTED_MARKER
+from shardtune.config.load import override_word
 from shardtune.errors import EXIT_PREEMPTED, UserError
 
 
@@ -58,7 +59,8 @@ def sbatch_script(recipe: str, output_dir: str, nodes: int, gpus_per_node: int, 
         raise UserError(f"--job-name {job_name!r} holds '/' or '%', which the job's log file name "
                         f"({job_name}-%j.log) cannot carry; give a name without them")
     out = shell_word(output_dir)  # `rm -f -x/PREEMPTED` took -x for its options
-    train_args = " ".join(shlex.quote(a) for a in [recipe, *overrides, f"output_dir={output_dir}", "resume=auto"])
+    train_args = " ".join(shlex.quote(a) for a in [recipe, *overrides, override_word("output_dir", str(output_dir)),
+                                                   "resume=auto"])
     optional = "".join(f"#SBATCH --{key}={value}\n" for key, value in
                        (("partition", partition), ("account", account)) if value)
     offline_env = ("export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1  "

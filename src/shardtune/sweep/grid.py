@@ -85,8 +85,10 @@ class Sweep:
                       Setting("eval.max_batches=1", "the sweep without --eval-steps (one batch at a trial's end)")]
         if self.device == "cpu":
             words.append(Setting(f"log.live_memory={LIVE_STEPS}", "the sweep (it counts a CPU trial's live tensors)"))
-        words.append(Setting(f"output_dir={folder or self.out / 'trials'}", "--out (a folder per trial under it)",
-                             fixed=False))
+        from shardtune.config.load import override_word
+
+        words.append(Setting(override_word("output_dir", str(folder or self.out / "trials")),
+                             "--out (a folder per trial under it)", fixed=False))
         return words
 
     def trial_overrides(self, point: dict, micro_batch: int | None, folder: Path | None = None) -> list[str]:
