@@ -98,10 +98,10 @@ def test_auto_micro_batch_and_checkpointing_are_the_fastest_pair_that_fits(monke
 
     monkeypatch.setattr(search, "screen", lambda cfg, *rest: screened(cfg.activation_checkpointing, cfg, *rest))
     monkeypatch.setattr(trace, "trace_step", whole)
-    mb, line = fit.resolve_auto(tiny("train.micro_batch_size=auto"), 1, 1, host_budget=1 << 40)
+    mb, _, line = fit.resolve_layout(tiny("train.micro_batch_size=auto"), 1, 1, host_budget=1 << 40)
     assert mb == 8 and "accumulation 1 keeps the global batch of 8" in line
     with pytest.raises(UserError, match="not even 1 sequence per rank fits"):
-        fit.resolve_auto(tiny("train.micro_batch_size=auto"), 1, 1, host_budget=1)
+        fit.resolve_layout(tiny("train.micro_batch_size=auto"), 1, 1, host_budget=1)
 
     both = tiny("train.micro_batch_size=auto", "activation_checkpointing=auto")
     assert fit.resolve_layout(both, 1, 1, host_budget=1 << 40)[:2] == (8, "none")

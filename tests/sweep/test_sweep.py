@@ -202,6 +202,32 @@ def test_every_grid_point_has_its_own_trial_name():
     assert slug({"precision": "bf16"}) == "precision-bf16"  # a plain point keeps its readable name
 
 
+@pytest.mark.parametrize("auto", [["train.micro_batch_size=auto", "activation_checkpointing=auto"],
+                                  ["activation_checkpointing=auto"]])
+def test_an_auto_layout_is_resolved_within_the_memory_limit_and_handed_to_the_trial(assets, tmp_path, monkeypatch,
+                                                                                     auto):
+    """The sweep resolves activation_checkpointing=auto with the micro-batch, within --mem-limit, and
+    the trial runs that mode: left to the trial, it was chosen against the machine's free RAM."""
+    from shardtune.plan import fit
+    from shardtune.sweep.grid import Sweep
+    from shardtune.sweep.max_batch import auto_layout
+
+    budgets = []
+
+    def resolved(cfg, world, local, host_budget=None):
+        budgets.append(host_budget)
+        return 2, "selective", "auto: micro-batch 2, selective"
+
+    monkeypatch.setattr(fit, "resolve_layout", resolved)
+    sweep = Sweep(None, [*tiny_overrides(assets, tmp_path / "unused"), *auto], [], mem_limit=3 << 30,
+                  out=tmp_path / "out", defaults={})
+    micro_batch, mode = auto_layout(sweep, {}, sweep.mem_limit, [])
+    assert mode == "selective" and micro_batch == (2 if len(auto) == 2 else None)
+    assert budgets[0] is not None and budgets[0] < sweep.mem_limit  # the limit, less what the process holds
+    cfg = sweep.config({}, micro_batch, mode)
+    assert cfg.activation_checkpointing == "selective" and cfg.train.micro_batch_size != "auto"
+
+
 @pytest.mark.parametrize("args, message", [
     (["--grid", "fsdp.shardng=full_shard,no_shard"], "unknown config key 'fsdp.shardng'; did you mean fsdp.sharding"),
     (["--grid", "fsdp.sharding=full_shard,sideways"], "fsdp.sharding='sideways' is not a valid choice"),

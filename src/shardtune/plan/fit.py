@@ -97,14 +97,6 @@ def checkpointing_modes(cfg: RunConfig) -> tuple[str, ...]:
     return CHECKPOINTING
 
 
-def resolve_auto(cfg: RunConfig, world_size: int, local_world_size: int, host_budget: int | None = None) \
-        -> tuple[int, str]:
-    """(micro-batch, start-up line) of `resolve_layout`, for a caller that resolves the micro-batch
-    only (sweep's trials; an activation_checkpointing=auto is resolved, and said, by the trial's train)."""
-    micro_batch, _, line = resolve_layout(cfg, world_size, local_world_size, host_budget)
-    return micro_batch, line
-
-
 def resolve_layout(cfg: RunConfig, world_size: int, local_world_size: int, host_budget: int | None = None) \
         -> tuple[int, str, str]:
     """(micro-batch, activation checkpointing, start-up line) for train.micro_batch_size=auto and/or

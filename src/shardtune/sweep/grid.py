@@ -20,7 +20,7 @@ from typing import NamedTuple
 from shardtune.errors import UserError
 from shardtune.fsio import json_loads, make_dir, refuse_foreign, write_text_atomic
 from shardtune.hardware import GIB
-from shardtune.sweep.max_batch import Predictions, auto_micro_batch, max_batch_of, micro_batch_candidates
+from shardtune.sweep.max_batch import Predictions, auto_layout, max_batch_of, micro_batch_candidates
 from shardtune.sweep.report import describe, slug, summarize_point, write_outputs
 from shardtune.sweep.trial import LIVE_STEPS, run_trial
 
@@ -70,14 +70,19 @@ class Sweep:
         keys = [k for k, _ in self.grid]
         return [dict(zip(keys, values)) for values in itertools.product(*(v for _, v in self.grid))]
 
-    def settings(self, micro_batch: int | None = None, folder: Path | None = None) -> list[Setting]:
+    def settings(self, micro_batch: int | None = None, folder: Path | None = None,
+                 checkpointing: str | None = None) -> list[Setting]:
         """What the sweep sets on a trial's command line (the one list the trials and the checks of
-        overrides and swept keys read): `folder` is the trial's output_dir (default: a stand-in)."""
+        overrides and swept keys read): `folder` is the trial's output_dir (default: a stand-in);
+        `checkpointing` the mode the sweep resolved for activation_checkpointing=auto."""
         words = [Setting(w, by) for w, by in TRIAL_SETTINGS.items()]
         words.append(Setting(f"train.max_steps={max(self.steps, self.eval_steps or 0)}", "--steps"))
         if micro_batch is not None:
             by = "--max-batch (it searches it)" if self.max_batch else "train.micro_batch_size=auto (per point)"
             words.append(Setting(f"train.micro_batch_size={micro_batch}", by, fixed=False))
+        if checkpointing is not None:
+            words.append(Setting(f"activation_checkpointing={checkpointing}",
+                                 "activation_checkpointing=auto (per point)", fixed=False))
         if self.eval_steps:
             words.append(Setting(f"eval.every_steps={self.eval_steps}", "--eval-steps"))
         else:  # only the end-of-run evaluation is left: one batch, not the whole split
@@ -91,15 +96,17 @@ class Sweep:
                              "--out (a folder per trial under it)", fixed=False))
         return words
 
-    def trial_overrides(self, point: dict, micro_batch: int | None, folder: Path | None = None) -> list[str]:
+    def trial_overrides(self, point: dict, micro_batch: int | None, folder: Path | None = None,
+                        checkpointing: str | None = None) -> list[str]:
         """The overrides of one trial, in the order they win: the user's, the grid point's, the sweep's."""
         return [*self.overrides, *(f"{k}={v}" for k, v in point.items()),
-                *(s.word for s in self.settings(micro_batch, folder))]
+                *(s.word for s in self.settings(micro_batch, folder, checkpointing))]
 
-    def config(self, point: dict, micro_batch: int | None = None):
+    def config(self, point: dict, micro_batch: int | None = None, checkpointing: str | None = None):
         from shardtune.config.load import load_config
 
-        return load_config(self.recipe, self.trial_overrides(point, micro_batch), self.defaults)
+        return load_config(self.recipe, self.trial_overrides(point, micro_batch, checkpointing=checkpointing),
+                           self.defaults)
 
 
 # ----------------------------------------------------------------------------- input
@@ -361,12 +368,12 @@ def run_sweep(sweep: Sweep) -> Path:
     predict = Predictions(sweep)
     summaries = []
 
-    def trial(point: dict, micro_batch: int | None) -> dict:
+    def trial(point: dict, micro_batch: int | None, checkpointing: str | None = None) -> dict:
         name = slug(point) + (f"-mb{micro_batch}" if micro_batch is not None else "")
         if name not in state.trials:
-            cfg = sweep.config(point, micro_batch)
-            predicted = predict(point, micro_batch)
-            record = run_trial(sweep, point, name, cap, micro_batch)
+            cfg = sweep.config(point, micro_batch, checkpointing)
+            predicted = predict(point, micro_batch, checkpointing)
+            record = run_trial(sweep, point, name, cap, micro_batch, checkpointing=checkpointing)
             record.update(micro_batch=cfg.train.micro_batch_size, predicted_gib=predicted and predicted / GIB,
                           accumulation=cfg.train.global_batch_size // (cfg.train.micro_batch_size * sweep.nproc))
             state.add(record)
@@ -378,8 +385,8 @@ def run_sweep(sweep: Sweep) -> Path:
             if sweep.max_batch:
                 summaries.append(max_batch_of(sweep, point, trial, predict, limit, list(state.trials.values())))
             else:
-                micro_batch = auto_micro_batch(sweep, point, limit, list(state.trials.values()))
-                summaries.append(summarize_point(point, [trial(point, micro_batch)], None, ""))
+                micro_batch, mode = auto_layout(sweep, point, limit, list(state.trials.values()))
+                summaries.append(summarize_point(point, [trial(point, micro_batch, mode)], None, ""))
     finally:  # also after an interrupt: what is done is written
         write_outputs(sweep, list(state.trials.values()), summaries, limit)
     return sweep.out / "sweep.md"

@@ -70,8 +70,8 @@ class Predictions:
     def __init__(self, sweep):
         self.sweep, self.cache, self.warned = sweep, {}, set()
 
-    def __call__(self, point: dict, micro_batch: int | None) -> int | None:
-        key = (tuple(point.items()), micro_batch)
+    def __call__(self, point: dict, micro_batch: int | None, checkpointing: str | None = None) -> int | None:
+        key = (tuple(point.items()), micro_batch, checkpointing)
         if key not in self.cache:
             from transformers.utils import logging as hf_logging
 
@@ -79,7 +79,8 @@ class Predictions:
 
             hf_logging.set_verbosity_error()  # config warnings belong to the trials' own output
             try:
-                self.cache[key] = predict_peak_bytes(self.sweep.config(point, micro_batch), self.sweep.nproc)
+                self.cache[key] = predict_peak_bytes(self.sweep.config(point, micro_batch, checkpointing),
+                                                     self.sweep.nproc)
             except Exception as exc:  # noqa: BLE001  a config the planner cannot build: its trial will say why
                 self.cache[key] = None
                 if key[0] not in self.warned:
@@ -102,18 +103,21 @@ def tensor_budget(limit: int | None, device: str, records: list[dict]) -> int | 
     return limit - int(max(measured) if measured else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
 
-def auto_micro_batch(sweep, point: dict, limit: int | None, records: list[dict]) -> int | None:
-    """A grid point's train.micro_batch_size=auto, resolved here as `train` would (on CPU within
-    --mem-limit where given), so the trial runs and is recorded with its number; else None."""
+def auto_layout(sweep, point: dict, limit: int | None, records: list[dict]) -> tuple[int | None, str | None]:
+    """A grid point's train.micro_batch_size=auto and activation_checkpointing=auto, resolved here as
+    `train` would (on CPU within --mem-limit where given), so the trial runs and is recorded with
+    them: (micro-batch, checkpointing mode), each None where the point sets it. The trial is handed
+    both: left to resolve a mode itself, it measured against the machine's free RAM, not --mem-limit."""
     cfg = sweep.config(point)
-    if cfg.train.micro_batch_size != "auto":
-        return None
-    from shardtune.plan.fit import resolve_auto
+    auto_mb, auto_ck = cfg.train.micro_batch_size == "auto", cfg.activation_checkpointing == "auto"
+    if not (auto_mb or auto_ck):
+        return None, None
+    from shardtune.plan.fit import resolve_layout
 
     budget = tensor_budget(limit, sweep.device, records) if sweep.mem_limit else None
-    micro_batch, line = resolve_auto(cfg, sweep.nproc, sweep.nproc, host_budget=budget)
+    micro_batch, mode, line = resolve_layout(cfg, sweep.nproc, sweep.nproc, host_budget=budget)
     print(f"  {slug(point) or 'recipe'}: {line}", flush=True)
-    return micro_batch
+    return (micro_batch if auto_mb else None), (mode if auto_ck else None)
 
 
 def max_batch_of(sweep, point: dict, trial, predict, limit: int | None, records_so_far: list[dict]) -> dict:

@@ -30,14 +30,14 @@ CAPPED_ENV = {"ARROW_DEFAULT_MEMORY_POOL": "system", "MALLOC_MMAP_THRESHOLD_": "
 
 
 def run_trial(sweep, point: dict, name: str, cap: int | None, micro_batch: int | None = None,
-              watch=None) -> dict:
+              watch=None, checkpointing: str | None = None) -> dict:
     """One `shardtune train` process (N ranks with --nproc), its output in OUT/trials/NAME;
     `cap` bounds the data segment of each of its processes (CPU). `watch(folder)`, asked every
     POLL_S while the trial runs, may stop it early (returns True): its status is then "pruned"."""
     folder = sweep.out / "trials" / name
     folder.mkdir(parents=True, exist_ok=True)
     argv = [sys.executable, "-m", "shardtune", "train", *([sweep.recipe] if sweep.recipe else []),
-            *sweep.trial_overrides(point, micro_batch, folder), "--overwrite",
+            *sweep.trial_overrides(point, micro_batch, folder, checkpointing), "--overwrite",
             *(["--nproc", str(sweep.nproc)] if sweep.nproc > 1 else [])]
     env = own_job_env(os.environ)  # a trial is a job of its own, even where the sweep runs under srun
     if cap:
