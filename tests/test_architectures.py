@@ -150,9 +150,10 @@ def _forward_order(model):
 
 def _check_freezing(model_type, model, order):
     """freeze.trainable_blocks=1 trains the top block and what runs after it but the head (the final
-    norm), and nothing that runs before it (BLOOM's embedding norm trained); freeze.head_only the
-    whole head (GPT-J's bias was left frozen). What runs when: `order` (_forward_order); that the
-    frozen ones get no gradient and do not move: tests/model/test_peft.py."""
+    norm), and nothing that runs before it (BLOOM's embedding norm trained: a family's embedding_norm
+    is what this finds); freeze.head_only the whole head (GPT-J's bias was left frozen). What runs
+    when: `order` (_forward_order); that the frozen ones get no gradient and do not move:
+    tests/model/test_peft.py."""
     from shardtune.config.schema import FreezeConfig
     from shardtune.distributed.fsdp import detect_block_class
     from shardtune.model.adapters import freeze

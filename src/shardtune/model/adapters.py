@@ -367,33 +367,26 @@ def freeze(model, cfg: FreezeConfig, block_cls: type) -> None:
         model.requires_grad_(False)
         model.get_output_embeddings().requires_grad_(True)
         return
+    freeze_embeddings = cfg.embeddings
     if cfg.trainable_blocks is not None:
         blocks = [m for m in model.modules() if isinstance(m, block_cls)]
         if not 0 <= cfg.trainable_blocks <= len(blocks):
             raise UserError(f"freeze.trainable_blocks={cfg.trainable_blocks} but the model has {len(blocks)} "
                             f"blocks; choose 0..{len(blocks)}")
-        # The top N blocks and the final norm train; everything else is frozen: the embeddings,
-        # what lies between them and the blocks (BLOOM's word_embeddings_layernorm: trained, it
-        # made backward run through every frozen block and keep their activations), and an untied
-        # LM head, the largest matrix.
-        model.requires_grad_(False)
-        for block in blocks[len(blocks) - cfg.trainable_blocks:]:
-            block.requires_grad_(True)
-        final = final_norm(model, block_cls)
-        if final is not None:
-            final.requires_grad_(True)
-        return
-    for module in model.modules():
-        if isinstance(module, nn.Embedding):
-            module.requires_grad_(False)
-
-
-def final_norm(model, block_cls: type):
-    """The norm after the decoder blocks: the last norm module outside them, in the model's order
-    (an embedding norm before the blocks is registered before them; OPT registers its final norm
-    before its layers, alone outside them). None where there is none (OPT-350m)."""
-    inside = {id(m) for b in model.modules() if isinstance(b, block_cls) for m in b.modules()}
-    head = model.get_output_embeddings()
-    norms = [m for m in model.modules() if id(m) not in inside and m is not head
-             and "norm" in type(m).__name__.lower() and any(True for _ in m.parameters())]
-    return norms[-1] if norms else None
+        # Below the top N blocks everything is frozen (embeddings included); above them, the
+        # final norm stays trainable. An untied LM head is frozen too: it is the largest matrix.
+        for block in blocks[:len(blocks) - cfg.trainable_blocks]:
+            block.requires_grad_(False)
+        head = model.get_output_embeddings()
+        if head is not None:
+            head.requires_grad_(False)
+        known = family(model.config.model_type)
+        if known and known.embedding_norm:  # before the blocks: frozen with the embeddings
+            for name, module in model.named_modules():
+                if matches(name, [known.embedding_norm]):
+                    module.requires_grad_(False)
+        freeze_embeddings = True
+    if freeze_embeddings:
+        for module in model.modules():
+            if isinstance(module, nn.Embedding):
+                module.requires_grad_(False)
