@@ -6,6 +6,8 @@ in one line), and `plan`'s trace of a LoRA run on 2 fake ranks with the default 
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 from archs import ARCHS, DOCS, hf_config, optimizer_step, packed_batch, packed_vs_alone, run_config
 
@@ -122,7 +124,9 @@ def test_architecture(model_type):
     _check_chunked_loss_and_router_loss(model_type, model, head, batch)
     if not FAMILIES[model_type].document_mask:
         batch = {k: v for k, v in batch.items() if k != "position_ids"}
-    assert optimizer_step(model_type, model, batch) == {n for n, _ in model.named_parameters()}, model_type
+    with _forward_order(model) as order:
+        assert optimizer_step(model_type, model, batch) == {n for n, _ in model.named_parameters()}, model_type
+    _check_freezing(model_type, model, order)
     targets = _check_plan_with_default_lora(model_type)
     wrapped = add_adapter(model, PeftConfig(method="lora", r=4), seed=0)
     adapted = {n.rsplit(".lora_A", 1)[0].rsplit(".", 1)[-1] for n, _ in wrapped.named_parameters() if "lora_A" in n}
@@ -130,6 +134,41 @@ def test_architecture(model_type):
     expected = set(targets) - {"q_proj"} if model_type == "deepseek_v3" else set(targets)
     assert adapted == expected, (model_type, adapted, targets)
     _check_default_ia3(model_type)
+
+
+@contextlib.contextmanager
+def _forward_order(model):
+    """The model's modules in the order their forwards start, while inside."""
+    order: list = []
+    hooks = [m.register_forward_pre_hook(lambda m, _: order.append(m)) for m in model.modules()]
+    try:
+        yield order
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def _check_freezing(model_type, model, order):
+    """freeze.trainable_blocks=1 trains the top block and what runs after it but the head (the final
+    norm), and nothing that runs before it (BLOOM's embedding norm trained: a family's embedding_norm
+    is what this finds); freeze.head_only the whole head (GPT-J's bias was left frozen). What runs
+    when: `order` (_forward_order); that the frozen ones get no gradient and do not move:
+    tests/model/test_peft.py."""
+    from shardtune.config.schema import FreezeConfig
+    from shardtune.distributed.fsdp import detect_block_class
+    from shardtune.model.adapters import freeze
+
+    block_cls, head = detect_block_class(model), model.get_output_embeddings()
+    top = [m for m in model.modules() if isinstance(m, block_cls)][-1]
+    end = max(i for i, m in enumerate(order) if any(m is t for t in top.modules()))
+    after = {id(p) for m in [*top.modules(), *order[end + 1:]] if m is not head for p in m.parameters(recurse=False)}
+    for settings, trained in ((FreezeConfig(trainable_blocks=1), after), (FreezeConfig(head_only=True),
+                                                                          {id(p) for p in head.parameters()})):
+        model.requires_grad_(True)
+        freeze(model, settings, block_cls)
+        expected = {n for n, p in model.named_parameters() if id(p) in trained}
+        assert {n for n, p in model.named_parameters() if p.requires_grad} == expected, (model_type, settings)
+    model.requires_grad_(True)
 
 
 def _check_default_ia3(model_type):

@@ -43,6 +43,11 @@ class Family:
     # model never writes into them and the gradients are checked against the unwrapped model
     # (tests/model/test_build.py): the warning is then silenced (distributed/fsdp.py)
     view_output_checked: bool = False
+    # module-name suffix of a norm between the token embeddings and the first block: frozen with the
+    # embeddings under freeze.trainable_blocks (trained, backward ran through every frozen block to
+    # reach it). Only the forward tells it (LFM2's final norm is named embedding_norm):
+    # tests/test_architectures.py checks it against the order the forward runs the modules
+    embedding_norm: str | None = None
 
 
 _QV = ("q_proj", "v_proj")
@@ -79,7 +84,8 @@ FAMILIES = {
                       ("attn.qkv_proj", "attn.out_proj"), ("mlp.fc_in", "mlp.fc_out"),
                       (("qkv_proj", "fc_out"), ("fc_out",)), view_output_checked=True),
     # ALiBi: attention biased by distance, no positions to restart
-    "bloom": Family("BloomBlock", _PEFT, True, None, tuple(f"self_{p}" for p in _FUSED_ATTENTION), _NEOX_MLP),
+    "bloom": Family("BloomBlock", _PEFT, True, None, tuple(f"self_{p}" for p in _FUSED_ATTENTION), _NEOX_MLP,
+                    embedding_norm="word_embeddings_layernorm"),
     # OPT and Falcon build their masks without the position ids: shardtune passes the 4-D mask
     "opt": Family("OPTDecoderLayer", _PEFT, True, _4D,
                   ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj"), ("fc1", "fc2"),

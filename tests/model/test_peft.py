@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from archs import arch_config
 
 from conftest import TINY, losses, run_cli, tiny_overrides
 
@@ -228,6 +229,9 @@ def test_qlora_without_a_gpu_is_refused_in_one_line(assets, tmp_path):
 @pytest.mark.parametrize("extra,needle", [
     ({"peft.method": "lora", "peft.target_modules": "[q_proj]"}, "q_proj"),
     ({"peft.method": "lora", "peft.target_modules": "[attn]"}, "GPT2Attention"),
+    # peft's own reason when it is not the module's class (it read "peft.target_modules=[] names modules")
+    ({"peft.method": "lora", "peft.target_modules": "[gate]", "model.config": json.dumps(arch_config("mixtral"))},
+     "['gate'] (MixtralTopKRouter): lora.ParamWrapper does not work with lora_dropout != 0"),
     ({"peft.method": "lora", "peft.r": 0}, "peft.r"),
     ({"peft.method": "lora", "freeze.trainable_blocks": 1}, "freeze"),
     ({"freeze.trainable_blocks": 5}, "0..2"),

@@ -33,6 +33,30 @@ def test_an_adapted_layer_counts_its_base_weight_once():
     assert forward_weight_flops(lora, 40) == 2 * total * 40
 
 
+def test_qlora_packed_weights_count_the_values_they_hold():
+    """QLoRA's base linears are bitsandbytes Params4bit, two 4-bit values in each byte of their bf16
+    storage: numel() is a quarter of the weight. The printed counts are peft's
+    get_nb_trainable_parameters, and MFU's matmuls the unpacked model's (both were a quarter)."""
+    from archs import hf_config
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.model.hf import count_params
+    from shardtune.telemetry.metrics import matmul_params
+
+    class Params4bit(torch.nn.Parameter):  # bitsandbytes' class as peft and shardtune tell it: by name
+        quant_storage = torch.bfloat16
+
+    model = get_peft_model(AutoModelForCausalLM.from_config(hf_config("llama")), LoraConfig(r=4))
+    unpacked = matmul_params(model)
+    for name, module in model.named_modules():  # every linear but the adapters' and the head (bitsandbytes' rule)
+        if isinstance(module, torch.nn.Linear) and "lora_" not in name and module is not model.get_output_embeddings():
+            packed = torch.zeros(module.weight.numel() // 4, 1, dtype=torch.bfloat16)
+            module.weight = Params4bit(packed, requires_grad=False)
+    assert count_params(model) == tuple(reversed(model.get_nb_trainable_parameters()))
+    assert matmul_params(model) == unpacked
+
+
 @pytest.mark.parametrize("freeze", [{"trainable_blocks": 1}, {"head_only": True}, {}])
 def test_a_frozen_models_flops_are_the_matmuls_its_step_runs(freeze):
     """Backward stops below the first parameter that trains: frozen blocks under it run their

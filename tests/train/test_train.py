@@ -8,7 +8,7 @@ import math
 import pytest
 import yaml
 
-from conftest import run_cli, tiny_overrides
+from conftest import ROOT, run_cli, tiny_overrides
 from conftest import train_tiny as train
 from shardtune.config.load import load_config
 from shardtune.config.schema import TrainConfig
@@ -106,19 +106,39 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor():
     assert lr_factor(80, 100, cfg) == 1.0
 
 
-def test_no_weight_decay_on_biases_and_norms():
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
+@pytest.mark.parametrize("arch, method", [("gpt2", "none"), ("gpt_oss", "none"), ("gpt2", "ia3"),
+                                          *(("llama", m) for m in ("lora", "dora", "ia3", "adaption_prompt",
+                                                                    "prefix_tuning", "prompt_tuning"))])
+def test_weight_decay_is_hf_trainers_less_the_vectors_for_every_method(arch, method):
+    """Decayed: what Hugging Face Trainer decays (not named a bias or a norm), less the vectors (at
+    most one dimension longer than 1): IA3's (n, 1) scales were decayed towards 0, and gpt-oss's
+    experts' (experts x width) biases decayed; DoRA's magnitudes, the adaption gate and gpt-oss's
+    sinks are vectors HF decays. One decayed group, one not, each at train.lr."""
+    import sys
 
+    import torch
+    from transformers import AutoModelForCausalLM, Trainer
+
+    from shardtune.config.schema import PeftConfig
+    from shardtune.model.adapters import add_adapter
     from shardtune.train.optim import build_optimizer
 
-    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=16))
+    sys.path.insert(0, str(ROOT / "tests"))
+    from archs import hf_config
+
+    model = AutoModelForCausalLM.from_config(hf_config(arch))
+    if method != "none":
+        model = add_adapter(model, PeftConfig(method=method, dropout=0.0 if method in ("lora", "dora") else 0.05))
+    trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    expected = {n for n in Trainer.get_decay_parameter_names(None, model) if n in trained
+                and sum(side > 1 for side in trained[n].shape) > 1}
     opt = build_optimizer(model, TrainConfig(weight_decay=0.1), torch.device("cpu"))
-    decay, no_decay = opt.param_groups
-    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
-    names = {id(p): n for n, p in model.named_parameters()}
-    assert all("ln" in names[id(p)] or "bias" in names[id(p)] for p in no_decay["params"])
-    assert all(p.ndim == 2 for p in decay["params"])
+    names = {id(p): n for n, p in trained.items()}
+    decayed = {names[id(p)] for g in opt.param_groups if g["weight_decay"] for p in g["params"]}
+    assert decayed == expected, (arch, method, sorted(decayed ^ expected))
+    groups = [(0.1, 3e-4)] * bool(expected) + [(0.0, 3e-4)] * (len(expected) < len(trained))
+    assert [(g["weight_decay"], g["lr"]) for g in opt.param_groups] == groups
+    assert sum(len(g["params"]) for g in opt.param_groups) == len(trained)
 
 
 def test_quickstart_runs_offline_and_halves_perplexity(tmp_path):

@@ -116,7 +116,7 @@ class TrainConfig(Section):
     min_lr_ratio: float = 0.1  # cosine/linear decay ends at lr * min_lr_ratio
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"  # decay after warmup
     warmup_steps: int = 0  # linear warmup from lr/warmup_steps to lr
-    weight_decay: float = 0.0  # AdamW decay of matrices (never of biases and norms)
+    weight_decay: float = 0.0  # AdamW decay of matrices (never of biases, norms and scaling vectors)
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
     eps: float = 1e-8  # AdamW epsilon
     optimizer_state: Literal["fp32", "bf16", "8bit", "4bit"] = "fp32"  # AdamW moment precision: 8, 4, ~2 or ~1 bytes per parameter (bf16/8bit/4bit: torchao's optimizers)
@@ -207,7 +207,7 @@ class PeftConfig(Section):
 @dataclass
 class FreezeConfig(Section):
     trainable_blocks: int | None = None  # train only the top N decoder blocks (and the final norm)
-    head_only: bool = False  # train only the output head
+    head_only: bool = False  # train only the output head (its weight and bias)
     embeddings: bool = False  # freeze the input (and position) embeddings
 
 

@@ -74,14 +74,17 @@ def add_adapter(model, cfg: PeftConfig, seed: int | None = None, init: bool = Tr
     _refuse_tied_head(model, getattr(peft_config, "target_modules", None), cfg.method)
     if seed is not None:
         torch.manual_seed(seed)  # adapter init identical whatever the world size
+    targets = sorted(getattr(peft_config, "target_modules", None) or [])  # peft may rewrite them (a router's)
     try:
         wrapped = get_peft_model(model, peft_config)
-    except ValueError:  # e.g. a target that is a whole attention block, not a linear layer
-        targets = list(getattr(peft_config, "target_modules", None) or [])
-        kinds = sorted({type(m).__name__ for n, m in model.named_modules() if matches(n, targets)})
-        raise UserError(f"peft.target_modules={targets} names {', '.join(kinds) or 'modules'}, which cannot take "
-                        f"{cfg.method} adapters; name linear layers, e.g. {', '.join(_linear_names(model)[:12])}") \
-            from None
+    except ValueError as e:  # e.g. a target that is a whole attention block, not a linear layer
+        kinds = ", ".join(sorted({type(m).__name__ for n, m in model.named_modules() if matches(n, targets)}))
+        reason = (str(e).strip() or type(e).__name__).splitlines()[0]
+        if not reason.startswith("Target module"):  # another setting (a router's weight takes LoRA without dropout)
+            raise UserError(f"peft refuses {cfg.method} on peft.target_modules={targets} ({kinds}): {reason[:300]}") \
+                from None
+        raise UserError(f"peft.target_modules={targets} names {kinds or 'modules'}, which cannot take {cfg.method} "
+                        f"adapters; name linear layers, e.g. {', '.join(_linear_names(model)[:12])}") from None
     _inputs_carry_grad(model)
     return fit_for_fsdp(wrapped)
 
@@ -360,9 +363,9 @@ def freeze(model, cfg: FreezeConfig, block_cls: type) -> None:
 
     if cfg.trainable_blocks is None and not cfg.head_only and not cfg.embeddings:
         return
-    if cfg.head_only:
+    if cfg.head_only:  # the head's weight and its bias (GPT-J's, Phi's)
         model.requires_grad_(False)
-        model.get_output_embeddings().weight.requires_grad_(True)
+        model.get_output_embeddings().requires_grad_(True)
         return
     freeze_embeddings = cfg.embeddings
     if cfg.trainable_blocks is not None:
@@ -377,6 +380,11 @@ def freeze(model, cfg: FreezeConfig, block_cls: type) -> None:
         head = model.get_output_embeddings()
         if head is not None:
             head.requires_grad_(False)
+        known = family(model.config.model_type)
+        if known and known.embedding_norm:  # before the blocks: frozen with the embeddings
+            for name, module in model.named_modules():
+                if matches(name, [known.embedding_norm]):
+                    module.requires_grad_(False)
         freeze_embeddings = True
     if freeze_embeddings:
         for module in model.modules():

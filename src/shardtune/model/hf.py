@@ -373,9 +373,11 @@ def materialize(model, source, device, is_main: bool, params_on_host: bool = Fal
 
 def count_params(model) -> tuple[int, int]:
     """(total, trainable) parameter counts of the unsharded model."""
+    from shardtune.telemetry.metrics import values
+
     total = trainable = 0
     for p in model.parameters():
-        n = p.numel()  # DTensor.numel() is the global size
+        n = values(p)  # DTensor.numel() is the global size; QLoRA's packed 4-bit weights count their values
         total += n
         trainable += n if p.requires_grad else 0
     return total, trainable

@@ -165,6 +165,16 @@ def _weight_flops(num_params: int, trainable: int | None, input_grads: int | Non
             + 2.0 * (num_params if trainable is None else trainable))
 
 
+def values(param) -> int:
+    """The values a parameter holds: its numel, but for bitsandbytes' 4-bit weights (QLoRA's base),
+    which pack two values into each byte of their storage dtype (bf16: numel is a quarter of the
+    values). peft's get_nb_trainable_parameters rule."""
+    if type(param).__name__ != "Params4bit":
+        return param.numel()
+    storage = getattr(param, "quant_storage", None)
+    return param.numel() * 2 * (storage.itemsize if storage is not None else param.element_size())
+
+
 def _matmul_weights(model):
     """(elements a token is multiplied by, the weight, whether backward computes that matmul's input
     gradient) of each weight `matmul_params` counts, in model order (embeddings first, head last).
@@ -179,7 +189,7 @@ def _matmul_weights(model):
         # its base layer's, which is counted where it lives
         weight = module._parameters.get("weight")
         if not isinstance(module, nn.Embedding) and weight is not None and weight.ndim == 2:
-            yield weight.numel(), weight, below_trained
+            yield values(weight), weight, below_trained
         for param in module.parameters(recurse=False):
             if param.ndim == 3 and top_k:
                 yield param.numel() * min(top_k, param.shape[0]) // param.shape[0], param, below_trained

@@ -32,8 +32,7 @@ def build_optimizer(model, cfg: TrainConfig, device, precision: str = "fp32", lo
     by_group: dict[tuple, list] = {}
     for name, p in model.named_parameters():
         if p.requires_grad:
-            # Biases and norm weights are the 1-D parameters; decaying them only hurts.
-            by_group.setdefault((p.ndim < 2, _lr_scale(name, p, lora_plus_ratio)), []).append(p)
+            by_group.setdefault((not decays(name, p), _lr_scale(name, p, lora_plus_ratio)), []).append(p)
     # the decayed group first (the order checkpoints were saved in), then by learning rate
     groups = [{"params": params, "weight_decay": 0.0 if flat else cfg.weight_decay, "lr": cfg.lr * scale,
                "lr_scale": scale} for (flat, scale), params in sorted(by_group.items())]
@@ -44,6 +43,19 @@ def build_optimizer(model, cfg: TrainConfig, device, precision: str = "fp32", lo
     fused = device.type in ("cuda", "cpu") and precision != "fp16"
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused,
                              foreach=None if fused else True)
+
+
+def decays(name: str, p) -> bool:
+    """train.weight_decay's rule, the same for every method: matrices decay (weights, embeddings,
+    LoRA's A and B, prompt and prefix tokens); biases, norm weights and scaling vectors do not,
+    decay pulling them to 0 only hurts. Those are the 1-D parameters (DoRA's magnitudes, the
+    adaption prompt's gate, gpt-oss's attention sinks among them), whatever is named a bias
+    (gpt-oss's experts keep theirs as experts x width) and IA3's scales, which peft stores as
+    (n, 1) or (1, n) matrices. Hugging Face Trainer goes by names only and decays the vectors."""
+    return p.ndim >= 2 and "bias" not in name.rsplit(".", 1)[-1] and IA3_SCALES not in name.split(".")
+
+
+IA3_SCALES = "ia3_l"  # peft's IA3Layer.adapter_layer_names: the module holding each adapter's scales
 
 
 def _lr_scale(name: str, p, lora_plus_ratio: float) -> float:
