@@ -59,8 +59,9 @@ IA3_SCALES = "ia3_l"  # peft's IA3Layer.adapter_layer_names: the module holding 
 
 
 def _lr_scale(name: str, p, lora_plus_ratio: float) -> float:
-    """LoRA+ (Hayou et al. 2024), peft's `create_loraplus_optimizer` rule: LoRA's B matrices and
-    the 1-D adapter parameters (DoRA's magnitudes) at `lora_plus_ratio` x lr, the rest at lr."""
+    """LoRA+ (Hayou et al. 2024): LoRA's B matrices and the 1-D adapter parameters (DoRA's
+    magnitudes) at `lora_plus_ratio` x lr, the rest at lr, as peft's `create_loraplus_optimizer`;
+    an adapted embedding's B too (the paper's rule), where peft puts its A and B at a fixed 1e-6."""
     if lora_plus_ratio and ("lora_B" in name or "lora_embedding_B" in name or p.ndim == 1):
         return lora_plus_ratio
     return 1.0
