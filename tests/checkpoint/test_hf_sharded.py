@@ -308,3 +308,34 @@ def test_a_failure_on_another_rank_is_raised_here_as_the_same_one_line(one_rank,
         assert isinstance(err.value, UserError) and str(err.value) == other[1]
     else:
         assert str(err.value) == "rank 1 failed writing its part of the model folder (ValueError: odd)"
+
+
+@pytest.mark.parametrize("arch,tied", [("gpt2", True), ("gpt2", False), ("llama", True), ("llama", False)])
+def test_an_hf_format_checkpoint_loads_in_one_process_as_saved(one_rank, tmp_path, assets, arch, tied):
+    """A checkpoint.hf_format checkpoint (its model in safetensors, a tied head written once), as the
+    Checkpointer writes it, read by load_plain_model (eval, generate): every tensor the sharded
+    model's. The skeleton it read into was untied (no_init_weights), so a tied head, absent from
+    the files as save_pretrained leaves it, was taken for a damaged checkpoint: GPT-2's eval and
+    generate of any such checkpoint were refused."""
+    from transformers import AutoTokenizer
+
+    from shardtune.checkpoint.dcp import Checkpointer, ModelOptimizerState
+    from shardtune.checkpoint.loading import load_plain_model
+    from shardtune.config.schema import CheckpointConfig, RunConfig
+
+    model, config = sharded_model(arch, one_rank, tie_word_embeddings=tied)
+    optimizer = torch.optim.AdamW(model.parameters())
+
+    def extras(folder):
+        config.save_pretrained(folder)
+        AutoTokenizer.from_pretrained(assets["tokenizer"]).save_pretrained(folder / "tokenizer")
+
+    ckpt = Checkpointer(tmp_path, CheckpointConfig(hf_format=True), ModelOptimizerState(model, optimizer, config), {},
+                        describe=lambda step: {"config": RunConfig().to_dict()}, write_extras=extras)
+    folder = ckpt.save(1)
+    loaded, _, _ = load_plain_model(folder)
+    want = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    got = loaded.state_dict()
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert (loaded.lm_head.weight is loaded.get_input_embeddings().weight) is tied

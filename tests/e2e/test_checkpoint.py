@@ -345,6 +345,13 @@ def test_bad_checkpoints_and_conflicts(reference, ck_assets, tmp_path, capsys):
     one_line_error(*cli([*args, f"resume={good}", "data.seq_len=32"], capsys), "data.seq_len", "64 -> 32")
     bigger = json.dumps({**GPT2, "n_embd": 128})
     one_line_error(*cli([*args, f"resume={good}", f"model.config={bigger}"], capsys), "model.config")
+    # the same config reading other files (edited, re-downloaded, tokenized otherwise): it resumed on them
+    edited = tmp_path / "edited"
+    shutil.copytree(good, edited)
+    meta = json.loads((edited / "meta.json").read_text())
+    meta["data"]["sequences_per_epoch"] += 5
+    (edited / "meta.json").write_text(json.dumps(meta))
+    one_line_error(*cli([*args, f"resume={edited}"], capsys), "training split now holds", "restore that data")
     one_line_error(*cli(["export", str(tmp_path / "missing"), str(tmp_path / "x")], capsys), "not found")
     assert not (tmp_path / "run" / "checkpoints").exists()  # nothing was started
 

@@ -79,3 +79,45 @@ def test_compiled_step_skips_the_cross_rank_autograd_cache(monkeypatch, state):
     opt.step()
     assert seen and not any(seen)
     assert functorch_config.enable_autograd_cache  # restored after the step
+
+
+@pytest.mark.parametrize("state", ["fp32", "bf16", "8bit", "4bit"])
+def test_a_resume_keeps_the_moments_as_the_straight_run_has_them(eager_torchao, one_rank, tmp_path, state):
+    """A checkpoint's optimizer loaded back (DCP, as Checkpointer.load does) holds its moments in the
+    same kinds and bytes as the run that saved it, and the next updates are bit for bit the same.
+    torch's load_state_dict cast bf16 moments to the parameters' fp32: twice the memory, and from the
+    second update after the resume other roundings (the first reads the moments in fp32 either way)."""
+    import torch.distributed.checkpoint as dcp
+
+    from shardtune.checkpoint.dcp import ModelOptimizerState
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(128, 64), torch.nn.Linear(64, 4))  # 8192 values: low-precision
+        return model, build_optimizer(model, TrainConfig(optimizer_state=state), torch.device("cpu"))
+
+    def steps(model, opt, n):
+        for i in range(n):
+            model(torch.randn(4, 128, generator=torch.Generator().manual_seed(i))).square().mean().backward()
+            set_lr(opt, 1e-2)
+            opt.step()
+            opt.zero_grad()
+
+    def kinds(opt):
+        return [(type(v).__name__, v.dtype) for s in opt.state.values() for v in s.values()]
+
+    straight, opt = build()
+    steps(straight, opt, 2)
+    saved = ModelOptimizerState(straight, opt)
+    dcp.save(saved.state_dict(), checkpoint_id=tmp_path)
+    resumed, opt2 = build()
+    loaded = ModelOptimizerState(resumed, opt2)
+    tensors = loaded.state_dict()
+    dcp.load(tensors, checkpoint_id=tmp_path)
+    loaded.load_state_dict(tensors)
+    assert kinds(opt2) == kinds(opt)
+    assert optimizer_state_bytes(opt2) == optimizer_state_bytes(opt)
+    steps(straight, opt, 3)
+    steps(resumed, opt2, 3)
+    for a, b in zip(straight.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)

@@ -254,7 +254,9 @@ class Checkpointer:
         path = Path(path)
         meta = read_meta(path)
         tensors = self.tensors.state_dict()
-        dcp_load(tensors, path, no_dist=False)
+        resharded = meta["world_size"] != self.world_size
+        dcp_load(tensors, path, no_dist=False,
+                 refused=(lambda why: reshard_refusal(path, meta, self.world_size, why)) if resharded else None)
         self.tensors.load_state_dict(tensors)
         for name, state in self.states.items():
             if meta.get(name) is not None:
@@ -282,10 +284,22 @@ class Checkpointer:
             self.pg = None
 
 
-def dcp_load(state: dict, path: Path, no_dist: bool) -> None:
-    """dcp.load in place, with a damaged or mismatched checkpoint as a one-line UserError. A
-    checkpoint written with checkpoint.hf_format holds its model in safetensors: the "model"
-    part is read from those (every reader of checkpoints comes through here), the rest from DCP."""
+def reshard_refusal(path: Path, meta: dict, world_size: int, why: str) -> str:
+    """The line for a checkpoint of another world size that DCP could not reshard onto this one: it
+    is not damaged. torchao's 8bit/4bit moments are quantized in blocks of a rank's shard, which new
+    shard bounds may cut (a row length not a multiple of the block); resuming on its ranks works."""
+    saved, state = meta["world_size"], meta["config"].get("train", {}).get("optimizer_state")
+    blocks = (f"; its train.optimizer_state={state} moments are quantized in blocks of each rank's shard, which "
+              f"the shards of {world_size} rank(s) cut") if state in ("8bit", "4bit") else ""
+    return (f"checkpoint {str(path)!r}, written by {saved} rank(s), could not be resharded onto {world_size} "
+            f"({why}){blocks}; resume it on {saved} rank(s) (--nproc {saved})")
+
+
+def dcp_load(state: dict, path: Path, no_dist: bool, refused=None) -> None:
+    """dcp.load in place, with a damaged or mismatched checkpoint as a one-line UserError
+    (`refused(why)`: that line, where the caller knows better than "damaged"). A checkpoint
+    written with checkpoint.hf_format holds its model in safetensors: the "model" part is read
+    from those (every reader of checkpoints comes through here), the rest from DCP."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -304,9 +318,9 @@ def dcp_load(state: dict, path: Path, no_dist: bool) -> None:
     except (CheckpointException, Exception) as exc:  # CheckpointException is a BaseException
         cause = next(iter((getattr(exc, "failures", None) or {}).values()), exc)  # rank -> (exception, traceback)
         cause = cause[0] if isinstance(cause, tuple) else cause
-        raise UserError(f"checkpoint {str(path)!r} could not be loaded ({type(cause).__name__}: "
-                        f"{first_line(cause, 160, last=True)}); it is damaged or from "
-                        "another model: use another checkpoint") from None
+        why = f"{type(cause).__name__}: {first_line(cause, 160, last=True)}"
+        raise UserError(refused(why) if refused else f"checkpoint {str(path)!r} could not be loaded ({why}); it is "
+                        "damaged or from another model: use another checkpoint") from None
 
 
 def read_dcp_metadata(path: Path):

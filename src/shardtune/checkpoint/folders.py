@@ -224,3 +224,14 @@ def check_compatible(saved: dict, now: dict, path: Path) -> None:
     if changed:
         raise UserError(f"cannot resume from {str(path)!r}: {'; '.join(changed)} changed; resume with the "
                         "checkpoint's values (lr, max_steps, eval and log settings may change) or use a new output_dir")
+
+
+def check_same_data(meta: dict, sequences: int, path) -> None:
+    """Refuse a resume whose training split is not the one its checkpoint's steps counted: the config
+    can be the same while the files under data.path (or a hub dataset's revision) changed, and the
+    seeded order of another split made "step N" other samples, without a word."""
+    saved = (meta.get("data") if isinstance(meta.get("data"), dict) else {}).get("sequences_per_epoch")
+    if isinstance(saved, int) and not isinstance(saved, bool) and saved != sequences:
+        raise UserError(f"cannot resume from {str(path)!r}: the training split now holds {sequences} sequences, the "
+                        f"checkpoint's run trained on {saved} (the files under data.path, or their tokenization, "
+                        "changed since); restore that data, or start over in a new output_dir")

@@ -193,12 +193,14 @@ def load_plain_model(path: Path, device: str = "cpu"):
 
         # the structure only: every value (PiSSA/OLoRA's residual base too) comes from the checkpoint
         model = add_adapter(model, known_fields(PeftConfig, peft_cfg), init=False)
+    # tied before the read: no_init_weights leaves the head its own tensor, and a checkpoint.hf_format
+    # checkpoint holds a tied head once (read_model_part accepts a key it lacks only as a tied copy)
+    model.tie_weights()
     dcp_load({"model": model.state_dict()}, path, no_dist=True)
     from shardtune.model.hf import load_generation_config
 
     # the run's, saved beside the shards (none in an older checkpoint: derived, as from_config does)
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft generates with its base's
     inner.generation_config = load_generation_config(path, hf_config)
-    model.tie_weights()
     model.eval()
     return model, tokenizer, meta

@@ -17,7 +17,7 @@ from pathlib import Path
 from shardtune.distributed.process_group import LAUNCHER_ENV
 from shardtune.errors import EXIT_CRASH, EXIT_PREEMPTED, EXIT_USAGE
 from shardtune.rank.lifecycle import COMPLETED_ENV, ERROR_NOTE, PEER_NOTE
-from shardtune.rank.preemption import sigint_ignored
+from shardtune.rank.preemption import say_from_handler, sigint_ignored
 
 # How the launcher's line about failed ranks ends (a sweep's trial looks past it for the ranks' own error).
 SUMMARY_END = "; see the ranks' output above"
@@ -52,9 +52,9 @@ def launch_local(nproc: int, worker_argv: list[str],
         nonlocal interrupts
         interrupts += 1
         if interrupts == 1:
-            _say(interrupt_note)
+            say_from_handler(interrupt_note)
             raise SignalException("Ctrl-C", sigval=signal.SIGINT)  # the agent passes SIGINT on to the ranks
-        _say("Ctrl-C again: stopping the ranks now, without waiting for a checkpoint")
+        say_from_handler("Ctrl-C again: stopping the ranks now, without waiting for a checkpoint")
         for pid in _child_pids():
             try:
                 os.killpg(pid, signal.SIGINT)  # each worker leads its own session (the agent's choice)
@@ -169,11 +169,6 @@ def _child_pids() -> list[int]:
     except OSError:
         pass
     return pids
-
-
-def _say(text: str) -> None:
-    """A line on stderr from a signal handler (os.write: print may be in use when it runs)."""
-    os.write(sys.stderr.fileno(), (text + "\n").encode())
 
 
 def _free_port() -> int:

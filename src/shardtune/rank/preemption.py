@@ -60,8 +60,8 @@ class Preemption:
             signal.signal(signal.SIGINT, (old if old is not None else signal.default_int_handler) if lone
                           else signal.SIG_DFL)
             if is_main_process() and LAUNCHER_ENV not in os.environ:
-                os.write(sys.stderr.fileno(), b"Ctrl-C: finishing the steps under way and saving a checkpoint; "
-                                              b"Ctrl-C again stops at once, without one\n")
+                say_from_handler("Ctrl-C: finishing the steps under way and saving a checkpoint; "
+                                 "Ctrl-C again stops at once, without one")
         if not self.requested:
             self.requested, self.signum = 1, signum
 
@@ -85,6 +85,21 @@ class Preemption:
             if sig != signal.SIGINT or signal.getsignal(sig) == self._handle:  # not yet pressed once
                 signal.signal(sig, old)
         self._old = {}
+
+
+def say_from_handler(text: str) -> None:
+    """A line on stderr from a signal handler: os.write, as print may be in use when it runs. A
+    stderr without a descriptor (a notebook's, a caller's StringIO) writes to descriptor 2, and a
+    reader gone is silence: raised here, the error surfaced inside the step the signal interrupted,
+    and the Ctrl-C meant to stop the run with a checkpoint crashed it without one."""
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both
+        fd = 2
+    try:
+        os.write(fd, (text + "\n").encode())
+    except OSError:
+        pass
 
 
 def _from_the_process_group(exc: BaseException) -> bool:

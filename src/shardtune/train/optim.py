@@ -82,10 +82,22 @@ def _low_precision_adamw(groups: list[dict], cfg: TrainConfig):
         def __init__(self, params, lr, betas, eps, weight_decay):
             super().__init__(params, lr, betas, eps, weight_decay, False, block_size=1,
                              bf16_stochastic_round=False, is_adamw=True)
+            # torch's load_state_dict casts every floating state to its parameter's dtype: a resumed
+            # run went on with fp32 moments (twice the memory, other roundings from its second step)
+            self.register_load_state_dict_post_hook(AdamWBf16States._moments_to_bf16)
 
         @staticmethod
         def _subclass_zeros(p, signed, block_size):
             return torch.zeros(p.shape, dtype=torch.bfloat16, device=p.device)
+
+        @staticmethod
+        def _moments_to_bf16(optimizer) -> None:
+            """The moments `_new_buffer` makes bf16 (those of this rank's shards of 4096 values or more), bf16."""
+            for p, state in optimizer.state.items():
+                if (p.to_local() if hasattr(p, "to_local") else p).numel() >= 4096:
+                    for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+                        if key in state:
+                            state[key] = state[key].to(torch.bfloat16)
 
     import torch._functorch.config as functorch_config
 

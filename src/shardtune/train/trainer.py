@@ -10,6 +10,7 @@ import torch
 import torch.distributed
 
 from shardtune.check.run import CheckedRun, check_run
+from shardtune.checkpoint.folders import check_same_data, read_meta
 from shardtune.checkpoint.rundir import PREEMPTED_MARKER
 from shardtune.config.load import dump_yaml
 from shardtune.config.schema import RunConfig
@@ -88,6 +89,8 @@ class Trainer:
         lengths = batching.sample_lengths(self.train_ds) if cfg.data.group_by_length else None
         self.plan = batching.BatchPlan(len(self.train_ds), t.global_batch_size, t.micro_batch_size,
                                        dist.world_size, dist.rank, t.seed, lengths=lengths)
+        if resume_from:  # the same config may read changed files
+            check_same_data(read_meta(Path(resume_from)), self.plan.num_samples, resume_from)
         self.total_steps = total_steps(t, self.plan.steps_per_epoch)
         eval_mb = cfg.eval.micro_batch_size or t.micro_batch_size
         self.val_batches = batching.eval_batches(len(self.val_ds), eval_mb, dist.world_size, dist.rank,
