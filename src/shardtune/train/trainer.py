@@ -27,21 +27,9 @@ from shardtune.model import loss as loss_lib
 from shardtune.model.adapters import load_qlora_model
 from shardtune.model.build import BuiltModel, ModelSpec, build_model
 from shardtune.model.hf import count_params, load_generation_config, load_source_model
-from shardtune.telemetry.metrics import (
-    GPUSampler,
-    LiveMemory,
-    MetricsLog,
-    Progress,
-    StepClock,
-    StepMeter,
-    StepProfiler,
-    backward_reach,
-    device_peak_flops,
-    flops_rates,
-    matmul_params,
-    memory_stats,
-)
-from shardtune.train.optim import schedule_change, total_steps
+from shardtune.telemetry import metrics as telemetry
+from shardtune.train.optim import total_steps
+from shardtune.train.resume import resume_notes
 from shardtune.train.state import LoopParts, QueuedStep, TrainState, seed_everything
 from shardtune.train.step import evaluate, queue_numbers, read_numbers, train_step
 
@@ -104,9 +92,9 @@ class Trainer:
         self.watch = Watch(model, self.built.block_cls, cfg.log.watch, cfg.log.watch_every, dist.device,
                            histograms=bool(HISTOGRAM_TRACKERS & set(cfg.log.trackers)))
         total, trainable = count_params(model)
-        matmul, matmul_trainable = matmul_params(model)
-        self.flops = flops_rates(matmul, hf_config, cfg.data.seq_len, matmul_trainable,
-                                 backward_reach(model, self.built.block_cls))
+        matmul, matmul_trainable = telemetry.matmul_params(model)
+        self.flops = telemetry.flops_rates(matmul, hf_config, cfg.data.seq_len, matmul_trainable,
+                                           telemetry.backward_reach(model, self.built.block_cls))
         self.say(f"model: {type(model).__name__.removeprefix('FSDP')} {total:,} params "
                  f"({trainable:,} trainable, {100 * trainable / max(total, 1):.3g}%) | "
                  f"{dist.world_size} rank(s) on {dist.device.type} | {cfg.fsdp.sharding} | {cfg.precision} | "
@@ -129,22 +117,15 @@ class Trainer:
                                  committed=lambda folder, step: self.publishing.committed(folder, step))
         # the checkpoint is input too: read whole before the folder changes (metrics trimmed, stale saves removed)
         meta = self.ckpt.load(resume_from) if resume_from else None
-        if self.state.step > self.total_steps:  # train.max_steps is checked with the folder; epochs need the data
-            raise UserError(f"train.epochs={t.epochs:g} is {self.total_steps} step(s) of this data, below the step of "
-                            f"the checkpoint it resumes ({self.state.step}, {resume_from!r}): nothing would train; "
-                            "raise train.epochs or set train.max_steps, or start over in a new output_dir")
+        notes = resume_notes(meta, t, self.state.step, self.total_steps, self.plan.steps_per_epoch, dist.world_size,
+                             resume_from) if meta is not None else []
         rank0_first(dist, lambda: prepare_run_dir(cfg, overwrite, out=out) if dist.is_main else None)
         self.publishing = Publishing(cfg, out, run.publishes, dist.is_main, self.say, resuming=bool(resume_from))
         if note := space_warning(out / "checkpoints", cfg.checkpoint, checkpoint_bytes(model, dist.world_size),
                                  self.total_steps, self.plan.steps_per_epoch):
             self.say(note)
-        if meta is not None and (note := schedule_change(meta["config"].get("train", {}), t, self.state.step,
-                                                          self.plan.steps_per_epoch)):
+        for note in notes:
             self.say(note)
-        if meta is not None and meta["world_size"] != dist.world_size:
-            self.say(f"checkpoint written by {meta['world_size']} rank(s), resuming on {dist.world_size}: "
-                     "model, optimizer and data order carry over; RNG streams (dropout) are re-seeded from "
-                     "seed+step+rank")
         if dist.is_main:
             (out / "config.yaml").write_text(dump_yaml(cfg))
             (out / PREEMPTED_MARKER).unlink(missing_ok=True)
@@ -199,7 +180,7 @@ class Trainer:
         from shardtune.telemetry.trackers import Trackers
 
         cfg, dist, t = self.cfg, self.dist, self.cfg.train
-        log = MetricsLog(self.out / "metrics.jsonl", dist.is_main)
+        log = telemetry.MetricsLog(self.out / "metrics.jsonl", dist.is_main)
         self.publishing.trackers = trackers = Trackers(cfg.log.trackers, self.out, cfg.to_dict(), cfg.log.project,
                                                        self.out.name, dist.is_main, cfg.publish.wandb_artifacts,
                                                        self.state.step)
@@ -216,9 +197,11 @@ class Trainer:
         if dist.device.type == "cpu":  # every step's tensors live in host memory: keep their pages mapped
             keep_freed_memory()
         start, first_step = time.perf_counter(), self.state.step
-        parts = LoopParts(log, trackers, Progress(self.total_steps, self.state.step, dist.is_main, cfg.log.progress),
-                          GPUSampler(dist.device), Preemption(), self.prefetcher(),
-                          StepProfiler(cfg.log.profile_steps, self.state.step, self.total_steps, dist, self.out))
+        parts = LoopParts(log, trackers,
+                          telemetry.Progress(self.total_steps, self.state.step, dist.is_main, cfg.log.progress),
+                          telemetry.GPUSampler(dist.device), Preemption(), self.prefetcher(),
+                          telemetry.StepProfiler(cfg.log.profile_steps, self.state.step, self.total_steps, dist,
+                                                 self.out))
         try:
             results["tokens"] = self._loop(parts, results)
         except BaseException as exc:
@@ -259,10 +242,10 @@ class Trainer:
         cfg, dist, plan, state = self.cfg, self.dist, self.plan, self.state
         log, trackers, progress, gpu = parts.log, parts.trackers, parts.progress, parts.gpu
         preemption, prefetcher, profiler = parts.preemption, parts.prefetcher, parts.profiler
-        clock = StepClock(dist.device)
-        meter = StepMeter(dist.world_size, self.flops,
-                          device_peak_flops(dist.device, cfg.precision, cfg.log.peak_tflops), clock)
-        live = LiveMemory(self.model, self.optimizer, dist.device, cfg.log.live_memory)
+        clock = telemetry.StepClock(dist.device)
+        meter = telemetry.StepMeter(dist.world_size, self.flops,
+                          telemetry.device_peak_flops(dist.device, cfg.precision, cfg.log.peak_tflops), clock)
+        live = telemetry.LiveMemory(self.model, self.optimizer, dist.device, cfg.log.live_memory)
         first_tokens = state.tokens_seen
         count_tokens = not equal_blocks(self.train_ds)
         queued: list[QueuedStep] = []
@@ -337,7 +320,7 @@ class Trainer:
         if step % cfg.log.every_steps and step != self.total_steps:
             return ({"step": step, "epoch": epoch, **watched} if watched else {}), numbers.stop
         # each rank's own peaks: the record holds the fullest device's (the one that runs out first)
-        memory = all_max({**memory_stats(self.dist.device), **live.read()}, self.dist.device)
+        memory = all_max({**telemetry.memory_stats(self.dist.device), **live.read()}, self.dist.device)
         record = {"step": step, "epoch": epoch, "loss": loss, "lr": queued.lr, "grad_norm": grad_norm,
                   "tokens_seen": self.state.tokens_seen, **meter.report(), **memory, **gpu.read(), **watched}
         if self.scaler:  # this step's, queued with it: the scaler's own is a later step's by now
