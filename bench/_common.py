@@ -156,8 +156,8 @@ def flops_per_token(model_config: dict, tokenizer: str, seq_len: int) -> float:
     """shardtune's own count (telemetry.flops_per_token over the matmul weights), all trainable."""
     from shardtune.config.schema import ModelConfig
     from shardtune.model.hf import build_meta_model, load_hf_config
-    from shardtune.telemetry.metrics import flops_per_token as count
-    from shardtune.telemetry.metrics import matmul_params
+    from shardtune.telemetry.flops import flops_per_token as count
+    from shardtune.telemetry.flops import matmul_params
 
     hf = load_hf_config(ModelConfig(config=model_config, tokenizer=tokenizer))
     return count(matmul_params(build_meta_model(hf))[0], hf, seq_len)

@@ -319,7 +319,7 @@ def main() -> int:
     fpt = C.flops_per_token(setup["model"], assets["tokenizer"], setup["seq_len"]) if a.gpu else None
     peak = None
     if a.gpu:  # shardtune's table of device peaks (TFLOP/s), or --peak-tflops
-        from shardtune.telemetry.metrics import device_peak_flops
+        from shardtune.telemetry.flops import device_peak_flops
 
         peak_flops = device_peak_flops(torch.device(device, 0), "bf16", a.peak_tflops)
         peak = peak_flops / 1e12 if peak_flops else None

@@ -31,7 +31,7 @@ def counted(cfg) -> StepTrace:
     """What step_time reads of a trace, counted on the meta model (no activations: time only)."""
     from shardtune.distributed.fsdp import detect_block_class
     from shardtune.model.hf import build_meta_model, count_params, load_hf_config
-    from shardtune.telemetry.metrics import matmul_params
+    from shardtune.telemetry.flops import matmul_params
 
     model = build_meta_model(load_hf_config(cfg.model))
     float8.convert(model, detect_block_class(model), cfg.float8)

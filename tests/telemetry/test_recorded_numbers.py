@@ -22,7 +22,7 @@ def test_an_adapted_layer_counts_its_base_weight_once():
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from shardtune.telemetry.metrics import matmul_params
+    from shardtune.telemetry.flops import matmul_params
 
     model = AutoModelForCausalLM.from_config(hf_config("llama", attn_implementation="eager"))
     base = matmul_params(model)[0]
@@ -42,7 +42,7 @@ def test_qlora_packed_weights_count_the_values_they_hold():
     from transformers import AutoModelForCausalLM
 
     from shardtune.model.hf import count_params
-    from shardtune.telemetry.metrics import matmul_params
+    from shardtune.telemetry.flops import matmul_params
 
     class Params4bit(torch.nn.Parameter):  # bitsandbytes' class as peft and shardtune tell it: by name
         quant_storage = torch.bfloat16
@@ -69,7 +69,7 @@ def test_a_frozen_models_flops_are_the_matmuls_its_step_runs(freeze):
 
     from shardtune.config.schema import FreezeConfig
     from shardtune.model.adapters import freeze as freeze_model
-    from shardtune.telemetry.metrics import backward_reach, flops_rates, matmul_params
+    from shardtune.telemetry.flops import backward_reach, flops_rates, matmul_params
 
     config = hf_config("gpt2", attn_implementation="eager", tie_word_embeddings=False)
     model = AutoModelForCausalLM.from_config(config)

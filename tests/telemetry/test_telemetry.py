@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from shardtune.errors import UserError
-from shardtune.telemetry.metrics import device_peak_flops, flops_per_token, memory_stats
+from shardtune.telemetry.flops import device_peak_flops, flops_per_token
+from shardtune.telemetry.metrics import memory_stats
 from shardtune.telemetry.report import write_report
 from shardtune.telemetry.trackers import Histogram, Trackers
 
@@ -60,7 +61,7 @@ def test_matmul_params_are_the_weights_a_token_meets(model_type):
     from torch.utils.flop_counter import FlopCounterMode
     from transformers import AutoModelForCausalLM
 
-    from shardtune.telemetry.metrics import matmul_params
+    from shardtune.telemetry.flops import matmul_params
 
     # eager experts: one matmul per expert over the tokens routed to it (the grouped kernel is not counted)
     config = hf_config(model_type, experts_implementation="eager", attn_implementation="eager")

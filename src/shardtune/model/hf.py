@@ -373,7 +373,7 @@ def materialize(model, source, device, is_main: bool, params_on_host: bool = Fal
 
 def count_params(model) -> tuple[int, int]:
     """(total, trainable) parameter counts of the unsharded model."""
-    from shardtune.telemetry.metrics import values
+    from shardtune.telemetry.flops import values
 
     total = trainable = 0
     for p in model.parameters():

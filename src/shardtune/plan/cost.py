@@ -184,8 +184,7 @@ def step_time(trace: StepTrace, hf_config, cand: Candidate, cfg: RunConfig, targ
     communication overlapped with it (FSDP prefetches), activation copies on a side stream
     (overlapped too, but sharing a PCIe link with the collectives where that is the link), the
     optimizer step (memory-bound), and CPU offload's copies and host AdamW (not overlapped)."""
-    from shardtune.telemetry.flops import attention_flops
-    from shardtune.telemetry.metrics import flops_per_token
+    from shardtune.telemetry.flops import attention_flops, flops_per_token
 
     p, seq, world = trace.params, cfg.data.seq_len, target.world
     tokens = cand.micro_batch * accum * seq  # per rank per step

@@ -268,9 +268,9 @@ class _ShapeOnlyData:
 
 def parameter_counts(model) -> dict[str, int]:
     """What the speed model reads of a model: its parameters ("total", "trainable") and the weights
-    a token is multiplied by ("matmul", "matmul_trainable": telemetry.metrics.matmul_params)."""
+    a token is multiplied by ("matmul", "matmul_trainable": telemetry.flops.matmul_params)."""
     from shardtune.model.hf import count_params
-    from shardtune.telemetry.metrics import matmul_params
+    from shardtune.telemetry.flops import matmul_params
 
     return dict(zip(("total", "trainable", "matmul", "matmul_trainable"),
                     (*count_params(model), *matmul_params(model)), strict=True))

@@ -1,16 +1,18 @@
-"""The attention FLOPs of a model, counted by torch's FlopCounterMode in the model itself (the
-rest of MFU's FLOPs per token is `metrics.flops_per_token`)."""
+"""MFU's FLOPs: a device's peak, and the training FLOPs per token of a model: its matmul weights
+(`matmul_params`, as far as backward reaches) and its attention, counted by torch's
+FlopCounterMode in the model itself."""
 
 from __future__ import annotations
 
 import copy
 
 import torch
+import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from shardtune.families import hidden_size, layer_count
+from shardtune.families import config_value, hidden_size, layer_count
 
-WEIGHT_MATMULS = {"aten.mm", "aten.addmm", "aten._grouped_mm"}  # what `metrics.matmul_params` counts
+WEIGHT_MATMULS = {"aten.mm", "aten.addmm", "aten._grouped_mm"}  # what `matmul_params` counts
 
 
 def attention_flops(hf_config, seq_len: int) -> float:
@@ -50,3 +52,99 @@ class _MetaScalars(TorchDispatchMode):
         if func is torch.ops.aten._local_scalar_dense.default:
             return True if args[0].dtype == torch.bool else 0
         return func(*args, **(kwargs or {}))
+
+
+def device_peak_flops(device, precision: str, override_tflops: float | None = None) -> float | None:
+    """Peak FLOP/s of one device for this precision, or None when unknown (e.g. a CPU)."""
+    if override_tflops:
+        return override_tflops * 1e12
+    if device.type != "cuda":
+        return None
+
+    from shardtune.hardware import gpu_by_device_name
+
+    gpu = gpu_by_device_name(torch.cuda.get_device_name(device))
+    return gpu.peak_flops(precision) if gpu is not None and gpu.supports(precision) else None
+
+
+def flops_per_token(num_params: int, hf_config, seq_len: int, trainable: int | None = None) -> float:
+    """Useful training FLOPs per token of a `seq_len`-token sequence for N matmul weights
+    (`matmul_params`): 2N forward + 2N backward through the activations + 2N for weight gradients
+    of the trainable ones (6N when all train), plus 3 x the forward's attention FLOPs
+    (`attention_flops`). Recomputation by activation checkpointing is not counted: MFU measures
+    useful work."""
+    return _weight_flops(num_params, trainable) + 3.0 * attention_flops(hf_config, seq_len)
+
+
+def flops_rates(num_params: int, hf_config, seq_len: int, trainable: int | None = None,
+                reach: tuple[int, float] | None = None) -> tuple[float, float]:
+    """(training FLOPs per token of the weights, training FLOPs per (query, key) pair of attention):
+    `flops_per_token` split so that a step's attention follows its documents' lengths, not
+    `seq_len`'s. Attention's FLOPs per token grow with the tokens attended to (counted at `seq_len`
+    by `attention_flops`), so a document of l tokens costs l² pairs: a short instruct example (padded
+    or not) or a document of a masked packed row costs what it computes alone; l = seq_len is
+    `flops_per_token`. `reach`: how far backward goes (`backward_reach`; None: through everything)."""
+    input_grads, attention_share = reach if reach is not None else (None, 1.0)
+    return (_weight_flops(num_params, trainable, input_grads),
+            (1.0 + 2.0 * attention_share) * attention_flops(hf_config, seq_len) / seq_len)
+
+
+def _weight_flops(num_params: int, trainable: int | None, input_grads: int | None = None) -> float:
+    return (2.0 * num_params + 2.0 * (num_params if input_grads is None else input_grads)
+            + 2.0 * (num_params if trainable is None else trainable))
+
+
+def values(param) -> int:
+    """The values a parameter holds: its numel, but for bitsandbytes' 4-bit weights (QLoRA's base),
+    which pack two values into each byte of their storage dtype (bf16: numel is a quarter of the
+    values). peft's get_nb_trainable_parameters rule."""
+    if type(param).__name__ != "Params4bit":
+        return param.numel()
+    storage = getattr(param, "quant_storage", None)
+    return param.numel() * 2 * (storage.itemsize if storage is not None else param.element_size())
+
+
+def _matmul_weights(model):
+    """(elements a token is multiplied by, the weight, whether backward computes that matmul's input
+    gradient) of each weight `matmul_params` counts, in model order (embeddings first, head last).
+    Backward computes an input gradient only on the way to a parameter that trains: below the
+    first one (frozen blocks under freeze.trainable_blocks, all but the head with freeze.head_only)
+    it stops. A peft model's frozen input embedding passes a gradient on (adapters._inputs_carry_grad):
+    every weight's."""
+    top_k = config_value(model.config, "num_experts_per_tok")
+    below_trained = hasattr(model, "peft_config")
+    for module in model.modules():
+        # the module's own parameter: an adapter's wrapper (peft's lora.Linear) answers `weight` with
+        # its base layer's, which is counted where it lives
+        weight = module._parameters.get("weight")
+        if not isinstance(module, nn.Embedding) and weight is not None and weight.ndim == 2:
+            yield values(weight), weight, below_trained
+        for param in module.parameters(recurse=False):
+            if param.ndim == 3 and top_k:
+                yield param.numel() * min(top_k, param.shape[0]) // param.shape[0], param, below_trained
+        below_trained = below_trained or any(p.requires_grad for p in module.parameters(recurse=False))
+
+
+def matmul_params(model) -> tuple[int, int]:
+    """(all, trainable) elements of the weights one token is multiplied by: 2-D weights outside
+    embedding lookups (an LM head counts even when tied to the input embedding: it multiplies),
+    and of a mixture of experts' fused 3-D expert weights (experts x ...) only the share of the
+    experts each token is routed to (`num_experts_per_tok` of them): FLOPs follow the active
+    experts, memory (not counted here) all of them. Each weight counts once, where it is a parameter."""
+    weights = list(_matmul_weights(model))
+    return sum(n for n, _, _ in weights), sum(n for n, w, _ in weights if w.requires_grad)
+
+
+def backward_reach(model, block_cls: type | None) -> tuple[int, float]:
+    """How far backward goes: (the elements of `matmul_params`' weights whose input gradient it
+    computes, 2 FLOPs per token each; the share of the `block_cls` blocks whose attention it passes
+    through, 2 x attention's forward FLOPs each). All of them, 1.0, in a model whose first parameters
+    train; with freeze.trainable_blocks=k, the top k blocks'; with freeze.head_only, none."""
+    through = sum(n for n, _, reached in _matmul_weights(model) if reached)
+    modules = list(model.modules())
+    first = 0 if hasattr(model, "peft_config") else next(
+        (i for i, m in enumerate(modules) if any(p.requires_grad for p in m.parameters(recurse=False))), len(modules))
+    # a block is reached when a trained parameter lies in it or before it: its last module's index
+    ends = [i + sum(1 for _ in m.modules()) - 1 for i, m in enumerate(modules)
+            if block_cls is not None and isinstance(m, block_cls)]
+    return through, (sum(first <= end for end in ends) / len(ends) if ends else 1.0)

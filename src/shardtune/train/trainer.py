@@ -27,6 +27,7 @@ from shardtune.model import loss as loss_lib
 from shardtune.model.adapters import load_qlora_model
 from shardtune.model.build import BuiltModel, ModelSpec, build_model
 from shardtune.model.hf import count_params, load_generation_config, load_source_model
+from shardtune.telemetry import flops
 from shardtune.telemetry import metrics as telemetry
 from shardtune.train.optim import total_steps
 from shardtune.train.resume import resume_notes
@@ -92,9 +93,9 @@ class Trainer:
         self.watch = Watch(model, self.built.block_cls, cfg.log.watch, cfg.log.watch_every, dist.device,
                            histograms=bool(HISTOGRAM_TRACKERS & set(cfg.log.trackers)))
         total, trainable = count_params(model)
-        matmul, matmul_trainable = telemetry.matmul_params(model)
-        self.flops = telemetry.flops_rates(matmul, hf_config, cfg.data.seq_len, matmul_trainable,
-                                           telemetry.backward_reach(model, self.built.block_cls))
+        matmul, matmul_trainable = flops.matmul_params(model)
+        self.flops = flops.flops_rates(matmul, hf_config, cfg.data.seq_len, matmul_trainable,
+                                           flops.backward_reach(model, self.built.block_cls))
         self.say(f"model: {type(model).__name__.removeprefix('FSDP')} {total:,} params "
                  f"({trainable:,} trainable, {100 * trainable / max(total, 1):.3g}%) | "
                  f"{dist.world_size} rank(s) on {dist.device.type} | {cfg.fsdp.sharding} | {cfg.precision} | "
@@ -244,7 +245,7 @@ class Trainer:
         preemption, prefetcher, profiler = parts.preemption, parts.prefetcher, parts.profiler
         clock = telemetry.StepClock(dist.device)
         meter = telemetry.StepMeter(dist.world_size, self.flops,
-                          telemetry.device_peak_flops(dist.device, cfg.precision, cfg.log.peak_tflops), clock)
+                          flops.device_peak_flops(dist.device, cfg.precision, cfg.log.peak_tflops), clock)
         live = telemetry.LiveMemory(self.model, self.optimizer, dist.device, cfg.log.live_memory)
         first_tokens = state.tokens_seen
         count_tokens = not equal_blocks(self.train_ds)
