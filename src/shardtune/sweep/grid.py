@@ -13,14 +13,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-import os
 from pathlib import Path
 from typing import NamedTuple
 
 from shardtune.errors import UserError
 from shardtune.fsio import json_loads, make_dir, refuse_foreign, write_text_atomic
 from shardtune.hardware import GIB
-from shardtune.sweep.max_batch import Predictions, auto_layout, max_batch_of, micro_batch_candidates
+from shardtune.sweep.max_batch import Predictions, auto_layout, max_batch_of, memory_limit, micro_batch_candidates
 from shardtune.sweep.report import describe, slug, summarize_point, write_outputs
 from shardtune.sweep.trial import LIVE_STEPS, run_trial
 
@@ -390,17 +389,3 @@ def run_sweep(sweep: Sweep) -> Path:
     finally:  # also after an interrupt: what is done is written
         write_outputs(sweep, list(state.trials.values()), summaries, limit)
     return sweep.out / "sweep.md"
-
-
-def memory_limit(sweep: Sweep) -> int | None:
-    """Bytes per rank: --mem-limit, else the GPU's memory; on CPU without --mem-limit, the
-    machine's memory over the ranks (the cap that keeps a max-batch search from swapping)."""
-    if sweep.mem_limit:
-        return sweep.mem_limit
-    if sweep.device == "cuda":
-        import torch
-
-        return torch.cuda.get_device_properties(0).total_memory
-    if sweep.max_batch:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // sweep.nproc
-    return None

@@ -4,6 +4,8 @@ seeded by `shardtune plan`'s predictions against the memory a trial may use; and
 
 from __future__ import annotations
 
+import os
+
 from shardtune.errors import first_line
 from shardtune.hardware import GIB
 from shardtune.sweep.report import method_label, slug, summarize_point
@@ -88,6 +90,20 @@ class Predictions:
                     print(f"  no memory prediction for {method_label(point)}: "
                           f"{type(exc).__name__}: {first_line(exc)}", flush=True)
         return self.cache[key]
+
+
+def memory_limit(sweep) -> int | None:
+    """Bytes per rank: --mem-limit, else the GPU's memory; on CPU without --mem-limit, the
+    machine's memory over the ranks (the cap that keeps a max-batch search from swapping)."""
+    if sweep.mem_limit:
+        return sweep.mem_limit
+    if sweep.device == "cuda":
+        import torch
+
+        return torch.cuda.get_device_properties(0).total_memory
+    if sweep.max_batch:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // sweep.nproc
+    return None
 
 
 def tensor_budget(limit: int | None, device: str, records: list[dict]) -> int | None:
