@@ -136,3 +136,60 @@ def test_compressed_files_are_splits_by_name_and_csv_is_not_tsv(tmp_path):
     compressed(other / "validation.tsv.gz", b"text\nb\n")
     with pytest.raises(UserError, match=r"mixes or has unsupported file types \(.csv, .tsv.gz\)"):
         local_files(other)
+
+
+def write_texts(path: Path, texts: list[str], bom: bool = False) -> Path:
+    """`texts` as the one column `text` of a data file of path's format (written as a user would)."""
+    if path.suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table({"text": texts}), path)
+        return path
+    if path.suffix in (".csv", ".tsv"):
+        out = io.StringIO()
+        csv.writer(out, delimiter="\t" if path.suffix == ".tsv" else ",").writerows([["text"], *[[t] for t in texts]])
+        content = out.getvalue()
+    else:
+        import json
+
+        content = "".join((t if path.suffix == ".txt" else json.dumps({"text": t})) + "\n" for t in texts)
+    path.write_bytes(b"\xef\xbb\xbf" * bom + content.encode())
+    return path
+
+
+@pytest.mark.parametrize("name", ["train.jsonl", "train.csv", "train.txt", "train.parquet"])
+def test_a_file_written_again_with_its_mtime_kept_is_read_again(tmp_path, name):
+    """`datasets` keys its cache of a local file by path and mtime alone: a file written again and
+    given its old mtime back (cp -p, rsync -t, tar, touch -r) was read from the cache of its old
+    contents, and the run trained on them."""
+    import os
+
+    path = write_texts(tmp_path / name, ["old words", "old rows"])
+    before = os.stat(path)
+    assert read_local(local_files(tmp_path), str(tmp_path))["train"]["text"] == ["old words", "old rows"]
+    write_texts(path, ["new words", "new rows"])
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert read_local(local_files(tmp_path), str(tmp_path))["train"]["text"] == ["new words", "new rows"]
+
+
+# pandas' default null markers: its csv reader read every one of these texts as a null cell
+NULL_LIKE = ["#N/A", "#N/A N/A", "#NA", "-1.#IND", "-1.#QNAN", "-NaN", "-nan", "1.#IND", "1.#QNAN", "<NA>", "N/A",
+             "NA", "NULL", "NaN", "None", "n/a", "nan", "null"]
+
+
+@pytest.mark.parametrize("name", ["train.csv", "train.tsv"])
+def test_csv_cells_are_the_text_they_hold(tmp_path, name):
+    """A csv cell `NA`, `None`, `null`, `nan`, ... is that text (a name, a word, an answer), not a
+    null: it was dropped as 'null or empty'. Only an empty cell is null."""
+    texts = [*NULL_LIKE, "", "plain"]
+    write_texts(tmp_path / name, texts)
+    assert read_local(local_files(tmp_path), str(tmp_path))["train"]["text"] == [t or None for t in texts]
+
+
+@pytest.mark.parametrize("name", ["train.txt", "train.jsonl", "train.csv"])
+def test_a_byte_order_mark_is_no_text(tmp_path, name):
+    """Windows editors start a UTF-8 file with a BOM: the text reader kept it as the first
+    document's first character (U+FEFF, tokens the user never wrote)."""
+    write_texts(tmp_path / name, ["first line", "second"], bom=True)
+    assert read_local(local_files(tmp_path), str(tmp_path))["train"]["text"] == ["first line", "second"]

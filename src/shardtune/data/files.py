@@ -5,6 +5,7 @@ file's fault. A folder that save_to_disk wrote is read as it was saved. Formats:
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -162,7 +163,8 @@ def read_local(files: dict[str, list[str]], path: str):
     out = {}
     for split, names in files.items():
         try:
-            out[split] = datasets.load_dataset(fmt.builder, data_files={split: names}, **fmt.kwargs)[split]
+            out[split] = datasets.load_dataset(fmt.builder, data_files={split: names}, description=_stamp(names),
+                                               **fmt.kwargs)[split]
         except datasets.exceptions.DatasetGenerationError:  # arrow's parse error names no line, nor file
             if fmt.builder == "json" and (line := first_line_not_an_object(names)) is not None:
                 raise UserError(line) from None
@@ -177,6 +179,20 @@ def read_local(files: dict[str, list[str]], path: str):
             raise UserError(f"could not read data file(s) {', '.join(repr(n) for n in names)} of {path!r} "
                             f"({first_line(exc)}); fix the file or point data.path elsewhere") from None
     return datasets.DatasetDict(out)
+
+
+def _stamp(names: list[str]) -> str:
+    """What tells these files' contents apart, for the readers' cache key (a config's description
+    is part of it): `datasets` keys a local file by its path and mtime alone, so a file written
+    again with its mtime kept (cp -p, rsync -t, tar, touch -r) was read from the old cache. The
+    ctime moves with every write and no tool sets it back; size and inode tell a replaced file."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name in names:
+        st = os.stat(name)
+        digest.update(f"{name}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}\0{st.st_ino}\n".encode())
+    return f"shardtune files {digest.hexdigest()[:32]}"
 
 
 def columns_that_differ(names: list[str], fmt, what: str) -> str | None:

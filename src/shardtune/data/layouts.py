@@ -25,9 +25,14 @@ class Format:
         return dict(self.options)
 
 
-FORMATS = {".txt": Format("text"), ".text": Format("text"), ".jsonl": Format("json"), ".json": Format("json"),
-           ".csv": Format("csv"), ".tsv": Format("csv", (("sep", "\t"),)), ".parquet": Format("parquet", text=False),
-           ".arrow": Format("arrow", text=False)}
+# a csv cell is null only where it is empty: pandas' default also reads the text NA, None, null,
+# nan, N/A, #N/A, ... as null, and such a document was dropped as "null or empty"
+CSV_CELLS = (("keep_default_na", False), ("na_values", ("",)))
+TEXT = (("encoding", "utf-8-sig"),)  # a leading BOM (Windows editors write one) is no text of the first line
+FORMATS = {".txt": Format("text", TEXT), ".text": Format("text", TEXT), ".jsonl": Format("json"),
+           ".json": Format("json"),
+           ".csv": Format("csv", CSV_CELLS), ".tsv": Format("csv", (("sep", "\t"), *CSV_CELLS)),
+           ".parquet": Format("parquet", text=False), ".arrow": Format("arrow", text=False)}
 # a text file's compression suffix: (fsspec's codec, the package it needs where Python has none)
 COMPRESSIONS = {".gz": ("gzip", None), ".bz2": ("bz2", None), ".xz": ("xz", None), ".zst": ("zstd", "zstandard")}
 
