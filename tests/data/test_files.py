@@ -193,3 +193,23 @@ def test_a_byte_order_mark_is_no_text(tmp_path, name):
     document's first character (U+FEFF, tokens the user never wrote)."""
     write_texts(tmp_path / name, ["first line", "second"], bom=True)
     assert read_local(local_files(tmp_path), str(tmp_path))["train"]["text"] == ["first line", "second"]
+
+
+@pytest.mark.parametrize(("names", "splits"), [
+    (["alpaca_train.jsonl", "alpaca_test.jsonl"], {"train": ["alpaca_train.jsonl"], "test": ["alpaca_test.jsonl"]}),
+    (["wiki.train.jsonl", "wiki.valid.jsonl"], {"train": ["wiki.train.jsonl"], "validation": ["wiki.valid.jsonl"]}),
+    (["data-00.jsonl", "data-eval-00.jsonl", "notes_dev.jsonl"],
+     {"train": ["data-00.jsonl"], "test": ["data-eval-00.jsonl"], "validation": ["notes_dev.jsonl"]}),
+    (["contest.jsonl", "Train.jsonl", "validation_2.jsonl"],
+     {"train": ["Train.jsonl", "contest.jsonl"], "validation": ["validation_2.jsonl"]}),
+    (["my_test.jsonl", "notes.jsonl"], {"train": ["notes.jsonl"], "test": ["my_test.jsonl"]}),
+    (["my_test.jsonl", "my_dev.jsonl"], {"train": ["my_dev.jsonl", "my_test.jsonl"]}),
+])
+def test_a_split_named_as_a_word_of_a_file_name_is_that_split(tmp_path, names, splits):
+    """A folder's files whose names hold a split's word after a separator (as `datasets` names
+    splits) are that split: alpaca_test.jsonl beside alpaca_train.jsonl was read as training data,
+    the test set trained on. A word inside another word (contest) is no split; without a training
+    file every file is one."""
+    for name in names:
+        (tmp_path / name).write_text('{"text": "a"}\n')
+    assert local_files(tmp_path) == {split: [str(tmp_path / n) for n in files] for split, files in splits.items()}

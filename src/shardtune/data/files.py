@@ -139,12 +139,27 @@ def local_files(path: Path) -> dict[str, list[str]]:
             _check_csv_header(p)
     splits: dict[str, list[str]] = {}
     for p in files:
-        stem = p.stem.lower()
-        split = next((s for s in ("train", *VAL_NAMES, "test") if stem.startswith(s)), "train")
-        splits.setdefault("validation" if split in VAL_NAMES else split, []).append(str(p))
+        splits.setdefault(split_of(p), []).append(str(p))
     if "train" not in splits:
         splits = {"train": [f for group in splits.values() for f in group]}
     return splits
+
+
+def split_of(path: Path) -> str:
+    """The split of a folder's file, by its name (any case): one that starts with a split's name
+    (train*, validation*/valid*/val*/dev*, test*), else one that holds a split's word as
+    `datasets` names them (its SPLIT_KEYWORDS between NON_WORDS_CHARS: alpaca_test.jsonl,
+    wiki.valid.jsonl, data-eval-00.jsonl), else train. Those were all trained on: a test or
+    validation file beside a train file read as training data."""
+    from datasets.data_files import NON_WORDS_CHARS, SPLIT_KEYWORDS
+
+    stem = path.stem.lower()
+    split = next((s for s in ("train", *VAL_NAMES, "test") if stem.startswith(s)), None)
+    if split is None:
+        split = next((str(name) for name, words in SPLIT_KEYWORDS.items()
+                      if any(re.search(rf"(^|[{NON_WORDS_CHARS}]){word}([{NON_WORDS_CHARS}]|$)", stem)
+                             for word in words)), "train")
+    return "validation" if split in VAL_NAMES else split
 
 
 def read_path(path: Path, shown: str):
