@@ -92,6 +92,7 @@ def test_out_of_range_numbers_are_refused_with_the_key(override, key):
     ("train.min_lr_ratio=1.5", "train.min_lr_ratio=1.5"), ("train.max_steps=-3", "train.max_steps"),
     ("data.seq_len=1", "data.seq_len=1 must be at least 2"),  # nothing to predict: loss 0, perplexity 1
     ("peft.dropout=1.0", "peft.dropout"),
+    ("data.val_size=1.5", "data.val_size=1.5 is neither a fraction below 1 nor a count"),
     ("log.peak_tflops=.inf", "log.peak_tflops=inf"),
 ])
 def test_values_the_libraries_would_reject_or_that_mean_nothing_are_refused(override, needle):
