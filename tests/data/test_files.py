@@ -55,7 +55,8 @@ def test_a_csv_header_with_unnamed_columns_is_read(tmp_path):
     assert local_files(tmp_path) == {"train": [str(tmp_path / "train.csv")]}
 
 
-@pytest.mark.parametrize("content", ["text,text\na,b\n", "\"text\",text\na,b\n", "a,text,a\n1,b,2\n"])
+@pytest.mark.parametrize("content", ["text,text\na,b\n", "\"text\",text\na,b\n", "a,text,a\n1,b,2\n",
+                                     "\ufefftext,text\na,b\n"])  # a BOM is not part of the first name
 def test_repeated_csv_columns_name_the_file(tmp_path, content):
     (tmp_path / "notes.csv").write_text(content)
     with pytest.raises(UserError, match=r"notes.csv' names column '(text|a)' twice"):

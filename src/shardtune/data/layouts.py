@@ -92,7 +92,7 @@ def opened(path, text: bool = False):
     if codec and codec not in available_compressions():
         raise UserError(f"data file {str(path)!r} is {codec}-compressed, and reading it needs the {kind.package} "
                         f"package: pip install {kind.package}")
-    encoding = {"encoding": "utf-8", "newline": ""} if text else {}
+    encoding = {"encoding": "utf-8-sig", "newline": ""} if text else {}  # a BOM is no text, as to the readers
     with fsspec.open(os.fspath(path), "rt" if text else "rb", compression=codec, **encoding) as f:
         try:
             yield f
