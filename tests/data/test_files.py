@@ -179,13 +179,24 @@ NULL_LIKE = ["#N/A", "#N/A N/A", "#NA", "-1.#IND", "-1.#QNAN", "-NaN", "-nan", "
              "NA", "NULL", "NaN", "None", "n/a", "nan", "null"]
 
 
-@pytest.mark.parametrize("name", ["train.csv", "train.tsv"])
+@pytest.mark.parametrize("name", ["train.csv", "train.tsv.gz"])
 def test_csv_cells_are_the_text_they_hold(tmp_path, name):
     """A csv cell `NA`, `None`, `null`, `nan`, ... is that text (a name, a word, an answer), not a
-    null: it was dropped as 'null or empty'. Only an empty cell is null."""
+    null: it was dropped as 'null or empty'. A column of numbers is their text: 02139 was 2139 and
+    3.50 was 3.5 in a template's text, and a text column of numbers was refused. Only an empty
+    cell is null."""
     texts = [*NULL_LIKE, "", "plain"]
-    write_texts(tmp_path / name, texts)
-    assert read_local(local_files(tmp_path), str(tmp_path))["train"]["text"] == [t or None for t in texts]
+    numbers = [f"{i:05d}" if i % 3 else f"{i}.50" for i in range(len(texts))]
+    numbers[1] = ""
+    out = io.StringIO()
+    rows = [["text", "n"], *zip(texts, numbers, strict=True)]
+    csv.writer(out, delimiter="\t" if ".tsv" in name else ",").writerows(rows)
+    if name.endswith(".gz"):
+        compressed(tmp_path / name, out.getvalue().encode())
+    else:
+        (tmp_path / name).write_text(out.getvalue())
+    read = read_local(local_files(tmp_path), str(tmp_path))["train"]
+    assert read["text"] == [t or None for t in texts] and read["n"] == [n or None for n in numbers]
 
 
 @pytest.mark.parametrize("name", ["train.txt", "train.jsonl", "train.csv"])

@@ -178,8 +178,9 @@ def read_local(files: dict[str, list[str]], path: str):
     out = {}
     for split, names in files.items():
         try:
+            columns = {"features": csv_text_columns(names[0])} if fmt.builder == "csv" else {}
             out[split] = datasets.load_dataset(fmt.builder, data_files={split: names}, description=_stamp(names),
-                                               **fmt.kwargs)[split]
+                                               **columns, **fmt.kwargs)[split]
         except datasets.exceptions.DatasetGenerationError:  # arrow's parse error names no line, nor file
             if fmt.builder == "json" and (line := first_line_not_an_object(names)) is not None:
                 raise UserError(line) from None
@@ -194,6 +195,18 @@ def read_local(files: dict[str, list[str]], path: str):
             raise UserError(f"could not read data file(s) {', '.join(repr(n) for n in names)} of {path!r} "
                             f"({first_line(exc)}); fix the file or point data.path elsewhere") from None
     return datasets.DatasetDict(out)
+
+
+def csv_text_columns(name: str):
+    """Every column of a csv file as text, named as pandas names them: a csv cell is the text it
+    holds, while pandas took a column of numbers as numbers (02139 became 2139, 3.50 became 3.5,
+    1 beside 1.5 became 1.0 in a template's text) and refused a text column of numbers."""
+    import datasets
+    import pandas
+
+    with opened(name, text=True) as f:
+        header = pandas.read_csv(f, nrows=0, sep=kind_of(name).format.kwargs.get("sep", ",")).columns
+    return datasets.Features({str(column): datasets.Value("string") for column in header})
 
 
 def _stamp(names: list[str]) -> str:
