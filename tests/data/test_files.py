@@ -225,3 +225,13 @@ def test_a_split_named_as_a_word_of_a_file_name_is_that_split(tmp_path, names, s
     for name in names:
         (tmp_path / name).write_text('{"text": "a"}\n')
     assert local_files(tmp_path) == {split: [str(tmp_path / n) for n in files] for split, files in splits.items()}
+
+
+@pytest.mark.parametrize("names", [["train.jsonl", "train.jsonl.gz"],
+                                   ["Validation.jsonl.xz", "train.jsonl", "validation.jsonl"]])
+def test_a_file_beside_its_compressed_copy_is_refused(tmp_path, names):
+    """`gzip -k train.jsonl` leaves both: each was a training file, and every row trained twice."""
+    for name in names:
+        (tmp_path / name).write_bytes(COMPRESS.get(name.rsplit(".", 1)[1], bytes)(b'{"text": "a"}\n'))
+    with pytest.raises(UserError, match=r"are one file plain and compressed \(both would be read"):
+        local_files(tmp_path)

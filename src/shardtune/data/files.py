@@ -110,6 +110,17 @@ def _no_rows(path: Path) -> bool:
                         "re-write it, or point data.path elsewhere") from None
 
 
+def _refuse_copies(files: list[Path]) -> None:
+    """A folder that holds a file beside its compressed copy (`gzip -k train.jsonl`): both were
+    read, and every row of it trained twice."""
+    seen: dict[str, Path] = {}
+    for p in files:
+        plain = p.name[:-len(p.suffix)] if kind_of(p).codec else p.name
+        if (other := seen.setdefault(plain.lower(), p)) is not p:
+            raise UserError(f"data files {other.name!r} and {p.name!r} in {str(p.parent)!r} are one file plain and "
+                            "compressed (both would be read: a copy's rows twice); remove one, or rename it")
+
+
 def local_files(path: Path) -> dict[str, list[str]]:
     """Files of a local dataset, by split. A folder's `train*`/`validation*` files are splits."""
     if path.is_dir():
@@ -128,6 +139,7 @@ def local_files(path: Path) -> dict[str, list[str]]:
         suffixes = sorted({shown_suffix(p) for p in files})
         raise UserError(f"data.path={str(path)!r} mixes or has unsupported file types ({', '.join(suffixes)}); "
                         f"use one of {supported()}")
+    _refuse_copies(files)
     blank = [p for p in files if _is_blank(p) or (kinds[p].format.builder == "parquet" and _no_rows(p))]
     if blank:
         raise UserError(f"data file {str(blank[0])!r} is empty (no documents); add documents to it "
