@@ -199,11 +199,20 @@ def test_csv_cells_are_the_text_they_hold(tmp_path, name):
     assert read["text"] == [t or None for t in texts] and read["n"] == [n or None for n in numbers]
 
 
-@pytest.mark.parametrize("name", ["train.txt", "train.jsonl", "train.csv"])
+@pytest.mark.parametrize("name", ["train.txt", "train.jsonl", "train.csv", "train.jsonl.gz", "train.csv.bz2",
+                                  "train.txt.gz"])
 def test_a_byte_order_mark_is_no_text(tmp_path, name):
     """Windows editors start a UTF-8 file with a BOM: the text reader kept it as the first
-    document's first character (U+FEFF, tokens the user never wrote)."""
-    write_texts(tmp_path / name, ["first line", "second"], bom=True)
+    document's first character (U+FEFF, tokens the user never wrote). Compressed, that reader
+    takes no encoding: refused there."""
+    path = write_texts(tmp_path / name.removesuffix(".gz").removesuffix(".bz2"), ["first line", "second"], bom=True)
+    if path.name != name:
+        (tmp_path / name).write_bytes(COMPRESS[name.rsplit(".", 1)[1]](path.read_bytes()))
+        path.unlink()
+    if name == "train.txt.gz":
+        with pytest.raises(UserError, match=r"train.txt.gz' starts with a byte-order mark"):
+            local_files(tmp_path)
+        return
     assert read_local(local_files(tmp_path), str(tmp_path))["train"]["text"] == ["first line", "second"]
 
 

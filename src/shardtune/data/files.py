@@ -78,6 +78,15 @@ def _check_csv_header(path: Path) -> None:
         seen.add(name)
 
 
+def _refuse_compressed_bom(path: Path) -> None:
+    """The text reader of `datasets` opens a compressed file without the encoding it is given, so
+    a leading BOM stayed the first document's first character (U+FEFF): said, not trained on."""
+    with opened(path) as f:
+        if f.read(3) == b"\xef\xbb\xbf":
+            raise UserError(f"data file {str(path)!r} starts with a byte-order mark, which the reader of compressed "
+                            "text would keep as text; re-save it without one (or uncompressed)")
+
+
 def _not_regular(path: Path) -> bool:
     """A FIFO, device or socket: reading one hangs or never ends."""
     import stat
@@ -149,6 +158,8 @@ def local_files(path: Path) -> dict[str, list[str]]:
             _check_text_file(p, json_lines=kind.format.builder == "json")
         if kind.format.builder == "csv":
             _check_csv_header(p)
+        if kind.format.builder == "text" and kind.codec:
+            _refuse_compressed_bom(p)
     splits: dict[str, list[str]] = {}
     for p in files:
         splits.setdefault(split_of(p), []).append(str(p))
