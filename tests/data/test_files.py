@@ -244,3 +244,20 @@ def test_a_file_beside_its_compressed_copy_is_refused(tmp_path, names):
         (tmp_path / name).write_bytes(COMPRESS.get(name.rsplit(".", 1)[1], bytes)(b'{"text": "a"}\n'))
     with pytest.raises(UserError, match=r"are one file plain and compressed \(both would be read"):
         local_files(tmp_path)
+
+
+@pytest.mark.parametrize(("files", "bad", "words"), [
+    ({"train.csv": "text\na\nb\nc,d\n", "validation.csv": "text\nv\n"}, "train.csv", "line 4"),
+    ({"train-1.csv": "text\na\n", "train-2.csv": 'text\n"open quote\nb\n'}, "train-2.csv", "EOF inside string"),
+    ({"train-1.jsonl": '{"text": "a"}\n', "train-2.jsonl": '{"text": "a", "text": "b"}\n'}, "train-2.jsonl", "twice"),
+])
+def test_a_file_the_reader_refuses_is_named(tmp_path, files, bad, words):
+    """The reader's refusal of a folder's file named the folder (or, for a broken file among a
+    split's several, told to download the dataset): the refusal names the file and the reader's
+    reason, with its line."""
+    for name, content in files.items():
+        (tmp_path / name).write_text(content)
+    with pytest.raises(UserError) as caught:
+        read_local(local_files(tmp_path), str(tmp_path))
+    line = str(caught.value)
+    assert f"could not read data file {str(tmp_path / bad)!r}" in line and words in line and "\n" not in line, line

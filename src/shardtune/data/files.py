@@ -201,13 +201,18 @@ def read_local(files: dict[str, list[str]], path: str):
     out = {}
     for split, names in files.items():
         try:
-            columns = {"features": csv_text_columns(names[0])} if fmt.builder == "csv" else {}
             out[split] = datasets.load_dataset(fmt.builder, data_files={split: names}, description=_stamp(names),
-                                               **columns, **fmt.kwargs)[split]
+                                               **reader_options(names[0], fmt))[split]
         except datasets.exceptions.DatasetGenerationError:  # arrow's parse error names no line, nor file
             if fmt.builder == "json" and (line := first_line_not_an_object(names)) is not None:
                 raise UserError(line) from None
-            if len(names) > 1 and (line := columns_that_differ(names, fmt, f"split {split!r} of {path!r}")) is not None:
+            line = None  # the reader's refusal names no file (of a folder's, of a split's several)
+            if len(names) > 1:
+                try:
+                    line = columns_that_differ(names, fmt, f"split {split!r} of {path!r}")
+                except Exception:  # noqa: BLE001 - a file the reader refuses on its own: found next
+                    pass
+            if (line := line or file_the_reader_refuses(names, fmt)) is not None:
                 raise UserError(line) from None
             raise
         except (FileNotFoundError, ValueError) as exc:
@@ -218,6 +223,26 @@ def read_local(files: dict[str, list[str]], path: str):
             raise UserError(f"could not read data file(s) {', '.join(repr(n) for n in names)} of {path!r} "
                             f"({first_line(exc)}); fix the file or point data.path elsewhere") from None
     return datasets.DatasetDict(out)
+
+
+def reader_options(name: str, fmt) -> dict:
+    """The `datasets` reader's options for data file `name` (and the files read with it)."""
+    return {**fmt.kwargs, **({"features": csv_text_columns(name)} if fmt.builder == "csv" else {})}
+
+
+def file_the_reader_refuses(names: list[str], fmt) -> str | None:
+    """For a reader's refusal of a split of several files: the first that it refuses on its own
+    (streamed), said with the reader's reason as the fix, or None."""
+    import datasets
+
+    for name in names:
+        try:
+            for _ in datasets.load_dataset(fmt.builder, data_files=[name], split="train", streaming=True,
+                                           **reader_options(name, fmt)):
+                pass
+        except Exception as exc:  # noqa: BLE001 - whatever the reader raises, it is about this file
+            return f"could not read data file {name!r} ({first_line(exc)}); fix the file or point data.path elsewhere"
+    return None
 
 
 def csv_text_columns(name: str):
@@ -253,7 +278,8 @@ def columns_that_differ(names: list[str], fmt, what: str) -> str | None:
     import datasets
 
     def columns(name: str) -> list[str]:
-        stream = datasets.load_dataset(fmt.builder, data_files=[name], split="train", streaming=True, **fmt.kwargs)
+        stream = datasets.load_dataset(fmt.builder, data_files=[name], split="train", streaming=True,
+                                       **reader_options(name, fmt))
         return list(next(iter(stream), {}))
 
     seen = {name: columns(name) for name in names}
