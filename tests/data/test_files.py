@@ -261,3 +261,38 @@ def test_a_file_the_reader_refuses_is_named(tmp_path, files, bad, words):
         read_local(local_files(tmp_path), str(tmp_path))
     line = str(caught.value)
     assert f"could not read data file {str(tmp_path / bad)!r}" in line and words in line and "\n" not in line, line
+
+
+CELLS = st.lists(st.sampled_from([*"ab ,;\"'\t\r\n\\{}[]#0.5é\u0301\u200fא😀\x00\x0b\x85\u2028", *NULL_LIKE, "1", "007",
+                                  "3.50", "True", "\ufeff"]), max_size=6).map("".join).filter(str.strip)
+
+
+@settings(max_examples=30, deadline=None)
+@given(texts=st.lists(CELLS, min_size=1, max_size=5), name=st.sampled_from(
+    ["train.jsonl", "train.json", "train.csv", "train.tsv", "train.parquet", "train.txt", "train.jsonl.gz"]))
+def test_every_format_reads_the_rows_a_plain_reader_reads(texts, name):
+    """The rows the readers give, in order, are those of json/csv/pyarrow reading the file
+    (a .txt file's lines as Python reads them): no row dropped, added or changed."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    if name.endswith(".txt"):
+        texts = [t.replace("\r", " ").replace("\n", " ") for t in texts]  # a line of a .txt file
+    with tempfile.TemporaryDirectory() as folder:
+        path = write_texts(Path(folder) / name.removesuffix(".gz"), texts)
+        if name == "train.json":
+            path.write_text(json.dumps([{"text": t} for t in texts]))
+        if name.endswith(".gz"):
+            path = compressed(path.with_name(name), path.read_bytes())
+            (Path(folder) / name.removesuffix(".gz")).unlink()
+        if path.suffix in (".csv", ".tsv"):
+            with open(path, newline="", encoding="utf-8") as f:
+                wanted = [row[0] for row in list(csv.reader(f, delimiter="\t" if path.suffix == ".tsv" else ","))[1:]]
+        elif path.suffix == ".parquet":
+            wanted = pq.read_table(path).column("text").to_pylist()
+        elif path.suffix == ".txt":
+            wanted = path.read_text(encoding="utf-8-sig").split("\n")[:-1]  # a leading BOM is no text
+        else:
+            wanted = texts
+        assert list(read_local(local_files(Path(folder)), folder)["train"]["text"]) == wanted
