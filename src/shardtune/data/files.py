@@ -9,7 +9,16 @@ import os
 import re
 from pathlib import Path
 
-from shardtune.data.layouts import builder_of, is_saved, kind_of, opened, read_saved, shown_suffix, supported
+from shardtune.data.layouts import (
+    builder_of,
+    is_saved,
+    kind_of,
+    opened,
+    read_saved,
+    shown_suffix,
+    supported,
+    unread_data,
+)
 from shardtune.errors import UserError, first_line
 from shardtune.fsio import broken_link, json_loads
 
@@ -133,7 +142,7 @@ def _refuse_copies(files: list[Path]) -> None:
 def local_files(path: Path) -> dict[str, list[str]]:
     """Files of a local dataset, by split. A folder's `train*`/`validation*` files are splits."""
     if path.is_dir():
-        files = sorted(p for p in path.iterdir() if builder_of(p) and not p.name.startswith("."))
+        files = sorted(p for p in path.iterdir() if (builder_of(p) or unread_data(p)) and not p.name.startswith("."))
     else:
         files = [path]
     for p in files:

@@ -60,6 +60,18 @@ def kind_of(path) -> Kind | None:
     return Kind(suffixes[-1], fmt, *(codec or ()))
 
 
+# compressions and archives no reader here takes: a data file in one is refused, not passed over
+OTHER_CODECS = {".zip", ".lz4", ".lzma", ".7z", ".rar", ".tar", ".tgz", ".br", ".zstd", ".z", ".snappy"}
+
+
+def unread_data(path) -> bool:
+    """A data file compressed as no reader takes it (train.jsonl.zip, notes.parquet.gz): a folder's
+    such file was passed over like a README, and a validation file so named was not used."""
+    suffixes = [s.lower() for s in Path(path).suffixes[-2:]]
+    return (kind_of(path) is None and len(suffixes) == 2 and suffixes[0] in FORMATS
+            and (suffixes[1] in COMPRESSIONS or suffixes[1] in OTHER_CODECS))
+
+
 def builder_of(path) -> str | None:
     """The `datasets` reader of a data file, by its suffixes."""
     kind = kind_of(path)
@@ -69,7 +81,7 @@ def builder_of(path) -> str | None:
 def shown_suffix(path) -> str:
     """The suffix a refusal names: .gz of notes.gz, .parquet.gz of notes.parquet.gz."""
     suffixes = Path(path).suffixes[-2:]
-    return "".join(suffixes if suffixes and suffixes[-1].lower() in COMPRESSIONS else suffixes[-1:])
+    return "".join(suffixes if suffixes and suffixes[-1].lower() in {*COMPRESSIONS, *OTHER_CODECS} else suffixes[-1:])
 
 
 def supported() -> str:
