@@ -296,3 +296,38 @@ def test_every_format_reads_the_rows_a_plain_reader_reads(texts, name):
         else:
             wanted = texts
         assert list(read_local(local_files(Path(folder)), folder)["train"]["text"]) == wanted
+
+
+PIECES = [b"a", b" ", b"\r", b"\n", b"null", b'{"t": 1}', "é".encode(), "😀".encode(), b"\xe9", b"\xf0\x9f"]
+
+
+@settings(max_examples=150, deadline=None)
+@given(pieces=st.lists(st.sampled_from(PIECES), max_size=30), chunk=st.integers(1, 9), json_lines=st.booleans())
+def test_the_text_check_finds_what_a_whole_file_read_finds(pieces, chunk, json_lines):
+    """The check reads a chunk at a time (a character or a line may straddle chunks) and carries
+    only a short line start (a file of one long line was copied again with every chunk: quadratic):
+    it refuses exactly the files that a whole read finds not UTF-8 or with a bare `null` line, at
+    the first such line and byte."""
+    from unittest import mock
+
+    from shardtune.data import files
+
+    content = b"".join(pieces)
+    found = []
+    try:
+        content.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = content.count(b"\n", 0, exc.start) + 1
+        found.append(f"is not UTF-8 text (line {line}, byte {exc.start})")
+    if json_lines:
+        nulls = [i for i, text in enumerate(content.split(b"\n"), 1) if text.strip(b" \t\r") == b"null"]
+        found += [f"line {i} is `null`" for i in nulls[:1]]
+    with tempfile.TemporaryDirectory() as folder, mock.patch.object(files, "CHECK_CHUNK", chunk):
+        path = Path(folder) / "train.jsonl"
+        path.write_bytes(content)
+        try:
+            files._check_text_file(path, json_lines)
+        except UserError as exc:
+            assert any(f"{str(path)!r} {what}" in str(exc) for what in found), (str(exc), found)
+            return
+    assert not found
