@@ -147,12 +147,26 @@ def _refuse_copies(files: list[Path]) -> None:
                             "compressed (both would be read: a copy's rows twice); remove one, or rename it")
 
 
+def data_files(path: Path) -> list[Path]:
+    """A local data.path's data files: itself, or a folder's (its hidden files and others not data
+    left out), in name order."""
+    if not path.is_dir():
+        return [path]
+    return sorted(p for p in path.iterdir() if (builder_of(p) or unread_data(p)) and not p.name.startswith("."))
+
+
+def by_split(files: list[Path]) -> dict[str, list[str]]:
+    """Data files by split (split_of); all of them are the training split where none is."""
+    splits: dict[str, list[str]] = {}
+    for p in files:
+        splits.setdefault(split_of(p), []).append(str(p))
+    return splits if "train" in splits else {"train": [f for group in splits.values() for f in group]}
+
+
 def local_files(path: Path) -> dict[str, list[str]]:
-    """Files of a local dataset, by split. A folder's `train*`/`validation*` files are splits."""
-    if path.is_dir():
-        files = sorted(p for p in path.iterdir() if (builder_of(p) or unread_data(p)) and not p.name.startswith("."))
-    else:
-        files = [path]
+    """Files of a local dataset, by split, each checked as the readers need it (a pass over every
+    text file). A folder's `train*`/`validation*` files are splits."""
+    files = data_files(path)
     for p in files:
         _check_entry(p)
     if not files:
@@ -177,12 +191,7 @@ def local_files(path: Path) -> dict[str, list[str]]:
             _check_csv_header(p)
         if kind.format.builder == "text" and kind.codec:
             _refuse_compressed_bom(p)
-    splits: dict[str, list[str]] = {}
-    for p in files:
-        splits.setdefault(split_of(p), []).append(str(p))
-    if "train" not in splits:
-        splits = {"train": [f for group in splits.values() for f in group]}
-    return splits
+    return by_split(files)
 
 
 def split_of(path: Path) -> str:
