@@ -331,3 +331,20 @@ def test_the_text_check_finds_what_a_whole_file_read_finds(pieces, chunk, json_l
             assert any(f"{str(path)!r} {what}" in str(exc) for what in found), (str(exc), found)
             return
     assert not found
+
+
+@pytest.mark.parametrize(("inner", "refused"), [("validation/part-0.jsonl", True), ("train_more/b.jsonl", True),
+                                                ("old/train.jsonl", False), ("test/x.jsonl", False),
+                                                (".cache/validation.jsonl", False), ("validation/README.md", False)])
+def test_a_split_subfolder_beside_data_files_is_refused(tmp_path, inner, refused):
+    """Only a folder's own files are read: validation/ beside train.jsonl was passed over, and the
+    run carved its validation out of the training file instead."""
+    (tmp_path / "train.jsonl").write_text('{"text": "a"}\n')
+    (tmp_path / inner).parent.mkdir()
+    (tmp_path / inner).write_text('{"text": "b"}\n')
+    if not refused:
+        assert local_files(tmp_path) == {"train": [str(tmp_path / "train.jsonl")]}
+        return
+    with pytest.raises(UserError, match=rf"its subfolder '{inner.split('/')[0]}' holds the \w+ split's, which would "
+                                        "not be read"):
+        local_files(tmp_path)

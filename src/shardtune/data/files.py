@@ -174,6 +174,12 @@ def local_files(path: Path) -> dict[str, list[str]]:
         raise UserError(f"data.path={str(path)!r} holds no data files ({supported()})"
                         + ("; its subfolders are not read: point data.path at the subfolder that holds them"
                            if inner else "; point it at a data file or a folder of them"))
+    if path.is_dir() and (inner := next((q.parent for q in sorted(path.glob("*/*")) if builder_of(q)
+                                         and named_split(q.parent.name) in ("train", "validation")
+                                         and q.parent.name[:1] != "."), None)):
+        raise UserError(f"data.path={str(path)!r} holds data files, and its subfolder {inner.name!r} holds the "
+                        f"{named_split(inner.name)} split's, which would not be read (only the folder's own files "
+                        f"are); move them beside the others, named {named_split(inner.name)}*")
     kinds = {p: kind_of(p) for p in files}
     if None in kinds.values() or len({kind.format for kind in kinds.values()}) != 1:
         suffixes = sorted({shown_suffix(p) for p in files})
@@ -195,19 +201,23 @@ def local_files(path: Path) -> dict[str, list[str]]:
 
 
 def split_of(path: Path) -> str:
-    """The split of a folder's file, by its name (any case): one that starts with a split's name
-    (train*, validation*/valid*/val*/dev*, test*), else one that holds a split's word as
-    `datasets` names them (its SPLIT_KEYWORDS between NON_WORDS_CHARS: alpaca_test.jsonl,
-    wiki.valid.jsonl, data-eval-00.jsonl), else train. Those were all trained on: a test or
-    validation file beside a train file read as training data."""
+    """The split of a folder's file, by its name (named_split), else train."""
+    return named_split(path.stem) or "train"
+
+
+def named_split(name: str) -> str | None:
+    """The split a name says (any case): one it starts with (train*, validation*/valid*/val*/dev*,
+    test*), else one whose word it holds as `datasets` names them (its SPLIT_KEYWORDS between
+    NON_WORDS_CHARS: alpaca_test, wiki.valid, data-eval-00), else None. Those were all trained
+    on: a test or validation file beside a train file read as training data."""
     from datasets.data_files import NON_WORDS_CHARS, SPLIT_KEYWORDS
 
-    stem = path.stem.lower()
-    split = next((s for s in ("train", *VAL_NAMES, "test") if stem.startswith(s)), None)
+    name = name.lower()
+    split = next((s for s in ("train", *VAL_NAMES, "test") if name.startswith(s)), None)
     if split is None:
-        split = next((str(name) for name, words in SPLIT_KEYWORDS.items()
-                      if any(re.search(rf"(^|[{NON_WORDS_CHARS}]){word}([{NON_WORDS_CHARS}]|$)", stem)
-                             for word in words)), "train")
+        split = next((str(key) for key, words in SPLIT_KEYWORDS.items()
+                      if any(re.search(rf"(^|[{NON_WORDS_CHARS}]){word}([{NON_WORDS_CHARS}]|$)", name)
+                             for word in words)), None)
     return "validation" if split in VAL_NAMES else split
 
 
