@@ -267,8 +267,8 @@ def reader_options(name: str, fmt) -> dict:
 
 
 def file_the_reader_refuses(names: list[str], fmt) -> str | None:
-    """For a reader's refusal of a split of several files: the first that it refuses on its own
-    (streamed), said with the reader's reason as the fix, or None."""
+    """For a reader's refusal of a split (whose message names none of its files): the first file
+    that it refuses on its own (streamed), said with the reader's reason as the fix, or None."""
     import datasets
 
     for name in names:

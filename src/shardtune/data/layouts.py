@@ -29,8 +29,8 @@ class Format:
 # nan, N/A, #N/A, ... as null, and such a document was dropped as "null or empty"
 CSV_CELLS = (("keep_default_na", False), ("na_values", ("",)))
 TEXT = (("encoding", "utf-8-sig"),)  # a leading BOM (Windows editors write one) is no text of the first line
-FORMATS = {".txt": Format("text", TEXT), ".text": Format("text", TEXT), ".jsonl": Format("json"),
-           ".json": Format("json"),
+FORMATS = {".txt": Format("text", TEXT), ".text": Format("text", TEXT),
+           ".jsonl": Format("json"), ".json": Format("json"),
            ".csv": Format("csv", CSV_CELLS), ".tsv": Format("csv", (("sep", "\t"), *CSV_CELLS)),
            ".parquet": Format("parquet", text=False), ".arrow": Format("arrow", text=False)}
 # a text file's compression suffix: (fsspec's codec, the package it needs where Python has none)
