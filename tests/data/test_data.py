@@ -49,6 +49,21 @@ def test_own_validation_split_is_used(tmp_path, tokenizer):
     assert val[0]["text"].startswith("val doc 0")
 
 
+def test_preparation_reads_each_file_once_for_its_checks(tmp_path, tokenizer, monkeypatch):
+    """The check of a text file is a pass over all of it: naming a split's files in messages
+    listed them through local_files again, and every file was read two or three times more."""
+    from shardtune.data import files
+
+    write_jsonl(tmp_path / "train.jsonl", [f"train doc {i} " * 5 for i in range(50)])
+    write_jsonl(tmp_path / "validation.jsonl", [f"val doc {i} " * 5 for i in range(7)])
+    checked = []
+    real = files._check_text_file
+    monkeypatch.setattr(files, "_check_text_file", lambda path, json_lines: (checked.append(path.name),
+                                                                            real(path, json_lines)))
+    train, val = D.prepare(DataConfig(path=str(tmp_path), seq_len=8), tokenizer, seed=0)
+    assert len(train) and len(val) and sorted(checked) == ["train.jsonl", "validation.jsonl"]
+
+
 def test_holdout_is_seeded_disjoint_and_slicing_applies_to_the_rest(tmp_path):
     write_jsonl(tmp_path / "all.jsonl", [f"doc {i}" for i in range(100)])
     cfg = DataConfig(path=str(tmp_path / "all.jsonl"), val_size=0.1, start_idx=10, end_idx=40)

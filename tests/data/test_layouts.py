@@ -10,6 +10,7 @@ import gzip
 import io
 import json
 import lzma
+import re
 from pathlib import Path
 
 import pytest
@@ -169,3 +170,17 @@ def test_a_missing_compressed_file_is_not_looked_for_on_the_hub(tmp_path, monkey
     monkeypatch.chdir(tmp_path)
     with pytest.raises(UserError, match=r"data file 'corpus.jsonl.gz' not found; check data.path"):
         D.load_documents(DataConfig(path="corpus.jsonl.gz"))
+
+
+@pytest.mark.parametrize(("other", "shown"), [("validation.jsonl.zip", ".jsonl.zip"),
+                                              ("validation.parquet.gz", ".parquet.gz"), ("more.csv.lz4", ".csv.lz4")])
+def test_a_folders_data_file_in_a_compression_no_reader_takes_is_refused(tmp_path, other, shown):
+    """validation.jsonl.zip beside train.jsonl was passed over like a README: the run carved its
+    validation out of the training file instead, without a word. Other files stay unread."""
+    (tmp_path / "train.jsonl").write_text('{"text": "a"}\n')
+    for name in ("README.md", "notes.tar.gz", "train.jsonl.bak"):
+        (tmp_path / name).write_text("not data\n")
+    assert D.load_documents(DataConfig(path=str(tmp_path)))["train"]["text"] == ["a"]
+    (tmp_path / other).write_bytes(b"PK")
+    with pytest.raises(UserError, match=rf"mixes or has unsupported file types \(.*{re.escape(shown)}"):
+        D.load_documents(DataConfig(path=str(tmp_path)))

@@ -25,9 +25,14 @@ class Format:
         return dict(self.options)
 
 
-FORMATS = {".txt": Format("text"), ".text": Format("text"), ".jsonl": Format("json"), ".json": Format("json"),
-           ".csv": Format("csv"), ".tsv": Format("csv", (("sep", "\t"),)), ".parquet": Format("parquet", text=False),
-           ".arrow": Format("arrow", text=False)}
+# a csv cell is null only where it is empty: pandas' default also reads the text NA, None, null,
+# nan, N/A, #N/A, ... as null, and such a document was dropped as "null or empty"
+CSV_CELLS = (("keep_default_na", False), ("na_values", ("",)))
+TEXT = (("encoding", "utf-8-sig"),)  # a leading BOM (Windows editors write one) is no text of the first line
+FORMATS = {".txt": Format("text", TEXT), ".text": Format("text", TEXT),
+           ".jsonl": Format("json"), ".json": Format("json"),
+           ".csv": Format("csv", CSV_CELLS), ".tsv": Format("csv", (("sep", "\t"), *CSV_CELLS)),
+           ".parquet": Format("parquet", text=False), ".arrow": Format("arrow", text=False)}
 # a text file's compression suffix: (fsspec's codec, the package it needs where Python has none)
 COMPRESSIONS = {".gz": ("gzip", None), ".bz2": ("bz2", None), ".xz": ("xz", None), ".zst": ("zstd", "zstandard")}
 
@@ -55,6 +60,18 @@ def kind_of(path) -> Kind | None:
     return Kind(suffixes[-1], fmt, *(codec or ()))
 
 
+# compressions and archives no reader here takes: a data file in one is refused, not passed over
+OTHER_CODECS = {".zip", ".lz4", ".lzma", ".7z", ".rar", ".tar", ".tgz", ".br", ".zstd", ".z", ".snappy"}
+
+
+def unread_data(path) -> bool:
+    """A data file compressed as no reader takes it (train.jsonl.zip, notes.parquet.gz): a folder's
+    such file was passed over like a README, and a validation file so named was not used."""
+    suffixes = [s.lower() for s in Path(path).suffixes[-2:]]
+    return (kind_of(path) is None and len(suffixes) == 2 and suffixes[0] in FORMATS
+            and (suffixes[1] in COMPRESSIONS or suffixes[1] in OTHER_CODECS))
+
+
 def builder_of(path) -> str | None:
     """The `datasets` reader of a data file, by its suffixes."""
     kind = kind_of(path)
@@ -64,7 +81,7 @@ def builder_of(path) -> str | None:
 def shown_suffix(path) -> str:
     """The suffix a refusal names: .gz of notes.gz, .parquet.gz of notes.parquet.gz."""
     suffixes = Path(path).suffixes[-2:]
-    return "".join(suffixes if suffixes and suffixes[-1].lower() in COMPRESSIONS else suffixes[-1:])
+    return "".join(suffixes if suffixes and suffixes[-1].lower() in {*COMPRESSIONS, *OTHER_CODECS} else suffixes[-1:])
 
 
 def supported() -> str:
@@ -87,7 +104,7 @@ def opened(path, text: bool = False):
     if codec and codec not in available_compressions():
         raise UserError(f"data file {str(path)!r} is {codec}-compressed, and reading it needs the {kind.package} "
                         f"package: pip install {kind.package}")
-    encoding = {"encoding": "utf-8", "newline": ""} if text else {}
+    encoding = {"encoding": "utf-8-sig", "newline": ""} if text else {}  # a BOM is no text, as to the readers
     with fsspec.open(os.fspath(path), "rt" if text else "rb", compression=codec, **encoding) as f:
         try:
             yield f

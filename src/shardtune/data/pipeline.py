@@ -8,7 +8,7 @@ from pathlib import Path
 
 from shardtune.config.schema import DataConfig
 from shardtune.data import chat, formats
-from shardtune.data.files import VAL_NAMES, local_files, read_path
+from shardtune.data.files import VAL_NAMES, by_split, data_files, read_path
 from shardtune.data.formats import IGNORE_INDEX
 from shardtune.data.layouts import builder_of, is_saved
 from shardtune.diskspace import no_room
@@ -64,7 +64,7 @@ def split_files(cfg: DataConfig, split: str | None) -> str:
     path = Path(cfg.path).expanduser()
     if split is None or not path.is_dir() or is_saved(path):
         return ""
-    files = local_files(path).get(split, [])
+    files = by_split(data_files(path)).get(split, [])  # named, not checked again: load_documents did
     return f" ({', '.join(Path(f).name for f in files)})" if files else ""
 
 
