@@ -187,9 +187,6 @@ def validate(cfg) -> None:
                         f"give a count like {int(d.val_size)} or a fraction like {d.val_size / 100:g}")
     if d.start_idx is not None and d.end_idx is not None and d.end_idx <= d.start_idx:
         raise UserError(f"data.end_idx={d.end_idx} must be greater than data.start_idx={d.start_idx}")
-    if d.val_size >= 1 and d.val_size != int(d.val_size):  # held out int(val_size) documents without a word
-        raise UserError(f"data.val_size={d.val_size:g} is neither a fraction below 1 nor a count of documents; "
-                        f"give e.g. data.val_size=0.05 or data.val_size={int(d.val_size)}")
     if cfg.resume == "auto" and not cfg.output_dir:
         raise UserError("resume=auto continues the run in output_dir; set output_dir=<that run's folder>")
     ps = cfg.log.profile_steps
