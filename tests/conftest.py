@@ -47,6 +47,15 @@ def readme_renderer():
     return render
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread_per_worker():
+    """Every test process trains tiny models on 2 cores that the other xdist worker and the child
+    processes share: a second intra-op thread only spins there. A test may still ask for more."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 @pytest.fixture
 def single_thread():
     """Two cores shared with other ranks and tests: more torch threads only spin."""
