@@ -29,6 +29,13 @@ TINY = {
 }
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `early` first. xdist hands out the last tests of the collection a pair at a
+    time: two long ones there (test_train's quickstart and compile, 5th and 6th from the end) went
+    to one worker while the other, done, waited for them."""
+    items.sort(key=lambda item: item.get_closest_marker("early") is None)  # stable: the rest keep their order
+
+
 def pytest_unconfigure(config):
     """The last hook of a run (and of each xdist worker, which the run waits for): the interpreter's
     teardown collections over every object the tests made take seconds; reference counting frees

@@ -121,6 +121,7 @@ def test_no_weight_decay_on_biases_and_norms():
     assert all(p.ndim == 2 for p in decay["params"])
 
 
+@pytest.mark.early  # tens of seconds: run first (conftest)
 def test_quickstart_runs_offline_and_halves_perplexity(tmp_path):
     """`shardtune train` with no recipe (shortened to 30 steps: 2051 -> 578 when written): builds its own
     corpus and tokenizer offline."""
@@ -132,6 +133,7 @@ def test_quickstart_runs_offline_and_halves_perplexity(tmp_path):
     assert after <= before / 2, line
 
 
+@pytest.mark.early  # tens of seconds: run first (conftest)
 def test_compile_per_block_matches_eager_and_never_recompiles(assets, tmp_path, monkeypatch):
     """Compiled blocks compute the eager losses, and compile once: the graphs dynamo holds after the
     first step are all it ever makes (a recompiling step would cost seconds every step)."""
