@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import subprocess
@@ -28,6 +29,20 @@ TINY = {
 }
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `early` first. xdist hands out the last tests of the collection a pair at a
+    time: two long ones there (test_train's quickstart and compile, 5th and 6th from the end) went
+    to one worker while the other, done, waited for them."""
+    items.sort(key=lambda item: item.get_closest_marker("early") is None)  # stable: the rest keep their order
+
+
+def pytest_unconfigure(config):
+    """The last hook of a run (and of each xdist worker, which the run waits for): the interpreter's
+    teardown collections over every object the tests made take seconds; reference counting frees
+    the rest as before."""
+    gc.freeze()
+
+
 def readme_renderer():
     """tools/render_readme_reference.py, which writes README's generated blocks: tests compare them."""
     import importlib.util
@@ -37,6 +52,15 @@ def readme_renderer():
     render = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(render)
     return render
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread_per_worker():
+    """Every test process trains tiny models on 2 cores that the other xdist worker and the child
+    processes share: a second intra-op thread only spins there. A test may still ask for more."""
+    import torch
+
+    torch.set_num_threads(1)
 
 
 @pytest.fixture

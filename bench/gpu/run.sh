@@ -228,6 +228,9 @@ fi
   else
     echo "no nvidia-smi"
   fi
+  if [ -n "${ARGS_ONLY:-}" ]; then  # command lines only: no library is imported (seconds each time)
+    echo "ARGS_ONLY=1: library versions not probed"
+  else
   $python -c "import sys, torch; print('python', sys.version.split()[0], '| torch', torch.__version__, '| cuda',
 torch.version.cuda, '|', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA device')" 2>&1
   $python - <<'EOF' 2>&1
@@ -243,6 +246,7 @@ for name in ("shardtune", "transformers", "datasets", "peft", "accelerate", "bit
 print("found:", ", ".join(found))
 print("missing:", ", ".join(missing) or "none")
 EOF
+  fi
 } > "$results/env.txt"
 tee -a "$results/suite.log" < "$results/env.txt"
 

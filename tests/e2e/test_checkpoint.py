@@ -36,11 +36,9 @@ EXACT, ELASTIC = 1e-6, 1e-5
 
 
 @pytest.fixture(scope="session")
-def ck_assets(tmp_path_factory):
-    """Corpus + tokenizer, built once per session (the folder is reused by test_eval_generate)."""
-    from shardtune.data.quickstart import build_quickstart_assets
-
-    return build_quickstart_assets(tmp_path_factory.getbasetemp() / "ck-assets", vocab_size=300, max_docs=400)
+def ck_assets(assets):
+    """Corpus + tokenizer (also test_eval_generate's): conftest's, built once per test process."""
+    return assets
 
 
 @pytest.fixture(autouse=True)

@@ -22,7 +22,6 @@ import yaml
 
 from conftest import AGENT_VARS, child_env
 from shardtune.cli.main import main
-from shardtune.data.quickstart import build_quickstart_assets
 from shardtune.distributed.process_group import check_nproc
 from shardtune.errors import EXIT_INTERRUPTED, EXIT_USAGE, UserError
 
@@ -33,9 +32,10 @@ TINY_GPT2 = {"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2, "n_p
 
 
 @pytest.fixture(scope="session")
-def qs_assets(tmp_path_factory):
-    """{"train": jsonl, "validation": jsonl, "tokenizer": folder} of a small local corpus."""
-    return build_quickstart_assets(tmp_path_factory.mktemp("qs"), vocab_size=300, max_docs=400)
+def qs_assets(assets):
+    """{"train": jsonl, "validation": jsonl, "tokenizer": folder} of a small local corpus: conftest's
+    (the same build), made once per test process."""
+    return assets
 
 
 @pytest.fixture(scope="session")

@@ -3,8 +3,11 @@ under a real memory cap (with a crashing grid point beside it), and bad input.""
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
 import json
+import os
 import re
 import subprocess
 import sys
@@ -13,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import TINY, child_env, run_cli, tiny_overrides
+from conftest import TINY, child_env, tiny_overrides
 from shardtune.cli.main import main
 from shardtune.config.load import dump_yaml, load_config
 from shardtune.sweep.max_batch import search_max_batch, seed_index
@@ -36,14 +39,25 @@ def rows(out):
         return list(csv.DictReader(f))
 
 
+def sweep_cli(args: list[str]) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of `shardtune sweep ARGS` run in this process, in the environment
+    a child of run_cli has (one thread each); its trials are processes of their own, as ever. A
+    sweep process of its own would only add a start of torch and transformers (seconds)."""
+    out, err = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        patch.setattr(os, "environ", child_env())
+        code = main(["sweep", *args])
+    return code, out.getvalue(), err.getvalue()
+
+
 @pytest.fixture(scope="module")
 def grid_sweep(assets, tmp_path_factory):
     folder = tmp_path_factory.mktemp("sweep")
     model = {**TINY["gpt2"], "vocab_size": 300}  # the tokenizer's size, which the planner reads from here
     recipe = write_recipe(assets, folder, **{"model.config": json.dumps(model)})
     out = folder / "out"
-    result = run_cli(["sweep", str(recipe), *GRID, "--steps", "2", "--eval-steps", "2", "--out", str(out)])
-    assert result.returncode == 0, result.stderr[-3000:]
+    code, _, err = sweep_cli([str(recipe), *GRID, "--steps", "2", "--eval-steps", "2", "--out", str(out)])
+    assert code == 0, err[-3000:]
     return recipe, out
 
 
@@ -76,10 +90,10 @@ def test_a_rerun_skips_finished_trials_and_reruns_the_interrupted_one(grid_sweep
     del state["trials"][interrupted]  # as if the sweep had stopped during that trial
     (out / "sweep.json").write_text(json.dumps(state))
     kept = {n: (out / "trials" / n / "metrics.jsonl").stat().st_mtime_ns for n in names if n != interrupted}
-    result = run_cli(["sweep", str(recipe), *GRID, "--steps", "2", "--eval-steps", "2", "--out", str(out)])
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "(3 trial(s) already done)" in result.stdout
-    ran = [line.split(":")[0].strip() for line in result.stdout.splitlines() if line.startswith("  ")]
+    code, stdout, err = sweep_cli([str(recipe), *GRID, "--steps", "2", "--eval-steps", "2", "--out", str(out)])
+    assert code == 0, err[-3000:]
+    assert "(3 trial(s) already done)" in stdout
+    ran = [line.split(":")[0].strip() for line in stdout.splitlines() if line.startswith("  ")]
     assert ran == [interrupted]
     assert {n: (out / "trials" / n / "metrics.jsonl").stat().st_mtime_ns for n in kept} == kept
     assert len(rows(out)) == 4 and all(r["status"] == "ok" for r in rows(out))
@@ -100,7 +114,8 @@ def libraries_mib() -> int:
     holds it too. torch's CUDA builds (2.11+cu130 on the GPU machine) map ~550 MiB more there
     than the CPU build, even on a CPU."""
     code = ("import datasets, shardtune.train.trainer\n"
-            "print([line.split()[1] for line in open('/proc/self/status') if line.startswith('VmData')][0])")
+            "print([line.split()[1] for line in open('/proc/self/status') if line.startswith('VmData')][0])\n"
+            "import os, sys; sys.stdout.flush(); os._exit(0)")  # no teardown: seconds with torch loaded
     probe = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env=child_env(**CAPPED_ENV))
     return int(probe.stdout) // 1024
@@ -116,9 +131,9 @@ def test_max_batch_search_finds_the_boundary_under_a_real_memory_cap(assets, tmp
                                                 "train.global_batch_size": 32, "train.micro_batch_size": 16})
     out = tmp_path / "out"
     cap = libraries_mib() + 630
-    result = run_cli(["sweep", str(recipe), "--grid", "model.config.n_head=4,3", "--max-batch", "--mem-limit",
-                      f"{cap}MiB", "--steps", "1", "--out", str(out)])
-    assert result.returncode == 0, result.stderr[-3000:]
+    code, _, err = sweep_cli([str(recipe), "--grid", "model.config.n_head=4,3", "--max-batch", "--mem-limit",
+                              f"{cap}MiB", "--steps", "1", "--out", str(out)])
+    assert code == 0, err[-3000:]
     trials = {(r["model.config.n_head"], int(r["micro_batch"])): r for r in rows(out)}
     fits = [mb for (heads, mb), r in trials.items() if heads == "4" and r["status"] == "ok"]
     too_big = [mb for (heads, mb), r in trials.items() if heads == "4" and r["status"] == "oom"]

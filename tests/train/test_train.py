@@ -141,6 +141,7 @@ def test_weight_decay_is_hf_trainers_less_the_vectors_for_every_method(arch, met
     assert sum(len(g["params"]) for g in opt.param_groups) == len(trained)
 
 
+@pytest.mark.early  # tens of seconds: run first (conftest)
 def test_quickstart_runs_offline_and_halves_perplexity(tmp_path):
     """`shardtune train` with no recipe (shortened to 30 steps: 2051 -> 578 when written): builds its own
     corpus and tokenizer offline."""
@@ -152,6 +153,7 @@ def test_quickstart_runs_offline_and_halves_perplexity(tmp_path):
     assert after <= before / 2, line
 
 
+@pytest.mark.early  # tens of seconds: run first (conftest)
 def test_compile_per_block_matches_eager_and_never_recompiles(assets, tmp_path, monkeypatch):
     """Compiled blocks compute the eager losses, and compile once: the graphs dynamo holds after the
     first step are all it ever makes (a recompiling step would cost seconds every step)."""

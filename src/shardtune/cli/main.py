@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import gc
 import importlib
 import os
 import sys
@@ -58,7 +59,12 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None:
         in_utf8_mode()
     with guarded_console() as console:
-        return _main(argv, console)
+        code = _main(argv, console)
+    if argv is None:  # the program's end (console script, python -m shardtune): the teardown's
+        # collections would walk every object torch and transformers made, seconds after the last
+        # line; atexit handlers still run and reference counting frees the rest
+        gc.freeze()
+    return code
 
 
 def in_utf8_mode() -> None:
