@@ -3,6 +3,7 @@ the search's command line, and the one-line errors."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shlex
 
@@ -19,18 +20,25 @@ def tiny_cfg(arch: str, *extra: str):
                               "train.micro_batch_size=2", "train.global_batch_size=16", "device=cpu", *extra])
 
 
-def measured_step(cfg, hf_config) -> int:
-    """The allocator's peak of one real step of `cfg` in a world of one (plan.measure)."""
+@contextlib.contextmanager
+def one_rank():
+    """A process group of one CPU rank, for plan.measure."""
     import torch.distributed as dist
 
     from shardtune.distributed.process_group import init_distributed
-    from shardtune.plan.measure import measure_step
 
-    d = init_distributed("cpu")
     try:
-        return measure_step(cfg, hf_config, d)
+        yield init_distributed("cpu")
     finally:
         dist.destroy_process_group()
+
+
+def measured_step(cfg, hf_config) -> int:
+    """The allocator's peak of one real step of `cfg` in a world of one (plan.measure)."""
+    from shardtune.plan.measure import measure_step
+
+    with one_rank() as d:
+        return measure_step(cfg, hf_config, d)
 
 
 def assert_traced_as_measured(model: dict, *overrides: str) -> None:
@@ -121,9 +129,23 @@ def test_rows_of_one_sequence_trace_no_mask_and_no_repeated_kv_heads():
 def test_an_fp16_step_is_measured_with_its_optimizer_state():
     """fp16's gradient scaler skips a random model's first steps (overflow at its initial scale),
     and a skipped step makes no optimizer state: the measure's warm-up step left none, and the
-    traced fp16 peak (with the state a steady run holds) read +67 % over it."""
-    assert_traced_as_measured({**TINY["llama"], "vocab_size": 300}, "data.seq_len=32", "train.micro_batch_size=2",
-                              "train.global_batch_size=2", "precision=fp16")
+    traced fp16 peak (with the state a steady run holds) read +67 % over it. Only the upper bound
+    of the peak is compared: on CPU, fp16 matmuls and attention's backward convert through fp32
+    buffers inside the kernel (1.8 MB more in aten::mm than bf16, ~3 % of this step's peak, on CPUs
+    without AMX-FP16), which no trace of the ops sees and a GPU's kernels do not make."""
+    from shardtune.model.hf import load_hf_config
+    from shardtune.plan.measure import measure_step
+
+    model = {**TINY["llama"], "vocab_size": 300}
+    cfg = load_config(None, [f"model.config={json.dumps(model)}", "data.path=unused", "device=cpu", "data.seq_len=32",
+                             "train.micro_batch_size=2", "train.global_batch_size=2", "precision=fp16"])
+    hf_config = load_hf_config(cfg.model)
+    trace = trace_step(cfg, hf_config, world_size=1)
+    measured = measured_step(cfg, hf_config)
+    assert trace.peak_bytes() <= 1.03 * measured, (trace.peak_bytes(), measured)
+    with one_rank() as d:
+        state = measure_step(cfg, hf_config, d, state_only=True)
+    assert state == trace.steady["optimizer_state"] > 0, (state, trace.steady)
 
 
 def test_plan_prints_a_command_line_that_loads(tmp_path):
