@@ -69,10 +69,10 @@ def main() -> None:
 
         lift_float8_device_check()
     if spec.get("rank_memory"):  # each rank its own peak, rank r's r x 100 GiB up: the records must hold the largest
-        from shardtune.train import trainer as trainer_module
+        from shardtune.telemetry import metrics
 
-        measured = trainer_module.memory_stats
-        trainer_module.memory_stats = lambda device: {k: v + 100 * dist.get_rank() for k, v in measured(device).items()}
+        measured = metrics.memory_stats
+        metrics.memory_stats = lambda device: {k: v + 100 * dist.get_rank() for k, v in measured(device).items()}
     result = {"loading": {}, "export_logit_diff": None, "measured": {}}
     for folder in spec.get("load", []):
         result["loading"][folder] = check_loading(folder)

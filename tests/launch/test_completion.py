@@ -88,15 +88,15 @@ def test_a_rank_leaves_its_failure_for_the_launcher(tmp_path, tmp_path_factory, 
     line for the launcher (printing nothing: rank 0 prints the shared ones), under torchrun in its
     elastic error file, whose message torchrun's failure summary shows; a rank whose collective
     failed because a peer died leaves no traceback, only a note; the launcher reads both back."""
-    import shardtune.cli.report as report
+    import shardtune.cli.eval as command  # a command whose work is split over ranks (cli.common.RANKED)
 
     _as_rank(monkeypatch, tmp_path, 1)
     error_file = tmp_path_factory.mktemp("elastic") / "error.json"
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))  # as torchrun's agent sets it, and ours
     if not launched:  # torchrun's rank: no launcher of ours to tell
         monkeypatch.delenv(COMPLETED_ENV)
-    monkeypatch.setattr(report, "run", lambda args: (_ for _ in ()).throw(UserError(LINE + "\nsecond line")))
-    assert main(["report", str(tmp_path)]) == EXIT_USAGE
+    monkeypatch.setattr(command, "run", lambda args: (_ for _ in ()).throw(UserError(LINE + "\nsecond line")))
+    assert main(["eval", str(tmp_path)]) == EXIT_USAGE
     assert error_file.exists() != launched  # `--nproc N` says the line itself: no second summary
     if not launched:  # torchrun's summary, as torch formats it from the file
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
@@ -111,11 +111,11 @@ def test_a_rank_leaves_its_failure_for_the_launcher(tmp_path, tmp_path_factory, 
         except RuntimeError as exc:  # as DCP or a hook retells it: the peer's words in the cause
             raise RuntimeError("checkpoint save failed") from exc
 
-    monkeypatch.setattr(report, "run", collective)
+    monkeypatch.setattr(command, "run", collective)
     _as_rank(monkeypatch, tmp_path, 0)
     if not launched:
         monkeypatch.delenv(COMPLETED_ENV)
-    assert main(["report", str(tmp_path)]) == EXIT_CRASH
+    assert main(["eval", str(tmp_path)]) == EXIT_CRASH
     err = capfd.readouterr().err
     assert "Traceback" not in err
     if launched:
@@ -124,15 +124,15 @@ def test_a_rank_leaves_its_failure_for_the_launcher(tmp_path, tmp_path_factory, 
     else:  # rank 0 of torchrun points to the rank that failed, once
         assert err.count("\n") == 1 and err.startswith("error: another rank of this run failed first"), err
         assert not list(tmp_path.iterdir())
-    monkeypatch.setattr(report, "run", lambda args: (_ for _ in ()).throw(ConnectionResetError(
+    monkeypatch.setattr(command, "run", lambda args: (_ for _ in ()).throw(ConnectionResetError(
         104, "Connection reset by peer")))  # a socket of its own (an upload): not a collective's peer
     with pytest.raises(ConnectionResetError):
-        main(["report", str(tmp_path)])
-    monkeypatch.setattr(report, "run", collective)
+        main(["eval", str(tmp_path)])
+    monkeypatch.setattr(command, "run", collective)
     monkeypatch.setenv("WORLD_SIZE", "1")  # a lone process has no peer: its error is its own
     monkeypatch.delenv("RANK")
     with pytest.raises(RuntimeError, match="checkpoint save failed"):
-        main(["report", str(tmp_path)])
+        main(["eval", str(tmp_path)])
 
 
 def test_the_agent_does_not_retell_a_stop(monkeypatch):

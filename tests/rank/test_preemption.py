@@ -26,7 +26,8 @@ def test_ctrl_c_is_a_stop_request_whatever_stderr_is(monkeypatch, stderr):
     monkeypatch.delenv(LAUNCHER_ENV, raising=False)
     stream = stderr()
     monkeypatch.setattr("sys.stderr", stream)
-    before = signal.getsignal(signal.SIGINT)
+    # as from a terminal: under `nohup` or `&` the suite starts with SIGINT ignored, which Preemption keeps
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         stop = Preemption()
         os.kill(os.getpid(), signal.SIGINT)  # the handler runs here, in this thread
