@@ -65,12 +65,11 @@ def series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
 def timed_windows(rows: list[dict], skip: int = 1) -> list[tuple[dict, int, float]]:
     """(record, steps, seconds) of each log window of speed; the first `skip` (start-up: compile,
     warm caches, live-memory tracking) left out where later ones exist. A window holds the steps
-    since the record before (the run's first, those since step 0): the trainer writes one at every
-    step a run resumes from."""
-    windows, previous = [], 0
+    since the record before: the trainer writes one at every step a run resumes from."""
+    windows, previous = [], None
     for r in rows:
         if all(plottable(r.get(k)) for k in ("step", "tokens_per_s", "step_time_s")):
-            steps = r["step"] - previous if r["step"] > previous else 1
+            steps = r["step"] - previous if previous is not None and r["step"] > previous else 1
             windows.append((r, steps, steps * r["step_time_s"]))
             previous = r["step"]
     return windows[skip:] or windows[1:] or windows
