@@ -84,3 +84,19 @@ def test_a_report_into_the_working_directory_is_one_line(tmp_path, monkeypatch):
     rc, err = main_in_process(["report", ".", "--out", "."])
     assert rc == 2 and "report folder" in err and "is the working directory" in err and err.count("\n") == 1, err
     assert os.listdir(run) == ["metrics.jsonl"]
+
+
+def test_an_unfinished_last_line_is_left_out(tmp_path):
+    """A run still writing its last line, or one a full disk cut short, was refused whole as damaged;
+    a damaged line before the last is still refused, a whole one without its newline read."""
+    from shardtune.errors import UserError
+    from shardtune.telemetry.report import read_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
+    assert read_metrics(tmp_path) == [{"step": 1, "loss": 2.0}]
+    path.write_text('{"step": 1, "lo\n{"step": 2, "loss": 2.0}\n')
+    with pytest.raises(UserError, match="line 1 is not JSON"):
+        read_metrics(tmp_path)
+    path.write_text('{"step": 1, "loss": 2.0}')
+    assert read_metrics(tmp_path) == [{"step": 1, "loss": 2.0}]

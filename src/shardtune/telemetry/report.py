@@ -29,12 +29,14 @@ def read_metrics(run: Path) -> list[dict]:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise UserError(f"{str(path)!r} is not text (byte {exc.start} is not UTF-8); the file is damaged") from None
-    rows = []
-    for n, line in enumerate(text.splitlines(), 1):
+    rows, lines = [], text.splitlines()
+    for n, line in enumerate(lines, 1):
         if line.strip():
             try:
                 row = json_loads(line)
             except ValueError:
+                if n == len(lines) and not text.endswith("\n"):
+                    break  # a live run's line still being written, or one a full disk cut short
                 raise UserError(f"{str(path)!r} line {n} is not JSON; the file is damaged") from None
             step = row.get("step", 0) if isinstance(row, dict) else None
             if not isinstance(step, int) or isinstance(step, bool):
