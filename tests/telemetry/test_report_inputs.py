@@ -100,3 +100,18 @@ def test_an_unfinished_last_line_is_left_out(tmp_path):
         read_metrics(tmp_path)
     path.write_text('{"step": 1, "loss": 2.0}')
     assert read_metrics(tmp_path) == [{"step": 1, "loss": 2.0}]
+
+
+def test_a_diverged_last_evaluation_is_the_final_one(tmp_path):
+    """An evaluation whose loss overflowed (eval_ppl inf, or NaN) was left out of the summary as
+    a plot leaves it out: the table's final perplexity was the last finite one, the run looking fine."""
+    from shardtune.telemetry.report import summarize, write_report
+
+    for bad in (float("inf"), float("nan")):
+        rows = [{"step": 0, "eval_ppl": 148.4}, {"step": 5, "loss": 2.0, "eval_ppl": 7.39},
+                {"step": 10, "loss": 9.0, "eval_ppl": bad}]
+        got = summarize("a", rows)
+        assert repr(got["final eval ppl"]) == repr(bad) and got["best eval ppl"] == 7.39
+        assert got["first eval ppl"] == 148.4 and got["final loss"] == 9.0
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert "| nan | 7.39 |" in write_report([tmp_path], tmp_path / "rep").read_text()

@@ -87,16 +87,20 @@ def over_time(windows: list[tuple[dict, int, float]], key: str) -> float | None:
 
 
 def summarize(name: str, rows: list[dict]) -> dict:
-    def last(key):
-        values = series(rows, key)[1]
-        return values[-1] if values else None
+    def values(key):  # every number, inf and NaN too: a plot cannot draw them, the table says them
+        return [r[key] for r in rows if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
 
-    ppl = series(rows, "eval_ppl")[1]
+    def last(key):
+        found = values(key)
+        return found[-1] if found else None
+
+    ppl = values("eval_ppl")
+    finite = [v for v in ppl if v == v]  # NaN is no one's best
     peaks = [v for k in ("mem_allocated_gib", "mem_rss_peak_gib") for v in series(rows, k)[1]]
     timed = timed_windows(rows)
     return {"run": name, "steps": last_step(rows) or 0,
             "final loss": last("loss"), "first eval ppl": ppl[0] if ppl else None,
-            "final eval ppl": ppl[-1] if ppl else None, "best eval ppl": min(ppl) if ppl else None,
+            "final eval ppl": ppl[-1] if ppl else None, "best eval ppl": min(finite) if finite else None,
             "tokens/s": over_time(timed, "tokens_per_s"), "MFU": over_time(timed, "mfu"),
             "peak mem GiB": max(peaks) if peaks else None}
 
