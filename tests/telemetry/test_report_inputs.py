@@ -8,6 +8,8 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import main_in_process
 
@@ -84,3 +86,50 @@ def test_a_report_into_the_working_directory_is_one_line(tmp_path, monkeypatch):
     rc, err = main_in_process(["report", ".", "--out", "."])
     assert rc == 2 and "report folder" in err and "is the working directory" in err and err.count("\n") == 1, err
     assert os.listdir(run) == ["metrics.jsonl"]
+
+
+RECORDS = st.lists(st.fixed_dictionaries({"step": st.integers(0, 10 ** 6)}, optional={
+    "loss": st.floats(allow_nan=False), "eval": st.dictionaries(st.text(max_size=3), st.integers())}), min_size=1,
+    max_size=4)
+
+
+@settings(max_examples=50, deadline=None)
+@given(rows=RECORDS, cut=st.integers(0, 10 ** 4))
+def test_an_unfinished_last_line_is_left_out(tmp_path_factory, rows, cut):
+    """A run still writing its last line, or one a full disk cut short, was refused whole as damaged:
+    wherever the last line is cut, the lines before it are read (and all of it once it is whole)."""
+    from shardtune.telemetry.report import read_metrics
+
+    folder = tmp_path_factory.mktemp("run")
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    last = len(json.dumps(rows[-1]))
+    cut = len(text) - 1 - cut % (last + 1)  # within the last line, its newline and none to all of its text
+    (folder / "metrics.jsonl").write_text(text[:cut])
+    assert read_metrics(folder) == (rows if cut == len(text) - 1 else rows[:-1])
+
+
+def test_a_damaged_line_before_the_last_is_refused(tmp_path):
+    from shardtune.errors import UserError
+    from shardtune.telemetry.report import read_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "lo\n{"step": 2, "loss": 2.0}\n')
+    with pytest.raises(UserError, match="line 1 is not JSON"):
+        read_metrics(tmp_path)
+    path.write_text('{"step": 1, "loss": 2.0}')
+    assert read_metrics(tmp_path) == [{"step": 1, "loss": 2.0}]
+
+
+def test_a_diverged_last_evaluation_is_the_final_one(tmp_path):
+    """An evaluation whose loss overflowed (eval_ppl inf, or NaN) was left out of the summary as
+    a plot leaves it out: the table's final perplexity was the last finite one, the run looking fine."""
+    from shardtune.telemetry.report import summarize, write_report
+
+    for bad in (float("inf"), float("nan")):
+        rows = [{"step": 0, "eval_ppl": 148.4}, {"step": 5, "loss": 2.0, "eval_ppl": 7.39},
+                {"step": 10, "loss": 9.0, "eval_ppl": bad}]
+        got = summarize("a", rows)
+        assert repr(got["final eval ppl"]) == repr(bad) and got["best eval ppl"] == 7.39
+        assert got["first eval ppl"] == 148.4 and got["final loss"] == 9.0
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert "| nan | 7.39 |" in write_report([tmp_path], tmp_path / "rep").read_text()

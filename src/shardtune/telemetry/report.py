@@ -29,12 +29,14 @@ def read_metrics(run: Path) -> list[dict]:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise UserError(f"{str(path)!r} is not text (byte {exc.start} is not UTF-8); the file is damaged") from None
-    rows = []
-    for n, line in enumerate(text.splitlines(), 1):
+    rows, lines = [], text.splitlines()
+    for n, line in enumerate(lines, 1):
         if line.strip():
             try:
                 row = json_loads(line)
             except ValueError:
+                if n == len(lines) and not text.endswith("\n"):
+                    break  # a live run's line still being written, or one a full disk cut short
                 raise UserError(f"{str(path)!r} line {n} is not JSON; the file is damaged") from None
             step = row.get("step", 0) if isinstance(row, dict) else None
             if not isinstance(step, int) or isinstance(step, bool):
@@ -64,7 +66,8 @@ def series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
 
 def timed_windows(rows: list[dict], skip: int = 1) -> list[tuple[dict, int, float]]:
     """(record, steps, seconds) of each log window of speed; the first `skip` (start-up: compile,
-    warm caches, live-memory tracking) left out where later ones exist."""
+    warm caches, live-memory tracking) left out where later ones exist. A window holds the steps
+    since the record before: the trainer writes one at every step a run resumes from."""
     windows, previous = [], None
     for r in rows:
         if all(plottable(r.get(k)) for k in ("step", "tokens_per_s", "step_time_s")):
@@ -84,16 +87,20 @@ def over_time(windows: list[tuple[dict, int, float]], key: str) -> float | None:
 
 
 def summarize(name: str, rows: list[dict]) -> dict:
-    def last(key):
-        values = series(rows, key)[1]
-        return values[-1] if values else None
+    def values(key):  # every number, inf and NaN too: a plot cannot draw them, the table says them
+        return [r[key] for r in rows if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
 
-    ppl = series(rows, "eval_ppl")[1]
+    def last(key):
+        found = values(key)
+        return found[-1] if found else None
+
+    ppl = values("eval_ppl")
+    finite = [v for v in ppl if v == v]  # NaN is no one's best
     peaks = [v for k in ("mem_allocated_gib", "mem_rss_peak_gib") for v in series(rows, k)[1]]
     timed = timed_windows(rows)
     return {"run": name, "steps": last_step(rows) or 0,
             "final loss": last("loss"), "first eval ppl": ppl[0] if ppl else None,
-            "final eval ppl": ppl[-1] if ppl else None, "best eval ppl": min(ppl) if ppl else None,
+            "final eval ppl": ppl[-1] if ppl else None, "best eval ppl": min(finite) if finite else None,
             "tokens/s": over_time(timed, "tokens_per_s"), "MFU": over_time(timed, "mfu"),
             "peak mem GiB": max(peaks) if peaks else None}
 

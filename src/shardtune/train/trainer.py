@@ -272,7 +272,7 @@ class Trainer:
             save_now = self.ckpt.due(step, plan.steps_per_epoch)
             records, stop = [], False
             while queued and (len(queued) > 1 or last or eval_now or save_now or stop):
-                record, asked = self._read(queued.pop(0), meter, live, gpu, progress)
+                record, asked = self._read(queued.pop(0), meter, live, gpu, progress, save_now)
                 records.append(record)
                 stop = stop or asked
             if eval_now:
@@ -301,9 +301,13 @@ class Trainer:
                 self.ckpt.save(step)
         return state.tokens_seen - first_tokens
 
-    def _read(self, queued: QueuedStep, meter, live, gpu, progress) -> tuple[dict, bool]:
+    def _read(self, queued: QueuedStep, meter, live, gpu, progress, save_now: bool) -> tuple[dict, bool]:
         """The host's look at a queued step (it waits for that step to finish): tokens seen, the
-        metrics record when one is due (else {}), and whether any rank was asked to stop."""
+        metrics record when one is due (else {}), and whether any rank was asked to stop. A record is
+        due every log.every_steps, at the last step, and at every step a run can resume from (a save
+        `save_now` of the current step, a stop): a resume trims metrics.jsonl to its checkpoint's step
+        and starts a new speed window there, so the window before ends there too (`report` weighs each
+        window by the steps since the record before), and a stop loses no step's numbers."""
         cfg, step = self.cfg, queued.step
         numbers = read_numbers(queued.numbers)
         self.state.tokens_seen += numbers.input_tokens
@@ -318,7 +322,8 @@ class Trainer:
             watched = self.watch.record(queued.watch)
             if self.dist.is_main and (histograms := self.watch.histograms_of(queued.watch)):
                 watched[HISTOGRAMS] = histograms
-        if step % cfg.log.every_steps and step != self.total_steps:
+        resumable = numbers.stop or (save_now and step == self.state.step)
+        if step % cfg.log.every_steps and step != self.total_steps and not resumable:
             return ({"step": step, "epoch": epoch, **watched} if watched else {}), numbers.stop
         # each rank's own peaks: the record holds the fullest device's (the one that runs out first)
         memory = all_max({**telemetry.memory_stats(self.dist.device), **live.read()}, self.dist.device)
