@@ -304,3 +304,19 @@ def test_what_a_run_writes_lists_every_name_a_run_owns():
               for name in re.findall(r"`([^`]+)`", name)}
     owned = {*RUN_MARKS, *RUN_DIRS, *rundir.RUN_FILES, *rundir.RUN_OUTPUTS, rundir.LOCK_FILE, rundir.EARLIER + "N"}
     assert owned <= listed, f"not in README's 'What a run writes': {sorted(owned - listed)}"
+
+
+def test_the_split_prefixes_the_readme_states_are_the_readers():
+    """A folder's file named `values.jsonl` is held out as validation data: the README says which
+    prefixes make a split, so that list is the code's, and its examples land where it says."""
+    from pathlib import Path
+
+    from shardtune.data.files import VAL_NAMES, split_of
+
+    said = re.search(r"names start \(in any case\) with\s+`train`, (\S+) or `test` become the splits \(so "
+                     r"`(\w+\.\w+)` or\s+`(\w+\.\w+)` is validation", (ROOT / "README.md").read_text())
+    assert said, "README's sentence on a folder's split prefixes is gone"
+    assert said[1].replace("`", "").split("/") == list(VAL_NAMES)
+    for name, split in [(said[2], "validation"), (said[3], "validation"), ("alpaca_test.jsonl", "test"),
+                        ("wiki.valid.jsonl", "validation"), ("data-eval-00.parquet", "test")]:
+        assert split_of(Path(name)) == split, name
