@@ -320,3 +320,49 @@ def test_the_split_prefixes_the_readme_states_are_the_readers():
     for name, split in [(said[2], "validation"), (said[3], "validation"), ("alpaca_test.jsonl", "test"),
                         ("wiki.valid.jsonl", "validation"), ("data-eval-00.parquet", "test")]:
         assert split_of(Path(name)) == split, name
+
+
+def _resolves(parts: list[str]) -> bool:
+    """Whether shardtune.<parts> is a module, or attributes of the longest module prefix."""
+    import importlib
+
+    for at in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module("shardtune." + ".".join(parts[:at]))
+        except ModuleNotFoundError:
+            continue
+        for part in parts[at:]:
+            if not hasattr(obj, part):
+                return False
+            obj = getattr(obj, part)
+        return True
+    return False
+
+
+def test_the_code_the_readme_names_exists():
+    """`plan/keys.py`, `bench/plan_accuracy.py`, `hardware.CUDA_OVERHEADS`, `train.optim.decays`: a file,
+    folder or module attribute named in inline code is there (a rename or move left the README
+    pointing at nothing: `shardtune/model_configs/`). Placeholders (OUT/, RUN/) and config keys aside."""
+    import dataclasses
+
+    from shardtune.config.schema import RunConfig
+
+    package = ROOT / "src" / "shardtune"
+    tops = {p.name for p in ROOT.iterdir()} | {p.stem for p in package.iterdir()} | {"shardtune"}
+    sections = {f.name for f in dataclasses.fields(RunConfig)}
+    missing, checked = [], 0
+    for name, span in prose_spans():
+        span = span.rstrip(",.;:")
+        first = span.split("/")[0].split(".")[0]
+        if name != "README.md" or first not in tops or first in sections or not re.fullmatch(r"[\w./-]+", span) \
+                or re.search(r"\.(ya?ml|json|safetensors)$", span):  # a run's files (config.yaml)
+            continue
+        if "/" in span or re.search(r"\.(py|md|txt|toml|sh)$", span):
+            found = any((root / span).exists() for root in (ROOT, package, ROOT / "src"))
+        else:  # module.attribute, the module under shardtune
+            found = _resolves(span.removeprefix("shardtune.").split("."))
+        checked += 1
+        if not found:
+            missing.append(span)
+    assert not missing, f"README names code that is not there: {missing}"
+    assert checked >= 30, checked
