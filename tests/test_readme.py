@@ -366,3 +366,21 @@ def test_the_code_the_readme_names_exists():
             missing.append(span)
     assert not missing, f"README names code that is not there: {missing}"
     assert checked >= 30, checked
+
+
+def test_the_layout_table_names_every_module():
+    """README's Layout row of each package names each of its modules (`name`: what it does), and
+    only modules that are there; a module added without a row went unseen (weights_fit, resume)."""
+    section = re.search(r"^## Layout\n(.*?)(?:^## |\Z)", (ROOT / "README.md").read_text(), re.S | re.M)
+    assert section, "README's Layout section is gone"
+    rows = dict(re.findall(r"^\| `(\w+)/` \| (.*) \|$", section[1], re.M))
+    package = ROOT / "src" / "shardtune"
+    packages = {p.name for p in package.iterdir() if (p / "__init__.py").exists()}
+    assert set(rows) == packages, set(rows) ^ packages
+    for name, concern in rows.items():
+        if name == "cli":  # "one module per command"
+            continue
+        modules = {p.stem for p in (package / name).glob("*.py")} - {"__init__"}
+        named = set(re.findall(r"(?:^|; |: )`(\w+)`: ", concern))
+        assert modules <= named, f"Layout's {name}/ row lacks {sorted(modules - named)}"
+        assert named <= modules, f"Layout's {name}/ row names {sorted(named - modules)}, not modules of {name}/"
