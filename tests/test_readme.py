@@ -304,3 +304,83 @@ def test_what_a_run_writes_lists_every_name_a_run_owns():
               for name in re.findall(r"`([^`]+)`", name)}
     owned = {*RUN_MARKS, *RUN_DIRS, *rundir.RUN_FILES, *rundir.RUN_OUTPUTS, rundir.LOCK_FILE, rundir.EARLIER + "N"}
     assert owned <= listed, f"not in README's 'What a run writes': {sorted(owned - listed)}"
+
+
+def test_the_split_prefixes_the_readme_states_are_the_readers():
+    """A folder's file named `values.jsonl` is held out as validation data: the README says which
+    prefixes make a split, so that list is the code's, and its examples land where it says."""
+    from pathlib import Path
+
+    from shardtune.data.files import VAL_NAMES, split_of
+
+    said = re.search(r"names start \(in any case\) with\s+`train`, (\S+) or `test` become the splits \(so "
+                     r"`(\w+\.\w+)` or\s+`(\w+\.\w+)` is validation", (ROOT / "README.md").read_text())
+    assert said, "README's sentence on a folder's split prefixes is gone"
+    assert said[1].replace("`", "").split("/") == list(VAL_NAMES)
+    for name, split in [(said[2], "validation"), (said[3], "validation"), ("alpaca_test.jsonl", "test"),
+                        ("wiki.valid.jsonl", "validation"), ("data-eval-00.parquet", "test")]:
+        assert split_of(Path(name)) == split, name
+
+
+def _resolves(parts: list[str]) -> bool:
+    """Whether shardtune.<parts> is a module, or attributes of the longest module prefix."""
+    import importlib
+
+    for at in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module("shardtune." + ".".join(parts[:at]))
+        except ModuleNotFoundError:
+            continue
+        for part in parts[at:]:
+            if not hasattr(obj, part):
+                return False
+            obj = getattr(obj, part)
+        return True
+    return False
+
+
+def test_the_code_the_readme_names_exists():
+    """`plan/keys.py`, `bench/plan_accuracy.py`, `hardware.CUDA_OVERHEADS`, `train.optim.decays`: a file,
+    folder or module attribute named in inline code is there (a rename or move left the README
+    pointing at nothing: `shardtune/model_configs/`). Placeholders (OUT/, RUN/) and config keys aside."""
+    import dataclasses
+
+    from shardtune.config.schema import RunConfig
+
+    package = ROOT / "src" / "shardtune"
+    tops = {p.name for p in ROOT.iterdir()} | {p.stem for p in package.iterdir()} | {"shardtune"}
+    sections = {f.name for f in dataclasses.fields(RunConfig)}
+    missing, checked = [], 0
+    for name, span in prose_spans():
+        span = span.rstrip(",.;:")
+        first = span.split("/")[0].split(".")[0]
+        if name != "README.md" or first not in tops or first in sections or not re.fullmatch(r"[\w./-]+", span) \
+                or re.search(r"\.(ya?ml|json|safetensors)$", span):  # a run's files (config.yaml)
+            continue
+        if "/" in span or re.search(r"\.(py|md|txt|toml|sh)$", span):
+            found = any((root / span).exists() for root in (ROOT, package, ROOT / "src"))
+        else:  # module.attribute, the module under shardtune
+            found = _resolves(span.removeprefix("shardtune.").split("."))
+        checked += 1
+        if not found:
+            missing.append(span)
+    assert not missing, f"README names code that is not there: {missing}"
+    assert checked >= 30, checked
+
+
+def test_the_layout_table_names_every_module():
+    """README's Layout row of each package names each of its modules (`name`: what it does), and
+    only modules that are there; a module added without a row went unseen (weights_fit, resume)."""
+    section = re.search(r"^## Layout\n(.*?)(?:^## |\Z)", (ROOT / "README.md").read_text(), re.S | re.M)
+    assert section, "README's Layout section is gone"
+    rows = dict(re.findall(r"^\| `(\w+)/` \| (.*) \|$", section[1], re.M))
+    package = ROOT / "src" / "shardtune"
+    packages = {p.name for p in package.iterdir() if (p / "__init__.py").exists()}
+    assert set(rows) == packages, set(rows) ^ packages
+    for name, concern in rows.items():
+        if name == "cli":  # "one module per command"
+            continue
+        modules = {p.stem for p in (package / name).glob("*.py")} - {"__init__"}
+        named = set(re.findall(r"(?:^|; |: )`(\w+)`: ", concern))
+        assert modules <= named, f"Layout's {name}/ row lacks {sorted(modules - named)}"
+        assert named <= modules, f"Layout's {name}/ row names {sorted(named - modules)}, not modules of {name}/"

@@ -72,7 +72,8 @@ def test_quickstart_defaults_step_aside(monkeypatch, qs_assets):
     monkeypatch.setattr(qs, "build_quickstart_assets", lambda *a, **k: builds.append(1) or qs_assets)
     tree, line = qs.quickstart_defaults([])
     assert tree["model"]["tokenizer"] == qs_assets["tokenizer"] and "path" in tree["data"]
-    assert "model and training settings" in line and "data (docstring corpus)" in line and "your" not in line
+    assert line == ("quickstart defaults: model and training settings (random-init GPT-2), tokenizer (docstring BPE), "
+                    "data (docstring corpus), eval and log cadence")  # every part it uses, the tokenizer too
 
     tree, line = qs.quickstart_defaults(["model.name_or_path=/my/model", "train.lr=1e-4"])
     assert "model" not in tree and "train" not in tree
@@ -93,6 +94,7 @@ def test_quickstart_defaults_step_aside(monkeypatch, qs_assets):
         assert "GPT-2" not in line and "your model.config's model and shardtune's training settings" in line
     tree, line = qs.quickstart_defaults(["model.tokenizer=/my/tokenizer"])  # your tokenizer, the quickstart's GPT-2
     assert "tokenizer" not in tree["model"] and tree["model"]["config"]["model_type"] == "gpt2"
+    assert "random-init GPT-2" in line and "tokenizer" not in line
     tree, line = qs.quickstart_defaults(["model.config.n_layer=4"])
     assert tree["model"]["config"]["model_type"] == "gpt2" and tree["train"]["lr"] == 3e-3
     assert "random-init GPT-2" in line

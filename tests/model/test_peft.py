@@ -415,3 +415,26 @@ def test_all_linear_adapts_what_peft_adapts(arch):
         peft_own = get_peft_model(AutoModelForCausalLM.from_config(hf_config(arch)),
                                   LoraConfig(r=4, target_modules="all-linear"))
     assert adapted(ours) == adapted(peft_own) and adapted(ours)
+
+
+def test_without_the_extras_adapters_are_one_line_and_full_fine_tunes_train(lora_run, assets, tmp_path, monkeypatch,
+                                                                       capsys):
+    """peft is an extra (the README's install has none): a peft method, an adapter folder or a LoRA
+    run's checkpoint named the extra in one line instead of an ImportError's traceback, and a full
+    fine-tune imports no extra (`fsdp.wrap=size` imported peft, to tell adapter layers apart)."""
+    import sys
+
+    from shardtune.cli.main import main
+
+    extras = ("peft", "torchao", "optuna", "wandb", "mlflow", "tensorboard", "pynvml", "rouge_score", "sacrebleu",
+              "mauve", "liger_kernel")  # pyproject's optional dependencies, by import name
+    for name in [n for n in sys.modules if n.split(".")[0] in extras] + list(extras):
+        monkeypatch.setitem(sys.modules, name, None)  # as if not installed
+    for argv in (["train", *tiny_overrides(assets, tmp_path / "lora", **LORA)],
+                 ["eval", str(lora_run["final"]), "--max-batches", "1"],
+                 ["eval", str(lora_run["out"] / "checkpoints" / "step-000003"), "--max-batches", "1"]):
+        assert main(argv) == 2, argv
+        assert capsys.readouterr().err.strip().endswith("not installed: pip install 'shardtune[peft]'"), argv
+    full = tiny_overrides(assets, tmp_path / "full", **{"fsdp.wrap": "size", "fsdp.min_num_params": 1000,
+                                                        "train.max_steps": 1, "eval.max_batches": 1})
+    assert main(["train", *full]) == 0, capsys.readouterr().err

@@ -25,6 +25,9 @@ def adapter_parts(adapter: Path) -> AdapterParts:
     it has ids past the base's embedding: peft loads such a pair without a word, and the first
     such token failed inside torch (an IndexError), or `export --merge` wrote a folder every
     command refuses."""
+    from shardtune.model.adapters import require_peft
+
+    require_peft(f"the adapter folder {str(adapter)!r}")
     from peft import PeftType
 
     from shardtune.model.files import check_safetensors, read_json_object

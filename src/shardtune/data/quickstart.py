@@ -278,7 +278,7 @@ def quickstart_defaults(overrides: list[str] = ()) -> tuple[dict, str]:
     if not own_data:
         tree.setdefault("data", {})["path"] = str(Path(assets["train"]).parent)
     parts = [("model and training settings (random-init GPT-2)", own_model or own_design),
-             ("tokenizer (docstring BPE)", own_tokenizer or not own_design), ("data (docstring corpus)", own_data)]
+             ("tokenizer (docstring BPE)", own_tokenizer), ("data (docstring corpus)", own_data)]
     used = [part for part, mine in parts if not mine]
     yours = [part for part, mine in (("model", own_model), ("model.config's model and shardtune's training "
                                                             "settings", own_design), ("data", own_data)) if mine]

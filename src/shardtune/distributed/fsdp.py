@@ -210,9 +210,12 @@ def size_based_units(model, min_num_params: int) -> list:
     a unit of its own changes between forward and a checkpoint's recomputation under mixed
     precision) and subtrees holding a tied parameter (e.g. input embeddings shared with the LM head:
     both must live in one unit) pass it up."""
+    import sys
     from collections import Counter
 
-    from peft.tuners.tuners_utils import BaseTunerLayer
+    # a model with adapters has imported peft; without peft (an extra) no module is an adapter layer
+    tuners = sys.modules.get("peft.tuners.tuners_utils")
+    adapter_layer = tuners.BaseTunerLayer if tuners is not None else ()
 
     uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     tied = {pid for pid, n in uses.items() if n > 1}
@@ -221,7 +224,7 @@ def size_based_units(model, min_num_params: int) -> list:
     def visit(module, in_adapter: bool = False) -> int:
         pending = sum(p.numel() for p in module.parameters(recurse=False))
         for child in module.children():
-            pending += visit(child, in_adapter or isinstance(module, BaseTunerLayer))
+            pending += visit(child, in_adapter or isinstance(module, adapter_layer))
         eligible = not in_adapter and type(module).forward is not nn.Module.forward and \
             not any(id(p) in tied for p in module.parameters())
         if module is not model and eligible and pending >= min_num_params:

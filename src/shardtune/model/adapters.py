@@ -20,6 +20,15 @@ from shardtune.model.prompt_learning import fit_for_fsdp, init_text, prefix_tuni
 MERGEABLE_PEFT_TYPES = ("LORA", "IA3")  # adapters that fold into the base weights (DoRA is a LORA type)
 
 
+def require_peft(what: str) -> None:
+    """peft is an extra (`shardtune[peft]`): a run or an adapter folder that needs it, on an install
+    without it, is one line naming the extra, not an ImportError from deep in the build."""
+    try:
+        import peft  # noqa: F401
+    except ImportError:
+        raise UserError(f"{what} needs peft, which is not installed: pip install 'shardtune[peft]'") from None
+
+
 def check_quantize(cfg: PeftConfig, device) -> None:
     if cfg.quantize == "none":
         return
@@ -63,6 +72,7 @@ def add_adapter(model, cfg: PeftConfig, seed: int | None = None, init: bool = Tr
     the method's own initialisation (PiSSA/OLoRA decompose the base weights, prompt tuning reads
     its text with `tokenizer`); False builds the same structure with the plain init (a meta
     skeleton, or a model whose values are loaded next)."""
+    require_peft(f"peft.method={cfg.method}")
     from peft import PeftModel, get_peft_model
 
     if isinstance(model, PeftModel):
@@ -197,6 +207,8 @@ def peft_config_of(adapter_config: dict) -> PeftConfig:
 def check_method(cfg: PeftConfig, hf_config) -> None:
     """What the method needs of the model that its config alone cannot tell: one line, before
     any weights or data are read."""
+    if cfg.adapter:
+        require_peft(f"peft.method={cfg.method}")
     check_prompt_learning(cfg, hf_config)
     if cfg.method != "adaption_prompt":
         return
