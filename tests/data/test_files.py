@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardtune.data.files import local_files, read_local
+from shardtune.data.files import local_files, read_local, read_path
 from shardtune.errors import UserError
 
 NAMES = st.text(alphabet="ab ,\"\n.1", min_size=1, max_size=4).filter(lambda name: name.strip())
@@ -234,6 +234,17 @@ def test_a_split_named_as_a_word_of_a_file_name_is_that_split(tmp_path, names, s
     for name in names:
         (tmp_path / name).write_text('{"text": "a"}\n')
     assert local_files(tmp_path) == {split: [str(tmp_path / n) for n in files] for split, files in splits.items()}
+
+
+def test_a_file_held_out_only_by_the_prefix_rule_is_said(tmp_path):
+    """values.jsonl (val*) beside train.jsonl is held out by name, a rule the user may not know: a
+    line names it; plainly named splits (validation.jsonl, dev-2.jsonl, test.jsonl) say nothing."""
+    for name in ("train.jsonl", "values.jsonl", "validation.jsonl", "dev-2.jsonl", "testimonials.jsonl"):
+        (tmp_path / name).write_text('{"text": "a"}\n')
+    said = []
+    assert sorted(read_path(tmp_path, "data/", say=said.append)) == ["test", "train", "validation"]
+    assert [line.split("'")[1] for line in said] == ["values.jsonl", "testimonials.jsonl"], said
+    assert "is the validation split, not training data" in said[0] and "rename it" in said[0]
 
 
 @pytest.mark.parametrize("names", [["train.jsonl", "train.jsonl.gz"],

@@ -221,10 +221,29 @@ def named_split(name: str) -> str | None:
     return "validation" if split in VAL_NAMES else split
 
 
-def read_path(path: Path, shown: str):
+def read_path(path: Path, shown: str, say=None):
     """A local data.path as a DatasetDict: a folder that save_to_disk wrote, as it was saved; else
-    its data files (local_files), read by their readers. `shown`: data.path as the user wrote it."""
-    return read_saved(path, shown) if is_saved(path) else read_local(local_files(path), shown)
+    its data files (local_files), read by their readers. `shown`: data.path as the user wrote it.
+    `say` gets a line for each file held out of training only because its name starts with a
+    split's word (held_out_by_prefix)."""
+    if is_saved(path):
+        return read_saved(path, shown)
+    files = local_files(path)
+    for split, paths in files.items():
+        for p in paths:
+            if say is not None and split != "train" and held_out_by_prefix(Path(p).stem):
+                say(f"note: data file {Path(p).name!r} of {shown} is the {split} split, not training data: its name "
+                    f"starts with a word of that split's ({', '.join(VAL_NAMES) if split == 'validation' else split}); "
+                    "rename it to train on it")
+    return read_local(files, shown)
+
+
+def held_out_by_prefix(name: str) -> bool:
+    """Whether the name is a split's only by the README's prefix rule, the split's word running on
+    into another (values: val, devices: dev, testimonials: test), which a user may not expect."""
+    name = name.lower()
+    word = next((s for s in (*VAL_NAMES, "test") if name.startswith(s)), None)  # the longest first
+    return word is not None and name[len(word):][:1].isalpha()
 
 
 def read_local(files: dict[str, list[str]], path: str):
