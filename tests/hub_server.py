@@ -1,11 +1,11 @@
 """A local stand-in for the Hugging Face Hub: the few endpoints `huggingface_hub` (the installed
 version) calls to create a repo, a branch, upload a folder (preupload + one ndjson commit, every
-file "regular", i.e. inline base64) and list a repo's files. Files land in STORE/<ns>/<name>/<rev>/.
+file "regular", i.e. inline base64, deleting files) and list a repo's files. Files land in STORE/<ns>/<name>/<rev>/.
 
     python tests/hub_server.py STORE PORT_FILE [--deny-commits] [--hang-commits] [--fail-first-commit]
 
 Listens on 127.0.0.1 only, on a free port that it writes to PORT_FILE. Every commit is also
-appended to STORE/commits.jsonl ({"repo", "revision", "paths"}), so a test sees what arrived and
+appended to STORE/commits.jsonl ({"repo", "revision", "paths", "deleted"}), so a test sees what arrived and
 when. --deny-commits answers every commit with 403 (a rejected push / full quota), and
 --hang-commits never answers one (a hung server). --fail-first-commit answers the first commit
 with 503 (a passing outage) and notes it in STORE/failed.jsonl."""
@@ -93,16 +93,19 @@ class Hub(BaseHTTPRequestHandler):
             root = self.repo_dir(m, m["rev"])
             if not root.is_dir():
                 return self.reply(404, {"error": "Repository not found"}, {"X-Error-Code": "RepoNotFound"})
-            paths = []
+            paths, deleted = [], []
             for item in lines:
                 if item["key"] == "file":
                     target = root / item["value"]["path"]
                     target.parent.mkdir(parents=True, exist_ok=True)
                     target.write_bytes(base64.b64decode(item["value"]["content"]))
                     paths.append(item["value"]["path"])
+                elif item["key"] == "deletedFile":
+                    (root / item["value"]["path"]).unlink()  # a file not there fails the commit, as the Hub does
+                    deleted.append(item["value"]["path"])
             with self.lock, open(self.store / "commits.jsonl", "a") as f:
                 f.write(json.dumps({"repo": f"{m['ns']}/{m['name']}", "revision": unquote(m["rev"]),
-                                    "paths": sorted(paths)}) + "\n")
+                                    "paths": sorted(paths), "deleted": sorted(deleted)}) + "\n")
             oid = hashlib.sha1(json.dumps(paths).encode()).hexdigest()
             return self.reply(200, {"commitUrl": f"http://{self.headers['Host']}/{m['ns']}/{m['name']}/commit/{oid}",
                                     "commitOid": oid})

@@ -211,6 +211,16 @@ def test_lora_adapter_on_the_hub_names_the_bases_hub_id(assets, tmp_path, hub, c
     assert Path(json.loads((out / "final" / "adapter_config.json").read_text())["base_model_name_or_path"]).exists()
     printed = capsys.readouterr().out
     assert "names a local path" not in printed and ("residual base weights" in printed) == (init == "pissa")
+    # `export --push-to-hub` of the same checkpoint names the same base (it named the export's local path)
+    from shardtune.cli.main import main
+
+    assert main(["export", str(out / "checkpoints" / "step-000001"), str(tmp_path / "exp"), "--push-to-hub",
+                 "user/exp"]) == 0
+    pushed = store / "user" / "exp" / "main"
+    named = json.loads((pushed / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert (named == "org/tiny-base") == (init == "default"), named
+    assert all((tmp_path / "exp" / f.relative_to(pushed)).read_bytes() == f.read_bytes()
+               for f in pushed.rglob("*") if f.is_file() and f.name != "adapter_config.json")
 
 
 def test_lora_base_without_a_hub_id_warns_how_to_fix(tmp_path):
@@ -226,3 +236,48 @@ def test_lora_base_without_a_hub_id_warns_how_to_fix(tmp_path):
         base, warning = hub_base(cfg)
         assert base is None and "set model.name_or_path to the base's hub id" in warning
     assert str(tmp_path) in hub_base(model(str(tmp_path)))[1]
+
+
+NAMES = ["model.safetensors", "model.safetensors.index.json", "model-00001-of-00002.safetensors",
+         "model-00002-of-00002.safetensors", "model-00001-of-00003.safetensors", "adapter_config.json",
+         "adapter_model.safetensors", "tokenizer.json", "tokenizer.model", "config.json", "base/model.safetensors"]
+
+
+def test_a_push_replaces_the_earlier_model_files_and_keeps_checkpoints_and_text(tmp_path, monkeypatch):
+    """A repo whose root held one upload, pushed a folder with other files (a model in one file
+    after one in shards, or the reverse): the root holds exactly the new folder's files, byte for
+    byte; a stale model.safetensors beside a newer index made transformers load the earlier
+    weights. What the root keeps: checkpoints/ (uploaded on their own), README.md, .gitattributes."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from shardtune.publish.hub import push_folder
+
+    proc, store, endpoint = start_server(tmp_path)
+    point_at(monkeypatch, endpoint)
+    kept = {"checkpoints/step-000001/model.safetensors", "README.md"}
+    pushes = iter(range(10**6))
+
+    @settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.lists(st.sets(st.sampled_from(NAMES), min_size=1), min_size=2, max_size=3))
+    def check(uploads):
+        n = next(pushes)
+        repo, root = f"user/m{n}", store / "user" / f"m{n}" / "main"
+        root.mkdir(parents=True)
+        for name in kept:
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            (root / name).write_text(name)
+        for i, names in enumerate(uploads):
+            folder = tmp_path / f"export-{n}-{i}"
+            for name in names:
+                (folder / name).parent.mkdir(parents=True, exist_ok=True)
+                (folder / name).write_text(f"{name} of upload {i}")
+            push_folder(folder, repo)
+            there = {p.relative_to(root).as_posix(): p.read_text() for p in root.rglob("*") if p.is_file()}
+            assert there == {**{k: k for k in kept}, **{name: f"{name} of upload {i}" for name in names}}
+
+    try:
+        check()
+    finally:
+        proc.kill()
+        proc.wait()

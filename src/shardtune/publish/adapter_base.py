@@ -39,3 +39,20 @@ def with_base(adapter_config: Path, base: str) -> bytes:
     config = json_loads(adapter_config.read_text())
     config["base_model_name_or_path"] = base
     return (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
+
+
+def export_base(checkpoint: str, say=print) -> str | None:
+    """The hub id that `shardtune export CHECKPOINT --push-to-hub` names in the Hub copy of the
+    exported adapter's config, as a run's publisher does (None: no adapter, or a residual base
+    (PiSSA/OLoRA) uploaded in base/, or no hub id known: then `say` tells why)."""
+    from shardtune.checkpoint.folders import read_meta, resolve_checkpoint
+    from shardtune.config.schema import ModelConfig, PeftConfig, known_fields
+
+    config = read_meta(resolve_checkpoint(checkpoint))["config"]
+    peft = known_fields(PeftConfig, config.get("peft", {}))
+    if not peft.adapter or peft.residual_init:
+        return None
+    base, warning = hub_base(known_fields(ModelConfig, config.get("model", {})))
+    if warning:
+        say(warning)
+    return base
