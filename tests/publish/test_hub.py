@@ -209,6 +209,7 @@ def test_lora_adapter_on_the_hub_names_the_bases_hub_id(assets, tmp_path, hub, c
         assert (named == "org/tiny-base") == (init == "default"), named
         assert (folder / "base" / "config.json").is_file()  # a local base is uploaded beside it
     assert Path(json.loads((out / "final" / "adapter_config.json").read_text())["base_model_name_or_path"]).exists()
+    assert 'base_model: "org/tiny-base"' in (repo / "README.md").read_text()  # the Hub links the card to it
     printed = capsys.readouterr().out
     assert "names a local path" not in printed and ("residual base weights" in printed) == (init == "pissa")
     # `export --push-to-hub` of the same checkpoint names the same base (it named the export's local path)
