@@ -47,7 +47,9 @@ class Hub(BaseHTTPRequestHandler):
         return self.rfile.read(int(self.headers.get("Content-Length") or 0))
 
     def authorized(self) -> bool:
-        if self.headers.get("Authorization", "").startswith("Bearer "):
+        """A token was sent, and it is not one the Hub would refuse (a test's "hf_invalid...")."""
+        auth = self.headers.get("Authorization", "")
+        if auth.startswith("Bearer ") and not auth.startswith("Bearer hf_invalid"):
             return True
         self.reply(401, {"error": "Invalid credentials in Authorization header"})
         return False
@@ -115,6 +117,8 @@ class Hub(BaseHTTPRequestHandler):
         path = urlparse(self.path).path
         if path == "/api/whoami-v2":
             return self.reply(200, {"name": "user", "type": "user", "orgs": []}) if self.authorized() else None
+        if self.headers.get("Authorization") and not self.authorized():  # a bad token, even for a public repo
+            return None
         if m := re.fullmatch(rf"/api/models/{REPO}/tree/(?P<rev>[^/]+)(?P<sub>/.*)?", path):
             root = self.repo_dir(m, m["rev"])
             if not root.is_dir():
@@ -123,6 +127,34 @@ class Hub(BaseHTTPRequestHandler):
             return self.reply(200, [{"type": "file", "path": str(p.relative_to(root)), "size": p.stat().st_size,
                                      "oid": hashlib.sha1(p.read_bytes()).hexdigest()} for p in files])
         self.reply(404, {"error": f"not served here: GET {path}"})
+
+
+def start_server(tmp_path: Path, *flags: str):
+    """(process, store, endpoint) of this server started in a process of its own (for tests)."""
+    import subprocess
+    import time
+
+    from conftest import child_env
+
+    store, port_file = tmp_path / "hub", tmp_path / "hub.port"
+    proc = subprocess.Popen([sys.executable, str(Path(__file__)), str(store), str(port_file),
+                             *flags], env=child_env())
+    deadline = time.monotonic() + 30
+    while not port_file.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "hub server did not start"
+        time.sleep(0.05)
+    return proc, store, f"http://127.0.0.1:{port_file.read_text()}"
+
+
+def point_at(monkeypatch, endpoint: str) -> None:
+    """This process's huggingface_hub talks to `endpoint` with a token (HF_ENDPOINT and
+    HF_HUB_OFFLINE are read once, at import)."""
+    import huggingface_hub.constants as constants
+
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_TOKEN", "test-token")
 
 
 def main() -> None:

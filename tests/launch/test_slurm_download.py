@@ -171,14 +171,16 @@ def test_download_targets_skip_local_paths_and_repeat_nothing(assets, tmp_path):
     assert targets_from_recipe(str(recipe)) == [("model", "org/m", None)]
 
 
-def test_download_is_refused_when_offline(monkeypatch, capsys):
+@pytest.mark.parametrize("flag", ["HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"])  # huggingface_hub reads either
+def test_download_is_refused_when_offline(monkeypatch, capsys, flag):
     from shardtune.cli.main import main
 
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv(flag, "1")
     assert main(["download", "openai-community/gpt2", "dataset:Salesforce/wikitext:wikitext-2-raw-v1"]) == 2
-    assert "HF_HUB_OFFLINE" in _one_line_error(capsys.readouterr().err)
+    assert flag in _one_line_error(capsys.readouterr().err)
     assert main(["download", "recipes/gpt2-wikitext2.yaml"]) == 2
-    assert "HF_HUB_OFFLINE" in _one_line_error(capsys.readouterr().err)
+    assert flag in _one_line_error(capsys.readouterr().err)
     assert main(["download", "model:a:b"]) == 2
     assert "model:a:b" in _one_line_error(capsys.readouterr().err)
 
@@ -393,3 +395,34 @@ def test_slurm_refuses_a_model_here_that_cannot_take_the_run(tmp_path, capsys):
     line = _one_line_error(capsys.readouterr().err)
     assert "data.seq_len=128" in line and "64" in line, line
     assert main(["slurm", str(recipe), "--nodes", "1", "--gpus-per-node", "2", "data.seq_len=64"]) == 0
+
+
+@pytest.mark.parametrize("target, token, message", [
+    ("user/missing", "test-token", "'user/missing' not found on the Hugging Face hub"),
+    ("user/tiny", "hf_invalid_token", "check the token (HF_TOKEN"),  # the Hub's 401 to an unknown token
+    ("model:user/a b", "test-token", "'model:user/a b' is not a recipe or a hub id"),
+    ("dataset:../data", "test-token", "'dataset:../data' is not a recipe or a hub id"),
+])
+def test_download_refusals_against_a_hub_are_one_line(tmp_path, monkeypatch, capsys, target, token, message):
+    """Against a local server speaking the Hub's protocol (tests/hub_server.py): a missing repo, a
+    token the Hub refuses, an id the Hub cannot hold: one line naming the fix, exit 2, the cache
+    folder (and what it held) untouched."""
+    from hub_server import point_at, start_server
+
+    from shardtune.cli.main import main
+
+    proc, store, endpoint = start_server(tmp_path)
+    try:
+        point_at(monkeypatch, endpoint)
+        monkeypatch.setenv("HF_TOKEN", token)
+        (store / "user" / "tiny" / "main").mkdir(parents=True)
+        (store / "user" / "tiny" / "main" / "config.json").write_text("{}")
+        cache = tmp_path / "cache"
+        (cache / "hub").mkdir(parents=True)
+        (cache / "hub" / "kept").write_text("x")
+        assert main(["download", target, "--cache-dir", str(cache)]) == 2
+    finally:
+        proc.kill()
+        proc.wait()
+    assert message in _one_line_error(capsys.readouterr().err)
+    assert sorted(p.relative_to(cache).as_posix() for p in cache.rglob("*")) == ["hub", "hub/kept"]

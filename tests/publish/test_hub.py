@@ -5,36 +5,13 @@ server that refuses or hangs leaves training unharmed with one warning, bad inpu
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from hub_server import point_at, start_server
 
-from conftest import ROOT, child_env, tiny_overrides
-
-
-def start_server(tmp_path: Path, *flags: str):
-    store, port_file = tmp_path / "hub", tmp_path / "hub.port"
-    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "hub_server.py"), str(store), str(port_file),
-                             *flags], env=child_env())
-    deadline = time.monotonic() + 30
-    while not port_file.exists():
-        assert proc.poll() is None and time.monotonic() < deadline, "hub server did not start"
-        time.sleep(0.05)
-    return proc, store, f"http://127.0.0.1:{port_file.read_text()}"
-
-
-def point_at(monkeypatch, endpoint: str) -> None:
-    """This process's huggingface_hub talks to `endpoint` with a token (HF_ENDPOINT and
-    HF_HUB_OFFLINE are read once, at import)."""
-    import huggingface_hub.constants as constants
-
-    monkeypatch.setenv("HF_ENDPOINT", endpoint)
-    monkeypatch.setattr(constants, "ENDPOINT", endpoint)
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setenv("HF_TOKEN", "test-token")
+from conftest import tiny_overrides
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from shardtune.launch.download import download, targets_from_recipe
+    from shardtune.names import hub_id
 
     targets = []
     for word in args.targets:
@@ -33,7 +34,7 @@ def run(args) -> int:
         config_name = None
         if kind == "dataset" and repo.count(":") == 1:  # dataset:ID:CONFIG
             repo, config_name = repo.split(":")
-        if not repo or ":" in repo:
+        if not hub_id(repo) or ":" in repo:  # (a folder here is no hub id either: the recipe names it, not this)
             raise UserError(f"download target {word!r} is not a recipe or a hub id; write model:ORG/NAME, "
                             "dataset:ORG/NAME or dataset:ORG/NAME:CONFIG")
         if (kind, repo, config_name) not in targets:

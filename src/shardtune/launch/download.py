@@ -51,8 +51,9 @@ def targets_from_recipe(recipe: str, overrides: list[str] | None = None) -> list
 
 def download(targets: list[tuple[str, str, str | None]], cache_dir: str | None = None) -> list[str]:
     """Download each target into the cache; returns where each one is."""
-    if env_flag("HF_HUB_OFFLINE"):
-        raise UserError("HF_HUB_OFFLINE=1 is set, so nothing can be downloaded; run `shardtune download` "
+    # huggingface_hub reads TRANSFORMERS_OFFLINE as HF_HUB_OFFLINE: either fails every download
+    if offline := next((name for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE") if env_flag(name)), None):
+        raise UserError(f"{offline}=1 is set, so nothing can be downloaded; run `shardtune download` "
                         "without it on a machine with network (e.g. a login node)")
     if env_flag("HF_DATASETS_OFFLINE") and any(kind == "dataset" for kind, _, _ in targets):
         raise UserError("HF_DATASETS_OFFLINE=1 is set, so no dataset can be downloaded; unset it on a "
@@ -84,8 +85,11 @@ def _download_model(repo: str, cache_dir: str | None) -> str:
         raise UserError(f"model {repo!r} not found on the Hugging Face hub (or it is gated); check the name, "
                         "and for gated models accept the license on the hub and `hf auth login`") from None
     except Exception as exc:  # noqa: BLE001 - the Hub client's HTTP library (httpx, requests) raises its own kinds
-        raise UserError(f"could not download model {repo!r} ({type(exc).__name__}: {first_line(exc)}); check the "
-                        "network and the name") from None
+        # the Hub answers 401 to a token it does not know, even for a public model
+        fix = ("the token (HF_TOKEN or `hf auth login`: a valid one, or none for a public model)"
+               if getattr(getattr(exc, "response", None), "status_code", None) == 401 else "the network and the name")
+        raise UserError(f"could not download model {repo!r} ({type(exc).__name__}: {first_line(exc)}); check "
+                        f"{fix}") from None
 
 
 def _download_dataset(repo: str, config_name: str | None, cache_dir: str | None) -> str:
