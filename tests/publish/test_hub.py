@@ -69,6 +69,9 @@ def test_checkpoints_final_and_card_uploaded_and_resume_skips_them(assets, tmp_p
     ckpt = AutoModelForCausalLM.from_pretrained(repo / "checkpoints" / "step-000002")
     final = AutoModelForCausalLM.from_pretrained(repo)
     assert all(a.equal(b) for a, b in zip(ckpt.state_dict().values(), final.state_dict().values(), strict=True))
+    local = {f.relative_to(out / "final").as_posix(): f.read_bytes() for f in (out / "final").rglob("*") if f.is_file()}
+    assert {name: (repo / name).read_bytes() for name in local} == local  # byte for byte, nothing missing
+    assert not [p for p in (store / "user" / "tiny" / "main").rglob("*") if p.is_file()]  # all on the branch
     printed = capsys.readouterr().out
     assert "publish: 3 uploaded" in printed and "warning: could not upload" not in printed, printed[-2000:]
     assert (store / "failed.jsonl").read_text().count("503") == 1  # step 1's first attempt, retried
@@ -78,6 +81,8 @@ def test_checkpoints_final_and_card_uploaded_and_resume_skips_them(assets, tmp_p
     again = commits(store)[len(first):]
     assert [c["paths"][0].split("/")[1] if c["paths"][0].startswith("checkpoints/") else "final"
             for c in again] == ["step-000003", "final"]
+    assert all(not c["deleted"] for c in again)  # the resume removes nothing of the earlier uploads
+    assert {p.name for p in (repo / "checkpoints").iterdir()} == {f"step-00000{i}" for i in (1, 2, 3)}
     ledger = json.loads((out / "publish" / "ledger.json").read_text())["user/tiny@dev"]
     assert set(ledger) == {f"checkpoints/step-00000{i}" for i in (1, 2, 3)} | {"final"}
 
