@@ -241,7 +241,7 @@ def test_a_push_replaces_the_earlier_model_files_and_keeps_checkpoints_and_text(
     kept = {"checkpoints/step-000001/model.safetensors", "README.md"}
     pushes = iter(range(10**6))
 
-    @settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
     @given(st.lists(st.sets(st.sampled_from(NAMES), min_size=1), min_size=2, max_size=3))
     def check(uploads):
         n = next(pushes)
@@ -261,6 +261,20 @@ def test_a_push_replaces_the_earlier_model_files_and_keeps_checkpoints_and_text(
 
     try:
         check()
+        # the final model's card replaces a README.md of the folder: one file, not two adds of one path
+        import warnings
+
+        from huggingface_hub import HfApi
+
+        from shardtune.publish.hub import commit_folder
+
+        folder = tmp_path / "with-readme"
+        folder.mkdir()
+        (folder / "README.md").write_text("peft's own card")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            commit_folder(HfApi(), "user/m0", folder, "", {"README.md": "the run's card"}, "final")
+        assert (store / "user" / "m0" / "main" / "README.md").read_text() == "the run's card"
     finally:
         proc.kill()
         proc.wait()

@@ -89,8 +89,8 @@ def commit_folder(api, repo: str, folder: Path, path_in_repo: str, texts: dict, 
         return with_base(f, adapter_base) if adapter_base and f.name == "adapter_config.json" else str(f)
 
     prefix = f"{path_in_repo.strip('/')}/" if path_in_repo.strip("/") else ""
-    ops = [CommitOperationAdd(prefix + f.relative_to(folder).as_posix(), content(f))
-           for f in sorted(folder.rglob("*")) if f.is_file()]
+    ops = [CommitOperationAdd(prefix + f.relative_to(folder).as_posix(), content(f))  # a text replaces its file
+           for f in sorted(folder.rglob("*")) if f.is_file() and f.relative_to(folder).as_posix() not in texts]
     ops += [CommitOperationAdd(prefix + name, text.encode()) for name, text in texts.items()]
     new = {op.path_in_repo for op in ops}
     keep = KEEP_AT_ROOT if not prefix else (".gitattributes",)
