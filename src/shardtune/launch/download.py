@@ -20,7 +20,7 @@ from shardtune.names import hub_id
 # Weights in formats shardtune never reads: skipped so a 7B download is not three 7B downloads.
 IGNORE = ["*.h5", "*.msgpack", "*.ot", "*.onnx", "*.onnx_data", "onnx/*", "coreml/*", "*.tflite", "*.mlmodel",
           "*.gguf", "original/*"]
-PYTORCH_BINARIES = ["*.bin", "*.pt", "*.pth"]  # skipped where the repo has safetensors
+PYTORCH_BINARIES = ["*.bin", "*.pt", "*.pth"]  # skipped where the repo's root has safetensors
 
 
 def env_flag(name: str) -> bool:
@@ -79,7 +79,8 @@ def _download_model(repo: str, cache_dir: str | None) -> str:
 
     try:
         files = HfApi().list_repo_files(repo)
-        ignore = IGNORE + (PYTORCH_BINARIES if any(f.endswith(".safetensors") for f in files) else [])
+        # only safetensors weights at the root replace the .bin ones (a safetensors file in a subfolder does not)
+        ignore = IGNORE + (PYTORCH_BINARIES if any(f.endswith(".safetensors") and "/" not in f for f in files) else [])
         return snapshot_download(repo_id=repo, cache_dir=cache_dir, ignore_patterns=ignore)
     except RepositoryNotFoundError:  # also a gated repo without access
         raise UserError(f"model {repo!r} not found on the Hugging Face hub (or it is gated); check the name, "
