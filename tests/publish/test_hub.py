@@ -83,6 +83,9 @@ def test_checkpoints_final_and_card_uploaded_and_resume_skips_them(assets, tmp_p
             for c in again] == ["step-000003", "final"]
     assert all(not c["deleted"] for c in again)  # the resume removes nothing of the earlier uploads
     assert {p.name for p in (repo / "checkpoints").iterdir()} == {f"step-00000{i}" for i in (1, 2, 3)}
+    card = (repo / "README.md").read_text()  # the resumed run's card: its last step and its final eval
+    last = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "eval_loss" in r][-1]
+    assert last["step"] == 3 and "3 optimizer steps" in card and f"| eval_loss | {last['eval_loss']:.4f} |" in card
     ledger = json.loads((out / "publish" / "ledger.json").read_text())["user/tiny@dev"]
     assert set(ledger) == {f"checkpoints/step-00000{i}" for i in (1, 2, 3)} | {"final"}
 
