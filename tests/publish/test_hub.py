@@ -194,7 +194,8 @@ def test_lora_adapter_on_the_hub_names_the_bases_hub_id(assets, tmp_path, hub, c
         assert (named == "org/tiny-base") == (init == "default"), named
         assert (folder / "base" / "config.json").is_file()  # a local base is uploaded beside it
     assert Path(json.loads((out / "final" / "adapter_config.json").read_text())["base_model_name_or_path"]).exists()
-    assert 'base_model: "org/tiny-base"' in (repo / "README.md").read_text()  # the Hub links the card to it
+    card = (repo / "README.md").read_text()  # the Hub loads the adapter on the card's base_model
+    assert ('base_model: "org/tiny-base"' in card) == (init == "default"), card[:300]
     printed = capsys.readouterr().out
     assert "names a local path" not in printed and ("residual base weights" in printed) == (init == "pissa")
     # `export --push-to-hub` of the same checkpoint names the same base (it named the export's local path)
@@ -222,6 +223,29 @@ def test_lora_base_without_a_hub_id_warns_how_to_fix(tmp_path):
         base, warning = hub_base(cfg)
         assert base is None and "set model.name_or_path to the base's hub id" in warning
     assert str(tmp_path) in hub_base(model(str(tmp_path)))[1]
+
+
+@pytest.mark.parametrize("config, init, base", [
+    ({}, "default", "org/tiny-base"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "default", None),  # the hub config gives other logits
+    ({}, "pissa", None),  # the residual base, in base/
+])
+def test_an_adapter_names_the_hub_base_only_where_it_is_the_trained_one(config, init, base):
+    from shardtune.config.schema import ModelConfig, PeftConfig
+    from shardtune.publish.adapter_base import adapter_hub_base
+
+    named, warning = adapter_hub_base(ModelConfig(name_or_path="org/tiny-base", config=config),
+                                      PeftConfig(method="lora", init=init))
+    assert named == base and (warning is None) == (base is not None)
+    assert base or "load the Hub copy with that subfolder as its base" in warning
+    # the card's base_model (what the Hub loads the adapter on) is the same; fine-tuned all the same
+    from shardtune.config.schema import RunConfig
+    from shardtune.publish.card import model_card
+
+    cfg = RunConfig()
+    cfg.model.name_or_path, cfg.model.config, cfg.peft.method, cfg.peft.init = "org/tiny-base", config, "lora", init
+    header = model_card(cfg.to_dict(), 3, None).split("\n---\n")[0]
+    assert ('base_model: "org/tiny-base"' in header) == (base is not None) and "- fine-tuned" in header, header
 
 
 NAMES = ["model.safetensors", "model.safetensors.index.json", "model-00001-of-00002.safetensors",
