@@ -75,10 +75,10 @@ KEEP_AT_ROOT = ("checkpoints/*", ".gitattributes", "*.md", "LICENSE*")
 def commit_folder(api, repo: str, folder: Path, path_in_repo: str, texts: dict, message: str,
                   revision: str = "main", adapter_base: str | None = None) -> None:
     """One commit that makes `path_in_repo` (the root: "") hold `folder`'s files plus `texts`
-    ({name: text}), an adapter_config.json naming `adapter_base` when given (adapter_base.py). A file an earlier upload
-    left there that this one lacks is deleted in the same commit: a model saved in one file beside
-    a newer one in shards (or the reverse, or an earlier adapter's files beside a full model) would
-    load the earlier weights, or mix two runs' files."""
+    ({name: text}), an adapter_config.json naming `adapter_base` when given (adapter_base.py). A
+    file an earlier upload left there that this one lacks is deleted in the same commit: a model
+    in one file beside a newer one in shards (transformers prefers the single file), or an earlier
+    adapter's files beside a full model, would load the earlier weights or mix two runs' files."""
     from fnmatch import fnmatchcase
 
     from huggingface_hub import CommitOperationAdd, CommitOperationDelete
