@@ -256,14 +256,15 @@ NAMES = ["model.safetensors", "model.safetensors.index.json", "model-00001-of-00
 
 
 def test_a_push_replaces_the_earlier_model_files_and_keeps_checkpoints_and_text(tmp_path, monkeypatch):
-    """A repo whose root held one upload, pushed a folder with other files (a model in one file
+    """A repo whose root (or checkpoints/step-N/) held one upload, pushed a folder with other files (a model in one file
     after one in shards, or the reverse): the root holds exactly the new folder's files, byte for
     byte; a stale model.safetensors beside a newer index made transformers load the earlier
     weights. What the root keeps: checkpoints/ (uploaded on their own), README.md, .gitattributes."""
+    from huggingface_hub import HfApi
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    from shardtune.publish.hub import push_folder
+    from shardtune.publish.hub import commit_folder, push_folder
 
     proc, store, endpoint = start_server(tmp_path)
     point_at(monkeypatch, endpoint)
@@ -271,8 +272,9 @@ def test_a_push_replaces_the_earlier_model_files_and_keeps_checkpoints_and_text(
     pushes = iter(range(10**6))
 
     @settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
-    @given(st.lists(st.sets(st.sampled_from(NAMES), min_size=1), min_size=2, max_size=3))
-    def check(uploads):
+    @given(st.lists(st.sets(st.sampled_from(NAMES), min_size=1), min_size=2, max_size=3),
+           st.sampled_from(["", "checkpoints/step-000002"]))
+    def check(uploads, at):  # at: the root (the final model, export --push-to-hub) or a checkpoint's folder
         n = next(pushes)
         repo, root = f"user/m{n}", store / "user" / f"m{n}" / "main"
         root.mkdir(parents=True)
@@ -284,18 +286,18 @@ def test_a_push_replaces_the_earlier_model_files_and_keeps_checkpoints_and_text(
             for name in names:
                 (folder / name).parent.mkdir(parents=True, exist_ok=True)
                 (folder / name).write_text(f"{name} of upload {i}")
-            push_folder(folder, repo)
+            if at:
+                commit_folder(HfApi(), repo, folder, at, {}, "checkpoint")
+            else:
+                push_folder(folder, repo)
             there = {p.relative_to(root).as_posix(): p.read_text() for p in root.rglob("*") if p.is_file()}
-            assert there == {**{k: k for k in kept}, **{name: f"{name} of upload {i}" for name in names}}
+            new = {f"{at}/{name}" if at else name: f"{name} of upload {i}" for name in names}
+            assert there == {**{k: k for k in kept}, **new}
 
     try:
         check()
         # the final model's card replaces a README.md of the folder: one file, not two adds of one path
         import warnings
-
-        from huggingface_hub import HfApi
-
-        from shardtune.publish.hub import commit_folder
 
         folder = tmp_path / "with-readme"
         folder.mkdir()
