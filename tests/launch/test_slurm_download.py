@@ -401,6 +401,7 @@ def test_slurm_refuses_a_model_here_that_cannot_take_the_run(tmp_path, capsys):
 @pytest.mark.parametrize("target, token, message", [
     ("user/missing", "test-token", "'user/missing' not found on the Hugging Face hub"),
     ("user/tiny", "hf_invalid_token", "check the token (HF_TOKEN"),  # the Hub's 401 to an unknown token
+    ("dataset:user/tiny", "hf_invalid_token", "check the token (HF_TOKEN"),
     ("model:user/a b", "test-token", "'model:user/a b' is not a recipe or a hub id"),
     ("dataset:../data", "test-token", "'dataset:../data' is not a recipe or a hub id"),
 ])

@@ -86,11 +86,16 @@ def _download_model(repo: str, cache_dir: str | None) -> str:
         raise UserError(f"model {repo!r} not found on the Hugging Face hub (or it is gated); check the name, "
                         "and for gated models accept the license on the hub and `hf auth login`") from None
     except Exception as exc:  # noqa: BLE001 - the Hub client's HTTP library (httpx, requests) raises its own kinds
-        # the Hub answers 401 to a token it does not know, even for a public model
-        fix = ("the token (HF_TOKEN or `hf auth login`: a valid one, or none for a public model)"
-               if getattr(getattr(exc, "response", None), "status_code", None) == 401 else "the network and the name")
         raise UserError(f"could not download model {repo!r} ({type(exc).__name__}: {first_line(exc)}); check "
-                        f"{fix}") from None
+                        f"{_check(exc, 'the network and the name')}") from None
+
+
+def _check(exc: BaseException, otherwise: str) -> str:
+    """What to check after a failed download: the Hub answers 401 to a token it does not know, even
+    for a public repo."""
+    if getattr(getattr(exc, "response", None), "status_code", None) == 401:
+        return "the token (HF_TOKEN or `hf auth login`: a valid one, or none for a public repo)"
+    return otherwise
 
 
 def _download_dataset(repo: str, config_name: str | None, cache_dir: str | None) -> str:
@@ -102,7 +107,7 @@ def _download_dataset(repo: str, config_name: str | None, cache_dir: str | None)
         loaded = datasets.load_dataset(repo, config_name, cache_dir=cache_dir)
     except Exception as exc:  # datasets raises many kinds (not found, no config name, network)
         raise UserError(f"could not download dataset {label!r} ({type(exc).__name__}: {first_line(exc)}); "
-                        "check the name and the network (a dataset with several configs needs "
-                        "dataset:ID:CONFIG or data.name in the recipe)") from None
+                        "check " + _check(exc, "the name and the network (a dataset with several configs needs "
+                                          "dataset:ID:CONFIG or data.name in the recipe)")) from None
     files = [f["filename"] for split in loaded.values() for f in split.cache_files]
     return str(Path(files[0]).parent) if files else (cache_dir or datasets.config.HF_DATASETS_CACHE)
