@@ -185,8 +185,9 @@ def start_server(tmp_path: Path, *flags: str):
 
 
 def point_at(monkeypatch, endpoint: str) -> None:
-    """This process's huggingface_hub talks to `endpoint` with a token (HF_ENDPOINT, the file URLs
-    made from it and HF_HUB_OFFLINE are read once, at import)."""
+    """This process's huggingface_hub and datasets talk to `endpoint` with a token (HF_ENDPOINT,
+    the file URLs made from it and HF_HUB_OFFLINE are read once, at import)."""
+    import datasets.config  # its own copy; imported before HF_ENDPOINT is set, so the test leaves it as it was
     import huggingface_hub.constants as constants
 
     monkeypatch.setenv("HF_ENDPOINT", endpoint)
@@ -194,6 +195,8 @@ def point_at(monkeypatch, endpoint: str) -> None:
     monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}")
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setenv("HF_TOKEN", "test-token")
+    monkeypatch.setattr(datasets.config, "HF_ENDPOINT", endpoint)
+    monkeypatch.setattr(datasets.config, "HUB_DATASETS_URL", endpoint + "/datasets/{repo_id}/resolve/{revision}/{path}")
 
 
 def main() -> None:
