@@ -196,12 +196,15 @@ def test_download_passes_dataset_configs_and_an_hf_home_cache(monkeypatch, tmp_p
     monkeypatch.setattr(dl, "_download_model", lambda repo, cache: calls.append(("model", repo, cache)) or "m")
     monkeypatch.setattr(dl, "_download_dataset",
                         lambda repo, name, cache: calls.append(("dataset", repo, name, cache)) or "d")
-    assert main(["download", "recipes/gpt2-wikitext2.yaml", "openai-community/gpt2", "dataset:org/d:cfg",
-                 "--cache-dir", str(tmp_path)]) == 0
-    assert calls == [("model", "openai-community/gpt2", str(tmp_path / "hub")),
-                     ("dataset", "Salesforce/wikitext", "wikitext-2-raw-v1", str(tmp_path / "datasets")),
-                     ("dataset", "org/d", "cfg", str(tmp_path / "datasets"))]
-    assert f"HF_HOME={tmp_path}" in capsys.readouterr().out
+    cache = tmp_path / "my cache"
+    monkeypatch.chdir(tmp_path)  # given relative: the line to paste on another machine names it absolute
+    assert main(["download", str(ROOT / "recipes/gpt2-wikitext2.yaml"), "openai-community/gpt2", "dataset:org/d:cfg",
+                 "--cache-dir", "my cache"]) == 0
+    assert calls == [("model", "openai-community/gpt2", str(Path("my cache") / "hub")),
+                     ("dataset", "Salesforce/wikitext", "wikitext-2-raw-v1", str(Path("my cache") / "datasets")),
+                     ("dataset", "org/d", "cfg", str(Path("my cache") / "datasets"))]
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert shlex.split(line.split("export ")[1])[0] == f"HF_HOME={cache.resolve()}", line
 
 
 @pytest.mark.parametrize("inner", ["checkpoints", "final"])

@@ -41,6 +41,9 @@ def run(args) -> int:
             targets.append((kind, repo, config_name))
     for (kind, repo, config_name), path in zip(targets, download(targets, args.cache_dir)):
         print(f"{kind} {repo}{':' + config_name if config_name else ''} -> {path}", flush=True)
-    if args.cache_dir and targets:
-        print(f"on machines without network: export HF_HOME={args.cache_dir} HF_HUB_OFFLINE=1")
+    if args.cache_dir and targets:  # absolute: a job runs from another folder; quoted: a shell reads the line
+        import shlex
+
+        home = shlex.quote(str(Path(args.cache_dir).expanduser().resolve()))
+        print(f"on machines without network: export HF_HOME={home} HF_HUB_OFFLINE=1")
     return 0
