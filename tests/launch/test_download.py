@@ -43,7 +43,7 @@ def test_download_refusals_against_a_hub_are_one_line(tmp_path, monkeypatch, tar
     assert sorted(p.relative_to(cache).as_posix() for p in cache.rglob("*")) == ["hub", "hub/kept"]
 
 
-def test_download_from_a_hub_fetches_what_loads_and_refetches_a_changed_file(tmp_path, monkeypatch, capsys):
+def test_download_from_a_hub_fetches_what_loads_and_refetches_a_changed_file(assets, tmp_path, monkeypatch, capsys):
     """Against tests/hub_server.py: the snapshot holds the repo's files byte for byte but the
     formats shardtune never reads (.bin beside safetensors, original/); a file changed on the Hub
     is fetched again by the next download, and is what an offline process then reads."""
@@ -76,6 +76,14 @@ def test_download_from_a_hub_fetches_what_loads_and_refetches_a_changed_file(tmp
         assert main(["download", "user/binonly", "--cache-dir", str(cache)]) == 0
         fetched = Path(capsys.readouterr().out.split(" -> ")[1].split()[0])
         assert (fetched / "pytorch_model.bin").is_file() and (fetched / "extra" / "adapter_model.safetensors").is_file()
+        # a recipe's tokenizer from another repo than its (local) model: that repo's weights are left
+        recipe = tmp_path / "r.yaml"
+        recipe.write_text(f"model:\n  name_or_path: {tmp_path}\n  tokenizer: user/tiny\n"
+                          f"data:\n  path: {assets['train']}\n")
+        assert main(["download", str(recipe), "--cache-dir", str(tmp_path / "tok-cache")]) == 0
+        fetched = Path(capsys.readouterr().out.split("tokenizer user/tiny -> ")[1].split()[0])
+        assert sorted(p.relative_to(fetched).as_posix() for p in fetched.rglob("*") if p.is_file()) == [
+            "config.json", "tokenizer/tokenizer.json"]
     finally:
         proc.kill()
         proc.wait()

@@ -166,7 +166,7 @@ def test_download_targets_skip_local_paths_and_repeat_nothing(assets, tmp_path):
 
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"model:\n  name_or_path: {tmp_path}\n  tokenizer: org/tok\ndata:\n  path: {assets['train']}\n")
-    assert targets_from_recipe(str(recipe)) == [("model", "org/tok", None)]
+    assert targets_from_recipe(str(recipe)) == [("tokenizer", "org/tok", None)]  # its repo's weights are not needed
     recipe.write_text("model:\n  name_or_path: org/m\n  tokenizer: org/m\ndata:\n  path: ./data/train.jsonl\n")
     assert targets_from_recipe(str(recipe)) == [("model", "org/m", None)]
 
@@ -192,7 +192,7 @@ def test_download_passes_dataset_configs_and_an_hf_home_cache(monkeypatch, tmp_p
 
     calls = []
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setattr(dl, "_download_model", lambda repo, cache: calls.append(("model", repo, cache)) or "m")
+    monkeypatch.setattr(dl, "_download_model", lambda repo, cache, weights: calls.append(("model", repo, cache)) or "m")
     monkeypatch.setattr(dl, "_download_dataset",
                         lambda repo, name, cache: calls.append(("dataset", repo, name, cache)) or "d")
     cache = tmp_path / "my cache"

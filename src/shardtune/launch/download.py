@@ -21,6 +21,7 @@ from shardtune.names import hub_id
 IGNORE = ["*.h5", "*.msgpack", "*.ot", "*.onnx", "*.onnx_data", "onnx/*", "coreml/*", "*.tflite", "*.mlmodel",
           "*.gguf", "original/*"]
 PYTORCH_BINARIES = ["*.bin", "*.pt", "*.pth"]  # skipped where the repo's root has safetensors
+WEIGHTS = ["*.safetensors", *PYTORCH_BINARIES]  # all a tokenizer-only target skips
 
 
 def env_flag(name: str) -> bool:
@@ -36,14 +37,17 @@ def _is_local(path: str) -> bool:
 
 def targets_from_recipe(recipe: str, overrides: list[str] | None = None) -> list[tuple[str, str, str | None]]:
     """(kind, repo id, dataset config name) for the model, tokenizer and dataset of a recipe, in
-    that order, without duplicates; local folders and files are left out."""
+    that order, without duplicates; local folders and files are left out. A tokenizer from another
+    repo than the model is kind "tokenizer": its repo's weights are not downloaded."""
     from shardtune.config.load import load_config
 
     cfg = load_config(recipe, overrides)
     found: list[tuple[str, str, str | None]] = []
-    for name in (cfg.model.name_or_path, cfg.model.tokenizer):
-        if name and not _is_local(name) and ("model", name, None) not in found:
-            found.append(("model", name, None))
+    model = cfg.model.name_or_path if cfg.model.name_or_path and not _is_local(cfg.model.name_or_path) else None
+    if model:
+        found.append(("model", model, None))
+    if cfg.model.tokenizer and cfg.model.tokenizer != model and not _is_local(cfg.model.tokenizer):
+        found.append(("tokenizer", cfg.model.tokenizer, None))
     if cfg.data.path and not _is_local(cfg.data.path):
         found.append(("dataset", cfg.data.path, cfg.data.name))
     return found
@@ -64,8 +68,8 @@ def download(targets: list[tuple[str, str, str | None]], cache_dir: str | None =
         make_dir(root)  # a cache that cannot be written is told now, as itself, not as a network failure
     paths = []
     for kind, repo, config_name in targets:
-        if kind == "model":
-            paths.append(_download_model(repo, str(root / "hub") if root else None))
+        if kind in ("model", "tokenizer"):
+            paths.append(_download_model(repo, str(root / "hub") if root else None, weights=kind == "model"))
         elif kind == "dataset":
             paths.append(_download_dataset(repo, config_name, str(root / "datasets") if root else None))
         else:
@@ -73,7 +77,7 @@ def download(targets: list[tuple[str, str, str | None]], cache_dir: str | None =
     return paths
 
 
-def _download_model(repo: str, cache_dir: str | None) -> str:
+def _download_model(repo: str, cache_dir: str | None, weights: bool = True) -> str:
     from huggingface_hub import HfApi, snapshot_download
     from huggingface_hub.errors import RepositoryNotFoundError
 
@@ -81,6 +85,7 @@ def _download_model(repo: str, cache_dir: str | None) -> str:
         files = HfApi().list_repo_files(repo)
         # only safetensors weights at the root replace the .bin ones (a safetensors file in a subfolder does not)
         ignore = IGNORE + (PYTORCH_BINARIES if any(f.endswith(".safetensors") and "/" not in f for f in files) else [])
+        ignore += [] if weights else WEIGHTS  # a tokenizer's repo: a 7B model's files are not its tokenizer
         return snapshot_download(repo_id=repo, cache_dir=cache_dir, ignore_patterns=ignore)
     except RepositoryNotFoundError:  # also a gated repo without access
         raise UserError(f"model {repo!r} not found on the Hugging Face hub (or it is gated); check the name, "
