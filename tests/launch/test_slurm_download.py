@@ -166,19 +166,21 @@ def test_download_targets_skip_local_paths_and_repeat_nothing(assets, tmp_path):
 
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"model:\n  name_or_path: {tmp_path}\n  tokenizer: org/tok\ndata:\n  path: {assets['train']}\n")
-    assert targets_from_recipe(str(recipe)) == [("model", "org/tok", None)]
+    assert targets_from_recipe(str(recipe)) == [("tokenizer", "org/tok", None)]  # its repo's weights are not needed
     recipe.write_text("model:\n  name_or_path: org/m\n  tokenizer: org/m\ndata:\n  path: ./data/train.jsonl\n")
     assert targets_from_recipe(str(recipe)) == [("model", "org/m", None)]
 
 
-def test_download_is_refused_when_offline(monkeypatch, capsys):
+@pytest.mark.parametrize("flag", ["HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"])  # huggingface_hub reads either
+def test_download_is_refused_when_offline(monkeypatch, capsys, flag):
     from shardtune.cli.main import main
 
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv(flag, "1")
     assert main(["download", "openai-community/gpt2", "dataset:Salesforce/wikitext:wikitext-2-raw-v1"]) == 2
-    assert "HF_HUB_OFFLINE" in _one_line_error(capsys.readouterr().err)
+    assert flag in _one_line_error(capsys.readouterr().err)
     assert main(["download", "recipes/gpt2-wikitext2.yaml"]) == 2
-    assert "HF_HUB_OFFLINE" in _one_line_error(capsys.readouterr().err)
+    assert flag in _one_line_error(capsys.readouterr().err)
     assert main(["download", "model:a:b"]) == 2
     assert "model:a:b" in _one_line_error(capsys.readouterr().err)
 
@@ -190,15 +192,18 @@ def test_download_passes_dataset_configs_and_an_hf_home_cache(monkeypatch, tmp_p
 
     calls = []
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setattr(dl, "_download_model", lambda repo, cache: calls.append(("model", repo, cache)) or "m")
+    monkeypatch.setattr(dl, "_download_model", lambda repo, cache, weights: calls.append(("model", repo, cache)) or "m")
     monkeypatch.setattr(dl, "_download_dataset",
                         lambda repo, name, cache: calls.append(("dataset", repo, name, cache)) or "d")
-    assert main(["download", "recipes/gpt2-wikitext2.yaml", "openai-community/gpt2", "dataset:org/d:cfg",
-                 "--cache-dir", str(tmp_path)]) == 0
-    assert calls == [("model", "openai-community/gpt2", str(tmp_path / "hub")),
-                     ("dataset", "Salesforce/wikitext", "wikitext-2-raw-v1", str(tmp_path / "datasets")),
-                     ("dataset", "org/d", "cfg", str(tmp_path / "datasets"))]
-    assert f"HF_HOME={tmp_path}" in capsys.readouterr().out
+    cache = tmp_path / "my cache"
+    monkeypatch.chdir(tmp_path)  # given relative: the line to paste on another machine names it absolute
+    assert main(["download", str(ROOT / "recipes/gpt2-wikitext2.yaml"), "openai-community/gpt2", "dataset:org/d:cfg",
+                 "--cache-dir", "my cache"]) == 0
+    assert calls == [("model", "openai-community/gpt2", "my cache/hub"),
+                     ("dataset", "Salesforce/wikitext", "wikitext-2-raw-v1", "my cache/datasets"),
+                     ("dataset", "org/d", "cfg", "my cache/datasets")]
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert shlex.split(line.split("export ")[1])[0] == f"HF_HOME={cache.resolve()}", line
 
 
 @pytest.mark.parametrize("inner", ["checkpoints", "final"])

@@ -5,36 +5,13 @@ server that refuses or hangs leaves training unharmed with one warning, bad inpu
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from hub_server import point_at, start_server
 
-from conftest import ROOT, child_env, tiny_overrides
-
-
-def start_server(tmp_path: Path, *flags: str):
-    store, port_file = tmp_path / "hub", tmp_path / "hub.port"
-    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "hub_server.py"), str(store), str(port_file),
-                             *flags], env=child_env())
-    deadline = time.monotonic() + 30
-    while not port_file.exists():
-        assert proc.poll() is None and time.monotonic() < deadline, "hub server did not start"
-        time.sleep(0.05)
-    return proc, store, f"http://127.0.0.1:{port_file.read_text()}"
-
-
-def point_at(monkeypatch, endpoint: str) -> None:
-    """This process's huggingface_hub talks to `endpoint` with a token (HF_ENDPOINT and
-    HF_HUB_OFFLINE are read once, at import)."""
-    import huggingface_hub.constants as constants
-
-    monkeypatch.setenv("HF_ENDPOINT", endpoint)
-    monkeypatch.setattr(constants, "ENDPOINT", endpoint)
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setenv("HF_TOKEN", "test-token")
+from conftest import tiny_overrides
 
 
 @pytest.fixture
@@ -92,6 +69,11 @@ def test_checkpoints_final_and_card_uploaded_and_resume_skips_them(assets, tmp_p
     ckpt = AutoModelForCausalLM.from_pretrained(repo / "checkpoints" / "step-000002")
     final = AutoModelForCausalLM.from_pretrained(repo)
     assert all(a.equal(b) for a, b in zip(ckpt.state_dict().values(), final.state_dict().values(), strict=True))
+    local = {f.relative_to(out / "final").as_posix(): f.read_bytes() for f in (out / "final").rglob("*") if f.is_file()}
+    assert {name: (repo / name).read_bytes() for name in local} == local  # byte for byte, nothing missing
+    assert not [p for p in (store / "user" / "tiny" / "main").rglob("*") if p.is_file()]  # all on the branch
+    step2 = repo / "checkpoints" / "step-000002"  # a checkpoint's upload has the files of final/ (tokenizer too)
+    assert {f.relative_to(step2).as_posix() for f in step2.rglob("*") if f.is_file()} == set(local), sorted(local)
     printed = capsys.readouterr().out
     assert "publish: 3 uploaded" in printed and "warning: could not upload" not in printed, printed[-2000:]
     assert (store / "failed.jsonl").read_text().count("503") == 1  # step 1's first attempt, retried
@@ -101,6 +83,11 @@ def test_checkpoints_final_and_card_uploaded_and_resume_skips_them(assets, tmp_p
     again = commits(store)[len(first):]
     assert [c["paths"][0].split("/")[1] if c["paths"][0].startswith("checkpoints/") else "final"
             for c in again] == ["step-000003", "final"]
+    assert all(not c["deleted"] for c in again)  # the resume removes nothing of the earlier uploads
+    assert {p.name for p in (repo / "checkpoints").iterdir()} == {f"step-00000{i}" for i in (1, 2, 3)}
+    card = (repo / "README.md").read_text()  # the resumed run's card: its last step and its final eval
+    last = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "eval_loss" in r][-1]
+    assert last["step"] == 3 and "3 optimizer steps" in card and f"| eval_loss | {last['eval_loss']:.4f} |" in card
     ledger = json.loads((out / "publish" / "ledger.json").read_text())["user/tiny@dev"]
     assert set(ledger) == {f"checkpoints/step-00000{i}" for i in (1, 2, 3)} | {"final"}
 
@@ -209,8 +196,20 @@ def test_lora_adapter_on_the_hub_names_the_bases_hub_id(assets, tmp_path, hub, c
         assert (named == "org/tiny-base") == (init == "default"), named
         assert (folder / "base" / "config.json").is_file()  # a local base is uploaded beside it
     assert Path(json.loads((out / "final" / "adapter_config.json").read_text())["base_model_name_or_path"]).exists()
+    card = (repo / "README.md").read_text()  # the Hub loads the adapter on the card's base_model
+    assert ('base_model: "org/tiny-base"' in card) == (init == "default"), card[:300]
     printed = capsys.readouterr().out
     assert "names a local path" not in printed and ("residual base weights" in printed) == (init == "pissa")
+    # `export --push-to-hub` of the same checkpoint names the same base (it named the export's local path)
+    from shardtune.cli.main import main
+
+    assert main(["export", str(out / "checkpoints" / "step-000001"), str(tmp_path / "exp"), "--push-to-hub",
+                 "user/exp"]) == 0
+    pushed = store / "user" / "exp" / "main"
+    named = json.loads((pushed / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert (named == "org/tiny-base") == (init == "default"), named
+    assert all((tmp_path / "exp" / f.relative_to(pushed)).read_bytes() == f.read_bytes()
+               for f in pushed.rglob("*") if f.is_file() and f.name != "adapter_config.json")
 
 
 def test_lora_base_without_a_hub_id_warns_how_to_fix(tmp_path):
@@ -226,3 +225,87 @@ def test_lora_base_without_a_hub_id_warns_how_to_fix(tmp_path):
         base, warning = hub_base(cfg)
         assert base is None and "set model.name_or_path to the base's hub id" in warning
     assert str(tmp_path) in hub_base(model(str(tmp_path)))[1]
+
+
+@pytest.mark.parametrize("config, init, base", [
+    ({}, "default", "org/tiny-base"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "default", None),  # the hub config gives other logits
+    ({}, "pissa", None),  # the residual base, in base/
+])
+def test_an_adapter_names_the_hub_base_only_where_it_is_the_trained_one(config, init, base):
+    from shardtune.config.schema import ModelConfig, PeftConfig
+    from shardtune.publish.adapter_base import adapter_hub_base
+
+    named, warning = adapter_hub_base(ModelConfig(name_or_path="org/tiny-base", config=config),
+                                      PeftConfig(method="lora", init=init))
+    assert named == base and (warning is None) == (base is not None)
+    assert base or "load the Hub copy with that subfolder as its base" in warning
+    # the card's base_model (what the Hub loads the adapter on) is the same; fine-tuned all the same
+    from shardtune.config.schema import RunConfig
+    from shardtune.publish.card import model_card
+
+    cfg = RunConfig()
+    cfg.model.name_or_path, cfg.model.config, cfg.peft.method, cfg.peft.init = "org/tiny-base", config, "lora", init
+    header = model_card(cfg.to_dict(), 3, None).split("\n---\n")[0]
+    assert ('base_model: "org/tiny-base"' in header) == (base is not None) and "- fine-tuned" in header, header
+
+
+NAMES = ["model.safetensors", "model.safetensors.index.json", "model-00001-of-00002.safetensors",
+         "model-00002-of-00002.safetensors", "model-00001-of-00003.safetensors", "adapter_config.json",
+         "adapter_model.safetensors", "tokenizer.json", "tokenizer.model", "config.json", "base/model.safetensors"]
+
+
+def test_a_push_replaces_the_earlier_model_files_and_keeps_checkpoints_and_text(tmp_path, monkeypatch):
+    """A repo whose root (or checkpoints/step-N/) held one upload, pushed a folder with other files (a model in one file
+    after one in shards, or the reverse): the root holds exactly the new folder's files, byte for
+    byte; a stale model.safetensors beside a newer index made transformers load the earlier
+    weights. What the root keeps: checkpoints/ (uploaded on their own), README.md, .gitattributes."""
+    from huggingface_hub import HfApi
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from shardtune.publish.hub import commit_folder, push_folder
+
+    proc, store, endpoint = start_server(tmp_path)
+    point_at(monkeypatch, endpoint)
+    kept = {"checkpoints/step-000001/model.safetensors", "README.md"}
+    pushes = iter(range(10**6))
+
+    @settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.lists(st.sets(st.sampled_from(NAMES), min_size=1), min_size=2, max_size=3),
+           st.sampled_from(["", "checkpoints/step-000002"]))
+    def check(uploads, at):  # at: the root (the final model, export --push-to-hub) or a checkpoint's folder
+        n = next(pushes)
+        repo, root = f"user/m{n}", store / "user" / f"m{n}" / "main"
+        root.mkdir(parents=True)
+        for name in kept:
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            (root / name).write_text(name)
+        for i, names in enumerate(uploads):
+            folder = tmp_path / f"export-{n}-{i}"
+            for name in names:
+                (folder / name).parent.mkdir(parents=True, exist_ok=True)
+                (folder / name).write_text(f"{name} of upload {i}")
+            if at:
+                commit_folder(HfApi(), repo, folder, at, {}, "checkpoint")
+            else:
+                push_folder(folder, repo)
+            there = {p.relative_to(root).as_posix(): p.read_text() for p in root.rglob("*") if p.is_file()}
+            new = {f"{at}/{name}" if at else name: f"{name} of upload {i}" for name in names}
+            assert there == {**{k: k for k in kept}, **new}
+
+    try:
+        check()
+        # the final model's card replaces a README.md of the folder: one file, not two adds of one path
+        import warnings
+
+        folder = tmp_path / "with-readme"
+        folder.mkdir()
+        (folder / "README.md").write_text("peft's own card")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            commit_folder(HfApi(), "user/m0", folder, "", {"README.md": "the run's card"}, "final")
+        assert (store / "user" / "m0" / "main" / "README.md").read_text() == "the run's card"
+    finally:
+        proc.kill()
+        proc.wait()

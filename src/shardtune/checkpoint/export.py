@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from shardtune.errors import UserError, first_line
+from shardtune.errors import UserError
 from shardtune.fsio import atomic_dir
 
 if TYPE_CHECKING:
@@ -116,20 +116,6 @@ def export_streamed(path: Path, hf_config, tokenizer, out: Path, max_shard_size:
         del part
     write_index_and_configs(out, shell, file_of, hf_config, tokenizer, generation)
     return True
-
-
-def push_to_hub(folder: Path, repo: str, private: bool = False) -> None:
-    """Upload an exported folder; any hub failure (no network, no token) is one line."""
-    try:
-        from huggingface_hub import HfApi
-
-        api = HfApi()
-        api.create_repo(repo, private=private, exist_ok=True)
-        api.upload_folder(folder_path=str(folder), repo_id=repo, commit_message="Upload with shardtune export")
-    except Exception as exc:  # the hub raises many kinds; the user needs the first line of any
-        raise UserError(f"could not push to the hub repo {repo!r} ({type(exc).__name__}: {first_line(exc)}); check the "
-                        f"network and `hf auth login`; the export itself is in {folder}") from None
-    print(f"pushed {folder} to https://huggingface.co/{repo}", flush=True)
 
 
 def save_adapter_folder(state_dict: dict, peft_model, model_cfg, peft_cfg, hf_config, tokenizer, out: Path,

@@ -18,6 +18,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from shardtune.launch.download import download, targets_from_recipe
+    from shardtune.names import hub_id
 
     targets = []
     for word in args.targets:
@@ -33,13 +34,16 @@ def run(args) -> int:
         config_name = None
         if kind == "dataset" and repo.count(":") == 1:  # dataset:ID:CONFIG
             repo, config_name = repo.split(":")
-        if not repo or ":" in repo:
+        if not hub_id(repo) or ":" in repo:  # (a folder here is no hub id either: the recipe names it, not this)
             raise UserError(f"download target {word!r} is not a recipe or a hub id; write model:ORG/NAME, "
                             "dataset:ORG/NAME or dataset:ORG/NAME:CONFIG")
         if (kind, repo, config_name) not in targets:
             targets.append((kind, repo, config_name))
     for (kind, repo, config_name), path in zip(targets, download(targets, args.cache_dir)):
         print(f"{kind} {repo}{':' + config_name if config_name else ''} -> {path}", flush=True)
-    if args.cache_dir and targets:
-        print(f"on machines without network: export HF_HOME={args.cache_dir} HF_HUB_OFFLINE=1")
+    if args.cache_dir and targets:  # absolute: a job runs from another folder; quoted: a shell reads the line
+        import shlex
+
+        home = shlex.quote(str(Path(args.cache_dir).expanduser().resolve()))
+        print(f"on machines without network: export HF_HOME={home} HF_HUB_OFFLINE=1")
     return 0

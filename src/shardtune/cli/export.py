@@ -28,7 +28,7 @@ def run(args) -> int:
     import sys
 
     from shardtune.check.run import check_export, check_push
-    from shardtune.checkpoint.export import export_checkpoint, merge_adapter_folder, push_to_hub
+    from shardtune.checkpoint.export import export_checkpoint, merge_adapter_folder
 
     if args.push_to_hub:
         check_push(args.push_to_hub)
@@ -43,5 +43,9 @@ def run(args) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     if args.push_to_hub:
-        push_to_hub(out, args.push_to_hub, args.private)
+        from shardtune.publish.adapter_base import export_base
+        from shardtune.publish.hub import push_folder
+
+        # a merged model has no adapter config; an adapter's names a local folder, meaningless on the Hub
+        push_folder(out, args.push_to_hub, args.private, None if args.merge else export_base(args.checkpoint))
     return 0

@@ -20,7 +20,8 @@ from shardtune.names import hub_id
 # Weights in formats shardtune never reads: skipped so a 7B download is not three 7B downloads.
 IGNORE = ["*.h5", "*.msgpack", "*.ot", "*.onnx", "*.onnx_data", "onnx/*", "coreml/*", "*.tflite", "*.mlmodel",
           "*.gguf", "original/*"]
-PYTORCH_BINARIES = ["*.bin", "*.pt", "*.pth"]  # skipped where the repo has safetensors
+PYTORCH_BINARIES = ["*.bin", "*.pt", "*.pth"]  # skipped where the repo's root has safetensors
+WEIGHTS = ["*.safetensors", *PYTORCH_BINARIES]  # all a tokenizer-only target skips
 
 
 def env_flag(name: str) -> bool:
@@ -36,14 +37,17 @@ def _is_local(path: str) -> bool:
 
 def targets_from_recipe(recipe: str, overrides: list[str] | None = None) -> list[tuple[str, str, str | None]]:
     """(kind, repo id, dataset config name) for the model, tokenizer and dataset of a recipe, in
-    that order, without duplicates; local folders and files are left out."""
+    that order, without duplicates; local folders and files are left out. A tokenizer from another
+    repo than the model is kind "tokenizer": its repo's weights are not downloaded."""
     from shardtune.config.load import load_config
 
     cfg = load_config(recipe, overrides)
     found: list[tuple[str, str, str | None]] = []
-    for name in (cfg.model.name_or_path, cfg.model.tokenizer):
-        if name and not _is_local(name) and ("model", name, None) not in found:
-            found.append(("model", name, None))
+    model = cfg.model.name_or_path if cfg.model.name_or_path and not _is_local(cfg.model.name_or_path) else None
+    if model:
+        found.append(("model", model, None))
+    if cfg.model.tokenizer and cfg.model.tokenizer != model and not _is_local(cfg.model.tokenizer):
+        found.append(("tokenizer", cfg.model.tokenizer, None))
     if cfg.data.path and not _is_local(cfg.data.path):
         found.append(("dataset", cfg.data.path, cfg.data.name))
     return found
@@ -51,8 +55,9 @@ def targets_from_recipe(recipe: str, overrides: list[str] | None = None) -> list
 
 def download(targets: list[tuple[str, str, str | None]], cache_dir: str | None = None) -> list[str]:
     """Download each target into the cache; returns where each one is."""
-    if env_flag("HF_HUB_OFFLINE"):
-        raise UserError("HF_HUB_OFFLINE=1 is set, so nothing can be downloaded; run `shardtune download` "
+    # huggingface_hub reads TRANSFORMERS_OFFLINE as HF_HUB_OFFLINE: either fails every download
+    if offline := next((name for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE") if env_flag(name)), None):
+        raise UserError(f"{offline}=1 is set, so nothing can be downloaded; run `shardtune download` "
                         "without it on a machine with network (e.g. a login node)")
     if env_flag("HF_DATASETS_OFFLINE") and any(kind == "dataset" for kind, _, _ in targets):
         raise UserError("HF_DATASETS_OFFLINE=1 is set, so no dataset can be downloaded; unset it on a "
@@ -63,8 +68,8 @@ def download(targets: list[tuple[str, str, str | None]], cache_dir: str | None =
         make_dir(root)  # a cache that cannot be written is told now, as itself, not as a network failure
     paths = []
     for kind, repo, config_name in targets:
-        if kind == "model":
-            paths.append(_download_model(repo, str(root / "hub") if root else None))
+        if kind in ("model", "tokenizer"):
+            paths.append(_download_model(repo, str(root / "hub") if root else None, weights=kind == "model"))
         elif kind == "dataset":
             paths.append(_download_dataset(repo, config_name, str(root / "datasets") if root else None))
         else:
@@ -72,20 +77,30 @@ def download(targets: list[tuple[str, str, str | None]], cache_dir: str | None =
     return paths
 
 
-def _download_model(repo: str, cache_dir: str | None) -> str:
+def _download_model(repo: str, cache_dir: str | None, weights: bool = True) -> str:
     from huggingface_hub import HfApi, snapshot_download
     from huggingface_hub.errors import RepositoryNotFoundError
 
     try:
         files = HfApi().list_repo_files(repo)
-        ignore = IGNORE + (PYTORCH_BINARIES if any(f.endswith(".safetensors") for f in files) else [])
+        # only safetensors weights at the root replace the .bin ones (a safetensors file in a subfolder does not)
+        ignore = IGNORE + (PYTORCH_BINARIES if any(f.endswith(".safetensors") and "/" not in f for f in files) else [])
+        ignore += [] if weights else WEIGHTS  # a tokenizer's repo: a 7B model's files are not its tokenizer
         return snapshot_download(repo_id=repo, cache_dir=cache_dir, ignore_patterns=ignore)
     except RepositoryNotFoundError:  # also a gated repo without access
         raise UserError(f"model {repo!r} not found on the Hugging Face hub (or it is gated); check the name, "
                         "and for gated models accept the license on the hub and `hf auth login`") from None
     except Exception as exc:  # noqa: BLE001 - the Hub client's HTTP library (httpx, requests) raises its own kinds
-        raise UserError(f"could not download model {repo!r} ({type(exc).__name__}: {first_line(exc)}); check the "
-                        "network and the name") from None
+        raise UserError(f"could not download model {repo!r} ({type(exc).__name__}: {first_line(exc)}); check "
+                        f"{_check(exc, 'the network and the name')}") from None
+
+
+def _check(exc: BaseException, otherwise: str) -> str:
+    """What to check after a failed download: the Hub answers 401 to a token it does not know, even
+    for a public repo."""
+    if getattr(getattr(exc, "response", None), "status_code", None) == 401:
+        return "the token (HF_TOKEN or `hf auth login`: a valid one, or none for a public repo)"
+    return otherwise
 
 
 def _download_dataset(repo: str, config_name: str | None, cache_dir: str | None) -> str:
@@ -97,7 +112,7 @@ def _download_dataset(repo: str, config_name: str | None, cache_dir: str | None)
         loaded = datasets.load_dataset(repo, config_name, cache_dir=cache_dir)
     except Exception as exc:  # datasets raises many kinds (not found, no config name, network)
         raise UserError(f"could not download dataset {label!r} ({type(exc).__name__}: {first_line(exc)}); "
-                        "check the name and the network (a dataset with several configs needs "
-                        "dataset:ID:CONFIG or data.name in the recipe)") from None
+                        "check " + _check(exc, "the name and the network (a dataset with several configs needs "
+                                          "dataset:ID:CONFIG or data.name in the recipe)")) from None
     files = [f["filename"] for split in loaded.values() for f in split.cache_files]
     return str(Path(files[0]).parent) if files else (cache_dir or datasets.config.HF_DATASETS_CACHE)

@@ -34,8 +34,40 @@ def hub_base(model_cfg) -> tuple[str | None, str | None]:
                   "to the base's hub id to publish an adapter that loads from the Hub alone")
 
 
+def adapter_hub_base(model_cfg, peft_cfg) -> tuple[str | None, str | None]:
+    """hub_base for an adapter run. Its base is not the hub model's when PiSSA/OLoRA left the
+    residual in it, or model.config overrode the hub config (rope scaling, norm eps: the adapter on
+    the hub config gives other logits): then the export saved it in base/, and the Hub copy keeps
+    naming that (a loud failure on another machine, not a quietly different model)."""
+    if peft_cfg.residual_init:
+        why = f"peft.init={peft_cfg.init} trains against residual base weights"
+    elif model_cfg.config and peft_cfg.quantize == "none" and not model_cfg.random_init:
+        why = "model.config overrides the base's hub config"
+    else:
+        return hub_base(model_cfg)
+    return None, (f"warning: {why}, uploaded in base/ beside the adapter: load the Hub copy with that "
+                  "subfolder as its base, not the original model")
+
+
 def with_base(adapter_config: Path, base: str) -> bytes:
     """`adapter_config.json`'s text with `base_model_name_or_path` set to `base`."""
     config = json_loads(adapter_config.read_text())
     config["base_model_name_or_path"] = base
     return (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
+
+
+def export_base(checkpoint: str, say=print) -> str | None:
+    """The hub id that `shardtune export CHECKPOINT --push-to-hub` names in the Hub copy of the
+    exported adapter's config, as a run's publisher does (None: no adapter, or none known: then
+    `say` tells why)."""
+    from shardtune.checkpoint.folders import read_meta, resolve_checkpoint
+    from shardtune.config.schema import ModelConfig, PeftConfig, known_fields
+
+    config = read_meta(resolve_checkpoint(checkpoint))["config"]
+    peft = known_fields(PeftConfig, config.get("peft", {}))
+    if not peft.adapter:
+        return None
+    base, warning = adapter_hub_base(known_fields(ModelConfig, config.get("model", {})), peft)
+    if warning:
+        say(warning)
+    return base

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 
+from shardtune.config.schema import ModelConfig, PeftConfig, known_fields
 from shardtune.names import hub_id
+from shardtune.publish.adapter_base import adapter_hub_base, hub_base
 
 
 def model_card(cfg: dict, step: int, evals: dict | None, config_name: str = "shardtune_config.yaml") -> str:
@@ -13,11 +15,13 @@ def model_card(cfg: dict, step: int, evals: dict | None, config_name: str = "sha
     from shardtune import __version__
 
     model, data, train, peft = cfg["model"], cfg["data"], cfg["train"], cfg["peft"]
-    base = hub_id(model.get("name_or_path")) if not model.get("random_init") else None
+    # the hub id the uploaded adapter config names, also for a local copy of a hub model (adapter_base.py)
+    model_cfg, peft_cfg = known_fields(ModelConfig, model), known_fields(PeftConfig, peft)
+    base = (adapter_hub_base(model_cfg, peft_cfg) if peft_cfg.adapter else hub_base(model_cfg))[0]
     dataset = hub_id(data.get("path"))
     method = peft.get("method", "none")
     header = ["---", f"library_name: {'peft' if method != 'none' else 'transformers'}", "tags:", "- shardtune",
-              "- fine-tuned" if base else "- trained-from-scratch"]
+              "- trained-from-scratch" if model.get("random_init") else "- fine-tuned"]
     if base:
         header.append(f"base_model: {json.dumps(base)}")
     if dataset:

@@ -67,6 +67,59 @@ def _fatal(exc: BaseException) -> bool:
                                                                          "RevisionNotFoundError")
 
 
+# What a commit of a folder at the repo's root leaves in place: the checkpoints (uploaded on their own),
+# the file the Hub needs, and the text a person may have written there
+KEEP_AT_ROOT = ("checkpoints/*", ".gitattributes", "*.md", "LICENSE*")
+
+
+def commit_folder(api, repo: str, folder: Path, path_in_repo: str, texts: dict, message: str,
+                  revision: str = "main", adapter_base: str | None = None) -> None:
+    """One commit that makes `path_in_repo` (the root: "") hold `folder`'s files plus `texts`
+    ({name: text}), an adapter_config.json naming `adapter_base` when given (adapter_base.py). A
+    file an earlier upload left there that this one lacks is deleted in the same commit: a model
+    in one file beside a newer one in shards (transformers prefers the single file), or an earlier
+    adapter's files beside a full model, would load the earlier weights or mix two runs' files."""
+    from fnmatch import fnmatchcase
+
+    from huggingface_hub import CommitOperationAdd, CommitOperationDelete
+
+    from shardtune.publish.adapter_base import with_base
+
+    def content(f: Path):
+        return with_base(f, adapter_base) if adapter_base and f.name == "adapter_config.json" else str(f)
+
+    prefix = f"{path_in_repo.strip('/')}/" if path_in_repo.strip("/") else ""
+    ops = [CommitOperationAdd(prefix + f.relative_to(folder).as_posix(), content(f))  # a text replaces its file
+           for f in sorted(folder.rglob("*")) if f.is_file() and f.relative_to(folder).as_posix() not in texts]
+    ops += [CommitOperationAdd(prefix + name, text.encode()) for name, text in texts.items()]
+    new = {op.path_in_repo for op in ops}
+    keep = KEEP_AT_ROOT if not prefix else (".gitattributes",)
+    try:
+        there = api.list_repo_files(repo, revision=revision)
+    except Exception as exc:  # a new branch or repo has nothing to replace; anything else is the commit's failure
+        if type(exc).__name__ not in ("RepositoryNotFoundError", "RevisionNotFoundError", "EntryNotFoundError"):
+            raise
+        there = []
+    ops += [CommitOperationDelete(f) for f in there if f.startswith(prefix) and f not in new
+            and not any(fnmatchcase(f[len(prefix):], pattern) for pattern in keep)]
+    api.create_commit(repo, ops, commit_message=message, revision=revision)
+
+
+def push_folder(folder: Path, repo: str, private: bool = False, adapter_base: str | None = None) -> None:
+    """`shardtune export --push-to-hub`: the exported folder becomes the repo's main (its adapter
+    config naming `adapter_base` when given); any hub failure (no network, no token) is one line."""
+    from huggingface_hub import HfApi, constants
+
+    try:
+        api = HfApi()
+        api.create_repo(repo, private=private, exist_ok=True)
+        commit_folder(api, repo, folder, "", {}, "Upload with shardtune export", adapter_base=adapter_base)
+    except Exception as exc:  # the hub raises many kinds; the user needs the first line of any
+        raise UserError(f"could not push to the hub repo {repo!r} ({type(exc).__name__}: {first_line(exc)}); check the "
+                        f"network and `hf auth login`; the export itself is in {folder}") from None
+    print(f"pushed {folder} to {constants.ENDPOINT}/{repo}", flush=True)
+
+
 class Ledger:
     """OUT/publish/ledger.json: the items (checkpoints/step-N, final) already in repo@revision."""
 
@@ -195,10 +248,9 @@ class HubPublisher:
 
     def _upload(self, folder: Path, path_in_repo: str, texts: dict, message: str) -> None:
         """One commit of `folder`'s files under `path_in_repo` plus `texts`, with retries."""
-        from huggingface_hub import CommitOperationAdd, HfApi
+        from huggingface_hub import HfApi
 
         api = HfApi()
-        prefix = f"{path_in_repo}/" if path_in_repo else ""
         for attempt in range(1, self.p.retries + 1):
             try:
                 if not self.ready:
@@ -206,22 +258,11 @@ class HubPublisher:
                     if self.revision != "main":
                         api.create_branch(self.repo, branch=self.revision, exist_ok=True)
                     self.ready = True
-                ops = [CommitOperationAdd(prefix + f.relative_to(folder).as_posix(), self._content(f))
-                       for f in sorted(folder.rglob("*")) if f.is_file()]
-                ops += [CommitOperationAdd(prefix + name, text.encode()) for name, text in texts.items()]
-                api.create_commit(self.repo, ops, commit_message=message, revision=self.revision)
+                commit_folder(api, self.repo, folder, path_in_repo, texts, message, self.revision, self.adapter_base)
                 return
             except Exception as exc:
                 if _fatal(exc) or attempt == self.p.retries:
                     raise
-
-    def _content(self, f: Path):
-        """What is uploaded for file `f`: the file, or an adapter config naming the hub base."""
-        if f.name == "adapter_config.json" and self.adapter_base:
-            from shardtune.publish.adapter_base import with_base
-
-            return with_base(f, self.adapter_base)
-        return str(f)
 
     def _warn(self, item: str, exc: BaseException) -> None:
         if self.warned or self.closed:

@@ -17,13 +17,10 @@ class Publishing:
 
         self.cfg, self.trackers = cfg, None
         self.hub = HubPublisher(cfg.publish, out, say, resuming) if hub and is_main else None
-        if self.hub and cfg.peft.residual_init:  # the adapter belongs to the residual base it uploads in base/
-            say(f"warning: peft.init={cfg.peft.init} trains against residual base weights, uploaded in base/ beside "
-                "the adapter: load the Hub copy with that subfolder as its base, not the original model")
-        elif self.hub and cfg.peft.adapter:
-            from shardtune.publish.adapter_base import hub_base
+        if self.hub and cfg.peft.adapter:
+            from shardtune.publish.adapter_base import adapter_hub_base
 
-            self.hub.adapter_base, warning = hub_base(cfg.model)
+            self.hub.adapter_base, warning = adapter_hub_base(cfg.model, cfg.peft)
             if warning:
                 say(warning)
         if self.hub:
