@@ -259,7 +259,8 @@ def test_a_push_replaces_the_earlier_model_files_and_keeps_checkpoints_and_text(
     """A repo whose root (or checkpoints/step-N/) held one upload, pushed a folder with other files (a model in one file
     after one in shards, or the reverse): the root holds exactly the new folder's files, byte for
     byte; a stale model.safetensors beside a newer index made transformers load the earlier
-    weights. What the root keeps: checkpoints/ (uploaded on their own), README.md, .gitattributes."""
+    weights. What the root keeps: checkpoints/ (uploaded on their own), and what is not a model
+    folder's file (README.md, a person's images and results)."""
     from huggingface_hub import HfApi
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
@@ -268,7 +269,7 @@ def test_a_push_replaces_the_earlier_model_files_and_keeps_checkpoints_and_text(
 
     proc, store, endpoint = start_server(tmp_path)
     point_at(monkeypatch, endpoint)
-    kept = {"checkpoints/step-000001/model.safetensors", "README.md"}
+    kept = {"checkpoints/step-000001/model.safetensors", "README.md", "images/loss.png", "eval_results.json"}
     pushes = iter(range(10**6))
 
     @settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))

@@ -67,9 +67,20 @@ def _fatal(exc: BaseException) -> bool:
                                                                          "RevisionNotFoundError")
 
 
-# What a commit of a folder at the repo's root leaves in place: the checkpoints (uploaded on their own),
-# the file the Hub needs, and the text a person may have written there
-KEEP_AT_ROOT = ("checkpoints/*", ".gitattributes", "*.md", "LICENSE*")
+# What an upload replaces at its place: the files a model or adapter folder is made of (weights and
+# their index, configs, tokenizer files), and an adapter's base/ copy. Anything else stays: what a
+# person put in the repo (a README, a license, images, results), checkpoints/ (uploaded on their own).
+MODEL_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.index.json", "*config.json", "tokenizer*",
+               "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt", "*.model", "*.tiktoken",
+               "chat_template.*", "shardtune_config.yaml")
+
+
+def replaced(name: str) -> bool:
+    """Whether a file at `name` (relative to an upload's place) is a model folder's, which a new
+    upload there replaces or removes."""
+    from fnmatch import fnmatchcase
+
+    return name.startswith("base/") or ("/" not in name and any(fnmatchcase(name, p) for p in MODEL_FILES))
 
 
 def commit_folder(api, repo: str, folder: Path, path_in_repo: str, texts: dict, message: str,
@@ -78,9 +89,8 @@ def commit_folder(api, repo: str, folder: Path, path_in_repo: str, texts: dict, 
     ({name: text}), an adapter_config.json naming `adapter_base` when given (adapter_base.py). A
     file an earlier upload left there that this one lacks is deleted in the same commit: a model
     in one file beside a newer one in shards (transformers prefers the single file), or an earlier
-    adapter's files beside a full model, would load the earlier weights or mix two runs' files."""
-    from fnmatch import fnmatchcase
-
+    adapter's files beside a full model, would load the earlier weights or mix two runs' files. Only
+    a model folder's files are removed (`replaced`)."""
     from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 
     from shardtune.publish.adapter_base import with_base
@@ -93,15 +103,14 @@ def commit_folder(api, repo: str, folder: Path, path_in_repo: str, texts: dict, 
            for f in sorted(folder.rglob("*")) if f.is_file() and f.relative_to(folder).as_posix() not in texts]
     ops += [CommitOperationAdd(prefix + name, text.encode()) for name, text in texts.items()]
     new = {op.path_in_repo for op in ops}
-    keep = KEEP_AT_ROOT if not prefix else (".gitattributes",)
     try:
         there = api.list_repo_files(repo, revision=revision)
     except Exception as exc:  # a new branch or repo has nothing to replace; anything else is the commit's failure
         if type(exc).__name__ not in ("RepositoryNotFoundError", "RevisionNotFoundError", "EntryNotFoundError"):
             raise
         there = []
-    ops += [CommitOperationDelete(f) for f in there if f.startswith(prefix) and f not in new
-            and not any(fnmatchcase(f[len(prefix):], pattern) for pattern in keep)]
+    ops += [CommitOperationDelete(f) for f in there
+            if f.startswith(prefix) and f not in new and replaced(f[len(prefix):])]
     api.create_commit(repo, ops, commit_message=message, revision=revision)
 
 
