@@ -106,6 +106,7 @@ def test_auto_micro_batches_are_the_divisors_of_the_batch_per_rank():
     ("peft.dropout=1.0", "peft.dropout"),
     ("log.peak_tflops=.inf", "log.peak_tflops=inf"),
     ("data.val_size=1.5", "data.val_size=1.5 is neither a fraction"),  # held out one document, not 1.5 %
+    ("data.val_split=train", "data.val_split=train is the split it trains on"),  # validated on its training data
 ])
 def test_values_the_libraries_would_reject_or_that_mean_nothing_are_refused(override, needle):
     with pytest.raises(UserError, match=re.escape(needle)):

@@ -187,6 +187,9 @@ def validate(cfg) -> None:
                         f"give a count like {int(d.val_size)} or a fraction like {d.val_size / 100:g}")
     if d.start_idx is not None and d.end_idx is not None and d.end_idx <= d.start_idx:
         raise UserError(f"data.end_idx={d.end_idx} must be greater than data.start_idx={d.start_idx}")
+    if d.val_split is not None and d.val_split == d.split:  # it validated on the very examples it trained on
+        raise UserError(f"data.val_split={d.val_split} is the split it trains on (data.split); name another split, "
+                        "or drop data.val_split to carve validation examples out of the training split")
     if cfg.resume == "auto" and not cfg.output_dir:
         raise UserError("resume=auto continues the run in output_dir; set output_dir=<that run's folder>")
     ps = cfg.log.profile_steps

@@ -302,12 +302,11 @@ class Trainer:
         return state.tokens_seen - first_tokens
 
     def _read(self, queued: QueuedStep, meter, live, gpu, progress, save_now: bool) -> tuple[dict, bool]:
-        """The host's look at a queued step (it waits for that step to finish): tokens seen, the
-        metrics record when one is due (else {}), and whether any rank was asked to stop. A record is
-        due every log.every_steps, at the last step, and at every step a run can resume from (a save
-        `save_now` of the current step, a stop): a resume trims metrics.jsonl to its checkpoint's step
-        and starts a new speed window there, so the window before ends there too (`report` weighs each
-        window by the steps since the record before), and a stop loses no step's numbers."""
+        """The host's look at a queued step (it waits for it): tokens seen, the metrics record when one
+        is due (else {}), and whether any rank was asked to stop. A record is due every log.every_steps,
+        at the last step, and where a run can resume from (a save `save_now` of this step, a stop): a
+        resume starts a speed window there, so the one before ends there (`report` weighs a window by
+        its steps), and a stop loses no step's numbers."""
         cfg, step = self.cfg, queued.step
         numbers = read_numbers(queued.numbers)
         self.state.tokens_seen += numbers.input_tokens
