@@ -129,18 +129,10 @@ def _check_value(key: str, value) -> None:
             if not isinstance(name, JSON_LEAVES):  # a date as a key (`2024-01-01:`): JSON cannot write it
                 raise UserError(f"{key} has the key {name!r}, which a config.json cannot hold; quote it, e.g. "
                                 f"'{name}'")
-            if isinstance(inner, float) and not math.isfinite(inner):
-                raise UserError(f"{key}.{name}={inner} is not a finite number; give a real value")
-            _check_json(f"{key}.{name}", inner)
-            if isinstance(inner, (dict, list)):
-                _check_value(f"{key}.{name}", inner)
+            _check_inner(f"{key}.{name}", inner, f"{key}.{name}={inner} is not a finite number; give a real value")
     elif isinstance(value, list):
         for inner in value:
-            if isinstance(inner, float) and not math.isfinite(inner):
-                raise UserError(f"{key} holds {inner}, not a finite number; give real values")
-            _check_json(key, inner)
-            if isinstance(inner, (dict, list)):
-                _check_value(key, inner)
+            _check_inner(key, inner, f"{key} holds {inner}, not a finite number; give real values")
     elif isinstance(value, str):
         if key not in MAY_BE_EMPTY and not value.strip():
             raise UserError(f"{key} is empty; give a value, or leave it out for the default")
@@ -157,12 +149,17 @@ def _check_value(key: str, value) -> None:
             raise UserError(f"{key}={shown} {why}; give a value in range")
 
 
-def _check_json(key: str, value) -> None:
-    """A value inside model.config (or a list) that JSON cannot write (`!!binary`, `!!set`): the run's
-    config.json and checkpoints could not be saved, a crash mid-build."""
+def _check_inner(key: str, value, not_finite: str) -> None:
+    """A value inside model.config (or a list): finite (`not_finite` says it), one JSON can write
+    (`!!binary`, `!!set`: the run's config.json and checkpoints could not be saved, a crash
+    mid-build), and its own insides the same."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise UserError(not_finite)
     if not isinstance(value, (*JSON_LEAVES, dict, list)):
         raise UserError(f"{key} holds a {type(value).__name__} value, which a config.json cannot hold; give text, "
                         "a number, true/false, null, a list or a mapping")
+    if isinstance(value, (dict, list)):
+        _check_value(key, value)
 
 
 def validate(cfg) -> None:
