@@ -229,12 +229,12 @@ def read_path(path: Path, shown: str, say=None):
     if is_saved(path):
         return read_saved(path, shown)
     files = local_files(path)
-    for split, paths in files.items():
-        for p in paths:
-            if say is not None and split != "train" and held_out_by_prefix(Path(p).stem):
-                say(f"note: data file {Path(p).name!r} of {shown} is the {split} split, not training data: its name "
-                    f"starts with a word of that split's ({', '.join(VAL_NAMES) if split == 'validation' else split}); "
-                    "rename it to train on it")
+    held_out = [(split, Path(p).name) for split, paths in files.items() if split != "train" for p in paths
+                if held_out_by_prefix(Path(p).stem)]
+    for split, name in held_out if say is not None else ():
+        words = ", ".join(VAL_NAMES) if split == "validation" else split
+        say(f"note: data file {name!r} of {shown} is the {split} split, not training data: its name starts with a "
+            f"word of that split's ({words}); rename it to train on it")
     return read_local(files, shown)
 
 
