@@ -107,7 +107,7 @@
 #     python bench/memory_savers.py quality --steps 300 > "$OUT/savers_quality.md"   (compiled torchao step)
 #     python bench/memory_savers.py activations --micro-batch 8 --steps 6 precision=bf16 fsdp.reduce_dtype=bf16 \
 #       train.optimizer_state=8bit > "$OUT/savers_act_8bit.md"
-# Knobs: PYTHON, BUDGET_S, LIGER_TESTS_BLOCKING (1: the faulting kernel's traceback), TESTS_WORKERS, BENCH_SET (shardtune settings for the bench stages), REPEATS, BENCH_STEPS, BENCH_GLOBAL, PLAN_ROWS, PLAN_PICK (rows by index, e.g. 8,10,11), SOAK_MINUTES, LIGER_STEPS, HEAD_CHUNKS, HEAD_STEPS, CAP_<STAGE>.
+# Knobs: PYTHON, BUDGET_S, LIGER_TESTS_BLOCKING (1: the faulting kernel's traceback), TESTS_WORKERS, BENCH_SET (shardtune settings for the bench stages), REPEATS, BENCH_STEPS, BENCH_GLOBAL, PLAN_ROWS, PLAN_PICK (rows by index, e.g. 8,10,11), SOAK_MINUTES, LIGER_STEPS, LIGER_ARMS (e.g. "plain plain-compiled": compile's gain alone), HEAD_CHUNKS, HEAD_STEPS, CAP_<STAGE>.
 # The CPU rehearsal (no install; .venv/bin/python) takes about 4 minutes on 2 cores (BENCHMARKS.md).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -292,7 +292,8 @@ stage liger-tests "$(time_for "${CAP_LIGER_TESTS:-120}")" liger-tests.log \
   env CUDA_LAUNCH_BLOCKING="${LIGER_TESTS_BLOCKING:-0}" $python -m pytest -q -p no:cacheprovider -m cuda tests/e2e/test_cuda.py -k liger \
   --junitxml "$results/liger-tests.xml" "${collect[@]}"
 stage liger "$(time_for "${CAP_LIGER:-420}")" liger.md \
-  $python bench/liger_speed.py --steps "${LIGER_STEPS:-20}" --repeats "${LIGER_REPEATS:-1}" "${rh[@]}"
+  $python bench/liger_speed.py --steps "${LIGER_STEPS:-20}" --repeats "${LIGER_REPEATS:-1}" \
+  --arms ${LIGER_ARMS:-plain liger plain-compiled liger-compiled} "${rh[@]}"
 stage liger-bisect "$(time_for "${CAP_LIGER_BISECT:-150}")" liger_bisect.md $python bench/gpu/liger_bisect.py "${rh[@]}"
 stage head-chunks "$(time_for "${CAP_HEAD_CHUNKS:-300}")" head_chunks.md \
   $python bench/head_chunks.py --steps "${HEAD_STEPS:-12}" --skip 4 --chunks ${HEAD_CHUNKS:-1024 2048 4096} "${rh[@]}"
