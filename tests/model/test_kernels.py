@@ -133,3 +133,55 @@ def test_the_head_computes_the_fused_loss_through_its_own_forward(monkeypatch):
         p.requires_grad_(p is liger.get_output_embeddings().weight)
     token_loss(liger, b)[0].backward()
     assert liger.get_output_embeddings().weight.grad is not None and calls[-1][2]
+
+
+def test_a_fresh_model_counted_on_meta_tensors_runs_none_of_the_patched_kernels(monkeypatch):
+    """Liger-Kernel swaps its family's classes and functions in the modeling module, process-wide;
+    the MFU's attention count then built a fresh model of that family and ran it on meta tensors,
+    through Triton kernels (on the H200: an illegal memory access before the first step of every
+    kernels=liger run). A stand-in patches as Liger does (a norm class, the rotary function and a
+    class's forward, each failing on meta tensors as a kernel given null pointers would): the count
+    runs none of them, equals the unpatched count, and the patches stay for the trained model."""
+    import sys
+    import types
+
+    from transformers.models.llama import modeling_llama
+
+    from shardtune import hf_patches
+    from shardtune.model.hf import build_meta_model, load_hf_config
+    from shardtune.telemetry import flops
+
+    for owner in (modeling_llama, modeling_llama.LlamaAttention):  # the stand-in's patches: undone after the test
+        for name, value in list(vars(owner).items()):
+            monkeypatch.setattr(owner, name, value)
+    monkeypatch.setattr(hf_patches, "_ORIGINALS", {})
+    monkeypatch.setattr(flops, "_COUNTED", {})
+    entered = []
+
+    def kernel(name):
+        def run(*args, **kwargs):
+            tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+            entered.append((name, any(t.is_meta for t in tensors)))
+            raise RuntimeError(f"{name}: an illegal memory access")
+        return run
+
+    class KernelNorm(modeling_llama.LlamaRMSNorm):
+        forward = kernel("norm")
+
+    def apply_to_instance(model, **_):
+        modeling_llama.LlamaRMSNorm = KernelNorm
+        modeling_llama.apply_rotary_pos_emb = kernel("rotary")
+        modeling_llama.LlamaAttention.forward = kernel("attention")
+
+    monkey_patch = types.ModuleType("liger_kernel.transformers.monkey_patch")
+    monkey_patch._apply_liger_kernel_to_instance = apply_to_instance
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers.monkey_patch", monkey_patch)
+
+    hf_config = load_hf_config(load_config(None, BASE[:2]).model)
+    unpatched = flops.attention_flops(hf_config, 64)
+    flops._COUNTED.clear()
+    assert kernels.apply(build_meta_model(hf_config), "liger")
+    assert flops.attention_flops(hf_config, 64) == unpatched and not entered, entered
+    assert modeling_llama.LlamaRMSNorm is KernelNorm  # the trained model's family keeps Liger's modules
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        build_meta_model(hf_config)(input_ids=torch.zeros(1, 8, dtype=torch.long, device="meta"))

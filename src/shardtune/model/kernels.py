@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 
+from shardtune import hf_patches
 from shardtune.errors import UserError
 from shardtune.hardware import LIGER_NEEDS_CUDA
 
@@ -51,9 +52,10 @@ def apply(model, kernels: str) -> bool:
     from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
 
     # Liger also swaps the family module's rotary function and norm/MLP classes: process-wide, so any
-    # model of this family built later in the process has them too (a rank trains one model)
-    _apply_liger_kernel_to_instance(model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
-                                    fused_linear_cross_entropy=False)
+    # model of this family built later in the process has them too (a rank trains one model); recorded,
+    # so that a fresh model counted on meta tensors is built with transformers' own (hf_patches.py)
+    hf_patches.recorded(lambda: _apply_liger_kernel_to_instance(
+        model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False))
     model.__dict__["_shardtune_kernels"] = kernels
     return True
 

@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from shardtune import hf_patches
 from shardtune.families import config_value, hidden_size, layer_count
 
 WEIGHT_MATMULS = {"aten.mm", "aten.addmm", "aten._grouped_mm"}  # what `matmul_params` counts
@@ -29,11 +30,13 @@ def attention_flops(hf_config, seq_len: int) -> float:
         try:
             # on a copy: from_config writes its dtype into the config it is given, and the caller's
             # config keys plan's trace cache (a changed one misses it)
-            with torch.device("meta"):  # bf16: the grouped expert matmul takes nothing else
-                model = AutoModelForCausalLM.from_config(copy.deepcopy(hf_config), dtype=torch.bfloat16)
-            ids = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
-            with FlopCounterMode(display=False) as counter, _MetaScalars(), torch.no_grad():
-                model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+            # transformers' own modules: a patched family's Triton kernels fault on meta tensors
+            with hf_patches.originals():
+                with torch.device("meta"):  # bf16: the grouped expert matmul takes nothing else
+                    model = AutoModelForCausalLM.from_config(copy.deepcopy(hf_config), dtype=torch.bfloat16)
+                ids = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
+                with FlopCounterMode(display=False) as counter, _MetaScalars(), torch.no_grad():
+                    model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
             counts = counter.get_flop_counts()["Global"]
             _COUNTED[key] = sum(n for op, n in counts.items() if str(op) not in WEIGHT_MATMULS) / seq_len
         except Exception:  # noqa: BLE001
