@@ -149,6 +149,7 @@ def measure(spec: dict, workdir: Path) -> dict:
 
 
 def predict(spec: dict) -> dict:
+    from shardtune.hardware import step_extra
     from shardtune.model.hf import load_hf_config
     from shardtune.plan.cost import gpu_memory
     from shardtune.plan.trace import trace_step
@@ -162,7 +163,8 @@ def predict(spec: dict) -> dict:
     if _state_only(cfg):
         out["live_peak"] = trace.steady["optimizer_state"]
     if target == "cuda":
-        technique = (cfg.activation_checkpointing, cfg.peft.method, cfg.activation_offload or cfg.fsdp.cpu_offload)
+        technique = (cfg.activation_checkpointing, cfg.peft.method, cfg.activation_offload or cfg.fsdp.cpu_offload,
+                     step_extra(cfg.float8, cfg.train.optimizer_state))
         mem = gpu_memory(trace, cfg.fsdp.cpu_offload, spec["ranks"], technique)
         out.update(allocated=mem["allocated"], reserved=mem["reserved"], technique=technique,
                    transient=mem["transient"])
@@ -177,15 +179,21 @@ def calibration(rows: list[tuple[dict, dict]]) -> str:
     import math
     import statistics
 
-    from shardtune.hardware import overhead, reserve_share
+    from shardtune.hardware import extra_reserve, overhead, reserve_share
 
-    def share(pred: dict, real: dict) -> float:
-        return max(0.0, math.ceil(100 * (real["reserved"] - pred["allocated"]) / pred["transient"]) / 100)
+    def share(pred: dict, real: dict) -> str:
+        technique = pred.get("technique", ())
+        if len(technique) > 3 and technique[3]:  # an extra's share of allocated, beside its technique's share
+            base = pred["allocated"] + pred["transient"] * reserve_share(*technique[:3])
+            need = math.ceil(100 * (real["reserved"] - base) / pred["allocated"]) / 100
+            return f"{technique[3]}: {need:.2f} of allocated (now {extra_reserve(technique[3]):.2f})"
+        need = max(0.0, math.ceil(100 * (real["reserved"] - pred["allocated"]) / pred["transient"]) / 100)
+        return f"{technique[:3]}: {need:.2f} (now {reserve_share(*technique[:3]):.2f})"
 
-    shares = [f"{pred.get('technique')}: {share(pred, real):.2f} (now {reserve_share(*pred.get('technique', ())):.2f})"
-              for pred, real in rows]
+    shares = [share(pred, real) for pred, real in rows]
     extra = [(real["allocated"] - (pred["allocated"] - overhead("cublas_workspace"))) / 2 ** 20 for pred, real in rows]
-    return (f"calibration: MEASURED_RESERVE (share of the transient bytes) per row {'; '.join(shares)}; measured "
+    return (f"calibration: MEASURED_RESERVE (share of the transient bytes) and EXTRA_RESERVE per row "
+            f"{'; '.join(shares)}; measured "
             f"allocated beyond the traced tensors, MiB: {', '.join(f'{e:,.0f}' for e in extra)} -> cublas_workspace = "
             f"{statistics.median(extra):,.0f} MiB (now {overhead('cublas_workspace') / 2 ** 20:,.0f})")
 
@@ -211,7 +219,8 @@ def recorded_rows(text: str) -> tuple[int, list[tuple[dict, dict]]]:
         seen.add(tuple(cells[:7]))
         shape, ranks, sharding, ac, lora, mb, other = cells[:7]
         spec = dict(shape=shape, ranks=int(ranks), sharding=sharding, ac=ac, lora=lora == "yes", mb=int(mb), seq=seq,
-                    device="cpu", precision="bf16", target="cuda", tiny=False,
+                    # auto: the config of a CUDA row (float8 is refused for device=cpu); traced here on fake tensors
+                    device="auto", precision="bf16", target="cuda", tiny=False,
                     extra=() if other == "-" else tuple(other.split()))
         mib = [int(c.replace(",", "")) * 2 ** 20 for c in (cells[8], cells[11])]
         rows.append((spec, {"allocated": mib[0], "reserved": mib[1]}))

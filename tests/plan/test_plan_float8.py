@@ -4,6 +4,7 @@ casts, calibrated to torchao's published gains; a GPU without float8 units is re
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -104,7 +105,10 @@ def test_plan_tells_what_float8_would_give_where_the_card_has_it():
     h100, a100 = (Target(8, 1, 80 * 2**30, gpu_by_name(name)) for name in ("H100", "A100-80GB"))
 
     def best(cand: Candidate, target: Target) -> Estimate:
-        trace = counted(cfg)
+        # the time from the meta model's counts; the memory from a step of 16 GiB of kept states and 8 of buffers
+        states = {"sharded_params": 4 * 2**30, "gradients": 4 * 2**30, "optimizer_state": 8 * 2**30}
+        trace = dataclasses.replace(counted(cfg), phases={(1, "forward", "after blocks"): {**states,
+                                                                                            "activations": 8 * 2**30}})
         seconds = step_time(trace, hf_config, cand, cfg, target, accum=1)["total"]
         return Estimate(cand, {}, {}, seconds, 8 * 8192 / seconds, 1, True, trace=trace)
 
@@ -116,6 +120,22 @@ def test_plan_tells_what_float8_would_give_where_the_card_has_it():
     assert not any(a["compile"] for a in float8_alternatives(cfg, hf_config, h100, offloading))
     assert float8_alternatives(cfg, hf_config, a100, best(Candidate("full_shard", "bf16", 1), a100)) == []
     assert float8_alternatives(cfg_of(LLAMA3_8B, "float8=rowwise"), hf_config, h100, plain) == []
+
+    # float8's casts keep buffers cached of their own (H200: reserved 2.4x the step's transient bytes
+    # over allocated against 0.5x): on a card where the bf16 layout fits and float8's would not, the
+    # alternative says so rather than promising its speed
+    from shardtune.plan.cost import gpu_memory
+    from shardtune.plan.report import float8_line
+
+    bf16 = gpu_memory(plain.trace, False, 8, plain.candidate.technique(cfg))["total"]
+    assert all(a["fits"] and a["memory_total"] > bf16 for a in alts.values())
+    between = (bf16 + min(a["memory_total"] for a in alts.values())) / 2
+    tight = Target(8, 1, int(between / (1 - h100.margin)), gpu_by_name("H100"))
+    squeezed = float8_alternatives(cfg, hf_config, tight, plain)
+    assert squeezed and not any(a["fits"] for a in squeezed)
+    line = float8_line(squeezed[0], {"gpu_memory_bytes": tight.memory_bytes, "margin": tight.margin})
+    assert line.startswith(f"  with float8={squeezed[0]['recipe']} compile=true: does not fit this layout (needs ")
+    assert "tokens/s" not in line
 
 
 def test_the_answer_shows_the_float8_lines(monkeypatch, capsys):

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from shardtune.config.schema import RunConfig
 from shardtune.families import hidden_size
-from shardtune.hardware import GPU, HOST_FACTS, STATES, overhead, reserve_share
+from shardtune.hardware import GPU, HOST_FACTS, STATES, extra_reserve, overhead, reserve_share, step_extra
 from shardtune.plan.trace import HOST_ONLY, OFFLOADED, StepTrace
 
 STATE_PRECISIONS = ("fp32", "bf16", "8bit", "4bit")
@@ -72,8 +72,9 @@ class Candidate:
         return out
 
     def technique(self, cfg: RunConfig) -> tuple:
-        """What the allocator's reserve depends on (hardware.MEASURED_RESERVE's key)."""
-        return self.checkpointing, cfg.peft.method, self.activation_offload or self.cpu_offload
+        """What the allocator's reserve depends on: hardware.MEASURED_RESERVE's key and the step extra."""
+        return (self.checkpointing, cfg.peft.method, self.activation_offload or self.cpu_offload,
+                step_extra(cfg.float8, self.optimizer_state))
 
     def label(self) -> str:
         ac = f"every {self.every}" if self.checkpointing == "every_n" else self.checkpointing
@@ -131,15 +132,17 @@ class Target:
 def gpu_memory(trace: StepTrace, offload: bool, world_size: int, technique: tuple = ()) -> dict:
     """One CUDA rank's memory from a trace: the peak of what stays on the GPU, by category, then
     allocated (+ cuBLAS workspace), reserved (+ the allocator's reserve for `technique`, a share of
-    the transient bytes as hardware.reserve_share takes it; none given: the widest measured of the
-    techniques that do not offload) and the fixed overhead
+    the transient bytes as hardware.reserve_share takes it, none given: the widest measured of the
+    techniques that do not offload; + a share of allocated for its step extra, hardware.extra_reserve)
+    and the fixed overhead
     outside torch's allocator (CUDA context, NCCL buffers), and their sum, what nvidia-smi shows."""
     leave_out = (OFFLOADED if offload else ()) + HOST_ONLY
     phase, cats = trace.peak(leave_out)
     on_gpu = {k: v for k, v in cats.items() if k not in leave_out}
     allocated = sum(on_gpu.values()) + int(overhead("cublas_workspace"))
     transient = allocated - sum(on_gpu.get(k, 0) for k in STATES)
-    reserved = allocated + int(transient * reserve_share(*technique))
+    reserved = allocated + int(transient * reserve_share(*technique[:3]))
+    reserved += int(allocated * extra_reserve(*technique[3:]))
     nccl = int(overhead("nccl_buffers") * overhead("nccl_channels") * 2) if world_size > 1 else 0
     fixed = int(overhead("cuda_context")) + nccl
     return {"phase": phase, "by_category": on_gpu, "allocated": allocated, "transient": transient, "reserved": reserved,

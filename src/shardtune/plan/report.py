@@ -179,7 +179,7 @@ def float8_alternatives(cfg: RunConfig, hf_config, target: Target, best: Estimat
     from shardtune.distributed.fsdp import detect_block_class
     from shardtune.model import float8
     from shardtune.model.hf import build_meta_model
-    from shardtune.plan.cost import step_time
+    from shardtune.plan.cost import gpu_memory, step_time
 
     if cfg.float8 != "none" or cfg.peft.adapter or best.candidate.precision != "bf16" or best.trace is None \
             or target.gpu is None or not target.gpu.supports("fp8") or importlib.util.find_spec("torchao") is None:
@@ -194,9 +194,14 @@ def float8_alternatives(cfg: RunConfig, hf_config, target: Target, best: Estimat
         trial.float8, trial.compile = recipe, cfg.compile or not best.candidate.activation_offload
         trace = dataclasses.replace(best.trace, params={**best.trace.params, **shapes})
         seconds = step_time(trace, hf_config, best.candidate, trial, target, best.accumulation)["total"]
+        # float8's casts cache buffers of their own beside the step's (hardware.MEASURED_RESERVE): the
+        # same layout may no longer fit
+        memory = gpu_memory(best.trace, best.candidate.cpu_offload, target.world, best.candidate.technique(trial))
         out.append({"recipe": recipe, "tokens_per_s": best.tokens_per_s * best.step_seconds / seconds,
+                    "base_tokens_per_s": best.tokens_per_s,
                     "layers": len(float8.converted(model)), "compile": trial.compile,
-                    "compile_added": trial.compile and not cfg.compile})
+                    "compile_added": trial.compile and not cfg.compile, "memory_total": memory["total"],
+                    "fits": memory["total"] <= target.memory_bytes * (1 - target.margin)})
     return out
 
 
@@ -238,20 +243,29 @@ def render(answer: dict) -> str:
                   + " (global batch kept here; a larger one needs train.global_batch_size to be a multiple of it x "
                   "GPUs)",
                   "run it:", f"  {best['command']}"]
-        for alt in best.get("float8_alternatives", []):
-            keys = f"float8={alt['recipe']}" + (" compile=true" if alt["compile"] else "")
-            lines.append(f"  with {keys} ({alt['layers']} linear layers in float8; it changes the numerics, so it "
-                         f"is yours to choose): ~{alt['tokens_per_s']:,.0f} tokens/s "
-                         f"({alt['tokens_per_s'] / best['tokens_per_s'] - 1:+.0%}, from torchao's published gains"
-                         + (" and torchtitan's for compile)" if alt.get("compile_added") else ")"))
+        lines += [float8_line(alt, t) for alt in best.get("float8_alternatives", [])]
     else:
         lines += ["", "nothing fits."]
         for text in answer.get("what_would_fit", []):
             lines.append(f"  - {text}")
     lines += _others(answer["others"], best["tokens_per_s"] if best else None)
-    lines.append("(reserved memory calibrated on one H200 for no, full and selective checkpointing, LoRA and "
-                 "activation offloading; other techniques take the widest measured reserve: hardware.MEASURED_RESERVE)")
+    lines.append("(reserved memory calibrated on one H200 for no, full and selective checkpointing, LoRA, activation "
+                 "offloading, float8 and an 8-bit optimizer state; other techniques take the widest measured reserve "
+                 "of their kind: hardware.MEASURED_RESERVE)")
     return "\n".join(lines)
+
+
+def float8_line(alt: dict, t: dict) -> str:
+    """The answer's line for one of `float8_alternatives` on the target `t` (its JSON)."""
+    keys = f"float8={alt['recipe']}" + (" compile=true" if alt["compile"] else "")
+    if not alt["fits"]:
+        return (f"  with {keys}: does not fit this layout (needs {alt['memory_total'] / GIB:.1f} GiB of "
+                f"{t['gpu_memory_bytes'] * (1 - t['margin']) / GIB:.1f} GiB: float8's casts keep buffers of their "
+                f"own); plan with {keys} for a layout that fits")
+    gain = alt["tokens_per_s"] / alt["base_tokens_per_s"] - 1
+    return (f"  with {keys} ({alt['layers']} linear layers in float8; it changes the numerics, so it is yours to "
+            f"choose): ~{alt['tokens_per_s']:,.0f} tokens/s ({gain:+.0%}, from torchao's published gains"
+            + (" and the compile gain measured on an H200)" if alt["compile_added"] else ")"))
 
 
 def _others(others: list[dict], best_tokens_per_s: float | None = None, shown_fitting: int = 10) -> list[str]:
