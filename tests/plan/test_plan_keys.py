@@ -32,7 +32,6 @@ def test_every_schema_key_is_priced_refused_or_irrelevant():
 
 
 @pytest.mark.parametrize("override, message", [
-    ("compile=true", "compile=true is not priced by plan"),
     ("eval.micro_batch_size=2", "eval.micro_batch_size is not priced by plan"),
     ("peft.quantize=4bit", "peft.quantize=4bit (QLoRA) runs on one GPU, not 4"),
 ])

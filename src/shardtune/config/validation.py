@@ -335,7 +335,7 @@ def _validate_memory_savers(cfg) -> None:
         if cfg.peft.quantize != "none":  # QLoRA builds its one-GPU model apart, without Liger's patches
             raise UserError("kernels=liger does not combine with peft.quantize=4bit (QLoRA's model is built apart, "
                             "for bitsandbytes); drop one of them")
-    if cfg.activation_offload and cfg.compile:
+    if cfg.activation_offload and cfg.compile is True:
         raise UserError("activation_offload does not combine with compile (its hooks would run inside compiled "
                         "blocks); drop one of them")
     if cfg.peft.quantize != "none" and (cfg.activation_checkpointing in ("selective", "every_n")

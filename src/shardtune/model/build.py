@@ -43,10 +43,11 @@ class ModelSpec:
 
     @classmethod
     def of_run(cls, cfg: RunConfig, hf_config) -> ModelSpec:
+        # compile=auto is train's to resolve (resolve.run); left unresolved (plan's trace, check) it builds eager
         return cls(hf_config, fsdp=cfg.fsdp, precision=cfg.precision, float8=cfg.float8,
                    activation_checkpointing=cfg.activation_checkpointing,
                    activation_checkpointing_every=cfg.activation_checkpointing_every,
-                   activation_offload=cfg.activation_offload, compile=cfg.compile, kernels=cfg.kernels,
+                   activation_offload=cfg.activation_offload, compile=cfg.compile is True, kernels=cfg.kernels,
                    loss_chunk_tokens=cfg.loss_chunk_tokens, peft=cfg.peft, freeze=cfg.freeze,
                    trust_remote_code=cfg.model.trust_remote_code,
                    tokenizer=cfg.model.tokenizer or cfg.model.name_or_path)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
+from shardtune.config.compiling import compiles
 from shardtune.config.schema import RunConfig
 from shardtune.families import hidden_size
 from shardtune.hardware import GPU, HOST_FACTS, STATES, extra_reserve, overhead, reserve_share, step_extra
@@ -193,7 +194,7 @@ def step_time(trace: StepTrace, hf_config, cand: Candidate, cfg: RunConfig, targ
     tokens = cand.micro_batch * accum * seq  # per rank per step
     fpt = flops_per_token(p["matmul"], hf_config, seq, p["matmul_trainable"])
     forward = 2.0 * p["matmul"] + attention_flops(hf_config, seq)  # blocks' matmuls and attention (counted)
-    peak, mfu = target.peak_flops(cand.precision), assumed_mfu(cfg)
+    peak, mfu = target.peak_flops(cand.precision), assumed_mfu(cfg, cand)
     compute = tokens * (fpt + forward * recomputed_forwards(cand)) / (peak * mfu)
     if cfg.float8 != "none":
         compute += float8_seconds(p, cfg, cand, target, tokens)
@@ -245,9 +246,15 @@ def step_time(trace: StepTrace, hf_config, cand: Candidate, cfg: RunConfig, targ
             "optimizer": optimizer, "total": total}
 
 
-def assumed_mfu(cfg: RunConfig) -> float:
-    """The share of the 16-bit peak the step's matmuls reach: measured eager, assumed compiled."""
-    return HOST_FACTS["mfu_compiled" if cfg.compile else "mfu"].value
+def compiled(cfg: RunConfig, cand: Candidate) -> bool:
+    """Whether train compiles `cand`'s blocks (config.compiling: compile=auto is on for the GPU a plan
+    is for; off for a run set to device=cpu)."""
+    return compiles(cfg.compile, "cpu" if cfg.device == "cpu" else "cuda", cand.activation_offload, cfg.peft.quantize)
+
+
+def assumed_mfu(cfg: RunConfig, cand: Candidate) -> float:
+    """The share of the 16-bit peak the step's matmuls reach, eager or compiled: both measured."""
+    return HOST_FACTS["mfu_compiled" if compiled(cfg, cand) else "mfu"].value
 
 
 def recomputed_forwards(cand: Candidate) -> float:
@@ -261,10 +268,10 @@ def float8_seconds(p: dict, cfg: RunConfig, cand: Candidate, target: Target, tok
     at the float8 peak instead of the 16-bit one (forward, backward's two, and a recomputed
     forward), plus their casts (FLOAT8_CAST_BYTES)."""
     flops = tokens * (6 + 2 * recomputed_forwards(cand)) * p.get("float8_matmul", 0)
-    mfu = assumed_mfu(cfg)
+    mfu = assumed_mfu(cfg, cand)
     faster = flops / (target.peak_flops("fp8") * mfu * FLOAT8_EFFICIENCY[cfg.float8]) \
         - flops / (target.peak_flops(cand.precision) * mfu)
-    cast = FLOAT8_CAST_BYTES["compiled" if cfg.compile else "eager"] * FLOAT8_CASTS[cfg.float8]
+    cast = FLOAT8_CAST_BYTES["compiled" if compiled(cfg, cand) else "eager"] * FLOAT8_CASTS[cfg.float8]
     return faster + tokens * p.get("float8_widths", 0) * cast / (target.hbm_gbs() * 1e9)
 
 

@@ -26,7 +26,9 @@ PRICED = {
     "fsdp.reduce_dtype": SEARCHED, "train.micro_batch_size": SEARCHED, "train.optimizer_state": SEARCHED,
     "train.global_batch_size": "priced: the accumulation and the tokens per step",
     "float8": "traced (the converted layers) and priced (cost.float8_seconds)",
-    "compile": "priced with float8 only (its casts, cost.FLOAT8_CAST_BYTES); refused otherwise",
+    "compile": ("priced: a compiled layout at the measured compiled MFU (cost.compiled: auto compiles on the GPU "
+                "but with activation offload or QLoRA), float8's casts too; its memory is the eager trace's, an "
+                "upper bound (compiled blocks hold less)"),
     "loss_chunk_tokens": TRACED, "model.name_or_path": TRACED, "model.config": TRACED,
     "model.trust_remote_code": TRACED, "model.sharded_load": HOST, "model.random_init": HOST + " (made on rank 0)",
     "save_final": HOST + " (no final/ save)", "checkpoint.sharded_final": HOST,
@@ -45,9 +47,6 @@ PRICED = {
 
 # key -> (whether a config sets it so that plan cannot price it, the one-line refusal)
 REFUSED = {
-    "compile": (lambda cfg: cfg.compile and cfg.float8 == "none",
-                "compile=true is not priced by plan: it traces and times the eager step (compiled blocks hold "
-                "less and run faster); plan without it, then add compile=true"),
     "kernels": (lambda cfg: cfg.kernels != "none",
                 "kernels=liger is not priced by plan: it traces the step on fake tensors, which Liger's Triton "
                 "kernels do not run on; plan without it (the chunked head loss), then add kernels=liger"),

@@ -179,7 +179,7 @@ def float8_alternatives(cfg: RunConfig, hf_config, target: Target, best: Estimat
     from shardtune.distributed.fsdp import detect_block_class
     from shardtune.model import float8
     from shardtune.model.hf import build_meta_model
-    from shardtune.plan.cost import gpu_memory, step_time
+    from shardtune.plan.cost import compiled, gpu_memory, step_time
 
     if cfg.float8 != "none" or cfg.peft.adapter or best.candidate.precision != "bf16" or best.trace is None \
             or target.gpu is None or not target.gpu.supports("fp8") or importlib.util.find_spec("torchao") is None:
@@ -191,7 +191,7 @@ def float8_alternatives(cfg: RunConfig, hf_config, target: Target, best: Estimat
             continue
         shapes = float8.matmul_shapes(model)
         trial = copy.deepcopy(cfg)
-        trial.float8, trial.compile = recipe, cfg.compile or not best.candidate.activation_offload
+        trial.float8, trial.compile = recipe, not best.candidate.activation_offload  # float8's casts want it
         trace = dataclasses.replace(best.trace, params={**best.trace.params, **shapes})
         seconds = step_time(trace, hf_config, best.candidate, trial, target, best.accumulation)["total"]
         # float8's casts cache buffers of their own beside the step's (hardware.MEASURED_RESERVE): the
@@ -200,7 +200,8 @@ def float8_alternatives(cfg: RunConfig, hf_config, target: Target, best: Estimat
         out.append({"recipe": recipe, "tokens_per_s": best.tokens_per_s * best.step_seconds / seconds,
                     "base_tokens_per_s": best.tokens_per_s,
                     "layers": len(float8.converted(model)), "compile": trial.compile,
-                    "compile_added": trial.compile and not cfg.compile, "memory_total": memory["total"],
+                    "compile_added": trial.compile and not compiled(cfg, best.candidate),
+                    "memory_total": memory["total"],
                     "fits": memory["total"] <= target.memory_bytes * (1 - target.margin)})
     return out
 

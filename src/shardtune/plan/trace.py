@@ -166,6 +166,7 @@ def trace_step(cfg: RunConfig, hf_config, world_size: int, local_world_size: int
     state = cfg.train.optimizer_state  # traced as fp32 (torchao's compiled step cannot run on fake tensors)
     cfg = copy.deepcopy(cfg)
     cfg.train.optimizer_state = "fp32"
+    cfg.compile = False  # the eager step: compiled blocks hold less, so its memory is an upper bound
     if target == "cuda" and cfg.loss_chunk_tokens is None:
         cfg.loss_chunk_tokens = loss_lib.chunk_tokens(None, families.config_value(hf_config, "vocab_size"), "cuda")
     if layers is not None:
