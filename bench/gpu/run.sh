@@ -81,26 +81,26 @@
 # the image's torch) and `bash bench/gpu/run.sh --rehearse DIR` with PYTHON= that venv's python.
 # A session has 15 minutes of device time (machine start, ~30 s on 2026-11-26, included; 10 min a call; a
 # warm machine waits only 30 s for the next call, so send the next one at once, or give it back and
-# start again while 4 minutes are left). Done on the H200 on 2026-11-26 (bench/gpu/results/2026-11-26-h200/
-# and -h200-b/): tests, curve, offload, nan-hunt, one Llama A B A B, profile; the planner's rows but
-# 8-bit and float8; the step-13 NaN found again and not cuDNN's. The calls left, in order of value:
-#   1st call (~6 min):  STAGES="curve nan-origin liger-bisect" BUDGET_S=420 bash bench/gpu/run.sh /tmp/gpu-nan "$OUT"
-#                       (does HF Trainer's gradient go NaN at the same step on these 222 blocks? eager attention
-#                       against SDPA; which Liger piece faults). Reading it: HF NaN at step 4 too -> the bench's
-#                       random-init 1B at lr 3e-4 / warmup 3 is unstable, not shardtune (say so; the speed arms
-#                       skip the step); HF finite -> shardtune's numerics differ from HF's autocast (bf16
-#                       parameters and residual stream under FSDP2 mixed precision): compare fp32 parameters
-#                       with autocast next; eager finite, SDPA not -> the fused kernels' backward
-#   2nd call (~9 min):  STAGES="liger-tests liger" BUDGET_S=560 bash bench/gpu/run.sh /tmp/gpu-liger "$OUT"
-#                       (compile's and Liger-Kernel's gains: plain / liger / both compiled; the arms skip a NaN step)
+# start again while 4 minutes are left). Done on the H200 on 2026-11-26 (bench/gpu/results/2026-11-26-h200/,
+# -h200-b/ and -h200-c/): tests, curve (HF Trainer goes NaN at step 4 too: the bench's random-init 1B at lr
+# 3e-4 / warmup 3 is unstable in bf16 on both sides, so the curve stage exits 1 past step 3), offload,
+# nan-hunt, nan-origin (eager attention NaN at the same steps), one Llama A B A B eager and one pair
+# compiled (1.34x HF), compile's gain (1.34x), profile, every planner row but 12-15, Liger's pieces one
+# by one (each works; the fault was the FLOP count's meta forward, fixed since). compile=auto is the
+# default since: the CUDA tests and every bench arm without compile=false now run compiled blocks.
+# The calls left, in order of value:
+#   1st call (~8 min):  STAGES="tests liger-tests" BUDGET_S=540 bash bench/gpu/run.sh /tmp/gpu-t "$OUT"
+#                       (the CUDA tests under the compile=auto default, and Liger's after the hf_patches fix)
+#   2nd call (~6 min):  STAGES="liger" LIGER_STEPS=20 BUDGET_S=420 bash bench/gpu/run.sh /tmp/gpu-liger "$OUT"
+#                       (plain / liger eager and compiled: Liger-Kernel's gain on top of compile, or not)
 #   3rd call (~7 min):  STAGES="float8-tests float8" BUDGET_S=420 bash bench/gpu/run.sh /tmp/gpu-f8 "$OUT"
 #                       (float8's loss and speed; FLOAT8_EFFICIENCY in plan/cost.py)
-#   4th call (~8 min):  STAGES="plan speed-order" PLAN_PICK=8,10,11,12,13,14,15 CAP_PLAN=270 BUDGET_S=480 bash bench/gpu/run.sh /tmp/gpu-plan "$OUT"
-#                       (the rows not yet measured: 8-bit, float8 x 2, every-n, CPU offload, 4-bit, bf16 state; then
-#                       `plan_accuracy.py --recorded` here and hardware.MEASURED_RESERVE; the memory savers' order)
-#   5th call (~9 min):  STAGES="bench-opt head-chunks" CAP_BENCH=300 REPEATS=2 BUDGET_S=560 bash bench/gpu/run.sh /tmp/gpu-opt "$OUT"
-#                       (OPT-1.3B A B A B, the head's chunk sizes; then BENCH_SET=compile=true STAGES="bench-llama bench-opt": shardtune
-#                       compiled against HF, once the 2nd call says compile pays)
+#   4th call (~9 min):  STAGES="bench-llama bench-opt" CAP_BENCH=250 REPEATS=2 BUDGET_S=540 bash bench/gpu/run.sh /tmp/gpu-ab "$OUT"
+#                       (A B A B on both shapes, compiled by default: issue 34's proof; OPT's HF side never finished before)
+#   5th call (~8 min):  STAGES="plan speed-order" PLAN_PICK=12,13,14,15 CAP_PLAN=200 BUDGET_S=480 bash bench/gpu/run.sh /tmp/gpu-plan "$OUT"
+#                       (every-n, CPU offload, 4-bit, bf16 state; then `plan_accuracy.py --recorded` here,
+#                       hardware.MEASURED_RESERVE / EXTRA_RESERVE; the memory savers' order, now compiled but offload)
+#   6th call:           STAGES="head-chunks profile" (the head's chunk sizes; the compiled step's profile)
 #   QLoRA's CUDA test:  QLORA=1 bash bench/gpu/wheels.sh, then carry .whl with a lighter tree (bitsandbytes is 43 MB)
 #   issue 20 (one call, ~8 min): memory savers on CUDA, device=auto
 #     python bench/memory_savers.py activations --micro-batch 8 --steps 6 precision=bf16 > "$OUT/savers_act.md"
