@@ -268,9 +268,10 @@ PLAIN_SAMPLING = dict(top_k=0, typical_p=1.0, min_p=None, epsilon_cutoff=0.0, et
 
 
 def generate(model, tokenizer, prompts: list, max_new_tokens: int = 64, temperature: float = 0.7,
-             top_p: float = 0.9, seed: int = 0, batch_size: int = 8) -> list[str]:
+             top_p: float = 0.9, seed: int = 0, batch_size: int = 8, stop: list[int] = ()) -> list[str]:
     """The continuation of each prompt (a string, or token ids), `batch_size` prompts per
-    `model.generate` call, left-padded so every row's new tokens start in the same column;
+    `model.generate` call, left-padded so every row's new tokens start in the same column, up to
+    the first end-of-sequence token of the model's generation config or of `stop` (prompts.stop_ids);
     temperature 0 (or below GREEDY_BELOW) decodes greedily. Seeded once: the same call gives the same texts. A prompt
     longer than the model's positions leave room for is cut from the left."""
 
@@ -293,6 +294,11 @@ def generate(model, tokenizer, prompts: list, max_new_tokens: int = 64, temperat
         rows = [r[-(limit - max_new_tokens):] for r in rows]
     if output_offset(model):  # peft drops prompt tuning's position ids: left padding would shift the positions
         batch_size = 1
+    # a mixture of experts trained with its router loss (output_router_logits) computes that loss in every
+    # decoding step too, over the whole attention mask and one new token's router logits: a crash once padded
+    router = dict(output_router_logits=False) if getattr(model.config, "output_router_logits", False) else {}
+    ends = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ends = list(dict.fromkeys([*(ends if isinstance(ends, list) else [] if ends is None else [ends]), *stop]))
     outputs = []
     for i in range(0, len(rows), max(batch_size, 1)):
         batch = rows[i:i + batch_size]
@@ -301,9 +307,17 @@ def generate(model, tokenizer, prompts: list, max_new_tokens: int = 64, temperat
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in batch], device=device)
         with torch.no_grad():
             out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, pad_token_id=pad,
-                                 **PLAIN_DECODING, **sample)
-        outputs += [continuation(tokenizer, r, new) for r, new in zip(batch, out[:, width:].tolist(), strict=True)]
+                                 eos_token_id=ends or None, **PLAIN_DECODING, **sample, **router)
+        outputs += [continuation(tokenizer, r, until(new, ends)) for r, new in zip(batch, out[:, width:].tolist(),
+                                                                                   strict=True)]
     return outputs
+
+
+def until(new_ids: list[int], ends: list[int]) -> list[int]:
+    """The new tokens before the first end: an end that is no special token (a template's added
+    end of turn) would read as text, and what follows it in a batch is padding."""
+    cut = next((i for i, t in enumerate(new_ids) if t in ends), len(new_ids))
+    return new_ids[:cut]
 
 
 def continuation(tokenizer, prompt_ids: list[int], new_ids: list[int]) -> str:
@@ -338,7 +352,8 @@ def run_generate(req: GenerateRequest) -> list[str]:
     new_tokens = lengths.new_tokens(req.max_new_tokens, lengths.smallest([lengths.room_of(req.model, hf_config)]),
                                     max(map(len, ids)), notes.append)
     model, tokenizer, _, _ = load_model(req.model, str(resolve_device(req.device)))
-    texts = generate(model, tokenizer, list(ids), new_tokens, req.temperature, req.top_p, req.seed, req.batch_size)
+    texts = generate(model, tokenizer, list(ids), new_tokens, req.temperature, req.top_p, req.seed, req.batch_size,
+                     layouts.stop_ids(cfg, tokenizer))
     for i, (prompt, text) in enumerate(zip(prompts, texts)):
         if len(prompts) > 1:
             print(f"=== prompt {i + 1} ===")

@@ -55,3 +55,17 @@ def rendered(prompts: list[str], cfg, tokenizer) -> list[tuple[str, list[int]]]:
         text, _ = chat.chat_prompt_and_reply(tokenizer, turns, index, cfg.messages_field)
         out.append((text, tokenizer(text, add_special_tokens=False)["input_ids"]))
     return out
+
+
+def stop_ids(cfg, tokenizer) -> list[int]:
+    """The tokens that end an answer as training taught it to end, beside those of the model's
+    generation config: the tokenizer's EOS (after each instruct response and text document), and in
+    the chat format the template's end of turn (`chat.turn_end_id`)."""
+    from shardtune.data import chat
+
+    ids = [tokenizer.eos_token_id]
+    if cfg.format == "chat" and (cfg.chat_template or getattr(tokenizer, "chat_template", None)):
+        if cfg.chat_template:  # the run's (a --compare base may have no template of its own)
+            tokenizer.chat_template = cfg.chat_template
+        ids.append(chat.turn_end_id(tokenizer))
+    return list(dict.fromkeys(i for i in ids if i is not None))
