@@ -125,7 +125,8 @@ def test_sampling_at_top_p_1_draws_from_the_whole_vocabulary(gpt2):
 
 # ----------------------------------------------------------------------------- where an answer ends
 
-# chat templates whose end of turn is no EOS of the tokenizer's: ChatML (Qwen's), Llama 3's, Gemma's
+# chat templates whose end of turn is no EOS of the tokenizer's: ChatML (Qwen's), Llama 3's, Gemma's as
+# special tokens; a template's own end marker in a tokenizer without it, several tokens of text
 TURN_ENDS = {
     "<|im_end|>": "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
                   "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
@@ -134,8 +135,9 @@ TURN_ENDS = {
                   "<|end_header_id|>\n\n{% endif %}",
     "<end_of_turn>": "{% for m in messages %}<start_of_turn>{{ m.role }}\n{{ m.content }}<end_of_turn>\n{% endfor %}"
                      "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}",
+    "[END]": "{% for m in messages %}{{ m.role }}: {{ m.content }} [END]\n{% endfor %}"
+             "{% if add_generation_prompt %}assistant:{% endif %}",
 }
-
 
 def bigram_model(tok, pairs: dict):
     """A tiny Llama whose blocks add nothing, so the last token alone picks the next: {token: next}."""
@@ -175,18 +177,19 @@ def test_a_chat_answer_ends_at_the_templates_end_of_turn(assets, tmp_path, end, 
     word, after = (tok(w, add_special_tokens=False).input_ids[-1] for w in (" Paris", " user"))
     last = tok(tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True),
                add_special_tokens=False).input_ids[-1]
-    bigram_model(tok, {last: word, word: tok.convert_tokens_to_ids(end), tok.convert_tokens_to_ids(end): after,
-                       after: after}).save_pretrained(tmp_path / "m")
+    chain = [last, word, *tok(end, add_special_tokens=False).input_ids, after, after]
+    assert len(set(chain)) == len(chain) - 1  # a bigram model says it: every token but the last once
+    bigram_model(tok, dict(zip(chain[:-1], chain[1:], strict=True))).save_pretrained(tmp_path / "m")
     tok.save_pretrained(tmp_path / "m")
     reply = tok.decode([word])
     assert main(["generate", str(tmp_path / "m"), "--format", "chat", "--prompt", "hi", "--prompt", "a longer one",
-                 "--temperature", "0", "--max-new-tokens", "6"]) == 0
+                 "--temperature", "0", "--max-new-tokens", "12"]) == 0
     assert capsys.readouterr().out.count(reply + "\n") == 2
     rows = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": reply}]} for q in "ab"]
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert main(["eval", str(tmp_path / "m"), "--data", str(tmp_path / "d"), "--format", "chat", "--generate", "2",
-                 "--max-new-tokens", "6", "--metrics", "rouge", "--out", str(tmp_path / "g.json")]) == 0
+                 "--max-new-tokens", "12", "--metrics", "rouge", "--out", str(tmp_path / "g.json")]) == 0
     result = json.loads((tmp_path / "g.json").read_text())
     assert [e["model"] for e in result["examples"]] == [reply, reply]
     assert result["models"]["model"]["scores"]["rouge1"] == pytest.approx(1.0)

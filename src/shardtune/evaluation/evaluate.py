@@ -268,10 +268,11 @@ PLAIN_SAMPLING = dict(top_k=0, typical_p=1.0, min_p=None, epsilon_cutoff=0.0, et
 
 
 def generate(model, tokenizer, prompts: list, max_new_tokens: int = 64, temperature: float = 0.7,
-             top_p: float = 0.9, seed: int = 0, batch_size: int = 8, stop: list[int] = ()) -> list[str]:
+             top_p: float = 0.9, seed: int = 0, batch_size: int = 8, stop: list[int | str] = ()) -> list[str]:
     """The continuation of each prompt (a string, or token ids), `batch_size` prompts per
     `model.generate` call, left-padded so every row's new tokens start in the same column, up to
-    the first end-of-sequence token of the model's generation config or of `stop` (prompts.stop_ids);
+    the first end-of-sequence token of the model's generation config or of `stop` (prompts.stops: token
+    ids, and texts of several tokens);
     temperature 0 (or below GREEDY_BELOW) decodes greedily. Seeded once: the same call gives the same texts. A prompt
     longer than the model's positions leave room for is cut from the left."""
 
@@ -298,7 +299,10 @@ def generate(model, tokenizer, prompts: list, max_new_tokens: int = 64, temperat
     # decoding step too, over the whole attention mask and one new token's router logits: a crash once padded
     router = dict(output_router_logits=False) if getattr(model.config, "output_router_logits", False) else {}
     ends = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ends = list(dict.fromkeys([*(ends if isinstance(ends, list) else [] if ends is None else [ends]), *stop]))
+    ends = list(dict.fromkeys([*(ends if isinstance(ends, list) else [] if ends is None else [ends]),
+                               *(s for s in stop if isinstance(s, int))]))
+    texts = [s for s in stop if isinstance(s, str)]
+    at_texts = dict(stop_strings=texts, tokenizer=tokenizer) if texts else {}
     outputs = []
     for i in range(0, len(rows), max(batch_size, 1)):
         batch = rows[i:i + batch_size]
@@ -307,9 +311,9 @@ def generate(model, tokenizer, prompts: list, max_new_tokens: int = 64, temperat
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in batch], device=device)
         with torch.no_grad():
             out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, pad_token_id=pad,
-                                 eos_token_id=ends or None, **PLAIN_DECODING, **sample, **router)
-        outputs += [continuation(tokenizer, r, until(new, ends)) for r, new in zip(batch, out[:, width:].tolist(),
-                                                                                   strict=True)]
+                                 eos_token_id=ends or None, **at_texts, **PLAIN_DECODING, **sample, **router)
+        outputs += [before(continuation(tokenizer, r, until(new, ends)), texts)
+                    for r, new in zip(batch, out[:, width:].tolist(), strict=True)]
     return outputs
 
 
@@ -318,6 +322,11 @@ def until(new_ids: list[int], ends: list[int]) -> list[int]:
     end of turn) would read as text, and what follows it in a batch is padding."""
     cut = next((i for i, t in enumerate(new_ids) if t in ends), len(new_ids))
     return new_ids[:cut]
+
+
+def before(text: str, ends: list[str]) -> str:
+    """`text` up to the first of `ends` in it."""
+    return text[:min((text.find(e) for e in ends if e in text), default=len(text))]
 
 
 def continuation(tokenizer, prompt_ids: list[int], new_ids: list[int]) -> str:
@@ -353,7 +362,7 @@ def run_generate(req: GenerateRequest) -> list[str]:
                                     max(map(len, ids)), notes.append)
     model, tokenizer, _, _ = load_model(req.model, str(resolve_device(req.device)))
     texts = generate(model, tokenizer, list(ids), new_tokens, req.temperature, req.top_p, req.seed, req.batch_size,
-                     layouts.stop_ids(cfg, tokenizer))
+                     layouts.stops(cfg, tokenizer))
     for i, (prompt, text) in enumerate(zip(prompts, texts)):
         if len(prompts) > 1:
             print(f"=== prompt {i + 1} ===")
