@@ -110,7 +110,7 @@ def examples(req: QualityRequest, cfg, docs, tokenizer) -> list[Example]:
         formats.instruct_fn(cfg, tokenizer, docs.column_names, what)  # checks the columns
         for row in docs:
             ids = formats.instruct_prompt_ids(cfg, tokenizer, row)
-            out.append(Example(formats.instruct_prompt(cfg, row), str(formats.as_text(row[cfg.output_field])), ids))
+            out.append(Example(formats.instruct_prompt(cfg, row), formats.instruct_response(cfg, row), ids))
             if len(out) == req.generate:
                 break
     else:
