@@ -89,7 +89,8 @@ def test_a_text_documents_prompt_and_reference_are_its_text():
 @pytest.fixture(scope="module")
 def gpt2(assets):
     """A tiny random GPT-2 on the corpus tokenizer whose generation_config.json asks for a decoding
-    of its own (as hub models' files do): repetition penalty, no repeated tokens, beams, top-k 1."""
+    of its own (as hub models' files do): repetition penalty, no repeated tokens, beams, top-k 1, and
+    two sequences per prompt in a dict (each a traceback in generate before)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from conftest import TINY
@@ -98,7 +99,8 @@ def gpt2(assets):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**{
         **TINY["gpt2"], "vocab_size": len(tok), "bos_token_id": tok.eos_token_id, "eos_token_id": tok.eos_token_id}))
-    model.generation_config.update(repetition_penalty=10.0, no_repeat_ngram_size=1, num_beams=2, top_k=1, min_p=0.5)
+    model.generation_config.update(repetition_penalty=10.0, no_repeat_ngram_size=1, num_beams=2, top_k=1, min_p=0.5,
+                                   num_return_sequences=2, return_dict_in_generate=True, output_scores=True)
     return model.eval(), tok
 
 

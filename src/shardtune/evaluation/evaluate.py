@@ -261,9 +261,12 @@ def read_prompts(req: GenerateRequest) -> list[str]:
 GREEDY_BELOW = 1e-5
 # Only the options choose the next token: transformers adds whatever decoding settings the model's
 # generation_config.json holds (a hub model's repetition penalty, beams, top-k, min-p) and, when it
-# samples, a top-k of 50 of its own, so --top-p 1 was no full-distribution sampling. These turn each off.
+# samples, a top-k of 50 of its own, so --top-p 1 was no full-distribution sampling. These turn each off;
+# the last ones keep one plain sequence per prompt (the file's num_return_sequences or
+# return_dict_in_generate: a traceback).
 PLAIN_DECODING = dict(num_beams=1, repetition_penalty=1.0, no_repeat_ngram_size=0, min_length=0, min_new_tokens=None,
-                      bad_words_ids=None, sequence_bias=None, guidance_scale=None)
+                      bad_words_ids=None, sequence_bias=None, guidance_scale=None, num_return_sequences=1,
+                      return_dict_in_generate=False, output_scores=False, output_logits=False)
 PLAIN_SAMPLING = dict(top_k=0, typical_p=1.0, min_p=None, epsilon_cutoff=0.0, eta_cutoff=0.0)
 
 
