@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+import re
 
 import pytest
 import torch
@@ -88,7 +89,8 @@ def test_a_text_documents_prompt_and_reference_are_its_text():
 @pytest.fixture(scope="module")
 def gpt2(assets):
     """A tiny random GPT-2 on the corpus tokenizer whose generation_config.json asks for a decoding
-    of its own (as hub models' files do): repetition penalty, no repeated tokens, beams, top-k 1."""
+    of its own (as hub models' files do): repetition penalty, no repeated tokens, beams, top-k 1, and
+    two sequences per prompt in a dict (each a traceback in generate before)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from conftest import TINY
@@ -97,7 +99,8 @@ def gpt2(assets):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**{
         **TINY["gpt2"], "vocab_size": len(tok), "bos_token_id": tok.eos_token_id, "eos_token_id": tok.eos_token_id}))
-    model.generation_config.update(repetition_penalty=10.0, no_repeat_ngram_size=1, num_beams=2, top_k=1, min_p=0.5)
+    model.generation_config.update(repetition_penalty=10.0, no_repeat_ngram_size=1, num_beams=2, top_k=1, min_p=0.5,
+                                   num_return_sequences=2, return_dict_in_generate=True, output_scores=True)
     return model.eval(), tok
 
 
@@ -120,3 +123,91 @@ def test_sampling_at_top_p_1_draws_from_the_whole_vocabulary(gpt2):
     texts = generate(model, tok, ["Return the value"] * 400, max_new_tokens=1, temperature=1e4, top_p=1.0,
                      batch_size=400)
     assert len(set(texts)) > 80, sorted(set(texts))  # ~127 of the ~172 tokens that decode alone to a text of their own
+
+
+# ----------------------------------------------------------------------------- where an answer ends
+
+# chat templates whose end of turn is no EOS of the tokenizer's: ChatML (Qwen's), Llama 3's, Gemma's as
+# special tokens; a template's own end marker in a tokenizer without it, several tokens of text
+TURN_ENDS = {
+    "<|im_end|>": "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+    "<|eot_id|>": "{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n{{ m.content }}"
+                  "<|eot_id|>{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant"
+                  "<|end_header_id|>\n\n{% endif %}",
+    "<end_of_turn>": "{% for m in messages %}<start_of_turn>{{ m.role }}\n{{ m.content }}<end_of_turn>\n{% endfor %}"
+                     "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}",
+    "[END]": "{% for m in messages %}{{ m.role }}: {{ m.content }} [END]\n{% endfor %}"
+             "{% if add_generation_prompt %}assistant:{% endif %}",
+}
+
+def bigram_model(tok, pairs: dict):
+    """A tiny Llama whose blocks add nothing, so the last token alone picks the next: {token: next}."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from conftest import TINY
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**{
+        **TINY["llama"], "vocab_size": len(tok), "tie_word_embeddings": False, "eos_token_id": tok.eos_token_id,
+        "bos_token_id": tok.bos_token_id}))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+        head.zero_()
+        for a, b in pairs.items():
+            head[b] += 10 * emb[a] / emb[a].norm()
+    return model.eval()
+
+
+@pytest.mark.parametrize("end", list(TURN_ENDS))
+def test_a_chat_answer_ends_at_the_templates_end_of_turn(assets, tmp_path, end, capsys):
+    """Training labels the template's end of turn as a reply's last token; generation went on past
+    it (the model's EOS is another token) and wrote turns of its own, in `generate` and in the
+    replies `eval --generate` scores."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from shardtune.cli.main import main
+
+    tok = AutoTokenizer.from_pretrained(assets["tokenizer"])
+    tok.add_special_tokens({"additional_special_tokens": sorted(set(re.findall(r"<[|\w]+>", TURN_ENDS[end])))})
+    tok.chat_template = TURN_ENDS[end]
+    word, after = (tok(w, add_special_tokens=False).input_ids[-1] for w in (" Paris", " user"))
+    last = tok(tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True),
+               add_special_tokens=False).input_ids[-1]
+    chain = [last, word, *tok(end, add_special_tokens=False).input_ids, after, after]
+    assert len(set(chain)) == len(chain) - 1  # a bigram model says it: every token but the last once
+    bigram_model(tok, dict(zip(chain[:-1], chain[1:], strict=True))).save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    reply = tok.decode([word])
+    assert main(["generate", str(tmp_path / "m"), "--format", "chat", "--prompt", "hi", "--prompt", "a longer one",
+                 "--temperature", "0", "--max-new-tokens", "12"]) == 0
+    assert capsys.readouterr().out.count(reply + "\n") == 2
+    rows = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": reply}]} for q in "ab"]
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["eval", str(tmp_path / "m"), "--data", str(tmp_path / "d"), "--format", "chat", "--generate", "2",
+                 "--max-new-tokens", "12", "--metrics", "rouge", "--out", str(tmp_path / "g.json")]) == 0
+    result = json.loads((tmp_path / "g.json").read_text())
+    assert [e["model"] for e in result["examples"]] == [reply, reply]
+    assert result["models"]["model"]["scores"]["rouge1"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "gpt_oss"])
+def test_batched_generation_of_a_mixture_of_experts_with_its_router_loss(assets, arch):
+    """A model trained with its router loss (output_router_logits in its config) computed that loss
+    in each decoding step over the whole padded mask: a traceback once prompts of two lengths met."""
+    from archs import tiny_config
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(assets["tokenizer"])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch)).eval()
+    assert model.config.output_router_logits
+    prompts = [[5, 6, 7, 8, 9, 10], [20, 21], [30, 31, 32]]
+    alone = [generate(model, tok, [p], max_new_tokens=4, temperature=0)[0] for p in prompts]
+    assert generate(model, tok, prompts, max_new_tokens=4, temperature=0, batch_size=3) == alone

@@ -184,6 +184,31 @@ def test_instruct_prompts_are_the_training_prompts(models, alpaca, tmp_path, cap
     assert "bleu" not in result["models"]["model"]["scores"]
 
 
+@settings(max_examples=10, deadline=None)
+@given(outputs=st.lists(st.lists(TEXT.filter(str.strip), min_size=1, max_size=3), min_size=1, max_size=3),
+       sep=st.sampled_from([" ", "\n", ", ", " | "]))
+def test_an_instruct_prompt_and_reference_are_the_training_example(assets, outputs, sep):
+    """`eval --generate` compares a generation with the response training scored: a list-valued
+    output joined with the run's data.list_sep (the reference joined it with a space)."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    from shardtune.config.schema import DataConfig
+    from shardtune.data.formats import instruct_fn
+    from shardtune.evaluation.quality import QualityRequest, examples
+
+    tok = AutoTokenizer.from_pretrained(assets["tokenizer"])
+    cfg = DataConfig(format="instruct", list_sep=sep, seq_len=4096)
+    rows = [{"instruction": f"say {i}", "input": "", "output": o} for i, o in enumerate(outputs)]
+    docs = Dataset.from_list(rows)
+    found = examples(QualityRequest(model="m", generate=len(rows)), cfg, docs, tok)
+    trained = instruct_fn(cfg, tok, docs.column_names, "d")(docs[:])
+    for ex, ids, labels in zip(found, trained["input_ids"], trained["labels"], strict=True):
+        response = [t for t in labels if t != -100][:-1]  # before its EOS
+        assert ids == ex.prompt_ids + response + [tok.eos_token_id]
+        assert ex.reference == tok.decode(response)
+
+
 def test_chat_prompt_ends_with_the_generation_prompt(assets):
     from transformers import AutoTokenizer
 

@@ -130,6 +130,25 @@ def chat_prompt_and_reply(tokenizer, value, index: int, field: str) -> tuple[str
     return prompt, str(as_text(messages[last].get("content")))
 
 
+def turn_end(tokenizer) -> int | str | None:
+    """What the chat template closes an assistant turn with (<|im_end|>, <|eot_id|>,
+    <end_of_turn>): its token id, or its text where that is several tokens (a template given as
+    data.chat_template to a tokenizer without its special tokens). Training labels it as the end of
+    every reply, so generation stops there; the tokenizer's EOS is often another token (a base
+    model's <|endoftext|> under ChatML), and generation went on into turns of its own. None where
+    the turn ends in whitespace only."""
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "x"}, {"role": "assistant", "content": MARK}],
+                                             tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that refuses this conversation: training's check names it
+        return None
+    tail = text[text.find(MARK) + len(MARK):].split() if MARK in text else []
+    if not tail:
+        return None
+    ids = tokenizer(tail[0], add_special_tokens=False)["input_ids"]
+    return ids[0] if len(ids) == 1 else tail[0]
+
+
 def any_assistant_turn(docs, cfg: DataConfig) -> bool:
     """Whether some conversation of `docs` has an assistant turn: when none keeps a loss token, a
     longer cutoff helps only if one does. Read a chunk of rows at a time, up to the first one."""

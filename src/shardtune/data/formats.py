@@ -260,6 +260,12 @@ def instruct_prompt_ids(cfg: DataConfig, tokenizer, row: dict) -> list[int]:
     return _leading_bos(tokenizer) + tokenizer(instruct_prompt(cfg, row), add_special_tokens=False)["input_ids"]
 
 
+def instruct_response(cfg: DataConfig, row: dict) -> str:
+    """The response part of one instruct row, as training scores it (before its EOS) and as
+    `eval --generate` compares a generation with it: a list cell joined with data.list_sep."""
+    return str(as_text(row[cfg.output_field], cfg.list_sep))
+
+
 def instruct_fn(cfg: DataConfig, tokenizer, columns: list[str], what: str):
     """Batched map function: rows -> {input_ids, labels, length}."""
     needed = [(cfg.output_field, "data.output_field")]
@@ -274,13 +280,12 @@ def instruct_fn(cfg: DataConfig, tokenizer, columns: list[str], what: str):
             raise UserError(f"data.format=instruct needs a column {col!r} but {what} has only: "
                             f"{', '.join(columns)}; set {key} to the right column{format_hint(cfg, columns)}")
     bos, eos = _leading_bos(tokenizer), tokenizer.eos_token_id
-    cutoff, sep = cfg.example_cutoff, cfg.list_sep
+    cutoff = cfg.example_cutoff
 
     def build(batch):
         rows = _rows(batch)
         prompts = tokenizer([instruct_prompt(cfg, r) for r in rows], add_special_tokens=False)["input_ids"]
-        answers = tokenizer([str(as_text(r[cfg.output_field], sep)) for r in rows],
-                            add_special_tokens=False)["input_ids"]
+        answers = tokenizer([instruct_response(cfg, r) for r in rows], add_special_tokens=False)["input_ids"]
         out = {"input_ids": [], "labels": [], "length": []}
         for p, a in zip(prompts, answers):
             p, a = bos + p, a + [eos]

@@ -261,16 +261,21 @@ def read_prompts(req: GenerateRequest) -> list[str]:
 GREEDY_BELOW = 1e-5
 # Only the options choose the next token: transformers adds whatever decoding settings the model's
 # generation_config.json holds (a hub model's repetition penalty, beams, top-k, min-p) and, when it
-# samples, a top-k of 50 of its own, so --top-p 1 was no full-distribution sampling. These turn each off.
+# samples, a top-k of 50 of its own, so --top-p 1 was no full-distribution sampling. These turn each off;
+# the last ones keep one plain sequence per prompt (the file's num_return_sequences or
+# return_dict_in_generate: a traceback).
 PLAIN_DECODING = dict(num_beams=1, repetition_penalty=1.0, no_repeat_ngram_size=0, min_length=0, min_new_tokens=None,
-                      bad_words_ids=None, sequence_bias=None, guidance_scale=None)
+                      bad_words_ids=None, sequence_bias=None, guidance_scale=None, num_return_sequences=1,
+                      return_dict_in_generate=False, output_scores=False, output_logits=False)
 PLAIN_SAMPLING = dict(top_k=0, typical_p=1.0, min_p=None, epsilon_cutoff=0.0, eta_cutoff=0.0)
 
 
 def generate(model, tokenizer, prompts: list, max_new_tokens: int = 64, temperature: float = 0.7,
-             top_p: float = 0.9, seed: int = 0, batch_size: int = 8) -> list[str]:
+             top_p: float = 0.9, seed: int = 0, batch_size: int = 8, stop: list[int | str] = ()) -> list[str]:
     """The continuation of each prompt (a string, or token ids), `batch_size` prompts per
-    `model.generate` call, left-padded so every row's new tokens start in the same column;
+    `model.generate` call, left-padded so every row's new tokens start in the same column, up to
+    the first end-of-sequence token of the model's generation config or of `stop` (prompts.stops: token
+    ids, and texts of several tokens);
     temperature 0 (or below GREEDY_BELOW) decodes greedily. Seeded once: the same call gives the same texts. A prompt
     longer than the model's positions leave room for is cut from the left."""
 
@@ -293,6 +298,14 @@ def generate(model, tokenizer, prompts: list, max_new_tokens: int = 64, temperat
         rows = [r[-(limit - max_new_tokens):] for r in rows]
     if output_offset(model):  # peft drops prompt tuning's position ids: left padding would shift the positions
         batch_size = 1
+    # a mixture of experts trained with its router loss (output_router_logits) computes that loss in every
+    # decoding step too, over the whole attention mask and one new token's router logits: a crash once padded
+    router = dict(output_router_logits=False) if getattr(model.config, "output_router_logits", False) else {}
+    ends = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ends = list(dict.fromkeys([*(ends if isinstance(ends, list) else [] if ends is None else [ends]),
+                               *(s for s in stop if isinstance(s, int))]))
+    texts = [s for s in stop if isinstance(s, str)]
+    at_texts = dict(stop_strings=texts, tokenizer=tokenizer) if texts else {}
     outputs = []
     for i in range(0, len(rows), max(batch_size, 1)):
         batch = rows[i:i + batch_size]
@@ -301,9 +314,22 @@ def generate(model, tokenizer, prompts: list, max_new_tokens: int = 64, temperat
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in batch], device=device)
         with torch.no_grad():
             out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, pad_token_id=pad,
-                                 **PLAIN_DECODING, **sample)
-        outputs += [continuation(tokenizer, r, new) for r, new in zip(batch, out[:, width:].tolist(), strict=True)]
+                                 eos_token_id=ends or None, **at_texts, **PLAIN_DECODING, **sample, **router)
+        outputs += [before(continuation(tokenizer, r, until(new, ends)), texts)
+                    for r, new in zip(batch, out[:, width:].tolist(), strict=True)]
     return outputs
+
+
+def until(new_ids: list[int], ends: list[int]) -> list[int]:
+    """The new tokens before the first end: an end that is no special token (a template's added
+    end of turn) would read as text, and what follows it in a batch is padding."""
+    cut = next((i for i, t in enumerate(new_ids) if t in ends), len(new_ids))
+    return new_ids[:cut]
+
+
+def before(text: str, ends: list[str]) -> str:
+    """`text` up to the first of `ends` in it."""
+    return text[:min((text.find(e) for e in ends if e in text), default=len(text))]
 
 
 def continuation(tokenizer, prompt_ids: list[int], new_ids: list[int]) -> str:
@@ -338,7 +364,8 @@ def run_generate(req: GenerateRequest) -> list[str]:
     new_tokens = lengths.new_tokens(req.max_new_tokens, lengths.smallest([lengths.room_of(req.model, hf_config)]),
                                     max(map(len, ids)), notes.append)
     model, tokenizer, _, _ = load_model(req.model, str(resolve_device(req.device)))
-    texts = generate(model, tokenizer, list(ids), new_tokens, req.temperature, req.top_p, req.seed, req.batch_size)
+    texts = generate(model, tokenizer, list(ids), new_tokens, req.temperature, req.top_p, req.seed, req.batch_size,
+                     layouts.stops(cfg, tokenizer))
     for i, (prompt, text) in enumerate(zip(prompts, texts)):
         if len(prompts) > 1:
             print(f"=== prompt {i + 1} ===")

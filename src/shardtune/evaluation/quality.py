@@ -19,7 +19,7 @@ from shardtune.checkpoint.rundir import refuse_run_file
 from shardtune.errors import UserError
 from shardtune.evaluation import lengths, textscores
 from shardtune.evaluation.evaluate import continuation, data_config, generate, options_named
-from shardtune.evaluation.prompts import check_chat
+from shardtune.evaluation.prompts import check_chat, stops
 from shardtune.fsio import make_dir, refuse_foreign_file, write_text_atomic
 
 SHOWN_EXAMPLES = 3  # example generations in the printed table (the JSON has all)
@@ -110,7 +110,7 @@ def examples(req: QualityRequest, cfg, docs, tokenizer) -> list[Example]:
         formats.instruct_fn(cfg, tokenizer, docs.column_names, what)  # checks the columns
         for row in docs:
             ids = formats.instruct_prompt_ids(cfg, tokenizer, row)
-            out.append(Example(formats.instruct_prompt(cfg, row), str(formats.as_text(row[cfg.output_field])), ids))
+            out.append(Example(formats.instruct_prompt(cfg, row), formats.instruct_response(cfg, row), ids))
             if len(out) == req.generate:
                 break
     else:
@@ -134,7 +134,7 @@ def examples(req: QualityRequest, cfg, docs, tokenizer) -> list[Example]:
 
 
 def generate_for(spec: str, req: QualityRequest, device: str, prompts: list[Example],
-                 ref_tokenizer) -> tuple[list[str], float]:
+                 ref_tokenizer, cfg) -> tuple[list[str], float]:
     """(one generation per prompt, seconds) of the model `spec`; a model with another tokenizer
     than the evaluated one gets the prompt text in its own tokens."""
     model, tokenizer, _, _ = load_model(spec, device)
@@ -142,7 +142,7 @@ def generate_for(spec: str, req: QualityRequest, device: str, prompts: list[Exam
     inputs = [e.prompt_ids if same else e.prompt for e in prompts]
     start = time.perf_counter()
     texts = generate(model, tokenizer, inputs, req.max_new_tokens, req.temperature, req.top_p, req.seed,
-                     req.micro_batch_size)
+                     req.micro_batch_size, stops(cfg, tokenizer))
     return texts, time.perf_counter() - start
 
 
@@ -203,7 +203,7 @@ def run_quality(req: QualityRequest) -> dict:
                            "prompts": len(prompts)}, "models": {}}
     generations = {}
     for role, spec in [("model", req.model)] + ([("base", req.compare)] if req.compare else []):
-        texts, seconds = generate_for(spec, req, device, prompts, tokenizer)
+        texts, seconds = generate_for(spec, req, device, prompts, tokenizer, cfg)
         generations[role] = texts
         scores = textscores.score(texts, references, metrics, req.seed, featurizer)
         # the step tells `report` whether these are still the scores of the run's model (generation_report)
