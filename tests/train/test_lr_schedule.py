@@ -8,9 +8,9 @@ at every step, exactly; the plain cosine-with-min-lr schedule differs in the war
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import torch
 from transformers import (
     get_constant_schedule_with_warmup,
     get_cosine_with_min_lr_schedule_with_warmup,
