@@ -100,7 +100,8 @@ def test_auto_micro_batches_are_the_divisors_of_the_batch_per_rank():
     ("train.betas=[0.9,.nan]", "train.betas=nan"), ("train.epochs=-.inf", "train.epochs=-inf"),
     ("train.betas=[0.9,1.0]", "train.betas=1.0 must be below 1"),
     ("train.betas=[-0.1,0.9]", "train.betas=-0.1 must be at least 0"),
-    ("train.eps=-1e-8", "train.eps=-1e-08 must be at least 0"),
+    ("train.eps=-1e-8", "train.eps=-1e-08 must be above 0"),
+    ("train.eps=0", "train.eps=0.0 must be above 0"),  # 0/0 for weights without a gradient yet: NaN at step 1
     ("train.min_lr_ratio=1.5", "train.min_lr_ratio=1.5"), ("train.max_steps=-3", "train.max_steps"),
     ("data.seq_len=1", "data.seq_len=1 must be at least 2"),  # nothing to predict: loss 0, perplexity 1
     ("peft.dropout=1.0", "peft.dropout"),

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import (
     get_constant_schedule_with_warmup,
     get_cosine_with_min_lr_schedule_with_warmup,
@@ -16,7 +18,7 @@ from transformers import (
 )
 
 from shardtune.config.schema import TrainConfig
-from shardtune.train.optim import lr_factor
+from shardtune.train.optim import lr_at, lr_factor
 
 
 def lambda_of(make, **kw):
@@ -62,3 +64,25 @@ def test_a_resume_on_another_schedule_says_so():
                                                                                  max_steps=10), 6, 4) is None
     assert "(constant over 10 steps)" in schedule_change(saved, TrainConfig(lr=1e-3, warmup_steps=2, max_steps=10,
                                                                             lr_schedule="constant"), 6, 4)
+
+
+@settings(max_examples=300, deadline=None)
+@given(warmup=st.integers(0, 60), total=st.integers(1, 120), schedule=st.sampled_from(["cosine", "linear", "constant"]),
+       floor=st.sampled_from([0.0, 0.1, 0.5, 1.0]), lr=st.floats(1e-6, 1.0))
+def test_every_step_of_every_schedule_is_transformers_get_scheduler(warmup, total, schedule, floor, lr):
+    """Any warmup (longer than the run too), run length and floor: the lr of each step a run trains
+    (0 .. total-1) is transformers' `get_scheduler` one step ahead in warmup, at the step after it;
+    the warmup ends at the peak and no step trains at 0 or above the peak."""
+    cfg = TrainConfig(lr=lr, warmup_steps=warmup, lr_schedule=schedule, min_lr_ratio=floor)
+    ramp = lambda_of(get_constant_schedule_with_warmup, num_warmup_steps=warmup)
+    decay = {"constant": lambda s: 1.0,
+             "cosine": lambda_of(get_cosine_with_min_lr_schedule_with_warmup, num_warmup_steps=warmup,
+                                 num_training_steps=total, min_lr_rate=floor),
+             "linear": lambda_of(get_wsd_schedule, num_warmup_steps=warmup, num_decay_steps=max(0, total - warmup),
+                                 num_stable_steps=0, decay_type="linear", min_lr_ratio=floor)}[schedule]
+    ours = [lr_at(s, total, cfg) for s in range(total)]
+    theirs = [lr * (ramp(s + 1) if s < warmup else decay(s)) for s in range(total)]
+    assert ours == pytest.approx(theirs, rel=1e-12, abs=0)
+    assert all(0 < x <= lr for x in ours)
+    if warmup and warmup <= total:
+        assert ours[warmup - 1] == lr

@@ -28,16 +28,17 @@ def test_block_norms_equal_torchs_norms_and_ask_the_host_nothing(trainer, monkey
     watch.histograms = True  # as with TensorBoard or W&B among log.trackers
     assert watch.names == ["embeddings", "layers.0", "layers.1", "head"]
     grads_seen = {}
-    real_clip = torch.nn.utils.clip_grad_norm_
+    real_clip = step_mod.clip_gradients
 
-    def clip(params, max_norm, *a, **kw):  # torch's own norms of the gradients, before clipping
-        params = list(params)
-        for n, p in trainer.model.named_parameters():
+    # torch's own norms of the whole gradients, read where the step clips them (it called torch's
+    # clip_grad_norm_ once, which this test wrapped; since step.clip_gradients it saw no gradient)
+    def clip(model, max_norm):
+        for n, p in model.named_parameters():
             if p.grad is not None:
                 grads_seen[n] = torch.linalg.vector_norm(p.grad.full_tensor()).item()
-        return real_clip(params, max_norm, *a, **kw)
+        return real_clip(model, max_norm)
 
-    monkeypatch.setattr(step_mod.torch.nn.utils, "clip_grad_norm_", clip)
+    monkeypatch.setattr(step_mod, "clip_gradients", clip)
     prefetcher = trainer.prefetcher()
     try:
         with HostReads() as reads:
@@ -61,6 +62,7 @@ def test_block_norms_equal_torchs_norms_and_ask_the_host_nothing(trainer, monkey
         want = {}
         for name, norm in values.items():
             want[group_of(name)] = want.get(group_of(name), 0.0) + norm ** 2
+        assert sorted(want) == sorted(watch.names), kind  # every block compared, none left out
         for g, sq in want.items():
             assert abs(got[f"{kind}_norm/{g}"] - sq ** 0.5) <= 1e-5 * max(1.0, sq ** 0.5), (kind, g)
     total = sum(got[f"grad_norm/{g}"] ** 2 for g in watch.names) ** 0.5

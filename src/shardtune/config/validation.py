@@ -76,6 +76,9 @@ BOUNDS = {
     # a global batch of 2**40 sequences is far beyond any run (and micro_batch_size=auto's divisors stay quick)
     "train.micro_batch_size": Range(1), "train.global_batch_size": Range(1, 2 ** 40), "train.lr": Range(None, above=0),
     "train.min_lr_ratio": Range(0, 1), "train.betas": Range(0, below=1),
+    # AdamW divides by sqrt(second moment) + eps: at 0, a weight no gradient has reached yet (the embedding
+    # row of a token not seen so far) updates by 0/0, NaN, from the first step on
+    "train.eps": Range(None, above=0),
     # a block of one token has nothing to predict: loss 0, perplexity 1, a wrong answer
     "data.seq_len": Range(2), "data.cutoff_len": Range(2), "data.num_proc": Range(1, 1024),
     "activation_checkpointing_every": Range(1),
