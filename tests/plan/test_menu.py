@@ -22,6 +22,8 @@ RECIPE = {  # key -> values a recipe may set that the menu must respect
     "peft.quantize": ["none", "4bit"],
     "precision": ["fp32", "bf16"],
     "activation_offload": ["false", "true"],
+    "float8": ["none", "rowwise"],
+    "train.optimizer_state": ["fp32", "8bit"],
 }
 
 

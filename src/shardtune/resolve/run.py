@@ -42,6 +42,17 @@ def resolve_run(cfg: RunConfig, world_size: int = 1, local_world_size: int | Non
     return freeze(resolved)
 
 
+def handed_on(cfg: RunConfig) -> list[str]:
+    """The overrides that give a rank (or a job) started with the same recipe and overrides the
+    values resolve_run filled in for `cfg` (a resolved run), so it resolves none of them again: a
+    rank that did said again what auto chose, and measured this machine again."""
+    from shardtune.config.load import override_word
+
+    return [override_word("output_dir", cfg.output_dir), f"device={cfg.device}",
+            f"compile={str(cfg.compile).lower()}", f"train.micro_batch_size={cfg.train.micro_batch_size}",
+            f"activation_checkpointing={cfg.activation_checkpointing}"]
+
+
 def _rank0_print(line: str) -> None:
     from shardtune.distributed.process_group import is_main_process
 
