@@ -232,6 +232,7 @@ def test_an_auto_layout_is_resolved_within_the_memory_limit_and_handed_to_the_tr
     budgets = []
 
     def resolved(cfg, world, local, host_budget=None):
+        assert (cfg.device, cfg.compile) == ("cpu", False)  # planned as the trial will run: resolved as train resolves
         budgets.append(host_budget)
         return 2, "selective", "auto: micro-batch 2, selective"
 
