@@ -12,7 +12,6 @@ import pytest
 from conftest import TINY
 from shardtune.config.compiling import compiles
 from shardtune.config.load import load_config
-from shardtune.errors import UserError
 
 BASE = [f"model.config={json.dumps(TINY['llama'])}", "data.path=unused", "precision=bf16"]
 
@@ -79,22 +78,3 @@ def test_plan_prices_a_layout_compiled_as_train_will_run_it():
     assert eager / auto == pytest.approx(HOST_FACTS["mfu_compiled"].value / HOST_FACTS["mfu"].value, rel=1e-6)
     assert step_time(trace, hf_config, offloading, cfg, target, accum=1)["compute"] == pytest.approx(
         step_time(trace, hf_config, offloading, eager_cfg, target, accum=1)["compute"])
-
-
-@pytest.mark.parametrize("offload, quantize", list(itertools.product([False, True], ["none", "4bit"])))
-def test_an_explicit_compile_true_loads_only_where_the_build_compiles(offload, quantize):
-    """compile=true is taken where the blocks are compiled, refused in one line elsewhere: never a
-    run that records and prices compile=true and trains eager (QLoRA's model is built apart,
-    model.adapters.load_qlora_model, without compile; activation offload's hooks cannot run inside)."""
-    qlora = ["peft.method=lora", "model.name_or_path=m", "device=cuda"] if quantize != "none" else []
-    words = [*BASE, *qlora, f"peft.quantize={quantize}", f"activation_offload={str(offload).lower()}"]
-    try:
-        load_config(None, [*words, "compile=auto"])
-    except UserError:  # refused whatever compile says (QLoRA with activation offload)
-        return
-    if offload or quantize != "none":
-        with pytest.raises(UserError) as err:
-            load_config(None, [*words, "compile=true"])
-        assert "\n" not in str(err.value) and "compile" in str(err.value)
-    else:
-        assert compiles(load_config(None, [*words, "compile=true"]).compile, "cuda", offload, quantize)

@@ -46,9 +46,6 @@ def test_micro_batch_size_takes_auto_and_names_both_forms_when_wrong():
     (["fsdp.reduce_dtype=bf16"], "fsdp.reduce_dtype=bf16 needs precision=bf16"),
     (["activation_offload=maybe"], "activation_offload must be true or false"),
     (["activation_offload=true", "compile=true"], "activation_offload does not combine with compile"),
-    # QLoRA's model is built apart and never compiled: compile=true trained eager, priced compiled by plan
-    (["peft.method=lora", "peft.quantize=4bit", "model.name_or_path=m", "device=cuda", "compile=true"],
-     "peft.quantize=4bit (QLoRA) does not compile its blocks"),
     (["peft.method=lora", "peft.quantize=4bit", "model.name_or_path=m", "device=cuda",
       "activation_checkpointing=selective"], "supports activation_checkpointing=full or none"),
 ])

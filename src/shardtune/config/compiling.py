@@ -12,8 +12,7 @@ from __future__ import annotations
 
 def compiles(compile: bool | str, device: str, activation_offload: bool, quantize: str = "none") -> bool:
     """Whether the decoder blocks are compiled for `compile` (true, false or auto) on `device`
-    ("cuda" or "cpu"); never with activation offload (config validation refuses compile=true with it,
-    and with QLoRA, whose model is built apart, eager)."""
+    ("cuda" or "cpu"); never with activation offload (config validation refuses compile=true with it)."""
     if activation_offload:
         return False
     if compile != "auto":

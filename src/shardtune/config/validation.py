@@ -338,9 +338,6 @@ def _validate_memory_savers(cfg) -> None:
     if cfg.activation_offload and cfg.compile is True:
         raise UserError("activation_offload does not combine with compile (its hooks would run inside compiled "
                         "blocks); drop one of them")
-    if cfg.peft.quantize != "none" and cfg.compile is True:  # its model is built apart (load_qlora_model), eager
-        raise UserError("peft.quantize=4bit (QLoRA) does not compile its blocks (bitsandbytes' 4-bit matmul, not "
-                        "measured); drop compile=true (compile=auto leaves QLoRA eager)")
     if cfg.peft.quantize != "none" and (cfg.activation_checkpointing in ("selective", "every_n")
                                         or cfg.activation_offload):
         raise UserError("peft.quantize=4bit (QLoRA) supports activation_checkpointing=full or none and no "
