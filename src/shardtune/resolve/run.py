@@ -25,7 +25,10 @@ def resolve_run(cfg: RunConfig, world_size: int = 1, local_world_size: int | Non
     resolved = resolve_machine(cfg)
     if cfg.compile == "auto" and resolved.compile:
         (say or _rank0_print)("compile=auto: each decoder block compiled (1.34x eager measured on an H200; about "
-                                  "15 s of compiling first; compile=false to run eager)")
+                              "15 s of compiling first; compile=false to run eager)")
+    elif cfg.compile is True and not resolved.compile:  # QLoRA: its model is built apart, eager
+        (say or _rank0_print)("compile=true: not with peft.quantize=4bit (QLoRA's model is built apart, eager); "
+                              "running eager")
     if "auto" in (cfg.train.micro_batch_size, cfg.activation_checkpointing):
         from shardtune.plan.fit import resolve_layout
 
@@ -37,15 +40,15 @@ def resolve_run(cfg: RunConfig, world_size: int = 1, local_world_size: int | Non
 
 
 def resolve_machine(cfg: RunConfig) -> RunConfig:
-    """An unfrozen copy of `cfg` with device=auto and compile=auto resolved for this machine: the
-    run the layout is planned for (before it: the planner ranks the layouts as they will run)."""
+    """An unfrozen copy of `cfg` with device=auto resolved for this machine and compile as the build
+    takes it (auto, and true with QLoRA: config.compiling): the run the layout is planned for (before
+    it: the planner ranks the layouts as they will run)."""
     resolved = copy.deepcopy(cfg)  # the caller's config stays as it was
     if cfg.device == "auto":  # what the run will use here: its config.yaml says which
         from shardtune.distributed.process_group import resolve_device
 
         resolved.device = resolve_device("auto").type
-    if cfg.compile == "auto":
-        resolved.compile = compiles("auto", resolved.device, cfg.activation_offload, cfg.peft.quantize)
+    resolved.compile = compiles(cfg.compile, resolved.device, cfg.activation_offload, cfg.peft.quantize)
     return resolved
 
 
