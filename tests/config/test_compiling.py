@@ -8,6 +8,7 @@ import itertools
 import json
 
 import pytest
+import torch
 
 from conftest import TINY
 from shardtune.config.compiling import compiles
@@ -22,8 +23,10 @@ def test_auto_compiles_on_cuda_where_it_combines_and_an_explicit_value_stays(com
     on = compiles(compile, device, offload, quantize)
     if offload:  # its hooks cannot run inside compiled blocks (compile=true with it is refused at load)
         assert on is False
+    elif quantize != "none":  # QLoRA's model is built apart (model.adapters.load_qlora_model) and never compiled
+        assert on is False
     elif compile == "auto":
-        assert on is (device == "cuda" and quantize == "none")
+        assert on is (device == "cuda")
     else:
         assert on is compile
 
@@ -78,3 +81,30 @@ def test_plan_prices_a_layout_compiled_as_train_will_run_it():
     assert eager / auto == pytest.approx(HOST_FACTS["mfu_compiled"].value / HOST_FACTS["mfu"].value, rel=1e-6)
     assert step_time(trace, hf_config, offloading, cfg, target, accum=1)["compute"] == pytest.approx(
         step_time(trace, hf_config, offloading, eager_cfg, target, accum=1)["compute"])
+
+
+@pytest.mark.parametrize("compile, offload, quantize", list(itertools.product(
+    ["true", "false", "auto"], [False, True], ["none", "4bit"])))
+def test_train_resolves_compile_as_the_build_runs_it_and_plan_prices_it(monkeypatch, compile, offload, quantize):
+    """On a CUDA machine: the resolved run (its config.yaml) says compiled exactly where the build
+    compiles (never QLoRA's model, built apart), and plan prices that same layout compiled; an
+    explicit compile=true that runs eager is said, not silent, and not refused (a saved config with it loads)."""
+    from shardtune.distributed import process_group
+    from shardtune.errors import UserError
+    from shardtune.plan.cost import Candidate, compiled
+    from shardtune.resolve.run import resolve_run
+
+    monkeypatch.setattr(process_group, "resolve_device", lambda name: torch.device("cuda"))
+    qlora = ["peft.method=lora", "model.name_or_path=m", "device=cuda"] if quantize != "none" else []
+    try:
+        cfg = load_config(None, [*BASE, *qlora, f"peft.quantize={quantize}", f"compile={compile}",
+                                 f"activation_offload={str(offload).lower()}"])
+    except UserError:  # compile=true with offload; QLoRA with offload
+        assert offload
+        return
+    said = []
+    resolved = resolve_run(cfg, 1, say=said.append)
+    builds_compiled = resolved.compile is True and quantize == "none"  # fsdp.apply_parallelism; QLoRA: no
+    assert resolved.compile is builds_compiled
+    assert compiled(cfg, Candidate("full_shard", "bf16", 8, activation_offload=offload)) is builds_compiled
+    assert len(said) == (compile == "auto" and builds_compiled) + (compile == "true" and not builds_compiled)

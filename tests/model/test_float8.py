@@ -155,3 +155,12 @@ def test_checkpointing_recomputes_float8_layers_exactly(float8_on_cpu, assets, t
                              **{**RUN, "train.max_steps": 3, "checkpoint.every_steps": 0, "save_final": "false"})
             for kind in ("none", "full", "every_n", "selective")}
     assert all(losses_ == runs["none"] for losses_ in runs.values()), runs
+
+
+def test_the_start_up_line_advises_compile_only_where_it_is_taken():
+    """Eager casts: compile=true is the advice, but not with activation offload, which refuses it."""
+    line = float8.describe(nn.Linear(16, 16), "rowwise", compiled=False)
+    assert "compile=true makes them fast" in line
+    offloading = float8.describe(nn.Linear(16, 16), "rowwise", compiled=False, activation_offload=True)
+    assert "compile=true" not in offloading and "activation_offload keeps the blocks eager" in offloading
+    assert "eager" not in float8.describe(nn.Linear(16, 16), "rowwise", compiled=True)

@@ -232,6 +232,7 @@ def test_an_auto_layout_is_resolved_within_the_memory_limit_and_handed_to_the_tr
     budgets = []
 
     def resolved(cfg, world, local, host_budget=None):
+        assert (cfg.device, cfg.compile) == ("cpu", False)  # planned as the trial will run: resolved as train resolves
         budgets.append(host_budget)
         return 2, "selective", "auto: micro-batch 2, selective"
 
@@ -261,6 +262,7 @@ def test_an_auto_layout_is_resolved_within_the_memory_limit_and_handed_to_the_tr
     (["--grid", "train.max_steps=1,2"], "--grid train.max_steps is set per trial by --steps; sweep other keys"),
     (["--grid", "log.every_steps=5,10"], "log.every_steps is set per trial by the sweep (it measures every step"),
     (["--grid", "train.lr=1e-3,0.001"], "train.lr=0.001: it is the same run as --grid train.lr=1e-3"),
+    (["device=cpu", "--grid", "compile=auto,false"], "compile=false: it is the same run as --grid compile=auto"),
     (["--max-batch", "--grid", "train.micro_batch_size=1,2"], "micro_batch_size is set per trial by --max-batch"),
     (["--grid", "precision=bf16", "--mem-limit", "lots"], "is not a memory size"),
     # a CPU cap under what Python and torch hold: every trial died at start, recorded as the sweep's answer

@@ -29,7 +29,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     """Resolve the run, check it, then build and train it here or in `--nproc N` ranks."""
     from shardtune.check.run import check_run
-    from shardtune.config.load import load_config, override_word
+    from shardtune.config.load import load_config
     from shardtune.distributed.process_group import (
         agent_world,
         check_agent_env,
@@ -37,7 +37,7 @@ def run(args) -> int:
         is_main_process,
         launched_by_agent,
     )
-    from shardtune.resolve.run import resolve_run
+    from shardtune.resolve.run import handed_on, resolve_run
 
     check_agent_env()  # torchrun's or srun's variables, before anything is read, planned or written
     recipe, overrides, defaults, used = recipe_and_defaults(args.recipe, args.overrides)
@@ -82,9 +82,7 @@ def run(args) -> int:
         prepare_run_dir(cfg, args.overwrite, check_only=True)  # cheap: a live run's folder is refused at once
         check_run(cfg, nproc, say=lambda line: None)  # one error here, not one per rank
         # the ranks take what the autos chose: planning again, each on its own reading of free RAM, could differ
-        worker = ["train", *([recipe] if recipe else []), *overrides, override_word("output_dir", out),
-                  f"device={cfg.device}", f"train.micro_batch_size={cfg.train.micro_batch_size}",
-                  f"activation_checkpointing={cfg.activation_checkpointing}"]
+        worker = ["train", *([recipe] if recipe else []), *overrides, *handed_on(cfg)]
         if args.overwrite:
             worker.append("--overwrite")
         return _launch_preemptible(nproc, worker, Path(out))

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 def compiles(compile: bool | str, device: str, activation_offload: bool, quantize: str = "none") -> bool:
     """Whether the decoder blocks are compiled for `compile` (true, false or auto) on `device`
-    ("cuda" or "cpu"); never with activation offload (config validation refuses compile=true with it)."""
-    if activation_offload:
+    ("cuda" or "cpu"); never with activation offload (config validation refuses compile=true with it)
+    nor with QLoRA, whose model is built apart (model.adapters.load_qlora_model) and never compiled:
+    compile=true there is resolved to false (resolve.run says so), not refused, so that the saved
+    config of a QLoRA run that set it still loads."""
+    if activation_offload or quantize != "none":
         return False
     if compile != "auto":
         return bool(compile)
-    return device == "cuda" and quantize == "none"
+    return device == "cuda"

@@ -128,10 +128,12 @@ def keep_scales_precomputed(model, optimizer, recipe: str) -> None:
     handle = model.register_forward_pre_hook(first_forward)
 
 
-def describe(model, recipe: str, compiled: bool) -> str:
+def describe(model, recipe: str, compiled: bool, activation_offload: bool = False) -> str:
     """The start-up line's part, e.g. ' | float8 rowwise: 84 linear layers'."""
     if recipe == "none":
         return ""
     # Without compile each cast is a few separate kernels over the activations: often slower than bf16.
-    return (f" | float8 {recipe}: {len(converted(model))} linear layers"
-            f"{'' if compiled else ' (eager casts: compile=true makes them fast)'}")
+    # With activation offload compile=true is refused (config.validation): advice it would refuse is none
+    why = " (eager casts: activation_offload keeps the blocks eager)" if activation_offload else \
+        " (eager casts: compile=true makes them fast)"
+    return f" | float8 {recipe}: {len(converted(model))} linear layers{'' if compiled else why}"

@@ -16,6 +16,7 @@ from shardtune.config.load import auto_micro_batches
 from shardtune.config.schema import ModelConfig, RunConfig
 from shardtune.errors import UserError
 from shardtune.fsio import json_loads
+from shardtune.plan.menu import checkpointing_modes
 
 SHIPPED_CONFIGS = Path(__file__).parent / "model_configs"
 
@@ -83,18 +84,6 @@ def predict_peak_bytes(cfg: RunConfig, world_size: int) -> int:
 
 HOST_KEEP_FREE = 0.2  # share of available host RAM auto leaves free on CPU (page cache, data workers)
 HOST_PROCESS_BYTES = 1 << 30  # what a rank's interpreter, torch and transformers hold beside tensors
-
-
-def checkpointing_modes(cfg: RunConfig) -> tuple[str, ...]:
-    """The activation checkpointing modes activation_checkpointing=auto chooses from: those the
-    rest of the config takes (config.validation: prefix tuning recomputes nothing; QLoRA full or none)."""
-    from shardtune.plan.cost import CHECKPOINTING
-
-    if cfg.peft.method == "prefix_tuning":
-        return ("none",)
-    if cfg.peft.quantize != "none":
-        return ("none", "full")
-    return CHECKPOINTING
 
 
 def resolve_layout(cfg: RunConfig, world_size: int, local_world_size: int, host_budget: int | None = None) \

@@ -42,15 +42,29 @@ def micro_batches(cfg: RunConfig, world: int) -> list[int]:
     return out
 
 
+def checkpointing_modes(cfg: RunConfig) -> tuple[str, ...]:
+    """The activation checkpointing modes the rest of the config takes (config.validation: prefix
+    tuning recomputes nothing; QLoRA full or none): the menu's, and those activation_checkpointing=auto
+    chooses from."""
+    if cfg.peft.method == "prefix_tuning":
+        return ("none",)
+    if cfg.peft.quantize != "none":
+        return ("none", "full")
+    return CHECKPOINTING
+
+
 def layouts(cfg: RunConfig, target: Target) -> list[Candidate]:
-    """Every layout of the menu (as a Candidate at micro-batch 0 with fp32 state, no CPU offload);
-    QLoRA's (one GPU, no FSDP) take full checkpointing or none, no offloading and no reduction."""
+    """Every layout of the menu (as a Candidate at micro-batch 0 with fp32 state, no CPU offload)
+    that train takes: the checkpointing modes of `checkpointing_modes`; QLoRA's (one GPU, no FSDP)
+    no offloading and no reduction; compile=true no activation offloading (config.validation
+    refuses the pair). A layout it refuses was a `run it:` line that train refused."""
     qlora = cfg.peft.quantize != "none"
+    offloads = (False,) if qlora or cfg.compile is True else (False, True)
     out = []
     for precision in precisions(cfg, target):
         for sharding in shardings(cfg, target):
-            for checkpointing in (("none", "full") if qlora else CHECKPOINTING):
-                for offload in ((False,) if qlora else (False, True)):
+            for checkpointing in checkpointing_modes(cfg):
+                for offload in offloads:
                     for reduce in (["fp32", "bf16"] if precision == "bf16" and not qlora else ["fp32"]):
                         out.append(Candidate(sharding, precision, 0, checkpointing, cfg.activation_checkpointing_every,
                                              offload, reduce))

@@ -22,16 +22,13 @@ def resolve_run(cfg: RunConfig, world_size: int = 1, local_world_size: int | Non
     chose goes to `say` (default: printed on rank 0)."""
     from shardtune.checkpoint.rundir import default_output_dir
 
-    resolved = copy.deepcopy(cfg)  # the caller's config stays as it was
-    if cfg.device == "auto":  # what the run will use here: its config.yaml says which
-        from shardtune.distributed.process_group import resolve_device
-
-        resolved.device = resolve_device("auto").type
-    if cfg.compile == "auto":  # before the layout: the planner ranks the layouts as they will run
-        resolved.compile = compiles("auto", resolved.device, cfg.activation_offload, cfg.peft.quantize)
-        if resolved.compile:
-            (say or _rank0_print)("compile=auto: each decoder block compiled (1.34x eager measured on an H200; about "
-                                  "15 s of compiling first; compile=false to run eager)")
+    resolved = resolve_machine(cfg)
+    if cfg.compile == "auto" and resolved.compile:
+        (say or _rank0_print)("compile=auto: each decoder block compiled (1.34x eager measured on an H200; about "
+                              "15 s of compiling first; compile=false to run eager)")
+    elif cfg.compile is True and not resolved.compile:  # QLoRA: its model is built apart, eager
+        (say or _rank0_print)("compile=true: not with peft.quantize=4bit (QLoRA's model is built apart, eager); "
+                              "running eager")
     if "auto" in (cfg.train.micro_batch_size, cfg.activation_checkpointing):
         from shardtune.plan.fit import resolve_layout
 
@@ -40,6 +37,30 @@ def resolve_run(cfg: RunConfig, world_size: int = 1, local_world_size: int | Non
         (say or _rank0_print)(line)
     resolved.output_dir = cfg.output_dir or default_output_dir(cfg.recipe)
     return freeze(resolved)
+
+
+def resolve_machine(cfg: RunConfig) -> RunConfig:
+    """An unfrozen copy of `cfg` with device=auto resolved for this machine and compile as the build
+    takes it (auto, and true with QLoRA: config.compiling): the run the layout is planned for (before
+    it: the planner ranks the layouts as they will run)."""
+    resolved = copy.deepcopy(cfg)  # the caller's config stays as it was
+    if cfg.device == "auto":  # what the run will use here: its config.yaml says which
+        from shardtune.distributed.process_group import resolve_device
+
+        resolved.device = resolve_device("auto").type
+    resolved.compile = compiles(cfg.compile, resolved.device, cfg.activation_offload, cfg.peft.quantize)
+    return resolved
+
+
+def handed_on(cfg: RunConfig) -> list[str]:
+    """The overrides that give a rank (or a job) started with the same recipe and overrides the
+    values resolve_run filled in for `cfg` (a resolved run), so it resolves none of them again: a
+    rank that did said again what auto chose, and measured this machine again."""
+    from shardtune.config.load import override_word
+
+    return [override_word("output_dir", cfg.output_dir), f"device={cfg.device}",
+            f"compile={str(cfg.compile).lower()}", f"train.micro_batch_size={cfg.train.micro_batch_size}",
+            f"activation_checkpointing={cfg.activation_checkpointing}"]
 
 
 def _rank0_print(line: str) -> None:

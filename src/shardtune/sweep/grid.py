@@ -167,12 +167,16 @@ def check(sweep: Sweep) -> None:
     check_mem_limit(sweep)
     check_overrides(sweep, [k for k, _ in sweep.grid], "--grid")
     sweep.config({})  # the recipe and overrides alone: their errors are not the grid's
-    runs: dict[str, str] = {}  # each point's config -> the point: two that load the same are one run twice
+    from shardtune.resolve.run import resolve_machine
+
+    runs: dict[str, str] = {}  # each point's config -> the point: two that resolve the same are one run twice
     for point in sweep.points():
         where = " ".join(f"{k}={v}" for k, v in point.items())
         try:
             cfg = sweep.config(point)
-            same = runs.setdefault(json.dumps(dataclasses.asdict(cfg), sort_keys=True, default=str), where)
+            # as its trial resolves it: compile=auto,false on CPU (or device=auto,cpu) is one run twice
+            ran = dataclasses.asdict(resolve_machine(cfg))
+            same = runs.setdefault(json.dumps(ran, sort_keys=True, default=str), where)
             if same != where:
                 raise UserError(f"it is the same run as --grid {same} (the values mean the same); list each "
                                 "value once")

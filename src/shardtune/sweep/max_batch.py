@@ -129,9 +129,11 @@ def auto_layout(sweep, point: dict, limit: int | None, records: list[dict]) -> t
     if not (auto_mb or auto_ck):
         return None, None
     from shardtune.plan.fit import resolve_layout
+    from shardtune.resolve.run import resolve_machine
 
     budget = tensor_budget(limit, sweep.device, records) if sweep.mem_limit else None
-    micro_batch, mode, line = resolve_layout(cfg, sweep.nproc, sweep.nproc, host_budget=budget)
+    # for the device and compile the trial resolves (unresolved, compile=auto was priced compiled on CPU)
+    micro_batch, mode, line = resolve_layout(resolve_machine(cfg), sweep.nproc, sweep.nproc, host_budget=budget)
     print(f"  {slug(point) or 'recipe'}: {line}", flush=True)
     return (micro_batch if auto_mb else None), (mode if auto_ck else None)
 

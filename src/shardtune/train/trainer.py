@@ -100,7 +100,7 @@ class Trainer:
                  f"({trainable:,} trainable, {100 * trainable / max(total, 1):.3g}%) | "
                  f"{dist.world_size} rank(s) on {dist.device.type} | {cfg.fsdp.sharding} | {cfg.precision} | "
                  f"accumulation {self.accum} | {self.total_steps} steps | weights: {self.built.loaded}"
-                 f"{float8.describe(model, cfg.float8, cfg.compile)}"
+                 f"{float8.describe(model, cfg.float8, cfg.compile is True, cfg.activation_offload)}"
                  f"{kernels.describe(model, loss_lib.is_installed(model))}"
                  f"{describe_memory_savers(cfg, dist.device.type)}")
 
