@@ -56,7 +56,8 @@ REFUSED = {
 }
 
 IRRELEVANT = {
-    "output_dir": "a folder name", "device": "plan plans for the GPU of --gpu / --gpu-mem",
+    "output_dir": "a folder name",
+    "device": "plan plans for the GPU of --gpu / --gpu-mem (device=cpu: its blocks priced eager, as train runs them)",
     "resume": "where to start from, not what a step holds", "on_nan": "a skipped update holds what a step holds",
     "recipe": "a name", "model.tokenizer": "the vocabulary comes from the model config",
     **{f"data.{k}": DATA for k in ("path", "name", "split", "val_split", "val_size", "text_field", "start_idx",
