@@ -182,9 +182,11 @@ def wandb_afresh(monkeypatch) -> None:
 def train_tiny(assets, out, **extra) -> list[float]:
     """Per-step losses of an in-process run of a tiny model (quickstart defaults dropped)."""
     from shardtune.config.load import load_config
+    from shardtune.resolve.run import resolve_machine
     from shardtune.train.trainer import run
 
-    run(load_config(None, tiny_overrides(assets, out, **extra), defaults={}), overwrite=True)
+    # the machine's values as train resolves them (on CUDA: compile=auto compiles, as the CLI's runs do)
+    run(resolve_machine(load_config(None, tiny_overrides(assets, out, **extra), defaults={})), overwrite=True)
     return losses(out)
 
 
@@ -204,9 +206,11 @@ def lift_float8_device_check(set_attribute=setattr) -> None:
 def make_trainer(assets, out, arch: str = "llama", **extra):
     """An in-process one-rank Trainer of a tiny model (tests/e2e/test_cuda.py makes one on CUDA)."""
     from shardtune.config.load import load_config
+    from shardtune.resolve.run import resolve_machine
     from shardtune.train.trainer import Trainer
 
-    return Trainer(load_config(None, tiny_overrides(assets, out, arch=arch, **extra), defaults={}), overwrite=True)
+    return Trainer(resolve_machine(load_config(None, tiny_overrides(assets, out, arch=arch, **extra), defaults={})),
+                   overwrite=True)
 
 
 def step(trainer, batches):
