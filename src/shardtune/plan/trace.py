@@ -243,10 +243,15 @@ def _faked(batches: list[dict]) -> list[dict]:
 
 
 class _ShapeOnlyData:
-    """Stands in for the tokenized dataset: rows of zeros of the recipe's shape. Packed text and
-    packed instruct/chat give equal rows (with position_ids where documents are masked); padded
-    instruct/chat give full-length rows that go through collate's padding (or padding-free) path,
-    as in training."""
+    """Stands in for the tokenized dataset: rows of zeros of the recipe's shape, each the largest
+    batch of real data can be. Packed text and packed instruct/chat give equal rows; where
+    documents are masked their positions restart mid-row (a row of several documents: the masked
+    attention real rows take). Padded instruct/chat give rows up to the cutoff through collate's
+    padding (or padding-free) path, as in training: with two rows or more the last is a token
+    short, so the batch is padded and carries a mask, as a real padded batch does; one row is
+    never padded, and comes stacked (as a tokenized dataset gives equal rows), so the step makes
+    no mask. (All rows full and unstacked gave a mask of ones: the traced step priced a seq x seq
+    mask that transformers skips on the values, +6 % on a tiny Llama at micro-batch 1.)"""
 
     def __init__(self, cfg: RunConfig):
         d = cfg.data
@@ -257,13 +262,15 @@ class _ShapeOnlyData:
         self.column_names = ["input_ids"] + (["labels"] if own_labels else []) + (["length"] if self.padded else [])
 
     def __getitem__(self, indices):
-        if self.padded:
-            rows = [torch.zeros(self.seq, dtype=torch.long) for _ in indices]
+        if self.padded and len(indices) > 1:
+            rows = [torch.zeros(self.seq - (i == len(indices) - 1), dtype=torch.long) for i in range(len(indices))]
             return {"input_ids": rows, "labels": rows}
         ids = torch.zeros((len(indices), self.seq), dtype=torch.long)
         rows = {"input_ids": ids, **({"labels": ids} if "labels" in self.column_names else {})}
-        if self.positions:  # document-masked packing: positions restart per document
-            rows["position_ids"] = torch.arange(self.seq).expand(len(indices), -1).contiguous()
+        if self.positions:  # document-masked packing: positions restart per document, two a row
+            half = self.seq // 2
+            one = torch.cat([torch.arange(half), torch.arange(self.seq - half)])
+            rows["position_ids"] = one.expand(len(indices), -1).contiguous()
         return rows
 
 
