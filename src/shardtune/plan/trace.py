@@ -193,7 +193,8 @@ def trace_step(cfg: RunConfig, hf_config, world_size: int, local_world_size: int
             optimizer = build_optimizer(model, cfg.train, dist.device, cfg.precision, cfg.peft.lora_plus_ratio)
             create_optimizer_state(model, optimizer)
             scaler = build_grad_scaler(cfg.precision, dist.device)
-            tracker = PhaseTracker(model, optimizer, blocks, BACKEND_COPIES[backend_of(target)])
+            tracker = PhaseTracker(model, optimizer, blocks, BACKEND_COPIES[backend_of(target)],
+                                   cpu_kernels=target == "cpu")
             attention = cuda_attention() if target == "cuda" else contextlib.nullcontext()
             # a CUDA run's offloaded activations go to the host; on CPU offloading moves nothing
             offload = offloaded_activations(tracker, model) if target == "cuda" and cfg.activation_offload \
