@@ -259,12 +259,14 @@ class _ShapeOnlyData:
         self.padded = d.format != "text" and not d.packing
         self.seq = d.example_cutoff if self.padded else d.seq_len
         self.positions = d.masks_documents and not self.padded
+        self.padding_free = d.padding_free
         own_labels = self.positions or (d.format != "text" and not d.train_on_inputs)  # the real data's columns
         self.column_names = ["input_ids"] + (["labels"] if own_labels else []) + (["length"] if self.padded else [])
 
     def __getitem__(self, indices):
-        if self.padded and len(indices) > 1:
-            rows = [torch.zeros(self.seq - (i == len(indices) - 1), dtype=torch.long) for i in range(len(indices))]
+        if self.padded and len(indices) > 1:  # padding-free rows go end to end: all full
+            short = -1 if self.padding_free else len(indices) - 1  # the row a token short
+            rows = [torch.zeros(self.seq - (i == short), dtype=torch.long) for i in range(len(indices))]
             return {"input_ids": rows, "labels": rows}
         ids = torch.zeros((len(indices), self.seq), dtype=torch.long)
         rows = {"input_ids": ids, **({"labels": ids} if "labels" in self.column_names else {})}
