@@ -136,13 +136,13 @@ DATA_LAYOUTS = {"padded": ["data.format=instruct"], "padded chat": ["data.format
                 "text": []}
 
 
-@settings(max_examples=8, deadline=None)
-@given(layout=st.sampled_from(sorted(DATA_LAYOUTS)), micro=st.integers(1, 3), seq=st.sampled_from([32, 96]))
+@settings(max_examples=6, deadline=None)
+@given(layout=st.sampled_from(sorted(DATA_LAYOUTS)), micro=st.integers(1, 3), seq=st.sampled_from([32, 64]))
 def test_every_data_layout_is_traced_as_the_step_its_batches_make(layout, micro, seq):
     """The shape-only batch a trace (and plan.measure) runs is the largest real data makes: a
     padded micro-batch of one row is never padded (transformers skips the mask of ones), of more
     rows it is, and packed rows hold several documents. All rows full and unstacked made a mask of
-    ones at micro-batch 1 that the trace priced and no run builds (+6 % on this model at seq 128),
+    ones at micro-batch 1 that the trace priced and no run builds (+6 % on a tiny Llama at seq 128),
     and measured packed/padded steps without the masks real batches make (the trace +9 % over them)."""
     model = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64,
              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64, "max_position_embeddings": 128,
