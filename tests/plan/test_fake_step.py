@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorMode
 
 from shardtune.plan.fake_step import AnswerScalars
@@ -85,3 +87,33 @@ def test_what_dtensor_shape_propagation_allocates_is_not_the_steps_memory():
         traced = trace_step(cfg, hf_config, world_size=1)
     assert any(seen) and not propagating()  # some ran inside the traced step (others at the build, untracked)
     assert traced.peak_bytes() == plain.peak_bytes()
+
+
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+POINTWISE = {"mul": (torch.ops.aten.mul.Tensor, torch.mul), "add": (torch.ops.aten.add.Tensor, torch.add),
+             "maximum": (torch.ops.aten.maximum.default, torch.maximum),
+             "mul_": (torch.ops.aten.mul_.Tensor, torch.Tensor.mul_)}
+
+
+@settings(max_examples=40, deadline=None)
+@given(op=st.sampled_from(sorted(POINTWISE)), dtypes=st.permutations(FLOATS).map(lambda d: d[:2]),
+       shapes=st.sampled_from([((16, 8), (16, 8)), ((16, 8), (16, 1)), ((16, 1), (16, 8)), ((16, 8), ()),
+                               ((), (16, 8))]))
+def test_the_casts_a_cpu_kernel_makes_are_the_ones_the_trace_counts(op, dtypes, shapes):
+    """A pointwise op of mixed dtypes on CPU copies each operand not of the common dtype (and an
+    in-place result) into a temporary of it, held while the op runs; fake tensors run no kernel. The
+    trace counts exactly the allocator's bytes (cpu_cast_copies: the output's bytes aside)."""
+    from shardtune.plan.fake_step import cpu_cast_copies
+    from shardtune.plan.measure import allocator_peak
+
+    func, call = POINTWISE[op]
+    in_place = op.endswith("_")
+    if in_place and torch.broadcast_shapes(*shapes) != shapes[0]:
+        return  # an in-place result keeps its own shape
+    a, b = (torch.ones(shape, dtype=dtype) for shape, dtype in zip(shapes, dtypes, strict=True))
+    target = a.clone() if in_place else a
+    outputs = []
+    allocated = allocator_peak(lambda: outputs.append(call(target, b)), 0)
+    with FakeTensorMode() as mode:
+        casts = cpu_cast_copies(func, (mode.from_tensor(a), mode.from_tensor(b)), {})
+    assert sum(c.nbytes for c in casts) + (0 if in_place else outputs[0].nbytes) == allocated

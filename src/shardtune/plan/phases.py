@@ -12,8 +12,9 @@ import torch
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch.distributed._tools import mod_tracker
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+from torch.distributed._tools.mem_tracker import _MemRefType
 
-from shardtune.plan.fake_step import propagating
+from shardtune.plan.fake_step import cpu_cast_copies, propagating
 
 # FSDPMemTracker's categories -> the planner's
 CATEGORY = {"Sharded Param": "sharded_params", "Unsharded Param": "gathered_params", "Buffer": "buffers",
@@ -40,9 +41,11 @@ class PhaseTracker(FSDPMemTracker):
     """FSDPMemTracker with a peak per phase of the step instead of per module (whose
     bookkeeping grows with the square of the number of modules)."""
 
-    def __init__(self, model, optimizer, block_names: list[str], backend_copies: dict[str, int] | None = None):
+    def __init__(self, model, optimizer, block_names: list[str], backend_copies: dict[str, int] | None = None,
+                 cpu_kernels: bool = False):
         super().__init__(model, optimizer)
         self.backend_copies = backend_copies or {}  # fake_step.BACKEND_COPIES of the run's backend
+        self.cpu_kernels = cpu_kernels  # count the casts CPU kernels copy (fake_step.cpu_cast_copies)
         self.block_index = {name: j for j, name in enumerate(block_names)}
         self.peaks: dict[tuple, dict[str, int]] = {}
         self.micro = -1
@@ -121,12 +124,17 @@ class PhaseTracker(FSDPMemTracker):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         """A collective whose real backend copies a tensor inside (gloo) holds that copy, as
-        communication, while it runs: the fake backend makes none. A gradient sum that autograd
+        communication, while it runs: the fake backend makes none. On CPU an op of mixed dtypes
+        holds its operands' casts (`cpu_cast_copies`), as temporaries. A gradient sum that autograd
         makes in place in a real run is made in place here too (`accumulates_in_place`)."""
         if func is _DEVICE or propagating():  # a query that allocates nothing (half of a step's ops:
             return func(*args, **(kwargs or {}))  # autograd asks it), or DTensor's fake shapes
         if accumulates_in_place(func, args, kwargs):
             return super().__torch_dispatch__(torch.ops.aten.add_.Tensor, types, args, kwargs)
+        if self.cpu_kernels:
+            casts = cpu_cast_copies(func, args, kwargs)  # the tracker's mode is off in here: counted below
+            for cast in casts:
+                self._update_and_maybe_create_winfos(cast, _MemRefType.TEMP)  # freed with `casts`
         index = self.backend_copies.get(func.name())
         if index is None:
             return super().__torch_dispatch__(func, types, args, kwargs)

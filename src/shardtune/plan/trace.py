@@ -193,7 +193,8 @@ def trace_step(cfg: RunConfig, hf_config, world_size: int, local_world_size: int
             optimizer = build_optimizer(model, cfg.train, dist.device, cfg.precision, cfg.peft.lora_plus_ratio)
             create_optimizer_state(model, optimizer)
             scaler = build_grad_scaler(cfg.precision, dist.device)
-            tracker = PhaseTracker(model, optimizer, blocks, BACKEND_COPIES[backend_of(target)])
+            tracker = PhaseTracker(model, optimizer, blocks, BACKEND_COPIES[backend_of(target)],
+                                   cpu_kernels=target == "cpu")
             attention = cuda_attention() if target == "cuda" else contextlib.nullcontext()
             # a CUDA run's offloaded activations go to the host; on CPU offloading moves nothing
             offload = offloaded_activations(tracker, model) if target == "cuda" and cfg.activation_offload \
@@ -243,27 +244,36 @@ def _faked(batches: list[dict]) -> list[dict]:
 
 
 class _ShapeOnlyData:
-    """Stands in for the tokenized dataset: rows of zeros of the recipe's shape. Packed text and
-    packed instruct/chat give equal rows (with position_ids where documents are masked); padded
-    instruct/chat give full-length rows that go through collate's padding (or padding-free) path,
-    as in training."""
+    """Stands in for the tokenized dataset: rows of zeros of the recipe's shape, each the largest
+    batch of real data can be. Packed text and packed instruct/chat give equal rows; where
+    documents are masked their positions restart mid-row (a row of several documents: the masked
+    attention real rows take). Padded instruct/chat give rows up to the cutoff through collate's
+    padding (or padding-free) path, as in training: with two rows or more the last is a token
+    short, so the batch is padded and carries a mask, as a real padded batch does; one row is
+    never padded, and comes stacked (as a tokenized dataset gives equal rows), so the step makes
+    no mask. (All rows full and unstacked gave a mask of ones: the traced step priced a seq x seq
+    mask that transformers skips on the values, +6 % on a tiny Llama at micro-batch 1.)"""
 
     def __init__(self, cfg: RunConfig):
         d = cfg.data
         self.padded = d.format != "text" and not d.packing
         self.seq = d.example_cutoff if self.padded else d.seq_len
         self.positions = d.masks_documents and not self.padded
+        self.padding_free = d.padding_free
         own_labels = self.positions or (d.format != "text" and not d.train_on_inputs)  # the real data's columns
         self.column_names = ["input_ids"] + (["labels"] if own_labels else []) + (["length"] if self.padded else [])
 
     def __getitem__(self, indices):
-        if self.padded:
-            rows = [torch.zeros(self.seq, dtype=torch.long) for _ in indices]
+        if self.padded and len(indices) > 1:  # padding-free rows go end to end: all full
+            short = -1 if self.padding_free else len(indices) - 1  # the row a token short
+            rows = [torch.zeros(self.seq - (i == short), dtype=torch.long) for i in range(len(indices))]
             return {"input_ids": rows, "labels": rows}
         ids = torch.zeros((len(indices), self.seq), dtype=torch.long)
         rows = {"input_ids": ids, **({"labels": ids} if "labels" in self.column_names else {})}
-        if self.positions:  # document-masked packing: positions restart per document
-            rows["position_ids"] = torch.arange(self.seq).expand(len(indices), -1).contiguous()
+        if self.positions:  # document-masked packing: positions restart per document, two a row
+            half = self.seq // 2
+            one = torch.cat([torch.arange(half), torch.arange(self.seq - half)])
+            rows["position_ids"] = one.expand(len(indices), -1).contiguous()
         return rows
 
 
