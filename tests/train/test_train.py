@@ -153,54 +153,43 @@ def test_quickstart_runs_offline_and_halves_perplexity(tmp_path):
     assert after <= before / 2, line
 
 
-@pytest.mark.early  # tens of seconds: run first (conftest)
-def test_compile_per_block_matches_eager_and_never_recompiles(assets, tmp_path, monkeypatch):
-    """Compiled blocks compute the eager losses, and compile once: the graphs dynamo holds after the
+def compiled_against_eager(assets, out, monkeypatch, steps: int, **extra) -> None:
+    """Train eager, then with compile=true: the losses agree, and the graphs dynamo holds after the
     first step are all it ever makes (a recompiling step would cost seconds every step)."""
+    import torch
     from torch._dynamo.utils import counters
 
     import shardtune.train.trainer as trainer_mod
 
-    eager = train(assets, tmp_path / "eager", **{"train.max_steps": 4})
+    eager = train(assets, out / "eager", **{"train.max_steps": steps, **extra})
     graphs, real_step = [], trainer_mod.train_step
 
     def counted_step(*args, **kw):
-        out = real_step(*args, **kw)
+        result = real_step(*args, **kw)
         graphs.append(counters["stats"]["unique_graphs"])
-        return out
+        return result
 
     monkeypatch.setattr(trainer_mod, "train_step", counted_step)
+    torch._dynamo.reset()  # what another test compiled in this process is not counted here
     counters.clear()
-    compiled = train(assets, tmp_path / "compiled", **{"train.max_steps": 4, "compile": "true"})
+    compiled = train(assets, out / "compiled", **{"train.max_steps": steps, "compile": "true", **extra})
     assert max(abs(a - b) for a, b in zip(eager, compiled, strict=True)) < 1e-4, (eager, compiled)
-    assert graphs[0] >= 1 and graphs == graphs[:1] * 4 and not counters["recompiles"], (graphs, counters)
+    assert graphs[0] >= 1 and graphs == graphs[:1] * steps and not counters["recompiles"], (graphs, counters)
+
+
+@pytest.mark.early  # tens of seconds: run first (conftest)
+def test_compile_per_block_matches_eager_and_never_recompiles(assets, tmp_path, monkeypatch):
+    """Packed text: every micro-batch the same shape."""
+    compiled_against_eager(assets, tmp_path, monkeypatch, 4)
 
 
 @pytest.mark.early  # tens of seconds: run first (conftest)
 def test_compiled_blocks_take_padded_batches_of_any_length_without_recompiling(assets, tmp_path, monkeypatch):
     """compile=auto compiles on every CUDA run, and most fine-tunes pad each micro-batch to its
-    longest example: the lengths change every micro-batch. The compiled blocks give the eager
-    losses, and what dynamo makes in the first step (a graph for the first length, one with the
-    length left dynamic) is all it makes: no step after it compiles again."""
-    import torch
-    from torch._dynamo.utils import counters
-
-    import shardtune.train.trainer as trainer_mod
+    longest example: the lengths change every micro-batch. What dynamo makes in the first step (a
+    graph for the first length, one with the length left dynamic) is all it makes."""
     from conftest import spread_alpaca
 
-    instruct = {"data.path": str(spread_alpaca(tmp_path / "alpaca.jsonl")), "data.format": "instruct",
-                "data.seq_len": 128, "train.max_steps": 5, "data.val_size": 0, "save_final": "false"}
-    eager = train(assets, tmp_path / "eager", arch="llama", **instruct)
-    graphs, real_step = [], trainer_mod.train_step
-
-    def counted_step(*args, **kw):
-        out = real_step(*args, **kw)
-        graphs.append(counters["stats"]["unique_graphs"])
-        return out
-
-    monkeypatch.setattr(trainer_mod, "train_step", counted_step)
-    torch._dynamo.reset()  # what another test compiled in this process is not counted here
-    counters.clear()
-    compiled = train(assets, tmp_path / "compiled", arch="llama", compile="true", **instruct)
-    assert max(abs(a - b) for a, b in zip(eager, compiled, strict=True)) < 1e-4, (eager, compiled)
-    assert graphs[0] >= 1 and graphs == graphs[:1] * 5 and not counters["recompiles"], (graphs, counters)
+    compiled_against_eager(assets, tmp_path, monkeypatch, 5, arch="llama", **{
+        "data.path": str(spread_alpaca(tmp_path / "alpaca.jsonl")), "data.format": "instruct", "data.seq_len": 128,
+        "data.val_size": 0, "save_final": "false"})
