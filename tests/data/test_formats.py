@@ -166,8 +166,13 @@ def test_instruct_prepare_truncates_to_cutoff_len_and_drops_examples_with_no_res
     prompt_len = len(tokenizer(F.PROMPT_NO_INPUT.format(instruction=ALPACA[0]["instruction"]))["input_ids"])
     cutoff = prompt_len + 3  # long enough for the no-input prompts only
     cfg = DataConfig(path=str(path), format="instruct", seq_len=256, cutoff_len=cutoff, val_size=4)
+    said = []
+    train = D.tokenize_split(D.load_documents(cfg)["train"], cfg, tokenizer, "alpaca", warn=said.append)
+    assert len(train) == 20  # the examples with an input were dropped, and that was said
+    assert said == [f"warning: 20 of 40 examples of alpaca are left out: they have no response token within "
+                    f"data.cutoff_len={cutoff} (cut off, or none at all)"]
     train, val = D.prepare(cfg, tokenizer, seed=0)
-    assert len(val) + len(train) < 40 and len(train) > 0  # the examples with an input were dropped
+    assert len(val) + len(train) < 40 and len(train) > 0
     assert max(B.sample_lengths(train)) <= cutoff and set(train.column_names) == {"input_ids", "labels", "length"}
     assert all((row["labels"][1:] != IGNORE).any() for row in train)
     with pytest.raises(UserError, match="cutoff_len"):

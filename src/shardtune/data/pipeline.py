@@ -152,14 +152,19 @@ def tokenize_split(docs, cfg: DataConfig, tokenizer, what: str, warn=None, requi
                     num_proc=cfg.num_proc, desc=f"tokenize {cfg.format}")
     # Rows whose loss tokens were all cut off (or that had none) would only cost compute;
     # position 0 is never predicted, hence [1:].
+    examples = len(rows)
     rows = rows.filter(lambda batch: [any(t != IGNORE_INDEX for t in lab[1:]) for lab in batch["labels"]],
                        batched=True, num_proc=cfg.num_proc, desc="drop rows without loss")
+    key = "data.cutoff_len" if cfg.cutoff_len else "data.seq_len"  # the one that set the cutoff
+    if 0 < len(rows) < examples:  # said, not dropped silently (none left: refused below, or _prepare says so)
+        turns = "assistant (role assistant, or ShareGPT's gpt)" if cfg.format == "chat" else "response"
+        (warn or _warn)(f"warning: {examples - len(rows)} of {examples} examples of {what} are left out: they have no "
+                        f"{turns} token within {key}={cfg.example_cutoff} (cut off, or none at all)")
     if required and len(rows) == 0:
         if cfg.format == "chat" and not cfg.train_on_inputs and not chat.any_assistant_turn(docs, cfg):
             raise UserError(f"no conversation of {what} has an assistant turn (role assistant, or ShareGPT's gpt), "
                             "the only turns with a loss; give the conversations their replies, or check "
                             "data.messages_field")
-        key = "data.cutoff_len" if cfg.cutoff_len else "data.seq_len"  # the one that set the cutoff
         raise UserError(f"no example of {what} keeps a response (or assistant) token within {key}="
                         f"{cfg.example_cutoff}; raise {key} or check the data")
     if cfg.train_on_inputs:
