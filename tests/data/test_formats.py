@@ -388,3 +388,26 @@ def test_empty_cells_are_counted_once_each_across_chunks():
         F.check_cells(docs, DataConfig(path="x", format=fmt), "the data", warned.append)
         key = "data.text_field" if fmt == "text" else "data.messages_field"
         assert warned == [f"warning: column {column!r} of the data ({key}) is null or empty in 1500 of 2000 rows"]
+
+
+def _shouted(content, where):
+    return content.upper()
+
+
+def test_a_change_to_the_tokenizing_code_is_not_served_from_the_datasets_cache(tmp_path, chat_tokenizer, monkeypatch):
+    """`datasets` keys its cache of a tokenized split by the map function's code and the functions it
+    calls, not those they call: a fixed chat._opening (which finds an opening reply) kept its cached,
+    wrong labels."""
+    import datasets
+
+    from shardtune.data import messages
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    cfg = DataConfig(path=str(write_jsonl(tmp_path / "chats.jsonl", [chat_row(i) for i in range(4)])), format="chat",
+                     seq_len=128)
+    docs = D.load_documents(cfg)["train"]
+    assert docs.cache_files  # so the tokenization is cached on disk
+    assert "answer 0.0" in kept(chat_tokenizer, D.tokenize_split(docs, cfg, chat_tokenizer, "chats")[0]["labels"])
+    # as an edit of messages.py would: the same function, named the same, with other code
+    monkeypatch.setattr(messages._text, "__code__", _shouted.__code__)
+    assert "ANSWER 0.0" in kept(chat_tokenizer, D.tokenize_split(docs, cfg, chat_tokenizer, "chats")[0]["labels"])

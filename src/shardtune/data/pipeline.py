@@ -138,6 +138,24 @@ def _warn(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
+def label_code() -> str:
+    """A hash of the code that turns instruct and chat rows into tokens and labels. `datasets` keys its
+    cache of a map by the map function's own code but only names the functions that it calls: a fix
+    to them (a label that was wrong) left every tokenization cached before it as it was."""
+    import inspect
+
+    from datasets.fingerprint import Hasher
+
+    from shardtune.data import messages
+
+    codes = []
+    for module in (formats, chat, messages):
+        for name, value in sorted(vars(module).items()):
+            own = inspect.isclass(value) and value.__module__ == module.__name__
+            codes += [(name, f.__code__) for f in (vars(value).values() if own else [value]) if inspect.isfunction(f)]
+    return Hasher.hash(codes)
+
+
 def tokenize_split(docs, cfg: DataConfig, tokenizer, what: str, warn=None, required: bool = False):
     """Token rows of one split in cfg.format: packed text blocks, or one example per row with
     `labels` (IGNORE_INDEX where there is no loss) and `length`. `required`: an instruct/chat
@@ -146,10 +164,14 @@ def tokenize_split(docs, cfg: DataConfig, tokenizer, what: str, warn=None, requi
     if cfg.format == "text":
         docs, field = formats.render_text(docs, cfg, what)
         return pack(docs, tokenizer, field, cfg.seq_len, cfg.num_proc, cfg.masks_documents)
+    from datasets.fingerprint import Hasher
+
     make = formats.instruct_fn if cfg.format == "instruct" else chat.chat_fn
     build = make(cfg, tokenizer, docs.column_names, what)
-    rows = docs.map(build, batched=True, with_indices=cfg.format == "chat", remove_columns=docs.column_names,
-                    num_proc=cfg.num_proc, desc=f"tokenize {cfg.format}")
+    chats = cfg.format == "chat"
+    rows = docs.map(build, batched=True, with_indices=chats, remove_columns=docs.column_names,
+                    num_proc=cfg.num_proc, desc=f"tokenize {cfg.format}",
+                    new_fingerprint=Hasher.hash((docs._fingerprint, build, chats, label_code())))
     # Rows whose loss tokens were all cut off (or that had none) would only cost compute;
     # position 0 is never predicted, hence [1:].
     examples = len(rows)
