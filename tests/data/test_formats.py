@@ -166,8 +166,13 @@ def test_instruct_prepare_truncates_to_cutoff_len_and_drops_examples_with_no_res
     prompt_len = len(tokenizer(F.PROMPT_NO_INPUT.format(instruction=ALPACA[0]["instruction"]))["input_ids"])
     cutoff = prompt_len + 3  # long enough for the no-input prompts only
     cfg = DataConfig(path=str(path), format="instruct", seq_len=256, cutoff_len=cutoff, val_size=4)
+    said = []
+    train = D.tokenize_split(D.load_documents(cfg)["train"], cfg, tokenizer, "alpaca", warn=said.append)
+    assert len(train) == 20  # the examples with an input were dropped, and that was said
+    assert said == [f"warning: 20 of 40 examples of alpaca are left out: they have no response token within "
+                    f"data.cutoff_len={cutoff} (cut off, or none at all)"]
     train, val = D.prepare(cfg, tokenizer, seed=0)
-    assert len(val) + len(train) < 40 and len(train) > 0  # the examples with an input were dropped
+    assert len(val) + len(train) < 40 and len(train) > 0
     assert max(B.sample_lengths(train)) <= cutoff and set(train.column_names) == {"input_ids", "labels", "length"}
     assert all((row["labels"][1:] != IGNORE).any() for row in train)
     with pytest.raises(UserError, match="cutoff_len"):
@@ -383,3 +388,26 @@ def test_empty_cells_are_counted_once_each_across_chunks():
         F.check_cells(docs, DataConfig(path="x", format=fmt), "the data", warned.append)
         key = "data.text_field" if fmt == "text" else "data.messages_field"
         assert warned == [f"warning: column {column!r} of the data ({key}) is null or empty in 1500 of 2000 rows"]
+
+
+def _shouted(content, where):
+    return content.upper()
+
+
+def test_a_change_to_the_tokenizing_code_is_not_served_from_the_datasets_cache(tmp_path, chat_tokenizer, monkeypatch):
+    """`datasets` keys its cache of a tokenized split by the map function's code and the functions it
+    calls, not those they call: a fixed chat._opening (which finds an opening reply) kept its cached,
+    wrong labels."""
+    import datasets
+
+    from shardtune.data import messages
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    cfg = DataConfig(path=str(write_jsonl(tmp_path / "chats.jsonl", [chat_row(i) for i in range(4)])), format="chat",
+                     seq_len=128)
+    docs = D.load_documents(cfg)["train"]
+    assert docs.cache_files  # so the tokenization is cached on disk
+    assert "answer 0.0" in kept(chat_tokenizer, D.tokenize_split(docs, cfg, chat_tokenizer, "chats")[0]["labels"])
+    # as an edit of messages.py would: the same function, named the same, with other code
+    monkeypatch.setattr(messages._text, "__code__", _shouted.__code__)
+    assert "ANSWER 0.0" in kept(chat_tokenizer, D.tokenize_split(docs, cfg, chat_tokenizer, "chats")[0]["labels"])

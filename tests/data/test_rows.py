@@ -136,6 +136,45 @@ def test_chat_turns_a_template_renders_otherwise_last_are_their_own_words_and_en
     assert kept == "".join((opens + c + eos + closes) if i == last else c + eos for i, (r, c) in enumerate(turns)
                            if r == "assistant"), text
 
+# templates that mark what the assistant generates ({% generation %}): transformers' own assistant mask
+# is the reference. Llama-3's and Gemma's trim the content (not verbatim), Gemma's renames the role.
+GENERATES = {
+    "chatml": "{% for m in messages %}<|{{ m['role'] }}|>\n{% if m['role'] == 'assistant' %}{% generation %}"
+              "{{ m['content'] }}<|endoftext|>{% endgeneration %}{% else %}{{ m['content'] }}<|endoftext|>{% endif %}"
+              "\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}",
+    "llama3": "[begin]{% for m in messages %}[{{ m['role'] }}]\n\n{% if m['role'] == 'assistant' %}{% generation %}"
+              "{{ m['content'] | trim }}<|endoftext|>{% endgeneration %}{% else %}{{ m['content'] | trim }}"
+              "<|endoftext|>{% endif %}{% endfor %}{% if add_generation_prompt %}[assistant]\n\n{% endif %}",
+    "gemma": "[bos]{% for m in messages %}{% set r = 'model' if m['role'] == 'assistant' else m['role'] %}"
+             "<turn>{{ r }}\n{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] | trim }}<|endoftext|>"
+             "{% endgeneration %}\n{% else %}{{ m['content'] | trim }}<|endoftext|>\n{% endif %}{% endfor %}"
+             "{% if add_generation_prompt %}<turn>model\n{% endif %}",
+}
+EDGES = st.lists(st.sampled_from(["hi", " hi", "hi ", "\n", "model", "<", "[end]", "a1.", " ", "x\n\n"]),
+                 max_size=3).map("".join)
+
+
+@pytest.mark.parametrize("template", GENERATES.values(), ids=GENERATES.keys())
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(turns=st.lists(st.tuples(st.sampled_from(["system", "user", "assistant"]), EDGES), min_size=1, max_size=4))
+def test_chat_labels_are_the_tokens_transformers_marks_as_generated(tokenizer, template, turns):
+    """Any conversation (an empty reply, one the template trims, an assistant turn first): the tokens
+    with a loss are those transformers' assistant mask marks. An opening turn's start was taken
+    from what it shares with itself left empty: a trimmed reply lost or gained its first characters,
+    an empty one was refused."""
+    messages = [{"role": r, "content": c} for r, c in turns]
+    ds = dataset([{"messages": messages}])
+    cfg = DataConfig(path="x", format="chat", chat_template=template, seq_len=2048)
+    row = chat.chat_fn(cfg, tokenizer, ds.column_names, "chats")(ds[:], [0])
+    tokenizer.chat_template = template
+    try:
+        ref = tokenizer.apply_chat_template(messages, return_dict=True, return_assistant_tokens_mask=True)
+    finally:
+        tokenizer.chat_template = None
+    assert row["input_ids"][0] == ref["input_ids"]
+    assert [t != IGNORE for t in row["labels"][0]] == [bool(m) for m in ref["assistant_masks"]], messages
+
+
 CELLS = st.one_of(st.none(), st.integers(-99, 99), st.text(max_size=6), st.lists(st.text(max_size=3), max_size=3),
                   st.lists(st.integers(0, 9), max_size=3))
 

@@ -88,9 +88,15 @@ def _found(full: str, messages: list[dict], i: int, render, before: str | None, 
 def _opening(message: dict, render) -> str:
     """What a conversation that opens with this assistant turn renders before the turn's content:
     templates render no empty conversation to take the generation prompt from, so it is what the
-    turn shares with itself left empty (cut back to where its content starts, should the content
-    begin with what the template puts after it)."""
+    turn renders before a mark in its content's place. What the turn shares with itself left empty
+    overshot where the content is not rendered as it is (trimmed: Llama-3's, Gemma's) or is empty
+    (it took the turn's end too, and the turn was refused); it is the fallback for a template
+    that changes the mark (cut back to where its content starts, should the content begin with
+    what the template puts after it)."""
     text, content = render([message], False), message["content"]
+    marked = render([{**message, "content": MARK}], False)
+    if (mark := marked.find(MARK)) >= 0 and text.startswith(marked[:mark]):
+        return marked[:mark]
     shared = len(os.path.commonprefix([text, render([{**message, "content": ""}], False)]))
     at = text.rfind(content, 0, shared + len(content)) if content else -1
     return text[:at if 0 <= at < shared else shared]

@@ -138,6 +138,24 @@ def _warn(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
+def label_code() -> str:
+    """A hash of the code that turns instruct and chat rows into tokens and labels. `datasets` keys its
+    cache of a map by the map function's own code but only names the functions that it calls: a fix
+    to them (a label that was wrong) left every tokenization cached before it as it was."""
+    import inspect
+
+    from datasets.fingerprint import Hasher
+
+    from shardtune.data import messages
+
+    codes = []
+    for module in (formats, chat, messages):
+        for name, value in sorted(vars(module).items()):
+            own = inspect.isclass(value) and value.__module__ == module.__name__
+            codes += [(name, f.__code__) for f in (vars(value).values() if own else [value]) if inspect.isfunction(f)]
+    return Hasher.hash(codes)
+
+
 def tokenize_split(docs, cfg: DataConfig, tokenizer, what: str, warn=None, required: bool = False):
     """Token rows of one split in cfg.format: packed text blocks, or one example per row with
     `labels` (IGNORE_INDEX where there is no loss) and `length`. `required`: an instruct/chat
@@ -146,20 +164,29 @@ def tokenize_split(docs, cfg: DataConfig, tokenizer, what: str, warn=None, requi
     if cfg.format == "text":
         docs, field = formats.render_text(docs, cfg, what)
         return pack(docs, tokenizer, field, cfg.seq_len, cfg.num_proc, cfg.masks_documents)
+    from datasets.fingerprint import Hasher
+
     make = formats.instruct_fn if cfg.format == "instruct" else chat.chat_fn
     build = make(cfg, tokenizer, docs.column_names, what)
-    rows = docs.map(build, batched=True, with_indices=cfg.format == "chat", remove_columns=docs.column_names,
-                    num_proc=cfg.num_proc, desc=f"tokenize {cfg.format}")
+    chats = cfg.format == "chat"
+    rows = docs.map(build, batched=True, with_indices=chats, remove_columns=docs.column_names,
+                    num_proc=cfg.num_proc, desc=f"tokenize {cfg.format}",
+                    new_fingerprint=Hasher.hash((docs._fingerprint, build, chats, label_code())))
     # Rows whose loss tokens were all cut off (or that had none) would only cost compute;
     # position 0 is never predicted, hence [1:].
+    examples = len(rows)
     rows = rows.filter(lambda batch: [any(t != IGNORE_INDEX for t in lab[1:]) for lab in batch["labels"]],
                        batched=True, num_proc=cfg.num_proc, desc="drop rows without loss")
+    key = "data.cutoff_len" if cfg.cutoff_len else "data.seq_len"  # the one that set the cutoff
+    if 0 < len(rows) < examples:  # said, not dropped silently (none left: refused below, or _prepare says so)
+        turns = "assistant (role assistant, or ShareGPT's gpt)" if cfg.format == "chat" else "response"
+        (warn or _warn)(f"warning: {examples - len(rows)} of {examples} examples of {what} are left out: they have no "
+                        f"{turns} token within {key}={cfg.example_cutoff} (cut off, or none at all)")
     if required and len(rows) == 0:
         if cfg.format == "chat" and not cfg.train_on_inputs and not chat.any_assistant_turn(docs, cfg):
             raise UserError(f"no conversation of {what} has an assistant turn (role assistant, or ShareGPT's gpt), "
                             "the only turns with a loss; give the conversations their replies, or check "
                             "data.messages_field")
-        key = "data.cutoff_len" if cfg.cutoff_len else "data.seq_len"  # the one that set the cutoff
         raise UserError(f"no example of {what} keeps a response (or assistant) token within {key}="
                         f"{cfg.example_cutoff}; raise {key} or check the data")
     if cfg.train_on_inputs:
