@@ -191,3 +191,29 @@ def test_a_rank_takes_the_gpu_it_can_see(monkeypatch, visible, local_rank, expec
             resolve_device("auto")
     else:
         assert resolve_device("auto") == torch.device("cuda", expected)
+
+
+def test_the_shell_of_an_interactive_allocation_is_a_lone_process(monkeypatch, capfd, tmp_path):
+    """`srun --pty bash` (or salloc) gives the shell SLURM_PROCID=0 as a step's one task: `train --nproc 2`
+    there was refused ("--nproc conflicts with the ranks torchrun/srun started"), `eval --nproc 2`
+    ran in one process. It is a lone process: --nproc goes on to start its ranks."""
+    from shardtune.cli.main import main
+    from shardtune.distributed import process_group
+    from shardtune.errors import UserError
+
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items()
+                                        if k not in TORCH_KEYS and not k.startswith("SLURM_")})
+    for name, value in {"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_JOB_ID": "77",
+                        "SLURM_JOB_NAME": "interactive", "SLURM_JOB_NODELIST": "nid001096"}.items():
+        monkeypatch.setenv(name, value)
+    assert not process_group.launched_by_agent()
+
+    def reached(nproc, device):
+        raise UserError(f"reached the launch of {nproc} ranks")
+    monkeypatch.setattr(process_group, "check_nproc", reached)
+    assert main(["train", "--nproc", "2", "device=cpu", f"output_dir={tmp_path / 'out'}"]) == 2
+    assert "reached the launch of 2 ranks" in capfd.readouterr().err
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    assert not process_group.launched_by_agent()
+    monkeypatch.setenv("SLURM_NTASKS", "2")  # a task of a step of two: a rank
+    assert process_group.launched_by_agent()

@@ -31,8 +31,11 @@ class Dist:
 
 
 def launched_by_agent() -> bool:
-    """True inside a torchrun/elastic worker or an srun task."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ or "SLURM_PROCID" in os.environ
+    """True inside a torchrun/elastic worker or a task of an srun step of several tasks. The shell
+    of an interactive allocation (`srun --pty bash`, salloc on many sites) is a step's one task with
+    SLURM_PROCID=0: a lone process, whose `--nproc N` was refused as a conflict with srun's ranks."""
+    return ("RANK" in os.environ and "WORLD_SIZE" in os.environ
+            or "SLURM_PROCID" in os.environ and os.environ.get("SLURM_NTASKS", "1").strip() != "1")
 
 
 def is_main_process() -> bool:
@@ -112,7 +115,7 @@ def agent_world() -> tuple[int, int]:
 
 def _adopt_slurm_env() -> None:
     """srun without torchrun: translate Slurm's variables into torch.distributed's."""
-    if "RANK" in os.environ or "SLURM_PROCID" not in os.environ:
+    if "RANK" in os.environ or not launched_by_agent():
         return
     env = os.environ
     tasks = env_int("SLURM_NTASKS", 1, least=1)
