@@ -97,6 +97,10 @@ def test_slurm_refuses_bad_input_in_one_line(capsys):
         assert main(["slurm", "recipes/gpt2-wikitext2.yaml", "--nodes", "1", "--gpus-per-node", "4", option,
                      value]) == 2
         assert option in _one_line_error(capsys.readouterr().err)
+    # Slurm's lead is 16 bits: sbatch rejected the script of --signal-lead 86399 (--time 2-0)
+    assert main(["slurm", "recipes/gpt2-wikitext2.yaml", "--nodes", "1", "--gpus-per-node", "4", "--time", "2-0",
+                 "--signal-lead", "65536"]) == 2
+    assert "--signal-lead" in _one_line_error(capsys.readouterr().err)
 
 
 def test_slurm_script_of_a_recipe_with_a_space_into_new_folders(tmp_path, capsys):
@@ -369,7 +373,8 @@ def test_a_job_its_ranks_cannot_run_is_refused_before_the_queue(capsys, tmp_path
 
 
 @pytest.mark.parametrize("limit, seconds", [("5", 300), ("10:00", 600), ("0:10:00", 600), ("2-0", 172800),
-                                            ("1-02:03", 93780), ("1-02:03:04", 93784), ("24:00:00", 86400)])
+                                            ("1-02:03", 93780), ("1-02:03:04", 93784), ("24:00:00", 86400),
+                                            ("18:12:15", 65535)])
 def test_a_signal_lead_not_below_the_time_limit_is_refused(capsys, tmp_path, limit, seconds):
     """--signal-lead 3600 with --time 5 wrote a job Slurm signals as it starts: it checkpointed,
     stopped and requeued, for ever."""
@@ -377,7 +382,7 @@ def test_a_signal_lead_not_below_the_time_limit_is_refused(capsys, tmp_path, lim
     from shardtune.launch.slurm import time_limit_s
 
     assert time_limit_s(limit) == seconds
-    if seconds > 86400:  # above --signal-lead's own bound
+    if seconds > 65535:  # above --signal-lead's own bound
         return
     argv = ["slurm", str(ROOT / "recipes" / "gpt2-wikitext2.yaml"), "--nodes", "1", "--gpus-per-node", "4",
             "--time", limit, "-o", str(tmp_path / "job.sbatch")]
