@@ -149,3 +149,33 @@ def test_the_agent_does_not_retell_a_stop(monkeypatch):
     quiet_agent_loggers()
     assert "torch.distributed.elastic.agent.server.api" in names
     assert not any(logging.getLogger(name).isEnabledFor(logging.WARNING) for name in names)
+
+
+def test_the_launcher_leaves_its_process_as_it_found_it(monkeypatch):
+    """`launch_local` set SHARDTUNE_LAUNCHER_PID and OMP_NUM_THREADS for its ranks in its own
+    environment and left them there: a later run in the same process (main() called again, in a
+    notebook) took itself for a rank of `--nproc N` and kept the first N's thread count."""
+    import os
+
+    import torch.distributed.launcher.api as api
+
+    from shardtune.distributed.process_group import LAUNCHER_ENV
+    from shardtune.launch import local
+
+    seen = []
+
+    def fake_launch(config, entrypoint):
+        def ranks(*argv):
+            seen.append({k: os.environ.get(k) for k in ("OMP_NUM_THREADS", LAUNCHER_ENV, COMPLETED_ENV)})
+        return ranks
+    monkeypatch.setattr(api, "elastic_launch", fake_launch)
+    monkeypatch.setattr(local, "quiet_agent_loggers", lambda: None)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv(LAUNCHER_ENV, raising=False)
+    before = dict(os.environ)
+    assert local.launch_local(2, ["train"]) == 0
+    assert seen[0][LAUNCHER_ENV] == str(os.getpid()) and seen[0]["OMP_NUM_THREADS"] and seen[0][COMPLETED_ENV]
+    assert dict(os.environ) == before
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # a user's own count: kept, for the ranks and after
+    assert local.launch_local(2, ["train"]) == 0
+    assert seen[1]["OMP_NUM_THREADS"] == "3" and os.environ["OMP_NUM_THREADS"] == "3"

@@ -54,6 +54,7 @@ def test_slurm_script_runs_torchrun_under_srun_and_requeues_on_preemption(tmp_pa
 
 def test_slurm_script_marker_check_and_requeue_work_in_bash(tmp_path):
     """Run the script's tail with fake srun/scontrol: the marker (or exit 75) leads to a requeue."""
+    from shardtune.distributed.process_group import slurm_port
     from shardtune.launch.slurm import sbatch_script
 
     out = tmp_path / "run dir"
@@ -77,7 +78,10 @@ def test_slurm_script_marker_check_and_requeue_work_in_bash(tmp_path):
         proc = subprocess.run(["bash", "-c", text], capture_output=True, text=True, env=env, cwd=tmp_path)
         assert ("REQUEUED 42" in proc.stdout) == requeued, (status, marker, proc.stdout, proc.stderr)
         assert proc.returncode == (0 if requeued else status), (status, marker, proc.returncode)
-        assert ("--shutdown_timeout=270" in (tmp_path / "srun-args").read_text()) == grace
+        srun_args = (tmp_path / "srun-args").read_text()
+        assert ("--shutdown_timeout=270" in srun_args) == grace
+        # the job's own rendezvous port, as srun alone picks it: not a fixed one that jobs sharing a node meet on
+        assert f"--rdzv_endpoint=node1:{slurm_port(42)} " in srun_args, srun_args
 
 
 def test_slurm_refuses_bad_input_in_one_line(capsys):
@@ -93,6 +97,10 @@ def test_slurm_refuses_bad_input_in_one_line(capsys):
         assert main(["slurm", "recipes/gpt2-wikitext2.yaml", "--nodes", "1", "--gpus-per-node", "4", option,
                      value]) == 2
         assert option in _one_line_error(capsys.readouterr().err)
+    # Slurm's lead is 16 bits: sbatch rejected the script of --signal-lead 86399 (--time 2-0)
+    assert main(["slurm", "recipes/gpt2-wikitext2.yaml", "--nodes", "1", "--gpus-per-node", "4", "--time", "2-0",
+                 "--signal-lead", "65536"]) == 2
+    assert "--signal-lead" in _one_line_error(capsys.readouterr().err)
 
 
 def test_slurm_script_of_a_recipe_with_a_space_into_new_folders(tmp_path, capsys):
@@ -240,7 +248,7 @@ def test_srun_without_torchrun_maps_slurm_variables(monkeypatch):
     """Under `srun` alone, shardtune reads rank and world from Slurm's variables."""
     import os
 
-    from shardtune.distributed.process_group import _adopt_slurm_env, launched_by_agent
+    from shardtune.distributed.process_group import _adopt_slurm_env, launched_by_agent, slurm_port
 
     torch_keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     # a private copy of the environment: what _adopt_slurm_env sets must not leak into other tests
@@ -256,7 +264,7 @@ def test_srun_without_torchrun_maps_slurm_variables(monkeypatch):
     _adopt_slurm_env()
     assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == ("5", "8", "1")
     assert os.environ["LOCAL_WORLD_SIZE"] == "4" and os.environ["MASTER_ADDR"] == "gpu-node-7"
-    assert os.environ["MASTER_PORT"] == str(29500 + 1234 % 1000)
+    assert os.environ["MASTER_PORT"] == str(slurm_port(1234))
 
 
 def test_a_task_of_srun_without_torchrun_plans_and_checks_for_the_whole_job(monkeypatch, capsys, tmp_path):
@@ -365,7 +373,8 @@ def test_a_job_its_ranks_cannot_run_is_refused_before_the_queue(capsys, tmp_path
 
 
 @pytest.mark.parametrize("limit, seconds", [("5", 300), ("10:00", 600), ("0:10:00", 600), ("2-0", 172800),
-                                            ("1-02:03", 93780), ("1-02:03:04", 93784), ("24:00:00", 86400)])
+                                            ("1-02:03", 93780), ("1-02:03:04", 93784), ("24:00:00", 86400),
+                                            ("18:12:15", 65535)])
 def test_a_signal_lead_not_below_the_time_limit_is_refused(capsys, tmp_path, limit, seconds):
     """--signal-lead 3600 with --time 5 wrote a job Slurm signals as it starts: it checkpointed,
     stopped and requeued, for ever."""
@@ -373,7 +382,7 @@ def test_a_signal_lead_not_below_the_time_limit_is_refused(capsys, tmp_path, lim
     from shardtune.launch.slurm import time_limit_s
 
     assert time_limit_s(limit) == seconds
-    if seconds > 86400:  # above --signal-lead's own bound
+    if seconds > 65535:  # above --signal-lead's own bound
         return
     argv = ["slurm", str(ROOT / "recipes" / "gpt2-wikitext2.yaml"), "--nodes", "1", "--gpus-per-node", "4",
             "--time", limit, "-o", str(tmp_path / "job.sbatch")]

@@ -23,7 +23,8 @@ def add_parser(sub) -> None:
     p.add_argument("--partition", type=nonempty_str)
     p.add_argument("--account", type=nonempty_str)
     p.add_argument("--job-name", type=nonempty_str)
-    p.add_argument("--signal-lead", type=int_range(1, 86400), default=300,
+    # Slurm keeps the lead in 16 bits: sbatch rejects --signal=USR1@65536 and more, after the script was written
+    p.add_argument("--signal-lead", type=int_range(1, 65535), default=300,
                    help="seconds before the limit at which Slurm "
                     "sends SIGUSR1 to checkpoint (default 300)")
     p.add_argument("--online", action="store_true", help="let compute nodes use the network (default: "

@@ -31,8 +31,11 @@ class Dist:
 
 
 def launched_by_agent() -> bool:
-    """True inside a torchrun/elastic worker or an srun task."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ or "SLURM_PROCID" in os.environ
+    """True inside a torchrun/elastic worker or a task of an srun step of several tasks. The shell
+    of an interactive allocation (`srun --pty bash`, salloc on many sites) is a step's one task with
+    SLURM_PROCID=0: a lone process, whose `--nproc N` was refused as a conflict with srun's ranks."""
+    return ("RANK" in os.environ and "WORLD_SIZE" in os.environ
+            or "SLURM_PROCID" in os.environ and os.environ.get("SLURM_NTASKS", "1").strip() != "1")
 
 
 def is_main_process() -> bool:
@@ -112,27 +115,63 @@ def agent_world() -> tuple[int, int]:
 
 def _adopt_slurm_env() -> None:
     """srun without torchrun: translate Slurm's variables into torch.distributed's."""
-    if "RANK" in os.environ or "SLURM_PROCID" not in os.environ:
+    if "RANK" in os.environ or not launched_by_agent():
         return
     env = os.environ
     tasks = env_int("SLURM_NTASKS", 1, least=1)
     env["RANK"] = str(env_int("SLURM_PROCID", 0, most=tasks - 1))
     env["WORLD_SIZE"] = str(tasks)
     env["LOCAL_RANK"] = str(env_int("SLURM_LOCALID", 0))
-    per_node = env.get("SLURM_NTASKS_PER_NODE", "1")  # "4", "4(x2)" or "2(x3),1": the first nodes' count
-    if not re.match(r"\s*[1-9]\d*", per_node):
-        raise RankError(f"environment variable SLURM_NTASKS_PER_NODE={per_node!r} is not a number of tasks; "
-                        "unset it, or leave it to torchrun or srun, which set it")
-    env["LOCAL_WORLD_SIZE"] = re.match(r"\s*(\d+)", per_node).group(1)
+    env["LOCAL_WORLD_SIZE"] = str(_slurm_tasks_here())
     if "MASTER_ADDR" not in env:
-        nodes = env.get("SLURM_JOB_NODELIST", "127.0.0.1")
-        try:  # first host of the allocation
+        # rank 0 runs on the step's first node (a step may use part of the job's nodes)
+        nodes = next((env[n] for n in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST") if env.get(n)),
+                     "127.0.0.1")
+        try:
             out = subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True,
                                  text=True, check=True).stdout.split()
             env["MASTER_ADDR"] = out[0]
         except (OSError, subprocess.CalledProcessError, IndexError):
-            env["MASTER_ADDR"] = nodes.split(",")[0]
-    env.setdefault("MASTER_PORT", str(29500 + env_int("SLURM_JOB_ID", 0) % 1000))
+            env["MASTER_ADDR"] = first_host(nodes)
+    env.setdefault("MASTER_PORT", str(slurm_port(env_int("SLURM_JOB_ID", 0))))
+
+
+# A job's rendezvous port (srun alone, and the script of `shardtune slurm`): jobs that share a node
+# must not meet on one fixed port; below Linux's ephemeral ports (32768-), where outgoing
+# connections take theirs.
+SLURM_PORT_BASE, SLURM_PORT_SPAN = 15000, 15000
+
+
+def slurm_port(job_id: int) -> int:
+    return SLURM_PORT_BASE + job_id % SLURM_PORT_SPAN
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm host list, as `scontrol show hostnames` gives it first: the first
+    entry (commas inside brackets do not end it) with each bracket group at its first value, its
+    zero padding kept: "node[01-03,07]" -> "node01", "a[1-2]-ib,b3" -> "a1-ib"."""
+    entry = re.match(r"(?:[^,\[]|\[[^\]]*\])*", nodelist.strip()).group(0)
+    return re.sub(r"\[([^\],-]*)[^\]]*\]", r"\1", entry)
+
+
+def _slurm_tasks_here() -> int:
+    """Tasks on this node: the step's count for node SLURM_NODEID ("4(x2),1": 4 on the first two
+    nodes, 1 on the third). Else a task with SLURM_LOCALID 3 of `srun -N2 -n8` took 1 for its
+    node's count and was refused, and the 2nd node of `srun -n5 -N2` took the 1st node's 3."""
+    for name in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+        text = os.environ.get(name, "").strip()
+        if not text:
+            continue
+        if not re.fullmatch(r"[1-9]\d*(\(x[1-9]\d*\))?(,[1-9]\d*(\(x[1-9]\d*\))?)*", text):
+            raise RankError(f"environment variable {name}={text!r} is not a number of tasks per node; "
+                            "unset it, or leave it to torchrun or srun, which set it")
+        counts = [int(n) for n, times in re.findall(r"(\d+)(?:\(x(\d+)\))?", text) for _ in range(int(times or 1))]
+        node = env_int("SLURM_NODEID", 0)
+        if len(counts) == 1 or node < len(counts):
+            return counts[min(node, len(counts) - 1)]
+        raise RankError(f"environment variable SLURM_NODEID={node} is past the {len(counts)} node(s) of "
+                        f"{name}={text!r}; unset them, or leave them to srun, which sets them")
+    return 1
 
 
 def resolve_device(requested: str) -> torch.device:  # noqa: F821
@@ -142,7 +181,14 @@ def resolve_device(requested: str) -> torch.device:  # noqa: F821
         raise UserError("device=cuda but no CUDA GPU is visible; use device=cpu or run on a GPU machine")
     if requested == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")
-    return torch.device("cuda", env_int("LOCAL_RANK", 0))
+    local_rank, visible = env_int("LOCAL_RANK", 0), torch.cuda.device_count()
+    if local_rank < visible:
+        return torch.device("cuda", local_rank)
+    if visible == 1:  # srun --gpus-per-task=1 / --gpu-bind: each task sees its own GPU only, as cuda:0
+        return torch.device("cuda", 0)
+    raise RankError(f"local rank {local_rank} has no GPU of its own: this process sees {visible} CUDA GPU(s) "
+                    f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); give each node's "
+                    "tasks all its GPUs, or each task exactly one (srun --gpus-per-task=1)")
 
 
 def check_nproc(nproc: int, requested_device: str) -> None:

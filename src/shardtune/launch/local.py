@@ -44,6 +44,9 @@ def launch_local(nproc: int, worker_argv: list[str],
                           max_restarts=0, monitor_interval=0.5, **grace,
                           signals_to_handle="SIGTERM,SIGHUP,SIGQUIT")  # SIGINT: `on_sigint` below
     quiet_agent_loggers()
+    # for the ranks only: left in this process, a later run in it (a notebook calling main() again)
+    # took itself for a rank of `--nproc N` (said nothing on Ctrl-C) and kept this N's thread count
+    before = {name: os.environ.get(name) for name in ("OMP_NUM_THREADS", LAUNCHER_ENV, COMPLETED_ENV)}
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     os.environ[LAUNCHER_ENV] = str(os.getpid())
     interrupts = 0
@@ -77,7 +80,11 @@ def launch_local(nproc: int, worker_argv: list[str],
         return code
     finally:
         signal.signal(signal.SIGINT, previous)
-        os.environ.pop(COMPLETED_ENV, None)
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         shutil.rmtree(completed, ignore_errors=True)
     return 0
 

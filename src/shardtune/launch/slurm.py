@@ -19,6 +19,7 @@ from pathlib import Path
 
 from shardtune.checkpoint.rundir import PREEMPTED_MARKER
 from shardtune.config.load import override_word
+from shardtune.distributed.process_group import SLURM_PORT_BASE, SLURM_PORT_SPAN
 from shardtune.errors import EXIT_PREEMPTED, UserError
 
 
@@ -41,7 +42,7 @@ def shell_word(path: str) -> str:
 def sbatch_script(recipe: str, output_dir: str, nodes: int, gpus_per_node: int, *, overrides: list[str],
                   job_name: str | None = None, time: str = "24:00:00", partition: str | None = None,
                   account: str | None = None, cpus_per_gpu: int = 8, signal_lead_s: int = 300,
-                  port: int = 29500, offline: bool = True) -> str:
+                  offline: bool = True) -> str:
     if nodes < 1 or gpus_per_node < 1:
         raise UserError(f"--nodes and --gpus-per-node must be at least 1, got {nodes} and {gpus_per_node}")
     if signal_lead_s >= (limit := time_limit_s(time)):
@@ -81,6 +82,9 @@ def sbatch_script(recipe: str, output_dir: str, nodes: int, gpus_per_node: int, 
 set -uo pipefail
 {offline_env}export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-8}}
 head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+# the job's own port: two jobs whose first node is the same one met on a fixed port (one joined
+# the other's rendezvous, and died with it)
+port=$(({SLURM_PORT_BASE} + SLURM_JOB_ID % {SLURM_PORT_SPAN}))
 rm -f {out}/{PREEMPTED_MARKER}
 
 # How long torchrun waits for the ranks' checkpoint after the signal; torchrun of torch 2.11
@@ -89,7 +93,7 @@ grace=$(torchrun --help 2>&1 | grep -q -e --shutdown_timeout && echo --shutdown_
 # srun does not pass --cpus-per-task on to the step by itself (Slurm >= 22.05): say it again.
 srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" torchrun \\
   --nnodes="$SLURM_NNODES" --nproc_per_node={gpus_per_node} \\
-  --rdzv_backend=c10d --rdzv_endpoint="$head_node:{port}" --rdzv_id="$SLURM_JOB_ID" \\
+  --rdzv_backend=c10d --rdzv_endpoint="$head_node:$port" --rdzv_id="$SLURM_JOB_ID" \\
   --signals_to_handle=SIGTERM,SIGINT,SIGUSR1 $grace \\
   -m shardtune train {train_args}
 status=$?
