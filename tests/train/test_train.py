@@ -201,7 +201,9 @@ def test_final_and_export_stop_generation_where_training_taught_replies_to_end(a
     (the tokenizer's EOS after each text document; in chat, the template's end of turn: a base's
     <|endoftext|> under ChatML): final/ and the export of a checkpoint kept the base's EOS alone, so
     transformers' generate on them ran past every reply. Both now carry every trained end; an
-    adapter too, and its merge into a base that is not copied beside it (a hub model)."""
+    adapter too, and its merge into a base that is not copied beside it (a hub model). An
+    hf_format checkpoint is such a folder too, with its tokenizer beside the weights (it had none
+    there: AutoTokenizer.from_pretrained(checkpoints/step-N) failed)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     from conftest import TINY
@@ -226,7 +228,8 @@ def test_final_and_export_stop_generation_where_training_taught_replies_to_end(a
         (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         data = {"data.format": "chat", "data.path": str(tmp_path / "chat.jsonl"), "data.val_size": 4}
     overrides = [o for o in tiny_overrides(assets, tmp_path / "run", **{
-        "train.max_steps": 1, "eval.max_batches": 1, "checkpoint.every_steps": 1, "peft.method": method, **data})
+        "train.max_steps": 1, "eval.max_batches": 1, "checkpoint.every_steps": 1, "peft.method": method,
+        "checkpoint.hf_format": str(method == "none").lower(), **data})
         if not o.startswith(("model.config=", "model.tokenizer="))] + [f"model.name_or_path={base}"]
     train_config = load_config(None, overrides, defaults={})
     ends = {e for e in trained_ends(train_config.data, tok) if isinstance(e, int)}
@@ -235,6 +238,9 @@ def test_final_and_export_stop_generation_where_training_taught_replies_to_end(a
     run(resolve_machine(train_config), overwrite=True)
     write_export(next((tmp_path / "run" / "checkpoints").glob("step-*")), tmp_path / "export")
     folders = [tmp_path / "run" / "final", tmp_path / "export"]
+    if method == "none":
+        folders.append(checkpoint := next((tmp_path / "run" / "checkpoints").glob("step-*")))
+        assert AutoTokenizer.from_pretrained(checkpoint).get_vocab() == tok.get_vocab()
     if method != "none":  # the adapter on the base as a hub id names it (no copy of its own)
         adapter_config = folders[0] / "adapter_config.json"
         adapter_config.write_text(json.dumps({**json.loads(adapter_config.read_text()),

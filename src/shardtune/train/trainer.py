@@ -165,10 +165,14 @@ class Trainer:
                          "epoch": epoch, "samples_into_epoch": in_epoch * gb, "samples_consumed": step * gb}}
 
     def write_checkpoint_extras(self, folder: Path) -> None:
-        """The HF config and tokenizer beside the shards: export/eval/generate need nothing else."""
+        """The HF config and tokenizer beside the shards: export/eval/generate need nothing else. An
+        hf_format checkpoint is a model folder other tools load as it is: its tokenizer goes beside
+        the weights as well (AutoTokenizer.from_pretrained(checkpoints/step-N) found none)."""
         self.hf_config.save_pretrained(folder)
         self.generation_config.save_pretrained(folder)
         self.tokenizer.save_pretrained(folder / "tokenizer")
+        if self.cfg.checkpoint.hf_format:
+            self.tokenizer.save_pretrained(folder)
 
     def say(self, text: str) -> None:
         if self.dist.is_main:
