@@ -193,3 +193,59 @@ def test_compiled_blocks_take_padded_batches_of_any_length_without_recompiling(a
     compiled_against_eager(assets, tmp_path, monkeypatch, 5, arch="llama", **{
         "data.path": str(spread_alpaca(tmp_path / "alpaca.jsonl")), "data.format": "instruct", "data.seq_len": 128,
         "data.val_size": 0, "save_final": "false"})
+
+
+@pytest.mark.parametrize("fmt,method", [("chat", "none"), ("text", "none"), ("chat", "lora")])
+def test_final_and_export_stop_generation_where_training_taught_replies_to_end(assets, tmp_path, fmt, method):
+    """A base model whose generation config stops at another token than the ends its run labels
+    (the tokenizer's EOS after each text document; in chat, the template's end of turn: a base's
+    <|endoftext|> under ChatML): final/ and the export of a checkpoint kept the base's EOS alone, so
+    transformers' generate on them ran past every reply. Both now carry every trained end; an
+    adapter too, and its merge into a base that is not copied beside it (a hub model). An
+    hf_format checkpoint is such a folder too, with its tokenizer beside the weights (it had none
+    there: AutoTokenizer.from_pretrained(checkpoints/step-N) failed)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    from conftest import TINY
+    from shardtune.checkpoint.export import merge_adapter_folder, write_export
+    from shardtune.data.chat import trained_ends
+    from shardtune.resolve.run import resolve_machine
+    from shardtune.train.trainer import run
+
+    tok = AutoTokenizer.from_pretrained(assets["tokenizer"])
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    base, other = tmp_path / "base", 7  # the base's own stop: no token the run's labels end with
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**{**TINY["llama"], "vocab_size": len(tok)}))
+    model.generation_config = GenerationConfig(eos_token_id=other, bos_token_id=tok.bos_token_id)
+    model.save_pretrained(base)
+    tok.save_pretrained(base)
+    data = {}
+    if fmt == "chat":
+        rows = [{"messages": [{"role": "user", "content": "the of and " * (i % 4 + 1)},
+                              {"role": "assistant", "content": "to in is " * (i % 3 + 1)}]} for i in range(24)]
+        (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        data = {"data.format": "chat", "data.path": str(tmp_path / "chat.jsonl"), "data.val_size": 4}
+    overrides = [o for o in tiny_overrides(assets, tmp_path / "run", **{
+        "train.max_steps": 1, "eval.max_batches": 1, "checkpoint.every_steps": 1, "peft.method": method,
+        "checkpoint.hf_format": str(method == "none").lower(), **data})
+        if not o.startswith(("model.config=", "model.tokenizer="))] + [f"model.name_or_path={base}"]
+    train_config = load_config(None, overrides, defaults={})
+    ends = {e for e in trained_ends(train_config.data, tok) if isinstance(e, int)}
+    assert ends == ({tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")} if fmt == "chat" else
+                    {tok.eos_token_id})
+    run(resolve_machine(train_config), overwrite=True)
+    write_export(next((tmp_path / "run" / "checkpoints").glob("step-*")), tmp_path / "export")
+    folders = [tmp_path / "run" / "final", tmp_path / "export"]
+    if method == "none":
+        folders.append(checkpoint := next((tmp_path / "run" / "checkpoints").glob("step-*")))
+        assert AutoTokenizer.from_pretrained(checkpoint).get_vocab() == tok.get_vocab()
+    if method != "none":  # the adapter on the base as a hub id names it (no copy of its own)
+        adapter_config = folders[0] / "adapter_config.json"
+        adapter_config.write_text(json.dumps({**json.loads(adapter_config.read_text()),
+                                              "base_model_name_or_path": str(base)}))
+        folders.append(merge_adapter_folder(folders[0], tmp_path / "merged"))
+    for folder in folders:
+        eos = GenerationConfig.from_pretrained(folder).eos_token_id
+        assert set(eos if isinstance(eos, list) else [eos]) == {other, *ends}, (folder, eos)

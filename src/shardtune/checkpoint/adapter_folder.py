@@ -100,7 +100,10 @@ def fit_adapter(model, adapter: Path, base: str):
     """peft's PeftModel of `model` with the adapter's weights; a mismatch (another base, an
     edited config) is one line."""
     from peft import PeftModel
+    from transformers import GenerationConfig
 
+    if (adapter / "generation_config.json").is_file():  # the run's (save_adapter_folder): peft reads none
+        model.generation_config = GenerationConfig.from_pretrained(adapter)
     try:
         return PeftModel.from_pretrained(model, str(adapter))
     except Exception as exc:  # noqa: BLE001 - peft's and torch's errors for an adapter that does not fit

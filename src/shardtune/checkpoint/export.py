@@ -124,7 +124,9 @@ def save_adapter_folder(state_dict: dict, peft_model, model_cfg, peft_cfg, hf_co
     it). A base that is not a hub model as it is (a local folder, a random init, a hub model with
     model.config overrides), or whose weights the method changed (PiSSA/OLoRA keep the residual),
     is saved beside it, in out/base (sharded above `max_shard_size`, as a full model's export is),
-    and the adapter config points there, so the pair loads on any machine that has the folder."""
+    and the adapter config points there, so the pair loads on any machine that has the folder. The
+    run's generation config goes beside the adapter too: a hub base's own stops at none of the ends
+    the run trained (checkpoint.adapter_folder.fit_adapter puts it on the base)."""
     import copy
 
     from safetensors.torch import save_file
@@ -152,6 +154,8 @@ def save_adapter_folder(state_dict: dict, peft_model, model_cfg, peft_cfg, hf_co
                        generation)
         config.base_model_name_or_path = str(((final or out) / "base").resolve())
     config.save_pretrained(str(out))
+    if generation is not None:  # where the run's replies end (a hub base's own config has not that)
+        generation.save_pretrained(out)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
 

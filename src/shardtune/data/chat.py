@@ -155,6 +155,19 @@ def turn_end(tokenizer) -> int | str | None:
     return ids[0] if len(ids) == 1 else tail[0]
 
 
+def trained_ends(cfg: DataConfig, tokenizer) -> list[int | str]:
+    """What ends an answer as training taught it to end: the tokenizer's EOS (after each instruct
+    response and text document), and in the chat format the template's end of turn (`turn_end`: a
+    token id, or a text of several tokens). generate stops at these; final/ and checkpoints add the
+    ids to their generation config's EOS, so other tools' generate stops there too."""
+    out = [tokenizer.eos_token_id]
+    if cfg.format == "chat" and (cfg.chat_template or getattr(tokenizer, "chat_template", None)):
+        if cfg.chat_template:  # the run's (a --compare base may have no template of its own)
+            tokenizer.chat_template = cfg.chat_template
+        out.append(turn_end(tokenizer))
+    return list(dict.fromkeys(s for s in out if s is not None))
+
+
 def any_assistant_turn(docs, cfg: DataConfig) -> bool:
     """Whether some conversation of `docs` has an assistant turn: when none keeps a loss token, a
     longer cutoff helps only if one does. Read a chunk of rows at a time, up to the first one."""

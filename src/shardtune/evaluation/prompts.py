@@ -58,14 +58,7 @@ def rendered(prompts: list[str], cfg, tokenizer) -> list[tuple[str, list[int]]]:
 
 
 def stops(cfg, tokenizer) -> list[int | str]:
-    """What ends an answer as training taught it to end, beside the model's generation config's
-    EOS: the tokenizer's EOS (after each instruct response and text document), and in the chat
-    format the template's end of turn (`chat.turn_end`: a token id, or a text of several tokens)."""
+    """What ends an answer as training taught it to end (`data.chat.trained_ends`)."""
     from shardtune.data import chat
 
-    out = [tokenizer.eos_token_id]
-    if cfg.format == "chat" and (cfg.chat_template or getattr(tokenizer, "chat_template", None)):
-        if cfg.chat_template:  # the run's (a --compare base may have no template of its own)
-            tokenizer.chat_template = cfg.chat_template
-        out.append(chat.turn_end(tokenizer))
-    return list(dict.fromkeys(s for s in out if s is not None))
+    return chat.trained_ends(cfg, tokenizer)

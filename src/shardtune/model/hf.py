@@ -117,20 +117,30 @@ def _load_checked(cfg: ModelConfig, local_files_only: bool):
     return hf_config
 
 
-def load_generation_config(source: str | Path | None, hf_config):
+def load_generation_config(source: str | Path | None, hf_config, ends: list[int | str] = ()):
     """The model's generation settings: the generation_config.json of `source` (a model folder, a
     Hub id, a checkpoint) where it has one, else those transformers derives from `hf_config`.
     final/, checkpoints and exports write these, so generation afterwards stops and samples as the
     model's own settings say: derived from config.json, a list of end-of-sequence ids (Llama 3's
-    end of turn) was cut to its first, and the sampling defaults were dropped."""
+    end of turn) was cut to its first, and the sampling defaults were dropped. `ends`: the token
+    ids training taught answers to end with (data.chat.trained_ends), added to its EOS ids: a
+    chat run on a base model learns to end at <|im_end|> while the base stops only at its
+    <|endoftext|>, and another tool's generate on final/ ran on past every reply."""
     from transformers import GenerationConfig
 
+    generation = None
     if source is not None and (not Path(source).is_dir() or (Path(source) / "generation_config.json").is_file()):
         try:
-            return GenerationConfig.from_pretrained(source)
+            generation = GenerationConfig.from_pretrained(source)
         except (OSError, ValueError):  # a Hub repo without one (or out of reach): derived, as before
             pass
-    return GenerationConfig.from_model_config(hf_config)
+    generation = generation or GenerationConfig.from_model_config(hf_config)
+    have = generation.eos_token_id
+    have = list(have) if isinstance(have, (list, tuple)) else [] if have is None else [have]
+    eos = list(dict.fromkeys([*have, *(e for e in ends if isinstance(e, int))]))  # a text of several tokens: no id
+    if len(eos) > len(have):
+        generation.eos_token_id = eos[0] if len(eos) == 1 else eos
+    return generation
 
 
 # the special-token ids match_tokenizer sets from the tokenizer on a config built from model.config

@@ -15,6 +15,7 @@ from shardtune.checkpoint.rundir import PREEMPTED_MARKER
 from shardtune.config.load import dump_yaml
 from shardtune.config.schema import RunConfig
 from shardtune.data import batches as batching
+from shardtune.data import chat
 from shardtune.data import pipeline as data_lib
 from shardtune.data.packing import equal_blocks
 from shardtune.distributed.activation_memory import describe_memory_savers
@@ -70,7 +71,9 @@ class Trainer:
         self.tokenizer = tokenizer = run.tokenizer
         self.hf_config = hf_config = run.hf_config
         # what final/ and checkpoints say generation stops at and samples with (rank 0 writes them)
-        self.generation_config = load_generation_config(cfg.model.name_or_path, hf_config) if dist.is_main else None
+        self.generation_config = (load_generation_config(cfg.model.name_or_path, hf_config,
+                                                         chat.trained_ends(cfg.data, tokenizer))
+                                  if dist.is_main else None)
         self.accum = run.accum
         self.train_ds, self.val_ds = rank0_first(dist, lambda: data_lib.prepare(cfg.data, tokenizer, cfg.train.seed,
                                                                                   cfg.train.global_batch_size))
@@ -162,10 +165,14 @@ class Trainer:
                          "epoch": epoch, "samples_into_epoch": in_epoch * gb, "samples_consumed": step * gb}}
 
     def write_checkpoint_extras(self, folder: Path) -> None:
-        """The HF config and tokenizer beside the shards: export/eval/generate need nothing else."""
+        """The HF config and tokenizer beside the shards: export/eval/generate need nothing else. An
+        hf_format checkpoint is a model folder other tools load as it is: its tokenizer goes beside
+        the weights as well (AutoTokenizer.from_pretrained(checkpoints/step-N) found none)."""
         self.hf_config.save_pretrained(folder)
         self.generation_config.save_pretrained(folder)
         self.tokenizer.save_pretrained(folder / "tokenizer")
+        if self.cfg.checkpoint.hf_format:
+            self.tokenizer.save_pretrained(folder)
 
     def say(self, text: str) -> None:
         if self.dist.is_main:
