@@ -411,3 +411,40 @@ def test_a_change_to_the_tokenizing_code_is_not_served_from_the_datasets_cache(t
     # as an edit of messages.py would: the same function, named the same, with other code
     monkeypatch.setattr(messages._text, "__code__", _shouted.__code__)
     assert "ANSWER 0.0" in kept(chat_tokenizer, D.tokenize_split(docs, cfg, chat_tokenizer, "chats")[0]["labels"])
+
+
+def _reversed_fill(template, row, sep=" "):
+    return "".join(reversed(str(row)))
+
+
+def _one_token_docs(docs, field, tokenizer, num_proc, dtype):
+    import numpy as np
+
+    yield np.zeros(len(docs), dtype=dtype), np.ones(len(docs), dtype="int64")
+
+
+def test_a_change_to_the_text_code_is_not_served_from_a_cache(tmp_path, chat_tokenizer, monkeypatch):
+    """The same for text: the packed token files were keyed by a version bumped by hand, so an edit of
+    packing.py kept serving the tokens written before it (the render map's own cache, keyed by
+    `datasets`, already sees an edit of formats.fill: checked here too)."""
+    import datasets
+
+    from shardtune.data import packing
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    rows = [{"title": f"t{i}", "body": "the answer is " * (i + 1)} for i in range(8)]
+    cfg = DataConfig(path=str(write_jsonl(tmp_path / "docs.jsonl", rows)), template="{title}: {body}", seq_len=16)
+    docs = D.load_documents(cfg)["train"]
+    assert docs.cache_files
+
+    def tokens() -> list[int]:
+        blocks = D.tokenize_split(docs, cfg, chat_tokenizer, "docs")
+        return [int(t) for i in range(len(blocks)) for t in blocks.block(i)["input_ids"]]
+
+    first = tokens()
+    assert tokens() == first  # cached, and the same
+    monkeypatch.setattr(F.fill, "__code__", _reversed_fill.__code__)  # as an edit of formats.fill would
+    rendered = tokens()
+    assert rendered != first
+    monkeypatch.setattr(packing._encoded_chunks, "__code__", _one_token_docs.__code__)  # an edit of packing.py
+    assert tokens() != rendered

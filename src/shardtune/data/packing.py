@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
 from collections import deque
 from pathlib import Path
@@ -171,7 +172,10 @@ def _cached(dataset, key_parts: tuple, fill, labels: bool, dtype: str) -> tuple[
     SIGKILL) is removed by the next preparation in the same cache."""
     from datasets.fingerprint import Hasher
 
-    key = Hasher.hash((FORMAT_VERSION, dataset._fingerprint, *key_parts))
+    from shardtune.data.code_key import code_hash
+
+    # and the code that writes the files: a fix to it is not served from an earlier cache (code_key.py)
+    key = Hasher.hash((FORMAT_VERSION, code_hash(sys.modules[__name__]), dataset._fingerprint, *key_parts))
     parent = Path(dataset.cache_files[0]["filename"]).parent if dataset.cache_files else None
     folder = parent / f"shardtune-tokens-{key}" if parent is not None else None
     if folder is not None and (folder / "meta.json").is_file():

@@ -139,21 +139,11 @@ def _warn(line: str) -> None:
 
 
 def label_code() -> str:
-    """A hash of the code that turns instruct and chat rows into tokens and labels. `datasets` keys its
-    cache of a map by the map function's own code but only names the functions that it calls: a fix
-    to them (a label that was wrong) left every tokenization cached before it as it was."""
-    import inspect
-
-    from datasets.fingerprint import Hasher
-
+    """A hash of the code that turns instruct and chat rows into tokens and labels (data/code_key.py)."""
     from shardtune.data import messages
+    from shardtune.data.code_key import code_hash
 
-    codes = []
-    for module in (formats, chat, messages):
-        for name, value in sorted(vars(module).items()):
-            own = inspect.isclass(value) and value.__module__ == module.__name__
-            codes += [(name, f.__code__) for f in (vars(value).values() if own else [value]) if inspect.isfunction(f)]
-    return Hasher.hash(codes)
+    return code_hash(formats, chat, messages)
 
 
 def tokenize_split(docs, cfg: DataConfig, tokenizer, what: str, warn=None, required: bool = False):
