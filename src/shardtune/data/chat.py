@@ -136,16 +136,16 @@ def chat_prompt_and_reply(tokenizer, value, index: int, field: str) -> tuple[str
     return prompt, str(as_text(messages[last].get("content")))
 
 
-def turn_end(tokenizer) -> int | str | None:
+def turn_end(tokenizer, template: str | None = None) -> int | str | None:
     """What the chat template closes an assistant turn with (<|im_end|>, <|eot_id|>,
     <end_of_turn>): its token id, or its text where that is several tokens (a template given as
     data.chat_template to a tokenizer without its special tokens). Training labels it as the end of
     every reply, so generation stops there; the tokenizer's EOS is often another token (a base
     model's <|endoftext|> under ChatML), and generation went on into turns of its own. None where
-    the turn ends in whitespace only."""
+    the turn ends in whitespace only. `template`: another than the tokenizer's own."""
     try:
         text = tokenizer.apply_chat_template([{"role": "user", "content": "x"}, {"role": "assistant", "content": MARK}],
-                                             tokenize=False)
+                                             chat_template=template, tokenize=False)
     except Exception:  # noqa: BLE001 - a template that refuses this conversation: training's check names it
         return None
     tail = text[text.find(MARK) + len(MARK):].split() if MARK in text else []
@@ -161,10 +161,9 @@ def trained_ends(cfg: DataConfig, tokenizer) -> list[int | str]:
     token id, or a text of several tokens). generate stops at these; final/ and checkpoints add the
     ids to their generation config's EOS, so other tools' generate stops there too."""
     out = [tokenizer.eos_token_id]
+    # the run's template where it set one (a --compare base may have none of its own)
     if cfg.format == "chat" and (cfg.chat_template or getattr(tokenizer, "chat_template", None)):
-        if cfg.chat_template:  # the run's (a --compare base may have no template of its own)
-            tokenizer.chat_template = cfg.chat_template
-        out.append(turn_end(tokenizer))
+        out.append(turn_end(tokenizer, cfg.chat_template))
     return list(dict.fromkeys(s for s in out if s is not None))
 
 

@@ -274,7 +274,7 @@ def generate(model, tokenizer, prompts: list, max_new_tokens: int = 64, temperat
              top_p: float = 0.9, seed: int = 0, batch_size: int = 8, stop: list[int | str] = ()) -> list[str]:
     """The continuation of each prompt (a string, or token ids), `batch_size` prompts per
     `model.generate` call, left-padded so every row's new tokens start in the same column, up to
-    the first end-of-sequence token of the model's generation config or of `stop` (prompts.stops: token
+    the first end-of-sequence token of the model's generation config or of `stop` (data.chat.trained_ends: token
     ids, and texts of several tokens);
     temperature 0 (or below GREEDY_BELOW) decodes greedily. Seeded once: the same call gives the same texts. A prompt
     longer than the model's positions leave room for is cut from the left."""
@@ -348,6 +348,7 @@ def continuation(tokenizer, prompt_ids: list[int], new_ids: list[int]) -> str:
 def run_generate(req: GenerateRequest) -> list[str]:
     from transformers.utils import logging as hf_logging
 
+    from shardtune.data import chat
     from shardtune.distributed.process_group import resolve_device
 
     hf_logging.set_verbosity_error()
@@ -365,7 +366,7 @@ def run_generate(req: GenerateRequest) -> list[str]:
                                     max(map(len, ids)), notes.append)
     model, tokenizer, _, _ = load_model(req.model, str(resolve_device(req.device)))
     texts = generate(model, tokenizer, list(ids), new_tokens, req.temperature, req.top_p, req.seed, req.batch_size,
-                     layouts.stops(cfg, tokenizer))
+                     chat.trained_ends(cfg, tokenizer))
     for i, (prompt, text) in enumerate(zip(prompts, texts)):
         if len(prompts) > 1:
             print(f"=== prompt {i + 1} ===")

@@ -56,9 +56,3 @@ def rendered(prompts: list[str], cfg, tokenizer) -> list[tuple[str, list[int]]]:
         out.append((text, tokenizer(text, add_special_tokens=False)["input_ids"]))
     return out
 
-
-def stops(cfg, tokenizer) -> list[int | str]:
-    """What ends an answer as training taught it to end (`data.chat.trained_ends`)."""
-    from shardtune.data import chat
-
-    return chat.trained_ends(cfg, tokenizer)

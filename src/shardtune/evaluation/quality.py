@@ -19,7 +19,7 @@ from shardtune.checkpoint.rundir import refuse_run_file
 from shardtune.errors import UserError
 from shardtune.evaluation import lengths, textscores
 from shardtune.evaluation.evaluate import continuation, data_config, generate, options_named
-from shardtune.evaluation.prompts import check_chat, stops
+from shardtune.evaluation.prompts import check_chat
 from shardtune.fsio import make_dir, refuse_foreign_file, write_text_atomic
 
 SHOWN_EXAMPLES = 3  # example generations in the printed table (the JSON has all)
@@ -137,12 +137,14 @@ def generate_for(spec: str, req: QualityRequest, device: str, prompts: list[Exam
                  ref_tokenizer, cfg) -> tuple[list[str], float]:
     """(one generation per prompt, seconds) of the model `spec`; a model with another tokenizer
     than the evaluated one gets the prompt text in its own tokens."""
+    from shardtune.data import chat
+
     model, tokenizer, _, _ = load_model(spec, device)
     same = tokenizer.get_vocab() == ref_tokenizer.get_vocab()
     inputs = [e.prompt_ids if same else e.prompt for e in prompts]
     start = time.perf_counter()
     texts = generate(model, tokenizer, inputs, req.max_new_tokens, req.temperature, req.top_p, req.seed,
-                     req.micro_batch_size, stops(cfg, tokenizer))
+                     req.micro_batch_size, chat.trained_ends(cfg, tokenizer))
     return texts, time.perf_counter() - start
 
 
