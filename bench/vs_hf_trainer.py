@@ -59,11 +59,15 @@ SETUPS["cpu-vocab2048"] = {**SETUPS["cpu"], "micro": 8, "global": 16, "steps": 2
 SETUPS["cpu-bf16"] = {**SETUPS["cpu"], "precision": "bf16"}
 
 
-def resolve_setup(name: str, steps: int | None, global_batch: int | None, rehearse: bool) -> dict:
-    """A setup with the command line's steps and global batch; rehearsing, shrunk (REHEARSAL)."""
+def resolve_setup(name: str, steps: int | None, global_batch: int | None, rehearse: bool,
+                  lr: float | None = None, warmup_steps: int | None = None) -> dict:
+    """A setup with the command line's steps, global batch and learning-rate curve; rehearsing, shrunk
+    (REHEARSAL)."""
     setup = dict(SETUPS[name])
     setup["steps"] = steps or setup["steps"]
     setup["global"] = global_batch or setup["global"]
+    setup["lr"] = lr or setup.get("lr", TRAIN["lr"])
+    setup["warmup_steps"] = TRAIN["warmup_steps"] if warmup_steps is None else warmup_steps
     if rehearse:
         setup.update(REHEARSAL, model=C.tiny_model(setup["model"]), steps=min(setup["steps"], REHEARSAL["steps"]))
     return setup
@@ -72,8 +76,10 @@ def resolve_setup(name: str, steps: int | None, global_batch: int | None, rehear
 def shardtune_overrides(setup: dict, tokenizer: str, data_dir: str, out: Path, nproc: int, sharding: str) -> list[str]:
     tree = {"model": {"config": setup["model"], "tokenizer": tokenizer},
             "data": {"path": data_dir, "seq_len": setup["seq_len"]},
-            "train": {**TRAIN, "lr": setup.get("lr", TRAIN["lr"]), "micro_batch_size": setup["micro"],
-                      "global_batch_size": setup["global"], "max_steps": setup["steps"]},
+            "train": {**TRAIN, "lr": setup.get("lr", TRAIN["lr"]),
+                      "warmup_steps": setup.get("warmup_steps", TRAIN["warmup_steps"]),
+                      "micro_batch_size": setup["micro"], "global_batch_size": setup["global"],
+                      "max_steps": setup["steps"]},
             "fsdp": {"sharding": sharding}, "precision": setup["precision"],
             "eval": {"at_start": False, "max_batches": 1}, "log": {"every_steps": 1, "progress": False},
             "output_dir": str(out)}
@@ -260,6 +266,9 @@ def main() -> int:
     p.add_argument("--skip", type=int, default=2, help="first steps left out of tokens/s")
     p.add_argument("--nproc", type=int, nargs="+", help="rank counts (default: CPU 1 2, GPU 1 and all GPUs)")
     p.add_argument("--sharding", nargs="+", choices=["no_shard", "full_shard"])
+    p.add_argument("--lr", type=float, help="peak learning rate, both sides (default: the setup's)")
+    p.add_argument("--warmup-steps", type=int,
+                   help=f"linear warm-up steps, both sides (default: {TRAIN['warmup_steps']})")
     p.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: the setup's)")
     p.add_argument("--budget-s", type=float, help="start no run that would end after this many seconds (judged by the "
                    "longest run so far); the table shows what ran")
@@ -292,7 +301,7 @@ def main() -> int:
         print("error: --gpu needs a CUDA GPU and torch.cuda.is_available() is False here; "
               "run without --gpu for the CPU benchmark (or add --rehearse for its code path on CPU)", file=sys.stderr)
         return 2
-    setup = resolve_setup(name, a.steps, a.global_batch, a.rehearse)
+    setup = resolve_setup(name, a.steps, a.global_batch, a.rehearse, a.lr, a.warmup_steps)
     if a.rehearse:
         a.skip = min(a.skip, setup["steps"] - 2)
     device = "cuda" if a.gpu and not a.rehearse else "cpu"
@@ -310,7 +319,7 @@ def main() -> int:
           f"{C.machine_line()}\n\n"
           f"model {json.dumps(setup['model'])} | seq {setup['seq_len']} | micro {setup['micro']} | "
           f"global {setup['global']} | {setup['steps']} steps (first {a.skip} not timed) | {setup['precision']} | "
-          f"AdamW lr {setup.get('lr', TRAIN['lr'])} cosine warmup {TRAIN['warmup_steps']} | "
+          f"AdamW lr {setup['lr']} cosine warmup {setup['warmup_steps']} | "
           f"{n_blocks} packed blocks in the corpus (those trained on: sha256 {fingerprint}) | "
           f"{a.repeats} alternating pair(s) per row"
           + (f" | shardtune also {' '.join(a.shardtune_set)}" if a.shardtune_set else "") + "\n", flush=True)

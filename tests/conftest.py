@@ -191,9 +191,10 @@ def train_tiny(assets, out, **extra) -> list[float]:
 
 
 def lift_float8_device_check(set_attribute=setattr) -> None:
-    """float8 on CPU, for tests: torch's CPU `_scaled_mm` runs the float8 matmuls, so the product's
-    refusal of the CPU is lifted, and every block linear with dimensions divisible by 16 is
-    converted (torchao's own filter leaves layers this small in bf16, where float8 is slower)."""
+    """float8 on CPU, for tests: the product's refusal of the CPU is lifted, every block linear with
+    dimensions divisible by 16 is converted (torchao's own filter leaves layers this small in bf16,
+    where float8 is slower), and the float8 matmuls run as _ScaledMatmulOnCpu."""
+    import torch
     import torchao.float8 as f8
 
     from shardtune.model import float8
@@ -201,6 +202,29 @@ def lift_float8_device_check(set_attribute=setattr) -> None:
     set_attribute(float8, "check_device", lambda recipe, device: None)
     set_attribute(f8, "_auto_filter_for_recipe", lambda recipe, filter_fqns:
                   lambda m, fqn: m.in_features % 16 == 0 and m.out_features % 16 == 0)
+    if not isinstance(torch._scaled_mm, _ScaledMatmulOnCpu):
+        set_attribute(torch, "_scaled_mm", _ScaledMatmulOnCpu(torch._scaled_mm))
+
+
+class _ScaledMatmulOnCpu:
+    """torch's CPU `_scaled_mm` is a reference loop, 100-500x slower than a matmul of the same float8
+    values upcast (2026-11-27: 44 ms a call, 100 of test_float8.py's 125 s): real CPU tensors take
+    the upcast product, scaled, in fp32 (exact products of float8 values, an fp32 sum as the kernel's);
+    fake ones (plan's traces) and every other device, torch's own."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __call__(self, a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, use_fast_accum=False):
+        from torch._subclasses.fake_tensor import is_fake
+
+        if a.device.type != "cpu" or is_fake(a) or scale_result is not None:
+            return self.kernel(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, scale_result=scale_result,
+                               out_dtype=out_dtype, use_fast_accum=use_fast_accum)
+        out = (a.float() @ b.float()) * scale_a.float() * scale_b.float()
+        if bias is not None:
+            out = out + bias.float()
+        return out.to(out_dtype or a.dtype)
 
 
 def make_trainer(assets, out, arch: str = "llama", **extra):

@@ -23,7 +23,9 @@
 #                init of 1-1.3B parameters on the CPU, copy to the GPU) + BENCH_STEPS (8) steps of
 #                BENCH_GLOBAL (8) x 2048 tokens at 10-20k tokens/s (0.8-1.6 s each) = 35-40 s, a
 #                pair ~80 s: one pair (A B) fits the cap; A B A B needs a call of its own (below).
-#   curve  240 s bench/vs_hf_trainer.py --gpu --steps 30 --global-batch 32 --loss-tolerance 0.03: the
+#   curve  240 s bench/vs_hf_trainer.py --gpu --steps 30 --global-batch 32 --lr 1e-4 --warmup-steps 10
+#                --loss-tolerance 0.03 (CURVE_LR, CURVE_WARMUP; at the speed arms' 3e-4 / 3 both sides went
+#                NaN at step 4 on 2026-11-26, so the curve runs the gentler schedule, not run on a GPU yet): the
 #                Llama ~1B loss curve against HF Trainer's (its NaN filter off; shardtune on_nan=skip, so a NaN
 #                step shows on both sides instead of ending the pair), every step finite and
 #                within 3 % (0.7 % apart at step 8 on the H100); per-step losses and gradient norms of
@@ -107,7 +109,7 @@
 #     python bench/memory_savers.py quality --steps 300 > "$OUT/savers_quality.md"   (compiled torchao step)
 #     python bench/memory_savers.py activations --micro-batch 8 --steps 6 precision=bf16 fsdp.reduce_dtype=bf16 \
 #       train.optimizer_state=8bit > "$OUT/savers_act_8bit.md"
-# Knobs: PYTHON, BUDGET_S, LIGER_TESTS_BLOCKING (1: the faulting kernel's traceback), TESTS_WORKERS, BENCH_SET (shardtune settings for the bench stages), REPEATS, BENCH_STEPS, BENCH_GLOBAL, PLAN_ROWS, PLAN_PICK (rows by index, e.g. 8,10,11), SOAK_MINUTES, LIGER_STEPS, LIGER_ARMS (e.g. "plain plain-compiled": compile's gain alone), HEAD_CHUNKS, HEAD_STEPS, CAP_<STAGE>.
+# Knobs: PYTHON, BUDGET_S, LIGER_TESTS_BLOCKING (1: the faulting kernel's traceback), TESTS_WORKERS, BENCH_SET (shardtune settings for the bench stages), REPEATS, BENCH_STEPS, BENCH_GLOBAL, PLAN_ROWS, PLAN_PICK (rows by index, e.g. 8,10,11), SOAK_MINUTES, LIGER_STEPS, LIGER_ARMS (e.g. "plain plain-compiled": compile's gain alone), HEAD_CHUNKS, HEAD_STEPS, CURVE_LR, CURVE_WARMUP, CAP_<STAGE>.
 # The CPU rehearsal (no install; .venv/bin/python) takes about 4 minutes on 2 cores (BENCHMARKS.md).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -268,7 +270,8 @@ for model in llama opt; do
     --budget-s $(( limit - 10 )) --json "$results/vs_hf_$model.json" "${rh[@]}"
 done
 stage curve "$(time_for "${CAP_CURVE:-240}")" curve.md $python bench/vs_hf_trainer.py --setup gpu --repeats 1 \
-  --sharding full_shard --nproc 1 --steps 30 --global-batch 32 --loss-tolerance 0.03 --shardtune-set on_nan=skip \
+  --sharding full_shard --nproc 1 --steps 30 --global-batch 32 --lr "${CURVE_LR:-1e-4}" --warmup-steps "${CURVE_WARMUP:-10}" \
+  --loss-tolerance 0.03 --shardtune-set on_nan=skip \
   --json "$results/curve.json" "${rh[@]}"
 stage offload "$(time_for "${CAP_OFFLOAD:-240}")" offload.md $python bench/gpu/variants.py --steps 4 --equal 1e-3 \
   plain= offload=fsdp.cpu_offload=true "${rh[@]}"

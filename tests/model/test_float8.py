@@ -1,8 +1,9 @@
 """float8=rowwise|tensorwise: which layers torchao converts, the one-line refusals, and a whole run
 (train, checkpoint, exact resume, final/) through torchao's float8 layers. The product refuses
-float8 off a GPU of compute capability 8.9+; torch's CPU `_scaled_mm` runs the same float8
-matmuls, so the in-process runs here lift the device check and convert the tiny model's layers
-(torchao's own filter leaves layers this small in bf16, where float8 is slower)."""
+float8 off a GPU of compute capability 8.9+; on the CPU the same float8 matmuls run (their float8
+values multiplied in fp32: conftest.lift_float8_device_check), so the in-process runs here lift the
+device check and convert the tiny model's layers (torchao's own filter leaves layers this small in
+bf16, where float8 is slower)."""
 
 from __future__ import annotations
 
@@ -101,8 +102,9 @@ RUN = {"precision": "bf16", "train.max_steps": 6, "eval.at_start": "false", "che
 def cpu_scaled_mm_takes_row_scales() -> bool:
     """torch 2.13's CPU `_scaled_mm` takes a scale per row; 2.11's (the GPU machine's) only one per tensor."""
     a = torch.ones(16, 16).to(torch.float8_e4m3fn)
+    kernel = getattr(torch._scaled_mm, "kernel", torch._scaled_mm)  # torch's own, not conftest's stand-in
     try:
-        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
+        kernel(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
     except RuntimeError:
         return False
     return True
