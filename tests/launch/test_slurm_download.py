@@ -254,7 +254,7 @@ def test_srun_without_torchrun_maps_slurm_variables(monkeypatch):
     # a private copy of the environment: what _adopt_slurm_env sets must not leak into other tests
     monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k not in torch_keys})
     monkeypatch.setenv("SLURM_PROCID", "5")
-    monkeypatch.setenv("SLURM_NTASKS", "8")
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "8")
     monkeypatch.setenv("SLURM_LOCALID", "1")
     monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "4(x2)")
     monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu-node-7")
@@ -277,8 +277,9 @@ def test_a_task_of_srun_without_torchrun_plans_and_checks_for_the_whole_job(monk
 
     torch_keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k not in torch_keys})
-    for name, value in {"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_LOCALID": "0", "SLURM_NTASKS_PER_NODE": "4",
-                        "SLURM_JOB_NODELIST": "127.0.0.1", "PATH": "/nonexistent"}.items():
+    task = {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "8", "SLURM_LOCALID": "0", "SLURM_NTASKS_PER_NODE": "4",
+            "SLURM_JOB_NODELIST": "127.0.0.1", "PATH": "/nonexistent"}
+    for name, value in task.items():
         monkeypatch.setenv(name, value)
     import shardtune.train.trainer as trainer  # imported unpatched: the name it holds is the one patched
 
