@@ -84,6 +84,41 @@ def test_slurm_script_marker_check_and_requeue_work_in_bash(tmp_path):
         assert f"--rdzv_endpoint=node1:{slurm_port(42)} " in srun_args, srun_args
 
 
+def _fake_slurm(bin_dir, srun: str) -> None:
+    """Stand-ins for what the script calls: scontrol (one node, requeue echoed), torchrun, `srun`."""
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text('#!/bin/bash\n[ "$1" = requeue ] && echo "REQUEUED $2" || echo node1\n')
+    (bin_dir / "torchrun").write_text("#!/bin/bash\necho 'usage: torchrun --shutdown_timeout SHUTDOWN_TIMEOUT'\n")
+    (bin_dir / "srun").write_text(f"#!/bin/bash\n{srun}\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+
+
+def test_slurm_script_runs_in_the_folder_it_was_written_in(tmp_path, monkeypatch, capsys):
+    """The script named the recipe and output_dir as given (relative), and sbatch runs a script in the
+    folder it is submitted from: submitted later from elsewhere, its job read another recipe (or none),
+    trained into another folder and looked for its PREEMPTED marker there (no requeue)."""
+    from shardtune.cli.main import main
+
+    project, elsewhere = tmp_path / "my project", tmp_path / "elsewhere"
+    (project / "recipes").mkdir(parents=True)
+    elsewhere.mkdir()
+    (project / "recipes" / "r.yaml").write_text((ROOT / "recipes" / "gpt2-wikitext2.yaml").read_text())
+    monkeypatch.chdir(project)
+    assert main(["slurm", "recipes/r.yaml", "--nodes", "1", "--gpus-per-node", "2", "--output-dir", "runs/a",
+                 "-o", "jobs/job.sbatch"]) == 0
+    capsys.readouterr()
+    # the job's ranks: where they run, and a preemption's marker written into their (relative) output_dir
+    _fake_slurm(tmp_path / "bin", 'pwd > "$FAKE_PWD"; mkdir -p runs/a; echo 3 > runs/a/PREEMPTED; exit 75')
+    env = {"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin", "SLURM_JOB_ID": "42", "SLURM_NNODES": "1",
+           "SLURM_JOB_NODELIST": "node1", "SLURM_CPUS_PER_TASK": "16", "FAKE_PWD": str(tmp_path / "pwd")}
+    proc = subprocess.run(["bash", str(project / "jobs" / "job.sbatch")], capture_output=True, text=True, env=env,
+                          cwd=elsewhere)
+    assert (tmp_path / "pwd").read_text().strip() == str(project), proc.stderr
+    assert "REQUEUED 42" in proc.stdout and proc.returncode == 0, (proc.stdout, proc.stderr)
+    assert not list(elsewhere.iterdir())
+
+
 def test_slurm_refuses_bad_input_in_one_line(capsys):
     from shardtune.cli.main import main
 
