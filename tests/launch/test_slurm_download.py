@@ -37,6 +37,12 @@ def test_slurm_script_runs_torchrun_under_srun_and_requeues_on_preemption(tmp_pa
 
     sbatch = dict(re.findall(r"^#SBATCH --([\w-]+)(?:=(.*))?$", text, flags=re.M))
     assert sbatch["nodes"] == "2" and sbatch["gpus-per-node"] == "4" and sbatch["ntasks-per-node"] == "1"
+    assert sbatch["cpus-per-task"] == "32" and "OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}" in text  # 8 per GPU
+    # a node of fewer cores than 8 per GPU: sbatch refused the job, and only an edit of the script could help
+    assert main(["slurm", "recipes/gpt2-wikitext2.yaml", "--nodes", "1", "--gpus-per-node", "4", "--cpus-per-gpu",
+                 "3"]) == 0
+    fewer = capsys.readouterr().out
+    assert "#SBATCH --cpus-per-task=12\n" in fewer and "OMP_NUM_THREADS=${OMP_NUM_THREADS:-3}" in fewer
     assert sbatch["partition"] == "gpu" and sbatch["account"] == "proj1" and sbatch["time"] == "02:00:00"
     assert sbatch["signal"].startswith("USR1@") and "requeue" in sbatch  # warning before the limit, requeueable
 

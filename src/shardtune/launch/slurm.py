@@ -84,7 +84,7 @@ def sbatch_script(recipe: str, output_dir: str, nodes: int, gpus_per_node: int, 
 # Written by `shardtune slurm`. One torchrun agent per node, {gpus_per_node} rank(s) each.
 set -uo pipefail
 cd -- {shlex.quote(workdir or os.getcwd())} || exit 1  # the folder the script was written in
-{offline_env}export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-8}}
+{offline_env}export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-{cpus_per_gpu}}}  # a rank's share of the cores
 head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 # the job's own port: two jobs whose first node is the same one met on a fixed port (one joined
 # the other's rendezvous, and died with it)
