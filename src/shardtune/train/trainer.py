@@ -396,7 +396,10 @@ def run(checked: CheckedRun | RunConfig, overwrite: bool = False) -> dict:
             results = trainer.fit()
             final = None
             if trainer.cfg.save_final and not results.get("preempted"):  # a preempted run is finished by its resume
-                final = trainer.export()
+                from shardtune.rank.preemption import held_through
+
+                with held_through(str(trainer.out / "final")):
+                    final = trainer.export()
             trainer.publishing.final(final, trainer.state.step, results)
         except BaseException:
             # No group is left behind a failed set-up, nor a lone process's (a notebook, a library caller
