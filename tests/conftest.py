@@ -134,7 +134,8 @@ def losses(out: Path) -> list[float]:
 
 # what torchrun / Slurm set: a child must not believe it is a rank of the job running the tests
 AGENT_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-              "MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
+              "MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS",
+              "SLURM_LOCALID")
 
 
 def child_env(**extra: str) -> dict:

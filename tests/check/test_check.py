@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -149,3 +150,40 @@ def test_train_refuses_before_any_process_group_or_folder(assets, tmp_path, monk
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: the tokenizer has 300 tokens but the model only 50; use the model's own tokenizer or "
                    "set model.config.vocab_size"] and not out.exists()
+
+
+@pytest.mark.parametrize("per_node, overrides, refused", [
+    ("2(x2),1(x2)", [], True),  # nodes of 2 built a (3, 2) mesh, nodes of 1 a (6, 1) one
+    ("3,2,1", [], True),
+    ("2(x3)", [], False),
+    ("2(x2),1(x2)", ["fsdp.shard_size=3"], False),  # sizes given: every rank builds the same mesh
+    ("2(x2),1(x2)", ["fsdp.sharding=full_shard"], False),
+])
+def test_hybrid_shard_on_uneven_srun_nodes_is_refused_alike_on_every_rank(monkeypatch, capsys, tmp_path,
+                                                                          per_node, overrides, refused):
+    """srun alone may put different numbers of tasks on its nodes; hybrid_shard's default shard group
+    is a node's ranks, so each rank built the mesh of its own node's count and the ranks disagreed
+    (some refused, the others waited, or two meshes side by side). Every rank now refuses alike."""
+    import os
+
+    from shardtune.check.run import check_node_layout
+    from shardtune.cli.main import main
+
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items()
+                                        if not k.startswith("SLURM_") and k not in ("RANK", "WORLD_SIZE")})
+    for name, value in {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "6", "SLURM_STEP_TASKS_PER_NODE": per_node,
+                        "SLURM_JOB_NODELIST": "127.0.0.1", "PATH": "/nonexistent"}.items():
+        monkeypatch.setenv(name, value)
+    cfg = load_config(None, ["model.name_or_path=gpt2", "data.path=d.jsonl", "fsdp.sharding=hybrid_shard", *overrides])
+    if not refused:
+        check_node_layout(cfg)
+        return
+    line = f"different numbers of tasks (SLURM_STEP_TASKS_PER_NODE={per_node})"
+    monkeypatch.setenv("SLURM_NODEID", "2")  # a rank on a node of fewer tasks: as refused as rank 0
+    with pytest.raises(UserError, match=re.escape(line)):
+        check_node_layout(cfg)
+    for name, value in {"SLURM_NODEID": "0", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}.items():
+        monkeypatch.setenv(name, value)
+    assert main(["train", "fsdp.sharding=hybrid_shard", "device=cpu", "train.global_batch_size=6",
+                 "train.micro_batch_size=1", f"output_dir={tmp_path / 'out'}"]) == 2
+    assert line in capsys.readouterr().err

@@ -136,20 +136,20 @@ def _slurm_task(monkeypatch, **slurm):
 
 @pytest.mark.parametrize("slurm, local_world, master", [
     # srun -N2 -n8 (no --ntasks-per-node): local rank 3 was refused as past a node of 1 task
-    ({"SLURM_NTASKS": "8", "SLURM_PROCID": "7", "SLURM_LOCALID": "3", "SLURM_NODEID": "1",
+    ({"SLURM_STEP_NUM_TASKS": "8", "SLURM_PROCID": "7", "SLURM_LOCALID": "3", "SLURM_NODEID": "1",
       "SLURM_STEP_TASKS_PER_NODE": "4(x2)", "SLURM_JOB_NODELIST": "node[01-03,07]"}, "4", "node01"),
     # srun -n5 -N2 puts 3 then 2: the 2nd node took the 1st node's 3
-    ({"SLURM_NTASKS": "5", "SLURM_PROCID": "4", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
+    ({"SLURM_STEP_NUM_TASKS": "5", "SLURM_PROCID": "4", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
       "SLURM_STEP_TASKS_PER_NODE": "3,2", "SLURM_NTASKS_PER_NODE": "3", "SLURM_JOB_NODELIST": "a[1-2]-ib,b3"}, "2",
      "a1-ib"),
     # a step on the allocation's later nodes: rank 0 runs on the step's first node, not the job's
-    ({"SLURM_NTASKS": "4", "SLURM_PROCID": "2", "SLURM_LOCALID": "0", "SLURM_NODEID": "2",
+    ({"SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": "2", "SLURM_LOCALID": "0", "SLURM_NODEID": "2",
       "SLURM_TASKS_PER_NODE": "2,1(x2)", "SLURM_STEP_NODELIST": "gpu[12-14]", "SLURM_JOB_NODELIST": "gpu[10-14]"},
      "1", "gpu12"),
 ])
 def test_srun_alone_reads_this_nodes_tasks_and_the_first_host(monkeypatch, slurm, local_world, master):
     env = _slurm_task(monkeypatch, SLURM_JOB_ID="1234", **slurm)
-    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"]) == (slurm["SLURM_PROCID"], slurm["SLURM_NTASKS"],
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"]) == (slurm["SLURM_PROCID"], slurm["SLURM_STEP_NUM_TASKS"],
                                                                    slurm["SLURM_LOCALID"])
     assert (env["LOCAL_WORLD_SIZE"], env["MASTER_ADDR"]) == (local_world, master)
 
@@ -162,7 +162,7 @@ def test_bad_tasks_per_node_is_one_line(monkeypatch, slurm, needle):
     from shardtune.errors import RankError
 
     with pytest.raises(RankError, match=needle.replace("(", r"\(")):
-        _slurm_task(monkeypatch, SLURM_NTASKS="8", SLURM_PROCID="0", **slurm)
+        _slurm_task(monkeypatch, SLURM_STEP_NUM_TASKS="8", SLURM_PROCID="0", **slurm)
 
 
 def test_jobs_get_ports_of_their_own():
@@ -172,6 +172,28 @@ def test_jobs_get_ports_of_their_own():
 
     ports = [slurm_port(job) for job in range(123_000, 133_000)]
     assert len(set(ports)) == len(ports) and all(1024 < p < 32768 for p in ports)
+
+
+@given(st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1))
+@settings(max_examples=30, deadline=None)
+def test_steps_of_jobs_get_ports_of_their_own(job, step):
+    """Two `srun` steps of one job at once (`srun ... &` twice in a batch script) met on the job's one
+    port: the second's ranks joined the first's store, or died on a port in use. Steps 0-7 of jobs
+    up to 1354 ids apart now never share one; any job and step id (the batch and interactive
+    steps' are near 2**32) gives a port below Linux's ephemeral ones."""
+    from shardtune.distributed.process_group import slurm_port
+
+    assert 1024 < slurm_port(job, step) < 32768
+    near = [slurm_port(job + j, s) for j in range(1355) for s in range(8)]
+    assert len(set(near)) == len(near)
+
+
+def test_srun_alone_takes_its_steps_port(monkeypatch):
+    from shardtune.distributed.process_group import slurm_port
+
+    task = {"SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "0", "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_JOB_ID": "9"}
+    ports = [_slurm_task(monkeypatch, **task, SLURM_STEP_ID=step)["MASTER_PORT"] for step in ("0", "1")]
+    assert ports == [str(slurm_port(9, 0)), str(slurm_port(9, 1))] and ports[0] != ports[1]
 
 
 @pytest.mark.parametrize("visible, local_rank, expected", [(4, 3, 3), (1, 3, 0), (2, 3, None)])
@@ -193,10 +215,18 @@ def test_a_rank_takes_the_gpu_it_can_see(monkeypatch, visible, local_rank, expec
         assert resolve_device("auto") == torch.device("cuda", expected)
 
 
-def test_the_shell_of_an_interactive_allocation_is_a_lone_process(monkeypatch, capfd, tmp_path):
+@pytest.mark.parametrize("slurm", [
+    # `srun --pty bash` (or salloc): a step's one task
+    {"SLURM_JOB_NAME": "interactive", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "1"},
+    # the batch script of `sbatch --ntasks=4`: the job's count, SLURM_PROCID=0, and no step of its own
+    {"SLURM_JOB_NAME": "job.sbatch", "SLURM_NTASKS": "4", "SLURM_TASKS_PER_NODE": "4", "SLURM_NPROCS": "4"},
+], ids=["interactive-shell", "batch-script"])
+def test_a_slurm_shell_that_is_no_task_of_a_step_is_a_lone_process(monkeypatch, capfd, tmp_path, slurm):
     """`srun --pty bash` (or salloc) gives the shell SLURM_PROCID=0 as a step's one task: `train --nproc 2`
     there was refused ("--nproc conflicts with the ranks torchrun/srun started"), `eval --nproc 2`
-    ran in one process. It is a lone process: --nproc goes on to start its ranks."""
+    ran in one process. The batch script of `sbatch --ntasks=4` (SLURM_NTASKS=4, SLURM_PROCID=0) took
+    itself for rank 0 of 4: `train` waited for peers that never came, `train --nproc 4` was refused.
+    Both are lone processes, as in any shell: --nproc N starts N ranks here, none runs alone."""
     from shardtune.cli.main import main
     from shardtune.distributed import process_group
     from shardtune.errors import UserError
@@ -204,16 +234,17 @@ def test_the_shell_of_an_interactive_allocation_is_a_lone_process(monkeypatch, c
     monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items()
                                         if k not in TORCH_KEYS and not k.startswith("SLURM_")})
     for name, value in {"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_JOB_ID": "77",
-                        "SLURM_JOB_NAME": "interactive", "SLURM_JOB_NODELIST": "nid001096"}.items():
+                        "SLURM_JOB_NODELIST": "nid001096", **slurm}.items():
         monkeypatch.setenv(name, value)
     assert not process_group.launched_by_agent()
 
     def reached(nproc, device):
         raise UserError(f"reached the launch of {nproc} ranks")
     monkeypatch.setattr(process_group, "check_nproc", reached)
-    assert main(["train", "--nproc", "2", "device=cpu", f"output_dir={tmp_path / 'out'}"]) == 2
-    assert "reached the launch of 2 ranks" in capfd.readouterr().err
-    monkeypatch.setenv("SLURM_NTASKS", "1")
-    assert not process_group.launched_by_agent()
-    monkeypatch.setenv("SLURM_NTASKS", "2")  # a task of a step of two: a rank
-    assert process_group.launched_by_agent()
+    assert main(["train", "--nproc", "4", "device=cpu", f"output_dir={tmp_path / 'out'}"]) == 2
+    assert "reached the launch of 4 ranks" in capfd.readouterr().err
+    # a task of a step of two (srun sets the step's count in each task): a rank, of the step's world
+    # (`srun --preserve-env` leaves SLURM_NTASKS at the job's 4)
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "2")
+    monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", "2")
+    assert process_group.launched_by_agent() and process_group.agent_world() == (2, 2)

@@ -209,7 +209,7 @@ JOB = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29400"}
     ({"RANK": "0", "WORLD_SIZE": "0"}, "WORLD_SIZE='0'"),
     ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "x"}, "LOCAL_WORLD_SIZE='x'"),
     ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x'"),  # printed, though no rank 0 is known
-    ({"SLURM_PROCID": "x", "SLURM_NTASKS": "2"}, "SLURM_PROCID='x'"),  # srun without torchrun
+    ({"SLURM_PROCID": "x", "SLURM_STEP_NUM_TASKS": "2"}, "SLURM_PROCID='x'"),  # srun without torchrun
     # a job torch cannot join: a traceback from torch's env://, or a rank past the world waiting forever
     ({"RANK": "1"}, "RANK is set but WORLD_SIZE is not"),  # a stray variable: printed, though not rank 0
     ({"WORLD_SIZE": "2"}, "WORLD_SIZE is set but RANK is not"),  # else one rank trained, silently
@@ -220,9 +220,9 @@ JOB = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29400"}
     ({"RANK": "3", "WORLD_SIZE": "2", **JOB}, "RANK=3 is not below WORLD_SIZE=2"),
     ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "4", **JOB}, "LOCAL_WORLD_SIZE='4'"),
     ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "2", **JOB}, "LOCAL_RANK='2'"),
-    ({"SLURM_PROCID": "3", "SLURM_NTASKS": "2"}, "SLURM_PROCID='3'"),
-    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "abc"}, "SLURM_NTASKS_PER_NODE='abc'"),
-    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "many"}, "SLURM_NTASKS='many'"),
+    ({"SLURM_PROCID": "3", "SLURM_STEP_NUM_TASKS": "2"}, "SLURM_PROCID='3'"),
+    ({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_NTASKS_PER_NODE": "abc"}, "SLURM_NTASKS_PER_NODE='abc'"),
+    ({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "many"}, "SLURM_STEP_NUM_TASKS='many'"),
 ])
 def test_launcher_variables_torch_cannot_join(capfd, monkeypatch, recipe, out, env, name):
     monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items()  # Slurm's become torch's: undone after

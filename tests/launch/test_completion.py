@@ -179,3 +179,9 @@ def test_the_launcher_leaves_its_process_as_it_found_it(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "3")  # a user's own count: kept, for the ranks and after
     assert local.launch_local(2, ["train"]) == 0
     assert seen[1]["OMP_NUM_THREADS"] == "3" and os.environ["OMP_NUM_THREADS"] == "3"
+    # a Slurm job's 16 cores of a machine's 128 (its cpuset): 4 threads for each of 4 ranks, not 32
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setattr(os, "cpu_count", lambda: 128)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert local.launch_local(4, ["train"]) == 0
+    assert seen[2]["OMP_NUM_THREADS"] == "4"

@@ -37,6 +37,12 @@ def test_slurm_script_runs_torchrun_under_srun_and_requeues_on_preemption(tmp_pa
 
     sbatch = dict(re.findall(r"^#SBATCH --([\w-]+)(?:=(.*))?$", text, flags=re.M))
     assert sbatch["nodes"] == "2" and sbatch["gpus-per-node"] == "4" and sbatch["ntasks-per-node"] == "1"
+    assert sbatch["cpus-per-task"] == "32" and "OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}" in text  # 8 per GPU
+    # a node of fewer cores than 8 per GPU: sbatch refused the job, and only an edit of the script could help
+    assert main(["slurm", "recipes/gpt2-wikitext2.yaml", "--nodes", "1", "--gpus-per-node", "4", "--cpus-per-gpu",
+                 "3"]) == 0
+    fewer = capsys.readouterr().out
+    assert "#SBATCH --cpus-per-task=12\n" in fewer and "OMP_NUM_THREADS=${OMP_NUM_THREADS:-3}" in fewer
     assert sbatch["partition"] == "gpu" and sbatch["account"] == "proj1" and sbatch["time"] == "02:00:00"
     assert sbatch["signal"].startswith("USR1@") and "requeue" in sbatch  # warning before the limit, requeueable
 
@@ -82,6 +88,41 @@ def test_slurm_script_marker_check_and_requeue_work_in_bash(tmp_path):
         assert ("--shutdown_timeout=270" in srun_args) == grace
         # the job's own rendezvous port, as srun alone picks it: not a fixed one that jobs sharing a node meet on
         assert f"--rdzv_endpoint=node1:{slurm_port(42)} " in srun_args, srun_args
+
+
+def _fake_slurm(bin_dir, srun: str) -> None:
+    """Stand-ins for what the script calls: scontrol (one node, requeue echoed), torchrun, `srun`."""
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text('#!/bin/bash\n[ "$1" = requeue ] && echo "REQUEUED $2" || echo node1\n')
+    (bin_dir / "torchrun").write_text("#!/bin/bash\necho 'usage: torchrun --shutdown_timeout SHUTDOWN_TIMEOUT'\n")
+    (bin_dir / "srun").write_text(f"#!/bin/bash\n{srun}\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+
+
+def test_slurm_script_runs_in_the_folder_it_was_written_in(tmp_path, monkeypatch, capsys):
+    """The script named the recipe and output_dir as given (relative), and sbatch runs a script in the
+    folder it is submitted from: submitted later from elsewhere, its job read another recipe (or none),
+    trained into another folder and looked for its PREEMPTED marker there (no requeue)."""
+    from shardtune.cli.main import main
+
+    project, elsewhere = tmp_path / "my project", tmp_path / "elsewhere"
+    (project / "recipes").mkdir(parents=True)
+    elsewhere.mkdir()
+    (project / "recipes" / "r.yaml").write_text((ROOT / "recipes" / "gpt2-wikitext2.yaml").read_text())
+    monkeypatch.chdir(project)
+    assert main(["slurm", "recipes/r.yaml", "--nodes", "1", "--gpus-per-node", "2", "--output-dir", "runs/a",
+                 "-o", "jobs/job.sbatch"]) == 0
+    capsys.readouterr()
+    # the job's ranks: where they run, and a preemption's marker written into their (relative) output_dir
+    _fake_slurm(tmp_path / "bin", 'pwd > "$FAKE_PWD"; mkdir -p runs/a; echo 3 > runs/a/PREEMPTED; exit 75')
+    env = {"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin", "SLURM_JOB_ID": "42", "SLURM_NNODES": "1",
+           "SLURM_JOB_NODELIST": "node1", "SLURM_CPUS_PER_TASK": "16", "FAKE_PWD": str(tmp_path / "pwd")}
+    proc = subprocess.run(["bash", str(project / "jobs" / "job.sbatch")], capture_output=True, text=True, env=env,
+                          cwd=elsewhere)
+    assert (tmp_path / "pwd").read_text().strip() == str(project), proc.stderr
+    assert "REQUEUED 42" in proc.stdout and proc.returncode == 0, (proc.stdout, proc.stderr)
+    assert not list(elsewhere.iterdir())
 
 
 def test_slurm_refuses_bad_input_in_one_line(capsys):
@@ -254,7 +295,7 @@ def test_srun_without_torchrun_maps_slurm_variables(monkeypatch):
     # a private copy of the environment: what _adopt_slurm_env sets must not leak into other tests
     monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k not in torch_keys})
     monkeypatch.setenv("SLURM_PROCID", "5")
-    monkeypatch.setenv("SLURM_NTASKS", "8")
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "8")
     monkeypatch.setenv("SLURM_LOCALID", "1")
     monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "4(x2)")
     monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu-node-7")
@@ -277,8 +318,9 @@ def test_a_task_of_srun_without_torchrun_plans_and_checks_for_the_whole_job(monk
 
     torch_keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k not in torch_keys})
-    for name, value in {"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_LOCALID": "0", "SLURM_NTASKS_PER_NODE": "4",
-                        "SLURM_JOB_NODELIST": "127.0.0.1", "PATH": "/nonexistent"}.items():
+    task = {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "8", "SLURM_LOCALID": "0", "SLURM_NTASKS_PER_NODE": "4",
+            "SLURM_JOB_NODELIST": "127.0.0.1", "PATH": "/nonexistent"}
+    for name, value in task.items():
         monkeypatch.setenv(name, value)
     import shardtune.train.trainer as trainer  # imported unpatched: the name it holds is the one patched
 

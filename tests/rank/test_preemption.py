@@ -36,3 +36,38 @@ def test_ctrl_c_is_a_stop_request_whatever_stderr_is(monkeypatch, stderr):
     finally:
         signal.signal(signal.SIGINT, before)
         stream.close()
+
+
+class Killed(Exception):
+    """Stands for the default action of SIGTERM/SIGUSR1: the process dies where it is."""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_stop_signal_during_the_final_save_waits_for_it(monkeypatch, capsys, assets, tmp_path, signum):
+    """Slurm's warning (SIGUSR1, --signal-lead before the limit) or a SIGTERM that came while final/ was
+    written, after the last step: the handlers were back to the default, the rank died, final/ was never
+    written, the steps since the last checkpoint were lost and the job's script, seeing no preemption,
+    did not requeue. The save now finishes first, and the run ends complete."""
+    import shardtune.checkpoint.final as final_lib
+    from conftest import tiny_overrides
+    from shardtune.cli.main import main
+
+    def die(sig, frame):
+        raise Killed(sig)
+    before = {sig: signal.signal(sig, die) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    saving = final_lib.save_hf_folder
+
+    def signalled_midway(state_dict, hf_config, tokenizer, out, *args, **kwargs):
+        os.kill(os.getpid(), signum)
+        return saving(state_dict, hf_config, tokenizer, out, *args, **kwargs)
+    monkeypatch.setattr(final_lib, "save_hf_folder", signalled_midway)
+    out = tmp_path / "run"
+    try:
+        code = main(["train", *tiny_overrides(assets, out, **{"train.max_steps": 2, "eval.max_batches": 1})])
+        assert signal.getsignal(signal.SIGTERM) is die and signal.getsignal(signal.SIGUSR1) is die
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+    err = capsys.readouterr().err
+    assert code == 0 and (out / "final" / "config.json").is_file(), err
+    assert f"{signal.Signals(signum).name} while {out / 'final'} was written: finished writing it" in err

@@ -120,6 +120,7 @@ def check_run(cfg: RunConfig, world_size: int | None = None, device=None, say=No
     device = resolve_device(cfg.device) if device is None else device
     check_machine(cfg, device)
     accum = check_world(cfg, world_size)
+    check_node_layout(cfg)
     main = is_main_process()
     say = say or (lambda text: print(text, flush=True) if main else None)
     publishes = check_ready(cfg.publish, say)
@@ -135,6 +136,23 @@ def check_run(cfg: RunConfig, world_size: int | None = None, device=None, say=No
 
         check(cfg.kernels, device, getattr(hf_config, "model_type", None))
     return CheckedRun(cfg, hf_config, tokenizer, accum, world_size, publishes)
+
+
+def check_node_layout(cfg: RunConfig) -> None:
+    """hybrid_shard's default shard group is a node's ranks; srun alone may put different numbers of
+    tasks on the step's nodes (SLURM_STEP_TASKS_PER_NODE="2(x2),1"), and each rank built the mesh of its
+    own node's count: some refused, some waited, or (2, 2, 1, 1 tasks) ranks built (3, 2) and (6, 1)
+    meshes side by side. Refused on every rank alike (each reads the step's whole layout)."""
+    from shardtune.distributed.process_group import slurm_tasks_per_node
+
+    fsdp = cfg.fsdp
+    told = slurm_tasks_per_node() if fsdp.sharding == "hybrid_shard" else None
+    if told and len(set(told[1])) > 1 and not (fsdp.shard_size or fsdp.replicate_size):
+        import os
+
+        raise UserError(f"fsdp.sharding=hybrid_shard makes a shard group of each node's ranks, but this srun step's "
+                        f"nodes have different numbers of tasks ({told[0]}={os.environ[told[0]].strip()}); give every "
+                        "node the same number (srun --ntasks-per-node) or set fsdp.shard_size")
 
 
 def check_export(spec: str, out, merge: bool = False) -> None:

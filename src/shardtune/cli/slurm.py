@@ -27,6 +27,8 @@ def add_parser(sub) -> None:
     p.add_argument("--signal-lead", type=int_range(1, 65535), default=300,
                    help="seconds before the limit at which Slurm "
                     "sends SIGUSR1 to checkpoint (default 300)")
+    p.add_argument("--cpus-per-gpu", type=positive_int, default=8,
+                   help="CPU cores per GPU (default 8; sbatch refuses more than a node has)")
     p.add_argument("--online", action="store_true", help="let compute nodes use the network (default: "
                     "HF_HUB_OFFLINE=1, models and data from `shardtune download`)")
     p.add_argument("-o", "--out", type=fs_path, help="write the script here (default: print it)")
@@ -53,7 +55,7 @@ def run(args) -> int:
     refuse_inside_run(Path(out), option)
     text = sbatch_script(recipe, out, args.nodes, args.gpus_per_node, overrides=args.overrides,
                          job_name=args.job_name, time=args.time, partition=args.partition, account=args.account,
-                         signal_lead_s=args.signal_lead, offline=not args.online)
+                         cpus_per_gpu=args.cpus_per_gpu, signal_lead_s=args.signal_lead, offline=not args.online)
     if args.out:
         from shardtune.fsio import make_dir, refuse_foreign_file, write_text_atomic
 

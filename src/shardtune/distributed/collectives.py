@@ -37,6 +37,24 @@ def broadcast_value(dist: Dist, value):
     return box[0]
 
 
+def same_on_every_rank(dist: Dist, values: dict, fix: str) -> None:
+    """A UserError on every rank alike where any rank's `values` (names to plain values) differ from
+    rank 0's, naming the first such name, both values and `fix`. Ranks that resolved their own values
+    (torchrun's and srun's each resolve `auto` on their own machine, read their own node's recipe)
+    and differ would otherwise hang at the first collective they count differently."""
+    if dist.world_size == 1:
+        return
+    import torch.distributed as tdist
+
+    seen: list = [None] * dist.world_size
+    tdist.all_gather_object(seen, values)
+    for name, first in seen[0].items():
+        other = next((rank for rank, v in enumerate(seen) if v.get(name) != first), None)
+        if other is not None:
+            raise UserError(f"the ranks of this job run different configs: {name} is {first!r} on rank 0 but "
+                            f"{seen[other].get(name)!r} on rank {other}; {fix}")
+
+
 def all_sum(*values, device) -> list[float]:
     """The element-wise sum of `values` over all ranks, as floats (one all-reduce; a host sync)."""
     return all_sum_on_device(*values, device=device).tolist()

@@ -13,6 +13,9 @@ from shardtune.errors import RankError, UserError
 
 # Set by `launch_local` for its workers: the pid of the launcher that started them.
 LAUNCHER_ENV = "SHARDTUNE_LAUNCHER_PID"
+# srun's count of its step's tasks, in each task: the world of srun alone. Not SLURM_NTASKS, which
+# a batch script has too (the job's), and `srun --preserve-env` leaves at the job's count.
+SLURM_STEP_TASKS = "SLURM_STEP_NUM_TASKS"
 # A rank still waiting for its peers after this many seconds says so, once: a shell that kept
 # RANK/WORLD_SIZE from a job made a lone `shardtune train` wait silently (torch's timeout: 30 min).
 WAIT_NOTICE_S = 30.0
@@ -33,9 +36,17 @@ class Dist:
 def launched_by_agent() -> bool:
     """True inside a torchrun/elastic worker or a task of an srun step of several tasks. The shell
     of an interactive allocation (`srun --pty bash`, salloc on many sites) is a step's one task with
-    SLURM_PROCID=0: a lone process, whose `--nproc N` was refused as a conflict with srun's ranks."""
-    return ("RANK" in os.environ and "WORLD_SIZE" in os.environ
-            or "SLURM_PROCID" in os.environ and os.environ.get("SLURM_NTASKS", "1").strip() != "1")
+    SLURM_PROCID=0: a lone process, whose `--nproc N` was refused as a conflict with srun's ranks.
+    So is the batch script of `sbatch --ntasks=4`: it has the job's SLURM_NTASKS=4 and SLURM_PROCID=0
+    but is no task of a step (srun sets SLURM_STEP_NUM_TASKS for those only); read as rank 0 of 4,
+    its `train` waited for 3 peers for good, and its `train --nproc 4` was refused."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ or _srun_task()
+
+
+def _srun_task() -> bool:
+    """A task of an srun step of several tasks (torchrun's workers under srun are torchrun's ranks)."""
+    return ("SLURM_PROCID" in os.environ and os.environ.get(SLURM_STEP_TASKS, "1").strip() != "1"
+            and "TORCHELASTIC_RUN_ID" not in os.environ)
 
 
 def is_main_process() -> bool:
@@ -69,7 +80,7 @@ def env_int(name: str, default: int, least: int = 0, most: int | None = None) ->
 # trial) must not inherit them, or it takes itself for a rank of the job above and waits for peers.
 AGENT_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
               "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS",
-              "SLURM_NTASKS_PER_NODE", LAUNCHER_ENV)
+              SLURM_STEP_TASKS, "SLURM_NTASKS_PER_NODE", LAUNCHER_ENV)
 
 
 def own_job_env(env: dict) -> dict:
@@ -118,7 +129,7 @@ def _adopt_slurm_env() -> None:
     if "RANK" in os.environ or not launched_by_agent():
         return
     env = os.environ
-    tasks = env_int("SLURM_NTASKS", 1, least=1)
+    tasks = env_int(SLURM_STEP_TASKS, 1, least=1)
     env["RANK"] = str(env_int("SLURM_PROCID", 0, most=tasks - 1))
     env["WORLD_SIZE"] = str(tasks)
     env["LOCAL_RANK"] = str(env_int("SLURM_LOCALID", 0))
@@ -133,17 +144,19 @@ def _adopt_slurm_env() -> None:
             env["MASTER_ADDR"] = out[0]
         except (OSError, subprocess.CalledProcessError, IndexError):
             env["MASTER_ADDR"] = first_host(nodes)
-    env.setdefault("MASTER_PORT", str(slurm_port(env_int("SLURM_JOB_ID", 0))))
+    env.setdefault("MASTER_PORT", str(slurm_port(env_int("SLURM_JOB_ID", 0), env_int("SLURM_STEP_ID", 0))))
 
 
-# A job's rendezvous port (srun alone, and the script of `shardtune slurm`): jobs that share a node
-# must not meet on one fixed port; below Linux's ephemeral ports (32768-), where outgoing
-# connections take theirs.
-SLURM_PORT_BASE, SLURM_PORT_SPAN = 15000, 15000
+# A step's rendezvous port (srun alone, and the script of `shardtune slurm`): jobs that share a node
+# must not meet on one fixed port, nor two steps of one job running at once (`srun ... &` twice);
+# below Linux's ephemeral ports (32768-), where outgoing connections take theirs. Step s moves the
+# job's port by s x STRIDE (mod SPAN), a stride near SPAN / golden ratio: steps 0-7 of jobs fewer
+# than 1355 ids apart never share a port (a stride of 1 put step 1 of job j on step 0 of job j + 1).
+SLURM_PORT_BASE, SLURM_PORT_SPAN, SLURM_PORT_STEP_STRIDE = 15000, 15000, 9271
 
 
-def slurm_port(job_id: int) -> int:
-    return SLURM_PORT_BASE + job_id % SLURM_PORT_SPAN
+def slurm_port(job_id: int, step_id: int = 0) -> int:
+    return SLURM_PORT_BASE + (job_id + step_id * SLURM_PORT_STEP_STRIDE) % SLURM_PORT_SPAN
 
 
 def first_host(nodelist: str) -> str:
@@ -154,10 +167,11 @@ def first_host(nodelist: str) -> str:
     return re.sub(r"\[([^\],-]*)[^\]]*\]", r"\1", entry)
 
 
-def _slurm_tasks_here() -> int:
-    """Tasks on this node: the step's count for node SLURM_NODEID ("4(x2),1": 4 on the first two
-    nodes, 1 on the third). Else a task with SLURM_LOCALID 3 of `srun -N2 -n8` took 1 for its
-    node's count and was refused, and the 2nd node of `srun -n5 -N2` took the 1st node's 3."""
+def slurm_tasks_per_node() -> tuple[str, list[int]] | None:
+    """(the variable, its tasks on each node) of the step srun alone started ("4(x2),1": 4 on the
+    first two nodes, 1 on the third); None where Slurm does not tell (torchrun's workers)."""
+    if not _srun_task():
+        return None
     for name in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
         text = os.environ.get(name, "").strip()
         if not text:
@@ -165,13 +179,23 @@ def _slurm_tasks_here() -> int:
         if not re.fullmatch(r"[1-9]\d*(\(x[1-9]\d*\))?(,[1-9]\d*(\(x[1-9]\d*\))?)*", text):
             raise RankError(f"environment variable {name}={text!r} is not a number of tasks per node; "
                             "unset it, or leave it to torchrun or srun, which set it")
-        counts = [int(n) for n, times in re.findall(r"(\d+)(?:\(x(\d+)\))?", text) for _ in range(int(times or 1))]
-        node = env_int("SLURM_NODEID", 0)
-        if len(counts) == 1 or node < len(counts):
-            return counts[min(node, len(counts) - 1)]
-        raise RankError(f"environment variable SLURM_NODEID={node} is past the {len(counts)} node(s) of "
-                        f"{name}={text!r}; unset them, or leave them to srun, which sets them")
-    return 1
+        return name, [int(n) for n, times in re.findall(r"(\d+)(?:\(x(\d+)\))?", text) for _ in range(int(times or 1))]
+    return None
+
+
+def _slurm_tasks_here() -> int:
+    """Tasks on this node: the step's count for node SLURM_NODEID. Else a task with SLURM_LOCALID 3
+    of `srun -N2 -n8` took 1 for its node's count and was refused, and the 2nd node of `srun -n5 -N2`
+    took the 1st node's 3."""
+    told = slurm_tasks_per_node()
+    if told is None:
+        return 1
+    name, counts = told
+    node = env_int("SLURM_NODEID", 0)
+    if len(counts) == 1 or node < len(counts):
+        return counts[min(node, len(counts) - 1)]
+    raise RankError(f"environment variable SLURM_NODEID={node} is past the {len(counts)} node(s) of "
+                    f"{name}={os.environ[name].strip()!r}; unset them, or leave them to srun, which sets them")
 
 
 def resolve_device(requested: str) -> torch.device:  # noqa: F821

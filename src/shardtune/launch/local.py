@@ -47,7 +47,7 @@ def launch_local(nproc: int, worker_argv: list[str],
     # for the ranks only: left in this process, a later run in it (a notebook calling main() again)
     # took itself for a rank of `--nproc N` (said nothing on Ctrl-C) and kept this N's thread count
     before = {name: os.environ.get(name) for name in ("OMP_NUM_THREADS", LAUNCHER_ENV, COMPLETED_ENV)}
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, usable_cores() // nproc)))
     os.environ[LAUNCHER_ENV] = str(os.getpid())
     interrupts = 0
 
@@ -87,6 +87,15 @@ def launch_local(nproc: int, worker_argv: list[str],
                 os.environ[name] = value
         shutil.rmtree(completed, ignore_errors=True)
     return 0
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: a Slurm job's (its cpuset), taskset's, else the machine's.
+    os.cpu_count() is the machine's: in a job of 16 of 128 cores, `--nproc 4` ran 32 threads a rank."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # no affinity on this platform
+        return os.cpu_count() or 1
 
 
 def quiet_agent_loggers() -> None:

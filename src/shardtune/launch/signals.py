@@ -31,7 +31,8 @@ def written_since(folder: Path, since_ns: int) -> bool:
 def stop_report(signum: int, out: Path, stamp_before: float | None, launched_ns: int) -> tuple[int, str]:
     """What a launcher whose ranks were stopped by signal `signum` exits with and says, from what
     is on disk: 75 and the checkpoint only when the ranks wrote one (a PREEMPTED marker that
-    changed since the launch at `launched_ns`), and final/ when they wrote into it."""
+    changed since the launch at `launched_ns`); 0 where they wrote final/ (training had ended: a signal
+    then waits for it, and the run is complete: nothing for a job script to requeue)."""
     name = signal.Signals(signum).name
     step = None
     if marker_stamp(out) not in (None, stamp_before):
@@ -43,7 +44,8 @@ def stop_report(signum: int, out: Path, stamp_before: float | None, launched_ns:
         folder = out / "checkpoints" / f"step-{step:06d}"
         return EXIT_PREEMPTED, (f"{name}: the ranks saved {folder} and stopped; exit {EXIT_PREEMPTED} "
                                 "(resume=auto continues)")
-    code = 128 + signum
     final = out / "final"
-    after = f", after writing into {final} (training had ended)" if written_since(final, launched_ns) else ""
-    return code, f"{name}: the ranks stopped without writing a checkpoint{after}; {last_good(out)}; exit {code}"
+    if written_since(final, launched_ns):  # final/ appears whole (atomic_dir), after the last step
+        return 0, f"{name}: it came after training had ended; {final} is written and the run is complete"
+    code = 128 + signum
+    return code, f"{name}: the ranks stopped without writing a checkpoint; {last_good(out)}; exit {code}"

@@ -42,7 +42,10 @@ def shell_word(path: str) -> str:
 def sbatch_script(recipe: str, output_dir: str, nodes: int, gpus_per_node: int, *, overrides: list[str],
                   job_name: str | None = None, time: str = "24:00:00", partition: str | None = None,
                   account: str | None = None, cpus_per_gpu: int = 8, signal_lead_s: int = 300,
-                  offline: bool = True) -> str:
+                  offline: bool = True, workdir: str | None = None) -> str:
+    """The script; it runs in `workdir` (default: this process's folder), where the recipe, the output
+    folder and the recipe's own relative paths were meant: sbatch runs a script in the folder it is
+    submitted from, and a script submitted later from elsewhere read and wrote other files."""
     if nodes < 1 or gpus_per_node < 1:
         raise UserError(f"--nodes and --gpus-per-node must be at least 1, got {nodes} and {gpus_per_node}")
     if signal_lead_s >= (limit := time_limit_s(time)):
@@ -80,7 +83,8 @@ def sbatch_script(recipe: str, output_dir: str, nodes: int, gpus_per_node: int, 
 {optional}
 # Written by `shardtune slurm`. One torchrun agent per node, {gpus_per_node} rank(s) each.
 set -uo pipefail
-{offline_env}export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-8}}
+cd -- {shlex.quote(workdir or os.getcwd())} || exit 1  # the folder the script was written in
+{offline_env}export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-{cpus_per_gpu}}}  # a rank's share of the cores
 head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 # the job's own port: two jobs whose first node is the same one met on a fixed port (one joined
 # the other's rendezvous, and died with it)

@@ -19,6 +19,7 @@ The launcher's side (what it says when its ranks stopped) is `launch.signals`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -85,6 +86,27 @@ class Preemption:
             if sig != signal.SIGINT or signal.getsignal(sig) == self._handle:  # not yet pressed once
                 signal.signal(sig, old)
         self._old = {}
+
+
+@contextlib.contextmanager
+def held_through(what: str):
+    """SIGTERM and SIGUSR1 (a stop request, Slurm's warning before the time limit) wait while `what` is
+    written once training has ended (a run's final/: bounded, and atomic): killed halfway, a rank lost
+    it, and the run its steps since the last checkpoint, while the job's script saw no preemption and
+    did not requeue. The process's own handlers come back after; the run ends as completed, and says so."""
+    got: list[int] = []
+    held = {}
+    if threading.current_thread() is threading.main_thread():  # Python only allows it there
+        held = {sig: signal.signal(sig, lambda signum, frame: got.append(signum))
+                for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        yield
+    finally:
+        for sig, old in held.items():
+            signal.signal(sig, old)
+    if got and is_main_process():
+        print(f"{signal.Signals(got[0]).name} while {what} was written: finished writing it; the run is complete",
+              file=sys.stderr, flush=True)
 
 
 def say_from_handler(text: str) -> None:

@@ -19,7 +19,7 @@ from shardtune.data import chat
 from shardtune.data import pipeline as data_lib
 from shardtune.data.packing import equal_blocks
 from shardtune.distributed.activation_memory import describe_memory_savers
-from shardtune.distributed.collectives import all_max, broadcast_value, rank0_first
+from shardtune.distributed.collectives import all_max, broadcast_value, rank0_first, same_on_every_rank
 from shardtune.distributed.fsdp import build_mesh
 from shardtune.distributed.process_group import init_distributed
 from shardtune.errors import EXIT_PREEMPTED, UserError
@@ -30,6 +30,7 @@ from shardtune.model.build import BuiltModel, ModelSpec, build_model
 from shardtune.model.hf import count_params, load_generation_config, load_source_model
 from shardtune.telemetry import flops
 from shardtune.telemetry import metrics as telemetry
+from shardtune.telemetry.trackers import flatten
 from shardtune.train.optim import total_steps
 from shardtune.train.resume import resume_notes
 from shardtune.train.state import LoopParts, QueuedStep, TrainState, seed_everything
@@ -56,6 +57,9 @@ class Trainer:
         self.dist = dist = init_distributed(cfg.device)
         if run.world_size != dist.world_size:
             raise ValueError(f"checked for {run.world_size} rank(s), running on {dist.world_size}")
+        same_on_every_rank(dist, {k: v for k, v in flatten(cfg.to_dict()).items() if k != "output_dir"},
+                           "set it on the command line (an auto is resolved on each rank's own machine), and give "
+                           "every node the same recipe")
         # a default output_dir names the time: rank 0's, where torchrun's ranks resolved their own
         self.out = out = Path(broadcast_value(dist, cfg.output_dir))
         from shardtune.checkpoint.dcp import Checkpointer
@@ -392,7 +396,10 @@ def run(checked: CheckedRun | RunConfig, overwrite: bool = False) -> dict:
             results = trainer.fit()
             final = None
             if trainer.cfg.save_final and not results.get("preempted"):  # a preempted run is finished by its resume
-                final = trainer.export()
+                from shardtune.rank.preemption import held_through
+
+                with held_through(str(trainer.out / "final")):
+                    final = trainer.export()
             trainer.publishing.final(final, trainer.state.step, results)
         except BaseException:
             # No group is left behind a failed set-up, nor a lone process's (a notebook, a library caller
