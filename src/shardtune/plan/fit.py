@@ -215,12 +215,64 @@ def choose_layout(modes, sizes, screened, priced, budget: float, whole) -> Choic
 
 
 def available_host_bytes() -> int:
-    """Host RAM available to new allocations (Linux's MemAvailable; else the free pages)."""
+    """Host RAM available to new allocations: Linux's MemAvailable (else the free pages), or less where
+    this process's memory cgroup (a Slurm job's --mem, a container's limit) leaves less: the machine's
+    free RAM is not the job's, and a rank planned by it was killed by the cgroup's OOM killer."""
+    free = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    free = int(line.split()[1]) * 1024
     except OSError:
         pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if free is None:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    headroom = cgroup_headroom()
+    return free if headroom is None else min(free, headroom)
+
+
+def cgroup_headroom(root: str = "/sys/fs/cgroup", membership: str = "/proc/self/cgroup") -> int | None:
+    """What this process's memory cgroup and each above it still allow, the least of them: its limit
+    less its usage, the inactive file cache counted free (the kernel reclaims it before an OOM kill);
+    None where no limit is set or readable. cgroup v2 (memory.max) and v1 (memory.limit_in_bytes); a
+    container sees its own cgroup at the mount's root, where /proc/self/cgroup names the host's path."""
+    try:
+        lines = Path(membership).read_text().splitlines()
+    except OSError:
+        return None
+    least = None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2
+            mount, limit_file, usage_file, stat_key = Path(root), "memory.max", "memory.current", "inactive_file"
+        elif "memory" in controllers.split(","):
+            mount, limit_file = Path(root) / "memory", "memory.limit_in_bytes"
+            usage_file, stat_key = "memory.usage_in_bytes", "total_inactive_file"
+        else:
+            continue
+        here = mount / path.lstrip("/")
+        folder = here if here.is_dir() else mount
+        while True:
+            room = _room(folder, limit_file, usage_file, stat_key)
+            if room is not None:
+                least = room if least is None else min(least, room)
+            if folder == mount or mount not in folder.parents:
+                break
+            folder = folder.parent
+    return least
+
+
+UNLIMITED = 2 ** 60  # cgroup v1 writes "no limit" as a page-rounded 2**63 - 1
+
+
+def _room(folder: Path, limit_file: str, usage_file: str, stat_key: str) -> int | None:
+    try:
+        limit = (folder / limit_file).read_text().strip()
+        if limit == "max" or int(limit) >= UNLIMITED:
+            return None
+        usage = int((folder / usage_file).read_text())
+        stat = dict(line.split() for line in (folder / "memory.stat").read_text().splitlines() if line.count(" ") == 1)
+    except (OSError, ValueError):
+        return None
+    return max(0, int(limit) - usage + int(stat.get(stat_key, 0)))
