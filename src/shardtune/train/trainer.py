@@ -362,7 +362,7 @@ class Trainer:
 
         folder = folder or self.out / "final"
         how = save_final(self.model, self.cfg, self.hf_config, self.tokenizer, folder, self.dist.is_main,
-                         self.generation_config)
+                         self.generation_config, self.state.step)
         self.say(f"model saved to {folder}{f' ({how})' if how else ''}")
         return folder
 
