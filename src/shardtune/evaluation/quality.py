@@ -18,7 +18,7 @@ from shardtune.checkpoint.loading import load_model, model_step, run_folder
 from shardtune.checkpoint.rundir import refuse_run_file
 from shardtune.errors import UserError
 from shardtune.evaluation import lengths, textscores
-from shardtune.evaluation.evaluate import continuation, data_config, generate, options_named
+from shardtune.evaluation.evaluate import continuation, data_config, generate, options_named, say_weights
 from shardtune.evaluation.prompts import check_chat
 from shardtune.fsio import make_dir, refuse_foreign_file, write_text_atomic
 
@@ -188,6 +188,7 @@ def run_quality(req: QualityRequest) -> dict:
     if "mauve" in metrics:
         os.environ.setdefault("DISABLE_TQDM", "1")  # mauve-text's featurizing bar
     featurizer = textscores.load_featurizer(req.mauve_featurizer) if "mauve" in metrics else None
+    say_weights(req.model, req.compare)
     _, tokenizer, hf_config, run_cfg = load_model(req.model, weights=False)
     cfg = data_config(req, run_cfg)
     check_chat(cfg, tokenizer)
