@@ -5,6 +5,7 @@ checkpoint of a later step exists, and say which on their first line."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -123,3 +124,28 @@ def test_a_run_resumed_past_its_final_is_read_at_its_newest_step_by_eval_and_exp
     newest = state_of(run / "checkpoints" / "step-000004")
     assert same(state_of(tmp_path / "x4"), newest)
     assert same(state_of(run), newest)
+
+
+def test_a_peft_runs_final_exports_as_a_folder_of_its_own(tmp_path, assets, single_thread):
+    """export RUN OUT of a peft run whose final/ is its newest: the adapter copied, its config naming
+    OUT/base (the copy beside it), not RUN/final/base, so that removing the run leaves a model that loads."""
+    from checkpoint.test_loading import PROBE, adapter_folder
+
+    from shardtune.checkpoint.export import export_checkpoint
+    from shardtune.checkpoint.loading import load_model
+
+    adapter, want = adapter_folder(tmp_path / "made", assets, ["c_attn"])
+    run = tmp_path / "run"
+    fake_run(run, None, None, [])
+    shutil.copytree(adapter, run / "final")
+    shutil.copytree(adapter.parent / "base", run / "final" / "base")
+    config = json.loads((run / "final" / "adapter_config.json").read_text())
+    (run / "final" / "adapter_config.json").write_text(
+        json.dumps({**config, "base_model_name_or_path": str((run / "final" / "base").resolve())}))
+    export_checkpoint(str(run), tmp_path / "out")
+    shutil.rmtree(run)
+    shutil.rmtree(tmp_path / "made")
+    exported = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
+    assert exported["base_model_name_or_path"] == str((tmp_path / "out" / "base").resolve())
+    model = load_model(str(tmp_path / "out"))[0]
+    torch.testing.assert_close(model(input_ids=PROBE).logits, want, rtol=1e-4, atol=1e-5)
