@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import tiny_overrides, train_tiny
+from conftest import adapter_folder, adapter_probe, tiny_overrides, train_tiny
 
 
 def fake_run(run: Path, final: str | None, final_step: int | None, steps: list[tuple[int, str]]) -> None:
@@ -129,8 +129,6 @@ def test_a_run_resumed_past_its_final_is_read_at_its_newest_step_by_eval_and_exp
 def test_a_peft_runs_final_exports_as_a_folder_of_its_own(tmp_path, assets, single_thread):
     """export RUN OUT of a peft run whose final/ is its newest: the adapter copied, its config naming
     OUT/base (the copy beside it), not RUN/final/base, so that removing the run leaves a model that loads."""
-    from checkpoint.test_loading import PROBE, adapter_folder
-
     from shardtune.checkpoint.export import export_checkpoint
     from shardtune.checkpoint.loading import load_model
 
@@ -148,4 +146,4 @@ def test_a_peft_runs_final_exports_as_a_folder_of_its_own(tmp_path, assets, sing
     exported = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
     assert exported["base_model_name_or_path"] == str((tmp_path / "out" / "base").resolve())
     model = load_model(str(tmp_path / "out"))[0]
-    torch.testing.assert_close(model(input_ids=PROBE).logits, want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(model(input_ids=adapter_probe()).logits, want, rtol=1e-4, atol=1e-5)
