@@ -102,7 +102,9 @@ def summarize(name: str, rows: list[dict]) -> dict:
             "final loss": last("loss"), "first eval ppl": ppl[0] if ppl else None,
             "final eval ppl": ppl[-1] if ppl else None, "best eval ppl": min(finite) if finite else None,
             "tokens/s": over_time(timed, "tokens_per_s"), "MFU": over_time(timed, "mfu"),
-            "peak mem GiB": max(peaks) if peaks else None}
+            "peak mem GiB": max(peaks) if peaks else None,
+            # updates not applied (a non-finite step of on_nan=skip, an fp16 overflow): their loss is no trained step's
+            "skipped steps": sum(1 for r in rows if r.get("skipped") is True)}
 
 
 def write_report(runs: list[Path], out: Path) -> Path:

@@ -329,7 +329,10 @@ class Trainer:
             if self.dist.is_main and (histograms := self.watch.histograms_of(queued.watch)):
                 watched[HISTOGRAMS] = histograms
         resumable = numbers.stop or (save_now and step == self.state.step)
-        if step % cfg.log.every_steps and step != self.total_steps and not resumable:
+        # fp16: the grad scaler skipped this update (inf gradient at its scale) and lowers the scale;
+        # recorded as skipped, as a non-finite step of on_nan=skip is, not as a step with grad_norm inf
+        overflow = self.scaler is not None and not math.isfinite(grad_norm)
+        if step % cfg.log.every_steps and step != self.total_steps and not resumable and not overflow:
             return ({"step": step, "epoch": epoch, **watched} if watched else {}), numbers.stop
         # each rank's own peaks: the record holds the fullest device's (the one that runs out first)
         memory = all_max({**telemetry.memory_stats(self.dist.device), **live.read()}, self.dist.device)
@@ -337,6 +340,8 @@ class Trainer:
                   "tokens_seen": self.state.tokens_seen, **meter.report(), **memory, **gpu.read(), **watched}
         if self.scaler:  # this step's, queued with it: the scaler's own is a later step's by now
             record["loss_scale"] = numbers.loss_scale
+        if overflow:
+            record["skipped"] = True
         progress.update(0, loss=loss, tok_s=record["tokens_per_s"])
         return record, numbers.stop
 
