@@ -59,6 +59,7 @@ def test_every_command_reads_the_same_weights_of_a_run(tmp_path_factory, final, 
     from shardtune.checkpoint.folders import export_source
     from shardtune.checkpoint.loading import model_step, resolve_model, weights_line
     from shardtune.errors import UserError
+    from shardtune.evaluation.evaluate import pinned
 
     tmp = tmp_path_factory.mktemp("run")
     run = tmp / "run"
@@ -77,6 +78,7 @@ def test_every_command_reads_the_same_weights_of_a_run(tmp_path_factory, final, 
         assert export_reads(run, tmp, mp) == want
     assert export_source(run).path == want
     assert Path(resolve_model(str(run))[1]) == want
+    assert pinned(str(run)) == str(want)  # eval, eval --generate, generate: chosen once, read from there on
     if step is not None and not (want.name == "final" and final_step is None):
         assert model_step(str(run)) == step
     line = weights_line(str(run))

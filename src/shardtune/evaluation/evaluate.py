@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as tdist
 
-from shardtune.checkpoint.loading import adapter_structure, load_model, weights_line
+from shardtune.checkpoint.loading import adapter_structure, load_model
 from shardtune.errors import UserError
 from shardtune.evaluation.prompts import check_chat, layout
 from shardtune.model.hf import max_positions
@@ -155,14 +155,21 @@ def eval_blocks(req: EvalRequest, run_cfg, tokenizer):
     return blocks.with_format("torch")
 
 
-def say_weights(*specs: str | None, file=None) -> None:
-    """The command's first line(s): which weights of a run folder it reads (its final/ or a
-    checkpoint, checkpoint.folders.run_weights: export reads the same)."""
+def pinned(spec: str | None, file=None) -> str | None:
+    """The folder of the weights a command reads for `spec`, chosen once: a run folder's final/ or
+    checkpoint (checkpoint.folders.run_weights), said as the command's first line (export reads and
+    says the same); anything else as given. Every later read takes that folder: a live run that saved
+    a checkpoint meanwhile had the line and the weights of two steps."""
+    from shardtune.checkpoint.folders import is_run_folder, run_weights
     from shardtune.distributed.process_group import is_main_process
 
-    for spec in specs:
-        if spec and is_main_process() and (line := weights_line(spec)):
-            print(f"reading {line}", file=file or sys.stdout, flush=True)
+    path = Path(spec).expanduser() if spec else None
+    picked = run_weights(path) if path is not None and is_run_folder(path) else None
+    if picked is None:
+        return spec
+    if is_main_process():
+        print(f"reading {picked.line(spec)}", file=file or sys.stdout, flush=True)
+    return str(picked.path)
 
 
 def eval_one(spec: str, req: EvalRequest, dist, data_cfg) -> dict:
@@ -206,7 +213,7 @@ def run_eval(req: EvalRequest) -> dict:
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    say_weights(req.model, req.compare)
+    req = dataclasses.replace(req, model=pinned(req.model), compare=pinned(req.compare))
     _, tokenizer, hf_config, data_cfg = load_model(req.model, weights=False)  # --compare BASE: the same data
     compare_config = load_model(req.compare, weights=False)[2] if req.compare else None
     req = check_eval(req, data_cfg, hf_config, tokenizer, compare_config)
@@ -374,7 +381,7 @@ def run_generate(req: GenerateRequest) -> list[str]:
     from shardtune.evaluation import lengths
     from shardtune.evaluation import prompts as layouts
 
-    say_weights(req.model, file=sys.stderr)  # stdout holds the texts alone
+    req = dataclasses.replace(req, model=pinned(req.model, sys.stderr))  # stdout holds the texts alone
     _, tokenizer, hf_config, run_cfg = load_model(req.model, weights=False)  # checked before the weights load
     cfg = layouts.layout(req.format, run_cfg)
     prompts, ids = zip(*layouts.rendered(read_prompts(req), cfg, tokenizer))

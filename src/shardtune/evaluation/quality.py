@@ -18,7 +18,7 @@ from shardtune.checkpoint.loading import load_model, model_step, run_folder
 from shardtune.checkpoint.rundir import refuse_run_file
 from shardtune.errors import UserError
 from shardtune.evaluation import lengths, textscores
-from shardtune.evaluation.evaluate import continuation, data_config, generate, options_named, say_weights
+from shardtune.evaluation.evaluate import continuation, data_config, generate, options_named, pinned
 from shardtune.evaluation.prompts import check_chat
 from shardtune.fsio import make_dir, refuse_foreign_file, write_text_atomic
 
@@ -180,6 +180,7 @@ def run_quality(req: QualityRequest) -> dict:
     from shardtune.distributed.process_group import resolve_device
 
     metrics = check_request(req)
+    req = dataclasses.replace(req, model=pinned(req.model), compare=pinned(req.compare))
     out = Path(req.out) if req.out else default_out(req.model)
     refuse_run_file(out, "--out")  # before any work
     refuse_foreign_file(out, "--out", "an output of `eval --generate`", OUT_MARK, req.overwrite)
@@ -188,7 +189,6 @@ def run_quality(req: QualityRequest) -> dict:
     if "mauve" in metrics:
         os.environ.setdefault("DISABLE_TQDM", "1")  # mauve-text's featurizing bar
     featurizer = textscores.load_featurizer(req.mauve_featurizer) if "mauve" in metrics else None
-    say_weights(req.model, req.compare)
     _, tokenizer, hf_config, run_cfg = load_model(req.model, weights=False)
     cfg = data_config(req, run_cfg)
     check_chat(cfg, tokenizer)
