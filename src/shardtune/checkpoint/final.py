@@ -74,12 +74,12 @@ def save_final_sharded(model, hf_config, tokenizer, folder: Path, max_shard_size
                        generation=None, step: int | None = None) -> str:
     """Collective: `folder` written by every rank (atomically); a model whose keys transformers
     renames on save is gathered to rank 0 instead. Returns which path wrote it."""
+    how = "sharded"
     with shared_atomic_dir(folder) as tmp:
-        if dist.get_rank() == 0:
+        if not save_hf_sharded(model, hf_config, tokenizer, tmp, max_shard_size, generation):
+            how, full = "gathered", gather_full_state_dict(model)
+            if dist.get_rank() == 0:
+                save_hf_folder(full, hf_config, tokenizer, tmp, max_shard_size, generation)
+        if dist.get_rank() == 0:  # after every collective, as rank 0's own writes are
             write_final_record(tmp, step)
-        if save_hf_sharded(model, hf_config, tokenizer, tmp, max_shard_size, generation):
-            return "sharded"
-        full = gather_full_state_dict(model)
-        if dist.get_rank() == 0:
-            save_hf_folder(full, hf_config, tokenizer, tmp, max_shard_size, generation)
-    return "gathered"
+    return how
