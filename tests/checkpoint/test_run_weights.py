@@ -30,7 +30,8 @@ def fake_run(run: Path, final: str | None, final_step: int | None, steps: list[t
     for step, state in steps:
         folder = run / "checkpoints" / f"step-{step:06d}"
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / "meta.json").write_text("{" if state == "corrupt" else json.dumps({"step": step, "config": {}}))
+        config = {"peft": {"method": "lora"}} if final == "adapter" else {}
+        (folder / "meta.json").write_text("{" if state == "corrupt" else json.dumps({"step": step, "config": config}))
         if state != "partial":
             (folder / ".metadata").write_text("")
 
@@ -56,6 +57,7 @@ def test_every_command_reads_the_same_weights_of_a_run(tmp_path_factory, final, 
     eval --generate records agree on any run folder: final/ unless a usable checkpoint of a later
     step exists (a resume that trained on and stopped before its own final/). Export took the newest
     checkpoint even when final/ was newer (checkpoint.every_steps=30 of max_steps=100: step 90)."""
+    from shardtune.checkpoint.export import merge_source
     from shardtune.checkpoint.folders import export_source
     from shardtune.checkpoint.loading import model_step, resolve_model, weights_line
     from shardtune.errors import UserError
@@ -81,6 +83,13 @@ def test_every_command_reads_the_same_weights_of_a_run(tmp_path_factory, final, 
     assert pinned(str(run)) == str(want)  # eval, eval --generate, generate: chosen once, read from there on
     if step is not None and not (want.name == "final" and final_step is None):
         assert model_step(str(run)) == step
+    if final == "adapter":  # export --merge: final/'s adapter, or told to export the newer checkpoint first
+        with pytest.raises(UserError) as refused:
+            merge_source(run)  # the adapter of final/ here has no base: refused later, by adapter_parts
+        assert ("export that checkpoint first" in str(refused.value)) is (want.name != "final"), refused.value
+    else:  # a full model's run has no adapter to merge, whichever of its weights are the newest
+        with pytest.raises(UserError, match="is not a peft adapter folder"):
+            merge_source(run)
     line = weights_line(str(run))
     assert str(want) in line and (f"step {step}" if step is not None else "step not recorded") in line
 

@@ -226,14 +226,15 @@ def merge_source(adapter: Path) -> tuple[Path, AdapterParts]:
 
     hf_logging.set_verbosity_error()  # from the check on (adapter_parts reads the base's config): one line or none
     hf_logging.disable_progress_bar()
-    from shardtune.checkpoint.folders import is_run_folder, run_weights
+    from shardtune.checkpoint.folders import is_run_folder, read_meta, run_weights
 
     picked = run_weights(adapter) if is_run_folder(adapter) else None
-    if picked is not None and not picked.final:  # eval and generate read that checkpoint: merging final/ misled
+    if picked is not None and picked.final:
+        adapter = picked.path  # a run folder: its final adapter
+    elif picked is not None and read_meta(picked.path)["config"].get("peft", {}).get("method", "none") != "none":
+        # eval and generate read that checkpoint: merging the older final/ (or none) misled
         raise UserError(f"{picked.line(adapter)}; --merge takes an adapter folder: export that checkpoint "
                         f"first (`shardtune export {picked.path} ADAPTER`), then merge ADAPTER")
-    if picked is not None:
-        adapter = picked.path  # a run folder: its final adapter
     if not (adapter / "adapter_config.json").is_file():
         raise UserError(f"{str(adapter)!r} is not a peft adapter folder (no adapter_config.json); "
                         "--merge takes the final/ folder of a peft.method=lora/dora/ia3 run")
