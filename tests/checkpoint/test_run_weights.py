@@ -59,9 +59,8 @@ def test_every_command_reads_the_same_weights_of_a_run(tmp_path_factory, final, 
     checkpoint even when final/ was newer (checkpoint.every_steps=30 of max_steps=100: step 90)."""
     from shardtune.checkpoint.export import merge_source
     from shardtune.checkpoint.folders import export_source
-    from shardtune.checkpoint.loading import model_step, resolve_model, weights_line
+    from shardtune.checkpoint.loading import model_step, pinned, resolve_model
     from shardtune.errors import UserError
-    from shardtune.evaluation.evaluate import pinned
 
     tmp = tmp_path_factory.mktemp("run")
     run = tmp / "run"
@@ -80,7 +79,8 @@ def test_every_command_reads_the_same_weights_of_a_run(tmp_path_factory, final, 
         assert export_reads(run, tmp, mp) == want
     assert export_source(run).path == want
     assert Path(resolve_model(str(run))[1]) == want
-    assert pinned(str(run)) == str(want)  # eval, eval --generate, generate: chosen once, read from there on
+    said: list[str] = []
+    assert pinned(str(run), said.append) == str(want)  # eval, eval --generate, generate: chosen once, read after
     if step is not None and not (want.name == "final" and final_step is None):
         assert model_step(str(run)) == step
     if final == "adapter":  # export --merge: final/'s adapter, or told to export the newer checkpoint first
@@ -90,7 +90,7 @@ def test_every_command_reads_the_same_weights_of_a_run(tmp_path_factory, final, 
     else:  # a full model's run has no adapter to merge, whichever of its weights are the newest
         with pytest.raises(UserError, match="is not a peft adapter folder"):
             merge_source(run)
-    line = weights_line(str(run))
+    [line] = said
     assert str(want) in line and (f"step {step}" if step is not None else "step not recorded") in line
 
 

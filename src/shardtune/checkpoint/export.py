@@ -51,14 +51,13 @@ def export_checkpoint(spec: str, out: Path, max_shard_size: int | str = "2GB") -
     """`shardtune export`: a sharded checkpoint, or what a run folder stands for (its final/ unless a
     later checkpoint exists: checkpoint.folders.run_weights, as eval and generate read it) -> plain HF
     folder. One process, one copy of the weights; no process group and no optimizer state."""
-    from shardtune.checkpoint.folders import export_source
-    from shardtune.checkpoint.loading import weights_line
+    from shardtune.checkpoint.folders import export_source, is_run_folder
 
     source = export_source(spec)
     if out.exists() and any(out.iterdir()):
         raise UserError(f"export folder {str(out)!r} is not empty; choose a new folder")
-    if line := weights_line(spec):  # a run folder: which of its weights (eval and generate say the same)
-        print(f"exporting {line}", flush=True)
+    if is_run_folder(Path(spec).expanduser()):  # which of its weights, as eval and generate say it (RunWeights.line)
+        print(f"exporting {source.line(spec)}", flush=True)
     if source.final:
         export_final(source.path, out, max_shard_size)
     else:

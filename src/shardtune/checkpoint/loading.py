@@ -40,12 +40,18 @@ def model_step(spec: str) -> int | None:
     return logged_step(run)  # a final/ of an older shardtune, which records no step
 
 
-def weights_line(spec: str) -> str | None:
-    """For a run folder: which of its weights a command reads (checkpoint.folders.run_weights), for
-    the command's first line; None for anything else (a folder or checkpoint named as it is)."""
-    path = Path(spec).expanduser()
-    picked = run_weights(path) if is_run_folder(path) else None
-    return picked.line(spec) if picked is not None else None
+def pinned(spec: str | None, say=None) -> str | None:
+    """The folder of the weights a command reads for `spec`, chosen once: a run folder's final/ or
+    checkpoint (checkpoint.folders.run_weights), told to `say` for the command's first line (export
+    reads and says the same); anything else as given. Every later read takes that folder: a live run
+    that saved a checkpoint meanwhile had the line and the weights of two steps."""
+    path = Path(spec).expanduser() if spec else None
+    picked = run_weights(path) if path is not None and is_run_folder(path) else None
+    if picked is None:
+        return spec
+    if say is not None:
+        say(picked.line(spec))
+    return str(picked.path)
 
 
 def resolve_model(spec: str) -> tuple[str, Path | str]:

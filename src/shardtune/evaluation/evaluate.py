@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as tdist
 
-from shardtune.checkpoint.loading import adapter_structure, load_model
+from shardtune.checkpoint.loading import adapter_structure, load_model, pinned
 from shardtune.errors import UserError
 from shardtune.evaluation.prompts import check_chat, layout
 from shardtune.model.hf import max_positions
@@ -155,21 +155,11 @@ def eval_blocks(req: EvalRequest, run_cfg, tokenizer):
     return blocks.with_format("torch")
 
 
-def pinned(spec: str | None, file=None) -> str | None:
-    """The folder of the weights a command reads for `spec`, chosen once: a run folder's final/ or
-    checkpoint (checkpoint.folders.run_weights), said as the command's first line (export reads and
-    says the same); anything else as given. Every later read takes that folder: a live run that saved
-    a checkpoint meanwhile had the line and the weights of two steps."""
-    from shardtune.checkpoint.folders import is_run_folder, run_weights
+def reading(file=None):
+    """`loading.pinned`'s `say` for a command of one or more ranks: rank 0 says it, on `file`."""
     from shardtune.distributed.process_group import is_main_process
 
-    path = Path(spec).expanduser() if spec else None
-    picked = run_weights(path) if path is not None and is_run_folder(path) else None
-    if picked is None:
-        return spec
-    if is_main_process():
-        print(f"reading {picked.line(spec)}", file=file or sys.stdout, flush=True)
-    return str(picked.path)
+    return lambda line: print(f"reading {line}", file=file or sys.stdout, flush=True) if is_main_process() else None
 
 
 def eval_one(spec: str, req: EvalRequest, dist, data_cfg) -> dict:
@@ -213,7 +203,7 @@ def run_eval(req: EvalRequest) -> dict:
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    req = dataclasses.replace(req, model=pinned(req.model), compare=pinned(req.compare))
+    req = dataclasses.replace(req, model=pinned(req.model, reading()), compare=pinned(req.compare, reading()))
     _, tokenizer, hf_config, data_cfg = load_model(req.model, weights=False)  # --compare BASE: the same data
     compare_config = load_model(req.compare, weights=False)[2] if req.compare else None
     req = check_eval(req, data_cfg, hf_config, tokenizer, compare_config)
@@ -381,7 +371,7 @@ def run_generate(req: GenerateRequest) -> list[str]:
     from shardtune.evaluation import lengths
     from shardtune.evaluation import prompts as layouts
 
-    req = dataclasses.replace(req, model=pinned(req.model, sys.stderr))  # stdout holds the texts alone
+    req = dataclasses.replace(req, model=pinned(req.model, reading(sys.stderr)))  # stdout holds the texts alone
     _, tokenizer, hf_config, run_cfg = load_model(req.model, weights=False)  # checked before the weights load
     cfg = layouts.layout(req.format, run_cfg)
     prompts, ids = zip(*layouts.rendered(read_prompts(req), cfg, tokenizer))
