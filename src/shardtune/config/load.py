@@ -95,7 +95,7 @@ def set_dotted(tree: dict, key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def _one_spelling(tree: dict, key: str) -> tuple[str]:
+def _one_spelling(tree: dict, key: str) -> str:
     """`key` under its field's own name (checkpoint.async -> checkpoint.async_save), with any other
     spelling of it dropped from `tree`: an override replaces the recipe's value however either spells
     it (the recipe's `async:` after it won, without a word)."""
@@ -110,7 +110,7 @@ def _one_spelling(tree: dict, key: str) -> tuple[str]:
                 node.pop(other, None)
             break
         cls, node = typing.get_type_hints(cls).get(name), node.get(name, node.get(part))
-    return (".".join(parts),)
+    return ".".join(parts)
 
 
 def load_config(recipe: str | Path | None, overrides: list[str] | None = None,
@@ -133,7 +133,7 @@ def load_config(recipe: str | Path | None, overrides: list[str] | None = None,
         name = path.stem
     for text in overrides or []:
         key, value = parse_override(text)
-        set_dotted(tree, *_one_spelling(tree, key), value)
+        set_dotted(tree, _one_spelling(tree, key), value)
     cfg = _build(RunConfig, tree, prefix="")
     if cfg.recipe is None:
         cfg.recipe = name or "quickstart"
