@@ -374,3 +374,35 @@ def peft_runs(assets, tmp_path_factory):
         results[name] = run
     torch.set_num_threads(threads)
     return results
+
+
+def adapter_probe():
+    """The token ids adapter_folder's logits are of."""
+    import torch
+
+    return (torch.arange(40).reshape(2, 20) * 7) % 250
+
+
+def adapter_folder(tmp_path, assets, targets: list[str], dtype=None):
+    """(adapter folder, the peft model's logits of PROBE): LoRA with random (non-zero) weights on
+    `targets` of a tiny GPT-2 whose head is tied to its input embeddings, its base saved in `dtype`
+    and trained in fp32 (as a run reads its base)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    dtype = dtype or torch.float32
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(**{**TINY["gpt2"], "n_layer": 1, "n_embd": 32, "vocab_size": 300})
+    AutoModelForCausalLM.from_config(config).to(dtype).save_pretrained(tmp_path / "base")
+    AutoTokenizer.from_pretrained(assets["tokenizer"]).save_pretrained(tmp_path / "base")
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)  # the adapter names it
+    assert base.config.tie_word_embeddings
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=targets, lora_dropout=0.0))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.3)
+        want = model.eval()(input_ids=adapter_probe()).logits
+    model.save_pretrained(tmp_path / "adapter")
+    return tmp_path / "adapter", want

@@ -53,7 +53,10 @@ def test_sharded_final_equals_the_gathered_folder(one_rank, tmp_path, monkeypatc
 
     model, config = sharded_model(arch, one_rank)
     save_hf_folder(gather_full_state_dict(model), config, None, tmp_path / "gathered", shard_size)
-    assert save_final_sharded(model, config, None, tmp_path / "sharded", shard_size) == "sharded"
+    assert save_final_sharded(model, config, None, tmp_path / "sharded", shard_size, step=5) == "sharded"
+    record = tmp_path / "sharded" / "shardtune.json"  # its step, which run_weights compares with the checkpoints'
+    assert json.loads(record.read_text()) == {"step": 5}
+    record.unlink()
     if arch == "llama":
         assert len(list((tmp_path / "sharded").glob("model-0000*-of-0000*.safetensors"))) > 1
     assert_same_folder(tmp_path / "sharded", tmp_path / "gathered")

@@ -6,33 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import TINY
+from conftest import adapter_folder, adapter_probe
 
-PROBE = (torch.arange(40).reshape(2, 20) * 7) % 250
-
-
-def adapter_folder(tmp_path, assets, targets: list[str], dtype=torch.float32):
-    """(adapter folder, the peft model's logits of PROBE): LoRA with random (non-zero) weights on
-    `targets` of a tiny GPT-2 whose head is tied to its input embeddings, its base saved in `dtype`
-    and trained in fp32 (as a run reads its base)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    torch.manual_seed(0)
-    config = AutoConfig.for_model(**{**TINY["gpt2"], "n_layer": 1, "n_embd": 32, "vocab_size": 300})
-    AutoModelForCausalLM.from_config(config).to(dtype).save_pretrained(tmp_path / "base")
-    AutoTokenizer.from_pretrained(assets["tokenizer"]).save_pretrained(tmp_path / "base")
-    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)  # the adapter names it
-    assert base.config.tie_word_embeddings
-    model = get_peft_model(base, LoraConfig(r=4, target_modules=targets, lora_dropout=0.0))
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.requires_grad:
-                p.add_(torch.randn_like(p) * 0.3)
-        want = model.eval()(input_ids=PROBE).logits
-    model.save_pretrained(tmp_path / "adapter")
-    return tmp_path / "adapter", want
-
+PROBE = adapter_probe()
 
 @pytest.mark.parametrize("targets", [["c_attn", "wte"], ["c_attn"]])
 def test_a_folded_adapter_is_the_adapter_model_even_on_tied_embeddings(tmp_path, assets, single_thread, targets):

@@ -361,3 +361,51 @@ def test_a_publish_revision_git_takes_is_taken(revision):
     cfg = load_config(None, ["model.config={model_type: gpt2}", "data.path=x", "publish.hub_repo=me/m",
                              "publish.checkpoints=false", f"publish.revision={revision}"])
     assert cfg.publish.revision == revision
+
+
+def alias_pairs() -> list[tuple[str, str]]:
+    """(dotted alias, dotted field) for every KEY_ALIASES entry of the schema."""
+    import dataclasses
+    import typing
+
+    from shardtune.config.schema import RunConfig
+
+    pairs, todo = [], [(RunConfig, "")]
+    while todo:
+        cls, prefix = todo.pop()
+        pairs += [(prefix + alias, prefix + field) for alias, field in getattr(cls, "KEY_ALIASES", {}).items()]
+        todo += [(tp, f"{prefix}{name}.") for name, tp in typing.get_type_hints(cls).items()
+                 if dataclasses.is_dataclass(tp)]
+    return pairs
+
+
+@pytest.mark.parametrize("alias, field", alias_pairs())
+@pytest.mark.parametrize("recipe_keys, override", [((0, 1), 0), ((1, 0), 1), ((0, 1), 1), ((0,), 1), ((1,), 0)])
+def test_a_key_spelled_two_ways_is_one_key(tmp_path, alias, field, recipe_keys, override):
+    """`checkpoint.async` is `checkpoint.async_save`: a recipe giving both with different values kept the
+    last one without a word, and an override of one spelling lost to the recipe's other one after it."""
+    names = (alias, field)
+    recipe = tmp_path / "r.yaml"
+    section, _, _ = field.rpartition(".")
+    lines = "".join(f"  {names[i].rpartition('.')[2]}: {'true' if n == 0 else 'false'}\n"
+                    for n, i in enumerate(recipe_keys))
+    recipe.write_text(f"model: {{name_or_path: m}}\ndata: {{path: d}}\n{section}:\n{lines}")
+    if len(recipe_keys) == 2:  # true and false: one line naming both spellings
+        with pytest.raises(UserError, match=rf"{re.escape(names[recipe_keys[0]])}=True and "
+                                            rf"{re.escape(names[recipe_keys[1]])}=False set the same key"):
+            load_config(recipe)
+    cfg = load_config(recipe, [f"{names[override]}=true"]).to_dict()
+    assert cfg[section][field.rpartition(".")[2]] is True
+
+
+@pytest.mark.parametrize("override, want", [("data.template={q}  # note", "{q}"),
+                                            ("data.template=Q: {q}\nA: {a}  # note", "Q: {q}\nA: {a}"),
+                                            ('data.template=Q: "{q} # 1"  # note', 'Q: "{q} # 1"'),
+                                            ("data.template=Q: {q} # note", "Q: {q}"),
+                                            ("output_dir=runs/x  # note", "runs/x")])
+def test_a_comment_after_an_override_is_no_part_of_its_text(override, want):
+    """`runs/x  # note` was runs/x (YAML's comment), `{q}  # note` the template '{q}  # note': a text key
+    given text that YAML reads as a mapping kept the comment, and trained on it."""
+    key = override.partition("=")[0]
+    cfg = load_config(None, ["model.name_or_path=m", "data.path=d", override]).to_dict()
+    assert cfg[key.partition(".")[0]][key.partition(".")[2]] == want if "." in key else cfg[key] == want

@@ -392,7 +392,7 @@ def test_report_says_whose_generation_scores_a_resumed_run_shows(trained, ck_ass
     release_group()
     text, printed = report()
     assert "## Generation quality: run (model at step 6)" in text
-    assert "scores of the model at step 6, not of the run's model at its last step (8)" in text and rerun in text
+    assert "scores of the model at step 6, not of the run's model now (step 8)" in text and rerun in text
     assert rerun in printed
     old = json.loads((run / "generation.json").read_text())
     del old["models"]["model"]["step"]

@@ -133,3 +133,23 @@ def test_a_diverged_last_evaluation_is_the_final_one(tmp_path):
         assert got["first eval ppl"] == 148.4 and got["final loss"] == 9.0
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert "| nan | 7.39 |" in write_report([tmp_path], tmp_path / "rep").read_text()
+
+
+@pytest.mark.parametrize("ckpt, noted", [(1, False), (None, True)])
+def test_generation_scores_are_compared_with_the_weights_the_run_has(tmp_path, capsys, ckpt, noted):
+    """A run killed at step 3 after its checkpoint of step 1: `eval RUN --generate` scores step 1 (its
+    newest weights), but the report compared that with the last logged step (3) and said to rerun eval
+    --generate, which scored step 1 again. Compared with the step of the weights every command reads
+    (checkpoint.folders.run_weights); without weights, the logged step."""
+    run = _run(tmp_path / "run", GENERATION)
+    (run / "config.yaml").write_text("{}\n")
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write("".join(json.dumps({"step": s, "loss": 4.0}) + "\n" for s in (2, 3)))
+    if ckpt is not None:
+        folder = run / "checkpoints" / f"step-{ckpt:06d}"
+        folder.mkdir(parents=True)
+        (folder / "meta.json").write_text(json.dumps({"step": ckpt, "config": {}}))
+        (folder / ".metadata").write_text("")
+    rc, err = main_in_process(["report", str(run), "--out", str(tmp_path / "report")])
+    assert rc == 0, err
+    assert ("rerun `shardtune eval" in (tmp_path / "report" / "report.md").read_text()) is noted

@@ -6,6 +6,7 @@ nothing for it (tests/train/test_host_sync.py)."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -110,3 +111,27 @@ def test_the_entry_block_is_the_numbered_module_a_parameter_sits_in(name, block)
     from shardtune.train.step import entry_block
 
     assert entry_block(name) == block
+
+
+def test_an_fp16_overflow_is_recorded_as_a_skipped_step(assets, tmp_path, monkeypatch):
+    """fp16's grad scaler skips an update whose scaled gradient overflows: metrics.jsonl had it as a
+    plain step with grad_norm inf (between log steps: not at all), the report nothing. Now it is
+    marked as a skipped NaN step is, whatever log.every_steps, and the report counts it."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    from shardtune.telemetry.report import read_metrics, summarize
+    from shardtune.train import optim
+
+    # fp16 gradients at a scale of 2**30 overflow; the scaler backs off to 2**10, where they do not
+    monkeypatch.setattr(optim, "build_grad_scaler", lambda precision, device: ShardedGradScaler(
+        device=device.type, init_scale=2.0**30, backoff_factor=2.0**-20))
+    trainer = make_trainer(assets, tmp_path, precision="fp16", **{"train.max_steps": 4, "log.every_steps": 10,
+                                                                  "eval.at_start": "false", "eval.every_steps": 0})
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    rows = read_metrics(tmp_path)
+    assert [(r["step"], r.get("skipped")) for r in rows if "loss" in r] == [(1, True), (4, None)]
+    assert rows[0]["loss"] > 0 and not math.isfinite(rows[0]["grad_norm"]) and rows[0]["loss_scale"] == 2.0**10
+    assert summarize("run", rows)["skipped steps"] == 1

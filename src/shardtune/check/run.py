@@ -156,12 +156,12 @@ def check_node_layout(cfg: RunConfig) -> None:
 
 
 def check_export(spec: str, out, merge: bool = False) -> None:
-    """`export`'s check, before any weight is read: the checkpoint (complete; its meta.json and the
-    run config it saved still load, with train's lines where they do not), or with `merge` the
+    """`export`'s check, before any weight is read: the checkpoint or a run's final/ (complete; the
+    run config it saved still loads, with train's lines where it does not), or with `merge` the
     adapter folder (`checkpoint.export.merge_source`), and an output folder of its own (new, or empty)."""
     from pathlib import Path
 
-    from shardtune.checkpoint.folders import read_meta, resolve_checkpoint
+    from shardtune.checkpoint.folders import export_source, read_meta
     from shardtune.config.load import load_saved_config
 
     if merge:
@@ -169,9 +169,16 @@ def check_export(spec: str, out, merge: bool = False) -> None:
 
         check_export_folder(merge_source(Path(spec))[0], "adapter folder", out)
         return
-    path = resolve_checkpoint(spec)
-    check_export_folder(path, "checkpoint", out)
-    load_saved_config(path / "meta.json", read_meta(path)["config"])
+    source = export_source(spec)  # a run folder: what eval and generate read too (checkpoint.folders.run_weights)
+    check_export_folder(source.path, "final model" if source.final else "checkpoint", out)
+    if not source.final:
+        load_saved_config(source.path / "meta.json", read_meta(source.path)["config"])
+        return
+    load_saved_config(source.path.parent / "config.yaml")  # export_base reads it for --push-to-hub
+    if (source.path / "adapter_config.json").is_file() and not (source.path / "config.json").is_file():
+        from shardtune.checkpoint.adapter_folder import adapter_parts
+
+        adapter_parts(source.path)  # its base and tokenizer there: a copy that loads
 
 
 def check_export_folder(source, what: str, out) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -9,7 +10,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from shardtune.errors import UserError
-from shardtune.fsio import atomic_dir
+from shardtune.fsio import atomic_dir, whole_folder
 
 if TYPE_CHECKING:
     from shardtune.checkpoint.adapter_folder import AdapterParts
@@ -47,16 +48,67 @@ def save_hf_folder(state_dict: dict, hf_config, tokenizer, out: Path, max_shard_
 
 
 def export_checkpoint(spec: str, out: Path, max_shard_size: int | str = "2GB") -> Path:
-    """`shardtune export`: a sharded checkpoint (or a run folder's newest) -> plain HF folder.
-    One process, one copy of the weights; no process group and no optimizer state."""
-    from shardtune.checkpoint.folders import resolve_checkpoint
+    """`shardtune export`: a sharded checkpoint, or what a run folder stands for (its final/ unless a
+    later checkpoint exists: checkpoint.folders.run_weights, as eval and generate read it) -> plain HF
+    folder. One process, one copy of the weights; no process group and no optimizer state."""
+    from shardtune.checkpoint.folders import export_source, is_run_folder
 
-    path = resolve_checkpoint(spec)
+    source = export_source(spec)
     if out.exists() and any(out.iterdir()):
         raise UserError(f"export folder {str(out)!r} is not empty; choose a new folder")
-    meta = write_export(path, out, max_shard_size)
-    print(f"exported {path} (step {meta['step']}) to {out}", flush=True)
+    if is_run_folder(Path(spec).expanduser()):  # which of its weights, as eval and generate say it (RunWeights.line)
+        print(f"exporting {source.line(spec)}", flush=True)
+    if source.final:
+        export_final(source.path, out, max_shard_size)
+    else:
+        write_export(source.path, out, max_shard_size)
+    step = f"step {source.step}" if source.step is not None else "step not recorded"
+    print(f"exported {source.path} ({step}) to {out}", flush=True)
     return out
+
+
+def export_final(final: Path, out: Path, max_shard_size: int | str = "2GB") -> None:
+    """A run's final/ into `out`, as the export of a checkpoint of its step writes it: a full model's
+    weights read by key from final/'s safetensors and laid out at `max_shard_size`, one output file at
+    a time; a peft run's adapter folder copied, its config naming out/base where it named final/base
+    (that base/ copy keeps final/'s files)."""
+    import shutil
+    import warnings
+
+    from shardtune.checkpoint.folders import FINAL_RECORD
+
+    if (final / "adapter_config.json").is_file() and not (final / "config.json").is_file():
+        from shardtune.fsio import json_loads
+
+        with atomic_dir(out) as tmp:
+            shutil.copytree(final, tmp, dirs_exist_ok=True, ignore=shutil.ignore_patterns(FINAL_RECORD))
+            config = json_loads((tmp / "adapter_config.json").read_text())
+            if config.get("base_model_name_or_path") == str((final / "base").resolve()):
+                config["base_model_name_or_path"] = str((whole_folder(out) / "base").resolve())
+                (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        return
+    from shardtune.checkpoint.loading import load_model
+    from shardtune.config.schema import ModelConfig
+    from shardtune.model.hf import load_generation_config, load_hf_config, load_tokenizer
+    from shardtune.model.hf_sharded_io import read_safetensors_into
+
+    def read(part: dict) -> None:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            missing = read_safetensors_into(part, final, no_dist=True)
+        if missing:
+            raise UserError(f"{str(final)!r} lacks weights {sorted(missing)[:3]} (damaged?); export a checkpoint "
+                            "of the run instead (RUN/checkpoints/step-N)")
+
+    hf_config = load_hf_config(ModelConfig(name_or_path=str(final)))
+    tokenizer = load_tokenizer(ModelConfig(name_or_path=str(final)))
+    generation = load_generation_config(final, hf_config)
+    with atomic_dir(out) as tmp:
+        done = export_streamed(final, hf_config, tokenizer, tmp, max_shard_size, generation, read)
+    if not done:  # keys renamed on save: loaded whole, as transformers reads them back
+        model, tokenizer, _, _ = load_model(str(final))
+        with atomic_dir(out, replace=True) as tmp:
+            save_hf_folder(model.state_dict(), model.config, tokenizer, tmp, max_shard_size, model.generation_config)
 
 
 def write_export(path: Path, out: Path, max_shard_size: int | str = "2GB", replace: bool = False) -> dict:
@@ -93,11 +145,11 @@ def write_export(path: Path, out: Path, max_shard_size: int | str = "2GB", repla
 
 
 def export_streamed(path: Path, hf_config, tokenizer, out: Path, max_shard_size: int | str = "2GB",
-                    generation=None) -> bool:
+                    generation=None, read=None) -> bool:
     """A full-model checkpoint -> the folder save_pretrained writes, holding one output file's
     tensors at a time (read from the DCP files by key, written tensor by tensor), never the whole
     model. False (nothing written) where the model's keys are renamed on save; the caller loads
-    it whole then."""
+    it whole then. `read(part)` fills a file's tensors (default: from the DCP checkpoint `path`)."""
     from shardtune.checkpoint.dcp import dcp_load
     from shardtune.model.hf_sharded_io import hf_file_plan, write_index_and_configs, write_safetensors
 
@@ -111,7 +163,10 @@ def export_streamed(path: Path, hf_config, tokenizer, out: Path, max_shard_size:
     shell, file_of = plan
     for name in sorted(set(file_of.values())):
         part = {k: torch.empty(shapes[k].shape, dtype=shapes[k].dtype) for k, f in file_of.items() if f == name}
-        dcp_load({"model": part}, path, no_dist=True)
+        if read is not None:
+            read(part)
+        else:
+            dcp_load({"model": part}, path, no_dist=True)
         write_safetensors(out / name, part)  # a full disk: an OSError naming the file
         del part
     write_index_and_configs(out, shell, file_of, hf_config, tokenizer, generation)
@@ -170,8 +225,15 @@ def merge_source(adapter: Path) -> tuple[Path, AdapterParts]:
 
     hf_logging.set_verbosity_error()  # from the check on (adapter_parts reads the base's config): one line or none
     hf_logging.disable_progress_bar()
-    if not (adapter / "adapter_config.json").is_file() and (adapter / "final" / "adapter_config.json").is_file():
-        adapter = adapter / "final"  # a run folder: its final adapter
+    from shardtune.checkpoint.folders import is_run_folder, read_meta, run_weights
+
+    picked = run_weights(adapter) if is_run_folder(adapter) else None
+    if picked is not None and picked.final:
+        adapter = picked.path  # a run folder: its final adapter
+    elif picked is not None and read_meta(picked.path)["config"].get("peft", {}).get("method", "none") != "none":
+        # eval and generate read that checkpoint: merging the older final/ (or none) misled
+        raise UserError(f"{picked.line(adapter)}; --merge takes an adapter folder: export that checkpoint "
+                        f"first (`shardtune export {picked.path} ADAPTER`), then merge ADAPTER")
     if not (adapter / "adapter_config.json").is_file():
         raise UserError(f"{str(adapter)!r} is not a peft adapter folder (no adapter_config.json); "
                         "--merge takes the final/ folder of a peft.method=lora/dora/ia3 run")

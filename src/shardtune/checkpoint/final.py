@@ -4,21 +4,32 @@ not at all, by every rank together (checkpoint.sharded_final) or gathered to ran
 from __future__ import annotations
 
 import contextlib
+import json
 from pathlib import Path
 
 import torch.distributed as dist
 
 from shardtune.checkpoint.export import gather_full_state_dict, save_adapter_folder, save_hf_folder
+from shardtune.checkpoint.folders import FINAL_RECORD
 from shardtune.checkpoint.hf_sharded import save_hf_sharded
 from shardtune.fsio import atomic_dir
 
 
-def save_final(model, cfg, hf_config, tokenizer, folder: Path, is_main: bool, generation=None) -> str | None:
+def write_final_record(folder: Path, step: int | None) -> None:
+    """final/'s step, beside its weights: a run folder's final/ is what every command reads unless a
+    checkpoint of a later step exists (checkpoint.folders.run_weights), which only this tells."""
+    if step is not None:
+        (folder / FINAL_RECORD).write_text(json.dumps({"step": step}) + "\n")
+
+
+def save_final(model, cfg, hf_config, tokenizer, folder: Path, is_main: bool, generation=None,
+               step: int | None = None) -> str | None:
     """A run's final/ from its sharded model, on every rank together: written by all ranks with
     checkpoint.sharded_final (returns how), else gathered to rank 0's CPU and written there.
-    `generation`: the model's generation config (model.hf.load_generation_config)."""
+    `generation`: the model's generation config (model.hf.load_generation_config); `step`: the
+    step of its weights (written into it, write_final_record)."""
     if cfg.checkpoint.sharded_final and not cfg.peft.adapter:  # peft: the adapter, below
-        return save_final_sharded(model, hf_config, tokenizer, folder, generation=generation)
+        return save_final_sharded(model, hf_config, tokenizer, folder, generation=generation, step=step)
     full = gather_full_state_dict(model)
     if is_main:
         with atomic_dir(folder, replace=True) as tmp:  # final/ appears only once complete
@@ -27,6 +38,7 @@ def save_final(model, cfg, hf_config, tokenizer, folder: Path, is_main: bool, ge
                                     generation=generation)
             else:
                 save_hf_folder(full, hf_config, tokenizer, tmp, generation=generation)
+            write_final_record(tmp, step)
     del full
     return None
 
@@ -59,13 +71,15 @@ def shared_atomic_dir(final: Path):
 
 
 def save_final_sharded(model, hf_config, tokenizer, folder: Path, max_shard_size: int | str = "2GB",
-                       generation=None) -> str:
+                       generation=None, step: int | None = None) -> str:
     """Collective: `folder` written by every rank (atomically); a model whose keys transformers
     renames on save is gathered to rank 0 instead. Returns which path wrote it."""
+    how = "sharded"
     with shared_atomic_dir(folder) as tmp:
-        if save_hf_sharded(model, hf_config, tokenizer, tmp, max_shard_size, generation):
-            return "sharded"
-        full = gather_full_state_dict(model)
-        if dist.get_rank() == 0:
-            save_hf_folder(full, hf_config, tokenizer, tmp, max_shard_size, generation)
-    return "gathered"
+        if not save_hf_sharded(model, hf_config, tokenizer, tmp, max_shard_size, generation):
+            how, full = "gathered", gather_full_state_dict(model)
+            if dist.get_rank() == 0:
+                save_hf_folder(full, hf_config, tokenizer, tmp, max_shard_size, generation)
+        if dist.get_rank() == 0:  # after every collective, as rank 0's own writes are
+            write_final_record(tmp, step)
+    return how

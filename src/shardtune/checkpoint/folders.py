@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from shardtune.config.schema import RunConfig
@@ -24,6 +25,8 @@ NAME = re.compile(r"^step-(\d+)$")
 RESUME_KEYS = ("model.name_or_path", "model.config", "model.tokenizer", "data", "train.global_batch_size",
                "train.seed", "train.optimizer_state", "peft", "freeze")
 MAY_CHANGE = {"data.num_proc", "peft.dropout"}  # inside those sections, but harmless
+# in a run's final/ (written with it, atomically): {"step": N}, the step whose weights it holds
+FINAL_RECORD = "shardtune.json"
 
 
 # ----------------------------------------------------------------------------- finding
@@ -83,6 +86,60 @@ def find_latest(root: Path) -> Path | None:
         pass
     found = [p for p in complete_checkpoints(root) if is_usable(p)]
     return found[-1] if found else None
+
+
+def final_step(final: Path) -> int | None:
+    """The step a run's final/ holds (its FINAL_RECORD); None for one of an older shardtune."""
+    try:
+        record = json_loads((final / FINAL_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    step = record.get("step") if isinstance(record, dict) else None
+    return step if _whole(step) else None
+
+
+@dataclass(frozen=True)
+class RunWeights:
+    """The weights a run folder stands for: its final/ (`final`) or one of its checkpoints."""
+
+    path: Path
+    step: int | None
+    final: bool
+
+    def line(self, run) -> str:
+        """What a command given `run` says first: which weights it reads, and why those."""
+        step = f"step {self.step}" if self.step is not None else "step not recorded"
+        if self.final:
+            return f"{run}: the run's final model {self.path} ({step})"
+        return f"{run}: its newest checkpoint {self.path} ({step}; no final/ of that step)"
+
+
+def is_run_folder(path: Path) -> bool:
+    return path.name not in ("final", "checkpoints") and ((path / "final").is_dir() or (path / "checkpoints").is_dir())
+
+
+def run_weights(run: Path) -> RunWeights | None:
+    """The one rule for what a run folder means to every command given it (eval, generate, export,
+    export --push-to-hub): its final/ unless a complete checkpoint of a later step exists (a resume
+    that trained on and stopped before its own final/), else its newest complete checkpoint. A
+    final/ of an older shardtune records no step and counts as the newest. None: neither exists."""
+    final = run / "final"
+    ckpt = find_latest(run / "checkpoints")
+    if (final / "config.json").is_file() or (final / "adapter_config.json").is_file():
+        step = final_step(final)
+        if ckpt is None or step is None or step >= step_of(ckpt):
+            return RunWeights(final, step, True)
+    return RunWeights(ckpt, step_of(ckpt), False) if ckpt is not None else None
+
+
+def export_source(spec: str | Path) -> RunWeights:
+    """What `export SPEC` reads: a run folder's run_weights, else the checkpoint SPEC names."""
+    path = Path(spec).expanduser()
+    picked = run_weights(path) if is_run_folder(path) else None
+    if picked is None:
+        path = resolve_checkpoint(path)
+        picked = RunWeights(path, read_meta(path)["step"], False)
+    return picked
 
 
 def why_no_checkpoint(root: Path) -> str:

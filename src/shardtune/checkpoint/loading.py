@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from shardtune.checkpoint.dcp import dcp_load
-from shardtune.checkpoint.folders import read_meta, resolve_checkpoint
+from shardtune.checkpoint.folders import final_step, is_run_folder, read_meta, resolve_checkpoint, run_weights
 from shardtune.errors import UserError
 from shardtune.names import hub_id
 
@@ -33,23 +33,40 @@ def model_step(spec: str) -> int | None:
     run = run_folder(spec)
     if run is None:
         return None
+    if (step := final_step(run / "final")) is not None and Path(where).resolve() == (run / "final").resolve():
+        return step
     from shardtune.telemetry.report import logged_step
 
-    return logged_step(run)
+    return logged_step(run)  # a final/ of an older shardtune, which records no step
+
+
+def pinned(spec: str | None, say=None) -> str | None:
+    """The folder of the weights a command reads for `spec`, chosen once: a run folder's final/ or
+    checkpoint (checkpoint.folders.run_weights), told to `say` for the command's first line (export
+    reads and says the same); anything else as given. Every later read takes that folder: a live run
+    that saved a checkpoint meanwhile had the line and the weights of two steps."""
+    path = Path(spec).expanduser() if spec else None
+    picked = run_weights(path) if path is not None and is_run_folder(path) else None
+    if picked is None:
+        return spec
+    if say is not None:
+        say(picked.line(spec))
+    return str(picked.path)
 
 
 def resolve_model(spec: str) -> tuple[str, Path | str]:
     """("checkpoint", folder), ("adapter", folder) or ("hf", folder or hub id). A run folder means
-    its final/ export if it has one, else its newest checkpoint; checkpoints/latest the checkpoint
-    it names."""
+    what checkpoint.folders.run_weights picks (its final/, unless a checkpoint of a later step
+    exists); checkpoints/latest the checkpoint it names."""
     path = Path(spec).expanduser()
     if path.name == "latest" and path.is_file():  # the pointer file: the checkpoint it names
         return "checkpoint", resolve_checkpoint(path.parent)
-    if (path / "final" / "config.json").is_file():
-        return "hf", path / "final"
-    for folder in (path, path / "final"):  # a peft run's final/: adapter (+ base)
-        if (folder / "adapter_config.json").is_file():
-            return "adapter", folder
+    picked = run_weights(path) if is_run_folder(path) else None
+    if picked is not None:  # a peft run's final/: its adapter (+ base)
+        kind = "hf" if (picked.path / "config.json").is_file() else "adapter"
+        return ("checkpoint" if not picked.final else kind), picked.path
+    if (path / "adapter_config.json").is_file():
+        return "adapter", path
     if (path / "meta.json").exists() or (path / ".metadata").exists() or (path / "checkpoints").is_dir() \
             or path.name == "checkpoints":
         return "checkpoint", resolve_checkpoint(path)

@@ -11,8 +11,8 @@ from shardtune.cli.common import only_with
 def add_parser(sub) -> None:
     p = sub.add_parser("export", help="write a plain Hugging Face folder from a sharded checkpoint")
     p.add_argument("checkpoint", type=nonempty_str,
-                   help="checkpoint folder (OUTPUT_DIR/checkpoints/step-N), or a run's "
-                        "output_dir for its newest checkpoint")
+                   help="checkpoint folder (OUTPUT_DIR/checkpoints/step-N), or a run's output_dir: "
+                        "its final/, unless a checkpoint of a later step exists (what eval reads)")
     p.add_argument("out", type=fs_path, help="new folder for the model (safetensors, config, tokenizer)")
     p.add_argument("--max-shard-size", type=size_bytes, default="2GB", help="split weights into files of at most this "
                         "size (default: 2GB)")

@@ -16,7 +16,12 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    from shardtune.checkpoint.folders import run_weights
     from shardtune.telemetry.report import write_report
+
+    def model_step(run: Path) -> int | None:  # what `eval RUN --generate` scores now
+        picked = run_weights(run)
+        return picked.step if picked is not None else None
 
     runs = [Path(r) for r in args.runs]
     seen: dict[Path, str] = {}
@@ -25,5 +30,5 @@ def run(args) -> int:
             raise UserError(f"run {given!r} is given twice ({seen[path.resolve()]!r}); give each run once")
         seen[path.resolve()] = given
     out = Path(args.out) if args.out else (runs[0] / "report" if len(runs) == 1 else Path("report-compare"))
-    print(f"report written to {write_report(runs, out)}")
+    print(f"report written to {write_report(runs, out, model_step)}")
     return 0

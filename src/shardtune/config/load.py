@@ -39,8 +39,22 @@ def parse_override(text: str) -> tuple[str, Any]:
     except YAMLSyntaxError:
         value = raw
     if not isinstance(value, (str, type(None), bool, int, float)):  # a number or date is a Written already
-        value = Written(raw, value)  # `data.template=Q: {q}` reads as YAML but is meant as text
+        value = Written(_value_text(raw), value)  # `data.template=Q: {q}` reads as YAML but is meant as text
     return key.strip(), value
+
+
+def _value_text(raw: str) -> str:
+    """The text of the value YAML read from `raw`, without a trailing comment: `{q}  # note` is `{q}`
+    for a key typed as text, as `runs/x  # note` (a plain text) and every recipe line already were."""
+    node, seen = yaml.compose(raw, Loader=yaml.SafeLoader), set()
+    if node is None:
+        return raw
+    # a block mapping's or list's end mark lies past its comment: its last value's is the end
+    while not (isinstance(node, yaml.ScalarNode) or node.flow_style or not node.value or id(node) in seen):
+        seen.add(id(node))  # an alias of a list inside itself
+        last = node.value[-1]
+        node = last[1] if isinstance(last, tuple) else last
+    return raw[:node.end_mark.index]
 
 
 def override_word(key: str, text: str) -> str:
@@ -81,6 +95,24 @@ def set_dotted(tree: dict, key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+def _one_spelling(tree: dict, key: str) -> str:
+    """`key` under its field's own name (checkpoint.async -> checkpoint.async_save), with any other
+    spelling of it dropped from `tree`: an override replaces the recipe's value however either spells
+    it (the recipe's `async:` after it won, without a word)."""
+    cls, node, parts = RunConfig, tree, key.split(".")
+    for i, part in enumerate(parts):
+        if not (dataclasses.is_dataclass(cls) and isinstance(node, dict)):
+            break
+        aliases = getattr(cls, "KEY_ALIASES", {})
+        parts[i] = name = aliases.get(part, part)
+        if i == len(parts) - 1:
+            for other in (a for a, field in aliases.items() if field == name):
+                node.pop(other, None)
+            break
+        cls, node = typing.get_type_hints(cls).get(name), node.get(name, node.get(part))
+    return ".".join(parts)
+
+
 def load_config(recipe: str | Path | None, overrides: list[str] | None = None,
                 defaults: dict | None = None) -> RunConfig:
     """Recipe YAML (or `defaults` when there is none) + dotted overrides -> checked RunConfig."""
@@ -101,7 +133,7 @@ def load_config(recipe: str | Path | None, overrides: list[str] | None = None,
         name = path.stem
     for text in overrides or []:
         key, value = parse_override(text)
-        set_dotted(tree, key, value)
+        set_dotted(tree, _one_spelling(tree, key), value)
     cfg = _build(RunConfig, tree, prefix="")
     if cfg.recipe is None:
         cfg.recipe = name or "quickstart"
@@ -136,17 +168,21 @@ def _build(cls, data: Any, prefix: str):
         raise UserError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {_short(data)}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
-    kwargs = {}
+    kwargs, spelled = {}, {}
     for key, value in data.items():
         if not isinstance(key, str):  # YAML reads `1:` or `true:` as a number or a bool
             raise UserError(f"config key {prefix}{key!r} is not a name; keys are words like "
                             f"{prefix}{next(iter(fields))}")
-        key = getattr(cls, "KEY_ALIASES", {}).get(key, key)
+        written, key = key, getattr(cls, "KEY_ALIASES", {}).get(key, key)
         if key not in fields:
             raise UserError(f"unknown config key '{prefix}{key}'{_key_hint(prefix, key, fields)}")
         aliases = getattr(cls, "VALUE_ALIASES", {}).get(key, {})
         value = next((new for old, new in aliases.items() if value is old), value)
-        kwargs[key] = _coerce(hints[key], value, f"{prefix}{key}")
+        value = _coerce(hints[key], value, f"{prefix}{key}")
+        if key in spelled and kwargs[key] != value:  # `async:` and `async_save:` in one recipe: the last won
+            raise UserError(f"{prefix}{spelled[key]}={_short(kwargs[key])} and {prefix}{written}={_short(value)} "
+                            f"set the same key ({prefix}{key}) to different values; keep one of them")
+        kwargs[key], spelled[key] = value, written
         if f"{prefix}{key}" in PATH_KEYS and isinstance(kwargs[key], str):
             kwargs[key] = _path_value(f"{prefix}{key}", kwargs[key])
     return cls(**kwargs)

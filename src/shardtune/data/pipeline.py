@@ -4,6 +4,8 @@ see formats.py). Which of them each rank trains on at each step: batches.py."""
 
 from __future__ import annotations
 
+import contextlib
+from contextvars import ContextVar
 from pathlib import Path
 
 from shardtune.config.schema import DataConfig
@@ -129,11 +131,27 @@ def pack(docs, tokenizer, field: str, seq_len: int, num_proc: int | None = None,
     return pack_text(docs, tokenizer, field, seq_len, num_proc, document_mask)
 
 
+_retell: ContextVar = ContextVar("retell", default=None)
+
+
+@contextlib.contextmanager
+def warnings_retold(words):
+    """Every warning and note printed inside passes through `words(line)` first: a command that has
+    no data.* keys (eval) names its own options in them, as in its refusals."""
+    token = _retell.set(words)
+    try:
+        yield
+    finally:
+        _retell.reset(token)
+
+
 def _warn(line: str) -> None:
     import sys
 
     from shardtune.distributed.process_group import is_main_process
 
+    if (words := _retell.get()) is not None:
+        line = words(line)
     if is_main_process():
         print(line, file=sys.stderr, flush=True)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as tdist
 
-from shardtune.checkpoint.loading import adapter_structure, load_model
+from shardtune.checkpoint.loading import adapter_structure, load_model, pinned
 from shardtune.errors import UserError
 from shardtune.evaluation.prompts import check_chat, layout
 from shardtune.model.hf import max_positions
@@ -102,20 +102,27 @@ OTHER_COLUMNS = ("eval reads the columns the run's recipe names (else the defaul
                  "or choose --format")
 
 
+def eval_words(text: str) -> str:
+    """`text` with the data.* keys eval sets through its options named as those options."""
+    for key, option in DATA_OPTIONS.items():
+        text = re.sub(rf"(?<![\w.]){re.escape(key)}(?![\w])", option, text)
+    return f"{text} ({OTHER_COLUMNS})" if re.search(COLUMN_KEYS, text) else text
+
+
 @contextlib.contextmanager
 def options_named(applies: bool = True):
-    """A refusal inside names eval's options, not the config keys they set (eval has no data.*)."""
-    try:
+    """A refusal or warning inside names eval's options, not the config keys they set (eval has no
+    data.*); not where eval reads the run's own data as it trained (`applies` false)."""
+    from shardtune.data.pipeline import warnings_retold
+
+    if not applies:
         yield
+        return
+    try:
+        with warnings_retold(eval_words):
+            yield
     except UserError as exc:
-        if not applies:
-            raise
-        text = str(exc)
-        for key, option in DATA_OPTIONS.items():
-            text = re.sub(rf"(?<![\w.]){re.escape(key)}(?![\w])", option, text)
-        if re.search(COLUMN_KEYS, text):
-            text = f"{text} ({OTHER_COLUMNS})"
-        raise UserError(text) from None
+        raise UserError(eval_words(str(exc))) from None
 
 
 def eval_blocks(req: EvalRequest, run_cfg, tokenizer):
@@ -146,6 +153,13 @@ def eval_blocks(req: EvalRequest, run_cfg, tokenizer):
         raise UserError(f"split {split!r} of {cfg.path!r} has fewer tokens than one block of {cfg.seq_len}; "
                         "lower --seq-len")
     return blocks.with_format("torch")
+
+
+def reading(file=None):
+    """`loading.pinned`'s `say` for a command of one or more ranks: rank 0 says it, on `file`."""
+    from shardtune.distributed.process_group import is_main_process
+
+    return lambda line: print(f"reading {line}", file=file or sys.stdout, flush=True) if is_main_process() else None
 
 
 def eval_one(spec: str, req: EvalRequest, dist, data_cfg) -> dict:
@@ -189,6 +203,7 @@ def run_eval(req: EvalRequest) -> dict:
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    req = dataclasses.replace(req, model=pinned(req.model, reading()), compare=pinned(req.compare, reading()))
     _, tokenizer, hf_config, data_cfg = load_model(req.model, weights=False)  # --compare BASE: the same data
     compare_config = load_model(req.compare, weights=False)[2] if req.compare else None
     req = check_eval(req, data_cfg, hf_config, tokenizer, compare_config)
@@ -356,6 +371,7 @@ def run_generate(req: GenerateRequest) -> list[str]:
     from shardtune.evaluation import lengths
     from shardtune.evaluation import prompts as layouts
 
+    req = dataclasses.replace(req, model=pinned(req.model, reading(sys.stderr)))  # stdout holds the texts alone
     _, tokenizer, hf_config, run_cfg = load_model(req.model, weights=False)  # checked before the weights load
     cfg = layouts.layout(req.format, run_cfg)
     prompts, ids = zip(*layouts.rendered(read_prompts(req), cfg, tokenizer))

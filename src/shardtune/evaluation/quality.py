@@ -14,11 +14,11 @@ import sys
 import time
 from pathlib import Path
 
-from shardtune.checkpoint.loading import load_model, model_step, run_folder
+from shardtune.checkpoint.loading import load_model, model_step, pinned, run_folder
 from shardtune.checkpoint.rundir import refuse_run_file
 from shardtune.errors import UserError
 from shardtune.evaluation import lengths, textscores
-from shardtune.evaluation.evaluate import continuation, data_config, generate, options_named
+from shardtune.evaluation.evaluate import continuation, data_config, generate, options_named, reading
 from shardtune.evaluation.prompts import check_chat
 from shardtune.fsio import make_dir, refuse_foreign_file, write_text_atomic
 
@@ -180,6 +180,7 @@ def run_quality(req: QualityRequest) -> dict:
     from shardtune.distributed.process_group import resolve_device
 
     metrics = check_request(req)
+    req = dataclasses.replace(req, model=pinned(req.model, reading()), compare=pinned(req.compare, reading()))
     out = Path(req.out) if req.out else default_out(req.model)
     refuse_run_file(out, "--out")  # before any work
     refuse_foreign_file(out, "--out", "an output of `eval --generate`", OUT_MARK, req.overwrite)

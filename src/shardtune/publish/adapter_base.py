@@ -60,14 +60,22 @@ def export_base(checkpoint: str, say=print) -> str | None:
     """The hub id that `shardtune export CHECKPOINT --push-to-hub` names in the Hub copy of the
     exported adapter's config, as a run's publisher does (None: no adapter, or none known: then
     `say` tells why)."""
-    from shardtune.checkpoint.folders import read_meta, resolve_checkpoint
+    from shardtune.checkpoint.folders import export_source, read_meta
     from shardtune.config.schema import ModelConfig, PeftConfig, known_fields
 
-    config = read_meta(resolve_checkpoint(checkpoint))["config"]
-    peft = known_fields(PeftConfig, config.get("peft", {}))
+    source = export_source(checkpoint)  # the weights the export read: a run's final/ keeps no meta.json
+    if source.final:
+        from shardtune.config.load import load_saved_config
+
+        cfg = load_saved_config(source.path.parent / "config.yaml")
+        model, peft = cfg.model, cfg.peft
+    else:
+        config = read_meta(source.path)["config"]
+        model = known_fields(ModelConfig, config.get("model", {}))
+        peft = known_fields(PeftConfig, config.get("peft", {}))
     if not peft.adapter:
         return None
-    base, warning = adapter_hub_base(known_fields(ModelConfig, config.get("model", {})), peft)
+    base, warning = adapter_hub_base(model, peft)
     if warning:
         say(warning)
     return base

@@ -56,7 +56,7 @@ def scored_step(data: dict) -> int | None:
 
 
 def not_current(run: Path, data: dict, step: int | None) -> str | None:
-    """Why `run`'s generation.json may not be of its model at `step` (the last it logged) and how to
+    """Why `run`'s generation.json may not be of its model at `step` (of its weights) and how to
     score that one; None where it is, or where there is no run to compare with."""
     scored = scored_step(data)
     if step is None or scored == step:
@@ -66,8 +66,8 @@ def not_current(run: Path, data: dict, step: int | None) -> str | None:
     if scored is None:
         return (f"{str(run / FILE)!r} does not record which step's model it scored (an older shardtune wrote it); "
                 f"the run is at step {step}: {rerun}")
-    return (f"{str(run / FILE)!r} holds the scores of the model at step {scored}, not of the run's model at its "
-            f"last step ({step}): {rerun}")
+    return (f"{str(run / FILE)!r} holds the scores of the model at step {scored}, not of the run's model now "
+            f"(step {step}): {rerun}")
 
 
 def points(key: str, value) -> float | None:

@@ -102,10 +102,15 @@ def summarize(name: str, rows: list[dict]) -> dict:
             "final loss": last("loss"), "first eval ppl": ppl[0] if ppl else None,
             "final eval ppl": ppl[-1] if ppl else None, "best eval ppl": min(finite) if finite else None,
             "tokens/s": over_time(timed, "tokens_per_s"), "MFU": over_time(timed, "mfu"),
-            "peak mem GiB": max(peaks) if peaks else None}
+            "peak mem GiB": max(peaks) if peaks else None,
+            # updates not applied (a non-finite step of on_nan=skip, an fp16 overflow): their loss is no trained step's
+            "skipped steps": sum(1 for r in rows if r.get("skipped") is True)}
 
 
-def write_report(runs: list[Path], out: Path) -> Path:
+def write_report(runs: list[Path], out: Path, model_step=None) -> Path:
+    """`model_step(run)`: the step of the weights a command given the run reads (checkpoint.folders.
+    run_weights), which a generation.json is compared with; else (or None) the run's last logged step,
+    which a killed run has no weights of: the note said to rerun eval --generate, which scored the same."""
     from shardtune.telemetry.generation_report import not_current, read_generation
 
     data, generations = {}, {}
@@ -117,7 +122,9 @@ def write_report(runs: list[Path], out: Path) -> Path:
         if generated is None or (run / "metrics.jsonl").is_file():  # a folder of eval --generate alone is fine
             data[name] = read_metrics(run)
         if generated is not None:
-            note = not_current(run, generated, last_step(data[name]) if name in data else None)
+            step = model_step(run) if model_step else None
+            note = not_current(run, generated, step if step is not None else
+                               last_step(data[name]) if name in data else None)
             generations[name] = generated, note
     out = whole_folder(out, "report folder")
     refuse_foreign(out, "report folder", "a report (PNGs and report.md)",

@@ -333,7 +333,10 @@ class Trainer:
             if self.dist.is_main and (histograms := self.watch.histograms_of(queued.watch)):
                 watched[HISTOGRAMS] = histograms
         resumable = numbers.stop or (save_now and step == self.state.step)
-        if step % cfg.log.every_steps and step != self.total_steps and not resumable:
+        # fp16: the grad scaler skipped this update (inf gradient at its scale) and lowers the scale;
+        # recorded as skipped, as a non-finite step of on_nan=skip is, not as a step with grad_norm inf
+        overflow = self.scaler is not None and not math.isfinite(grad_norm)
+        if step % cfg.log.every_steps and step != self.total_steps and not resumable and not overflow:
             return ({"step": step, "epoch": epoch, **watched} if watched else {}), numbers.stop
         # each rank's own peaks: the record holds the fullest device's (the one that runs out first)
         memory = all_max({**telemetry.memory_stats(self.dist.device), **live.read()}, self.dist.device)
@@ -341,6 +344,8 @@ class Trainer:
                   "tokens_seen": self.state.tokens_seen, **meter.report(), **memory, **gpu.read(), **watched}
         if self.scaler:  # this step's, queued with it: the scaler's own is a later step's by now
             record["loss_scale"] = numbers.loss_scale
+        if overflow:
+            record["skipped"] = True
         progress.update(0, loss=loss, tok_s=record["tokens_per_s"])
         return record, numbers.stop
 
@@ -366,7 +371,7 @@ class Trainer:
 
         folder = folder or self.out / "final"
         how = save_final(self.model, self.cfg, self.hf_config, self.tokenizer, folder, self.dist.is_main,
-                         self.generation_config)
+                         self.generation_config, self.state.step)
         self.say(f"model saved to {folder}{f' ({how})' if how else ''}")
         return folder
 
