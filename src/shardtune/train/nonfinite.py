@@ -5,6 +5,22 @@ samples and the documents in them, so a bad document can be found, and with on_n
 from __future__ import annotations
 
 from shardtune.data.batches import describe_samples, format_samples
+from shardtune.errors import UserError
+
+
+def met(trainer, step: int, loss: float, grad_norm: float, grad_norms) -> dict:
+    """A NaN/inf loss or gradient in `trainer`'s step (the update was not applied, train_step): stop,
+    saying where it came from, or go on, returning that for the metrics record (on_nan=skip)."""
+    found = origin(trainer.model, trainer.dist.world_size, trainer.train_ds, trainer.plan.global_indices(step - 1),
+                   grad_norms)
+    what = describe(found, step, loss, grad_norm)
+    if trainer.cfg.on_nan == "skip":
+        trainer.say(f"warning: {what}; skipped that update (on_nan=skip)")
+        return found
+    trainer.ckpt.wait()
+    from shardtune.checkpoint.folders import find_latest
+
+    raise UserError(stop_line(what, step, find_latest(trainer.out / "checkpoints")))
 
 
 def origin(model, world_size: int, ds, indices: list[int], grad_norms) -> dict:

@@ -22,7 +22,7 @@ from shardtune.distributed.activation_memory import describe_memory_savers
 from shardtune.distributed.collectives import all_max, broadcast_value, rank0_first, same_on_every_rank
 from shardtune.distributed.fsdp import build_mesh
 from shardtune.distributed.process_group import init_distributed
-from shardtune.errors import EXIT_PREEMPTED, UserError
+from shardtune.errors import EXIT_PREEMPTED
 from shardtune.model import float8, kernels
 from shardtune.model import loss as loss_lib
 from shardtune.model.adapters import load_qlora_model
@@ -325,7 +325,9 @@ class Trainer:
         epoch = step / self.plan.steps_per_epoch
         loss, grad_norm = numbers.loss, numbers.grad_norm
         if not math.isfinite(loss) or (self.scaler is None and not math.isfinite(grad_norm)):
-            origin = self.nonfinite(step, loss, grad_norm, queued.grad_norms)
+            from shardtune.train import nonfinite
+
+            origin = nonfinite.met(self, step, loss, grad_norm, queued.grad_norms)
             return {"step": step, "epoch": epoch, "loss": None, "skipped": True, **origin}, numbers.stop
         watched = {}
         if queued.watch is not None:
@@ -348,22 +350,6 @@ class Trainer:
             record["skipped"] = True
         progress.update(0, loss=loss, tok_s=record["tokens_per_s"])
         return record, numbers.stop
-
-    def nonfinite(self, step: int, loss: float, grad_norm: float, grad_norms) -> dict:
-        """A NaN/inf loss or gradient: the update was not applied (train_step); stop, saying where it
-        came from (train.nonfinite), or go on, returning that for the metrics record (on_nan=skip)."""
-        from shardtune.train import nonfinite
-
-        origin = nonfinite.origin(self.model, self.dist.world_size, self.train_ds, self.plan.global_indices(step - 1),
-                                  grad_norms)
-        what = nonfinite.describe(origin, step, loss, grad_norm)
-        if self.cfg.on_nan == "skip":
-            self.say(f"warning: {what}; skipped that update (on_nan=skip)")
-            return origin
-        self.ckpt.wait()
-        from shardtune.checkpoint.folders import find_latest
-
-        raise UserError(nonfinite.stop_line(what, step, find_latest(self.out / "checkpoints")))
 
     def export(self, folder: Path | None = None) -> Path:
         """final/: a plain HF folder (a peft run's: its adapter), written whole or not at all."""
