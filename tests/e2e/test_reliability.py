@@ -135,6 +135,7 @@ def test_recipe_not_text(capfd, tmp_path, out):
 @pytest.mark.parametrize("damage, words", [
     ("config_truncated", ["config.json", "not valid JSON"]),
     ("config_missing", ["has no config.json"]),
+    ("a_run_folder", ["is a training run, not a model", "/final'"]),  # model.name_or_path=RUN
     ("weights_missing", ["has no weights", "model.random_init=true"]),
     ("weights_truncated", ["model.safetensors", "truncated or damaged"]),
     ("shard_missing", ["lacks model-00002-of-00002.safetensors"]),
@@ -149,6 +150,9 @@ def test_broken_model_folder(capfd, model_dir, tmp_path, out, qs_assets, no_buil
         text = (folder / "config.json").read_text()
         (folder / "config.json").write_text(text[: len(text) // 2])
     elif damage == "config_missing":
+        (folder / "config.json").unlink()
+    elif damage == "a_run_folder":
+        shutil.copytree(model_dir, folder / "final")
         (folder / "config.json").unlink()
     elif damage == "weights_missing":
         weights.unlink()

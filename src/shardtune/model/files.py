@@ -91,6 +91,10 @@ def check_model_folder(folder: Path, weights: bool = True) -> None:
     """A local model folder: config.json present and readable, and (when its weights will be read)
     every weight file present and complete (safetensors headers cover the files)."""
     if not (folder / "config.json").is_file():
+        final = folder / "final"
+        if (final / "config.json").is_file():  # a shardtune run of a whole model
+            raise UserError(f"model folder {str(folder)!r} is a training run, not a model; give its model "
+                            f"{str(final)!r}")
         raise UserError(f"model folder {str(folder)!r} has no config.json; give a Hugging Face model folder "
                         "(config.json and weights)")
     check_json_files(folder, MODEL_JSON)
