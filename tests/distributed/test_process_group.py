@@ -248,3 +248,21 @@ def test_a_slurm_shell_that_is_no_task_of_a_step_is_a_lone_process(monkeypatch, 
     monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "2")
     monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", "2")
     assert process_group.launched_by_agent() and process_group.agent_world() == (2, 2)
+
+
+@pytest.mark.parametrize("command", [["train", "device=cpu"], ["eval", "some-model", "--data", "x.txt"]])
+def test_nproc_other_than_the_agents_ranks_is_refused_by_every_command(monkeypatch, capfd, tmp_path, command):
+    """A rank of a 2-task srun step given --nproc 4: train refused it; eval ran on, ignoring it."""
+    from shardtune.cli.main import main
+
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items()
+                                        if k not in TORCH_KEYS and not k.startswith("SLURM_")})
+    for name, value in {"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_JOB_ID": "77",
+                        "SLURM_JOB_NODELIST": "nid001096", "SLURM_STEP_NUM_TASKS": "2",
+                        "SLURM_STEP_TASKS_PER_NODE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.chdir(tmp_path)
+    assert main([*command, "--nproc", "4"]) == 2
+    err = capfd.readouterr().err
+    assert "--nproc 4 conflicts with the 2 rank(s) per node torchrun/srun started; drop --nproc" in err, err
+    assert not list(tmp_path.iterdir())

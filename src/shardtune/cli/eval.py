@@ -72,11 +72,11 @@ def run(args) -> int:
 
         run_quality(quality_request(args))
         return 0
-    from shardtune.distributed.process_group import check_nproc, launched_by_agent
+    from shardtune.distributed.process_group import job_ranks, launched_by_agent
     from shardtune.launch.local import launch_local
 
+    job_ranks(args.nproc, args.device)  # checked as train checks it
     if args.nproc and args.nproc > 1 and not launched_by_agent():
-        check_nproc(args.nproc, args.device)
         return launch_local(args.nproc, without_nproc(args.argv))
     from shardtune.evaluation.evaluate import run_eval
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from shardtune.cli.argtypes import ranks
 from shardtune.cli.common import TRAIN_EPILOG, config_reference, recipe_and_defaults
-from shardtune.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, UserError
+from shardtune.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 
 def add_parser(sub) -> None:
@@ -30,26 +30,14 @@ def run(args) -> int:
     """Resolve the run, check it, then build and train it here or in `--nproc N` ranks."""
     from shardtune.check.run import check_run
     from shardtune.config.load import load_config
-    from shardtune.distributed.process_group import (
-        agent_world,
-        check_agent_env,
-        check_nproc,
-        is_main_process,
-        launched_by_agent,
-    )
+    from shardtune.distributed.process_group import check_agent_env, is_main_process, job_ranks, launched_by_agent
     from shardtune.resolve.run import handed_on, resolve_run
 
     check_agent_env()  # torchrun's or srun's variables, before anything is read, planned or written
     recipe, overrides, defaults, used = recipe_and_defaults(args.recipe, args.overrides)
     loaded = load_config(recipe, overrides, defaults)
+    world, local = job_ranks(args.nproc, loaded.device)
     nproc = 1 if args.nproc is None else args.nproc
-    world, local = nproc, nproc
-    if launched_by_agent():
-        world, local = agent_world()
-        if args.nproc and args.nproc != local:
-            raise UserError("--nproc conflicts with the ranks torchrun/srun started; drop --nproc")
-    elif nproc > 1:
-        check_nproc(nproc, loaded.device)
     said: list[str] = []  # what the autos chose: said after the quickstart's line, which stays the run's first
     cfg = resolve_run(loaded, world, local, say=said.append)  # the one resolved run: nothing changes it after this
     if launched_by_agent() or nproc == 1:

@@ -124,6 +124,22 @@ def agent_world() -> tuple[int, int]:
     return env_int("WORLD_SIZE", 1, least=1), env_int("LOCAL_WORLD_SIZE", 1, least=1)
 
 
+def job_ranks(nproc: int | None, requested_device: str) -> tuple[int, int]:
+    """(world size, ranks on this node) of a command given `--nproc` (None: not given): the agent's
+    where torchrun/srun started this process (a different --nproc refused, by every command alike:
+    eval ignored it), else --nproc's, checked against the GPUs present."""
+    if launched_by_agent():
+        world, local = agent_world()
+        if nproc and nproc != local:
+            raise UserError(f"--nproc {nproc} conflicts with the {local} rank(s) per node torchrun/srun started; "
+                            "drop --nproc")
+        return world, local
+    nproc = 1 if nproc is None else nproc
+    if nproc > 1:
+        check_nproc(nproc, requested_device)
+    return nproc, nproc
+
+
 def _adopt_slurm_env() -> None:
     """srun without torchrun: translate Slurm's variables into torch.distributed's."""
     if "RANK" in os.environ or not launched_by_agent():
