@@ -247,3 +247,24 @@ def test_a_searched_number_loads_as_the_keys_type_or_is_refused_first(key, kind,
     for part in key.split("."):
         node = getattr(node, part)
     assert isinstance(node, (int, float)) and not isinstance(node, bool), (key, node)
+
+
+def test_a_resumed_search_draws_new_values_and_the_same_as_one_run(assets, tmp_path, monkeypatch):
+    """The sampler was seeded once per process: a rerun continuing a search (and a second machine
+    on the same --storage) drew the first trials' values again (TPE's random start-up trials, as
+    --sampler random's).
+    Trial N's draw follows from --seed and N: a search resumed gives the values of one run in one go."""
+    fake_trials(monkeypatch, [])
+    monkeypatch.setattr("shardtune.sweep.grid.check_models", lambda *args: None)  # seconds, and not this test's
+    monkeypatch.setattr("shardtune.sweep.search_report.draw", lambda *args: [])
+
+    def search(out: Path, trials: int) -> list[str]:
+        argv = ["sweep", *overrides(assets, tmp_path), "--search", "train.lr=loguniform:1e-5:1e-1", "--steps", "2",
+                "--trials", str(trials), "--pruner", "none", "--out", str(out)]
+        assert main(argv) == 0
+        return [r["train.lr"] for r in csv_rows(out)]
+
+    search(tmp_path / "resumed", 1)
+    resumed = search(tmp_path / "resumed", 3)
+    assert len(set(resumed)) == 3, resumed
+    assert search(tmp_path / "at-once", 3) == resumed

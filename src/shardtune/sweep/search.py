@@ -113,11 +113,47 @@ def parse_space(texts: list[str]) -> list[Param]:
 
 
 def make_sampler(search: Search):
+    """The sampler, seeded per trial by (--seed, the trial's number). One seeded once drew the same
+    sequence in every process: a resumed search (and TPE's random start-up trials) repeated the
+    values of the first trials, and two machines on one --storage ran the same trials side by side."""
+    import numpy as np
     import optuna
 
-    if search.sampler == "random":
-        return optuna.samplers.RandomSampler(seed=search.seed)
-    return optuna.samplers.TPESampler(seed=search.seed, n_startup_trials=min(10, max(2, search.trials // 3)))
+    def made(number: int | None):
+        if number is not None:
+            seed = int(np.random.SeedSequence([search.seed, number]).generate_state(1)[0])
+        else:
+            seed = search.seed
+        if search.sampler == "random":
+            return optuna.samplers.RandomSampler(seed=seed)
+        return optuna.samplers.TPESampler(seed=seed, n_startup_trials=min(10, max(2, search.trials // 3)))
+
+    class PerTrialSeed(optuna.samplers.BaseSampler):
+        """Optuna's sampler, made afresh for each trial (its only state between trials is its random state)."""
+
+        def __init__(self):
+            self.inner = made(None)
+
+        def before_trial(self, study, trial):  # trial numbers are unique in a study, across workers
+            self.inner = made(trial.number)
+            self.inner.before_trial(study, trial)
+
+        def infer_relative_search_space(self, study, trial):
+            return self.inner.infer_relative_search_space(study, trial)
+
+        def sample_relative(self, study, trial, search_space):
+            return self.inner.sample_relative(study, trial, search_space)
+
+        def sample_independent(self, study, trial, param_name, param_distribution):
+            return self.inner.sample_independent(study, trial, param_name, param_distribution)
+
+        def after_trial(self, study, trial, state, values):
+            self.inner.after_trial(study, trial, state, values)
+
+        def reseed_rng(self):
+            self.inner.reseed_rng()
+
+    return PerTrialSeed()
 
 
 def make_pruner(search: Search):
