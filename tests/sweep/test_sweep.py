@@ -341,3 +341,33 @@ def test_a_rank_killed_by_sigkill_is_out_of_memory(monkeypatch, tmp_path, code, 
     assert record["status"] == status, record
     if status == "failed":
         assert record["note"] == "RuntimeError: boom" if "boom" in stderr else record["note"].startswith("exit code")
+
+
+def test_a_trial_reads_only_its_own_metrics(monkeypatch, tmp_path):
+    """A trial folder used before (an interrupted trial rerun, another study's trial-0000): the
+    pruner's watch read the earlier metrics.jsonl before train replaced it, and a trial that failed
+    before writing any was recorded with the earlier one's speed and validation loss."""
+    from shardtune.sweep import trial
+    from shardtune.sweep.grid import Sweep
+
+    sweep = Sweep(None, ["data.path=x"], [("train.lr", ["1e-3"])], eval_steps=2, out=tmp_path)
+    folder = tmp_path / "trials" / "t"
+    folder.mkdir(parents=True)
+    (folder / "metrics.jsonl").write_text(json.dumps({"step": 2, "tokens_per_s": 9.0, "step_time_s": 1.0,
+                                                      "eval_loss": 1.5, "eval_ppl": 4.5}) + "\n")
+
+    class Failing:  # runs once past the watch, then fails before it writes anything
+        def __init__(self, argv, **kwargs):
+            self.polls = 0
+
+        def wait(self, timeout=None):
+            self.polls += 1
+            if self.polls == 1:
+                raise subprocess.TimeoutExpired("train", timeout)
+            return 1
+
+    seen = []
+    monkeypatch.setattr(trial.subprocess, "Popen", Failing)
+    record = trial.run_trial(sweep, {}, "t", None, watch=lambda f: seen.append(f.joinpath("metrics.jsonl").exists()))
+    assert seen == [False]  # the watch saw no earlier rows
+    assert record["status"] == "failed" and not {"tokens_per_s", "eval_loss"} & set(record), record
