@@ -371,3 +371,32 @@ def test_a_trial_reads_only_its_own_metrics(monkeypatch, tmp_path):
     record = trial.run_trial(sweep, {}, "t", None, watch=lambda f: seen.append(f.joinpath("metrics.jsonl").exists()))
     assert seen == [False]  # the watch saw no earlier rows
     assert record["status"] == "failed" and not {"tokens_per_s", "eval_loss"} & set(record), record
+
+
+@pytest.mark.parametrize("kind", [["--grid", "train.weight_decay=0,0.1"],
+                                  ["--search", "train.weight_decay=uniform:0:0.1", "--trials", "1"]])
+def test_a_rerun_of_an_edited_recipe_is_refused(assets, tmp_path, monkeypatch, capsys, kind):
+    """The sweep's state named the recipe by its path: rerun after an edit of the recipe (or from another
+    folder holding another recipe of that name), the finished trials of the old one were kept as results
+    of the new one and the table mixed the two."""
+    from shardtune.sweep import grid, search
+
+    def fake_trial(sweep, point, name, cap, *args, **kwargs):  # a record, and no plots to draw
+        return {"name": name, "point": point, "seconds": 0.1, "exit_code": 1, "status": "failed", "note": "x"}
+
+    monkeypatch.setattr(grid, "run_trial", fake_trial)
+    monkeypatch.setattr(search, "run_trial", fake_trial)
+    monkeypatch.setattr(grid, "check_models", lambda *args: None)  # seconds, and not this test's
+    monkeypatch.setattr(grid, "Predictions", lambda sweep: lambda *args: None)
+    monkeypatch.setattr("shardtune.sweep.search_report.draw", lambda *args: [])
+    recipe = write_recipe(assets, tmp_path)
+    out = tmp_path / "out"
+    argv = ["sweep", str(recipe), *kind, "--steps", "2", "--out", str(out)]
+    assert main(argv) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    recipe.write_text(recipe.read_text().replace("lr: 0.001", "lr: 0.002"))
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "with another config;" in err, err
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before

@@ -61,9 +61,15 @@ class Sweep:
     device: str = "cpu"  # where the trials run: "cpu" or "cuda"
 
     def spec(self) -> dict:
+        """After `set_device`. The trials' base config as loaded (the recipe's text, not only its path:
+        an edited recipe, or the same relative path from another folder, continued the sweep and mixed
+        its trials with the earlier ones) and their device (device=auto on a GPU node, then on a CPU one)."""
+        base = self.config({}).to_dict()
+        base.pop("output_dir")  # the --out folder as typed: the folder itself is what matters
         return {"recipe": self.recipe, "overrides": self.overrides, "grid": [[k, v] for k, v in self.grid],
                 "steps": self.steps, "eval_steps": self.eval_steps, "max_batch": self.max_batch,
-                "nproc": self.nproc, "mem_limit": self.mem_limit}
+                "nproc": self.nproc, "mem_limit": self.mem_limit, "device": self.device,
+                "config": json_loads(json.dumps(base, default=str))}  # as read back from sweep.json
 
     def points(self) -> list[dict[str, str]]:
         keys = [k for k, _ in self.grid]

@@ -240,13 +240,15 @@ def open_study(sweep: Sweep, search: Search):
         raise UserError(f"cannot use study {name!r} in --storage {url!r} ({type(cause).__name__}: "
                         f"{first_line(cause, 160)}); give a --storage of Optuna's own (a new file is made), or "
                         "another --study-name") from None
-    spec = {**search.spec(), "trial": sweep.spec()}
+    spec = json_loads(json.dumps({**search.spec(), "trial": sweep.spec()}))  # as read back from the storage
     if saved is None:
-        study.set_user_attr("spec", json_loads(json.dumps(spec)))
-    elif saved != json_loads(json.dumps(spec)):
-        changed = [k for k in spec if saved.get(k) != spec[k]] or ["settings"]
-        raise UserError(f"study {name!r} in {url} was searched with another {', '.join(changed)}; rerun its own "
-                        "command to continue it, or give this one another --out or --study-name")
+        study.set_user_attr("spec", spec)
+    elif saved != spec:
+        trial = saved.get("trial") if isinstance(saved.get("trial"), dict) else {}
+        changed = [k for k in spec if k != "trial" and saved.get(k) != spec[k]]
+        changed += [k for k in spec["trial"] if trial.get(k) != spec["trial"][k]]
+        raise UserError(f"study {name!r} in {url} was searched with another {', '.join(changed or ['settings'])}; "
+                        "rerun its own command to continue it, or give this one another --out or --study-name")
     return study
 
 
