@@ -268,3 +268,18 @@ def test_a_resumed_search_draws_new_values_and_the_same_as_one_run(assets, tmp_p
     resumed = search(tmp_path / "resumed", 3)
     assert len(set(resumed)) == 3, resumed
     assert search(tmp_path / "at-once", 3) == resumed
+
+
+@settings(max_examples=40, deadline=None)
+@given(pairs=st.lists(st.tuples(st.floats(0.5, 0.999), st.floats(0.5, 0.999)), min_size=2, max_size=4, unique=True))
+def test_a_choice_of_lists_is_one_choice_per_list(pairs):
+    """choice:[0.9,0.95],[0.9,0.99] was split at every comma: refused as repeating a value, or four
+    choices of half a list each. Split as the grid's values are, each list is one choice and loads as it."""
+    from shardtune.config.load import load_config
+
+    words = [f"[{a},{b}]" for a, b in pairs]
+    param = search_lib.parse_param(f"train.betas=choice:{','.join(words)}")
+    assert param.choices == words
+    for word, pair in zip(param.choices, pairs, strict=True):
+        cfg = load_config(None, ["model.name_or_path=gpt2", "data.path=x", f"train.betas={word}"])
+        assert list(cfg.train.betas) == list(pair)

@@ -17,7 +17,15 @@ from pathlib import Path
 
 from shardtune.errors import UserError, first_line
 from shardtune.fsio import json_loads
-from shardtune.sweep.grid import Sweep, check_mem_limit, check_overrides, check_trial, open_folder, set_device
+from shardtune.sweep.grid import (
+    Sweep,
+    check_mem_limit,
+    check_overrides,
+    check_trial,
+    open_folder,
+    set_device,
+    split_values,
+)
 from shardtune.sweep.trial import run_trial
 
 DISTRIBUTIONS = ("loguniform", "uniform", "int", "logint", "choice")
@@ -83,7 +91,7 @@ def parse_param(text: str) -> Param:
         raise UserError(f"--search {text!r}: " + (f"unknown distribution {kind!r}; " if sep and key and kind else "")
                         + f"write it like {example}")
     if kind == "choice":
-        choices = [c.strip() for c in rest.split(",")]
+        choices = split_values(rest)  # as the grid's: a list value in brackets is one choice ([0.9,0.95])
         if len(choices) < 2 or "" in choices or len(set(choices)) < len(choices):
             raise UserError(f"--search {text!r}: choice needs two or more different values, e.g. choice:8,16,32")
         return Param(key, kind, choices=choices)
