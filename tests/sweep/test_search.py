@@ -57,7 +57,7 @@ def fake_trials(monkeypatch, calls: list):
     """run_trial as a stand-in: metrics.jsonl rows like a training run's, validation loss every 2
     steps falling faster the closer log10(lr) is to -2.5; the watch reads them as it reads a live run's."""
 
-    def run_trial(sweep, point, name, cap, micro_batch=None, watch=None):
+    def run_trial(sweep, point, name, cap, micro_batch=None, watch=None, checkpointing=None):
         calls.append(name)
         folder = sweep.out / "trials" / name
         folder.mkdir(parents=True, exist_ok=True)
@@ -283,3 +283,32 @@ def test_a_choice_of_lists_is_one_choice_per_list(pairs):
     for word, pair in zip(param.choices, pairs, strict=True):
         cfg = load_config(None, ["model.name_or_path=gpt2", "data.path=x", f"train.betas={word}"])
         assert list(cfg.train.betas) == list(pair)
+
+
+def test_a_searched_auto_layout_is_resolved_within_the_memory_limit(assets, tmp_path, monkeypatch):
+    """train.micro_batch_size=auto (and activation_checkpointing=auto) in a search: each trial chose
+    them itself against the machine's free RAM, not --mem-limit (which caps it), and ran out of the cap;
+    the search resolves them within the limit per trial, as the grid does, and hands them to the trial."""
+    from shardtune.plan import fit
+
+    fake_trials(monkeypatch, [])
+    fake, seen, budgets = search_lib.run_trial, [], []
+
+    def run_trial(sweep, point, name, cap, micro_batch=None, watch=None, checkpointing=None):
+        seen.append((cap, micro_batch, checkpointing))
+        return fake(sweep, point, name, cap, micro_batch, watch)
+
+    def resolved(cfg, world, local, host_budget=None):
+        budgets.append(host_budget)
+        return 2, "selective", "auto: micro-batch 2, selective"
+
+    monkeypatch.setattr(search_lib, "run_trial", run_trial)
+    monkeypatch.setattr(fit, "resolve_layout", resolved)
+    monkeypatch.setattr("shardtune.sweep.grid.check_models", lambda *args: None)  # seconds, and not this test's
+    monkeypatch.setattr("shardtune.sweep.search_report.draw", lambda *args: [])
+    argv = ["sweep", *overrides(assets, tmp_path), "train.micro_batch_size=auto", "activation_checkpointing=auto",
+            "--search", "train.lr=loguniform:1e-5:1e-1", "--steps", "2", "--trials", "1", "--mem-limit", "3GiB",
+            "--out", str(tmp_path / "search")]
+    assert main(argv) == 0
+    assert seen == [(3 << 30, 2, "selective")]
+    assert budgets and 0 < budgets[0] < 3 << 30  # the limit, less what the process holds beside its tensors

@@ -26,6 +26,7 @@ from shardtune.sweep.grid import (
     set_device,
     split_values,
 )
+from shardtune.sweep.max_batch import auto_layout, memory_limit
 from shardtune.sweep.trial import run_trial
 
 DISTRIBUTIONS = ("loguniform", "uniform", "int", "logint", "choice")
@@ -303,7 +304,11 @@ def objective_of(sweep: Sweep, search: Search, cap):
     def objective(trial) -> float:
         point = {p.key: str(p.suggest(trial)) for p in search.space}
         name = trial_folder(sweep, trial.study.study_name, trial.number)
-        record = run_trial(sweep, point, name, cap, watch=reporter(trial, key))
+        # the point's micro_batch_size/activation_checkpointing=auto resolved within --mem-limit, as the
+        # grid's: left to the trial, they were chosen against the machine's free RAM and ran out of the cap
+        records = [t.user_attrs["record"] for t in trial.study.get_trials(deepcopy=False) if "record" in t.user_attrs]
+        micro_batch, mode = auto_layout(sweep, point, memory_limit(sweep), records)
+        record = run_trial(sweep, point, name, cap, micro_batch, watch=reporter(trial, key), checkpointing=mode)
         trial.set_user_attr("record", json_loads(json.dumps(record, default=str)))
         print(f"  trial {trial.number}: {' '.join(f'{k}={v}' for k, v in point.items())} -> "
               f"{record['status']}" + (f" ({record['note']})" if record.get("note") else ""), flush=True)
