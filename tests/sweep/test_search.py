@@ -312,3 +312,30 @@ def test_a_searched_auto_layout_is_resolved_within_the_memory_limit(assets, tmp_
     assert main(argv) == 0
     assert seen == [(3 << 30, 2, "selective")]
     assert budgets and 0 < budgets[0] < 3 << 30  # the limit, less what the process holds beside its tensors
+
+
+def test_a_trial_without_a_finite_value_fails_saying_why(assets, tmp_path, monkeypatch):
+    """A trial whose validation loss is NaN was failed by optuna with nothing in search.csv's note, as
+    was one that logged no validation loss; neither is the best, and the note says why."""
+    calls = []
+    fake_trials(monkeypatch, calls)
+    fake = search_lib.run_trial
+
+    def diverged_then_silent(sweep, point, name, cap, micro_batch=None, watch=None, checkpointing=None):
+        record = fake(sweep, point, name, cap, micro_batch, watch)
+        rows = {"trial-0000": [{"step": 2, "eval_loss": math.nan}], "trial-0001": [{"step": 2, "loss": 3.0}]}
+        if name in rows:
+            lines = "".join(json.dumps(r) + "\n" for r in rows[name])
+            (sweep.out / "trials" / name / "metrics.jsonl").write_text(lines)
+        return record
+
+    monkeypatch.setattr(search_lib, "run_trial", diverged_then_silent)
+    monkeypatch.setattr("shardtune.sweep.grid.check_models", lambda *args: None)  # seconds, and not this test's
+    monkeypatch.setattr("shardtune.sweep.search_report.draw", lambda *args: [])
+    out = tmp_path / "search"
+    assert main(["sweep", *overrides(assets, tmp_path), "--search", "train.lr=loguniform:1e-5:1e-1", "--steps", "2",
+                 "--trials", "3", "--pruner", "none", "--out", str(out)]) == 0
+    assert [(r["state"], r["note"]) for r in csv_rows(out)] == [
+        ("fail", "eval_loss is nan: the run diverged"),
+        ("fail", "the trial logged no eval_loss; does the data have a validation split?"), ("complete", "")]
+    assert "best: trial 2" in (out / "search.md").read_text()

@@ -309,6 +309,13 @@ def objective_of(sweep: Sweep, search: Search, cap):
         records = [t.user_attrs["record"] for t in trial.study.get_trials(deepcopy=False) if "record" in t.user_attrs]
         micro_batch, mode = auto_layout(sweep, point, memory_limit(sweep), records)
         record = run_trial(sweep, point, name, cap, micro_batch, watch=reporter(trial, key), checkpointing=mode)
+        values = [r[key] for r in metrics_so_far(sweep.out / "trials" / record["name"]) if key in r]
+        # a run without a finite value fails with the reason in its record (search.csv's note): optuna
+        # failed a NaN quietly, and the table said neither why nor, for no value, anything
+        if record["status"] == "ok" and not values:
+            record.update(status="failed", note=f"the trial logged no {key}; does the data have a validation split?")
+        elif record["status"] == "ok" and not math.isfinite(values[-1]):
+            record.update(status="failed", note=f"{key} is {values[-1]}: the run diverged")
         trial.set_user_attr("record", json_loads(json.dumps(record, default=str)))
         print(f"  trial {trial.number}: {' '.join(f'{k}={v}' for k, v in point.items())} -> "
               f"{record['status']}" + (f" ({record['note']})" if record.get("note") else ""), flush=True)
@@ -316,9 +323,6 @@ def objective_of(sweep: Sweep, search: Search, cap):
             raise optuna.TrialPruned()
         if record["status"] != "ok":
             raise TrialFailed(record.get("note") or record["status"])
-        values = [r[key] for r in metrics_so_far(sweep.out / "trials" / record["name"]) if key in r]
-        if not values:
-            raise TrialFailed(f"the trial logged no {key}; does the data have a validation split?")
         print(f"    {key} = {values[-1]:.4f}", flush=True)
         return float(values[-1])
 
