@@ -373,22 +373,32 @@ def test_a_trial_reads_only_its_own_metrics(monkeypatch, tmp_path):
     assert record["status"] == "failed" and not {"tokens_per_s", "eval_loss"} & set(record), record
 
 
+def stand_in_trials(monkeypatch) -> list:
+    """Grid and search trials as stand-ins that record their point and fail (no plots to draw), the
+    model checks and memory predictions (seconds each) skipped: the sweep's own logic, in this process."""
+    from shardtune.sweep import grid, search
+
+    ran = []
+
+    def fake_trial(sweep, point, name, cap, micro_batch=None, watch=None, checkpointing=None):
+        ran.append((point, micro_batch))
+        return {"name": name, "point": point, "seconds": 0.1, "exit_code": 1, "status": "failed", "note": "x"}
+
+    monkeypatch.setattr(grid, "run_trial", fake_trial)
+    monkeypatch.setattr(search, "run_trial", fake_trial)
+    monkeypatch.setattr(grid, "check_models", lambda *args: None)
+    monkeypatch.setattr(grid, "Predictions", lambda sweep: lambda *args: None)
+    monkeypatch.setattr("shardtune.sweep.search_report.draw", lambda *args: [])
+    return ran
+
+
 @pytest.mark.parametrize("kind", [["--grid", "train.weight_decay=0,0.1"],
                                   ["--search", "train.weight_decay=uniform:0:0.1", "--trials", "1"]])
 def test_a_rerun_of_an_edited_recipe_is_refused(assets, tmp_path, monkeypatch, capsys, kind):
     """The sweep's state named the recipe by its path: rerun after an edit of the recipe (or from another
     folder holding another recipe of that name), the finished trials of the old one were kept as results
     of the new one and the table mixed the two."""
-    from shardtune.sweep import grid, search
-
-    def fake_trial(sweep, point, name, cap, *args, **kwargs):  # a record, and no plots to draw
-        return {"name": name, "point": point, "seconds": 0.1, "exit_code": 1, "status": "failed", "note": "x"}
-
-    monkeypatch.setattr(grid, "run_trial", fake_trial)
-    monkeypatch.setattr(search, "run_trial", fake_trial)
-    monkeypatch.setattr(grid, "check_models", lambda *args: None)  # seconds, and not this test's
-    monkeypatch.setattr(grid, "Predictions", lambda sweep: lambda *args: None)
-    monkeypatch.setattr("shardtune.sweep.search_report.draw", lambda *args: [])
+    stand_in_trials(monkeypatch)
     recipe = write_recipe(assets, tmp_path)
     out = tmp_path / "out"
     argv = ["sweep", str(recipe), *kind, "--steps", "2", "--out", str(out)]
@@ -400,3 +410,29 @@ def test_a_rerun_of_an_edited_recipe_is_refused(assets, tmp_path, monkeypatch, c
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "with another config;" in err, err
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+
+
+@pytest.mark.parametrize("kind", [["--grid", "train.lr=0.001,0.002"],
+                                  ["--search", "train.lr=choice:0.001,0.002", "--trials", "2", "--sampler", "random"]])
+def test_a_point_whose_auto_layout_fits_nothing_is_a_failed_trial(assets, tmp_path, monkeypatch, kind):
+    """train.micro_batch_size=auto at a point where the planner finds nothing that fits: the sweep or
+    search ended there with one line (exit 2), the points after it never ran, and a rerun ended there
+    again; it is that point's failed trial, saying why, and the others run."""
+    from shardtune.errors import UserError
+    from shardtune.plan import fit
+
+    def resolved(cfg, world, local, host_budget=None):
+        if cfg.train.lr == 0.001:
+            raise UserError("train.micro_batch_size=auto: not even 1 sequence per rank fits")
+        return 2, "none", "auto: micro-batch 2"
+
+    ran = stand_in_trials(monkeypatch)
+    monkeypatch.setattr(fit, "resolve_layout", resolved)
+    out = tmp_path / "out"
+    argv = ["sweep", str(write_recipe(assets, tmp_path)), "train.micro_batch_size=auto", *kind, "--steps", "2",
+            "--out", str(out)]
+    assert main(argv) == 0
+    assert [(p["train.lr"], mb) for p, mb in ran] == [("0.002", 2)]
+    with open(out / ("sweep.csv" if kind[0] == "--grid" else "search.csv")) as f:
+        notes = {r["train.lr"]: r["note"] for r in csv.DictReader(f)}
+    assert notes == {"0.001": "train.micro_batch_size=auto: not even 1 sequence per rank fits", "0.002": "x"}

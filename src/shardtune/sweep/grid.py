@@ -21,7 +21,7 @@ from shardtune.fsio import json_loads, make_dir, refuse_foreign, write_text_atom
 from shardtune.hardware import GIB
 from shardtune.sweep.max_batch import Predictions, auto_layout, max_batch_of, memory_limit, micro_batch_candidates
 from shardtune.sweep.report import describe, slug, summarize_point, write_outputs
-from shardtune.sweep.trial import LIVE_STEPS, run_trial
+from shardtune.sweep.trial import LIVE_STEPS, not_run, run_trial
 
 SWEEP_FILES = ("sweep.json", "sweep.csv", "sweep.md", "trials")  # with the plots: what a sweep folder holds
 KEEPS_NOTHING = "the sweep (a trial keeps and publishes nothing)"
@@ -61,9 +61,8 @@ class Sweep:
     device: str = "cpu"  # where the trials run: "cpu" or "cuda"
 
     def spec(self) -> dict:
-        """After `set_device`. The trials' base config as loaded (the recipe's text, not only its path:
-        an edited recipe, or the same relative path from another folder, continued the sweep and mixed
-        its trials with the earlier ones) and their device (device=auto on a GPU node, then on a CPU one)."""
+        """After `set_device`. With the base config as loaded and the device: a recipe edited (or the same
+        path from another folder, or device=auto on another node) continued the sweep, mixing two runs."""
         base = self.config({}).to_dict()
         base.pop("output_dir")  # the --out folder as typed: the folder itself is what matters
         return {"recipe": self.recipe, "overrides": self.overrides, "grid": [[k, v] for k, v in self.grid],
@@ -293,9 +292,6 @@ def machine_checks(cfg, device_type: str) -> None:
     check_machine(cfg, torch.device(device_type))
 
 
-
-
-
 # ----------------------------------------------------------------------------- the sweep
 
 
@@ -375,7 +371,7 @@ def run_sweep(sweep: Sweep) -> Path:
           f"{sweep.nproc} {sweep.device} rank(s), {sweep.steps} step(s) each -> {sweep.out}"
           + (f" ({len(state.trials)} trial(s) already done)" if state.trials else ""), flush=True)
     predict = Predictions(sweep)
-    summaries = []
+    summaries, unfit = [], []
 
     def trial(point: dict, micro_batch: int | None, checkpointing: str | None = None) -> dict:
         name = slug(point) + (f"-mb{micro_batch}" if micro_batch is not None else "")
@@ -393,9 +389,15 @@ def run_sweep(sweep: Sweep) -> Path:
         for point in points:
             if sweep.max_batch:
                 summaries.append(max_batch_of(sweep, point, trial, predict, limit, list(state.trials.values())))
-            else:
+                continue
+            try:
                 micro_batch, mode = auto_layout(sweep, point, limit, list(state.trials.values()))
-                summaries.append(summarize_point(point, [trial(point, micro_batch, mode)], None, ""))
+            except UserError as exc:  # no layout fits: the point's row says so and the sweep goes on (not in
+                unfit.append(not_run(point, slug(point), str(exc)))  # sweep.json: a rerun plans it again)
+                print(f"  {describe(unfit[-1])}", flush=True)
+                summaries.append(summarize_point(point, unfit[-1:], None, ""))
+                continue
+            summaries.append(summarize_point(point, [trial(point, micro_batch, mode)], None, ""))
     finally:  # also after an interrupt: what is done is written
-        write_outputs(sweep, list(state.trials.values()), summaries, limit)
+        write_outputs(sweep, [*state.trials.values(), *unfit], summaries, limit)
     return sweep.out / "sweep.md"

@@ -27,7 +27,7 @@ from shardtune.sweep.grid import (
     split_values,
 )
 from shardtune.sweep.max_batch import auto_layout, memory_limit
-from shardtune.sweep.trial import run_trial
+from shardtune.sweep.trial import not_run, run_trial
 
 DISTRIBUTIONS = ("loguniform", "uniform", "int", "logint", "choice")
 SAMPLERS = ("tpe", "random")
@@ -307,8 +307,12 @@ def objective_of(sweep: Sweep, search: Search, cap):
         # the point's micro_batch_size/activation_checkpointing=auto resolved within --mem-limit, as the
         # grid's: left to the trial, they were chosen against the machine's free RAM and ran out of the cap
         records = [t.user_attrs["record"] for t in trial.study.get_trials(deepcopy=False) if "record" in t.user_attrs]
-        micro_batch, mode = auto_layout(sweep, point, memory_limit(sweep), records)
-        record = run_trial(sweep, point, name, cap, micro_batch, watch=reporter(trial, key), checkpointing=mode)
+        try:
+            micro_batch, mode = auto_layout(sweep, point, memory_limit(sweep), records)
+        except UserError as exc:  # no layout of this point fits: a failed trial, not the end of the search
+            record = not_run(point, name, str(exc))
+        else:
+            record = run_trial(sweep, point, name, cap, micro_batch, watch=reporter(trial, key), checkpointing=mode)
         values = [r[key] for r in metrics_so_far(sweep.out / "trials" / record["name"]) if key in r]
         # a run without a finite value fails with the reason in its record (search.csv's note): optuna
         # failed a NaN quietly, and the table said neither why nor, for no value, anything

@@ -74,6 +74,13 @@ def run_trial(sweep, point: dict, name: str, cap: int | None, micro_batch: int |
     return record
 
 
+def not_run(point: dict, name: str, why: str) -> dict:
+    """The record of a trial refused before its process started (the planner found no layout of its
+    point's `auto` values that fits): failed, saying why, like a trial that crashed."""
+    return {"name": name, "point": point, "micro_batch": None, "seconds": 0.0, "exit_code": None, "status": "failed",
+            "note": why}
+
+
 def _wait(proc: subprocess.Popen, folder: Path, watch) -> tuple[int, bool]:
     """(exit code, whether `watch` stopped it). A stopped trial is killed: its ranks follow their
     launcher (rank.lifecycle.die_with_launcher), and a trial has nothing to save. A trial that ended before
