@@ -436,3 +436,18 @@ def test_a_point_whose_auto_layout_fits_nothing_is_a_failed_trial(assets, tmp_pa
     with open(out / ("sweep.csv" if kind[0] == "--grid" else "search.csv")) as f:
         notes = {r["train.lr"]: r["note"] for r in csv.DictReader(f)}
     assert notes == {"0.001": "train.micro_batch_size=auto: not even 1 sequence per rank fits", "0.002": "x"}
+
+
+def test_a_rerun_of_a_finished_auto_grid_runs_nothing(assets, tmp_path, monkeypatch):
+    """train.micro_batch_size=auto under --mem-limit: a rerun planned each point again with what the
+    finished trials measured (the first run had guessed from its own process), could choose another
+    micro-batch, and ran the point again as a new trial beside the finished one."""
+    from shardtune.plan import fit
+
+    ran, choices = stand_in_trials(monkeypatch), iter([1, 2, 4, 4])
+    monkeypatch.setattr(fit, "resolve_layout", lambda *args, **kwargs: (next(choices), "none", "auto"))
+    argv = ["sweep", str(write_recipe(assets, tmp_path)), "train.micro_batch_size=auto", "--grid",
+            "train.lr=0.001,0.002", "--mem-limit", "2GiB", "--steps", "2", "--out", str(tmp_path / "out")]
+    assert main(argv) == 0 and main(argv) == 0
+    assert [mb for _, mb in ran] == [1, 2]
+    assert [r["micro_batch"] for r in rows(tmp_path / "out")] == ["1", "2"]

@@ -19,9 +19,9 @@ from typing import NamedTuple
 from shardtune.errors import UserError
 from shardtune.fsio import json_loads, make_dir, refuse_foreign, write_text_atomic
 from shardtune.hardware import GIB
-from shardtune.sweep.max_batch import Predictions, auto_layout, max_batch_of, memory_limit, micro_batch_candidates
-from shardtune.sweep.report import describe, slug, summarize_point, write_outputs
-from shardtune.sweep.trial import LIVE_STEPS, not_run, run_trial
+from shardtune.sweep.max_batch import Predictions, max_batch_of, memory_limit, micro_batch_candidates, one_trial_of
+from shardtune.sweep.report import describe, slug, write_outputs
+from shardtune.sweep.trial import LIVE_STEPS, run_trial
 
 SWEEP_FILES = ("sweep.json", "sweep.csv", "sweep.md", "trials")  # with the plots: what a sweep folder holds
 KEEPS_NOTHING = "the sweep (a trial keeps and publishes nothing)"
@@ -371,7 +371,7 @@ def run_sweep(sweep: Sweep) -> Path:
           f"{sweep.nproc} {sweep.device} rank(s), {sweep.steps} step(s) each -> {sweep.out}"
           + (f" ({len(state.trials)} trial(s) already done)" if state.trials else ""), flush=True)
     predict = Predictions(sweep)
-    summaries, unfit = [], []
+    summaries = []
 
     def trial(point: dict, micro_batch: int | None, checkpointing: str | None = None) -> dict:
         name = slug(point) + (f"-mb{micro_batch}" if micro_batch is not None else "")
@@ -387,17 +387,10 @@ def run_sweep(sweep: Sweep) -> Path:
 
     try:
         for point in points:
-            if sweep.max_batch:
-                summaries.append(max_batch_of(sweep, point, trial, predict, limit, list(state.trials.values())))
-                continue
-            try:
-                micro_batch, mode = auto_layout(sweep, point, limit, list(state.trials.values()))
-            except UserError as exc:  # no layout fits: the point's row says so and the sweep goes on (not in
-                unfit.append(not_run(point, slug(point), str(exc)))  # sweep.json: a rerun plans it again)
-                print(f"  {describe(unfit[-1])}", flush=True)
-                summaries.append(summarize_point(point, unfit[-1:], None, ""))
-                continue
-            summaries.append(summarize_point(point, [trial(point, micro_batch, mode)], None, ""))
-    finally:  # also after an interrupt: what is done is written
+            done = list(state.trials.values())
+            summaries.append(max_batch_of(sweep, point, trial, predict, limit, done) if sweep.max_batch
+                             else one_trial_of(sweep, point, trial, limit, done))
+    finally:  # also after an interrupt: what is done is written; a point nothing fits is in no trial of sweep.json
+        unfit = [s["record"] for s in summaries if s["record"] and s["record"]["name"] not in state.trials]
         write_outputs(sweep, [*state.trials.values(), *unfit], summaries, limit)
     return sweep.out / "sweep.md"
