@@ -208,6 +208,9 @@ def test_a_pruned_trial_process_is_stopped(tmp_path):
     (["--search", "train.global_batch_size=choice:8,10", "--search", "train.weight_decay=uniform:0:0.1", "--nproc",
       "2"],
      "--search train.global_batch_size=10: train.global_batch_size=10 is not divisible by micro_batch_size x ranks"),
+    # a value inside the range that the bounds' check let through: a failed trial each time it was drawn
+    (["--search", "train.micro_batch_size=int:1:4"], "--search train.micro_batch_size=3: train.global_batch_size=8 "
+     "is not a multiple of train.micro_batch_size=3"),
     # a micro-batch the planner picks: a traceback (the world check multiplied "auto")
     (["--search", "train.lr=uniform:0.1:0.2", "train.micro_batch_size=auto", "--nproc", "3"],
      "train.micro_batch_size=auto keeps train.global_batch_size=8, which 3 ranks do not divide"),
@@ -242,7 +245,7 @@ def test_a_searched_number_loads_as_the_keys_type_or_is_refused_first(key, kind,
     try:
         cfg = load_config(None, [f"{key}={value}"])
     except UserError:
-        return  # out of the key's range: the corners check refuses such a space before trial 1
+        return  # out of the key's range: the values' check refuses such a space before trial 1
     node = cfg
     for part in key.split("."):
         node = getattr(node, part)

@@ -35,6 +35,7 @@ PRUNERS = ("median", "halving", "none")
 OBJECTIVES = {"val_loss": "eval_loss", "eval_loss": "eval_loss", "val_ppl": "eval_ppl", "eval_ppl": "eval_ppl"}
 FINISHED = ("COMPLETE", "PRUNED", "FAIL")  # trial states that count towards --trials (`counts`)
 SEARCH_FILES = ("study.db", "study.db-journal", "search.csv", "search.md", "trials")  # with the plots
+CHECK_ALL = 64  # an int range of up to this many values has every one checked before trial 1 (~5 ms each)
 HEARTBEAT_S = 10  # a trial whose worker stopped beating this many x 3 seconds ago is marked failed
 
 
@@ -57,9 +58,15 @@ class Param:
             return trial.suggest_int(self.key, self.low, self.high, log=self.kind == "logint")
         return trial.suggest_float(self.key, self.low, self.high, log=self.kind == "loguniform")
 
-    def corners(self) -> list[str]:
-        """Values that must all load as a valid config before any trial runs."""
-        return list(self.choices) if self.kind == "choice" else [repr(self.low), repr(self.high)]
+    def checked(self) -> list[str]:
+        """Values that must all load as a valid config before any trial runs: every choice, every whole
+        number of a range of up to CHECK_ALL (int:1:4 of a micro-batch drew 3, which the global batch
+        does not divide: a failed trial), else the bounds."""
+        if self.kind == "choice":
+            return list(self.choices)
+        if self.kind in ("int", "logint") and self.high - self.low < CHECK_ALL:
+            return [str(v) for v in range(self.low, self.high + 1)]
+        return [repr(self.low), repr(self.high)]
 
     def spec(self) -> str:
         if self.kind == "choice":
@@ -196,14 +203,14 @@ def check(sweep: Sweep, search: Search) -> None:
     sweep.config({})  # the recipe and overrides alone: their errors are not the search space's
     for param in search.space:
         check_kind(param)
-        for value in param.corners():
+        for value in param.checked():
             try:
                 check_trial(sweep, sweep.config({param.key: value}))
             except UserError as exc:
                 raise UserError(f"--search {param.key}={value}: {exc}") from None
     from shardtune.sweep.grid import check_models
 
-    check_models(sweep, [{p.key: value} for p in search.space for value in p.corners()], "--search")
+    check_models(sweep, [{p.key: value} for p in search.space for value in p.checked()], "--search")
 
 
 def check_kind(param: Param) -> None:
@@ -213,7 +220,7 @@ def check_kind(param: Param) -> None:
 
     tp = key_type(param.key)
     if tp is None or param.kind == "choice":
-        return  # an unknown key: loading its corners says so, with a suggestion; choices load as written
+        return  # an unknown key: loading its values says so, with a suggestion; choices load as written
     numbers = number_types(tp)
     if not numbers:
         raise UserError(f"--search {param.key}={param.spec()}: {param.key} is not a number "
