@@ -208,6 +208,8 @@ def test_a_pruned_trial_process_is_stopped(tmp_path):
     (["--search", "train.global_batch_size=choice:8,10", "--search", "train.weight_decay=uniform:0:0.1", "--nproc",
       "2"],
      "--search train.global_batch_size=10: train.global_batch_size=10 is not divisible by micro_batch_size x ranks"),
+    # two choices that load as one run (as the grid refuses train.lr=1e-3,0.001): trials of one value
+    (["--search", "train.lr=choice:1e-3,0.001,0.01"], "--search train.lr=0.001: it is the same run as train.lr=1e-3"),
     # a value inside the range that the bounds' check let through: a failed trial each time it was drawn
     (["--search", "train.micro_batch_size=int:1:4"], "--search train.micro_batch_size=3: train.global_batch_size=8 "
      "is not a multiple of train.micro_batch_size=3"),

@@ -172,17 +172,12 @@ def check(sweep: Sweep) -> None:
     check_mem_limit(sweep)
     check_overrides(sweep, [k for k, _ in sweep.grid], "--grid")
     sweep.config({})  # the recipe and overrides alone: their errors are not the grid's
-    from shardtune.resolve.run import resolve_machine
-
     runs: dict[str, str] = {}  # each point's config -> the point: two that resolve the same are one run twice
     for point in sweep.points():
         where = " ".join(f"{k}={v}" for k, v in point.items())
         try:
             cfg = sweep.config(point)
-            # as its trial resolves it: compile=auto,false on CPU (or device=auto,cpu) is one run twice
-            ran = dataclasses.asdict(resolve_machine(cfg))
-            same = runs.setdefault(json.dumps(ran, sort_keys=True, default=str), where)
-            if same != where:
+            if (same := runs.setdefault(run_key(cfg), where)) != where:
                 raise UserError(f"it is the same run as --grid {same} (the values mean the same); list each "
                                 "value once")
             check_trial(sweep, cfg)
@@ -191,6 +186,13 @@ def check(sweep: Sweep) -> None:
                 raise
             raise UserError(f"--grid {where}: {exc}") from None
     check_models(sweep, sweep.points(), "--grid")
+
+
+def run_key(cfg) -> str:
+    """A trial's config as its train resolves it (compile=auto,false on CPU, or device=auto,cpu, are one run)."""
+    from shardtune.resolve.run import resolve_machine
+
+    return json.dumps(dataclasses.asdict(resolve_machine(cfg)), sort_keys=True, default=str)
 
 
 def check_trial(sweep: Sweep, cfg) -> None:

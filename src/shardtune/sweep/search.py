@@ -23,6 +23,7 @@ from shardtune.sweep.grid import (
     check_overrides,
     check_trial,
     open_folder,
+    run_key,
     set_device,
     split_values,
 )
@@ -203,9 +204,14 @@ def check(sweep: Sweep, search: Search) -> None:
     sweep.config({})  # the recipe and overrides alone: their errors are not the search space's
     for param in search.space:
         check_kind(param)
+        runs: dict[str, str] = {}  # as the grid's values: two choices that load as one run are refused
         for value in param.checked():
             try:
-                check_trial(sweep, sweep.config({param.key: value}))
+                cfg = sweep.config({param.key: value})
+                if (same := runs.setdefault(run_key(cfg), value)) != value:
+                    raise UserError(f"it is the same run as {param.key}={same} (the values mean the same); "
+                                    "list each choice once")
+                check_trial(sweep, cfg)
             except UserError as exc:
                 raise UserError(f"--search {param.key}={value}: {exc}") from None
     from shardtune.sweep.grid import check_models
