@@ -445,9 +445,12 @@ def test_a_rerun_of_a_finished_auto_grid_runs_nothing(assets, tmp_path, monkeypa
     from shardtune.plan import fit
 
     ran, choices = stand_in_trials(monkeypatch), iter([1, 2, 4, 4])
-    monkeypatch.setattr(fit, "resolve_layout", lambda *args, **kwargs: (next(choices), "none", "auto"))
+    monkeypatch.setattr(fit, "resolve_layout", lambda *args, **kwargs: (next(choices), "selective", "auto"))
     argv = ["sweep", str(write_recipe(assets, tmp_path)), "train.micro_batch_size=auto", "--grid",
-            "train.lr=0.001,0.002", "--mem-limit", "2GiB", "--steps", "2", "--out", str(tmp_path / "out")]
+            "train.lr=0.001,0.002", "--grid", "activation_checkpointing=auto", "--mem-limit", "2GiB", "--steps", "2",
+            "--out", str(tmp_path / "out")]
     assert main(argv) == 0 and main(argv) == 0
     assert [mb for _, mb in ran] == [1, 2]
-    assert [r["micro_batch"] for r in rows(tmp_path / "out")] == ["1", "2"]
+    # what each trial ran, where its point says auto
+    assert [(r["micro_batch"], r["activation_checkpointing"], r["checkpointing"]) for r in rows(tmp_path / "out")] == [
+        ("1", "auto", "selective"), ("2", "auto", "selective")]

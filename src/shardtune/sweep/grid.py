@@ -381,7 +381,9 @@ def run_sweep(sweep: Sweep) -> Path:
             cfg = sweep.config(point, micro_batch, checkpointing)
             predicted = predict(point, micro_batch, checkpointing)
             record = run_trial(sweep, point, name, cap, micro_batch, checkpointing=checkpointing)
-            record.update(micro_batch=cfg.train.micro_batch_size, predicted_gib=predicted and predicted / GIB,
+            # the micro-batch and checkpointing it ran: a point's `auto` resolved (the point says "auto")
+            record.update(micro_batch=cfg.train.micro_batch_size, checkpointing=cfg.activation_checkpointing,
+                          predicted_gib=predicted and predicted / GIB,
                           accumulation=cfg.train.global_batch_size // (cfg.train.micro_batch_size * sweep.nproc))
             state.add(record)
             print(f"  {describe(record)}", flush=True)
