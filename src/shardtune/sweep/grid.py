@@ -197,7 +197,7 @@ def run_key(cfg) -> str:
 
 def check_trial(sweep: Sweep, cfg) -> None:
     """What one trial's config must pass here, before any trial runs (the grid's points and the
-    search's corners alike): its batch divides over the ranks, and this machine can run it."""
+    search's values alike): its batch divides over the ranks, and this machine can run it."""
     from shardtune.config.load import auto_micro_batches, check_world
 
     if cfg.train.micro_batch_size == "auto":
