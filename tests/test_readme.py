@@ -102,7 +102,7 @@ def argv_of(words: list[str], parser: argparse.ArgumentParser) -> list[str]:
 
 def check_config(args) -> None:
     """What a command that takes a recipe and overrides reads first: its config, and for a sweep
-    every grid value and every search distribution's corners."""
+    every grid value and every value a search space checks."""
     from shardtune.cli.common import recipe_and_defaults
     from shardtune.config.load import load_config
     from shardtune.sweep.grid import parse_grid
@@ -110,7 +110,7 @@ def check_config(args) -> None:
 
     recipe, overrides, defaults, _ = recipe_and_defaults(args.recipe, args.overrides)
     points = [f"{key}={value}" for key, values in parse_grid(getattr(args, "grid", [])) for value in values]
-    points += [f"{p.key}={value}" for p in parse_space(getattr(args, "search", [])) for value in p.corners()]
+    points += [f"{p.key}={value}" for p in parse_space(getattr(args, "search", [])) for value in p.checked()]
     for point in [None, *points]:
         load_config(recipe, overrides + ([point] if point else []), defaults)
 

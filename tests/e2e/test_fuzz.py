@@ -287,11 +287,12 @@ class FuzzWorld:
 
     def make_sweep_folder(self) -> Path:
         """A finished one-trial sweep's state (sweep.json) and a run's metrics.jsonl, in one folder."""
-        from shardtune.sweep.grid import Sweep, parse_grid
+        from shardtune.sweep.grid import Sweep, parse_grid, set_device
 
         folder = self.root / "finished-sweep"
         folder.mkdir()
         sweep = Sweep(self.recipe, [], parse_grid(self.sweep_args[1:2]), steps=1)
+        set_device(sweep)  # the trials' device is part of the state (a GPU machine's sweep is another)
         record = {"name": "precision-fp32", "point": {"precision": "fp32"}, "micro_batch": 2, "seconds": 3.0,
                   "exit_code": 0, "status": "ok", "tokens_per_s": 900.0, "step_time_s": 0.1, "accumulation": 2,
                   "mem_rss_gib": 0.5, "mem_live_gib": 0.01, "predicted_gib": None}

@@ -57,7 +57,7 @@ def fake_trials(monkeypatch, calls: list):
     """run_trial as a stand-in: metrics.jsonl rows like a training run's, validation loss every 2
     steps falling faster the closer log10(lr) is to -2.5; the watch reads them as it reads a live run's."""
 
-    def run_trial(sweep, point, name, cap, micro_batch=None, watch=None):
+    def run_trial(sweep, point, name, cap, micro_batch=None, watch=None, checkpointing=None):
         calls.append(name)
         folder = sweep.out / "trials" / name
         folder.mkdir(parents=True, exist_ok=True)
@@ -208,6 +208,11 @@ def test_a_pruned_trial_process_is_stopped(tmp_path):
     (["--search", "train.global_batch_size=choice:8,10", "--search", "train.weight_decay=uniform:0:0.1", "--nproc",
       "2"],
      "--search train.global_batch_size=10: train.global_batch_size=10 is not divisible by micro_batch_size x ranks"),
+    # two choices that load as one run (as the grid refuses train.lr=1e-3,0.001): trials of one value
+    (["--search", "train.lr=choice:1e-3,0.001,0.01"], "--search train.lr=0.001: it is the same run as train.lr=1e-3"),
+    # a value inside the range that the bounds' check let through: a failed trial each time it was drawn
+    (["--search", "train.micro_batch_size=int:1:4"], "--search train.micro_batch_size=3: train.global_batch_size=8 "
+     "is not a multiple of train.micro_batch_size=3"),
     # a micro-batch the planner picks: a traceback (the world check multiplied "auto")
     (["--search", "train.lr=uniform:0.1:0.2", "train.micro_batch_size=auto", "--nproc", "3"],
      "train.micro_batch_size=auto keeps train.global_batch_size=8, which 3 ranks do not divide"),
@@ -242,8 +247,100 @@ def test_a_searched_number_loads_as_the_keys_type_or_is_refused_first(key, kind,
     try:
         cfg = load_config(None, [f"{key}={value}"])
     except UserError:
-        return  # out of the key's range: the corners check refuses such a space before trial 1
+        return  # out of the key's range: the values' check refuses such a space before trial 1
     node = cfg
     for part in key.split("."):
         node = getattr(node, part)
     assert isinstance(node, (int, float)) and not isinstance(node, bool), (key, node)
+
+
+def test_a_resumed_search_draws_new_values_and_the_same_as_one_run(assets, tmp_path, monkeypatch):
+    """The sampler was seeded once per process: a rerun continuing a search (and a second machine
+    on the same --storage) drew the first trials' values again (TPE's random start-up trials, as
+    --sampler random's).
+    Trial N's draw follows from --seed and N: a search resumed gives the values of one run in one go."""
+    fake_trials(monkeypatch, [])
+    monkeypatch.setattr("shardtune.sweep.grid.check_models", lambda *args: None)  # seconds, and not this test's
+    monkeypatch.setattr("shardtune.sweep.search_report.draw", lambda *args: [])
+
+    def search(out: Path, trials: int) -> list[str]:
+        argv = ["sweep", *overrides(assets, tmp_path), "--search", "train.lr=loguniform:1e-5:1e-1", "--steps", "2",
+                "--trials", str(trials), "--pruner", "none", "--out", str(out)]
+        assert main(argv) == 0
+        return [r["train.lr"] for r in csv_rows(out)]
+
+    search(tmp_path / "resumed", 1)
+    resumed = search(tmp_path / "resumed", 3)
+    assert len(set(resumed)) == 3, resumed
+    assert search(tmp_path / "at-once", 3) == resumed
+
+
+@settings(max_examples=40, deadline=None)
+@given(pairs=st.lists(st.tuples(st.floats(0.5, 0.999), st.floats(0.5, 0.999)), min_size=2, max_size=4, unique=True))
+def test_a_choice_of_lists_is_one_choice_per_list(pairs):
+    """choice:[0.9,0.95],[0.9,0.99] was split at every comma: refused as repeating a value, or four
+    choices of half a list each. Split as the grid's values are, each list is one choice and loads as it."""
+    from shardtune.config.load import load_config
+
+    words = [f"[{a},{b}]" for a, b in pairs]
+    param = search_lib.parse_param(f"train.betas=choice:{','.join(words)}")
+    assert param.choices == words
+    for word, pair in zip(param.choices, pairs, strict=True):
+        cfg = load_config(None, ["model.name_or_path=gpt2", "data.path=x", f"train.betas={word}"])
+        assert list(cfg.train.betas) == list(pair)
+
+
+def test_a_searched_auto_layout_is_resolved_within_the_memory_limit(assets, tmp_path, monkeypatch):
+    """train.micro_batch_size=auto (and activation_checkpointing=auto) in a search: each trial chose
+    them itself against the machine's free RAM, not --mem-limit (which caps it), and ran out of the cap;
+    the search resolves them within the limit per trial, as the grid does, and hands them to the trial."""
+    from shardtune.plan import fit
+
+    fake_trials(monkeypatch, [])
+    fake, seen, budgets = search_lib.run_trial, [], []
+
+    def run_trial(sweep, point, name, cap, micro_batch=None, watch=None, checkpointing=None):
+        seen.append((cap, micro_batch, checkpointing))
+        return fake(sweep, point, name, cap, micro_batch, watch)
+
+    def resolved(cfg, world, local, host_budget=None):
+        budgets.append(host_budget)
+        return 2, "selective", "auto: micro-batch 2, selective"
+
+    monkeypatch.setattr(search_lib, "run_trial", run_trial)
+    monkeypatch.setattr(fit, "resolve_layout", resolved)
+    monkeypatch.setattr("shardtune.sweep.grid.check_models", lambda *args: None)  # seconds, and not this test's
+    monkeypatch.setattr("shardtune.sweep.search_report.draw", lambda *args: [])
+    argv = ["sweep", *overrides(assets, tmp_path), "train.micro_batch_size=auto", "activation_checkpointing=auto",
+            "--search", "train.lr=loguniform:1e-5:1e-1", "--steps", "2", "--trials", "1", "--mem-limit", "3GiB",
+            "--out", str(tmp_path / "search")]
+    assert main(argv) == 0
+    assert seen == [(3 << 30, 2, "selective")]
+    assert budgets and 0 < budgets[0] < 3 << 30  # the limit, less what the process holds beside its tensors
+
+
+def test_a_trial_without_a_finite_value_fails_saying_why(assets, tmp_path, monkeypatch):
+    """A trial whose validation loss is NaN was failed by optuna with nothing in search.csv's note, as
+    was one that logged no validation loss; neither is the best, and the note says why."""
+    calls = []
+    fake_trials(monkeypatch, calls)
+    fake = search_lib.run_trial
+
+    def diverged_then_silent(sweep, point, name, cap, micro_batch=None, watch=None, checkpointing=None):
+        record = fake(sweep, point, name, cap, micro_batch, watch)
+        rows = {"trial-0000": [{"step": 2, "eval_loss": math.nan}], "trial-0001": [{"step": 2, "loss": 3.0}]}
+        if name in rows:
+            lines = "".join(json.dumps(r) + "\n" for r in rows[name])
+            (sweep.out / "trials" / name / "metrics.jsonl").write_text(lines)
+        return record
+
+    monkeypatch.setattr(search_lib, "run_trial", diverged_then_silent)
+    monkeypatch.setattr("shardtune.sweep.grid.check_models", lambda *args: None)  # seconds, and not this test's
+    monkeypatch.setattr("shardtune.sweep.search_report.draw", lambda *args: [])
+    out = tmp_path / "search"
+    assert main(["sweep", *overrides(assets, tmp_path), "--search", "train.lr=loguniform:1e-5:1e-1", "--steps", "2",
+                 "--trials", "3", "--pruner", "none", "--out", str(out)]) == 0
+    assert [(r["state"], r["note"]) for r in csv_rows(out)] == [
+        ("fail", "eval_loss is nan: the run diverged"),
+        ("fail", "the trial logged no eval_loss; does the data have a validation split?"), ("complete", "")]
+    assert "best: trial 2" in (out / "search.md").read_text()

@@ -341,3 +341,116 @@ def test_a_rank_killed_by_sigkill_is_out_of_memory(monkeypatch, tmp_path, code, 
     assert record["status"] == status, record
     if status == "failed":
         assert record["note"] == "RuntimeError: boom" if "boom" in stderr else record["note"].startswith("exit code")
+
+
+def test_a_trial_reads_only_its_own_metrics(monkeypatch, tmp_path):
+    """A trial folder used before (an interrupted trial rerun, another study's trial-0000): the
+    pruner's watch read the earlier metrics.jsonl before train replaced it, and a trial that failed
+    before writing any was recorded with the earlier one's speed and validation loss."""
+    from shardtune.sweep import trial
+    from shardtune.sweep.grid import Sweep
+
+    sweep = Sweep(None, ["data.path=x"], [("train.lr", ["1e-3"])], eval_steps=2, out=tmp_path)
+    folder = tmp_path / "trials" / "t"
+    folder.mkdir(parents=True)
+    (folder / "metrics.jsonl").write_text(json.dumps({"step": 2, "tokens_per_s": 9.0, "step_time_s": 1.0,
+                                                      "eval_loss": 1.5, "eval_ppl": 4.5}) + "\n")
+
+    class Failing:  # runs once past the watch, then fails before it writes anything
+        def __init__(self, argv, **kwargs):
+            self.polls = 0
+
+        def wait(self, timeout=None):
+            self.polls += 1
+            if self.polls == 1:
+                raise subprocess.TimeoutExpired("train", timeout)
+            return 1
+
+    seen = []
+    monkeypatch.setattr(trial.subprocess, "Popen", Failing)
+    record = trial.run_trial(sweep, {}, "t", None, watch=lambda f: seen.append(f.joinpath("metrics.jsonl").exists()))
+    assert seen == [False]  # the watch saw no earlier rows
+    assert record["status"] == "failed" and not {"tokens_per_s", "eval_loss"} & set(record), record
+
+
+def stand_in_trials(monkeypatch) -> list:
+    """Grid and search trials as stand-ins that record their point and fail (no plots to draw), the
+    model checks and memory predictions (seconds each) skipped: the sweep's own logic, in this process."""
+    from shardtune.sweep import grid, search
+
+    ran = []
+
+    def fake_trial(sweep, point, name, cap, micro_batch=None, watch=None, checkpointing=None):
+        ran.append((point, micro_batch))
+        return {"name": name, "point": point, "seconds": 0.1, "exit_code": 1, "status": "failed", "note": "x"}
+
+    monkeypatch.setattr(grid, "run_trial", fake_trial)
+    monkeypatch.setattr(search, "run_trial", fake_trial)
+    monkeypatch.setattr(grid, "check_models", lambda *args: None)
+    monkeypatch.setattr(grid, "Predictions", lambda sweep: lambda *args: None)
+    monkeypatch.setattr("shardtune.sweep.search_report.draw", lambda *args: [])
+    return ran
+
+
+@pytest.mark.parametrize("kind", [["--grid", "train.weight_decay=0,0.1"],
+                                  ["--search", "train.weight_decay=uniform:0:0.1", "--trials", "1"]])
+def test_a_rerun_of_an_edited_recipe_is_refused(assets, tmp_path, monkeypatch, capsys, kind):
+    """The sweep's state named the recipe by its path: rerun after an edit of the recipe (or from another
+    folder holding another recipe of that name), the finished trials of the old one were kept as results
+    of the new one and the table mixed the two."""
+    stand_in_trials(monkeypatch)
+    recipe = write_recipe(assets, tmp_path)
+    out = tmp_path / "out"
+    argv = ["sweep", str(recipe), *kind, "--steps", "2", "--out", str(out)]
+    assert main(argv) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    recipe.write_text(recipe.read_text().replace("lr: 0.001", "lr: 0.002"))
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "with another config;" in err, err
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+
+
+@pytest.mark.parametrize("kind", [["--grid", "train.lr=0.001,0.002"],
+                                  ["--search", "train.lr=choice:0.001,0.002", "--trials", "2", "--sampler", "random"]])
+def test_a_point_whose_auto_layout_fits_nothing_is_a_failed_trial(assets, tmp_path, monkeypatch, kind):
+    """train.micro_batch_size=auto at a point where the planner finds nothing that fits: the sweep or
+    search ended there with one line (exit 2), the points after it never ran, and a rerun ended there
+    again; it is that point's failed trial, saying why, and the others run."""
+    from shardtune.errors import UserError
+    from shardtune.plan import fit
+
+    def resolved(cfg, world, local, host_budget=None):
+        if cfg.train.lr == 0.001:
+            raise UserError("train.micro_batch_size=auto: not even 1 sequence per rank fits")
+        return 2, "none", "auto: micro-batch 2"
+
+    ran = stand_in_trials(monkeypatch)
+    monkeypatch.setattr(fit, "resolve_layout", resolved)
+    out = tmp_path / "out"
+    argv = ["sweep", str(write_recipe(assets, tmp_path)), "train.micro_batch_size=auto", *kind, "--steps", "2",
+            "--out", str(out)]
+    assert main(argv) == 0
+    assert [(p["train.lr"], mb) for p, mb in ran] == [("0.002", 2)]
+    with open(out / ("sweep.csv" if kind[0] == "--grid" else "search.csv")) as f:
+        notes = {r["train.lr"]: r["note"] for r in csv.DictReader(f)}
+    assert notes == {"0.001": "train.micro_batch_size=auto: not even 1 sequence per rank fits", "0.002": "x"}
+
+
+def test_a_rerun_of_a_finished_auto_grid_runs_nothing(assets, tmp_path, monkeypatch):
+    """train.micro_batch_size=auto under --mem-limit: a rerun planned each point again with what the
+    finished trials measured (the first run had guessed from its own process), could choose another
+    micro-batch, and ran the point again as a new trial beside the finished one."""
+    from shardtune.plan import fit
+
+    ran, choices = stand_in_trials(monkeypatch), iter([1, 2, 4, 4])
+    monkeypatch.setattr(fit, "resolve_layout", lambda *args, **kwargs: (next(choices), "selective", "auto"))
+    argv = ["sweep", str(write_recipe(assets, tmp_path)), "train.micro_batch_size=auto", "--grid",
+            "train.lr=0.001,0.002", "--grid", "activation_checkpointing=auto", "--mem-limit", "2GiB", "--steps", "2",
+            "--out", str(tmp_path / "out")]
+    assert main(argv) == 0 and main(argv) == 0
+    assert [mb for _, mb in ran] == [1, 2]
+    # what each trial ran, where its point says auto
+    assert [(r["micro_batch"], r["activation_checkpointing"], r["checkpointing"]) for r in rows(tmp_path / "out")] == [
+        ("1", "auto", "selective"), ("2", "auto", "selective")]

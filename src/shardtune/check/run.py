@@ -1,5 +1,5 @@
 """The one check of a resolved run, called by every command before it builds anything: `train`
-(and each of its ranks), `plan`, `sweep` (every grid point, the search space's corners, before
+(and each of its ranks), `plan`, `sweep` (every grid point, the search space's values, before
 trial 1) and `eval`. What needs only the config was validated when it loaded
 (`config.validation`); here: the model's HF config, the tokenizer, the ranks, the machine, the
 Hub. The data's contents are checked where they are read (`data.pipeline`, `data.formats`),

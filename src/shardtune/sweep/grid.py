@@ -19,8 +19,8 @@ from typing import NamedTuple
 from shardtune.errors import UserError
 from shardtune.fsio import json_loads, make_dir, refuse_foreign, write_text_atomic
 from shardtune.hardware import GIB
-from shardtune.sweep.max_batch import Predictions, auto_layout, max_batch_of, memory_limit, micro_batch_candidates
-from shardtune.sweep.report import describe, slug, summarize_point, write_outputs
+from shardtune.sweep.max_batch import Predictions, max_batch_of, memory_limit, micro_batch_candidates, one_trial_of
+from shardtune.sweep.report import describe, slug, write_outputs
 from shardtune.sweep.trial import LIVE_STEPS, run_trial
 
 SWEEP_FILES = ("sweep.json", "sweep.csv", "sweep.md", "trials")  # with the plots: what a sweep folder holds
@@ -61,9 +61,14 @@ class Sweep:
     device: str = "cpu"  # where the trials run: "cpu" or "cuda"
 
     def spec(self) -> dict:
+        """After `set_device`. With the base config as loaded and the device: a recipe edited (or the same
+        path from another folder, or device=auto on another node) continued the sweep, mixing two runs."""
+        base = self.config({}).to_dict()
+        base.pop("output_dir")  # the --out folder as typed: the folder itself is what matters
         return {"recipe": self.recipe, "overrides": self.overrides, "grid": [[k, v] for k, v in self.grid],
                 "steps": self.steps, "eval_steps": self.eval_steps, "max_batch": self.max_batch,
-                "nproc": self.nproc, "mem_limit": self.mem_limit}
+                "nproc": self.nproc, "mem_limit": self.mem_limit, "device": self.device,
+                "config": json_loads(json.dumps(base, default=str))}  # as read back from sweep.json
 
     def points(self) -> list[dict[str, str]]:
         keys = [k for k, _ in self.grid]
@@ -167,17 +172,12 @@ def check(sweep: Sweep) -> None:
     check_mem_limit(sweep)
     check_overrides(sweep, [k for k, _ in sweep.grid], "--grid")
     sweep.config({})  # the recipe and overrides alone: their errors are not the grid's
-    from shardtune.resolve.run import resolve_machine
-
     runs: dict[str, str] = {}  # each point's config -> the point: two that resolve the same are one run twice
     for point in sweep.points():
         where = " ".join(f"{k}={v}" for k, v in point.items())
         try:
             cfg = sweep.config(point)
-            # as its trial resolves it: compile=auto,false on CPU (or device=auto,cpu) is one run twice
-            ran = dataclasses.asdict(resolve_machine(cfg))
-            same = runs.setdefault(json.dumps(ran, sort_keys=True, default=str), where)
-            if same != where:
+            if (same := runs.setdefault(run_key(cfg), where)) != where:
                 raise UserError(f"it is the same run as --grid {same} (the values mean the same); list each "
                                 "value once")
             check_trial(sweep, cfg)
@@ -188,9 +188,16 @@ def check(sweep: Sweep) -> None:
     check_models(sweep, sweep.points(), "--grid")
 
 
+def run_key(cfg) -> str:
+    """A trial's config as its train resolves it (compile=auto,false on CPU, or device=auto,cpu, are one run)."""
+    from shardtune.resolve.run import resolve_machine
+
+    return json.dumps(dataclasses.asdict(resolve_machine(cfg)), sort_keys=True, default=str)
+
+
 def check_trial(sweep: Sweep, cfg) -> None:
     """What one trial's config must pass here, before any trial runs (the grid's points and the
-    search's corners alike): its batch divides over the ranks, and this machine can run it."""
+    search's values alike): its batch divides over the ranks, and this machine can run it."""
     from shardtune.config.load import auto_micro_batches, check_world
 
     if cfg.train.micro_batch_size == "auto":
@@ -287,9 +294,6 @@ def machine_checks(cfg, device_type: str) -> None:
     check_machine(cfg, torch.device(device_type))
 
 
-
-
-
 # ----------------------------------------------------------------------------- the sweep
 
 
@@ -377,7 +381,9 @@ def run_sweep(sweep: Sweep) -> Path:
             cfg = sweep.config(point, micro_batch, checkpointing)
             predicted = predict(point, micro_batch, checkpointing)
             record = run_trial(sweep, point, name, cap, micro_batch, checkpointing=checkpointing)
-            record.update(micro_batch=cfg.train.micro_batch_size, predicted_gib=predicted and predicted / GIB,
+            # the micro-batch and checkpointing it ran: a point's `auto` resolved (the point says "auto")
+            record.update(micro_batch=cfg.train.micro_batch_size, checkpointing=cfg.activation_checkpointing,
+                          predicted_gib=predicted and predicted / GIB,
                           accumulation=cfg.train.global_batch_size // (cfg.train.micro_batch_size * sweep.nproc))
             state.add(record)
             print(f"  {describe(record)}", flush=True)
@@ -385,11 +391,10 @@ def run_sweep(sweep: Sweep) -> Path:
 
     try:
         for point in points:
-            if sweep.max_batch:
-                summaries.append(max_batch_of(sweep, point, trial, predict, limit, list(state.trials.values())))
-            else:
-                micro_batch, mode = auto_layout(sweep, point, limit, list(state.trials.values()))
-                summaries.append(summarize_point(point, [trial(point, micro_batch, mode)], None, ""))
-    finally:  # also after an interrupt: what is done is written
-        write_outputs(sweep, list(state.trials.values()), summaries, limit)
+            done = list(state.trials.values())
+            summaries.append(max_batch_of(sweep, point, trial, predict, limit, done) if sweep.max_batch
+                             else one_trial_of(sweep, point, trial, limit, done))
+    finally:  # also after an interrupt: what is done is written; a point nothing fits is in no trial of sweep.json
+        unfit = [s["record"] for s in summaries if s["record"] and s["record"]["name"] not in state.trials]
+        write_outputs(sweep, [*state.trials.values(), *unfit], summaries, limit)
     return sweep.out / "sweep.md"

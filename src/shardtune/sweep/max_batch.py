@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import os
 
-from shardtune.errors import first_line
+from shardtune.errors import UserError, first_line
 from shardtune.hardware import GIB
-from shardtune.sweep.report import method_label, slug, summarize_point
+from shardtune.sweep.report import describe, method_label, slug, summarize_point
+from shardtune.sweep.trial import not_run
 
 VERDICTS = {"ok": "fits", "oom": "too_big", "over_limit": "too_big"}  # a trial's status, for the search
 
@@ -159,3 +160,19 @@ def max_batch_of(sweep, point: dict, trial, predict, limit: int | None, records_
 
     best, why = search_max_batch(candidates, seed, attempt, reseed)
     return summarize_point(point, records, best, why)
+
+
+def one_trial_of(sweep, point: dict, trial, limit: int | None, records: list[dict]) -> dict:
+    """The table row of a grid point without --max-batch: its one trial, at the point's `auto` layout.
+    A finished one is taken as it is (planned again with what the finished trials measured, an `auto`
+    micro-batch could come out another and rerun the point); a point nothing fits for is a failed trial
+    that says why, and the sweep goes on (not kept in sweep.json: a rerun plans it again)."""
+    if done := [r for r in records if r["point"] == point]:
+        return summarize_point(point, done, None, "")
+    try:
+        micro_batch, mode = auto_layout(sweep, point, limit, records)
+    except UserError as exc:
+        record = not_run(point, slug(point), str(exc))
+        print(f"  {describe(record)}", flush=True)
+        return summarize_point(point, [record], None, "")
+    return summarize_point(point, [trial(point, micro_batch, mode)], None, "")

@@ -26,9 +26,9 @@ def slug(point: dict) -> str:
     return f"{name[:150]}-{digest}"
 
 
-COLUMNS = ["micro_batch", "accumulation", "status", "tokens_per_s", "step_time_s", "mfu", "mem_allocated_gib",
-           "mem_reserved_gib", "mem_live_gib", "mem_rss_gib", "gpu_util", "predicted_gib", "eval_loss", "eval_ppl",
-           "seconds", "note", "name"]
+COLUMNS = ["micro_batch", "accumulation", "checkpointing", "status", "tokens_per_s", "step_time_s", "mfu",
+           "mem_allocated_gib", "mem_reserved_gib", "mem_live_gib", "mem_rss_gib", "gpu_util", "predicted_gib",
+           "eval_loss", "eval_ppl", "seconds", "note", "name"]
 
 
 def method_label(point: dict) -> str:

@@ -17,8 +17,18 @@ from pathlib import Path
 
 from shardtune.errors import UserError, first_line
 from shardtune.fsio import json_loads
-from shardtune.sweep.grid import Sweep, check_mem_limit, check_overrides, check_trial, open_folder, set_device
-from shardtune.sweep.trial import run_trial
+from shardtune.sweep.grid import (
+    Sweep,
+    check_mem_limit,
+    check_overrides,
+    check_trial,
+    open_folder,
+    run_key,
+    set_device,
+    split_values,
+)
+from shardtune.sweep.max_batch import auto_layout, memory_limit
+from shardtune.sweep.trial import not_run, run_trial
 
 DISTRIBUTIONS = ("loguniform", "uniform", "int", "logint", "choice")
 SAMPLERS = ("tpe", "random")
@@ -26,6 +36,7 @@ PRUNERS = ("median", "halving", "none")
 OBJECTIVES = {"val_loss": "eval_loss", "eval_loss": "eval_loss", "val_ppl": "eval_ppl", "eval_ppl": "eval_ppl"}
 FINISHED = ("COMPLETE", "PRUNED", "FAIL")  # trial states that count towards --trials (`counts`)
 SEARCH_FILES = ("study.db", "study.db-journal", "search.csv", "search.md", "trials")  # with the plots
+CHECK_ALL = 64  # an int range of up to this many values has every one checked before trial 1 (~5 ms each)
 HEARTBEAT_S = 10  # a trial whose worker stopped beating this many x 3 seconds ago is marked failed
 
 
@@ -48,9 +59,15 @@ class Param:
             return trial.suggest_int(self.key, self.low, self.high, log=self.kind == "logint")
         return trial.suggest_float(self.key, self.low, self.high, log=self.kind == "loguniform")
 
-    def corners(self) -> list[str]:
-        """Values that must all load as a valid config before any trial runs."""
-        return list(self.choices) if self.kind == "choice" else [repr(self.low), repr(self.high)]
+    def checked(self) -> list[str]:
+        """Values that must all load as a valid config before any trial runs: every choice, every whole
+        number of a range of up to CHECK_ALL (int:1:4 of a micro-batch drew 3, which the global batch
+        does not divide: a failed trial), else the bounds."""
+        if self.kind == "choice":
+            return list(self.choices)
+        if self.kind in ("int", "logint") and self.high - self.low < CHECK_ALL:
+            return [str(v) for v in range(self.low, self.high + 1)]
+        return [repr(self.low), repr(self.high)]
 
     def spec(self) -> str:
         if self.kind == "choice":
@@ -83,7 +100,7 @@ def parse_param(text: str) -> Param:
         raise UserError(f"--search {text!r}: " + (f"unknown distribution {kind!r}; " if sep and key and kind else "")
                         + f"write it like {example}")
     if kind == "choice":
-        choices = [c.strip() for c in rest.split(",")]
+        choices = split_values(rest)  # as the grid's: a list value in brackets is one choice ([0.9,0.95])
         if len(choices) < 2 or "" in choices or len(set(choices)) < len(choices):
             raise UserError(f"--search {text!r}: choice needs two or more different values, e.g. choice:8,16,32")
         return Param(key, kind, choices=choices)
@@ -113,11 +130,47 @@ def parse_space(texts: list[str]) -> list[Param]:
 
 
 def make_sampler(search: Search):
+    """The sampler, seeded per trial by (--seed, the trial's number). One seeded once drew the same
+    sequence in every process: a resumed search (and TPE's random start-up trials) repeated the
+    values of the first trials, and two machines on one --storage ran the same trials side by side."""
+    import numpy as np
     import optuna
 
-    if search.sampler == "random":
-        return optuna.samplers.RandomSampler(seed=search.seed)
-    return optuna.samplers.TPESampler(seed=search.seed, n_startup_trials=min(10, max(2, search.trials // 3)))
+    def made(number: int | None):
+        if number is not None:
+            seed = int(np.random.SeedSequence([search.seed, number]).generate_state(1)[0])
+        else:
+            seed = search.seed
+        if search.sampler == "random":
+            return optuna.samplers.RandomSampler(seed=seed)
+        return optuna.samplers.TPESampler(seed=seed, n_startup_trials=min(10, max(2, search.trials // 3)))
+
+    class PerTrialSeed(optuna.samplers.BaseSampler):
+        """Optuna's sampler, made afresh for each trial (its only state between trials is its random state)."""
+
+        def __init__(self):
+            self.inner = made(None)
+
+        def before_trial(self, study, trial):  # trial numbers are unique in a study, across workers
+            self.inner = made(trial.number)
+            self.inner.before_trial(study, trial)
+
+        def infer_relative_search_space(self, study, trial):
+            return self.inner.infer_relative_search_space(study, trial)
+
+        def sample_relative(self, study, trial, search_space):
+            return self.inner.sample_relative(study, trial, search_space)
+
+        def sample_independent(self, study, trial, param_name, param_distribution):
+            return self.inner.sample_independent(study, trial, param_name, param_distribution)
+
+        def after_trial(self, study, trial, state, values):
+            self.inner.after_trial(study, trial, state, values)
+
+        def reseed_rng(self):
+            self.inner.reseed_rng()
+
+    return PerTrialSeed()
 
 
 def make_pruner(search: Search):
@@ -151,14 +204,19 @@ def check(sweep: Sweep, search: Search) -> None:
     sweep.config({})  # the recipe and overrides alone: their errors are not the search space's
     for param in search.space:
         check_kind(param)
-        for value in param.corners():
+        runs: dict[str, str] = {}  # as the grid's values: two choices that load as one run are refused
+        for value in param.checked():
             try:
-                check_trial(sweep, sweep.config({param.key: value}))
+                cfg = sweep.config({param.key: value})
+                if (same := runs.setdefault(run_key(cfg), value)) != value:
+                    raise UserError(f"it is the same run as {param.key}={same} (the values mean the same); "
+                                    "list each choice once")
+                check_trial(sweep, cfg)
             except UserError as exc:
                 raise UserError(f"--search {param.key}={value}: {exc}") from None
     from shardtune.sweep.grid import check_models
 
-    check_models(sweep, [{p.key: value} for p in search.space for value in p.corners()], "--search")
+    check_models(sweep, [{p.key: value} for p in search.space for value in p.checked()], "--search")
 
 
 def check_kind(param: Param) -> None:
@@ -168,7 +226,7 @@ def check_kind(param: Param) -> None:
 
     tp = key_type(param.key)
     if tp is None or param.kind == "choice":
-        return  # an unknown key: loading its corners says so, with a suggestion; choices load as written
+        return  # an unknown key: loading its values says so, with a suggestion; choices load as written
     numbers = number_types(tp)
     if not numbers:
         raise UserError(f"--search {param.key}={param.spec()}: {param.key} is not a number "
@@ -204,13 +262,15 @@ def open_study(sweep: Sweep, search: Search):
         raise UserError(f"cannot use study {name!r} in --storage {url!r} ({type(cause).__name__}: "
                         f"{first_line(cause, 160)}); give a --storage of Optuna's own (a new file is made), or "
                         "another --study-name") from None
-    spec = {**search.spec(), "trial": sweep.spec()}
+    spec = json_loads(json.dumps({**search.spec(), "trial": sweep.spec()}))  # as read back from the storage
     if saved is None:
-        study.set_user_attr("spec", json_loads(json.dumps(spec)))
-    elif saved != json_loads(json.dumps(spec)):
-        changed = [k for k in spec if saved.get(k) != spec[k]] or ["settings"]
-        raise UserError(f"study {name!r} in {url} was searched with another {', '.join(changed)}; rerun its own "
-                        "command to continue it, or give this one another --out or --study-name")
+        study.set_user_attr("spec", spec)
+    elif saved != spec:
+        trial = saved.get("trial") if isinstance(saved.get("trial"), dict) else {}
+        changed = [k for k in spec if k != "trial" and saved.get(k) != spec[k]]
+        changed += [k for k in spec["trial"] if trial.get(k) != spec["trial"][k]]
+        raise UserError(f"study {name!r} in {url} was searched with another {', '.join(changed or ['settings'])}; "
+                        "rerun its own command to continue it, or give this one another --out or --study-name")
     return study
 
 
@@ -257,7 +317,22 @@ def objective_of(sweep: Sweep, search: Search, cap):
     def objective(trial) -> float:
         point = {p.key: str(p.suggest(trial)) for p in search.space}
         name = trial_folder(sweep, trial.study.study_name, trial.number)
-        record = run_trial(sweep, point, name, cap, watch=reporter(trial, key))
+        # the point's micro_batch_size/activation_checkpointing=auto resolved within --mem-limit, as the
+        # grid's: left to the trial, they were chosen against the machine's free RAM and ran out of the cap
+        records = [t.user_attrs["record"] for t in trial.study.get_trials(deepcopy=False) if "record" in t.user_attrs]
+        try:
+            micro_batch, mode = auto_layout(sweep, point, memory_limit(sweep), records)
+        except UserError as exc:  # no layout of this point fits: a failed trial, not the end of the search
+            record = not_run(point, name, str(exc))
+        else:
+            record = run_trial(sweep, point, name, cap, micro_batch, watch=reporter(trial, key), checkpointing=mode)
+        values = [r[key] for r in metrics_so_far(sweep.out / "trials" / record["name"]) if key in r]
+        # a run without a finite value fails with the reason in its record (search.csv's note): optuna
+        # failed a NaN quietly, and the table said neither why nor, for no value, anything
+        if record["status"] == "ok" and not values:
+            record.update(status="failed", note=f"the trial logged no {key}; does the data have a validation split?")
+        elif record["status"] == "ok" and not math.isfinite(values[-1]):
+            record.update(status="failed", note=f"{key} is {values[-1]}: the run diverged")
         trial.set_user_attr("record", json_loads(json.dumps(record, default=str)))
         print(f"  trial {trial.number}: {' '.join(f'{k}={v}' for k, v in point.items())} -> "
               f"{record['status']}" + (f" ({record['note']})" if record.get("note") else ""), flush=True)
@@ -265,9 +340,6 @@ def objective_of(sweep: Sweep, search: Search, cap):
             raise optuna.TrialPruned()
         if record["status"] != "ok":
             raise TrialFailed(record.get("note") or record["status"])
-        values = [r[key] for r in metrics_so_far(sweep.out / "trials" / record["name"]) if key in r]
-        if not values:
-            raise TrialFailed(f"the trial logged no {key}; does the data have a validation split?")
         print(f"    {key} = {values[-1]:.4f}", flush=True)
         return float(values[-1])
 

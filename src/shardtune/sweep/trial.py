@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -35,6 +36,10 @@ def run_trial(sweep, point: dict, name: str, cap: int | None, micro_batch: int |
     `cap` bounds the data segment of each of its processes (CPU). `watch(folder)`, asked every
     POLL_S while the trial runs, may stop it early (returns True): its status is then "pruned"."""
     folder = sweep.out / "trials" / name
+    # an earlier trial's files (an interrupted one rerun, another study's trial-0000) were read as
+    # this one's: by `watch` (the pruner) before train replaced them, and as the record of a trial
+    # that failed before it wrote any
+    shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True, exist_ok=True)
     argv = [sys.executable, "-m", "shardtune", "train", *([sweep.recipe] if sweep.recipe else []),
             *sweep.trial_overrides(point, micro_batch, folder, checkpointing), "--overwrite",
@@ -67,6 +72,13 @@ def run_trial(sweep, point: dict, name: str, cap: int | None, micro_batch: int |
         record.update(status="oom" if any(s in stderr.lower() for s in OOM_SIGNS) else "failed",
                       note=failure_line(stderr) or f"exit code {code}")
     return record
+
+
+def not_run(point: dict, name: str, why: str) -> dict:
+    """The record of a trial refused before its process started (the planner found no layout of its
+    point's `auto` values that fits): failed, saying why, like a trial that crashed."""
+    return {"name": name, "point": point, "micro_batch": None, "seconds": 0.0, "exit_code": None, "status": "failed",
+            "note": why}
 
 
 def _wait(proc: subprocess.Popen, folder: Path, watch) -> tuple[int, bool]:
