@@ -69,7 +69,7 @@ else:
     from shardtune.config.schema import DataConfig
     from shardtune.data.pipeline import prepare
     cfg = DataConfig(path=corpus, seq_len=512, num_proc=int(num_proc) or None)
-    train, val = prepare(cfg, tok, seed=42)
+    train, val = prepare(cfg, tok)
     out = {"seconds": time.perf_counter() - t0, "blocks": len(train) + (len(val) if val is not None else 0)}
 me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
 out.update(peak_rss_mb=me.ru_maxrss / 1024, workers_peak_rss_mb=kids.ru_maxrss / 1024)

@@ -227,7 +227,7 @@ def build_blocks(overrides: list[str], steps: int, path: Path) -> tuple[int, str
 
     cfg = load_config(None, overrides)
     t = cfg.train
-    train, _ = data_lib.prepare(cfg.data, load_tokenizer(cfg.model), t.seed)
+    train, _ = data_lib.prepare(cfg.data, load_tokenizer(cfg.model))
     plan = BatchPlan(len(train), t.global_batch_size, t.micro_batch_size, 1, 0, t.seed)
     order = [plan.order(e)[s * t.global_batch_size:(s + 1) * t.global_batch_size]
              for e, s in (divmod(step, plan.steps_per_epoch) for step in range(steps))]

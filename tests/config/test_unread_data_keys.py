@@ -114,7 +114,7 @@ def test_the_rest_is_warned_about_where_it_has_no_effect(assets):
     splits = {"train": docs, "test": docs.select(range(3))}
 
     def train_rows(**keys) -> int:
-        return len(split_documents(DataConfig(path="rows", **keys), splits, seed=0)[0])
+        return len(split_documents(DataConfig(path="rows", **keys), splits)[0])
 
     assert train_rows(val_split="test", val_size=0.5) == train_rows(val_split="test") == 12
     assert warned_keys(DataConfig(val_split="test", val_size=0.5)) == ["data.val_size"]

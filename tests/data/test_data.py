@@ -44,7 +44,7 @@ def test_own_validation_split_is_used(tmp_path, tokenizer):
     write_jsonl(tmp_path / "train.jsonl", [f"train doc {i} " * 5 for i in range(50)])
     write_jsonl(tmp_path / "validation.jsonl", [f"val doc {i} " * 5 for i in range(7)])
     cfg = DataConfig(path=str(tmp_path), seq_len=8)
-    train, val = D.split_documents(cfg, D.load_documents(cfg), seed=0)
+    train, val = D.split_documents(cfg, D.load_documents(cfg))
     assert len(train) == 50 and len(val) == 7
     assert val[0]["text"].startswith("val doc 0")
 
@@ -60,16 +60,30 @@ def test_preparation_reads_each_file_once_for_its_checks(tmp_path, tokenizer, mo
     real = files._check_text_file
     monkeypatch.setattr(files, "_check_text_file", lambda path, json_lines: (checked.append(path.name),
                                                                             real(path, json_lines)))
-    train, val = D.prepare(DataConfig(path=str(tmp_path), seq_len=8), tokenizer, seed=0)
+    train, val = D.prepare(DataConfig(path=str(tmp_path), seq_len=8), tokenizer)
     assert len(train) and len(val) and sorted(checked) == ["train.jsonl", "validation.jsonl"]
+
+
+def test_runs_of_any_seed_hold_out_the_same_documents(assets, tmp_path):
+    """train.seed shuffles and initialises; it chose the hold-out too, so a sweep over seeds ranked
+    losses measured on different validation documents (and trained on different ones)."""
+    from conftest import make_trainer
+
+    held = []
+    for seed in (1, 2):
+        trainer = make_trainer(assets, tmp_path / f"s{seed}", arch="gpt2",  # one file: the hold-out validates
+                               **{"train.seed": seed, "data.path": assets["train"], "data.val_size": 0.2})
+        held.append(([row["input_ids"].tolist() for row in trainer.val_ds], len(trainer.train_ds)))
+        trainer.close()
+    assert held[0] == held[1] and held[0][0]
 
 
 def test_holdout_is_seeded_disjoint_and_slicing_applies_to_the_rest(tmp_path):
     write_jsonl(tmp_path / "all.jsonl", [f"doc {i}" for i in range(100)])
     cfg = DataConfig(path=str(tmp_path / "all.jsonl"), val_size=0.1, start_idx=10, end_idx=40)
     splits = D.load_documents(cfg)
-    train, val = D.split_documents(cfg, splits, seed=3)
-    train2, val2 = D.split_documents(cfg, splits, seed=3)
+    train, val = D.split_documents(cfg, splits)
+    train2, val2 = D.split_documents(cfg, splits)
     assert len(val) == 10 and len(train) == 30
     assert val["text"] == val2["text"] and train["text"] == train2["text"]
     assert not set(train["text"]) & set(val["text"])
@@ -77,12 +91,12 @@ def test_holdout_is_seeded_disjoint_and_slicing_applies_to_the_rest(tmp_path):
     assert train["text"] == rest[10:40]
     # val_size as a count
     cfg_count = DataConfig(path=str(tmp_path / "all.jsonl"), val_size=5)
-    assert len(D.split_documents(cfg_count, splits, seed=3)[1]) == 5
+    assert len(D.split_documents(cfg_count, splits)[1]) == 5
 
 
 def test_prepare_returns_packed_torch_datasets(tmp_path, tokenizer, assets):
     cfg = DataConfig(path=assets["train"].rsplit("/", 1)[0], seq_len=32)
-    train, val = D.prepare(cfg, tokenizer, seed=0)
+    train, val = D.prepare(cfg, tokenizer)
     assert train[0]["input_ids"].shape == (32,) and val is not None and len(val) > 0
 
 
@@ -92,7 +106,7 @@ def test_a_validation_split_shorter_than_one_sequence_is_said_not_dropped_silent
     """The run goes on without validation, as before, but says so in one line naming the split."""
     write_jsonl(tmp_path / "train.jsonl", [f"train doc {i} " * 5 for i in range(50)])
     write_jsonl(tmp_path / "validation.jsonl", ["val " * val_words])
-    train, val = D.prepare(DataConfig(path=str(tmp_path), seq_len=16), tokenizer, seed=0)
+    train, val = D.prepare(DataConfig(path=str(tmp_path), seq_len=16), tokenizer)
     said = [line for line in capsys.readouterr().err.splitlines() if "validat" in line]
     assert len(train) > 0 and (val is None) == (val_words == 2)
     assert said == ([f"warning: the validation split of {str(tmp_path)!r} (validation.jsonl) has fewer tokens than "
@@ -165,7 +179,7 @@ def test_collate_masks_padding_rows(tokenizer, assets):
     import torch
 
     cfg = DataConfig(path=assets["train"].rsplit("/", 1)[0], seq_len=16)
-    train, _ = D.prepare(cfg, tokenizer, seed=0)
+    train, _ = D.prepare(cfg, tokenizer)
     batch = B.collate(train, [0, -1], torch.device("cpu"))
     assert torch.equal(batch["labels"][0], batch["input_ids"][0])
     assert (batch["labels"][1] == D.IGNORE_INDEX).all()
@@ -229,7 +243,7 @@ def test_a_training_split_too_small_names_what_made_it_small(tokenizer, monkeypa
     cfg = DataConfig(path="corpus", seq_len=seq_len, val_size=val_size, start_idx=start)
     held = int(val_size) if val_size >= 1 else int(round(docs * val_size))
     try:
-        train, _ = D.prepare(cfg, tokenizer, seed=0, global_batch=batch)
+        train, _ = D.prepare(cfg, tokenizer, global_batch=batch)
     except UserError as exc:
         line = str(exc)
         assert "\n" not in line
@@ -245,4 +259,4 @@ def test_val_size_above_the_data_is_refused_as_such(tokenizer, tmp_path):
     """The arxiv recipe (val_size: 2000) on a small file: the refusal names data.val_size."""
     cfg = DataConfig(path=str(write_jsonl(tmp_path / "abstracts.jsonl", ["a short abstract"] * 50)), val_size=2000)
     with pytest.raises(UserError, match=r"data.val_size=2000 holds out 2000 document\(s\).* only 50; lower"):
-        D.prepare(cfg, tokenizer, seed=0)
+        D.prepare(cfg, tokenizer)

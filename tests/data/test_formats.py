@@ -106,7 +106,7 @@ def test_list_valued_text_field_becomes_one_line_of_moves(tmp_path, tokenizer):
     # and through prepare: packed blocks of exactly those tokens
     write_jsonl(tmp_path / "games.jsonl", CHESS * 40)
     cfg = DataConfig(path=str(tmp_path / "games.jsonl"), text_field="moves", seq_len=8, val_size=0)
-    train, _ = D.prepare(cfg, tokenizer, seed=0)
+    train, _ = D.prepare(cfg, tokenizer)
     assert train[:]["input_ids"].shape[1] == 8 and "labels" not in train.column_names
     eos = tokenizer.eos_token
     assert tokenizer.decode(train[:]["input_ids"].flatten()).startswith(f"e4 e5 Nf3 Nc6{eos}d4 d5{eos}")
@@ -171,12 +171,12 @@ def test_instruct_prepare_truncates_to_cutoff_len_and_drops_examples_with_no_res
     assert len(train) == 20  # the examples with an input were dropped, and that was said
     assert said == [f"warning: 20 of 40 examples of alpaca are left out: they have no response token within "
                     f"data.cutoff_len={cutoff} (cut off, or none at all)"]
-    train, val = D.prepare(cfg, tokenizer, seed=0)
+    train, val = D.prepare(cfg, tokenizer)
     assert len(val) + len(train) < 40 and len(train) > 0
     assert max(B.sample_lengths(train)) <= cutoff and set(train.column_names) == {"input_ids", "labels", "length"}
     assert all((row["labels"][1:] != IGNORE).any() for row in train)
     with pytest.raises(UserError, match="cutoff_len"):
-        D.prepare(DataConfig(path=str(path), format="instruct", seq_len=256, cutoff_len=8), tokenizer, seed=0)
+        D.prepare(DataConfig(path=str(path), format="instruct", seq_len=256, cutoff_len=8), tokenizer)
     with pytest.raises(UserError, match="between 2 and data.seq_len=64"):  # refused with the config, before data
         load_config(None, ["model.config={model_type: gpt2}", f"data.path={path}", "data.format=instruct",
                            "data.seq_len=64", "data.cutoff_len=100"])
@@ -184,15 +184,15 @@ def test_instruct_prepare_truncates_to_cutoff_len_and_drops_examples_with_no_res
 
 def test_instruct_tokenizes_the_same_with_worker_processes(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "alpaca.jsonl", ALPACA * 5)
-    one, _ = D.prepare(DataConfig(path=str(path), format="instruct", val_size=0.25), tokenizer, seed=1)
-    two, _ = D.prepare(DataConfig(path=str(path), format="instruct", val_size=0.25, num_proc=2), tokenizer, seed=1)
+    one, _ = D.prepare(DataConfig(path=str(path), format="instruct", val_size=0.25), tokenizer)
+    two, _ = D.prepare(DataConfig(path=str(path), format="instruct", val_size=0.25, num_proc=2), tokenizer)
     assert len(one) == 15 and one.with_format(None)[:] == two.with_format(None)[:]
 
 
 def test_instruct_packing_keeps_labels_aligned(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "alpaca.jsonl", ALPACA * 10)
     cfg = DataConfig(path=str(path), format="instruct", seq_len=256, packing=True, val_size=0)
-    train, _ = D.prepare(cfg, tokenizer, seed=0)
+    train, _ = D.prepare(cfg, tokenizer)
     assert train[:]["input_ids"].shape == train[:]["labels"].shape and train[:]["input_ids"].shape[1] == 256
     real = train[:]["labels"] != IGNORE
     assert (train[:]["labels"][real] == train[:]["input_ids"][real]).all() and 0 < real.float().mean() < 1
@@ -288,7 +288,7 @@ def test_chat_template_from_config_is_installed_and_used(tmp_path, assets):
     tok = AutoTokenizer.from_pretrained(assets["tokenizer"])  # no template of its own
     path = write_jsonl(tmp_path / "train.jsonl", [chat_row(i) for i in range(12)])
     cfg = DataConfig(path=str(path), format="chat", seq_len=128, chat_template=CHAT_TEMPLATE, val_size=2)
-    train, val = D.prepare(cfg, tok, seed=0)
+    train, val = D.prepare(cfg, tok)
     assert tok.chat_template == CHAT_TEMPLATE and len(train) == 10 and len(val) == 2
     assert kept(tok, train[0]["labels"]).startswith("answer ")
 
@@ -350,7 +350,7 @@ def test_padded_instruct_batches_keep_every_loss_token(tmp_path, tokenizer):
     import torch
 
     path = write_jsonl(tmp_path / "alpaca.jsonl", ALPACA * 4)
-    train, _ = D.prepare(DataConfig(path=str(path), format="instruct", val_size=0), tokenizer, seed=0)
+    train, _ = D.prepare(DataConfig(path=str(path), format="instruct", val_size=0), tokenizer)
     (mb,) = B.BatchPlan(len(train), 16, 16, 1, 0, seed=0).micro_batches(0, 0)
     batch = B.collate(train, mb, torch.device("cpu"), pad_id=tokenizer.pad_token_id)
     assert int((batch["labels"] != IGNORE).sum()) == sum(int((train[i]["labels"] != IGNORE).sum()) for i in mb)

@@ -38,8 +38,8 @@ def test_blocks_and_their_order_equal_the_in_memory_recipe_on_the_fixture(assets
     import torch
 
     cfg = DataConfig(path=str(Path(assets["train"]).parent), seq_len=48)
-    train, val = D.prepare(cfg, tokenizer, seed=0)
-    train_docs, val_docs = D.split_documents(cfg, D.load_documents(cfg), seed=0)
+    train, val = D.prepare(cfg, tokenizer)
+    train_docs, val_docs = D.split_documents(cfg, D.load_documents(cfg))
     want = reference_blocks(train_docs["text"], tokenizer, 48)
     assert isinstance(train, PackedBlocks) and len(train) == len(want) > 100
     assert train[:]["input_ids"].tolist() == want and set(train[3]) == {"input_ids"}
@@ -57,14 +57,14 @@ def test_worker_processes_and_a_second_run_give_the_same_blocks_from_one_cache(t
     path = tmp_path / "corpus.jsonl"
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     cfg = DataConfig(path=str(path), seq_len=32, val_size=0)
-    one, _ = D.prepare(cfg, tokenizer, seed=0)
+    one, _ = D.prepare(cfg, tokenizer)
     stamp = os.stat(one.folder / "input_ids.bin").st_mtime_ns
     assert one[:]["input_ids"].tolist() == reference_blocks(texts, tokenizer, 32)
-    again, _ = D.prepare(DataConfig(path=str(path), seq_len=16, val_size=0), tokenizer, seed=0)
+    again, _ = D.prepare(DataConfig(path=str(path), seq_len=16, val_size=0), tokenizer)
     assert again.folder == one.folder and os.stat(again.folder / "input_ids.bin").st_mtime_ns == stamp  # cached
     assert again[:]["input_ids"].tolist() == reference_blocks(texts, tokenizer, 16)
     workers, _ = D.prepare(DataConfig(path=str(path), seq_len=32, val_size=0, num_proc=2, end_idx=2400),
-                           tokenizer, seed=0)
+                           tokenizer)
     assert workers.folder != one.folder  # other documents, another key
     assert workers[:]["input_ids"].tolist() == reference_blocks(texts[:2400], tokenizer, 32)
     assert list(one.folder.parent.glob("*.tmp-*")) == []  # nothing half-written left behind
@@ -76,7 +76,7 @@ def test_packed_instruct_blocks_equal_concatenated_examples(tmp_path, tokenizer)
     path = tmp_path / "alpaca.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in ALPACA * 10))
     base = dict(path=str(path), format="instruct", seq_len=128, val_size=0)
-    rows, _ = D.prepare(DataConfig(**base), tokenizer, seed=0)
+    rows, _ = D.prepare(DataConfig(**base), tokenizer)
     ids = [t for r in rows for t in r["input_ids"].tolist()]
     labels = [t for r in rows for t in r["labels"].tolist()]
     n = len(ids) // 128
@@ -86,7 +86,7 @@ def test_packed_instruct_blocks_equal_concatenated_examples(tmp_path, tokenizer)
         at += len(r["input_ids"])
     inner = {o for o in offsets if o % 128 and o < n * 128}  # examples starting inside a block
     for mask in (False, True):
-        packed, _ = D.prepare(DataConfig(**base, packing=True, document_mask=mask), tokenizer, seed=0)
+        packed, _ = D.prepare(DataConfig(**base, packing=True, document_mask=mask), tokenizer)
         assert len(packed) == n and packed[:]["input_ids"].flatten().tolist() == ids[:n * 128]
         dropped = inner if mask else set()  # no label across an example boundary
         assert packed[:]["labels"].flatten().tolist() == [IGNORE if i in dropped else t

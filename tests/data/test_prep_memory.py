@@ -33,7 +33,7 @@ cfg, tokenizer = DataConfig(path=sys.argv[1], seq_len=128), AutoTokenizer.from_p
 before = status("VmRSS")
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # VmHWM := VmRSS
-train, val = pipeline.prepare(cfg, tokenizer, seed=0)
+train, val = pipeline.prepare(cfg, tokenizer)
 print(status("VmHWM") - before, len(train))
 """
 

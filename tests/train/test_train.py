@@ -85,7 +85,7 @@ def test_loss_is_the_token_mean_a_plain_forward_computes(assets, tmp_path):
     hf_config.vocab_size = len(tok)
     model = load_source_model(cfg.model, hf_config, cfg.train.seed)
     assert isinstance(model, AutoModelForCausalLM._model_mapping[type(hf_config)])
-    train_ds, _ = prepare(cfg.data, tok, cfg.train.seed)
+    train_ds, _ = prepare(cfg.data, tok)
     plan = BatchPlan(len(train_ds), 8, 8, 1, 0, cfg.train.seed)
     ids = train_ds[plan.micro_batches(0, 0)[0]]["input_ids"]
     with torch.no_grad():

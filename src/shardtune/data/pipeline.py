@@ -70,14 +70,20 @@ def split_files(cfg: DataConfig, split: str | None) -> str:
     return f" ({', '.join(Path(f).name for f in files)})" if files else ""
 
 
-def split_documents(cfg: DataConfig, splits, seed: int):
+# The hold-out's shuffle: fixed, not train.seed's. A sweep over seeds (`--grid train.seed=1,2,3`)
+# compared losses on different validation documents, trained on different documents too.
+HOLD_OUT_SEED = 0
+
+
+def split_documents(cfg: DataConfig, splits):
     """(train, validation) documents: the dataset's own validation split if it has one, else a
-    seeded hold-out of `val_size` training documents; then `start_idx:end_idx` of the rest."""
-    train, val, _ = _split(cfg, splits, seed)
+    hold-out of `val_size` training documents (the same whatever the run's seed); then
+    `start_idx:end_idx` of the rest."""
+    train, val, _ = _split(cfg, splits)
     return train, val
 
 
-def _split(cfg: DataConfig, splits, seed: int):
+def _split(cfg: DataConfig, splits):
     """split_documents, and (what, fix) for what took training documents away (the hold-out, the
     slice): a refusal of a training split too small to use names its cause, not its symptom."""
     if cfg.split not in splits:
@@ -101,7 +107,7 @@ def _split(cfg: DataConfig, splits, seed: int):
         import numpy as np
 
         held = np.zeros(n, dtype=bool)  # index arrays, not Python lists: 1 byte a document, not ~40
-        held[np.random.default_rng(seed).permutation(n)[:k]] = True
+        held[np.random.default_rng(HOLD_OUT_SEED).permutation(n)[:k]] = True
         val, train = train.select(np.flatnonzero(held)), train.select(np.flatnonzero(~held))
         if k:
             causes.append((f"data.val_size={cfg.val_size:g} held out {k} of its {n} documents", "lower data.val_size"))
@@ -206,14 +212,14 @@ def tokenize_split(docs, cfg: DataConfig, tokenizer, what: str, warn=None, requi
     return rows
 
 
-def prepare(cfg: DataConfig, tokenizer, seed: int, global_batch: int = 1):
+def prepare(cfg: DataConfig, tokenizer, global_batch: int = 1):
     """(train, val) torch datasets with `input_ids` (and `labels` where some tokens get no loss).
     text: packed blocks of seq_len; instruct/chat: one example per row, at most cutoff_len long,
     with a `length` column (see `lengths`), unless data.packing. A training split of fewer than
     `global_batch` sequences is refused here, where what made it small is known."""
     notes: list[str] = []
     try:
-        prepared = _prepare(cfg, tokenizer, seed, notes.append, global_batch)
+        prepared = _prepare(cfg, tokenizer, notes.append, global_batch)
     except Exception as exc:  # no room for the `datasets` cache or the packed blocks beside it: one line
         if (why := no_room(exc, 0, None)) is None:
             raise
@@ -226,9 +232,9 @@ def prepare(cfg: DataConfig, tokenizer, seed: int, global_batch: int = 1):
     return prepared
 
 
-def _prepare(cfg: DataConfig, tokenizer, seed: int, warn, global_batch: int = 1):
+def _prepare(cfg: DataConfig, tokenizer, warn, global_batch: int = 1):
     splits = load_documents(cfg)
-    train_docs, val_docs, causes = _split(cfg, splits, seed)
+    train_docs, val_docs, causes = _split(cfg, splits)
     if len(train_docs) == 0:
         raise UserError(f"dataset {cfg.path!r} has no training documents left"
                         + too_small(causes, "check data.path"))

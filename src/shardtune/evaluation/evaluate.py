@@ -139,7 +139,7 @@ def eval_blocks(req: EvalRequest, run_cfg, tokenizer):
     # --data, --format or a --seq-len other than the run's: a refusal is about eval's options
     with options_named(req.data is not None or req.format is not None or own is not run_cfg):
         if req.data is None and req.split is None:
-            _, val = data_lib.prepare(cfg, tokenizer, run_cfg.train.seed)
+            _, val = data_lib.prepare(cfg, tokenizer)
             if val is None:
                 raise UserError("the run had no validation split; pass --data PATH [--split NAME]")
             return val

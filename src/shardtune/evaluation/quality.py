@@ -81,7 +81,7 @@ def documents(req: QualityRequest, cfg, run_cfg):
 
     splits = data_lib.load_documents(cfg)
     if req.split is None and req.data is None:
-        return data_lib.split_documents(cfg, splits, run_cfg.train.seed)[1]
+        return data_lib.split_documents(cfg, splits)[1]
     split = req.split or next((s for s in ("validation", "test") if s in splits), "train")
     if split not in splits:
         raise UserError(f"dataset {cfg.path!r} has no split {split!r}; choose --split from {', '.join(splits)}")

@@ -79,7 +79,7 @@ class Trainer:
                                                          chat.trained_ends(cfg.data, tokenizer))
                                   if dist.is_main else None)
         self.accum = run.accum
-        self.train_ds, self.val_ds = rank0_first(dist, lambda: data_lib.prepare(cfg.data, tokenizer, cfg.train.seed,
+        self.train_ds, self.val_ds = rank0_first(dist, lambda: data_lib.prepare(cfg.data, tokenizer,
                                                                                   cfg.train.global_batch_size))
         t = cfg.train
         lengths = batching.sample_lengths(self.train_ds) if cfg.data.group_by_length else None
