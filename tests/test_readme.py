@@ -106,7 +106,7 @@ def check_config(args) -> None:
     from shardtune.cli.common import recipe_and_defaults
     from shardtune.config.load import load_config
     from shardtune.sweep.grid import parse_grid
-    from shardtune.sweep.search import parse_space
+    from shardtune.sweep.space import parse_space
 
     recipe, overrides, defaults, _ = recipe_and_defaults(args.recipe, args.overrides)
     points = [f"{key}={value}" for key, values in parse_grid(getattr(args, "grid", [])) for value in values]

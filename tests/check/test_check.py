@@ -23,8 +23,9 @@ from shardtune.plan.report import PlanRequest, check_plan
 from shardtune.resolve.run import resolve_run
 from shardtune.sweep.grid import Sweep
 from shardtune.sweep.grid import check as check_sweep
-from shardtune.sweep.search import Search, parse_space
+from shardtune.sweep.search import Search
 from shardtune.sweep.search import check as check_search
+from shardtune.sweep.space import parse_space
 
 # what only the model's structure (its meta skeleton) tells: peft's targets (GPT-2's head is tied to its
 # embeddings), the blocks freezing keeps, the block class, size-based units inside selective blocks

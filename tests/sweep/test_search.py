@@ -22,6 +22,7 @@ from conftest import tiny_overrides
 from shardtune.cli.main import main
 from shardtune.config.schema import config_keys
 from shardtune.sweep import search as search_lib
+from shardtune.sweep import space
 from shardtune.sweep.trial import _wait
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -155,7 +156,7 @@ def test_a_storage_of_another_schema_is_one_line(assets, tmp_path, monkeypatch, 
                  f"sqlite:///{db}", "--out", str(tmp_path / "s")])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "cannot use study 's' in --storage" in err[0], err
-    assert "no column named study_name" in err[0] and calls == []
+    assert "OperationalError: " in err[0] and "column" in err[0] and calls == []  # the database's own reason
     with contextlib.closing(sqlite3.connect(db)) as con:
         assert con.execute("select x from studies").fetchall() == [(7,)]
 
@@ -174,6 +175,26 @@ def test_another_study_in_the_same_folder_keeps_the_first_ones_trials(assets, tm
     assert main([*argv, "--study-name", "an other/one"]) == 0
     assert calls[:2] == ["trial-0000", "trial-0000-other"] and calls[2].startswith("trial-0000-anotherone-")
     assert (out / "trials" / "trial-0000" / "metrics.jsonl").read_bytes() == first
+
+
+def test_a_new_study_over_another_studys_trial_folders_is_refused(assets, tmp_path, monkeypatch, capsys):
+    """Another --storage (or the folder's study.db removed) is a new study of the same name: its
+    trial 0 emptied and rewrote trials/trial-0000 of the first."""
+    calls = []
+    fake_trials(monkeypatch, calls)
+    out = tmp_path / "search"
+    argv = ["sweep", *overrides(assets, tmp_path), "--search", "train.lr=loguniform:1e-5:1e-1", "--steps", "2",
+            "--trials", "1", "--out", str(out)]
+    assert main(argv) == 0
+    first = (out / "trials" / "trial-0000" / "metrics.jsonl").read_bytes()
+    capsys.readouterr()
+    for extra in (["--storage", f"sqlite:///{tmp_path / 'other.db'}"], []):
+        if not extra:
+            (out / "study.db").unlink()
+        assert main([*argv, *extra]) == 2
+        err = capsys.readouterr().err
+        assert "holds 1 trial folder(s) of a study 'search' that --storage" in err and len(err.splitlines()) == 1
+    assert calls == ["trial-0000"] and (out / "trials" / "trial-0000" / "metrics.jsonl").read_bytes() == first
 
 
 def test_a_pruned_trial_process_is_stopped(tmp_path):
@@ -236,9 +257,9 @@ def test_a_searched_number_loads_as_the_keys_type_or_is_refused_first(key, kind,
     from shardtune.config.load import load_config
     from shardtune.errors import UserError
 
-    param = search_lib.Param(key, kind, low, low + span)
+    param = space.Param(key, kind, low, low + span)
     try:
-        search_lib.check_kind(param)
+        space.check_kind(param)
     except UserError as exc:
         assert key in str(exc) and "\n" not in str(exc)
         return
@@ -283,7 +304,7 @@ def test_a_choice_of_lists_is_one_choice_per_list(pairs):
     from shardtune.config.load import load_config
 
     words = [f"[{a},{b}]" for a, b in pairs]
-    param = search_lib.parse_param(f"train.betas=choice:{','.join(words)}")
+    param = space.parse_param(f"train.betas=choice:{','.join(words)}")
     assert param.choices == words
     for word, pair in zip(param.choices, pairs, strict=True):
         cfg = load_config(None, ["model.name_or_path=gpt2", "data.path=x", f"train.betas={word}"])

@@ -60,7 +60,8 @@ def run(args) -> int:
     sweep.out = Path(args.out or f"runs/sweep-{Path(recipe).stem if recipe else 'quickstart'}")
     if args.search:
         from shardtune.errors import UserError
-        from shardtune.sweep.search import Search, parse_space, run_search
+        from shardtune.sweep.search import Search, run_search
+        from shardtune.sweep.space import parse_space
 
         if args.grid or args.max_batch:
             raise UserError("--search and --grid/--max-batch are two kinds of sweep; run them separately")

@@ -7,6 +7,7 @@ resumes with the same command, and several machines can work on one study."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -25,54 +26,21 @@ from shardtune.sweep.grid import (
     open_folder,
     run_key,
     set_device,
-    split_values,
 )
 from shardtune.sweep.max_batch import auto_layout, memory_limit
+from shardtune.sweep.space import Param, check_kind
 from shardtune.sweep.trial import not_run, run_trial
 
-DISTRIBUTIONS = ("loguniform", "uniform", "int", "logint", "choice")
 SAMPLERS = ("tpe", "random")
 PRUNERS = ("median", "halving", "none")
 OBJECTIVES = {"val_loss": "eval_loss", "eval_loss": "eval_loss", "val_ppl": "eval_ppl", "eval_ppl": "eval_ppl"}
 FINISHED = ("COMPLETE", "PRUNED", "FAIL")  # trial states that count towards --trials (`counts`)
 SEARCH_FILES = ("study.db", "study.db-journal", "search.csv", "search.md", "trials")  # with the plots
-CHECK_ALL = 64  # an int range of up to this many values has every one checked before trial 1 (~5 ms each)
 HEARTBEAT_S = 10  # a trial whose worker stopped beating this many x 3 seconds ago is marked failed
 
 
 class TrialFailed(Exception):
     """A trial that ended without an objective value (crash, out of memory, no validation)."""
-
-
-@dataclasses.dataclass
-class Param:
-    key: str
-    kind: str
-    low: float | int | None = None
-    high: float | int | None = None
-    choices: list[str] | None = None
-
-    def suggest(self, trial):
-        if self.kind == "choice":
-            return trial.suggest_categorical(self.key, self.choices)
-        if self.kind in ("int", "logint"):
-            return trial.suggest_int(self.key, self.low, self.high, log=self.kind == "logint")
-        return trial.suggest_float(self.key, self.low, self.high, log=self.kind == "loguniform")
-
-    def checked(self) -> list[str]:
-        """Values that must all load as a valid config before any trial runs: every choice, every whole
-        number of a range of up to CHECK_ALL (int:1:4 of a micro-batch drew 3, which the global batch
-        does not divide: a failed trial), else the bounds."""
-        if self.kind == "choice":
-            return list(self.choices)
-        if self.kind in ("int", "logint") and self.high - self.low < CHECK_ALL:
-            return [str(v) for v in range(self.low, self.high + 1)]
-        return [repr(self.low), repr(self.high)]
-
-    def spec(self) -> str:
-        if self.kind == "choice":
-            return f"choice:{','.join(self.choices)}"
-        return f"{self.kind}:{self.low}:{self.high}"
 
 
 @dataclasses.dataclass
@@ -89,44 +57,6 @@ class Search:
     def spec(self) -> dict:
         """What must match for a rerun (or another machine) to join the study."""
         return {"space": {p.key: p.spec() for p in self.space}, "objective": OBJECTIVES[self.objective]}
-
-
-def parse_param(text: str) -> Param:
-    key, sep, raw = text.partition("=")
-    key = key.strip()
-    kind, _, rest = raw.partition(":")
-    example = "--search train.lr=loguniform:1e-5:1e-3 (or uniform/int/logint:LOW:HIGH, choice:A,B,C)"
-    if not sep or not key or kind not in DISTRIBUTIONS:
-        raise UserError(f"--search {text!r}: " + (f"unknown distribution {kind!r}; " if sep and key and kind else "")
-                        + f"write it like {example}")
-    if kind == "choice":
-        choices = split_values(rest)  # as the grid's: a list value in brackets is one choice ([0.9,0.95])
-        if len(choices) < 2 or "" in choices or len(set(choices)) < len(choices):
-            raise UserError(f"--search {text!r}: choice needs two or more different values, e.g. choice:8,16,32")
-        return Param(key, kind, choices=choices)
-    bounds = rest.split(":")
-    number = int if kind in ("int", "logint") else float
-    try:
-        low, high = (number(b) for b in bounds) if len(bounds) == 2 else (None, None)
-    except ValueError:
-        low = high = None
-    if low is None or not (math.isfinite(low) and math.isfinite(high)):
-        raise UserError(f"--search {text!r}: {kind} needs two {number.__name__} bounds LOW:HIGH; write it like "
-                        f"{example}")
-    if low >= high:
-        raise UserError(f"--search {text!r}: LOW must be below HIGH")
-    if kind.startswith("log") and low <= 0:
-        raise UserError(f"--search {text!r}: a log scale needs LOW > 0")
-    return Param(key, kind, low, high)
-
-
-def parse_space(texts: list[str]) -> list[Param]:
-    space = [parse_param(t) for t in texts]
-    keys = [p.key for p in space]
-    for key in keys:
-        if keys.count(key) > 1:
-            raise UserError(f"--search {key} is given twice; give each key one distribution")
-    return space
 
 
 def make_sampler(search: Search):
@@ -219,21 +149,16 @@ def check(sweep: Sweep, search: Search) -> None:
     check_models(sweep, [{p.key: value} for p in search.space for value in p.checked()], "--search")
 
 
-def check_kind(param: Param) -> None:
-    """A distribution the key's declared type can take: numbers only for a number key, whole
-    numbers only for an int key; a text key, a choice or a list is searched with choice:A,B."""
-    from shardtune.config.schema import key_type, number_types
-
-    tp = key_type(param.key)
-    if tp is None or param.kind == "choice":
-        return  # an unknown key: loading its values says so, with a suggestion; choices load as written
-    numbers = number_types(tp)
-    if not numbers:
-        raise UserError(f"--search {param.key}={param.spec()}: {param.key} is not a number "
-                        f"({str(tp).replace('typing.', '')}); search it with choice:A,B")
-    if param.kind in ("uniform", "loguniform") and float not in numbers:
-        raise UserError(f"--search {param.key}={param.spec()}: {param.key} is a whole number and {param.kind} "
-                        f"draws fractions; use int:LOW:HIGH or logint:LOW:HIGH")
+@contextlib.contextmanager
+def foreign_storage(name: str, url: str):
+    """optuna's and sqlalchemy's errors for a foreign database or a study it cannot join: one line."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001
+        cause = exc.__cause__ or exc  # optuna wraps the database's own error, which says what is wrong
+        raise UserError(f"cannot use study {name!r} in --storage {url!r} ({type(cause).__name__}: "
+                        f"{first_line(cause, 160)}); give a --storage of Optuna's own (a new file is made), or "
+                        "another --study-name") from None
 
 
 def open_study(sweep: Sweep, search: Search):
@@ -253,15 +178,17 @@ def open_study(sweep: Sweep, search: Search):
     # to the one optuna's own handler kept from when it was made
     optuna.logging.disable_default_handler()
     name = search.study_name or sweep.out.resolve().name
-    try:  # a database that opens may still not be Optuna's (another schema), or hold a study it cannot join
+    with foreign_storage(name, url):  # a database that opens may still not be Optuna's (another schema)
+        known = name in optuna.study.get_all_study_names(storage)
+    if not known and (left := trial_folders(sweep, name)):
+        raise UserError(f"{sweep.out / 'trials'} holds {len(left)} trial folder(s) of a study {name!r} that "
+                        f"--storage {url!r} does not have (another storage, or its database removed): a new study "
+                        "would run its trials over them; give that study's --storage, another --out, or another "
+                        "--study-name")
+    with foreign_storage(name, url):  # or hold a study it cannot join
         study = optuna.create_study(study_name=name, storage=storage, load_if_exists=True, direction="minimize",
                                     sampler=make_sampler(search), pruner=make_pruner(search))
         saved = study.user_attrs.get("spec")
-    except Exception as exc:  # noqa: BLE001  optuna's and sqlalchemy's errors for a foreign database or study
-        cause = exc.__cause__ or exc  # optuna wraps the database's own error, which says what is wrong
-        raise UserError(f"cannot use study {name!r} in --storage {url!r} ({type(cause).__name__}: "
-                        f"{first_line(cause, 160)}); give a --storage of Optuna's own (a new file is made), or "
-                        "another --study-name") from None
     spec = json_loads(json.dumps({**search.spec(), "trial": sweep.spec()}))  # as read back from the storage
     if saved is None:
         study.set_user_attr("spec", spec)
@@ -357,6 +284,13 @@ def trial_folder(sweep: Sweep, study_name: str, number: int) -> str:
     if safe != study_name:  # two names that lose different characters stay apart
         safe += "-" + hashlib.sha1(study_name.encode("utf-8", "surrogatepass")).hexdigest()[:8]
     return f"{own}-{safe}"
+
+
+def trial_folders(sweep: Sweep, study_name: str) -> list[Path]:
+    """The folders under OUT/trials that trials of `study_name` are written to (trial_folder's names)."""
+    pattern = re.compile(re.escape(trial_folder(sweep, study_name, 0)).replace("0000", r"\d{4,}", 1) + "$")
+    trials = sweep.out / "trials"
+    return sorted(p for p in trials.iterdir() if pattern.match(p.name)) if trials.is_dir() else []
 
 
 def counts(trial) -> bool:
