@@ -145,8 +145,7 @@ def command_line(est: Estimate, cfg: RunConfig, target: Target, recipe: str | No
     changes = est.candidate.settings(target)
     keys = {o.split("=", 1)[0] for o in overrides}
     words = [o for o in overrides if o.split("=", 1)[0] not in changes] + \
-        [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in changes.items()
-         if v != setting(cfg, k) or k in keys]
+        [_word(k, v) for k, v in changes.items() if v != setting(cfg, k) or k in keys]
     head = ["shardtune", "train", *([recipe] if recipe else [])]
     if target.nodes == 1:
         return shlex.join([*head, *words, "--nproc", str(target.gpus_per_node)])
@@ -338,22 +337,25 @@ def what_would_fit(cfg: RunConfig, hf_config, target: Target, ranked: list[Estim
 
 def _lora_lines(cfg: RunConfig, hf_config, target: Target, cache: TraceCache | None = None) -> list[str]:
     """What LoRA (traced) and, on one GPU, QLoRA (the LoRA trace with its base priced in NF4:
-    plan.qlora) would need per rank."""
+    plan.qlora) would need per rank, each with the keys that run it: those its priced layout changes
+    (the card's precision; float8, which train refuses beside an adapter)."""
+    from shardtune.plan.menu import precisions
     from shardtune.plan.search import estimate, screen, traced
 
     lora = copy.deepcopy(cfg)
     lora.peft = type(cfg.peft)(method="lora")  # LoRA's defaults, nothing of another method's settings
-    lora.freeze = type(cfg.freeze)()
-    cand = Candidate("full_shard", lora.precision, 1, "full")
+    lora.freeze, lora.float8 = type(cfg.freeze)(), "none"
+    cand = Candidate("full_shard", precisions(cfg, target)[0], 1, "full")
     layout = cand.apply(lora, target)
     at = traced(lambda: screen(layout, hf_config, target, cache=cache))
     if isinstance(at, str):
         return [f"LoRA: {at}"]
     est = estimate(at(1), hf_config, cand, layout, target)
-    out = [f"LoRA (peft.method=lora activation_checkpointing=full train.micro_batch_size=1): "
-           f"{est.memory['total'] / GIB:.1f} GiB per rank ({'fits' if est.fits else 'does not fit'})"]
+    out = [f"LoRA ({_changed(cfg, layout)}): {est.memory['total'] / GIB:.1f} GiB per rank "
+           f"({'fits' if est.fits else 'does not fit'})"]
     one = dataclasses.replace(target, gpus_per_node=1, nodes=1)
-    if cfg.model.name_or_path is None or (target.gpu is not None and not target.gpu.supports("bf16")):
+    if cfg.model.name_or_path is None or cfg.model.random_init or \
+            (target.gpu is not None and not target.gpu.supports("bf16")):
         return out  # QLoRA quantizes pretrained weights and computes in bf16
     qlora = copy.deepcopy(layout)
     qlora.peft.quantize, qlora.precision = "4bit", "bf16"
@@ -362,6 +364,17 @@ def _lora_lines(cfg: RunConfig, hf_config, target: Target, cache: TraceCache | N
     if isinstance(at, str):
         return out + [f"QLoRA: {at}"]
     est = estimate(at(1), hf_config, cand, cand.apply(qlora, one), one)
-    return out + [f"QLoRA (peft.method=lora peft.quantize=4bit precision=bf16 activation_checkpointing=full "
-                  f"train.micro_batch_size=1, one GPU): {est.memory['total'] / GIB:.1f} GiB "
+    return out + [f"QLoRA ({_changed(cfg, cand.apply(qlora, one))}, one GPU): {est.memory['total'] / GIB:.1f} GiB "
                   f"({'fits' if est.fits else 'does not fit'}; the LoRA trace, its base priced in NF4)"]
+
+
+def _changed(cfg: RunConfig, other: RunConfig) -> str:
+    """The key=value words that make `cfg` the run `other` (the keys a suggestion changes)."""
+    from shardtune.plan.trace_cache import traced_keys
+
+    old = traced_keys(cfg)
+    return " ".join(_word(k, v) for k, v in traced_keys(other).items() if v != old[k])
+
+
+def _word(key: str, value) -> str:
+    return f"{key}={str(value).lower() if isinstance(value, bool) else value}"
