@@ -122,12 +122,13 @@ def largest_micro_batch(est: Estimate, cfg: RunConfig, hf_config, target: Target
     """The largest power-of-two micro-batch of `est`'s layout that fits: at the recipe's global batch
     where it divides (what a run of it holds), else at any global batch that takes it (accumulation 2
     and more hold the second micro-step's gradients, which one micro-step does not). Priced at
-    accumulation 2 throughout, it fell below the best's own micro-batch where that fits at 1."""
+    accumulation 2 throughout, it fell below the best's own micro-batch where that fits at 1; the
+    best's own is priced too (a recipe's 6 that fits, where 8 does not, was answered with 4)."""
     c = est.candidate
     at = est.at or screen(layout_cfg(cfg, c, target), hf_config, target, cache=cache)
     best = 0
     kept = cfg.train.global_batch_size
-    for mb in (2 ** i for i in range(limit.bit_length())):
+    for mb in sorted({2 ** i for i in range(limit.bit_length())} | {min(c.micro_batch, limit)}):
         big = copy.deepcopy(cfg)
         big.train.global_batch_size = kept if kept % (mb * target.world) == 0 else 2 * mb * target.world
         if not estimate(at(mb), hf_config, dataclasses.replace(c, micro_batch=mb), big, target).fits:
