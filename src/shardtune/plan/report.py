@@ -217,7 +217,7 @@ def render(answer: dict) -> str:
     gpu = t["gpu"] or "GPU"
     lines.append(f"{t['nodes']} node(s) x {t['gpus_per_node']} x {gpu} ({t['gpu_memory_bytes'] / GIB:.1f} GiB each), "
                  f"keeping {100 * t['margin']:.0f} % free")
-    lines.append(f"host RAM per node: {t['host_memory_bytes'] / GIB:.0f} GiB ({t['host_memory_source']}), bounding "
+    lines.append(f"host RAM per node: {_gib(t['host_memory_bytes'])} GiB ({t['host_memory_source']}), bounding "
                  "every answer" if t["host_memory_bytes"] else
                  "host RAM per node: not bounded (no --gpu from the table): give --host-mem SIZE to bound it")
     best = answer["best"]
@@ -237,7 +237,7 @@ def render(answer: dict) -> str:
                   f"{h['cpu_offload'] / GIB:.1f} GiB, offloaded activations {h['activation_offload'] / GIB:.1f} GiB"
                   + (f", async checkpoint staging {h['async_save'] / GIB:.1f} GiB" if h.get("async_save") else "")
                   + "; "
-                  f"total {h['total'] / GIB:.1f} GiB" + (f" of {t['host_memory_bytes'] / GIB:.0f}"
+                  f"total {h['total'] / GIB:.1f} GiB" + (f" of {_gib(t['host_memory_bytes'])}"
                                                         if t["host_memory_bytes"] else ""),
                   f"largest micro-batch per GPU that fits this layout: {best['largest_micro_batch']}"
                   + (" or more (the largest priced)" if best["largest_micro_batch"] >= LARGEST_PRICED else "")
@@ -254,6 +254,11 @@ def render(answer: dict) -> str:
                  "offloading, float8 and an 8-bit optimizer state; other techniques take the widest measured reserve "
                  "of their kind: hardware.MEASURED_RESERVE)")
     return "\n".join(lines)
+
+
+def _gib(size: int) -> str:
+    """A host budget in GiB, whole where that says it (--host-mem 100MB was 'host RAM per node: 0 GiB')."""
+    return f"{size / GIB:.0f}" if size >= 10 * GIB else f"{size / GIB:.2g}"
 
 
 def float8_line(alt: dict, t: dict) -> str:
