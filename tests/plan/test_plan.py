@@ -276,7 +276,7 @@ def test_a_layout_too_big_at_micro_batch_2_is_not_traced_further_unless_micro_ba
     low = screen(run, hf_config, Target(2, 1, 1 << 40, None), micro=(2,))  # traced once: 2 depths
     for budget, fastest, lean in ((1 << 40, 1e30, False), (1 << 20, 0.0, False), (1 << 20, 1e30, True)):
         target = Target(2, 1, budget, None)
-        out = _none_fit_from(low, layout, sizes, hf_config, cfg, run, target, budget, fastest, low(2), {})
+        out = _none_fit_from(low, layout, sizes, hf_config, cfg, run, target, budget, fastest, low(2), frozenset())
         assert (out is not None) == lean
         if lean:
             assert {e.candidate.micro_batch for e in out} == {2} and all(not e.fits for e in out)

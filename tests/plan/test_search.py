@@ -53,7 +53,7 @@ def tiny():
     return cfg, load_hf_config(cfg.model)
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(activations=st.integers(1, 400), states=st.integers(0, 400), gathered=st.integers(0, 400),
        temporaries=st.integers(0, 400), budget=st.integers(600, 6000), gpus=st.sampled_from([1, 2]),
        gpu=st.sampled_from(["A100-80GB", "T4"]))
