@@ -206,6 +206,7 @@ def test_plan_prints_a_command_line_that_loads(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--gpus", "4", "--gpu", "B300"], "unknown GPU 'B300'; known: H200, H100"),
+    (["--gpus", "1", "--gpu", "8xA100-80GB"], "give the count apart: --gpus 8 --gpu A100-80GB"),
     (["--gpus", "0", "--gpu", "T4"], "--gpus: must be at least 1"),
     (["--gpus", "4", "--gpu-mem", "lots"], "--gpu-mem: 'lots' is not a memory size"),
     (["--gpus", "4"], "say which GPU"),
