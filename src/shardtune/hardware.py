@@ -108,6 +108,10 @@ def gpu_by_name(name: str) -> GPU:
     for gpu in GPUS:
         if gpu.name.lower() == wanted:
             return gpu
+    count = re.fullmatch(r"(\d+)\s*[x*]\s*(.+)", name.strip(), re.IGNORECASE)  # 8xA100-80GB, as clouds write it
+    if count and any(g.name.lower() == count.group(2).strip().lower().replace(" ", "-") for g in GPUS):
+        raise UserError(f"--gpu names one card; give the count apart: --gpus {count.group(1)} --gpu "
+                        f"{count.group(2).strip()} (--gpus is per node)")
     raise UserError(f"unknown GPU {name!r}; known: {', '.join(g.name for g in GPUS)} "
                     "(or give --gpu-mem SIZE and --peak-tflops)")
 

@@ -206,6 +206,7 @@ def test_plan_prints_a_command_line_that_loads(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--gpus", "4", "--gpu", "B300"], "unknown GPU 'B300'; known: H200, H100"),
+    (["--gpus", "1", "--gpu", "8xA100-80GB"], "give the count apart: --gpus 8 --gpu A100-80GB"),
     (["--gpus", "0", "--gpu", "T4"], "--gpus: must be at least 1"),
     (["--gpus", "4", "--gpu-mem", "lots"], "--gpu-mem: 'lots' is not a memory size"),
     (["--gpus", "4"], "say which GPU"),
@@ -276,7 +277,7 @@ def test_a_layout_too_big_at_micro_batch_2_is_not_traced_further_unless_micro_ba
     low = screen(run, hf_config, Target(2, 1, 1 << 40, None), micro=(2,))  # traced once: 2 depths
     for budget, fastest, lean in ((1 << 40, 1e30, False), (1 << 20, 0.0, False), (1 << 20, 1e30, True)):
         target = Target(2, 1, budget, None)
-        out = _none_fit_from(low, layout, sizes, hf_config, cfg, run, target, budget, fastest, low(2), {})
+        out = _none_fit_from(low, layout, sizes, hf_config, cfg, run, target, budget, fastest, low(2), frozenset())
         assert (out is not None) == lean
         if lean:
             assert {e.candidate.micro_batch for e in out} == {2} and all(not e.fits for e in out)
@@ -345,3 +346,26 @@ def test_a_multi_node_command_line_leaves_the_head_node_to_the_shell():
     assert shown[shown.index("--rdzv_endpoint") + 1] == "node-7:29500"
     assert shown[shown.index("-m"):][:4] == ["-m", "shardtune", "train", "my recipe.yaml"]
     assert "fsdp.shard_size=4" in shown and "fsdp.replicate_size=2" in shown
+
+
+def test_the_lora_suggestion_is_a_run_train_takes_on_the_card(monkeypatch):
+    """When nothing fits, the LoRA line of a bf16 recipe for a T4 crashed (ZeroDivisionError: bf16 priced
+    at the T4's bf16 peak of 0); it now prices, and names, the precision the card runs (fp16 where there
+    is no bf16), and its keys on the recipe make a run that loads."""
+    import shardtune.plan.search as search
+    from shardtune.hardware import gpu_by_name
+    from shardtune.model.hf import load_hf_config
+    from shardtune.plan.cost import Target
+    from shardtune.plan.report import _lora_lines
+
+    # one whole trace stands in for the screen's four copies (the line's keys are the point)
+    monkeypatch.setattr(search, "screen", lambda run, hf_config, target, cache=None: lambda mb: trace_step(
+        run, hf_config, target.world, target="cuda"))
+    cfg = tiny_cfg("gpt2", "precision=bf16", "data.seq_len=16")
+    (line,) = _lora_lines(cfg, load_hf_config(cfg.model), Target(1, 1, 1 << 20, gpu_by_name("T4")))
+    words = line[line.index("(") + 1:line.index(")")].split()
+    assert "precision=fp16" in words and "peft.method=lora" in words and "does not fit" in line, line
+    suggested = load_config(None, [f"model.config={json.dumps(TINY['gpt2'])}", "data.path=unused", "data.seq_len=16",
+                                   "train.micro_batch_size=2", "train.global_batch_size=16", "device=cpu",
+                                   "precision=bf16", *words])
+    assert (suggested.precision, suggested.peft.method, suggested.activation_checkpointing) == ("fp16", "lora", "full")

@@ -70,3 +70,13 @@ def test_the_answer_prints_the_host_budget_and_its_source():
     assert first_lines(PlanRequest(gpus=2, gpu="T4", host_mem="100GiB"))[1] == \
         "host RAM per node: 100 GiB (--host-mem), bounding every answer"
     assert "not bounded" in first_lines(PlanRequest(gpus=2, gpu_mem="16GiB"))[1]
+
+
+@pytest.mark.parametrize("host_mem, shown", [("100MB", "0.093 GiB"), ("1.5GiB", "1.5 GiB"), ("244GiB", "244 GiB")])
+def test_the_host_budget_is_printed_as_given(host_mem, shown):
+    """--host-mem 100MB bounded every answer, and the answer said 'host RAM per node: 0 GiB'."""
+    from shardtune.plan.report import _target_json, render
+
+    target = target_from_request(PlanRequest(gpus=1, gpu="T4", host_mem=host_mem))
+    text = render({"target": _target_json(target), "best": None, "others": [], "what_would_fit": []})
+    assert f"host RAM per node: {shown} (--host-mem), bounding every answer" in text, text

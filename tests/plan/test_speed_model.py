@@ -62,3 +62,25 @@ def test_predicted_tokens_per_second_is_within_15_percent_of_the_measured_gpu_ro
                         Candidate("full_shard", "bf16", 4), cfg, Target(1, 1, gpu.memory_bytes, gpu), accum=2)
     predicted = 8 * 2048 / seconds["total"]
     assert abs(predicted / measured - 1) < TOLERANCE, f"predicted {predicted:,.0f} tokens/s, measured {measured:,.0f}"
+
+
+
+@pytest.mark.parametrize("peak_tflops", [None, 200.0])
+@pytest.mark.parametrize("gpu_name", ["H100", "A100-80GB", "V100-16GB", "T4", None])
+def test_every_precision_has_a_peak_in_the_ratio_of_the_card(gpu_name, peak_tflops):
+    """A card without bf16 units priced bf16 at a peak of 0 (plan's LoRA suggestion for a bf16 recipe
+    on a T4: ZeroDivisionError), and --peak-tflops, the 16-bit peak, priced fp32 at it too (fp32 tied
+    with bf16 on an A100, 16x too fast). Now: emulated precisions at the fp32 rate, and the flag
+    scales the card's own ratios (a card from --gpu-mem alone: the nominal card's)."""
+    from shardtune.hardware import gpu_by_name
+    from shardtune.plan.cost import Target
+
+    gpu = gpu_by_name(gpu_name) if gpu_name else None
+    target, bare = Target(1, 1, 1 << 34, gpu, peak_tflops), Target(1, 1, 1 << 34, gpu)
+    sixteen = max(bare.peak_flops("bf16"), bare.peak_flops("fp16"))
+    scale = peak_tflops * 1e12 / sixteen if peak_tflops else 1.0
+    for precision in ("bf16", "fp16", "fp32", "fp8"):
+        own = gpu.peak_flops(precision) if gpu else bare.peak_flops(precision)
+        expected = (own or bare.peak_flops("fp32")) * scale
+        assert target.peak_flops(precision) == pytest.approx(expected) and expected > 0, precision
+    assert target.peak_flops("fp32") < target.peak_flops("fp16")

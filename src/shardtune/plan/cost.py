@@ -34,6 +34,7 @@ FLOAT8_CASTS = {"rowwise": 2, "tensorwise": 1}
 # Llama-3-8B on 8 x H100 (seq 8192, compiled, FSDP): +10 % rowwise (its row scales cost the GEMM
 # more), +25 % tensorwise with float8 all-gather. bench/gpu/run.sh's float8 stage measures them.
 FLOAT8_EFFICIENCY = {"rowwise": 0.63, "tensorwise": 0.74}
+NOMINAL_TFLOPS = (100.0, 100.0, 15.0, 200.0)  # bf16, fp16, fp32, fp8 of a card given by --gpu-mem alone
 
 
 @dataclass(frozen=True)
@@ -112,12 +113,14 @@ class Target:
         return self.gpus_per_node * self.nodes
 
     def peak_flops(self, precision: str) -> float:
-        if self.peak_tflops:  # --peak-tflops names the card's 16-bit peak; float8 tensor cores double it
-            return self.peak_tflops * 1e12 * (2 if precision == "fp8" else 1)
-        if self.gpu is not None:
-            return self.gpu.peak_flops(precision)
-        # a nominal card: ranks still hold
-        return {"bf16": 100e12, "fp16": 100e12, "fp32": 15e12, "fp8": 200e12}[precision]
+        """The card's dense peak for `precision` (a nominal card's without --gpu, so ranks still hold).
+        --peak-tflops names the 16-bit peak: the other precisions keep their ratio to it (fp32 at the
+        16-bit rate priced an fp32 layout 6-16x fast, tying it with bf16). A precision without units
+        of its own (bf16 on a T4 or V100) runs emulated, at the fp32 rate: never a zero peak."""
+        table = dict(zip(("bf16", "fp16", "fp32", "fp8"), self.gpu.tflops if self.gpu is not None
+                         else NOMINAL_TFLOPS, strict=True))
+        scale = self.peak_tflops / max(table["bf16"], table["fp16"]) if self.peak_tflops else 1.0
+        return (table[precision] or table["fp32"]) * scale * 1e12
 
     def link_gbs(self) -> float:
         intra = self.bandwidth_gbs or (self.gpu.link_gbs if self.gpu else 24.0)

@@ -122,12 +122,13 @@ def largest_micro_batch(est: Estimate, cfg: RunConfig, hf_config, target: Target
     """The largest power-of-two micro-batch of `est`'s layout that fits: at the recipe's global batch
     where it divides (what a run of it holds), else at any global batch that takes it (accumulation 2
     and more hold the second micro-step's gradients, which one micro-step does not). Priced at
-    accumulation 2 throughout, it fell below the best's own micro-batch where that fits at 1."""
+    accumulation 2 throughout, it fell below the best's own micro-batch where that fits at 1; the
+    best's own is priced too (a recipe's 6 that fits, where 8 does not, was answered with 4)."""
     c = est.candidate
     at = est.at or screen(layout_cfg(cfg, c, target), hf_config, target, cache=cache)
     best = 0
     kept = cfg.train.global_batch_size
-    for mb in (2 ** i for i in range(limit.bit_length())):
+    for mb in sorted({2 ** i for i in range(limit.bit_length())} | {min(c.micro_batch, limit)}):
         big = copy.deepcopy(cfg)
         big.train.global_batch_size = kept if kept % (mb * target.world) == 0 else 2 * mb * target.world
         if not estimate(at(mb), hf_config, dataclasses.replace(c, micro_batch=mb), big, target).fits:
@@ -145,8 +146,7 @@ def command_line(est: Estimate, cfg: RunConfig, target: Target, recipe: str | No
     changes = est.candidate.settings(target)
     keys = {o.split("=", 1)[0] for o in overrides}
     words = [o for o in overrides if o.split("=", 1)[0] not in changes] + \
-        [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in changes.items()
-         if v != setting(cfg, k) or k in keys]
+        [_word(k, v) for k, v in changes.items() if v != setting(cfg, k) or k in keys]
     head = ["shardtune", "train", *([recipe] if recipe else [])]
     if target.nodes == 1:
         return shlex.join([*head, *words, "--nproc", str(target.gpus_per_node)])
@@ -217,7 +217,7 @@ def render(answer: dict) -> str:
     gpu = t["gpu"] or "GPU"
     lines.append(f"{t['nodes']} node(s) x {t['gpus_per_node']} x {gpu} ({t['gpu_memory_bytes'] / GIB:.1f} GiB each), "
                  f"keeping {100 * t['margin']:.0f} % free")
-    lines.append(f"host RAM per node: {t['host_memory_bytes'] / GIB:.0f} GiB ({t['host_memory_source']}), bounding "
+    lines.append(f"host RAM per node: {_gib(t['host_memory_bytes'])} GiB ({t['host_memory_source']}), bounding "
                  "every answer" if t["host_memory_bytes"] else
                  "host RAM per node: not bounded (no --gpu from the table): give --host-mem SIZE to bound it")
     best = answer["best"]
@@ -237,7 +237,7 @@ def render(answer: dict) -> str:
                   f"{h['cpu_offload'] / GIB:.1f} GiB, offloaded activations {h['activation_offload'] / GIB:.1f} GiB"
                   + (f", async checkpoint staging {h['async_save'] / GIB:.1f} GiB" if h.get("async_save") else "")
                   + "; "
-                  f"total {h['total'] / GIB:.1f} GiB" + (f" of {t['host_memory_bytes'] / GIB:.0f}"
+                  f"total {h['total'] / GIB:.1f} GiB" + (f" of {_gib(t['host_memory_bytes'])}"
                                                         if t["host_memory_bytes"] else ""),
                   f"largest micro-batch per GPU that fits this layout: {best['largest_micro_batch']}"
                   + (" or more (the largest priced)" if best["largest_micro_batch"] >= LARGEST_PRICED else "")
@@ -254,6 +254,11 @@ def render(answer: dict) -> str:
                  "offloading, float8 and an 8-bit optimizer state; other techniques take the widest measured reserve "
                  "of their kind: hardware.MEASURED_RESERVE)")
     return "\n".join(lines)
+
+
+def _gib(size: int) -> str:
+    """A host budget in GiB, whole where that says it (--host-mem 100MB was 'host RAM per node: 0 GiB')."""
+    return f"{size / GIB:.0f}" if size >= 10 * GIB else f"{size / GIB:.2g}"
 
 
 def float8_line(alt: dict, t: dict) -> str:
@@ -338,22 +343,25 @@ def what_would_fit(cfg: RunConfig, hf_config, target: Target, ranked: list[Estim
 
 def _lora_lines(cfg: RunConfig, hf_config, target: Target, cache: TraceCache | None = None) -> list[str]:
     """What LoRA (traced) and, on one GPU, QLoRA (the LoRA trace with its base priced in NF4:
-    plan.qlora) would need per rank."""
+    plan.qlora) would need per rank, each with the keys that run it: those its priced layout changes
+    (the card's precision; float8, which train refuses beside an adapter)."""
+    from shardtune.plan.menu import precisions
     from shardtune.plan.search import estimate, screen, traced
 
     lora = copy.deepcopy(cfg)
     lora.peft = type(cfg.peft)(method="lora")  # LoRA's defaults, nothing of another method's settings
-    lora.freeze = type(cfg.freeze)()
-    cand = Candidate("full_shard", lora.precision, 1, "full")
+    lora.freeze, lora.float8 = type(cfg.freeze)(), "none"
+    cand = Candidate("full_shard", precisions(cfg, target)[0], 1, "full")
     layout = cand.apply(lora, target)
     at = traced(lambda: screen(layout, hf_config, target, cache=cache))
     if isinstance(at, str):
         return [f"LoRA: {at}"]
     est = estimate(at(1), hf_config, cand, layout, target)
-    out = [f"LoRA (peft.method=lora activation_checkpointing=full train.micro_batch_size=1): "
-           f"{est.memory['total'] / GIB:.1f} GiB per rank ({'fits' if est.fits else 'does not fit'})"]
+    out = [f"LoRA ({_changed(cfg, layout)}): {est.memory['total'] / GIB:.1f} GiB per rank "
+           f"({'fits' if est.fits else 'does not fit'})"]
     one = dataclasses.replace(target, gpus_per_node=1, nodes=1)
-    if cfg.model.name_or_path is None or (target.gpu is not None and not target.gpu.supports("bf16")):
+    if cfg.model.name_or_path is None or cfg.model.random_init or \
+            (target.gpu is not None and not target.gpu.supports("bf16")):
         return out  # QLoRA quantizes pretrained weights and computes in bf16
     qlora = copy.deepcopy(layout)
     qlora.peft.quantize, qlora.precision = "4bit", "bf16"
@@ -362,6 +370,17 @@ def _lora_lines(cfg: RunConfig, hf_config, target: Target, cache: TraceCache | N
     if isinstance(at, str):
         return out + [f"QLoRA: {at}"]
     est = estimate(at(1), hf_config, cand, cand.apply(qlora, one), one)
-    return out + [f"QLoRA (peft.method=lora peft.quantize=4bit precision=bf16 activation_checkpointing=full "
-                  f"train.micro_batch_size=1, one GPU): {est.memory['total'] / GIB:.1f} GiB "
+    return out + [f"QLoRA ({_changed(cfg, cand.apply(qlora, one))}, one GPU): {est.memory['total'] / GIB:.1f} GiB "
                   f"({'fits' if est.fits else 'does not fit'}; the LoRA trace, its base priced in NF4)"]
+
+
+def _changed(cfg: RunConfig, other: RunConfig) -> str:
+    """The key=value words that make `cfg` the run `other` (the keys a suggestion changes)."""
+    from shardtune.plan.trace_cache import traced_keys
+
+    old = traced_keys(cfg)
+    return " ".join(_word(k, v) for k, v in traced_keys(other).items() if v != old[k])
+
+
+def _word(key: str, value) -> str:
+    return f"{key}={str(value).lower() if isinstance(value, bool) else value}"

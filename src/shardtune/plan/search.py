@@ -141,7 +141,9 @@ def traced(make):
 
 def estimate(trace: StepTrace, hf_config, cand: Candidate, cfg: RunConfig, target: Target) -> Estimate:
     """`cand` priced from a trace of its layout (any optimizer state: it is swapped in here)."""
-    accum = check_world(cand.apply(cfg, target), target.world)
+    # the batch's accumulation alone (cand.apply's deep copy of the config per candidate was most of a search)
+    batch = dataclasses.replace(cfg.train, micro_batch_size=cand.micro_batch)
+    accum = check_world(dataclasses.replace(cfg, train=batch), target.world)
     trace = trace.with_state(cand.optimizer_state)
     if cfg.peft.quantize == "4bit":  # the LoRA step's trace, its base priced as bitsandbytes holds it
         from shardtune.plan.qlora import nf4_base, quantized
@@ -197,22 +199,35 @@ def search(cfg: RunConfig, hf_config, target: Target, say=print, cache: TraceCac
     menu = layouts(cfg, target)
     lightest = min(menu, key=_lightness)
     estimates: list[Estimate] = []
-    misfits: list[Candidate] = []
-    too_big: dict[Candidate, set] = {}  # traced layout -> its variants that exceed GPU memory
+    priced: dict[Candidate, tuple[list[Estimate], bool]] = {}  # traced layout -> its estimates, screened at
+    # SCREEN_MICRO[0] only (their verdict then holds for every micro-batch from it up)
+    budget = target.memory_bytes * (1 - target.margin)
+
+    memo: dict[tuple, set] = {}
+
+    def over(layout: Candidate, m: Candidate) -> set:  # too_big, once per lighter layout and technique
+        key = (m, layout.checkpointing, layout.activation_offload)
+        if key not in memo:
+            memo[key] = too_big(layout, *priced[m], sizes, cfg, target, budget)
+        return memo[key]
+
+    def excluded(layout: Candidate) -> frozenset:  # its variants a lighter layout's trace shows too big
+        return frozenset().union(*(over(layout, m) for m in priced if needs_at_least(layout, m)))
     bounds: dict[Candidate, float] = {}
     first: StepTrace | None = None  # the first trace: the parameter counts every bound needs
     fastest = 0.0  # tokens/s of the fastest candidate that fits so far
     order = [lightest] + [c for c in menu if c != lightest]
     while order:
         layout = order.pop(0)
-        heavier = next((m for m in misfits if needs_at_least(layout, m)), None)
+        every = {(c.optimizer_state, c.cpu_offload, c.micro_batch)
+                 for c in variants(layout, sizes, cfg.peft.quantize == "none")}
+        heavier = next((m for m in priced if needs_at_least(layout, m) and every <= over(layout, m)), None)
         if heavier is not None:
             estimates.append(_skipped(layout, sizes[0], f"not traced: needs at least the memory of "
                                       f"{_layout_label(heavier)}, which fits nowhere"))
             continue
         if layout in bounds:  # its variants that a lighter layout's trace showed too big cannot fit either
-            bounds[layout] = best_speed(layout, first, hf_config, cfg, target, sizes, frozenset().union(
-                *(bad for m, bad in too_big.items() if needs_at_least(layout, m))))
+            bounds[layout] = best_speed(layout, first, hf_config, cfg, target, sizes, excluded(layout))
         if bounds.get(layout) == 0.0:
             estimates.append(_skipped(layout, sizes[0], "not traced: each of its variants needs at least the "
                                       "memory of one a lighter layout's trace found too big"))
@@ -225,25 +240,21 @@ def search(cfg: RunConfig, hf_config, target: Target, say=print, cache: TraceCac
         # one fits nowhere, neither does any other of that sharding or a heavier one, untraced
         lighter = [c for c in order if c.sharding == layout.sharding and needs_at_least(layout, c)
                    and not (c in bounds and bounds[c] < fastest * (1 + TIE))]
-        if lighter and not any(t.sharding == layout.sharding for t in too_big):
+        if lighter and not any(t.sharding == layout.sharding for t in priced):
             light = min(lighter, key=_lightness)
             order.remove(light)
             order[:0] = [light, layout]
             continue
         cache.announce = functools.partial(say, f"tracing {_layout_label(layout)}")  # not said for cached traces
         run = layout_cfg(cfg, layout, target)
-        budget = target.memory_bytes * (1 - target.margin)
         low = None
         if bounds and SCREEN_MICRO[0] in sizes:  # the copies at the smaller micro-batch first
             low = traced(lambda run=run: screen(run, hf_config, target, cache=cache, micro=SCREEN_MICRO[:1]))
             lean = None if isinstance(low, str) else _none_fit_from(low, layout, sizes, hf_config, cfg, run, target,
-                                                                     budget, fastest, first, too_big)
+                                                                     budget, fastest, first, excluded(layout))
             if lean is not None:  # too big from that micro-batch up, no faster below it: no more copies
                 estimates += lean
-                too_big[layout] = {(e.candidate.optimizer_state, e.candidate.cpu_offload, mb)
-                                   for e in lean for mb in sizes if mb >= SCREEN_MICRO[0]}
-                if min(sizes) >= SCREEN_MICRO[0]:
-                    misfits.append(layout)
+                priced[layout] = (lean, True)
                 continue
         kept = None if low is None or isinstance(low, str) else low.traces
         at = traced(lambda run=run, kept=kept: screen(run, hf_config, target, cache=cache, traces=kept))
@@ -256,10 +267,7 @@ def search(cfg: RunConfig, hf_config, target: Target, say=print, cache: TraceCac
             e.at = at
         estimates += batch
         fastest = max([fastest] + [e.tokens_per_s for e in batch if e.fits])
-        too_big[layout] = {(e.candidate.optimizer_state, e.candidate.cpu_offload, e.candidate.micro_batch)
-                           for e in batch if e.memory["total"] > budget}  # GPU memory: heavier layouts too
-        if all(e.memory["total"] > budget for e in batch):
-            misfits.append(layout)
+        priced[layout] = (batch, False)
         if not bounds:  # the first trace gives the parameter counts every bound needs
             first = batch[0].trace
             bounds = {c: best_speed(c, first, hf_config, cfg, target, sizes) for c in order}
@@ -272,16 +280,17 @@ def search(cfg: RunConfig, hf_config, target: Target, say=print, cache: TraceCac
 
 
 def _none_fit_from(low, layout: Candidate, sizes: list[int], hf_config, cfg: RunConfig, run: RunConfig,
-                   target: Target, budget: float, fastest: float, first: StepTrace, too_big: dict):
+                   target: Target, budget: float, fastest: float, first: StepTrace, excluded: frozenset):
     """`layout`'s variants at the smaller screened micro-batch (from copies traced at that one only),
     if every one of them is too big there (a larger micro-batch never holds less) and those at
-    smaller micro-batches could not beat `fastest` by more than a tie; else None (trace on)."""
+    smaller micro-batches could not beat `fastest` by more than a tie (`excluded`: its variants that
+    lighter layouts' traces show too big); else None (trace on)."""
     mb = SCREEN_MICRO[0]
     batch = [estimate(low(mb), hf_config, c, run, target) for c in variants(layout, [mb], cfg.peft.quantize == "none")]
     if any(e.memory["total"] <= budget for e in batch):
         return None
     over = {(e.candidate.optimizer_state, e.candidate.cpu_offload, m) for e in batch for m in sizes if m >= mb}
-    known = frozenset().union(over, *(bad for m, bad in too_big.items() if needs_at_least(layout, m)))
+    known = frozenset(over) | excluded
     below = best_speed(layout, first, hf_config, cfg, target, sizes, known)
     if below >= fastest * (1 + TIE):
         return None
@@ -289,6 +298,26 @@ def _none_fit_from(low, layout: Candidate, sizes: list[int], hf_config, cfg: Run
         e.why_not += (f" at micro-batch {mb}, more above it; below it at most {below:,.0f} tokens/s, no faster "
                       f"than the {fastest:,.0f} of a layout that fits (traced at micro-batch {mb} only)")
     return batch
+
+
+def too_big(heavy: Candidate, batch: list[Estimate], screened: bool, sizes: list[int], cfg: RunConfig,
+            target: Target, budget: float) -> set:
+    """The variants (optimizer state, CPU offload, micro-batch) of layout `heavy` that cannot fit, from
+    the estimates of a layout it needs at least the memory of (`needs_at_least`: its trace holds no
+    more bytes): those over `budget` even at `heavy`'s allocator reserve, which is per technique
+    (hardware.MEASURED_RESERVE: 2.00 of the transient bytes with activations offloaded, 0.54 with full
+    checkpointing, 0.10 with none). Judged at the lighter layout's own reserve, a heavier layout that
+    fit was never traced: 'nothing fits' where no checkpointing fit and full checkpointing with
+    activations to host did not. `screened`: estimates at SCREEN_MICRO[0] alone, whose verdict holds
+    from it up."""
+    out = set()
+    for e in batch:
+        c = dataclasses.replace(e.candidate, checkpointing=heavy.checkpointing,
+                                activation_offload=heavy.activation_offload)
+        if gpu_memory(e.trace, c.cpu_offload, target.world, c.technique(cfg))["total"] > budget:
+            out |= {(c.optimizer_state, c.cpu_offload, mb) for mb in sizes
+                    if (mb >= c.micro_batch if screened else mb == c.micro_batch)}
+    return out
 
 
 def _lightness(c: Candidate) -> tuple:
