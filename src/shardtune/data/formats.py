@@ -236,9 +236,11 @@ def render_text(docs, cfg: DataConfig, what: str):
 # ----------------------------------------------------------------------------- instruct
 
 
-def _leading_bos(tokenizer) -> list[int]:
-    """[bos] if this tokenizer puts BOS before text by itself (llama-style), else []. Done by
-    hand so that a tokenizer that also appends EOS does not end the prompt with one."""
+def leading_bos(tokenizer) -> list[int]:
+    """[bos] if this tokenizer puts BOS before text by itself (llama-style: Llama, Mistral, Gemma,
+    OPT), else []: what every document, instruct prompt and text prompt starts with, as the model's
+    own pretraining did. Done by hand so that a tokenizer that also appends EOS (add_eos_token)
+    does not end a prompt with one."""
     bos = tokenizer.bos_token_id
     ids = tokenizer("a", add_special_tokens=True)["input_ids"]
     return [bos] if bos is not None and ids and ids[0] == bos and len(ids) > 1 else []
@@ -257,7 +259,7 @@ def instruct_prompt(cfg: DataConfig, row: dict) -> str:
 
 def instruct_prompt_ids(cfg: DataConfig, tokenizer, row: dict) -> list[int]:
     """The prompt's token ids exactly as training saw them (a llama-style BOS included)."""
-    return _leading_bos(tokenizer) + tokenizer(instruct_prompt(cfg, row), add_special_tokens=False)["input_ids"]
+    return leading_bos(tokenizer) + tokenizer(instruct_prompt(cfg, row), add_special_tokens=False)["input_ids"]
 
 
 def instruct_response(cfg: DataConfig, row: dict) -> str:
@@ -279,7 +281,7 @@ def instruct_fn(cfg: DataConfig, tokenizer, columns: list[str], what: str):
         if col not in columns:
             raise UserError(f"data.format=instruct needs a column {col!r} but {what} has only: "
                             f"{', '.join(columns)}; set {key} to the right column{format_hint(cfg, columns)}")
-    bos, eos = _leading_bos(tokenizer), tokenizer.eos_token_id
+    bos, eos = leading_bos(tokenizer), tokenizer.eos_token_id
     cutoff = cfg.example_cutoff
 
     def build(batch):

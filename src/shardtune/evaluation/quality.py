@@ -98,12 +98,13 @@ def examples(req: QualityRequest, cfg, docs, tokenizer) -> list[Example]:
     out: list[Example] = []
     if cfg.format == "text":
         docs, field = formats.render_text(docs, cfg, what)
+        bos = formats.leading_bos(tokenizer)  # every training document started with it
         for text in docs[field]:
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             if len(ids) > req.prompt_tokens:  # a document with a continuation to compare with
                 prompt, after = ids[:req.prompt_tokens], ids[req.prompt_tokens:req.prompt_tokens + req.max_new_tokens]
                 reference = continuation(tokenizer, prompt, after)  # as the generations are decoded
-                out.append(Example(tokenizer.decode(prompt), reference, prompt))
+                out.append(Example(tokenizer.decode(prompt), reference, bos + prompt))
             if len(out) == req.generate:
                 break
     elif cfg.format == "instruct":
