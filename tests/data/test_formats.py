@@ -11,10 +11,10 @@ import json
 import math
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from conftest import TINY, losses, tiny_overrides
+from conftest import TINY, llama_tokenizer, losses, tiny_overrides
 from shardtune.config.load import load_config
 from shardtune.config.schema import DataConfig
 from shardtune.data import batches as B
@@ -388,6 +388,44 @@ def test_empty_cells_are_counted_once_each_across_chunks():
         F.check_cells(docs, DataConfig(path="x", format=fmt), "the data", warned.append)
         key = "data.text_field" if fmt == "text" else "data.messages_field"
         assert warned == [f"warning: column {column!r} of the data ({key}) is null or empty in 1500 of 2000 rows"]
+
+
+
+PIECES = st.lists(st.sampled_from(["a", " ", "<|endoftext|>", "<|endof", "text|>", "<s>", "</s", ">", "<|im_end|>"]),
+                  max_size=4).map("".join).filter(str.strip)
+CELL_SHAPES = {  # a cell of each shape a format reads from its pieces of text, and the text it tokenizes
+    "text": (lambda ps: ps[0], lambda ps: ps[:1]),
+    "list": (lambda ps: ps, lambda ps: [" ".join(ps)]),
+    "messages": (lambda ps: [{"role": "user", "content": p} for p in ps], lambda ps: ps),
+    "parts": (lambda ps: [{"role": "user", "content": [{"type": "text", "text": p} for p in ps]}],
+              lambda ps: ["".join(ps)]),
+    "sharegpt": (lambda ps: [{"from": "gpt", "value": p} for p in ps], lambda ps: ps),
+}
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(shape=st.sampled_from(list(CELL_SHAPES)), llama=st.booleans(),
+       rows=st.lists(st.lists(PIECES, min_size=1, max_size=3), min_size=1, max_size=5))
+@example(shape="parts", llama=False, rows=[["a<|endof", "text|>"], ["<|endof", " text|>"]])
+def test_rows_holding_a_special_tokens_text_are_counted_in_a_warning(tokenizer, shape, llama, rows):
+    """A special token's text in the data is read as the token (here as in transformers): the rows
+    that hold one, in any shape of cell (a text part split across two parts too), are counted and
+    the tokens named in one warning line; rows of other text are never counted."""
+    tok = llama_tokenizer() if llama else tokenizer
+    specials = [t for t in tok.all_special_tokens if t != "<unk>"] if llama else ["<|endoftext|>"]
+    cell, read = CELL_SHAPES[shape]
+    chats = shape in ("messages", "parts", "sharegpt")
+    column = "conversations" if shape == "sharegpt" else "messages" if chats else "text"
+    cfg = DataConfig(path="x", format="chat" if chats else "text", messages_field=column)
+    warned = []
+    F.check_cells(dataset([{column: cell(r)} for r in rows]), cfg, "the data", warned.append, tok)
+    found = [{s for s in specials if any(s in t for t in read(r))} for r in rows]
+    marked = [w for w in warned if "special token" in w]
+    assert len(marked) == any(found), warned
+    if marked:
+        assert marked[0].startswith(f"warning: {sum(map(bool, found))} of {len(rows)} rows of column {column!r}")
+        named = marked[0].split("special token (")[1].split(")")[0].split(", ")
+        assert set(named) <= set.union(*found) and "\n" not in marked[0]
 
 
 def _shouted(content, where):

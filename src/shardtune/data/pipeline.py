@@ -168,7 +168,7 @@ def tokenize_split(docs, cfg: DataConfig, tokenizer, what: str, warn=None, requi
     """Token rows of one split in cfg.format: packed text blocks, or one example per row with
     `labels` (IGNORE_INDEX where there is no loss) and `length`. `required`: an instruct/chat
     split left with no example is a UserError."""
-    formats.check_cells(docs, cfg, what, warn or _warn)
+    formats.check_cells(docs, cfg, what, warn or _warn, tokenizer)
     if cfg.format == "text":
         docs, field = formats.render_text(docs, cfg, what)
         return pack(docs, tokenizer, field, cfg.seq_len, cfg.num_proc, cfg.masks_documents)
