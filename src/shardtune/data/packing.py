@@ -324,7 +324,9 @@ def pack_text(docs, tokenizer, field: str, seq_len: int, num_proc: int | None = 
         for ids, lengths in _encoded_chunks(docs, field, tokenizer, num_proc, dtype):
             writer.add(ids, lengths)
 
-    folder, owned = _cached(docs, ("text", field, tokenizer.eos_token_id, tokenizer), fill, False, dtype)
+    # the BOS itself keyed (formats' rule, outside this module's code hash), as the EOS is
+    ends = (leading_bos(tokenizer), tokenizer.eos_token_id)
+    folder, owned = _cached(docs, ("text", field, *ends, tokenizer), fill, False, dtype)
     return PackedBlocks(folder, seq_len, document_mask, owned)
 
 
