@@ -99,10 +99,11 @@ def examples(req: QualityRequest, cfg, docs, tokenizer) -> list[Example]:
     if cfg.format == "text":
         docs, field = formats.render_text(docs, cfg, what)
         bos = formats.leading_bos(tokenizer)  # every training document started with it
+        cut = req.prompt_tokens - len(bos)  # it is one of the prompt's tokens: prompt and new ones fit as fitted
         for text in docs[field]:
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-            if len(ids) > req.prompt_tokens:  # a document with a continuation to compare with
-                prompt, after = ids[:req.prompt_tokens], ids[req.prompt_tokens:req.prompt_tokens + req.max_new_tokens]
+            if len(ids) > cut:  # a document with a continuation to compare with
+                prompt, after = ids[:cut], ids[cut:cut + req.max_new_tokens]
                 reference = continuation(tokenizer, prompt, after)  # as the generations are decoded
                 out.append(Example(tokenizer.decode(prompt), reference, bos + prompt))
             if len(out) == req.generate:
