@@ -7,6 +7,7 @@ column `moves`), HuggingFaceH4/ultrachat_200k (prompt, prompt_id, messages).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -282,7 +283,7 @@ def test_a_message_without_content_is_refused_in_one_line(chat_tokenizer, rows):
     assert not nulls
 
 
-def test_chat_template_from_config_is_installed_and_used(tmp_path, assets):
+def test_chat_template_from_config_is_installed_and_used(tmp_path, assets, capsys):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(assets["tokenizer"])  # no template of its own
@@ -291,6 +292,26 @@ def test_chat_template_from_config_is_installed_and_used(tmp_path, assets):
     train, val = D.prepare(cfg, tok, seed=0)
     assert tok.chat_template == CHAT_TEMPLATE and len(train) == 10 and len(val) == 2
     assert kept(tok, train[0]["labels"]).startswith("answer ")
+    assert "chat template ends an assistant turn" not in capsys.readouterr().err
+    open_ended = CHAT_TEMPLATE.replace("<|endoftext|>", "\n")
+    train, _ = D.prepare(dataclasses.replace(cfg, chat_template=open_ended), tok, seed=0)
+    assert tok.eos_token_id not in [t for row in train for t in row["labels"].tolist()]  # no reply ends
+    assert capsys.readouterr().err.count("chat template ends an assistant turn with no token") == 1
+
+
+@pytest.mark.parametrize("template, warned", [
+    (CHAT_TEMPLATE, False),  # <|endoftext|> ends every turn
+    ("{% for m in messages %}{{ m.role }}: {{ m.content }}\r\n\r\n{% endfor %}", True),
+    ("{% for m in messages %}{{ m.role }}: {{ m.content }} {% endfor %}{% if add_generation_prompt %}:{% endif %}",
+     True),
+    ("{% for m in messages %}{{ m.content }}{% if m.role == 'assistant' %}[end]{% endif %}{% endfor %}", False),
+    ("{{ raise_exception('a system turn first') }}", False),  # refused where the rows are read
+])
+def test_a_chat_template_whose_turns_end_in_no_token_is_warned_of(chat_tokenizer, template, warned):
+    """Only whitespace after a reply: no token after one has a loss, so the model never learns to
+    end a reply; said once, in a line naming data.chat_template."""
+    line = chat.unended_turns(DataConfig(path="x", format="chat", chat_template=template), chat_tokenizer)
+    assert (line is not None) == warned and (line is None or "data.chat_template" in line and "\n" not in line)
 
 
 # ----------------------------------------------------------------------------- batches

@@ -234,6 +234,8 @@ def _prepare(cfg: DataConfig, tokenizer, seed: int, warn, global_batch: int = 1)
                         + too_small(causes, "check data.path"))
     train = tokenize_split(train_docs, cfg, tokenizer, f"dataset {cfg.path!r}{split_files(cfg, cfg.split)}", warn,
                            required=True)
+    if cfg.format == "chat" and (line := chat.unended_turns(cfg, tokenizer)):
+        warn(line)
     if len(train) == 0:
         raise UserError(f"dataset {cfg.path!r} has fewer tokens than one sequence of data.seq_len="
                         f"{cfg.seq_len}" + too_small(causes, "add data or lower data.seq_len"))
