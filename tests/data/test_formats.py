@@ -170,8 +170,14 @@ def test_instruct_prepare_truncates_to_cutoff_len_and_drops_examples_with_no_res
     said = []
     train = D.tokenize_split(D.load_documents(cfg)["train"], cfg, tokenizer, "alpaca", warn=said.append)
     assert len(train) == 20  # the examples with an input were dropped, and that was said
+    whole = [len(tokenizer(F.instruct_prompt(cfg, r))["input_ids"] + tokenizer(r["output"])["input_ids"]) < cutoff
+             for r in ALPACA * 10 if not r["input"]]  # the response and its EOS within the cutoff
     assert said == [f"warning: 20 of 40 examples of alpaca are left out: they have no response token within "
-                    f"data.cutoff_len={cutoff} (cut off, or none at all)"]
+                    f"data.cutoff_len={cutoff} (cut off, or none at all)",
+                    f"warning: {whole.count(False)} of 20 examples of alpaca are cut at data.cutoff_len={cutoff} "
+                    "tokens before the end of their responses: their ends, and the end of turn or EOS, have no loss; "
+                    "raise data.cutoff_len to keep them whole"] and 0 < whole.count(False) < 20
+    assert [row["labels"][-1] == tokenizer.eos_token_id for row in train] == whole
     train, val = D.prepare(cfg, tokenizer, seed=0)
     assert len(val) + len(train) < 40 and len(train) > 0
     assert max(B.sample_lengths(train)) <= cutoff and set(train.column_names) == {"input_ids", "labels", "length"}
@@ -222,6 +228,16 @@ def test_chat_loss_is_on_assistant_turns_only(chat_tokenizer):
     assert kept(chat_tokenizer, rows[1]["labels"]) == f"answer 1.0{eos}"
     everything = chat_rows([chat_row(0)], chat_tokenizer, train_on_inputs=True)[0]
     assert everything["labels"] == everything["input_ids"]
+
+
+
+def test_a_conversation_is_counted_as_cut_only_where_a_token_with_a_loss_is_cut_off(chat_tokenizer):
+    """The newline after the last end of turn has no loss: cutting it off cuts nothing trained."""
+    [whole] = chat_rows([chat_row(0)], chat_tokenizer)["input_ids"]
+    assert chat_tokenizer.decode(whole[-2:]) == "<|endoftext|>\n"
+    for cutoff, cut in ((len(whole), False), (len(whole) - 1, False), (len(whole) - 2, True)):
+        [row] = chat_rows([chat_row(0)], chat_tokenizer, cutoff_len=cutoff).to_list()
+        assert row["cut"] == cut and row["input_ids"] == whole[:cutoff] and row["length"] == cutoff
 
 
 def test_chat_template_that_rewrites_history_falls_back_to_the_message_text(chat_tokenizer):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 
 from shardtune.config.schema import DataConfig
-from shardtune.data.formats import IGNORE_INDEX, add_example, as_text, format_hint
+from shardtune.data.formats import IGNORE_INDEX, add_example, as_text, format_hint, new_examples
 from shardtune.data.messages import read_messages
 from shardtune.errors import UserError, first_line
 
@@ -212,7 +212,7 @@ def chat_fn(cfg: DataConfig, tokenizer, columns: list[str], what: str):
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
     def build(batch, indices):
-        out = {"input_ids": [], "labels": [], "length": []}
+        out = new_examples()
         for value, index in zip(batch[field], indices):
             messages = read_messages(value, index, field)
             try:
@@ -223,8 +223,7 @@ def chat_fn(cfg: DataConfig, tokenizer, columns: list[str], what: str):
                 raise UserError(f"the chat template failed on row {index} ({first_line(exc, 160)}); fix the row "
                                 "or set data.chat_template") from None
             ids, labels = _label_spans(text, spans, tokenizer)
-            ids, labels = ids[:cutoff], (ids if cfg.train_on_inputs else labels)[:cutoff]
-            add_example(out, ids, labels)
+            add_example(out, ids, ids if cfg.train_on_inputs else labels, cutoff)
         return out
 
     return build

@@ -337,19 +337,24 @@ def instruct_fn(cfg: DataConfig, tokenizer, columns: list[str], what: str):
         rows = _rows(batch)
         prompts = tokenizer([instruct_prompt(cfg, r) for r in rows], add_special_tokens=False)["input_ids"]
         answers = tokenizer([instruct_response(cfg, r) for r in rows], add_special_tokens=False)["input_ids"]
-        out = {"input_ids": [], "labels": [], "length": []}
+        out = new_examples()
         for p, a in zip(prompts, answers):
             p, a = bos + p, a + [eos]
-            ids = (p + a)[:cutoff]
-            labels = ids if cfg.train_on_inputs else ([IGNORE_INDEX] * len(p) + a)[:cutoff]
-            add_example(out, ids, labels)
+            add_example(out, p + a, p + a if cfg.train_on_inputs else [IGNORE_INDEX] * len(p) + a, cutoff)
         return out
 
     return build
 
 
-def add_example(out: dict, ids: list, labels) -> None:
-    """One tokenized example into a batch of `datasets.map` columns."""
-    out["input_ids"].append(ids)
-    out["labels"].append(list(labels))
-    out["length"].append(len(ids))
+def new_examples() -> dict:
+    """The `datasets.map` columns of a batch of tokenized examples; `cut` marks those with loss
+    tokens past the cutoff (tokenize_split counts them, then drops the column)."""
+    return {"input_ids": [], "labels": [], "length": [], "cut": []}
+
+
+def add_example(out: dict, ids: list, labels, cutoff: int) -> None:
+    """One tokenized example into a batch of `datasets.map` columns, cut to `cutoff` tokens."""
+    out["input_ids"].append(ids[:cutoff])
+    out["labels"].append(list(labels[:cutoff]))
+    out["length"].append(min(len(ids), cutoff))
+    out["cut"].append(any(t != IGNORE_INDEX for t in labels[cutoff:]))

@@ -197,6 +197,12 @@ def tokenize_split(docs, cfg: DataConfig, tokenizer, what: str, warn=None, requi
                             "data.messages_field")
         raise UserError(f"no example of {what} keeps a response (or assistant) token within {key}="
                         f"{cfg.example_cutoff}; raise {key} or check the data")
+    cut = _count(rows, "cut")
+    rows = rows.remove_columns("cut")
+    if cut:  # the ends of responses, and the EOS (or end of turn) that teaches the model to stop, go untrained
+        (warn or _warn)(f"warning: {cut} of {len(rows)} examples of {what} are cut at {key}={cfg.example_cutoff} "
+                        f"tokens before the end of their {'replies' if cfg.format == 'chat' else 'responses'}: "
+                        f"their ends, and the end of turn or EOS, have no loss; raise {key} to keep them whole")
     if cfg.train_on_inputs:
         rows = rows.remove_columns("labels")  # labels == input_ids
     if cfg.packing:
@@ -204,6 +210,15 @@ def tokenize_split(docs, cfg: DataConfig, tokenizer, what: str, warn=None, requi
 
         return pack_rows(rows, cfg.seq_len, token_dtype(tokenizer), cfg.masks_documents)
     return rows
+
+
+def _count(rows, column: str) -> int:
+    """How many rows of a boolean column are true, read a chunk at a time."""
+    import pyarrow.compute as pc
+
+    from shardtune.data.scan import ArrowChunks
+
+    return sum(pc.sum(chunk.column(column), min_count=0).as_py() for chunk in ArrowChunks(rows, [column]))
 
 
 def prepare(cfg: DataConfig, tokenizer, seed: int, global_batch: int = 1):
