@@ -148,6 +148,30 @@ def test_instruct_masks_the_prompt_and_ends_the_response_with_eos(tokenizer):
     assert full["labels"] == full["input_ids"]
 
 
+
+SAYS = st.lists(st.sampled_from(["The", "capital", "Paris", "🙂", "\n", "<s>", "</s>", "[INST]"]), min_size=1,
+                max_size=4).map(" ".join)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(instruction=SAYS, output=SAYS, llama=st.booleans(),
+       template=st.sampled_from([None, "<s>[INST] {instruction} [/INST]", "{instruction} [/INST]"]))
+def test_an_instruct_example_has_one_bos_and_one_eos_of_its_own(tokenizer, instruction, output, llama, template):
+    """The prompt after the tokenizer's BOS (llama-style), the response before EOS, neither doubled
+    where the template or the row writes it (`<s>[INST] ...`, a response ending in `</s>`); the
+    prompt `generate` sends is the one trained on."""
+    tok = llama_tokenizer() if llama else tokenizer
+    row = {"instruction": instruction, "input": "", "output": output}
+    [got] = instruct_rows([row], tok, template=template).to_list()
+    cfg = DataConfig(path="x", format="instruct", template=template)
+    prompt = tok(F.instruct_prompt(cfg, row), add_special_tokens=False)["input_ids"]
+    prompt = ([tok.bos_token_id] if llama and prompt[:1] != [tok.bos_token_id] else []) + prompt
+    reply = tok(output, add_special_tokens=False)["input_ids"]
+    reply += [tok.eos_token_id] if reply[-1:] != [tok.eos_token_id] else []
+    assert got["input_ids"] == prompt + reply and got["labels"] == [IGNORE] * len(prompt) + reply
+    assert F.instruct_prompt_ids(cfg, tok, row) == prompt
+
+
 def test_instruct_field_names_and_prompt_template_are_configurable(tokenizer):
     qa = [{"question": "Capital of France?", "answer": "Paris"}]
     with pytest.raises(UserError, match="needs a column 'instruction'.*question, answer.*data.instruction_field"):

@@ -295,6 +295,14 @@ def leading_bos(tokenizer) -> list[int]:
     return [bos] if bos is not None and ids and ids[0] == bos and len(ids) > 1 else []
 
 
+def with_ends(ids: list[int], bos: list[int], eos: int | None = None) -> list[int]:
+    """`ids` after `bos` and before `eos` (None: none), each unless the text already wrote it: a
+    document or template that holds <s>...</s> (Llama-2 data laid out by hand) gets one BOS and
+    one EOS, not two of each."""
+    head = bos if bos and ids[:1] != bos else []
+    return head + ids + ([eos] if eos is not None and ids[-1:] != [eos] else [])
+
+
 def instruct_prompt(cfg: DataConfig, row: dict) -> str:
     """The prompt part of one instruct row: data.template over its columns, else the alpaca layout
     (with the input section only where the row has a non-empty input)."""
@@ -308,7 +316,8 @@ def instruct_prompt(cfg: DataConfig, row: dict) -> str:
 
 def instruct_prompt_ids(cfg: DataConfig, tokenizer, row: dict) -> list[int]:
     """The prompt's token ids exactly as training saw them (a llama-style BOS included)."""
-    return leading_bos(tokenizer) + tokenizer(instruct_prompt(cfg, row), add_special_tokens=False)["input_ids"]
+    ids = tokenizer(instruct_prompt(cfg, row), add_special_tokens=False)["input_ids"]
+    return with_ends(ids, leading_bos(tokenizer))
 
 
 def instruct_response(cfg: DataConfig, row: dict) -> str:
@@ -339,7 +348,7 @@ def instruct_fn(cfg: DataConfig, tokenizer, columns: list[str], what: str):
         answers = tokenizer([instruct_response(cfg, r) for r in rows], add_special_tokens=False)["input_ids"]
         out = new_examples()
         for p, a in zip(prompts, answers):
-            p, a = bos + p, a + [eos]
+            p, a = with_ends(p, bos), with_ends(a, [], eos)
             add_example(out, p + a, p + a if cfg.train_on_inputs else [IGNORE_INDEX] * len(p) + a, cutoff)
         return out
 

@@ -20,7 +20,7 @@ from collections import deque
 from pathlib import Path
 
 from shardtune.data import docmask
-from shardtune.data.formats import IGNORE_INDEX, leading_bos
+from shardtune.data.formats import IGNORE_INDEX, leading_bos, with_ends
 from shardtune.data.scan import CHUNK_ROWS, ArrowChunks
 from shardtune.fsio import json_loads
 
@@ -249,7 +249,8 @@ def token_dtype(tokenizer) -> str:
 
 def encode(texts: list, tokenizer, eos: int, dtype: str, bos: list[int] = ()):
     """(flat ids, document lengths) of the non-blank `texts`, each after `bos` (the BOS a llama-style
-    tokenizer puts before text, as its model was trained: formats.leading_bos) and followed by EOS."""
+    tokenizer puts before text, as its model was trained: formats.leading_bos) and followed by EOS,
+    neither doubled where the text writes it (formats.with_ends)."""
     from itertools import chain
 
     import numpy as np
@@ -257,19 +258,9 @@ def encode(texts: list, tokenizer, eos: int, dtype: str, bos: list[int] = ()):
     texts = [t for t in texts if t and t.strip()]  # blank documents (wikitext's empty lines) would add only EOS
     if not texts:
         return np.empty(0, dtype=dtype), np.empty(0, dtype=np.int64)
-    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    lengths = np.fromiter((len(bos) + len(x) + 1 for x in ids), dtype=np.int64, count=len(ids))
-    out = np.empty(int(lengths.sum()), dtype=dtype)
-    eos_at = np.cumsum(lengths) - 1
-    body = np.ones(len(out), dtype=bool)
-    body[eos_at] = False
-    for k, token in enumerate(bos):
-        at = eos_at - lengths + 1 + k
-        body[at] = False
-        out[at] = token
-    out[body] = np.fromiter(chain.from_iterable(ids), dtype=dtype, count=len(out) - len(ids) * (len(bos) + 1))
-    out[eos_at] = eos
-    return out, lengths
+    docs = [with_ends(x, list(bos), eos) for x in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    lengths = np.fromiter(map(len, docs), dtype=np.int64, count=len(docs))
+    return np.fromiter(chain.from_iterable(docs), dtype=dtype, count=int(lengths.sum())), lengths
 
 
 _WORKER: dict = {}
