@@ -461,6 +461,7 @@ CELL_SHAPES = {  # a cell of each shape a format reads from its pieces of text, 
     "parts": (lambda ps: [{"role": "user", "content": [{"type": "text", "text": p} for p in ps]}],
               lambda ps: ["".join(ps)]),
     "sharegpt": (lambda ps: [{"from": "gpt", "value": p} for p in ps], lambda ps: ps),
+    "template": (lambda ps: ps, lambda ps: [" ".join(ps)]),  # a list column of data.template="{text}!"
 }
 
 
@@ -477,7 +478,8 @@ def test_rows_holding_a_special_tokens_text_are_counted_in_a_warning(tokenizer, 
     cell, read = CELL_SHAPES[shape]
     chats = shape in ("messages", "parts", "sharegpt")
     column = "conversations" if shape == "sharegpt" else "messages" if chats else "text"
-    cfg = DataConfig(path="x", format="chat" if chats else "text", messages_field=column)
+    cfg = DataConfig(path="x", format="chat" if chats else "text", messages_field=column,
+                     template="{text}!" if shape == "template" else None)
     warned = []
     F.check_cells(dataset([{column: cell(r)} for r in rows]), cfg, "the data", warned.append, tok)
     found = [{s for s in specials if any(s in t for t in read(r))} for r in rows]

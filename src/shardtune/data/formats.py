@@ -116,9 +116,7 @@ def check_cells(docs, cfg: DataConfig, what: str, warn, tokenizer=None) -> None:
                     marked, found = marked + rows, found | texts_found
                 first += len(cells)
             if marked:
-                warn(f"warning: {marked} of {len(docs)} rows of column {column!r} of {what} ({key}) hold the text of "
-                     f"a special token ({', '.join(sorted(found)[:3])}), read as that token, as transformers reads it "
-                     "(README 'Data formats'); remove that text from the data if it is meant as words")
+                warn(_special_warning(marked, len(docs), f"column {column!r} of {what} ({key})", found))
         elif getattr(kind, "extension_name", None) == "arrow.json" and cfg.format != "chat":
             # `datasets` holds a JSON column whose values mix kinds (text here, 5 or {...} there) as JSON
             # text; a split whose own values are all text tokenizes (another split may hold the others)
@@ -137,6 +135,19 @@ def check_cells(docs, cfg: DataConfig, what: str, warn, tokenizer=None) -> None:
                             f"{key} at the column that holds the {'messages' if cfg.format == 'chat' else 'text'}")
         if empty:
             warn(f"warning: column {column!r} of {what} ({key}) is null or empty in {empty} of {len(docs)} rows")
+    read = {column for column, _, _ in read_columns(cfg)}
+    for column in dict.fromkeys(template_columns(cfg.template)) if specials and cfg.template is not None else []:
+        if column in docs.column_names and column not in read:  # a template's columns: read by no check above
+            counts = [_rows_matching(chunk.column(column), specials) for chunk in ArrowChunks(docs, [column])]
+            if marked := sum(n for n, _ in counts):
+                found = set().union(*(f for _, f in counts))
+                warn(_special_warning(marked, len(docs), f"column {column!r} of {what} (data.template)", found))
+
+
+def _special_warning(marked: int, rows: int, where: str, found: set[str]) -> str:
+    return (f"warning: {marked} of {rows} rows of {where} hold the text of a special token "
+            f"({', '.join(sorted(found)[:3])}), read as that token, as transformers reads it (README 'Data formats'); "
+            "remove that text from the data if it is meant as words")
 
 
 def special_text(tokenizer) -> str | None:
