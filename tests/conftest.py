@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import json
 import os
@@ -112,6 +113,27 @@ def tiny_overrides(assets: dict, out: Path, arch: str = "gpt2", **extra) -> list
     }
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
+
+
+@functools.cache
+def llama_tokenizer(add_eos: bool = False):
+    """A Llama/Mistral-style tokenizer built offline: BPE over `▁`-marked words with byte fallback,
+    whose post-processor puts <s> before text (and </s> after it with `add_eos`, as
+    add_eos_token=True does); ChatML's markers are special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+    tk = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tk.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tk.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    words = "The capital of France is Paris café naïve 日本語 🙂 x=1; question answer user assistant hello world"
+    tk.train_from_iterator([words] * 4, trainers.BpeTrainer(vocab_size=160, special_tokens=specials, initial_alphabet=[
+        f"<0x{b:02X}>" for b in range(256)], show_progress=False))
+    tk.post_processor = processors.TemplateProcessing(single="<s> $A" + " </s>" * add_eos, special_tokens=[
+        ("<s>", 1), ("</s>", 2)])
+    return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   additional_special_tokens=specials[3:])
 
 
 def spread_alpaca(path: Path, rows: int = 48) -> Path:

@@ -7,14 +7,15 @@ column `moves`), HuggingFaceH4/ultrachat_200k (prompt, prompt_id, messages).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from conftest import TINY, losses, tiny_overrides
+from conftest import TINY, llama_tokenizer, losses, tiny_overrides
 from shardtune.config.load import load_config
 from shardtune.config.schema import DataConfig
 from shardtune.data import batches as B
@@ -147,6 +148,30 @@ def test_instruct_masks_the_prompt_and_ends_the_response_with_eos(tokenizer):
     assert full["labels"] == full["input_ids"]
 
 
+
+SAYS = st.lists(st.sampled_from(["The", "capital", "Paris", "🙂", "\n", "<s>", "</s>", "[INST]"]), min_size=1,
+                max_size=4).map(" ".join)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(instruction=SAYS, output=SAYS, llama=st.booleans(),
+       template=st.sampled_from([None, "<s>[INST] {instruction} [/INST]", "{instruction} [/INST]"]))
+def test_an_instruct_example_has_one_bos_and_one_eos_of_its_own(tokenizer, instruction, output, llama, template):
+    """The prompt after the tokenizer's BOS (llama-style), the response before EOS, neither doubled
+    where the template or the row writes it (`<s>[INST] ...`, a response ending in `</s>`); the
+    prompt `generate` sends is the one trained on."""
+    tok = llama_tokenizer() if llama else tokenizer
+    row = {"instruction": instruction, "input": "", "output": output}
+    [got] = instruct_rows([row], tok, template=template).to_list()
+    cfg = DataConfig(path="x", format="instruct", template=template)
+    prompt = tok(F.instruct_prompt(cfg, row), add_special_tokens=False)["input_ids"]
+    prompt = ([tok.bos_token_id] if llama and prompt[:1] != [tok.bos_token_id] else []) + prompt
+    reply = tok(output, add_special_tokens=False)["input_ids"]
+    reply += [tok.eos_token_id] if reply[-1:] != [tok.eos_token_id] else []
+    assert got["input_ids"] == prompt + reply and got["labels"] == [IGNORE] * len(prompt) + reply
+    assert F.instruct_prompt_ids(cfg, tok, row) == prompt
+
+
 def test_instruct_field_names_and_prompt_template_are_configurable(tokenizer):
     qa = [{"question": "Capital of France?", "answer": "Paris"}]
     with pytest.raises(UserError, match="needs a column 'instruction'.*question, answer.*data.instruction_field"):
@@ -169,8 +194,14 @@ def test_instruct_prepare_truncates_to_cutoff_len_and_drops_examples_with_no_res
     said = []
     train = D.tokenize_split(D.load_documents(cfg)["train"], cfg, tokenizer, "alpaca", warn=said.append)
     assert len(train) == 20  # the examples with an input were dropped, and that was said
+    whole = [len(tokenizer(F.instruct_prompt(cfg, r))["input_ids"] + tokenizer(r["output"])["input_ids"]) < cutoff
+             for r in ALPACA * 10 if not r["input"]]  # the response and its EOS within the cutoff
     assert said == [f"warning: 20 of 40 examples of alpaca are left out: they have no response token within "
-                    f"data.cutoff_len={cutoff} (cut off, or none at all)"]
+                    f"data.cutoff_len={cutoff} (cut off, or none at all)",
+                    f"warning: {whole.count(False)} of 20 examples of alpaca are cut at data.cutoff_len={cutoff} "
+                    "tokens before the end of their responses: their ends, and the end of turn or EOS, have no loss; "
+                    "raise data.cutoff_len to keep them whole"] and 0 < whole.count(False) < 20
+    assert [row["labels"][-1] == tokenizer.eos_token_id for row in train] == whole
     train, val = D.prepare(cfg, tokenizer)
     assert len(val) + len(train) < 40 and len(train) > 0
     assert max(B.sample_lengths(train)) <= cutoff and set(train.column_names) == {"input_ids", "labels", "length"}
@@ -221,6 +252,16 @@ def test_chat_loss_is_on_assistant_turns_only(chat_tokenizer):
     assert kept(chat_tokenizer, rows[1]["labels"]) == f"answer 1.0{eos}"
     everything = chat_rows([chat_row(0)], chat_tokenizer, train_on_inputs=True)[0]
     assert everything["labels"] == everything["input_ids"]
+
+
+
+def test_a_conversation_is_counted_as_cut_only_where_a_token_with_a_loss_is_cut_off(chat_tokenizer):
+    """The newline after the last end of turn has no loss: cutting it off cuts nothing trained."""
+    [whole] = chat_rows([chat_row(0)], chat_tokenizer)["input_ids"]
+    assert chat_tokenizer.decode(whole[-2:]) == "<|endoftext|>\n"
+    for cutoff, cut in ((len(whole), False), (len(whole) - 1, False), (len(whole) - 2, True)):
+        [row] = chat_rows([chat_row(0)], chat_tokenizer, cutoff_len=cutoff).to_list()
+        assert row["cut"] == cut and row["input_ids"] == whole[:cutoff] and row["length"] == cutoff
 
 
 def test_chat_template_that_rewrites_history_falls_back_to_the_message_text(chat_tokenizer):
@@ -282,7 +323,7 @@ def test_a_message_without_content_is_refused_in_one_line(chat_tokenizer, rows):
     assert not nulls
 
 
-def test_chat_template_from_config_is_installed_and_used(tmp_path, assets):
+def test_chat_template_from_config_is_installed_and_used(tmp_path, assets, capsys):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(assets["tokenizer"])  # no template of its own
@@ -291,6 +332,26 @@ def test_chat_template_from_config_is_installed_and_used(tmp_path, assets):
     train, val = D.prepare(cfg, tok)
     assert tok.chat_template == CHAT_TEMPLATE and len(train) == 10 and len(val) == 2
     assert kept(tok, train[0]["labels"]).startswith("answer ")
+    assert "chat template ends an assistant turn" not in capsys.readouterr().err
+    open_ended = CHAT_TEMPLATE.replace("<|endoftext|>", "\n")
+    train, _ = D.prepare(dataclasses.replace(cfg, chat_template=open_ended), tok)
+    assert tok.eos_token_id not in [t for row in train for t in row["labels"].tolist()]  # no reply ends
+    assert capsys.readouterr().err.count("chat template ends an assistant turn with no token") == 1
+
+
+@pytest.mark.parametrize("template, warned", [
+    (CHAT_TEMPLATE, False),  # <|endoftext|> ends every turn
+    ("{% for m in messages %}{{ m.role }}: {{ m.content }}\r\n\r\n{% endfor %}", True),
+    ("{% for m in messages %}{{ m.role }}: {{ m.content }} {% endfor %}{% if add_generation_prompt %}:{% endif %}",
+     True),
+    ("{% for m in messages %}{{ m.content }}{% if m.role == 'assistant' %}[end]{% endif %}{% endfor %}", False),
+    ("{{ raise_exception('a system turn first') }}", False),  # refused where the rows are read
+])
+def test_a_chat_template_whose_turns_end_in_no_token_is_warned_of(chat_tokenizer, template, warned):
+    """Only whitespace after a reply: no token after one has a loss, so the model never learns to
+    end a reply; said once, in a line naming data.chat_template."""
+    line = chat.unended_turns(DataConfig(path="x", format="chat", chat_template=template), chat_tokenizer)
+    assert (line is not None) == warned and (line is None or "data.chat_template" in line and "\n" not in line)
 
 
 # ----------------------------------------------------------------------------- batches
@@ -388,6 +449,46 @@ def test_empty_cells_are_counted_once_each_across_chunks():
         F.check_cells(docs, DataConfig(path="x", format=fmt), "the data", warned.append)
         key = "data.text_field" if fmt == "text" else "data.messages_field"
         assert warned == [f"warning: column {column!r} of the data ({key}) is null or empty in 1500 of 2000 rows"]
+
+
+
+PIECES = st.lists(st.sampled_from(["a", " ", "<|endoftext|>", "<|endof", "text|>", "<s>", "</s", ">", "<|im_end|>"]),
+                  max_size=4).map("".join).filter(str.strip)
+CELL_SHAPES = {  # a cell of each shape a format reads from its pieces of text, and the text it tokenizes
+    "text": (lambda ps: ps[0], lambda ps: ps[:1]),
+    "list": (lambda ps: ps, lambda ps: [" ".join(ps)]),
+    "messages": (lambda ps: [{"role": "user", "content": p} for p in ps], lambda ps: ps),
+    "parts": (lambda ps: [{"role": "user", "content": [{"type": "text", "text": p} for p in ps]}],
+              lambda ps: ["".join(ps)]),
+    "sharegpt": (lambda ps: [{"from": "gpt", "value": p} for p in ps], lambda ps: ps),
+    "template": (lambda ps: ps, lambda ps: [" ".join(ps)]),  # a list column of data.template="{text}!"
+}
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(shape=st.sampled_from(list(CELL_SHAPES)), llama=st.booleans(),
+       rows=st.lists(st.lists(PIECES, min_size=1, max_size=3), min_size=1, max_size=5))
+@example(shape="parts", llama=False, rows=[["a<|endof", "text|>"], ["<|endof", " text|>"]])
+def test_rows_holding_a_special_tokens_text_are_counted_in_a_warning(tokenizer, shape, llama, rows):
+    """A special token's text in the data is read as the token (here as in transformers): the rows
+    that hold one, in any shape of cell (a text part split across two parts too), are counted and
+    the tokens named in one warning line; rows of other text are never counted."""
+    tok = llama_tokenizer() if llama else tokenizer
+    specials = [t for t in tok.all_special_tokens if t != "<unk>"] if llama else ["<|endoftext|>"]
+    cell, read = CELL_SHAPES[shape]
+    chats = shape in ("messages", "parts", "sharegpt")
+    column = "conversations" if shape == "sharegpt" else "messages" if chats else "text"
+    cfg = DataConfig(path="x", format="chat" if chats else "text", messages_field=column,
+                     template="{text}!" if shape == "template" else None)
+    warned = []
+    F.check_cells(dataset([{column: cell(r)} for r in rows]), cfg, "the data", warned.append, tok)
+    found = [{s for s in specials if any(s in t for t in read(r))} for r in rows]
+    marked = [w for w in warned if "special token" in w]
+    assert len(marked) == any(found), warned
+    if marked:
+        assert marked[0].startswith(f"warning: {sum(map(bool, found))} of {len(rows)} rows of column {column!r}")
+        named = marked[0].split("special token (")[1].split(")")[0].split(", ")
+        assert set(named) <= set.union(*found) and "\n" not in marked[0]
 
 
 def _shouted(content, where):

@@ -9,7 +9,10 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from conftest import llama_tokenizer
 from shardtune.config.schema import DataConfig
 from shardtune.data import batches as B
 from shardtune.data import pipeline as D
@@ -94,6 +97,34 @@ def test_packed_instruct_blocks_equal_concatenated_examples(tmp_path, tokenizer)
         if mask:
             restarts = {i for i, p in enumerate(packed[:]["position_ids"].flatten().tolist()) if p == 0}
             assert restarts == inner | set(range(0, n * 128, 128))
+
+
+
+DOCS = st.lists(st.lists(st.sampled_from(["The", "capital", "Paris", "café", "🙂", "x=1;", "\n", " ", "日本語", "<s>",
+                                          "</s>", "<|endoftext|>"]), max_size=6).map(" ".join), min_size=1, max_size=6)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(texts=DOCS, kind=st.sampled_from(["byte-level", "llama", "llama add_eos"]), seq_len=st.integers(1, 9))
+def test_every_document_reads_as_its_tokenizer_reads_it_then_eos(tokenizer, texts, kind, seq_len):
+    """A text block holds each document as the tokenizer alone makes it (transformers'
+    `tokenizer(doc)`: a llama-style BOS first, as instruct prompts have) and then EOS: Llama's,
+    Mistral's, Gemma's documents had no BOS, and the model read every one as the middle of a text.
+    A document that writes its own <s> or </s> (Llama-2 data laid out by hand) gets no second one."""
+    import datasets
+
+    tok = {"byte-level": tokenizer, "llama": llama_tokenizer(), "llama add_eos": llama_tokenizer(add_eos=True)}[kind]
+    bos, eos, stream = tok.bos_token_id, tok.eos_token_id, []
+    for t in texts:
+        if t.strip():
+            plain = tok(t, add_special_tokens=False)["input_ids"]
+            doc = ([bos] if kind != "byte-level" and plain[:1] != [bos] else []) + plain
+            doc += [eos] if doc[-1:] != [eos] else []
+            if not {"<s>", "</s>", "<|endoftext|>"} & set(t.split()):  # transformers' own reading of it
+                assert doc == tok(t)["input_ids"] + [eos] * (kind != "llama add_eos")
+            stream += doc
+    blocks = D.pack(datasets.Dataset.from_list([{"text": t} for t in texts]), tok, "text", seq_len)
+    assert blocks[:]["input_ids"].flatten().tolist() == stream[:len(stream) // seq_len * seq_len]
 
 
 KILLED_MID_TOKENIZATION = r"""

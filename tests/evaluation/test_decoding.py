@@ -71,6 +71,26 @@ def test_generate_prints_the_prompt_and_the_text_the_model_wrote():
         assert prompt + text == tok.decode(whole, skip_special_tokens=True)
 
 
+
+def test_a_prompt_cut_to_the_models_positions_keeps_its_bos():
+    """A prompt too long for the model keeps its end, where the answer starts, and the BOS that
+    every training example started with (a llama-style tokenizer's); without one, only its end."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from conftest import llama_tokenizer
+
+    tok = llama_tokenizer()
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        model_type="llama", num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=16, vocab_size=len(tok), bos_token_id=1, eos_token_id=2)).eval()
+    seen, real = [], model.generate
+    model.generate = lambda ids, **kw: seen.append(ids.tolist()) or real(ids, **kw)
+    ids = tok("The capital of France is Paris " * 4)["input_ids"]
+    generate(model, tok, [ids, ids[1:], ids[:9]], max_new_tokens=4, temperature=0, batch_size=1)
+    assert ids[0] == tok.bos_token_id and len(ids) > 16
+    assert seen == [[ids[:1] + ids[-11:]], [ids[-12:]], [ids[:9]]]
+
+
 def test_a_text_documents_prompt_and_reference_are_its_text():
     """eval --generate's reference of a text document is decoded after its prompt, as the
     generations are: prompt + reference is the document's text."""

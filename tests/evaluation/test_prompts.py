@@ -27,6 +27,16 @@ def test_a_chat_prompt_is_a_user_turn_before_the_generation_prompt(tok):
     assert text == "<user>2+2?\n<assistant>" and ids == tok(text, add_special_tokens=False)["input_ids"]
 
 
+def test_a_text_prompt_starts_as_training_documents_do(tok):
+    """A llama-style tokenizer's BOS before a text prompt (every training document had it), and
+    nothing before one of a tokenizer that puts none."""
+    from conftest import llama_tokenizer
+
+    llama = llama_tokenizer(add_eos=True)
+    assert rendered(["hello"], DataConfig(), llama) == [("hello", llama("hello")["input_ids"][:-1])]
+    assert rendered(["hello"], DataConfig(), tok) == [("hello", tok("hello")["input_ids"])]
+
+
 def test_an_instruct_prompt_is_the_instruction(tok):
     from shardtune.data.formats import PROMPT_NO_INPUT
 

@@ -209,6 +209,27 @@ def test_an_instruct_prompt_and_reference_are_the_training_example(assets, outpu
         assert ex.reference == tok.decode(response)
 
 
+
+@pytest.mark.parametrize("add_eos", [False, True])
+def test_a_text_prompt_is_the_start_of_its_training_document(add_eos):
+    """`eval --generate`'s text prompt is the document's first tokens as training packed them: a
+    llama-style BOS first (none before, so the model was asked to continue a text it never saw
+    begin that way)."""
+    from datasets import Dataset
+
+    from conftest import llama_tokenizer
+    from shardtune.config.schema import DataConfig
+    from shardtune.data.pipeline import pack
+    from shardtune.evaluation.quality import QualityRequest, examples
+
+    tok, docs = llama_tokenizer(add_eos), Dataset.from_list([{"text": "The capital of France is Paris"}])
+    request = QualityRequest(model="m", generate=1, prompt_tokens=3, max_new_tokens=2)
+    [ex] = examples(request, DataConfig(), docs, tok)
+    trained = pack(docs, tok, "text", 1)[:]["input_ids"].flatten().tolist()
+    assert ex.prompt_ids == trained[:3] and trained[0] == tok.bos_token_id  # --prompt-tokens counts it
+    assert (ex.prompt, ex.prompt + ex.reference) == (tok.decode(trained[1:3]), tok.decode(trained[1:5]))
+
+
 def test_chat_prompt_ends_with_the_generation_prompt(assets):
     from transformers import AutoTokenizer
 

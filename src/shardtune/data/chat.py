@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 
 from shardtune.config.schema import DataConfig
-from shardtune.data.formats import IGNORE_INDEX, add_example, as_text, format_hint
+from shardtune.data.formats import IGNORE_INDEX, add_example, as_text, format_hint, new_examples
 from shardtune.data.messages import read_messages
 from shardtune.errors import UserError, first_line
 
@@ -136,6 +136,17 @@ def chat_prompt_and_reply(tokenizer, value, index: int, field: str) -> tuple[str
     return prompt, str(as_text(messages[last].get("content")))
 
 
+def _turn_tail(tokenizer, template: str | None) -> str | None:
+    """What the chat template renders after an assistant reply that ends the conversation, or None
+    where it refuses a user turn and a reply (training's check names it)."""
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "x"}, {"role": "assistant", "content": MARK}],
+                                             chat_template=template, tokenize=False)
+    except Exception:  # noqa: BLE001
+        return None
+    return text[text.find(MARK) + len(MARK):] if MARK in text else None
+
+
 def turn_end(tokenizer, template: str | None = None) -> int | str | None:
     """What the chat template closes an assistant turn with (<|im_end|>, <|eot_id|>,
     <end_of_turn>): its token id, or its text where that is several tokens (a template given as
@@ -143,16 +154,23 @@ def turn_end(tokenizer, template: str | None = None) -> int | str | None:
     every reply, so generation stops there; the tokenizer's EOS is often another token (a base
     model's <|endoftext|> under ChatML), and generation went on into turns of its own. None where
     the turn ends in whitespace only. `template`: another than the tokenizer's own."""
-    try:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": "x"}, {"role": "assistant", "content": MARK}],
-                                             chat_template=template, tokenize=False)
-    except Exception:  # noqa: BLE001 - a template that refuses this conversation: training's check names it
-        return None
-    tail = text[text.find(MARK) + len(MARK):].split() if MARK in text else []
+    tail = (_turn_tail(tokenizer, template) or "").split()
     if not tail:
         return None
     ids = tokenizer(tail[0], add_special_tokens=False)["input_ids"]
     return ids[0] if len(ids) == 1 else tail[0]
+
+
+def unended_turns(cfg: DataConfig, tokenizer) -> str | None:
+    """A warning where the run's chat template ends an assistant turn with whitespace only: no token
+    after a reply has a loss (the tokenizer's EOS is in no conversation), so the model never learns
+    to end one and generation runs on to its token limit."""
+    tail = _turn_tail(tokenizer, cfg.chat_template)
+    if tail is None or tail.strip():
+        return None
+    return ("warning: the chat template ends an assistant turn with no token (only whitespace after the reply), so "
+            "no reply is trained to end and generation runs on to its token limit; end the turn with a token in "
+            "data.chat_template (e.g. {{ eos_token }} after the assistant's content)")
 
 
 def trained_ends(cfg: DataConfig, tokenizer) -> list[int | str]:
@@ -194,7 +212,7 @@ def chat_fn(cfg: DataConfig, tokenizer, columns: list[str], what: str):
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
     def build(batch, indices):
-        out = {"input_ids": [], "labels": [], "length": []}
+        out = new_examples()
         for value, index in zip(batch[field], indices):
             messages = read_messages(value, index, field)
             try:
@@ -205,8 +223,7 @@ def chat_fn(cfg: DataConfig, tokenizer, columns: list[str], what: str):
                 raise UserError(f"the chat template failed on row {index} ({first_line(exc, 160)}); fix the row "
                                 "or set data.chat_template") from None
             ids, labels = _label_spans(text, spans, tokenizer)
-            ids, labels = ids[:cutoff], (ids if cfg.train_on_inputs else labels)[:cutoff]
-            add_example(out, ids, labels)
+            add_example(out, ids, ids if cfg.train_on_inputs else labels, cutoff)
         return out
 
     return build

@@ -19,7 +19,7 @@ import string
 
 from shardtune.config.schema import DataConfig
 from shardtune.config.validation import template_columns
-from shardtune.data.messages import check_message_contents
+from shardtune.data.messages import check_message_contents, content_key
 from shardtune.errors import UserError, first_line
 
 IGNORE_INDEX = -100
@@ -81,15 +81,17 @@ def read_columns(cfg: DataConfig) -> list[tuple[str, str, bool]]:
     return [] if cfg.template is not None else [(cfg.text_field, "data.text_field", False)]
 
 
-def check_cells(docs, cfg: DataConfig, what: str, warn) -> None:
+def check_cells(docs, cfg: DataConfig, what: str, warn, tokenizer=None) -> None:
     """Refuse a column the format reads that is null or empty in every row, or that holds no text
     (numbers, records), naming the column and the count; `warn` gets the count when only some
-    rows are empty (those rows train on nothing, or on an empty response). Read a chunk of rows at
+    rows are empty (those rows train on nothing, or on an empty response), and, given the
+    `tokenizer`, when some hold a special token's text (special_text). Read a chunk of rows at
     a time (scan.py): a column read whole would be a copy of the corpus."""
     import pyarrow as pa
 
     from shardtune.data.scan import ArrowChunks
 
+    specials = special_text(tokenizer) if tokenizer is not None else None
     for column, key, may_be_empty in read_columns(cfg):
         if column not in docs.column_names or len(docs) == 0:
             continue  # check_columns names a missing column
@@ -102,13 +104,19 @@ def check_cells(docs, cfg: DataConfig, what: str, warn) -> None:
         elif (cfg.format != "chat" and texts) or (lists and (cfg.format == "chat" or pa.types.is_string(
                 kind.value_type) or pa.types.is_large_string(kind.value_type))):
             messages = cfg.format == "chat" and lists and pa.types.is_struct(kind.value_type)
-            empty = first = 0
+            empty = first = marked = 0
+            found: set[str] = set()
             for chunk in ArrowChunks(docs, [column]):
                 cells = chunk.column(column)
                 empty += _empty_cells(cells, texts)
                 if messages:
                     check_message_contents(cells, f"column {column!r} of {what} ({key})", first)
+                if specials:
+                    rows, texts_found = _rows_matching(cells, specials)
+                    marked, found = marked + rows, found | texts_found
                 first += len(cells)
+            if marked:
+                warn(_special_warning(marked, len(docs), f"column {column!r} of {what} ({key})", found))
         elif getattr(kind, "extension_name", None) == "arrow.json" and cfg.format != "chat":
             # `datasets` holds a JSON column whose values mix kinds (text here, 5 or {...} there) as JSON
             # text; a split whose own values are all text tokenizes (another split may hold the others)
@@ -127,6 +135,58 @@ def check_cells(docs, cfg: DataConfig, what: str, warn) -> None:
                             f"{key} at the column that holds the {'messages' if cfg.format == 'chat' else 'text'}")
         if empty:
             warn(f"warning: column {column!r} of {what} ({key}) is null or empty in {empty} of {len(docs)} rows")
+    read = {column for column, _, _ in read_columns(cfg)}
+    for column in dict.fromkeys(template_columns(cfg.template)) if specials and cfg.template is not None else []:
+        if column in docs.column_names and column not in read:  # a template's columns: read by no check above
+            counts = [_rows_matching(chunk.column(column), specials) for chunk in ArrowChunks(docs, [column])]
+            if marked := sum(n for n, _ in counts):
+                found = set().union(*(f for _, f in counts))
+                warn(_special_warning(marked, len(docs), f"column {column!r} of {what} (data.template)", found))
+
+
+def _special_warning(marked: int, rows: int, where: str, found: set[str]) -> str:
+    return (f"warning: {marked} of {rows} rows of {where} hold the text of a special token "
+            f"({', '.join(sorted(found)[:3])}), read as that token, as transformers reads it (README 'Data formats'); "
+            "remove that text from the data if it is meant as words")
+
+
+def special_text(tokenizer) -> str | None:
+    """A regex of the texts of the tokenizer's special tokens, or None where it has none.
+    Such a text in the data is read as the token, whatever the format (transformers' tokenizer
+    and apply_chat_template read it so): an <|endoftext|> inside a document ends it for the model,
+    an <|im_end|> inside a reply ends the turn. The rule is kept, and said."""
+    import re
+
+    texts = sorted({t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special
+                    and t.content.strip()}, key=lambda t: (-len(t), t))
+    return "|".join(map(re.escape, texts)) if texts else None
+
+
+def _rows_matching(cells, pattern: str) -> tuple[int, set[str]]:
+    """(how many of these cells hold a match of `pattern` somewhere in their text, the texts
+    matched first in each): text cells, lists of text, or messages (their content, itself text
+    or a list of text parts)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    values = cells.combine_chunks() if isinstance(cells, pa.ChunkedArray) else cells
+    rows = None  # the row of each value, once lists are flattened
+    while not (pa.types.is_string(values.type) or pa.types.is_large_string(values.type)):
+        if not (pa.types.is_list(values.type) or pa.types.is_large_list(values.type)):
+            return 0, set()  # not text (a refusal names it)
+        inner = values.type.value_type
+        names = [inner.field(i).name for i in range(inner.num_fields)] if pa.types.is_struct(inner) else []
+        if "text" in names and content_key(names) is None:  # a content's text parts, read joined (messages.py)
+            texts = pc.struct_field(pc.list_flatten(values), "text")
+            values = pc.binary_join(pa.ListArray.from_arrays(pc.subtract(values.offsets, values.offsets[0]), texts), "")
+            continue
+        parents = pc.list_parent_indices(values)
+        rows, values = parents if rows is None else pc.take(rows, parents), pc.list_flatten(values)
+        if names:  # messages: their content
+            values = pc.struct_field(values, content_key(names) or names[0])
+    hit = pc.fill_null(pc.match_substring_regex(values, pattern), False)
+    found = set(pc.struct_field(pc.extract_regex(pc.filter(values, hit), f"(?P<t>{pattern})"), "t").to_pylist())
+    return pc.sum(hit, min_count=0).as_py() if rows is None else len(pc.unique(pc.filter(rows, hit))), found
 
 
 def _first_not_text(docs, column: str) -> str | None:
@@ -236,12 +296,22 @@ def render_text(docs, cfg: DataConfig, what: str):
 # ----------------------------------------------------------------------------- instruct
 
 
-def _leading_bos(tokenizer) -> list[int]:
-    """[bos] if this tokenizer puts BOS before text by itself (llama-style), else []. Done by
-    hand so that a tokenizer that also appends EOS does not end the prompt with one."""
+def leading_bos(tokenizer) -> list[int]:
+    """[bos] if this tokenizer puts BOS before text by itself (llama-style: Llama, Mistral, Gemma,
+    OPT), else []: what every document, instruct prompt and text prompt starts with, as the model's
+    own pretraining did. Done by hand so that a tokenizer that also appends EOS (add_eos_token)
+    does not end a prompt with one."""
     bos = tokenizer.bos_token_id
     ids = tokenizer("a", add_special_tokens=True)["input_ids"]
     return [bos] if bos is not None and ids and ids[0] == bos and len(ids) > 1 else []
+
+
+def with_ends(ids: list[int], bos: list[int], eos: int | None = None) -> list[int]:
+    """`ids` after `bos` and before `eos` (None: none), each unless the text already wrote it: a
+    document or template that holds <s>...</s> (Llama-2 data laid out by hand) gets one BOS and
+    one EOS, not two of each."""
+    head = bos if bos and ids[:1] != bos else []
+    return head + ids + ([eos] if eos is not None and ids[-1:] != [eos] else [])
 
 
 def instruct_prompt(cfg: DataConfig, row: dict) -> str:
@@ -257,7 +327,8 @@ def instruct_prompt(cfg: DataConfig, row: dict) -> str:
 
 def instruct_prompt_ids(cfg: DataConfig, tokenizer, row: dict) -> list[int]:
     """The prompt's token ids exactly as training saw them (a llama-style BOS included)."""
-    return _leading_bos(tokenizer) + tokenizer(instruct_prompt(cfg, row), add_special_tokens=False)["input_ids"]
+    ids = tokenizer(instruct_prompt(cfg, row), add_special_tokens=False)["input_ids"]
+    return with_ends(ids, leading_bos(tokenizer))
 
 
 def instruct_response(cfg: DataConfig, row: dict) -> str:
@@ -279,26 +350,31 @@ def instruct_fn(cfg: DataConfig, tokenizer, columns: list[str], what: str):
         if col not in columns:
             raise UserError(f"data.format=instruct needs a column {col!r} but {what} has only: "
                             f"{', '.join(columns)}; set {key} to the right column{format_hint(cfg, columns)}")
-    bos, eos = _leading_bos(tokenizer), tokenizer.eos_token_id
+    bos, eos = leading_bos(tokenizer), tokenizer.eos_token_id
     cutoff = cfg.example_cutoff
 
     def build(batch):
         rows = _rows(batch)
         prompts = tokenizer([instruct_prompt(cfg, r) for r in rows], add_special_tokens=False)["input_ids"]
         answers = tokenizer([instruct_response(cfg, r) for r in rows], add_special_tokens=False)["input_ids"]
-        out = {"input_ids": [], "labels": [], "length": []}
+        out = new_examples()
         for p, a in zip(prompts, answers):
-            p, a = bos + p, a + [eos]
-            ids = (p + a)[:cutoff]
-            labels = ids if cfg.train_on_inputs else ([IGNORE_INDEX] * len(p) + a)[:cutoff]
-            add_example(out, ids, labels)
+            p, a = with_ends(p, bos), with_ends(a, [], eos)
+            add_example(out, p + a, p + a if cfg.train_on_inputs else [IGNORE_INDEX] * len(p) + a, cutoff)
         return out
 
     return build
 
 
-def add_example(out: dict, ids: list, labels) -> None:
-    """One tokenized example into a batch of `datasets.map` columns."""
-    out["input_ids"].append(ids)
-    out["labels"].append(list(labels))
-    out["length"].append(len(ids))
+def new_examples() -> dict:
+    """The `datasets.map` columns of a batch of tokenized examples; `cut` marks those with loss
+    tokens past the cutoff (tokenize_split counts them, then drops the column)."""
+    return {"input_ids": [], "labels": [], "length": [], "cut": []}
+
+
+def add_example(out: dict, ids: list, labels, cutoff: int) -> None:
+    """One tokenized example into a batch of `datasets.map` columns, cut to `cutoff` tokens."""
+    out["input_ids"].append(ids[:cutoff])
+    out["labels"].append(list(labels[:cutoff]))
+    out["length"].append(min(len(ids), cutoff))
+    out["cut"].append(any(t != IGNORE_INDEX for t in labels[cutoff:]))

@@ -20,7 +20,7 @@ from collections import deque
 from pathlib import Path
 
 from shardtune.data import docmask
-from shardtune.data.formats import IGNORE_INDEX
+from shardtune.data.formats import IGNORE_INDEX, leading_bos
 from shardtune.data.scan import CHUNK_ROWS, ArrowChunks
 from shardtune.fsio import json_loads
 
@@ -247,8 +247,10 @@ def token_dtype(tokenizer) -> str:
     return "uint16" if max(len(tokenizer), tokenizer.vocab_size) <= 1 << 16 else "uint32"
 
 
-def encode(texts: list, tokenizer, eos: int, dtype: str):
-    """(flat ids, document lengths) of the non-blank `texts`, each followed by EOS."""
+def encode(texts: list, tokenizer, eos: int, dtype: str, bos: list[int] = ()):
+    """(flat ids, document lengths) of the non-blank `texts`, each after `bos` (the BOS a llama-style
+    tokenizer puts before text, as its model was trained: formats.leading_bos) and followed by EOS,
+    neither doubled where the text writes it (formats.with_ends). `bos` is [] or [id]."""
     from itertools import chain
 
     import numpy as np
@@ -257,13 +259,17 @@ def encode(texts: list, tokenizer, eos: int, dtype: str):
     if not texts:
         return np.empty(0, dtype=dtype), np.empty(0, dtype=np.int64)
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    lengths = np.fromiter((len(x) + 1 for x in ids), dtype=np.int64, count=len(ids))
+    # with_ends' rule, laid out in numpy: a list per document would double the time of this step
+    heads = np.fromiter((bool(bos) and x[:1] != list(bos) for x in ids), dtype=bool, count=len(ids))
+    tails = np.fromiter((x[-1:] != [eos] for x in ids), dtype=bool, count=len(ids))
+    lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids)) + heads + tails
     out = np.empty(int(lengths.sum()), dtype=dtype)
-    eos_at = np.cumsum(lengths) - 1
+    ends = np.cumsum(lengths)
+    bos_at, eos_at = (ends - lengths)[heads], (ends - 1)[tails]
     body = np.ones(len(out), dtype=bool)
-    body[eos_at] = False
-    out[body] = np.fromiter(chain.from_iterable(ids), dtype=dtype, count=len(out) - len(ids))
-    out[eos_at] = eos
+    body[bos_at] = body[eos_at] = False
+    out[body] = np.fromiter(chain.from_iterable(ids), dtype=dtype, count=int(body.sum()))
+    out[bos_at], out[eos_at] = (bos[0] if bos else 0), eos
     return out, lengths
 
 
@@ -273,13 +279,14 @@ _WORKER: dict = {}
 def _worker_init(docs, field: str, tokenizer, eos: int, dtype: str, in_worker: bool = True) -> None:
     if in_worker:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the worker processes are the parallelism
-    _WORKER.update(chunks=ArrowChunks(docs, [field]), field=field, tokenizer=tokenizer, eos=eos, dtype=dtype)
+    _WORKER.update(chunks=ArrowChunks(docs, [field]), field=field, tokenizer=tokenizer, eos=eos, dtype=dtype,
+                   bos=leading_bos(tokenizer))
 
 
 def _worker_encode(i: int):
     w = _WORKER
     texts = w["chunks"][i].column(w["field"]).to_pylist()
-    return encode(texts, w["tokenizer"], w["eos"], w["dtype"])
+    return encode(texts, w["tokenizer"], w["eos"], w["dtype"], w["bos"])
 
 
 def _encoded_chunks(docs, field: str, tokenizer, num_proc: int | None, dtype: str):
@@ -310,14 +317,17 @@ def _encoded_chunks(docs, field: str, tokenizer, num_proc: int | None, dtype: st
 
 def pack_text(docs, tokenizer, field: str, seq_len: int, num_proc: int | None = None,
               document_mask: bool = False) -> PackedBlocks:
-    """Tokenize docs[field], join the documents with EOS and cut into `seq_len` blocks."""
+    """Tokenize docs[field], join the documents with EOS (each after its BOS, where the tokenizer
+    puts one before text) and cut into `seq_len` blocks."""
     dtype = token_dtype(tokenizer)
 
     def fill(writer: _Writer) -> None:
         for ids, lengths in _encoded_chunks(docs, field, tokenizer, num_proc, dtype):
             writer.add(ids, lengths)
 
-    folder, owned = _cached(docs, ("text", field, tokenizer.eos_token_id, tokenizer), fill, False, dtype)
+    # the BOS itself keyed (formats' rule, outside this module's code hash), as the EOS is
+    ends = (leading_bos(tokenizer), tokenizer.eos_token_id)
+    folder, owned = _cached(docs, ("text", field, *ends, tokenizer), fill, False, dtype)
     return PackedBlocks(folder, seq_len, document_mask, owned)
 
 

@@ -174,7 +174,7 @@ def tokenize_split(docs, cfg: DataConfig, tokenizer, what: str, warn=None, requi
     """Token rows of one split in cfg.format: packed text blocks, or one example per row with
     `labels` (IGNORE_INDEX where there is no loss) and `length`. `required`: an instruct/chat
     split left with no example is a UserError."""
-    formats.check_cells(docs, cfg, what, warn or _warn)
+    formats.check_cells(docs, cfg, what, warn or _warn, tokenizer)
     if cfg.format == "text":
         docs, field = formats.render_text(docs, cfg, what)
         return pack(docs, tokenizer, field, cfg.seq_len, cfg.num_proc, cfg.masks_documents)
@@ -203,6 +203,12 @@ def tokenize_split(docs, cfg: DataConfig, tokenizer, what: str, warn=None, requi
                             "data.messages_field")
         raise UserError(f"no example of {what} keeps a response (or assistant) token within {key}="
                         f"{cfg.example_cutoff}; raise {key} or check the data")
+    cut = _count(rows, "cut")
+    rows = rows.remove_columns("cut")
+    if cut:  # the ends of responses, and the EOS (or end of turn) that teaches the model to stop, go untrained
+        (warn or _warn)(f"warning: {cut} of {len(rows)} examples of {what} are cut at {key}={cfg.example_cutoff} "
+                        f"tokens before the end of their {'replies' if cfg.format == 'chat' else 'responses'}: "
+                        f"their ends, and the end of turn or EOS, have no loss; raise {key} to keep them whole")
     if cfg.train_on_inputs:
         rows = rows.remove_columns("labels")  # labels == input_ids
     if cfg.packing:
@@ -210,6 +216,15 @@ def tokenize_split(docs, cfg: DataConfig, tokenizer, what: str, warn=None, requi
 
         return pack_rows(rows, cfg.seq_len, token_dtype(tokenizer), cfg.masks_documents)
     return rows
+
+
+def _count(rows, column: str) -> int:
+    """How many rows of a boolean column are true, read a chunk at a time."""
+    import pyarrow.compute as pc
+
+    from shardtune.data.scan import ArrowChunks
+
+    return sum(pc.sum(chunk.column(column), min_count=0).as_py() for chunk in ArrowChunks(rows, [column]))
 
 
 def prepare(cfg: DataConfig, tokenizer, global_batch: int = 1):
@@ -240,6 +255,8 @@ def _prepare(cfg: DataConfig, tokenizer, warn, global_batch: int = 1):
                         + too_small(causes, "check data.path"))
     train = tokenize_split(train_docs, cfg, tokenizer, f"dataset {cfg.path!r}{split_files(cfg, cfg.split)}", warn,
                            required=True)
+    if cfg.format == "chat" and (line := chat.unended_turns(cfg, tokenizer)):
+        warn(line)
     if len(train) == 0:
         raise UserError(f"dataset {cfg.path!r} has fewer tokens than one sequence of data.seq_len="
                         f"{cfg.seq_len}" + too_small(causes, "add data or lower data.seq_len"))

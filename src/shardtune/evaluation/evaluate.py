@@ -292,7 +292,8 @@ def generate(model, tokenizer, prompts: list, max_new_tokens: int = 64, temperat
     the first end-of-sequence token of the model's generation config or of `stop` (data.chat.trained_ends: token
     ids, and texts of several tokens);
     temperature 0 (or below GREEDY_BELOW) decodes greedily. Seeded once: the same call gives the same texts. A prompt
-    longer than the model's positions leave room for is cut from the left."""
+    longer than the model's positions leave room for is cut from the left, after the BOS that
+    training put first."""
 
     if temperature < 0 or not 0 < top_p <= 1 or max_new_tokens < 1:
         raise UserError("need --temperature >= 0, 0 < --top-p <= 1 and --max-new-tokens >= 1")
@@ -306,11 +307,15 @@ def generate(model, tokenizer, prompts: list, max_new_tokens: int = 64, temperat
     rows = [r or [start] for r in rows]  # an empty prompt starts from the beginning-of-text token
     limit = max_positions(model.config)
     if limit is not None:  # a prompt too long for the model keeps its end, where the answer starts
+        from shardtune.data import formats
+
         limit -= virtual_tokens(model)  # prefix/prompt tuning's, before the prompt
         if max_new_tokens >= limit:
             raise UserError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the model's {limit} "
                             f"positions; set --max-new-tokens {limit - 1} or less")
-        rows = [r[-(limit - max_new_tokens):] for r in rows]
+        keep, bos = limit - max_new_tokens, formats.leading_bos(tokenizer)  # and the BOS it starts with, if any
+        rows = [r if len(r) <= keep else r[:1] + r[len(r) - keep + 1:] if bos and r[:1] == bos and keep > 1
+                else r[len(r) - keep:] for r in rows]
     if output_offset(model):  # peft drops prompt tuning's position ids: left padding would shift the positions
         batch_size = 1
     # a mixture of experts trained with its router loss (output_router_logits) computes that loss in every

@@ -98,12 +98,13 @@ def examples(req: QualityRequest, cfg, docs, tokenizer) -> list[Example]:
     out: list[Example] = []
     if cfg.format == "text":
         docs, field = formats.render_text(docs, cfg, what)
+        bos, cut = formats.leading_bos(tokenizer), req.prompt_tokens  # the BOS is one of the prompt's tokens
         for text in docs[field]:
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-            if len(ids) > req.prompt_tokens:  # a document with a continuation to compare with
-                prompt, after = ids[:req.prompt_tokens], ids[req.prompt_tokens:req.prompt_tokens + req.max_new_tokens]
+            ids = formats.with_ends(tokenizer(text, add_special_tokens=False)["input_ids"], bos)  # as trained
+            if len(ids) > cut:  # a document with a continuation to compare with
+                prompt, after = ids[:cut], ids[cut:cut + req.max_new_tokens]
                 reference = continuation(tokenizer, prompt, after)  # as the generations are decoded
-                out.append(Example(tokenizer.decode(prompt), reference, prompt))
+                out.append(Example(tokenizer.decode(prompt, skip_special_tokens=True), reference, prompt))
             if len(out) == req.generate:
                 break
     elif cfg.format == "instruct":
