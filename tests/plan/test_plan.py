@@ -204,6 +204,22 @@ def test_plan_prints_a_command_line_that_loads(tmp_path):
     assert check_world(cfg, 2) == best["accumulation"]
 
 
+def test_a_model_folder_of_config_json_alone_is_planned(assets, tmp_path, capsys):
+    """plan reads a model's config, not its weights (a folder of config.json alone was refused: "has no
+    weights ... set model.random_init=true", which the printed command would then have carried)."""
+    from transformers import AutoConfig
+
+    from shardtune.cli.main import main
+
+    cfg = dict(TINY["gpt2"])
+    AutoConfig.for_model(cfg.pop("model_type"), **cfg).save_pretrained(tmp_path / "model")
+    assert main(["plan", f"model.name_or_path={tmp_path / 'model'}", f"model.tokenizer={assets['tokenizer']}",
+                 "data.path=unused", "data.seq_len=64", "train.global_batch_size=8", "--gpus", "1", "--gpu", "T4",
+                 "--json"]) == 0, capsys.readouterr().err
+    answer = json.loads(capsys.readouterr().out)
+    assert answer["best"]["fits"] and "random_init" not in answer["best"]["command"]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--gpus", "4", "--gpu", "B300"], "unknown GPU 'B300'; known: H200, H100"),
     (["--gpus", "1", "--gpu", "8xA100-80GB"], "give the count apart: --gpus 8 --gpu A100-80GB"),

@@ -41,19 +41,20 @@ from shardtune.model.weights_fit import check_weights_fit
 from shardtune.noise import transformers_warnings
 
 
-def load_hf_config(cfg: ModelConfig, local_files_only: bool = False):
+def load_hf_config(cfg: ModelConfig, local_files_only: bool = False, weights: bool = True):
     """The transformers config of the model, with `model.config` overrides applied
-    (`local_files_only`: a local folder or the Hugging Face cache, never the network), checked.
+    (`local_files_only`: a local folder or the Hugging Face cache, never the network), checked;
+    `weights`: a local folder's weights too (False: `plan`, which reads only the config).
     What transformers logs about it meanwhile (a rope factor below 1) is shown once the checks pass:
     a refusal stays one line."""
     with transformers_warnings() as said:
-        hf_config = _load_checked(cfg, local_files_only)
+        hf_config = _load_checked(cfg, local_files_only, weights and not cfg.random_init)
     for line in said:
         logging.getLogger("transformers").warning(line)
     return hf_config
 
 
-def _load_checked(cfg: ModelConfig, local_files_only: bool):
+def _load_checked(cfg: ModelConfig, local_files_only: bool, weights: bool):
     from transformers import AutoConfig
 
     overrides = dict(cfg.config)
@@ -82,7 +83,7 @@ def _load_checked(cfg: ModelConfig, local_files_only: bool):
     folder = Path(cfg.name_or_path)
     check_model_source(cfg.name_or_path, "model.name_or_path")
     if folder.is_dir():  # checked whole now, on every rank, so none starts building on a broken folder
-        check_model_folder(folder, weights=not cfg.random_init)
+        check_model_folder(folder, weights=weights)
     try:
         hf_config = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code,
                                                local_files_only=local_files_only)
@@ -112,7 +113,7 @@ def _load_checked(cfg: ModelConfig, local_files_only: bool):
     check_ranges(hf_config, cfg)
     check_buildable(hf_config, cfg.trust_remote_code, f"model {cfg.name_or_path!r}"
                     + (" with model.config" if overrides else ""))
-    if folder.is_dir() and not cfg.random_init and (files := weight_files(folder)):
+    if folder.is_dir() and weights and (files := weight_files(folder)):
         check_weights_fit(folder, files, build_meta_model(hf_config, cfg.trust_remote_code))
     return hf_config
 

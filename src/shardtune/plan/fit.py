@@ -39,8 +39,8 @@ def resolve_hf_config(cfg: RunConfig):
         except UserError:
             return hf_config, "model.config (tokenizer not at hand: the config's vocabulary)"
         return hf_config, "model.config"
-    if Path(m.name_or_path).is_dir():
-        return load_hf_config(m), f"local folder {m.name_or_path}"
+    if Path(m.name_or_path).is_dir():  # its config.json: no weights needed to plan
+        return load_hf_config(m, weights=False), f"local folder {m.name_or_path}"
     check_model_source(m.name_or_path, "model.name_or_path")  # train's line, not "not available offline"
     try:
         return load_hf_config(m, local_files_only=True), "the Hugging Face cache"
