@@ -5,6 +5,7 @@ FlopCounterMode in the model itself."""
 from __future__ import annotations
 
 import copy
+import json
 
 import torch
 import torch.nn as nn
@@ -22,7 +23,9 @@ def attention_flops(hf_config, seq_len: int) -> float:
     as torch's FlopCounterMode counts them in one forward of the real model on meta tensors with
     `seq_len` tokens; counted once per config and length. A model that does not run there (remote
     code) gets dense attention's 4 x layers x hidden x seq_len: telemetry never stops a run."""
-    key = (hf_config.to_json_string(), seq_len)
+    # the whole dict: to_json_string's diff against the class defaults builds a default config (5x the
+    # time, and plan's search asks ~4,400 times)
+    key = (json.dumps(hf_config.to_dict(), sort_keys=True, default=str), seq_len)
     if key not in _COUNTED:
         from torch.utils.flop_counter import FlopCounterMode
         from transformers import AutoModelForCausalLM
