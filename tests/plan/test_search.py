@@ -118,3 +118,22 @@ def test_the_largest_micro_batch_is_never_below_the_best_s_own(tiny, monkeypatch
     best = estimate(at(6), hf_config, layout, cfg, target)
     best.at = at
     assert best.fits and largest_micro_batch(best, cfg, hf_config, target) == 6
+
+
+def test_extrapolated_fits_after_failed_confirmations_are_not_called_fits(tiny):
+    """The answer traces the best CONFIRMED extrapolated fits whole; where all fail theirs, plan said
+    "nothing fits" above a list of later layouts marked as fitting."""
+    from shardtune.plan.cost import Candidate, Target
+    from shardtune.plan.search import CONFIRMED, Estimate, confirm
+
+    cfg, hf_config = tiny
+
+    class Failing:
+        def trace(self, *args, **kwargs):
+            raise RuntimeError("the full trace does not fit")
+
+    best = [Estimate(Candidate("full_shard", "bf16", mb), {}, {}, 1.0, 1.0, 1, True) for mb in range(1, CONFIRMED + 3)]
+    assert confirm(best, cfg, hf_config, Target(1, 1, 1 << 30, None), Failing()) is None
+    assert not any(e.fits for e in best)
+    assert all(e.why_not.startswith("extrapolated fit, but the full trace cannot be traced") for e in best[:CONFIRMED])
+    assert all("not traced whole" in e.why_not for e in best[CONFIRMED:])

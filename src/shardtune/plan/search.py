@@ -358,13 +358,18 @@ def rank(estimates: list[Estimate], cfg: RunConfig) -> list[Estimate]:
                                             e.memory.get("total", 0)))
 
 
+CONFIRMED = 3  # candidates traced whole, in order, before the plan says nothing fits
+
+
 def confirm(best: list[Estimate], cfg: RunConfig, hf_config, target: Target,
             cache: TraceCache | None = None) -> Estimate | None:
-    """Trace the top candidates whole, in order, until one fits: the answer rests on a full trace."""
+    """Trace the top candidates whole, in order, until one fits: the answer rests on a full trace.
+    Where the first CONFIRMED all fail theirs, the later extrapolated fits are no longer called fits
+    (the answer said "nothing fits" above a list of layouts that "fit")."""
     from shardtune.plan import trace as trace_lib
 
     whole = cache.trace if cache is not None else trace_lib.trace_step
-    for est in best[:3]:
+    for est in best[:CONFIRMED]:
         if not est.fits:
             return None
         run = est.candidate.apply(cfg, target)
@@ -377,5 +382,9 @@ def confirm(best: list[Estimate], cfg: RunConfig, hf_config, target: Target,
         if exact.fits:
             return exact
         est.fits, est.why_not = False, f"extrapolated fit, but the full trace {exact.why_not}"
+    for est in best[CONFIRMED:]:
+        if est.fits:
+            est.fits, est.why_not = False, (f"extrapolated fit, not traced whole: the {CONFIRMED} best "
+                                            "extrapolated fits failed their full traces")
     return None
 
