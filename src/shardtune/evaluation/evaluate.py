@@ -155,11 +155,22 @@ def eval_blocks(req: EvalRequest, run_cfg, tokenizer):
     return blocks.with_format("torch")
 
 
-def reading(file=None):
-    """`loading.pinned`'s `say` for a command of one or more ranks: rank 0 says it, on `file`."""
-    from shardtune.distributed.process_group import is_main_process
+class Reading:
+    """`loading.pinned`'s `say` for a command of one or more ranks: held until the command's checks
+    have passed (`say()`: a refusal stays one line), then said by rank 0, on `file`."""
 
-    return lambda line: print(f"reading {line}", file=file or sys.stdout, flush=True) if is_main_process() else None
+    def __init__(self, file=None):
+        self.file, self.lines = file, []
+
+    def __call__(self, line: str) -> None:
+        self.lines.append(line)
+
+    def say(self) -> None:
+        from shardtune.distributed.process_group import is_main_process
+
+        for line in self.lines if is_main_process() else ():
+            print(f"reading {line}", file=self.file or sys.stdout, flush=True)
+        self.lines.clear()
 
 
 def eval_one(spec: str, req: EvalRequest, dist, data_cfg) -> dict:
@@ -203,10 +214,12 @@ def run_eval(req: EvalRequest) -> dict:
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    req = dataclasses.replace(req, model=pinned(req.model, reading()), compare=pinned(req.compare, reading()))
+    said = Reading()
+    req = dataclasses.replace(req, model=pinned(req.model, said), compare=pinned(req.compare, said))
     _, tokenizer, hf_config, data_cfg = load_model(req.model, weights=False)  # --compare BASE: the same data
     compare_config = load_model(req.compare, weights=False)[2] if req.compare else None
     req = check_eval(req, data_cfg, hf_config, tokenizer, compare_config)
+    said.say()
     owns = not tdist.is_initialized()
     dist = init_distributed(req.device)
     try:
@@ -376,10 +389,12 @@ def run_generate(req: GenerateRequest) -> list[str]:
     from shardtune.evaluation import lengths
     from shardtune.evaluation import prompts as layouts
 
-    req = dataclasses.replace(req, model=pinned(req.model, reading(sys.stderr)))  # stdout holds the texts alone
+    said = Reading(sys.stderr)  # stdout holds the texts alone
+    req = dataclasses.replace(req, model=pinned(req.model, said))
     _, tokenizer, hf_config, run_cfg = load_model(req.model, weights=False)  # checked before the weights load
     cfg = layouts.layout(req.format, run_cfg)
     prompts, ids = zip(*layouts.rendered(read_prompts(req), cfg, tokenizer))
+    said.say()
     notes: list[str] = []  # said after the texts: the output is the texts, stderr is for errors
     if cfg.format != "text" and req.format is None:
         notes.append(f"the prompts are laid out as the run's {cfg.format} data; --format text sends them as given")

@@ -18,7 +18,7 @@ from shardtune.checkpoint.loading import load_model, model_step, pinned, run_fol
 from shardtune.checkpoint.rundir import refuse_run_file
 from shardtune.errors import UserError
 from shardtune.evaluation import lengths, textscores
-from shardtune.evaluation.evaluate import continuation, data_config, generate, options_named, reading
+from shardtune.evaluation.evaluate import Reading, continuation, data_config, generate, options_named
 from shardtune.evaluation.prompts import check_chat
 from shardtune.fsio import make_dir, refuse_foreign_file, write_text_atomic
 
@@ -181,7 +181,8 @@ def run_quality(req: QualityRequest) -> dict:
     from shardtune.distributed.process_group import resolve_device
 
     metrics = check_request(req)
-    req = dataclasses.replace(req, model=pinned(req.model, reading()), compare=pinned(req.compare, reading()))
+    said = Reading()
+    req = dataclasses.replace(req, model=pinned(req.model, said), compare=pinned(req.compare, said))
     out = Path(req.out) if req.out else default_out(req.model)
     refuse_run_file(out, "--out")  # before any work
     refuse_foreign_file(out, "--out", "an output of `eval --generate`", OUT_MARK, req.overwrite)
@@ -194,6 +195,7 @@ def run_quality(req: QualityRequest) -> dict:
     cfg = data_config(req, run_cfg)
     check_chat(cfg, tokenizer)
     req, room = fit_lengths(req, cfg, hf_config)
+    said.say()
     with options_named(req.data is not None or req.format is not None):
         prompts = examples(req, cfg, documents(req, cfg, run_cfg), tokenizer)
     if req.max_new_tokens is None:  # instruct/chat prompts: the longest leaves the room for new tokens
