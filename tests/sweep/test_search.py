@@ -161,16 +161,21 @@ def test_a_storage_of_another_schema_is_one_line(assets, tmp_path, monkeypatch, 
         assert con.execute("select x from studies").fetchall() == [(7,)]
 
 
-def test_another_study_in_the_same_folder_keeps_the_first_ones_trials(assets, tmp_path, monkeypatch):
-    """Trial numbers start at 0 in every study: a second --study-name in the same --out reran
-    trials/trial-0000 over the first study's (each trial overwrites its folder)."""
+def one_trial_study(assets, tmp_path, monkeypatch) -> tuple[list, Path, list[str], bytes]:
+    """A finished study of one stand-in trial in OUT: (the trials run, OUT, its argv, its trial 0's metrics)."""
     calls = []
     fake_trials(monkeypatch, calls)
     out = tmp_path / "search"
     argv = ["sweep", *overrides(assets, tmp_path), "--search", "train.lr=loguniform:1e-5:1e-1", "--steps", "2",
             "--trials", "1", "--out", str(out)]
     assert main(argv) == 0
-    first = (out / "trials" / "trial-0000" / "metrics.jsonl").read_bytes()
+    return calls, out, argv, (out / "trials" / "trial-0000" / "metrics.jsonl").read_bytes()
+
+
+def test_another_study_in_the_same_folder_keeps_the_first_ones_trials(assets, tmp_path, monkeypatch):
+    """Trial numbers start at 0 in every study: a second --study-name in the same --out reran
+    trials/trial-0000 over the first study's (each trial overwrites its folder)."""
+    calls, out, argv, first = one_trial_study(assets, tmp_path, monkeypatch)
     assert main([*argv, "--study-name", "other"]) == 0
     assert main([*argv, "--study-name", "an other/one"]) == 0
     assert calls[:2] == ["trial-0000", "trial-0000-other"] and calls[2].startswith("trial-0000-anotherone-")
@@ -180,13 +185,7 @@ def test_another_study_in_the_same_folder_keeps_the_first_ones_trials(assets, tm
 def test_a_new_study_over_another_studys_trial_folders_is_refused(assets, tmp_path, monkeypatch, capsys):
     """Another --storage (or the folder's study.db removed) is a new study of the same name: its
     trial 0 emptied and rewrote trials/trial-0000 of the first."""
-    calls = []
-    fake_trials(monkeypatch, calls)
-    out = tmp_path / "search"
-    argv = ["sweep", *overrides(assets, tmp_path), "--search", "train.lr=loguniform:1e-5:1e-1", "--steps", "2",
-            "--trials", "1", "--out", str(out)]
-    assert main(argv) == 0
-    first = (out / "trials" / "trial-0000" / "metrics.jsonl").read_bytes()
+    calls, out, argv, first = one_trial_study(assets, tmp_path, monkeypatch)
     capsys.readouterr()
     for extra in (["--storage", f"sqlite:///{tmp_path / 'other.db'}"], []):
         if not extra:
