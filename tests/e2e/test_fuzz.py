@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from archs import ARCHS, arch_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_errors import TINY_GPT2, library_logs_to_stderr, qs_assets  # noqa: F401 - a shared fixture
@@ -130,6 +131,53 @@ def test_options_of_every_command(world, command, data):
         run_and_check(world, world.command_line(command, extra))
 
 
+# keys most configs read, beside each architecture's own (its tiny config's, tests/archs.py)
+HF_KEYS = ["model_type", "vocab_size", "max_position_embeddings", "hidden_size", "num_attention_heads",
+           "num_key_value_heads", "head_dim", "torch_dtype", "dtype", "rope_scaling", "rope_theta", "hidden_act",
+           "attn_implementation", "_attn_implementation", "architectures", "tie_word_embeddings", "pad_token_id",
+           "eos_token_id", "bos_token_id", "sliding_window", "partial_rotary_factor", "quantization_config",
+           "layer_norm_eps", "rms_norm_eps", "use_cache", "initializer_range", "num_hidden_layers"]
+
+
+@examples(10)
+@given(arch=st.sampled_from(sorted(ARCHS)), data=st.data())
+def test_model_config_values(world, arch, data):
+    """`model.config.<key>=value` on a tiny config of every architecture (or a saved GPT-2's), with odd
+    values (transformers checks few): `slurm` checks the model's config and builds its skeleton on meta."""
+    config = arch_config(arch)
+    keys = sorted({*config, *HF_KEYS})
+    edits = data.draw(st.lists(st.tuples(st.sampled_from(keys), st.one_of(VALUES, CONFIG_NUMBERS.map(str))),
+                               min_size=1, max_size=2))
+    source = data.draw(st.sampled_from([f"model.config={json.dumps(config)}",  # or set on a model folder's config
+                                        f"model.name_or_path={world.model_folder()}"]))
+    words = [source, *(f"model.config.{key}={value}" for key, value in edits)]
+    run_and_check(world, ["slurm", world.recipe, *words, "--nodes", "1", "--gpus-per-node", "1"])
+
+
+# what launches ranks or takes the network is left to the properties above (they stop before it)
+REAL_MODEL_OPTIONS = {c: [o for o in OPTIONS[c][0] if o not in ("--nproc", "--mauve-featurizer", "--compare")]
+                      for c in ("eval", "generate")}
+
+
+@examples(4)
+@given(command=st.sampled_from(sorted(REAL_MODEL_OPTIONS)), data=st.data())
+def test_options_on_a_real_model(world, command, data):
+    """`eval` and `generate` of a saved tiny model, their options' values past the parser's checks
+    (huge counts, odd text, existing paths): refused in one line, or run on the tiny model."""
+    chosen = data.draw(st.lists(st.sampled_from(REAL_MODEL_OPTIONS[command]), min_size=1, max_size=2, unique=True))
+    plausible = st.sampled_from(["text", "instruct", "chat", "cpu", "auto", "validation", "train", "other", "prompt",
+                                 "rouge,bleu", "diversity", "mauve", "rouge,,", "0.5", "1e-9", "0.999999"])
+    values = st.one_of(VALUES, st.integers(0, 3000).map(str), plausible, st.sampled_from(world.existing_paths()))
+    base = {"generate": ["--prompt", "hi", "--max-new-tokens", "2"],  # options after these replace them
+            "eval": ["--data", world.data_file(), *data.draw(st.sampled_from(
+                [["--max-batches", "1", "--micro-batch-size", "2"], ["--generate", "2", "--max-new-tokens", "2"]]))]}
+    extra = base[command] + [f"{option}={data.draw(values)}" for option in chosen]
+    here = world.fresh_path("cwd")
+    here.mkdir(parents=True)
+    with contextlib.chdir(here):
+        run_and_check(world, [command, str(world.model_folder()), *extra])
+
+
 def corruptions(text: bytes) -> st.SearchStrategy[bytes]:
     """Truncations, random bytes spliced in, duplicated lines, wrong JSON types, random files."""
     n = len(text)
@@ -142,10 +190,33 @@ def corruptions(text: bytes) -> st.SearchStrategy[bytes]:
     return st.one_of(cut, splice, dup, swap, st.binary(max_size=64))
 
 
+# YAML a person writes (or a tool emits): tags, anchors, merges, block scalars, YAML 1.1 words, dates
+YAML_VALUES = [b"!!binary aGk=", b"!!set {a, b}", b"!!omap [a: 1]", b"!!pairs [a: 1]", b"2024-01-01",
+               b"2001-12-14t21:59:43.10-05:00", b"!!python/object:os.system x", b"!!str", b"!!float 1", b"!!int 0x1f",
+               b"0o17", b"1_000", b"0x10", b"yes", b"on", b"off", b"~", b"!custom 1", b"&x 1", b"*x", b"*nowhere",
+               b"|\n    text\n", b">-\n    folded\n", b"{<<: {a: 1}}", b"[a, {b: c}]", b"? a", b"''", b'"\\x"',
+               b'"\\u0000"', b"!!null x", b"!!bool 2", b"!!timestamp x", b"1:2:3", b"+.5", b"-0b11", b"\t1"]
+
+
+def odd_yaml(text: bytes) -> st.SearchStrategy[bytes]:
+    """A recipe whole but for one value written as odd YAML, or the file's form changed (a BOM, CRLF,
+    tabs, several documents, directives, a merge key at the top, another encoding)."""
+    lines = text.splitlines(keepends=True)
+    keyed = [i for i, line in enumerate(lines) if b":" in line]
+    one_value = st.tuples(st.sampled_from(keyed), st.sampled_from(YAML_VALUES)).map(
+        lambda t: b"".join([*lines[:t[0]], lines[t[0]].split(b":")[0] + b": " + t[1] + b"\n", *lines[t[0] + 1:]]))
+    whole = st.sampled_from([b"\xef\xbb\xbf" + text, text.replace(b"\n", b"\r\n"), text.replace(b"  ", b"\t"),
+                             text + b"---\n" + text, b"%YAML 1.1\n---\n" + text, b"%YAML 9.9\n---\n" + text,
+                             b"base: &b\n  " + text.replace(b"\n", b"\n  ") + b"\n<<: *b\n", text + b"...\n",
+                             text.decode().encode("utf-16"), text.replace(b"\n", b"\r"), text + b"\x00"])
+    return st.one_of(one_value, whole)
+
+
 @examples(30)
 @given(data=st.data())
 def test_corrupt_recipes(world, data):
-    text = data.draw(corruptions(Path(world.recipe).read_bytes()))
+    original = Path(world.recipe).read_bytes()
+    text = data.draw(st.one_of(corruptions(original), odd_yaml(original)))
     path = world.scratch_file("recipe.yaml", text)
     run_and_check(world, ["slurm", str(path), "--nodes", "1", "--gpus-per-node", "1"])
 
@@ -359,6 +430,14 @@ class FuzzWorld:
             for file in Path(yaml.safe_load(Path(self.recipe).read_text())["model"]["tokenizer"]).iterdir():
                 shutil.copy(file, folder)
         return folder
+
+    def data_file(self) -> str:
+        """A small training file (the world's data text), made on first use."""
+        path = self.root / "data" / "train.jsonl"
+        if not path.is_file():
+            path.parent.mkdir()
+            path.write_bytes(self.data_text)
+        return str(path)
 
     def existing_paths(self) -> list[str]:
         """Files and folders that exist (a recipe, a checkpoint, a run's files, the working folder), as
