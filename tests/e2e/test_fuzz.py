@@ -48,7 +48,8 @@ ODD_VALUES = ["", " ", "nan", ".nan", ".inf", "-.inf", "1e309", "-1", "0", "-0.0
               str(2 ** 64), str(-2 ** 63 - 1), "9" * 400, "1e-320", "true", "null", "~", "[]", "{}", "[1, 2]",
               "[.nan]", "{a: 1}", "{1: 2}", "[[[[[]]]]]", "&a [*a, *a]", "'", "\"", "{", "[", "a\nb", "x" * 300,
               "{x:10000000000}", "{0}", "{x!z}", "../..", "/dev/null", "-", "--help", "a=b", "!!python/none ''",
-              "{model_type: t5}", "{model_type: gpt2, n_head: 3}", "{model_type: gpt2, n_embd: .nan}"]
+              "!!bool 2", "!!timestamp x", "{model_type: t5}", "{model_type: gpt2, n_head: 3}",
+              "{model_type: gpt2, n_embd: .nan}"]
 TEXT = st.text(st.characters(exclude_categories=("Cs",)), max_size=12)
 VALUES = st.one_of(st.sampled_from(ODD_VALUES), st.integers(-2 ** 70, 2 ** 70).map(str),
                    st.floats().map(repr), TEXT)
