@@ -286,7 +286,7 @@ def test_corrupt_checkpoints_on_resume(world, name, data):
 def test_corrupt_data_files(world, data):
     """A damaged training file: refused with one line, or trained on for one step."""
     text = data.draw(st.one_of(corruptions(world.data_text), st.sampled_from(world.odd_data)))
-    path = world.scratch_file("train.jsonl", text)
+    path = world.scratch_file(data.draw(st.sampled_from(["train.jsonl", "train.json", "train.txt", "train.csv"])), text)
     run_and_check(world, ["train", world.recipe, f"data.path={path}", f"output_dir={world.fresh_path('run')}"])
 
 
@@ -348,6 +348,16 @@ class FuzzWorld:
         self.counter = itertools.count()
         rows = [{"text": 5}, {"text": None}, {"text": ""}, {"text": {"a": "b"}}, {"text": [1, 2]}, {"other": "x"}]
         self.odd_data = [b"".join(json.dumps(row).encode() + b"\n" for _ in range(40)) for row in rows]
+        # the same documents in other encodings and structures: a BOM, UTF-16, Latin-1, CRLF, one JSON array
+        # or object, a CSV-like text, NUL bytes, one huge line
+        docs = [json.loads(line) for line in data_text.splitlines() if line.strip()]
+        self.odd_data += [b"\xef\xbb\xbf" + data_text, data_text.decode().encode("utf-16"),
+                          data_text.decode().encode("latin-1", "replace"), data_text.replace(b"\n", b"\r\n"),
+                          json.dumps(docs).encode(), json.dumps({"data": docs}).encode(),
+                          json.dumps({"text": [d["text"] for d in docs]}).encode(),
+                          b"text\n" + b"".join(json.dumps(d["text"]).encode() + b"\n" for d in docs),
+                          data_text.replace(b"\n", b"\x00\n"), b" ".join(data_text.splitlines()) + b"\n",
+                          "".join(json.dumps(d, ensure_ascii=False) + "\n" for d in docs).encode("utf-16-le")]
 
     @classmethod
     def build(cls, root: Path, assets: dict) -> FuzzWorld:
