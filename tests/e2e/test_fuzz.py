@@ -1,8 +1,10 @@
 """Property-based search for bad input that escapes as a traceback (Hypothesis).
 
 Over the command line and the input files: `key=value` overrides of every config key (read from
-the schema) with values of the wrong type, out of range, NaN/inf, huge or empty; options of every
-command; corrupted recipes, data files, model folders (config.json) and checkpoints (meta.json).
+the schema) with values of the wrong type, out of range, NaN/inf, huge or empty; `model.config`'s own
+keys for every architecture; every option of every command (read from the parser), also on a real
+model; corrupted or oddly written recipes (YAML tags, anchors, encodings), data files (encodings,
+structures), model folders (config.json) and checkpoints (meta.json).
 For every run: exit 0 or 2, never a traceback, at most two lines on stderr, and no file that
 existed before changed. Runs in-process; most inputs stop at config load, before torch work.
 
