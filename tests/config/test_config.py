@@ -163,7 +163,11 @@ BOMB = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
     ("train:\n  lr: [1\n", "not valid YAML (line 5, column 1"),
     (BOMB, "expands to more than 100000 values"),
     ("train: &t {lr: *t}\n", "refers to a value that contains it"),
-    ("train: {seed: " + "9" * 5000 + "}\n", "holds a value YAML cannot read"),
+    ("train: {seed: " + "9" * 5000 + "}\n", "holds a value YAML cannot read (line 3, column 15: the int value"),
+    # an explicit tag on text that is no such value: PyYAML raised a bare KeyError/AttributeError (a traceback)
+    ("train: {seed: !!bool 2}\n", "holds a value YAML cannot read (line 3, column 15: the bool value '2'"),
+    ("log: {run_name: !!timestamp x}\n", "line 3, column 17: the timestamp value 'x'"),
+    ("train: {betas: [!!float x, 0.9]}\n", "line 3, column 17: the float value 'x'"),
     ("train: {seed: 18446744073709551616}\n", "train.seed=18446744073709551616 must be at most 2**63-1"),
     ("data: {template: '{x:10000000000}'}\n", "width above 10000"),
     ("1: 2\n", "config key 1 is not a name"),
@@ -187,6 +191,7 @@ def test_recipes_are_read_strictly(tmp_path, text, needle):
     ("model.config={model_type: gpt2, n_embd: .inf}", "model.config.n_embd=inf is not a finite number"),
     ("data.num_proc=0", "data.num_proc=0 must be at least 1"),
     ("output_dir=a\x00b", "output_dir contains a NUL character"),
+    ("train.seed=!!bool 2", "the value of train.seed holds a value YAML cannot read (line 1, column 1: the bool"),
 ])
 def test_every_value_is_checked_by_its_type(override, needle):
     with pytest.raises(UserError, match=re.escape(needle)):

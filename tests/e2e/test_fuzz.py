@@ -1,13 +1,16 @@
 """Property-based search for bad input that escapes as a traceback (Hypothesis).
 
 Over the command line and the input files: `key=value` overrides of every config key (read from
-the schema) with values of the wrong type, out of range, NaN/inf, huge or empty; options of every
-command; corrupted recipes, data files, model folders (config.json) and checkpoints (meta.json).
+the schema) with values of the wrong type, out of range, NaN/inf, huge or empty; `model.config`'s own
+keys for every architecture; every option of every command (read from the parser), also on a real
+model; corrupted or oddly written recipes (YAML tags, anchors, encodings), data files (encodings,
+structures), model folders (config.json) and checkpoints (meta.json).
 For every run: exit 0 or 2, never a traceback, at most two lines on stderr, and no file that
 existed before changed. Runs in-process; most inputs stop at config load, before torch work.
 
 CI runs a few examples per property with a fixed seed (derandomized); for a longer search:
     SHARDTUNE_FUZZ_EXAMPLES=2000 python -m pytest -q -p no:cacheprovider tests/e2e/test_fuzz.py
+(random examples each time; `--hypothesis-seed N` repeats a search, `-k <property>` runs one property).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from archs import ARCHS, arch_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_errors import TINY_GPT2, library_logs_to_stderr, qs_assets  # noqa: F401 - a shared fixture
@@ -31,7 +35,8 @@ from shardtune.config.schema import config_keys
 from shardtune.errors import EXIT_USAGE
 
 EXAMPLES = int(os.environ.get("SHARDTUNE_FUZZ_EXAMPLES", "0"))
-settings.register_profile("ci", derandomize=True, deadline=None, database=None, print_blob=True,
+# a longer search draws new examples each run (`--hypothesis-seed N` repeats one); CI's few are fixed
+settings.register_profile("ci", derandomize=not EXAMPLES, deadline=None, database=None, print_blob=True,
                           suppress_health_check=list(HealthCheck))
 settings.load_profile("ci")
 
@@ -45,7 +50,8 @@ ODD_VALUES = ["", " ", "nan", ".nan", ".inf", "-.inf", "1e309", "-1", "0", "-0.0
               str(2 ** 64), str(-2 ** 63 - 1), "9" * 400, "1e-320", "true", "null", "~", "[]", "{}", "[1, 2]",
               "[.nan]", "{a: 1}", "{1: 2}", "[[[[[]]]]]", "&a [*a, *a]", "'", "\"", "{", "[", "a\nb", "x" * 300,
               "{x:10000000000}", "{0}", "{x!z}", "../..", "/dev/null", "-", "--help", "a=b", "!!python/none ''",
-              "{model_type: t5}", "{model_type: gpt2, n_head: 3}", "{model_type: gpt2, n_embd: .nan}"]
+              "!!bool 2", "!!timestamp x", "{model_type: t5}", "{model_type: gpt2, n_head: 3}",
+              "{model_type: gpt2, n_embd: .nan}"]
 TEXT = st.text(st.characters(exclude_categories=("Cs",)), max_size=12)
 VALUES = st.one_of(st.sampled_from(ODD_VALUES), st.integers(-2 ** 70, 2 ** 70).map(str),
                    st.floats().map(repr), TEXT)
@@ -91,27 +97,88 @@ def test_every_key_takes_the_worst_values(world):
             assert "\n" not in str(exc), (key, value, str(exc))
 
 
-OPTIONS = {
-    "eval": ["--seq-len", "--micro-batch-size", "--max-batches", "--text-field", "--split", "--data"],
-    "generate": ["--max-new-tokens", "--temperature", "--top-p", "--seed", "--prompt", "--prompts-file"],
-    "plan": ["--gpus", "--nodes", "--gpu", "--gpu-mem", "--host-mem", "--peak-tflops", "--bandwidth",
-             "--inter-node-bandwidth", "--margin"],
-    "slurm": ["--nodes", "--gpus-per-node", "--time", "--signal-lead", "--partition", "--job-name"],
-    "sweep": ["--steps", "--eval-steps", "--nproc", "--mem-limit", "--grid"],
-    "export": ["--max-shard-size"],
-    "train": ["--nproc"],
-    "report": ["--out"],
-}
+def command_options() -> dict[str, tuple[list[str], list[str]]]:
+    """Per command, its options that take a value and its flags, read from the parser: a new option is
+    fuzzed with no change here."""
+    import argparse
+
+    from shardtune.cli.main import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    found = {}
+    for name, parser in sub.choices.items():
+        named = [a for a in parser._actions if a.option_strings and not isinstance(a, argparse._HelpAction)]
+        found[name] = ([a.option_strings[-1] for a in named if a.nargs != 0],
+                       [a.option_strings[-1] for a in named if a.nargs == 0])
+    return found
+
+
+OPTIONS = command_options()
 
 
 @examples(40)
 @given(command=st.sampled_from(sorted(OPTIONS)), data=st.data())
 def test_options_of_every_command(world, command, data):
-    """A bad option value is refused while parsing (exit 2, one line) before the command starts."""
-    option = data.draw(st.sampled_from(OPTIONS[command]))
-    value = data.draw(VALUES.filter(lambda v: not v.startswith("-") or v in ("-1", "-0.0", "-.inf")))
-    argv = world.command_line(command, [option, value])
-    run_and_check(world, argv)
+    """Bad option values (one or two options, `--opt=value` so a value may start with `-`; paths
+    that exist, of files the world holds) are refused in one line before the command starts, or
+    the command runs as far as its positionals let it. Each example runs in a folder of its own:
+    a relative output it writes (`--out=x`) is its own, not an earlier example's to replace."""
+    valued, flags = OPTIONS[command]
+    chosen = data.draw(st.lists(st.sampled_from(valued), min_size=1, max_size=2, unique=True))
+    values = st.one_of(VALUES, st.sampled_from(world.existing_paths()))
+    extra = [f"{option}={data.draw(values)}" for option in chosen]
+    extra += data.draw(st.lists(st.sampled_from(flags), max_size=1)) if flags else []
+    here = world.fresh_path("cwd") / "here"
+    here.mkdir(parents=True)
+    with contextlib.chdir(here):
+        run_and_check(world, world.command_line(command, extra))
+
+
+# keys most configs read, beside each architecture's own (its tiny config's, tests/archs.py)
+HF_KEYS = ["model_type", "vocab_size", "max_position_embeddings", "hidden_size", "num_attention_heads",
+           "num_key_value_heads", "head_dim", "torch_dtype", "dtype", "rope_scaling", "rope_theta", "hidden_act",
+           "attn_implementation", "_attn_implementation", "architectures", "tie_word_embeddings", "pad_token_id",
+           "eos_token_id", "bos_token_id", "sliding_window", "partial_rotary_factor", "quantization_config",
+           "layer_norm_eps", "rms_norm_eps", "use_cache", "initializer_range", "num_hidden_layers"]
+
+
+@examples(10)
+@given(arch=st.sampled_from(sorted(ARCHS)), data=st.data())
+def test_model_config_values(world, arch, data):
+    """`model.config.<key>=value` on a tiny config of every architecture (or a saved GPT-2's), with odd
+    values (transformers checks few): `slurm` checks the model's config and builds its skeleton on meta."""
+    config = arch_config(arch)
+    keys = sorted({*config, *HF_KEYS})
+    edits = data.draw(st.lists(st.tuples(st.sampled_from(keys), st.one_of(VALUES, CONFIG_NUMBERS.map(str))),
+                               min_size=1, max_size=2))
+    source = data.draw(st.sampled_from([f"model.config={json.dumps(config)}",  # or set on a model folder's config
+                                        f"model.name_or_path={world.model_folder()}"]))
+    words = [source, *(f"model.config.{key}={value}" for key, value in edits)]
+    run_and_check(world, ["slurm", world.recipe, *words, "--nodes", "1", "--gpus-per-node", "1"])
+
+
+# what launches ranks or takes the network is left to the properties above (they stop before it)
+REAL_MODEL_OPTIONS = {c: [o for o in OPTIONS[c][0] if o not in ("--nproc", "--mauve-featurizer", "--compare")]
+                      for c in ("eval", "generate")}
+
+
+@examples(4)
+@given(command=st.sampled_from(sorted(REAL_MODEL_OPTIONS)), data=st.data())
+def test_options_on_a_real_model(world, command, data):
+    """`eval` and `generate` of a saved tiny model, their options' values past the parser's checks
+    (huge counts, odd text, existing paths): refused in one line, or run on the tiny model."""
+    chosen = data.draw(st.lists(st.sampled_from(REAL_MODEL_OPTIONS[command]), min_size=1, max_size=2, unique=True))
+    plausible = st.sampled_from(["text", "instruct", "chat", "cpu", "auto", "validation", "train", "other", "prompt",
+                                 "rouge,bleu", "diversity", "mauve", "rouge,,", "0.5", "1e-9", "0.999999"])
+    values = st.one_of(VALUES, st.integers(0, 3000).map(str), plausible, st.sampled_from(world.existing_paths()))
+    base = {"generate": ["--prompt", "hi", "--max-new-tokens", "2"],  # options after these replace them
+            "eval": ["--data", world.data_file(), *data.draw(st.sampled_from(
+                [["--max-batches", "1", "--micro-batch-size", "2"], ["--generate", "2", "--max-new-tokens", "2"]]))]}
+    extra = base[command] + [f"{option}={data.draw(values)}" for option in chosen]
+    here = world.fresh_path("cwd")
+    here.mkdir(parents=True)
+    with contextlib.chdir(here):
+        run_and_check(world, [command, str(world.model_folder()), *extra])
 
 
 def corruptions(text: bytes) -> st.SearchStrategy[bytes]:
@@ -126,10 +193,33 @@ def corruptions(text: bytes) -> st.SearchStrategy[bytes]:
     return st.one_of(cut, splice, dup, swap, st.binary(max_size=64))
 
 
+# YAML a person writes (or a tool emits): tags, anchors, merges, block scalars, YAML 1.1 words, dates
+YAML_VALUES = [b"!!binary aGk=", b"!!set {a, b}", b"!!omap [a: 1]", b"!!pairs [a: 1]", b"2024-01-01",
+               b"2001-12-14t21:59:43.10-05:00", b"!!python/object:os.system x", b"!!str", b"!!float 1", b"!!int 0x1f",
+               b"0o17", b"1_000", b"0x10", b"yes", b"on", b"off", b"~", b"!custom 1", b"&x 1", b"*x", b"*nowhere",
+               b"|\n    text\n", b">-\n    folded\n", b"{<<: {a: 1}}", b"[a, {b: c}]", b"? a", b"''", b'"\\x"',
+               b'"\\u0000"', b"!!null x", b"!!bool 2", b"!!timestamp x", b"1:2:3", b"+.5", b"-0b11", b"\t1"]
+
+
+def odd_yaml(text: bytes) -> st.SearchStrategy[bytes]:
+    """A recipe whole but for one value written as odd YAML, or the file's form changed (a BOM, CRLF,
+    tabs, several documents, directives, a merge key at the top, another encoding)."""
+    lines = text.splitlines(keepends=True)
+    keyed = [i for i, line in enumerate(lines) if b":" in line]
+    one_value = st.tuples(st.sampled_from(keyed), st.sampled_from(YAML_VALUES)).map(
+        lambda t: b"".join([*lines[:t[0]], lines[t[0]].split(b":")[0] + b": " + t[1] + b"\n", *lines[t[0] + 1:]]))
+    whole = st.sampled_from([b"\xef\xbb\xbf" + text, text.replace(b"\n", b"\r\n"), text.replace(b"  ", b"\t"),
+                             text + b"---\n" + text, b"%YAML 1.1\n---\n" + text, b"%YAML 9.9\n---\n" + text,
+                             b"base: &b\n  " + text.replace(b"\n", b"\n  ") + b"\n<<: *b\n", text + b"...\n",
+                             text.decode().encode("utf-16"), text.replace(b"\n", b"\r"), text + b"\x00"])
+    return st.one_of(one_value, whole)
+
+
 @examples(30)
 @given(data=st.data())
 def test_corrupt_recipes(world, data):
-    text = data.draw(corruptions(Path(world.recipe).read_bytes()))
+    original = Path(world.recipe).read_bytes()
+    text = data.draw(st.one_of(corruptions(original), odd_yaml(original)))
     path = world.scratch_file("recipe.yaml", text)
     run_and_check(world, ["slurm", str(path), "--nodes", "1", "--gpus-per-node", "1"])
 
@@ -198,7 +288,7 @@ def test_corrupt_checkpoints_on_resume(world, name, data):
 def test_corrupt_data_files(world, data):
     """A damaged training file: refused with one line, or trained on for one step."""
     text = data.draw(st.one_of(corruptions(world.data_text), st.sampled_from(world.odd_data)))
-    path = world.scratch_file("train.jsonl", text)
+    path = world.scratch_file(data.draw(st.sampled_from(["train.jsonl", "train.json", "train.txt", "train.csv"])), text)
     run_and_check(world, ["train", world.recipe, f"data.path={path}", f"output_dir={world.fresh_path('run')}"])
 
 
@@ -260,6 +350,16 @@ class FuzzWorld:
         self.counter = itertools.count()
         rows = [{"text": 5}, {"text": None}, {"text": ""}, {"text": {"a": "b"}}, {"text": [1, 2]}, {"other": "x"}]
         self.odd_data = [b"".join(json.dumps(row).encode() + b"\n" for _ in range(40)) for row in rows]
+        # the same documents in other encodings and structures: a BOM, UTF-16, Latin-1, CRLF, one JSON array
+        # or object, a CSV-like text, NUL bytes, one huge line
+        docs = [json.loads(line) for line in data_text.splitlines() if line.strip()]
+        self.odd_data += [b"\xef\xbb\xbf" + data_text, data_text.decode().encode("utf-16"),
+                          data_text.decode().encode("latin-1", "replace"), data_text.replace(b"\n", b"\r\n"),
+                          json.dumps(docs).encode(), json.dumps({"data": docs}).encode(),
+                          json.dumps({"text": [d["text"] for d in docs]}).encode(),
+                          b"text\n" + b"".join(json.dumps(d["text"]).encode() + b"\n" for d in docs),
+                          data_text.replace(b"\n", b"\x00\n"), b" ".join(data_text.splitlines()) + b"\n",
+                          "".join(json.dumps(d, ensure_ascii=False) + "\n" for d in docs).encode("utf-16-le")]
 
     @classmethod
     def build(cls, root: Path, assets: dict) -> FuzzWorld:
@@ -345,6 +445,20 @@ class FuzzWorld:
                 shutil.copy(file, folder)
         return folder
 
+    def data_file(self) -> str:
+        """A small training file (the world's data text), made on first use."""
+        path = self.root / "data" / "train.jsonl"
+        if not path.is_file():
+            path.parent.mkdir()
+            path.write_bytes(self.data_text)
+        return str(path)
+
+    def existing_paths(self) -> list[str]:
+        """Files and folders that exist (a recipe, a checkpoint, a run's files, the working folder), as
+        an option's value: none may be overwritten or removed."""
+        return [self.recipe, ".", "..", str(self.root), str(self.checkpoint), str(self.checkpoint / "meta.json"),
+                str(self.sweep_out), str(self.sweep_out / "metrics.jsonl")]
+
     def fresh_path(self, name: str) -> Path:
         return self.root / "scratch" / f"{next(self.counter)}-{name}"
 
@@ -370,7 +484,7 @@ class FuzzWorld:
                 "slurm": ["slurm", self.recipe, "--nodes", "1", "--gpus-per-node", "1"],
                 "sweep": ["sweep", self.recipe, stop, "--grid", "precision=fp32"],
                 "export": ["export", missing, str(self.fresh_path("x"))], "train": ["train", self.recipe, stop],
-                "report": ["report", missing]}[command] + extra
+                "report": ["report", missing], "download": ["download", "model:nobody/nothing"]}[command] + extra
 
 
 def snapshot(root: Path) -> dict:

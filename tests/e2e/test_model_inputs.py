@@ -102,6 +102,23 @@ def model_folder(tmp_path_factory, qs_assets) -> Path:
     return folder
 
 
+@pytest.mark.parametrize("model, override, words", [
+    ("config", "quantization_config=0", ["model.config.quantization_config=0", "cannot write to a config.json"]),
+    ("config", "dtype=[1]", ["model.config.dtype=[1]", "cannot write to a config.json"]),
+    ("folder", "use_return_dict=true", ["model.config.use_return_dict=True", "refused by transformers"]),
+    ("folder", "num_labels=x", ["model.config.num_labels='x'", "refused by transformers"]),
+])
+def test_a_config_value_transformers_takes_but_cannot_use_is_refused(capfd, tmp_path, model_folder, model, override,
+                                                                     words):
+    """transformers took these, then its to_dict (every check, every save) or the field's setter
+    raised: a traceback from every command (found by test_fuzz's test_model_config_values)."""
+    source = f"model.name_or_path={model_folder}" if model == "folder" else f"model.config={json.dumps(TINY_GPT2)}"
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({"data": {"path": "x.jsonl"}}))
+    fails(capfd, ["slurm", str(recipe), source, f"model.config.{override}", "--nodes", "1", "--gpus-per-node", "1"],
+          *words)
+
+
 @pytest.mark.parametrize("edit, words", [
     ({"n_embd": 64}, ["in model.safetensors has shape", "but the config makes it"]),
     ({"n_layer": 2}, ["lacks 12 weight(s)", "transformer.h.1.", "start random"]),  # loaded, with layer 1 random

@@ -9,7 +9,7 @@ import re
 
 import yaml
 
-from shardtune.errors import UserError
+from shardtune.errors import UserError, first_line
 
 MAX_NODES = 100_000  # far above any recipe (the whole schema is ~100 keys), far below a bomb
 
@@ -34,6 +34,19 @@ class StrictLoader(yaml.SafeLoader):
     """SafeLoader that refuses duplicate mapping keys and over-large alias expansions, and keeps
     the text of a plain number or date (`Written`): YAML 1.1 reads `output_dir: 007` as 7 and
     `publish.revision: 1.10` as 1.1, which a key typed as text turned into '7' and '1.1'."""
+
+    def construct_object(self, node, deep=False):
+        try:
+            return super().construct_object(node, deep=deep)
+        except UnreadableValue:
+            raise
+        except (LookupError, AttributeError, TypeError, ValueError) as exc:  # not RecursionError: no stack left
+            # an explicit tag on text that is no such value (`!!bool 2`, `!!timestamp x`, `!!int x`): PyYAML's
+            # constructor raised a bare KeyError or AttributeError, which no caller knew as the YAML's fault
+            shown = f" {node.value[:40]!r}" if isinstance(node, yaml.ScalarNode) else ""
+            raise UnreadableValue(f"line {node.start_mark.line + 1}, column {node.start_mark.column + 1}: the "
+                                  f"{node.tag.rsplit(':', 1)[-1]} value{shown} ({type(exc).__name__}: "
+                                  f"{first_line(exc, 80)})") from None
 
     def construct_document(self, node):
         _check_expanded_size(node)
@@ -118,6 +131,10 @@ def where(exc: yaml.YAMLError) -> str:
     return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" if mark else problem
 
 
+class UnreadableValue(ValueError):
+    """A value whose text YAML read but could not make into its type, with its place."""
+
+
 class YAMLSyntaxError(UserError):
     """Text that is not YAML at all (an override value may then be meant as plain text)."""
 
@@ -130,6 +147,8 @@ def load_yaml(text: str, what: str, fix: str = "fix it"):
         raise UserError(f"{what}: {exc}") from None
     except yaml.YAMLError as exc:
         raise YAMLSyntaxError(f"{what} is not valid YAML ({where(exc)}); {fix}") from None
-    except (ValueError, RecursionError) as exc:  # an int of more digits than Python converts; nesting too deep
+    except UnreadableValue as exc:  # e.g. an int of more digits than Python converts
+        raise UserError(f"{what} holds a value YAML cannot read ({exc}); {fix}") from None
+    except (ValueError, RecursionError, LookupError, AttributeError, TypeError) as exc:  # nesting too deep
         raise UserError(f"{what} holds a value YAML cannot read ({type(exc).__name__}: "
                         f"{str(exc).splitlines()[0][:120] if str(exc) else ''}); {fix}") from None

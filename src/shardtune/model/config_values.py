@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 from shardtune.config.schema import ModelConfig
-from shardtune.errors import UserError
+from shardtune.errors import UserError, first_line
 from shardtune.families import HEADS, HIDDEN, LAYERS, config_field, text_config
 
 # sizes a model needs at least 1 of, and what it has none of with 0
@@ -54,7 +54,7 @@ RANGES = (
 def check_ranges(hf_config, cfg: ModelConfig) -> None:
     """A config field out of the range its name says (RANGES), in the config or any of its
     sub-configs, refused naming where it is set."""
-    found = next(_out_of_range(hf_config.to_dict()), None)
+    found = next(_out_of_range(config_dict(hf_config, cfg)), None)
     if found is None:
         return
     name, value, (_, _, what, fix) = found
@@ -62,6 +62,34 @@ def check_ranges(hf_config, cfg: ModelConfig) -> None:
         raise UserError(f"model.config.{name}={value} is {what} out of range; set model.config.{name} to {fix}")
     raise UserError(f"{name}={value} in {_origin(cfg)} is {what} out of range; correct it in its config.json, or set "
                     f"model.config.{name} to {fix}")
+
+
+def config_dict(hf_config, cfg: ModelConfig) -> dict:
+    """The config as its config.json holds it. transformers takes some values it cannot write
+    (`quantization_config: 0`, `dtype: [1]`); every save writes this, and the checks read it, so
+    such a value is refused here (a traceback before), naming its key where model.config set it."""
+    try:
+        hf_config.to_json_string(use_diff=False)  # what a save writes (to_dict, then JSON)
+        return hf_config.to_dict()
+    except Exception as exc:  # noqa: BLE001 - whichever a config class raises on a value of the wrong type
+        why = f"{type(exc).__name__}: {first_line(exc, 120)}"
+    key = next((k for k, v in cfg.config.items() if not _writable(hf_config, k, v)), None)
+    if key is not None:
+        raise UserError(f"model.config.{key}={cfg.config[key]!r} is a value transformers cannot write to a "
+                        f"config.json ({why}); give {key} the type it takes, or drop it")
+    if cfg.name_or_path is None or cfg.config:
+        raise UserError(f"model.config makes a config transformers cannot write ({why}); check the types of its values")
+    raise UserError(f"{_origin(cfg)} holds a value transformers cannot write back ({why}); correct it in its "
+                    "config.json")
+
+
+def _writable(hf_config, key: str, value) -> bool:
+    """Whether the default config of hf_config's type, with key=value alone, writes (a refusal's key)."""
+    try:
+        type(hf_config)(**{key: value}).to_json_string(use_diff=False)
+    except Exception:  # noqa: BLE001 - as config_dict
+        return False
+    return True
 
 
 def _out_of_range(tree: dict, prefix: str = ""):

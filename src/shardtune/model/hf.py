@@ -108,7 +108,11 @@ def _load_checked(cfg: ModelConfig, local_files_only: bool, weights: bool):
     for key, value in overrides.items():
         if not isinstance(key, str) or not hasattr(hf_config, key):
             raise UserError(f"model.config.{key} is not a field of {type(hf_config).__name__}; check the name")
-        setattr(hf_config, key, value)
+        try:  # a read-only property (use_return_dict) or a field the config class validates (num_labels)
+            setattr(hf_config, key, value)
+        except Exception as exc:  # noqa: BLE001 - whichever the config class raises
+            raise UserError(f"model.config.{key}={value!r} is refused by transformers ({reason(exc)}); "
+                            "check model.config") from None
     check_sizes(hf_config, cfg)
     check_ranges(hf_config, cfg)
     check_buildable(hf_config, cfg.trust_remote_code, f"model {cfg.name_or_path!r}"
