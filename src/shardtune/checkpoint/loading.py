@@ -4,6 +4,7 @@ a peft adapter folder, a run folder, or a sharded checkpoint (read shard by shar
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
@@ -52,6 +53,24 @@ def pinned(spec: str | None, say=None) -> str | None:
     if say is not None:
         say(picked.line(spec))
     return str(picked.path)
+
+
+class Reading:
+    """`pinned`'s `say` for a command of one or more ranks: held until the command's checks
+    have passed (`say()`: a refusal stays one line), then said by rank 0, on `file`."""
+
+    def __init__(self, file=None):
+        self.file, self.lines = file, []
+
+    def __call__(self, line: str) -> None:
+        self.lines.append(line)
+
+    def say(self) -> None:
+        from shardtune.distributed.process_group import is_main_process
+
+        for line in self.lines if is_main_process() else ():
+            print(f"reading {line}", file=self.file or sys.stdout, flush=True)
+        self.lines.clear()
 
 
 def resolve_model(spec: str) -> tuple[str, Path | str]:

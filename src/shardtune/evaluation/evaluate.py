@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as tdist
 
-from shardtune.checkpoint.loading import adapter_structure, load_model, pinned
+from shardtune.checkpoint.loading import Reading, adapter_structure, load_model, pinned
 from shardtune.errors import UserError
 from shardtune.evaluation.prompts import check_chat, layout
 from shardtune.model.hf import max_positions
@@ -153,24 +153,6 @@ def eval_blocks(req: EvalRequest, run_cfg, tokenizer):
         raise UserError(f"split {split!r} of {cfg.path!r} has fewer tokens than one block of {cfg.seq_len}; "
                         "lower --seq-len")
     return blocks.with_format("torch")
-
-
-class Reading:
-    """`loading.pinned`'s `say` for a command of one or more ranks: held until the command's checks
-    have passed (`say()`: a refusal stays one line), then said by rank 0, on `file`."""
-
-    def __init__(self, file=None):
-        self.file, self.lines = file, []
-
-    def __call__(self, line: str) -> None:
-        self.lines.append(line)
-
-    def say(self) -> None:
-        from shardtune.distributed.process_group import is_main_process
-
-        for line in self.lines if is_main_process() else ():
-            print(f"reading {line}", file=self.file or sys.stdout, flush=True)
-        self.lines.clear()
 
 
 def eval_one(spec: str, req: EvalRequest, dist, data_cfg) -> dict:

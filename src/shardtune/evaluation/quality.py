@@ -14,11 +14,11 @@ import sys
 import time
 from pathlib import Path
 
-from shardtune.checkpoint.loading import load_model, model_step, pinned, run_folder
+from shardtune.checkpoint.loading import Reading, load_model, model_step, pinned, run_folder
 from shardtune.checkpoint.rundir import refuse_run_file
 from shardtune.errors import UserError
 from shardtune.evaluation import lengths, textscores
-from shardtune.evaluation.evaluate import Reading, continuation, data_config, generate, options_named
+from shardtune.evaluation.evaluate import continuation, data_config, generate, options_named
 from shardtune.evaluation.prompts import check_chat
 from shardtune.fsio import make_dir, refuse_foreign_file, write_text_atomic
 
