@@ -225,9 +225,9 @@ def merge_source(adapter: Path) -> tuple[Path, AdapterParts]:
 
     hf_logging.set_verbosity_error()  # from the check on (adapter_parts reads the base's config): one line or none
     hf_logging.disable_progress_bar()
-    from shardtune.checkpoint.folders import is_run_folder, read_meta, run_weights
+    from shardtune.checkpoint.folders import read_meta, run_weights
 
-    picked = run_weights(adapter) if is_run_folder(adapter) else None
+    picked = run_weights(adapter)
     if picked is not None and picked.final:
         adapter = picked.path  # a run folder: its final adapter
     elif picked is not None and read_meta(picked.path)["config"].get("peft", {}).get("method", "none") != "none":

@@ -122,7 +122,10 @@ def run_weights(run: Path) -> RunWeights | None:
     """The one rule for what a run folder means to every command given it (eval, generate, export,
     export --push-to-hub): its final/ unless a complete checkpoint of a later step exists (a resume
     that trained on and stopped before its own final/), else its newest complete checkpoint. A
-    final/ of an older shardtune records no step and counts as the newest. None: neither exists."""
+    final/ of an older shardtune records no step and counts as the newest. None: neither exists, or
+    `run` is no run folder (is_run_folder: its final/ or checkpoints/ folder itself is not one)."""
+    if not is_run_folder(run):
+        return None
     final = run / "final"
     ckpt = find_latest(run / "checkpoints")
     if (final / "config.json").is_file() or (final / "adapter_config.json").is_file():
@@ -135,7 +138,7 @@ def run_weights(run: Path) -> RunWeights | None:
 def export_source(spec: str | Path) -> RunWeights:
     """What `export SPEC` reads: a run folder's run_weights, else the checkpoint SPEC names."""
     path = Path(spec).expanduser()
-    picked = run_weights(path) if is_run_folder(path) else None
+    picked = run_weights(path)
     if picked is None:
         path = resolve_checkpoint(path)
         picked = RunWeights(path, read_meta(path)["step"], False)

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from shardtune.checkpoint.dcp import dcp_load
-from shardtune.checkpoint.folders import final_step, is_run_folder, read_meta, resolve_checkpoint, run_weights
+from shardtune.checkpoint.folders import final_step, read_meta, resolve_checkpoint, run_weights
 from shardtune.errors import UserError
 from shardtune.names import hub_id
 
@@ -47,7 +47,7 @@ def pinned(spec: str | None, say=None) -> str | None:
     reads and says the same); anything else as given. Every later read takes that folder: a live run
     that saved a checkpoint meanwhile had the line and the weights of two steps."""
     path = Path(spec).expanduser() if spec else None
-    picked = run_weights(path) if path is not None and is_run_folder(path) else None
+    picked = run_weights(path) if path is not None else None
     if picked is None:
         return spec
     if say is not None:
@@ -80,7 +80,7 @@ def resolve_model(spec: str) -> tuple[str, Path | str]:
     path = Path(spec).expanduser()
     if path.name == "latest" and path.is_file():  # the pointer file: the checkpoint it names
         return "checkpoint", resolve_checkpoint(path.parent)
-    picked = run_weights(path) if is_run_folder(path) else None
+    picked = run_weights(path)
     if picked is not None:  # a peft run's final/: its adapter (+ base)
         kind = "hf" if (picked.path / "config.json").is_file() else "adapter"
         return ("checkpoint" if not picked.final else kind), picked.path
