@@ -325,10 +325,16 @@ def instruct_prompt(cfg: DataConfig, row: dict) -> str:
     return base.format(instruction=str(as_text(row[cfg.instruction_field], sep)).strip(), input=text_in)
 
 
+def text_ids(tokenizer, text: str, bos: list[int] | None = None) -> list[int]:
+    """`text`'s token ids after the BOS training puts before a document or prompt (leading_bos, or
+    `bos` where the caller has it), not doubled where the text writes it."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return with_ends(ids, leading_bos(tokenizer) if bos is None else bos)
+
+
 def instruct_prompt_ids(cfg: DataConfig, tokenizer, row: dict) -> list[int]:
     """The prompt's token ids exactly as training saw them (a llama-style BOS included)."""
-    ids = tokenizer(instruct_prompt(cfg, row), add_special_tokens=False)["input_ids"]
-    return with_ends(ids, leading_bos(tokenizer))
+    return text_ids(tokenizer, instruct_prompt(cfg, row))
 
 
 def instruct_response(cfg: DataConfig, row: dict) -> str:

@@ -39,7 +39,7 @@ def rendered(prompts: list[str], cfg, tokenizer) -> list[tuple[str, list[int]]]:
 
     if cfg.format == "text":
         bos = formats.leading_bos(tokenizer)  # every training document started with it
-        return [(p, formats.with_ends(tokenizer(p, add_special_tokens=False)["input_ids"], bos)) for p in prompts]
+        return [(p, formats.text_ids(tokenizer, p, bos)) for p in prompts]
     if cfg.format == "instruct":
         fills = {cfg.instruction_field, cfg.input_field}
         if cfg.template is not None and not set(template_columns(cfg.template)) <= fills:

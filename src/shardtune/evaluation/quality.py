@@ -100,7 +100,7 @@ def examples(req: QualityRequest, cfg, docs, tokenizer) -> list[Example]:
         docs, field = formats.render_text(docs, cfg, what)
         bos, cut = formats.leading_bos(tokenizer), req.prompt_tokens  # the BOS is one of the prompt's tokens
         for text in docs[field]:
-            ids = formats.with_ends(tokenizer(text, add_special_tokens=False)["input_ids"], bos)  # as trained
+            ids = formats.text_ids(tokenizer, text, bos)  # as trained
             if len(ids) > cut:  # a document with a continuation to compare with
                 prompt, after = ids[:cut], ids[cut:cut + req.max_new_tokens]
                 reference = continuation(tokenizer, prompt, after)  # as the generations are decoded
