@@ -149,7 +149,7 @@ def measure(spec: dict, workdir: Path) -> dict:
 
 
 def predict(spec: dict) -> dict:
-    from shardtune.hardware import step_extra
+    from shardtune.hardware import technique as technique_of
     from shardtune.model.hf import load_hf_config
     from shardtune.plan.cost import gpu_memory
     from shardtune.plan.trace import trace_step
@@ -163,8 +163,8 @@ def predict(spec: dict) -> dict:
     if _state_only(cfg):
         out["live_peak"] = trace.steady["optimizer_state"]
     if target == "cuda":
-        technique = (cfg.activation_checkpointing, cfg.peft.method, cfg.activation_offload or cfg.fsdp.cpu_offload,
-                     step_extra(cfg.float8, cfg.train.optimizer_state))
+        technique = technique_of(cfg.activation_checkpointing, cfg.peft.method, cfg.activation_offload,
+                                 cfg.fsdp.cpu_offload, cfg.float8, cfg.train.optimizer_state)
         mem = gpu_memory(trace, cfg.fsdp.cpu_offload, spec["ranks"], technique)
         out.update(allocated=mem["allocated"], reserved=mem["reserved"], technique=technique,
                    transient=mem["transient"])

@@ -43,12 +43,12 @@
 #                steps (log.profile_steps): profile/{trace.json.gz, ops.txt, metrics.jsonl,
 #                train.log}, profile.md. ~50 s; the trace ~2-5 MB compressed
 #   plan   90 s  bench/plan_accuracy.py --gpu --rows PLAN_ROWS (3): the planner's predictions
-#                against max_memory_allocated/reserved. plan_accuracy.md. ~25 s a row
-#   speed-order 300 s bench/speed_order.py --gpu: the Llama ~1B setup, 1 GPU, activation checkpointing
+#                against max_memory_allocated/reserved. plan_accuracy.md. ~25 s a small row, ~47 s a 1B one
+#   speed-order 330 s bench/speed_order.py --gpu: the Llama ~1B setup, 1 GPU, activation checkpointing
 #                none / selective / every 2nd / full and activation offload, SPEED_STEPS (6) steps each,
 #                SPEED_ROUNDS (1) rounds: measured s/step and its order against the planner's
 #                predicted order (issue 33, item 5); exit 1 on a pair ordered the other way beyond 5 %.
-#                speed_order.md. ~25 s set-up + 6 x ~1 s per technique, ~170 s; only when STAGES names it
+#                speed_order.md. 292 s on the H200 (2026-11-27: a compile per arm); only when STAGES names it
 #   float8-tests 120 s, float8 420 s   only when STAGES names them (a call of their own, below):
 #                tests/e2e/test_cuda.py -k float8 (rowwise/tensorwise within 2 % of bf16 over 12
 #                steps, or refused in one line below compute capability 8.9) -> float8-tests.log/.xml;
@@ -90,6 +90,9 @@
 # compiled (1.34x HF), compile's gain (1.34x), profile, every planner row but 12-15, Liger's pieces one
 # by one (each works; the fault was the FLOP count's meta forward, fixed since). compile=auto is the
 # default since: the CUDA tests and every bench arm without compile=false now run compiled blocks.
+# Done on 2026-11-27 (results/2026-11-27-h200/, 769 s of device time in two calls): planner rows 12-15
+# (`STAGES=plan PLAN_PICK=12,13,14,15`, 190 s) and the speed order (`STAGES=speed-order CAP_SPEED_ORDER=370`,
+# 292 s; its first try, after the plan rows in one call, stopped at 193 s): what was the 5th call.
 # The calls left, in order of value:
 #   1st call (~8 min):  STAGES="tests liger-tests" BUDGET_S=540 bash bench/gpu/run.sh /tmp/gpu-t "$OUT"
 #                       (the CUDA tests under the compile=auto default, and Liger's after the hf_patches fix)
@@ -99,9 +102,8 @@
 #                       (float8's loss and speed; FLOAT8_EFFICIENCY in plan/cost.py)
 #   4th call (~9 min):  STAGES="bench-llama bench-opt" CAP_BENCH=250 REPEATS=2 BUDGET_S=540 bash bench/gpu/run.sh /tmp/gpu-ab "$OUT"
 #                       (A B A B on both shapes, compiled by default: issue 34's proof; OPT's HF side never finished before)
-#   5th call (~8 min):  STAGES="plan speed-order" PLAN_PICK=12,13,14,15 CAP_PLAN=200 BUDGET_S=480 bash bench/gpu/run.sh /tmp/gpu-plan "$OUT"
-#                       (every-n, CPU offload, 4-bit, bf16 state; then `plan_accuracy.py --recorded` here,
-#                       hardware.MEASURED_RESERVE / EXTRA_RESERVE; the memory savers' order, now compiled but offload)
+#   (the 5th, STAGES="plan speed-order" PLAN_PICK=12,13,14,15, done 2026-11-27: needs ~500 s, two calls)
+#   a QLoRA planner row: needs the bitsandbytes wheel (below) and a row in plan_accuracy.py's GPU_ROWS
 #   6th call:           STAGES="head-chunks profile" (the head's chunk sizes; the compiled step's profile)
 #   QLoRA's CUDA test:  QLORA=1 bash bench/gpu/wheels.sh, then carry .whl with a lighter tree (bitsandbytes is 43 MB)
 #   issue 20 (one call, ~8 min): memory savers on CUDA, device=auto
@@ -284,7 +286,7 @@ stage profile "$(time_for "${CAP_PROFILE:-90}")" profile.md \
 plan_rows=(--rows "${PLAN_ROWS:-3}"); [ -n "${PLAN_PICK:-}" ] && plan_rows=(--pick "$PLAN_PICK")
 stage plan "$(time_for "${CAP_PLAN:-90}")" plan_accuracy.md \
   $python bench/plan_accuracy.py --gpu "${plan_rows[@]}" "${rh[@]}"
-stage speed-order "$(time_for "${CAP_SPEED_ORDER:-300}")" speed_order.md \
+stage speed-order "$(time_for "${CAP_SPEED_ORDER:-330}")" speed_order.md \
   $python bench/speed_order.py --gpu --steps "${SPEED_STEPS:-6}" --rounds "${SPEED_ROUNDS:-1}" "${rh[@]}"
 stage float8-tests "$(time_for "${CAP_FLOAT8_TESTS:-120}")" float8-tests.log \
   $python -m pytest -q -p no:cacheprovider -m cuda tests/e2e/test_cuda.py -k float8 \

@@ -151,52 +151,65 @@ class Overhead:
 
 
 # The caching allocator's reserve beyond allocated, per technique, keyed by (activation
-# checkpointing, peft method, offloading), as a share of the step's transient bytes at its peak:
-# predicted allocated less the sharded parameters, gradients and optimizer state, which are
-# allocated once and kept. What the allocator caches follows what a step frees and allocates again,
-# not the model's states: a 1B model holds 14.2 GiB of states and reserves 0.5 GiB over allocated,
-# GPT-2 small 1.9 GiB and 0.5 GiB (a share of all allocated over-predicted the 1B rows by 15-24 %).
+# checkpointing, peft method, what is offloaded: "none", "activations" (activation_offload) or
+# "states" (fsdp.cpu_offload: parameters, gradients and optimizer state on the host)), as a share of
+# the step's transient bytes at its peak: predicted allocated less the sharded parameters, gradients
+# and optimizer state, which are allocated once and kept. What the allocator caches follows what a
+# step frees and allocates again, not the model's states: a 1B model holds 14.2 GiB of states and
+# reserves 0.5 GiB over allocated, GPT-2 small 1.9 GiB and 0.5 GiB (a share of all allocated
+# over-predicted the 1B rows by 15-24 %). The two offloads cache differently: activations brought
+# back for backward a block at a time beside the cached forward ones (1.9 of the transient bytes),
+# states copied in and out per block (0.36; activation offloading's 1.9 over-predicted it by 117 %).
 # Measured on one H200, bf16, seq 1024, torch 2.11 (PLAN_ACCURACY_GPU, `bench/plan_accuracy.py
-# --gpu`, 2026-11-26; re-predicted after the planner changes with `--recorded`). The rule: for each
-# row (measured max_memory_reserved - predicted allocated) / predicted transient; a technique takes
-# its rows' largest, rounded up to the next 0.01 and never below 0, so no measured row is
+# --gpu`; re-predicted after the planner changes with `--recorded`). The rule: for each row
+# (measured max_memory_reserved - predicted allocated) / predicted transient; a technique takes its
+# rows' largest, rounded up to the next 0.01 and never below 0, so no measured row is
 # under-predicted. tests/plan/test_reserve_calibration.py holds the rows.
-PLAN_ACCURACY_GPU = ("bench/gpu/results/2026-11-26-h200-b/call1/plan_accuracy.md and -h200-c/call2/plan_accuracy.md "
-                     "(one H200, bf16, seq 1024, torch 2.11)")
+PLAN_ACCURACY_GPU = ("bench/gpu/results/2026-11-26-h200-b/call1/plan_accuracy.md, -h200-c/call2/plan_accuracy.md "
+                     "and 2026-11-27-h200/call1/plan_accuracy.md (one H200, bf16, seq 1024, torch 2.11)")
+OFFLOADS = ("none", "activations", "states")
 MEASURED_RESERVE = {
-    ("none", "none", False): Overhead(0.10, "share of transient", "gpt2-small, micro-batch 8: (7,342 MiB reserved - "
-                                      "6,867 predicted allocated) / 4,956 transient = 0.096"),
-    ("full", "none", False): Overhead(0.54, "share of transient", "llama-1b, micro-batch 4, fsdp.reduce_dtype=bf16: "
-                                      "(16,554 - 15,855) / 1,310 = 0.533 (fp32 reduction 0.437; gpt2-small, "
-                                      "micro-batch 16: 0.366): the recomputed blocks' buffers are cached apart"),
-    ("selective", "none", False): Overhead(0.23, "share of transient", "llama-1b, micro-batch 4: (19,776 - 18,807) "
-                                           "/ 4,262 = 0.227"),
-    ("none", "lora", False): Overhead(0.04, "share of transient", "llama-100m, LoRA, micro-batch 8: (3,770 - 3,670) "
-                                      "/ 3,154 = 0.032"),
-    ("none", "none", True): Overhead(2.00, "share of transient", "llama-1b, activation offloading, micro-batch 2: "
-                                     "(18,652 - 15,915) / 1,370 = 1.997: the activations brought back for backward "
-                                     "are allocated and freed a block at a time beside the cached forward ones"),
+    ("none", "none", "none"): Overhead(0.09, "share of transient", "gpt2-small, micro-batch 8: (7,342 MiB reserved "
+                                       "- 6,899 predicted allocated) / 4,988 transient = 0.089"),
+    ("full", "none", "none"): Overhead(0.50, "share of transient", "llama-1b, micro-batch 4, fsdp.reduce_dtype=bf16: "
+                                       "(16,554 - 15,887) / 1,342 = 0.497 (fp32 reduction 0.403; gpt2-small, "
+                                       "micro-batch 16: 0.336): the recomputed blocks' buffers are cached apart"),
+    ("selective", "none", "none"): Overhead(0.22, "share of transient", "llama-1b, micro-batch 4: (19,776 - "
+                                            "18,839) / 4,294 = 0.218"),
+    ("every_n", "none", "none"): Overhead(0.14, "share of transient", "llama-1b, every 2nd block, micro-batch 4: "
+                                          "(19,288 - 18,707) / 4,162 = 0.140"),
+    ("none", "lora", "none"): Overhead(0.03, "share of transient", "llama-100m, LoRA, micro-batch 8: (3,770 - 3,702) "
+                                       "/ 3,186 = 0.021"),
+    ("none", "none", "activations"): Overhead(1.93, "share of transient", "llama-1b, activation offloading, "
+                                              "micro-batch 2: (18,652 - 15,947) / 1,402 = 1.929"),
+    ("full", "none", "states"): Overhead(0.36, "share of transient", "llama-1b, fsdp.cpu_offload=true, full "
+                                         "checkpointing, micro-batch 4: (1,814 - 1,342) / 1,342 = 0.352"),
 }
-# What a step extra (`step_extra`) adds to that reserve: float8's casts and a low-bit optimizer
-# state's step allocate buffers of their own away from the traced peak (allocated stays as
-# predicted, within 0.4 %), which the allocator keeps cached. One row each (llama-1b, full
-# checkpointing, micro-batch 4), so the form is chosen, not fitted: a share of the predicted
+# What a step extra (`step_extra`) adds to that reserve: float8's casts and torchao's optimizer step
+# (train.optimizer_state 8bit, 4bit and bf16: one compiled step per parameter shape) allocate buffers
+# of their own away from the traced peak, which the allocator keeps cached. One row each (llama-1b,
+# full checkpointing, micro-batch 4), so the form is chosen, not fitted: a share of the predicted
 # allocated, which grows with the model and the step alike (as a share of the transient bytes, as
 # above, a step without checkpointing would be priced at 3x its allocated). The rule: (measured
 # reserved - predicted reserved without the extra) / predicted allocated, rounded up to the next
 # 0.01; an extra never measured takes the largest measured, extras together the sum.
 EXTRA_RESERVE = {
-    "float8": Overhead(0.15, "share of allocated", "rowwise (18,846 - 16,562) / 15,855 = 0.144, tensorwise (18,846 - "
-                       "16,487) / 15,806 = 0.149"),
-    "8bit": Overhead(0.25, "share of allocated", "train.optimizer_state=8bit: (13,684 - 11,137) / 10,430 = 0.244"),
+    "float8": Overhead(0.15, "share of allocated", "rowwise (18,846 - 16,558) / 15,887 = 0.144, tensorwise (18,846 "
+                       "- 16,484) / 15,838 = 0.149"),
+    "8bit state": Overhead(0.25, "share of allocated", "(13,684 - 11,133) / 10,462 = 0.244"),
+    "4bit state": Overhead(0.39, "share of allocated", "(13,920 - 10,252) / 9,581 = 0.383: torchao's 4-bit step also "
+                           "allocates 230 MiB beyond the traced tensors"),
+    "bf16 state": Overhead(0.21, "share of allocated", "(15,454 - 12,922) / 12,251 = 0.207"),
 }
 STATES = ("sharded_params", "gradients", "optimizer_state")  # allocated once and kept: no reserve beside them
 
 CUDA_OVERHEADS = {
     # Inside torch's allocator (counted by max_memory_allocated and reserved):
     "cublas_workspace": Overhead(
-        32 * 2 ** 20, "bytes",
-        "PyTorch's default CUBLAS_WORKSPACE_CONFIG ':4096:8' on sm90 (8 x 4 MiB), one per stream that runs GEMMs"),
+        64 * 2 ** 20, "bytes",
+        "PyTorch's default CUBLAS_WORKSPACE_CONFIG ':4096:8' on sm90 (8 x 4 MiB), one per cuBLAS handle and stream: "
+        "the forward's thread and autograd's backward thread each hold one (measured beyond the traced tensors: "
+        "65-72 MiB on six llama-1b rows, H200, torch 2.11)"),
     "allocation_rounding": Overhead(
         512, "bytes", "CUDACachingAllocator rounds every block up to 512 B (kMinBlockSize)"),
     # Outside torch's allocator (in nvidia-smi's figure, not in max_memory_reserved):
@@ -212,20 +225,31 @@ CUDA_OVERHEADS = {
 
 def step_extra(float8: str = "none", optimizer_state: str = "fp32") -> str:
     """The part of a technique that allocates buffers away from the traced peak (EXTRA_RESERVE):
-    "float8", a low-bit optimizer state ("8bit", "4bit"), both joined by "+", or ""."""
-    low_bit = [optimizer_state] if optimizer_state in ("8bit", "4bit") else []
-    return "+".join((["float8"] if float8 != "none" else []) + low_bit)
+    "float8", torchao's optimizer step ("8bit state", "4bit state", "bf16 state"), both joined by
+    "+", or ""."""
+    torchao_step = [f"{optimizer_state} state"] if optimizer_state != "fp32" else []
+    return "+".join((["float8"] if float8 != "none" else []) + torchao_step)
 
 
-def reserve_share(checkpointing: str = "", peft_method: str = "", offloading: bool = False) -> float:
+def technique(checkpointing: str, peft_method: str, activation_offload: bool, cpu_offload: bool,
+              float8: str = "none", optimizer_state: str = "fp32") -> tuple:
+    """What the allocator's reserve depends on: MEASURED_RESERVE's key and the step extra. With both
+    offloads, the activations' (the larger reserve)."""
+    offload = "activations" if activation_offload else "states" if cpu_offload else "none"
+    return checkpointing, peft_method, offload, step_extra(float8, optimizer_state)
+
+
+def reserve_share(checkpointing: str = "", peft_method: str = "", offload: str = "none") -> float:
     """The allocator's reserve over allocated, as a share of the step's transient bytes, for a
     technique: measured where MEASURED_RESERVE has its row, else the widest measured for a technique
-    that offloads as this one does or does not (an unmeasured one is not under-predicted by a
-    smaller share than one measured)."""
-    measured = MEASURED_RESERVE.get((checkpointing, peft_method, offloading))
+    that offloads what this one does (an unmeasured one is not under-predicted by a smaller share
+    than one measured)."""
+    if offload not in OFFLOADS:
+        raise ValueError(f"offload {offload!r} is not one of {OFFLOADS}")
+    measured = MEASURED_RESERVE.get((checkpointing, peft_method, offload))
     if measured:
         return measured.value
-    return max(o.value for key, o in MEASURED_RESERVE.items() if key[2] == offloading)
+    return max(o.value for key, o in MEASURED_RESERVE.items() if key[2] == offload)
 
 
 def extra_reserve(extra: str = "") -> float:
@@ -233,6 +257,19 @@ def extra_reserve(extra: str = "") -> float:
     (one never measured: the largest measured), summed."""
     widest = max(o.value for o in EXTRA_RESERVE.values())
     return sum(EXTRA_RESERVE[part].value if part in EXTRA_RESERVE else widest for part in extra.split("+") if part)
+
+
+def calibrated() -> str:
+    """The techniques whose reserve was measured, in words (plan's answer names them)."""
+    names = {"none": "no checkpointing", "full": "full checkpointing", "selective": "selective checkpointing",
+             "every_n": "every-n checkpointing", "lora": "LoRA", "activations": "activation offloading",
+             "states": "CPU offload"}
+    seen = []
+    for key in MEASURED_RESERVE:
+        for part in (key[0], key[1] if key[1] != "none" else "", key[2] if key[2] != "none" else ""):
+            if part and names.get(part, part) not in seen:
+                seen.append(names.get(part, part))
+    return ", ".join(seen + [e.replace(" state", " optimizer state") for e in EXTRA_RESERVE])
 
 
 def overhead(name: str) -> float:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from shardtune.config.compiling import compiles
 from shardtune.config.schema import RunConfig
 from shardtune.families import hidden_size
-from shardtune.hardware import GPU, HOST_FACTS, STATES, extra_reserve, overhead, reserve_share, step_extra
+from shardtune.hardware import GPU, HOST_FACTS, STATES, extra_reserve, overhead, reserve_share, technique
 from shardtune.plan.trace import HOST_ONLY, OFFLOADED, StepTrace
 
 STATE_PRECISIONS = ("fp32", "bf16", "8bit", "4bit")
@@ -75,8 +75,8 @@ class Candidate:
 
     def technique(self, cfg: RunConfig) -> tuple:
         """What the allocator's reserve depends on: hardware.MEASURED_RESERVE's key and the step extra."""
-        return (self.checkpointing, cfg.peft.method, self.activation_offload or self.cpu_offload,
-                step_extra(cfg.float8, self.optimizer_state))
+        return technique(self.checkpointing, cfg.peft.method, self.activation_offload, self.cpu_offload, cfg.float8,
+                         self.optimizer_state)
 
     def label(self) -> str:
         ac = f"every {self.every}" if self.checkpointing == "every_n" else self.checkpointing

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from shardtune.config.schema import RunConfig
 from shardtune.errors import UserError
-from shardtune.hardware import GIB, STATES, float8_needs, gpu_by_name, parse_size
+from shardtune.hardware import GIB, STATES, calibrated, float8_needs, gpu_by_name, parse_size
 from shardtune.plan.cost import Candidate, Target, setting
 from shardtune.plan.fit import resolve_hf_config
 from shardtune.plan.keys import refuse_unpriced
@@ -250,9 +250,8 @@ def render(answer: dict) -> str:
         for text in answer.get("what_would_fit", []):
             lines.append(f"  - {text}")
     lines += _others(answer["others"], best["tokens_per_s"] if best else None)
-    lines.append("(reserved memory calibrated on one H200 for no, full and selective checkpointing, LoRA, activation "
-                 "offloading, float8 and an 8-bit optimizer state; other techniques take the widest measured reserve "
-                 "of their kind: hardware.MEASURED_RESERVE)")
+    lines.append(f"(reserved memory calibrated on one H200 for {calibrated()}; other techniques take the widest "
+                 "measured reserve of their kind: hardware.MEASURED_RESERVE)")
     return "\n".join(lines)
 
 

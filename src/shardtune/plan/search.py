@@ -305,8 +305,8 @@ def too_big(heavy: Candidate, batch: list[Estimate], screened: bool, sizes: list
     """The variants (optimizer state, CPU offload, micro-batch) of layout `heavy` that cannot fit, from
     the estimates of a layout it needs at least the memory of (`needs_at_least`: its trace holds no
     more bytes): those over `budget` even at `heavy`'s allocator reserve, which is per technique
-    (hardware.MEASURED_RESERVE: 2.00 of the transient bytes with activations offloaded, 0.54 with full
-    checkpointing, 0.10 with none). Judged at the lighter layout's own reserve, a heavier layout that
+    (hardware.MEASURED_RESERVE: about 2 of the transient bytes with activations offloaded, 0.5 with full
+    checkpointing, 0.1 with none). Judged at the lighter layout's own reserve, a heavier layout that
     fit was never traced: 'nothing fits' where no checkpointing fit and full checkpointing with
     activations to host did not. `screened`: estimates at SCREEN_MICRO[0] alone, whose verdict holds
     from it up."""
