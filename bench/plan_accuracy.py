@@ -26,6 +26,7 @@ the calibration they imply: how a change to the planner moves it against real GP
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -94,6 +95,8 @@ GPU_ROWS = [
     ("llama-1b", 1, "full_shard", "full", False, 4, ("fsdp.cpu_offload=true",)),
     ("llama-1b", 1, "full_shard", "full", False, 4, ("train.optimizer_state=4bit",)),
     ("llama-1b", 1, "full_shard", "full", False, 4, ("train.optimizer_state=bf16",)),
+    # QLoRA (only where bitsandbytes imports: QLORA=1 bash bench/gpu/wheels.sh)
+    ("llama-1b", 1, "full_shard", "none", True, 4, ("peft.quantize=4bit",)),
 ]  # ranks 0: every visible GPU
 
 
@@ -308,9 +311,13 @@ def main() -> int:
                         extra=extra)
             if spec["ranks"] == 1 and sharding == "no_shard":
                 continue
-            if any(e.startswith("float8=") for e in extra) and not float8_capable:
-                print(f"| {shape} | {spec['ranks']} | {sharding} | {ac} | no | {mb} | {' '.join(extra)} | skipped: "
-                      "float8 needs a GPU of compute capability 8.9+ |", flush=True)
+            why_not = ("float8 needs a GPU of compute capability 8.9+"
+                       if any(e.startswith("float8=") for e in extra) and not float8_capable else
+                       "QLoRA needs bitsandbytes (QLORA=1 bash bench/gpu/wheels.sh)"
+                       if "peft.quantize=4bit" in extra and importlib.util.find_spec("bitsandbytes") is None else "")
+            if why_not:
+                print(f"| {shape} | {spec['ranks']} | {sharding} | {ac} | {'yes' if lora else 'no'} | {mb} | "
+                      f"{' '.join(extra)} | skipped: {why_not} |", flush=True)
                 continue
             pred, real = predict(spec), measure(spec, Path(tmp))
             if args.rehearse:

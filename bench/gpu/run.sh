@@ -103,7 +103,7 @@
 #   4th call (~9 min):  STAGES="bench-llama bench-opt" CAP_BENCH=250 REPEATS=2 BUDGET_S=540 bash bench/gpu/run.sh /tmp/gpu-ab "$OUT"
 #                       (A B A B on both shapes, compiled by default: issue 34's proof; OPT's HF side never finished before)
 #   (the 5th, STAGES="plan speed-order" PLAN_PICK=12,13,14,15, done 2026-11-27: needs ~500 s, two calls)
-#   a QLoRA planner row: needs the bitsandbytes wheel (below) and a row in plan_accuracy.py's GPU_ROWS
+#   a QLoRA planner row: STAGES=plan PLAN_PICK=16 after QLORA=1 bash bench/gpu/wheels.sh (skipped without bitsandbytes)
 #   6th call:           STAGES="head-chunks profile" (the head's chunk sizes; the compiled step's profile)
 #   QLoRA's CUDA test:  QLORA=1 bash bench/gpu/wheels.sh, then carry .whl with a lighter tree (bitsandbytes is 43 MB)
 #   issue 20 (one call, ~8 min): memory savers on CUDA, device=auto
