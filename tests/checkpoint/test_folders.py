@@ -131,3 +131,20 @@ def test_keep_last_after_a_resume_from_an_earlier_checkpoint_keeps_this_runs_own
         ckpt._write_rest(None, tmp, {"step": step, "config": config})
         assert sorted(step_of(p) for p in root.glob("step-*")) == kept
     assert (root / "latest").read_text() == "step-000008\n"
+
+
+@pytest.mark.parametrize("rewound_to", [3, 6])
+def test_a_requeue_after_a_rewind_continues_the_rewound_run(tmp_path, rewound_to):
+    """resume=checkpoints/step-3 of a run that saved 3, 6, 9 (a loss spike: back, with a lower lr), killed
+    before its first save: the requeue (resume=auto) went on from the abandoned step 9 (`latest`), its
+    metrics.jsonl holding steps 1-3 and 10 on."""
+    overrides = fake_run(tmp_path, steps=(3, 6, 9))
+    root, changed = tmp_path / "checkpoints", ["train.lr=1e-5", "train.max_steps=10"]
+    back = root / f"step-{rewound_to:06d}"
+    try:
+        assert prepare_run_dir(load_config(None, [*overrides, f"resume={back}", *changed]), overwrite=False) == str(back)
+        requeue = load_config(None, [*overrides, "resume=auto", *changed])
+        assert prepare_run_dir(requeue, overwrite=False, check_only=True) == str(back)
+        assert resolve_checkpoint(tmp_path) == back  # export RUN, eval RUN
+    finally:
+        release_run_dir(tmp_path)
