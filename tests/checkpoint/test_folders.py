@@ -142,7 +142,8 @@ def test_a_requeue_after_a_rewind_continues_the_rewound_run(tmp_path, rewound_to
     root, changed = tmp_path / "checkpoints", ["train.lr=1e-5", "train.max_steps=10"]
     back = root / f"step-{rewound_to:06d}"
     try:
-        assert prepare_run_dir(load_config(None, [*overrides, f"resume={back}", *changed]), overwrite=False) == str(back)
+        rewind = load_config(None, [*overrides, f"resume={back}", *changed])
+        assert prepare_run_dir(rewind, overwrite=False) == str(back)
         requeue = load_config(None, [*overrides, "resume=auto", *changed])
         assert prepare_run_dir(requeue, overwrite=False, check_only=True) == str(back)
         assert resolve_checkpoint(tmp_path) == back  # export RUN, eval RUN
