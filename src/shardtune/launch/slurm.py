@@ -66,14 +66,14 @@ def sbatch_script(recipe: str, output_dir: str, nodes: int, gpus_per_node: int, 
                         f"({job_name}-%j.log) cannot carry; give a name without them")
     out = shell_word(output_dir)  # `rm -f -x/PREEMPTED` took -x for its options
     train_args = " ".join(shlex.quote(a) for a in [recipe, *overrides, override_word("output_dir", str(output_dir))])
-    # A requeue goes on with resume=auto; a resume=PATH given was overridden by it from the job's first start
-    # (trained from step 0, or a rewind went on from the abandoned newer checkpoint): the job starts from
-    # PATH, and a requeue takes the run's own newest checkpoint once it has one (before it, PATH again).
+    # resume=auto comes last, and the last override wins: a resume=PATH given (a run to go on from, a rewind)
+    # would never be read. The job starts from PATH; a requeue takes the run's own newest checkpoint once it
+    # has one, PATH again before that.
     start, train_args = "", f"{train_args} resume=auto"
     if resume not in (None, "auto"):
         start = (f"resume={shlex.quote(override_word('resume', resume))}\n"
                  f'if [ "${{SLURM_RESTART_COUNT:-0}}" -gt 0 ] && [ -f {out}/checkpoints/latest ]; then '
-                 "resume=resume=auto; fi  # requeued: the run's own newest checkpoint\n")
+                 "resume='resume=auto'; fi  # requeued: the run's own newest checkpoint\n")
         train_args = train_args.removesuffix(" resume=auto") + ' "$resume"'
     optional = "".join(f"#SBATCH --{key}={value}\n" for key, value in
                        (("partition", partition), ("account", account)) if value)
