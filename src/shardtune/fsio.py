@@ -4,7 +4,8 @@ for any filesystem failure at any output (the CLI's handler calls `fs_failure_li
 - `atomic_dir(final)`: build a folder under a temporary sibling name, rename it into place when
   complete; a failure removes the partial folder (a half-written model folder would otherwise
   load as a model). Its files get the permissions the umask gives (safetensors writes 0600).
-- `write_text_atomic(path, text)`: the same for one file.
+- `write_text_atomic(path, text)`: the same for one file; `sync_files(paths)`: on disk before a
+  mark that says they are whole (a checkpoint's meta.json).
 - `refuse_foreign(folder, ...)`, `refuse_foreign_file(path, ...)`: a command replaces only a folder
   or a file of its own kind, and writes nothing inside a run's own folders (`refuse_inside_run`).
 """
@@ -174,6 +175,17 @@ def write_text_atomic(path: Path, text: str, sync: bool = False) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def sync_files(paths) -> None:
+    """fsync each file of `paths`: on disk before a mark written after them (a checkpoint's meta.json)
+    says they are whole, a power loss may not keep the mark and lose them."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def broken_link(path: Path) -> str | None:

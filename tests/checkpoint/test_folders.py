@@ -8,6 +8,8 @@ import re
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from shardtune.checkpoint.folders import resolve_checkpoint, step_of
 from shardtune.checkpoint.rundir import prepare_run_dir, release_run_dir
@@ -131,3 +133,39 @@ def test_keep_last_after_a_resume_from_an_earlier_checkpoint_keeps_this_runs_own
         ckpt._write_rest(None, tmp, {"step": step, "config": config})
         assert sorted(step_of(p) for p in root.glob("step-*")) == kept
     assert (root / "latest").read_text() == "step-000008\n"
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(keep=st.integers(0, 3), ops=st.lists(st.tuples(st.sampled_from(["save", "rewind"]), st.integers(1, 4)),
+                                            min_size=1, max_size=8))
+def test_a_requeue_goes_on_from_where_the_run_stands(tmp_path_factory, one_rank, keep, ops):
+    """Saves (keep_last=`keep`, replacing an abandoned copy of the same step) and rewinds (resume=PATH of
+    any checkpoint of the folder) in any order: resume=auto, and a run folder's newest checkpoint, is the
+    checkpoint of the step the run last stood at (the last save, or the checkpoint rewound to). A rewind
+    (resume=checkpoints/step-3 of a run that saved 3, 6, 9: back from a loss spike, with a lower lr) killed
+    before its first save was requeued from the abandoned step 9 (`latest`), its metrics.jsonl holding
+    steps 1-3 and 10 on."""
+    from shardtune.checkpoint.dcp import Checkpointer
+    from shardtune.config.schema import CheckpointConfig
+
+    out = tmp_path_factory.mktemp("run")
+    overrides = [*fake_run(out, steps=(2,)), "train.max_steps=100"]
+    root, at = out / "checkpoints", 2
+    config = json.loads((root / "step-000002" / "meta.json").read_text())["config"]
+    ckpt = Checkpointer(root, CheckpointConfig(keep_last=keep), tensors=None, states={})
+    try:
+        for op, n in ops:
+            if op == "save":
+                at += n
+                (tmp := root / f".tmp-step-{at:06d}").mkdir()
+                (tmp / ".metadata").write_text("")
+                ckpt._write_rest(None, tmp, {"step": at, "config": config})
+            else:
+                saved = sorted(root.glob("step-*"))
+                at = step_of(saved[n % len(saved)])
+                prepare_run_dir(load_config(None, [*overrides, f"resume={saved[n % len(saved)]}"]), overwrite=False)
+            requeue = load_config(None, [*overrides, "resume=auto"])
+            assert prepare_run_dir(requeue, overwrite=False, check_only=True) == str(root / f"step-{at:06d}"), ops
+            assert resolve_checkpoint(out) == root / f"step-{at:06d}"  # export RUN, eval RUN
+    finally:
+        release_run_dir(out)

@@ -141,7 +141,8 @@ def test_layout_keep_last_and_metadata(reference):
     meta = read_meta(step6)
     assert meta["step"] == 6 and meta["world_size"] == 1 and meta["epoch"] == 1.5
     assert meta["data"] == {"start_idx": None, "end_idx": 12, "epoch": 1, "samples_into_epoch": 16,
-                            "samples_consumed": 48, "sequences_per_epoch": meta["data"]["sequences_per_epoch"]}
+                            "samples_consumed": 48, "sequences_per_epoch": meta["data"]["sequences_per_epoch"],
+                            "next_batch": meta["data"]["next_batch"]}
     assert meta["train_state"]["tokens_seen"] == 6 * 8 * 64
     assert meta["config"]["train"]["max_steps"] == STEPS and meta["train_state"]["step"] == 6
     assert (step6 / ".metadata").is_file() and (step6 / "rng-rank00000.pt").is_file()
@@ -352,6 +353,21 @@ def test_bad_checkpoints_and_conflicts(reference, ck_assets, tmp_path, capsys):
     one_line_error(*cli([*args, f"resume={edited}"], capsys), "training split now holds", "restore that data")
     one_line_error(*cli(["export", str(tmp_path / "missing"), str(tmp_path / "x")], capsys), "not found")
     assert not (tmp_path / "run" / "checkpoints").exists()  # nothing was started
+
+
+def test_a_resume_that_would_train_other_sequences_next_is_refused(reference, ck_assets, tmp_path, capsys,
+                                                                     monkeypatch):
+    """The same config and the same number of sequences, another order (a shardtune whose batch plan
+    shuffles otherwise, as group_by_length's did once; another torch's randperm) or other documents (the
+    hold-out drawn otherwise, files edited at equal count): the resume trained the rest of the epoch on
+    other samples than the uninterrupted run, some twice, some never, without a word."""
+    from shardtune.data.batches import BatchPlan
+
+    real = BatchPlan.order
+    monkeypatch.setattr(BatchPlan, "order", lambda plan, epoch: real(plan, epoch).flip(0))
+    args = ["train", *overrides(ck_assets, tmp_path), f"resume={reference / 'checkpoints' / 'step-000006'}"]
+    one_line_error(*cli(args, capsys), "step 7 would train other sequences", "restore them")
+    assert not (tmp_path / "checkpoints").exists()
 
 
 def test_harmless_changes_are_allowed(reference):

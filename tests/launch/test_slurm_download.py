@@ -449,3 +449,32 @@ def test_slurm_refuses_a_model_here_that_cannot_take_the_run(tmp_path, capsys):
     line = _one_line_error(capsys.readouterr().err)
     assert "data.seq_len=128" in line and "64" in line, line
     assert main(["slurm", str(recipe), "--nodes", "1", "--gpus-per-node", "2", "data.seq_len=64"]) == 0
+
+
+def test_a_job_started_from_a_checkpoint_starts_there_and_a_requeue_goes_on_from_its_own(tmp_path, capsys):
+    """`shardtune slurm RECIPE resume=PATH` (or `resume:` in the recipe): the script's own resume=auto came
+    last and won, so the job trained from step 0 (a rewind in its own folder went on from the abandoned newer
+    checkpoint). Now the job starts from PATH; a requeue goes on from the run's newest checkpoint once it
+    has one, from PATH before that."""
+    from shardtune.cli.main import main
+    from shardtune.config.load import load_config
+
+    out, start = tmp_path / "run dir", tmp_path / "other run" / "checkpoints" / "step-000006"
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text((ROOT / "recipes" / "gpt2-wikitext2.yaml").read_text() + f"resume: '{start}'\n")
+    assert main(["slurm", str(recipe), "--nodes", "1", "--gpus-per-node", "1", "--output-dir", str(out),
+                 "-o", str(tmp_path / "job.sbatch")]) == 0, capsys.readouterr().err
+    text = (tmp_path / "job.sbatch").read_text()
+    _fake_slurm(tmp_path / "bin", f'printf "%s\\n" "$@" > "{tmp_path}/args"; exit 0')
+    for restarts, latest, resumed in [(None, False, str(start)), ("1", False, str(start)), ("2", True, "auto")]:
+        if latest:
+            (out / "checkpoints").mkdir(parents=True)
+            (out / "checkpoints" / "latest").write_text("step-000008\n")
+        env = {"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin", "SLURM_JOB_ID": "42", "SLURM_NNODES": "1",
+               "SLURM_JOB_NODELIST": "node1", "SLURM_CPUS_PER_TASK": "16", **({"SLURM_RESTART_COUNT": restarts}
+                                                                            if restarts else {})}
+        proc = subprocess.run(["bash", "-c", text], capture_output=True, text=True, env=env, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        args = (tmp_path / "args").read_text().splitlines()
+        at = args.index(str(recipe))
+        assert load_config(args[at], args[at + 1:]).resume == resumed, (restarts, args)

@@ -32,7 +32,7 @@ from shardtune.checkpoint.folders import MODEL_FILES, complete_checkpoints, find
 from shardtune.config.schema import CheckpointConfig
 from shardtune.diskspace import free_bytes, human_size, no_room, tensor_bytes
 from shardtune.errors import UserError, first_line
-from shardtune.fsio import partial_name, write_text_atomic
+from shardtune.fsio import partial_name, sync_files, write_text_atomic
 
 # ----------------------------------------------------------------------------- RNG
 
@@ -165,7 +165,9 @@ class Checkpointer:
         tmp = self.root / f".tmp-{name}"
         try:
             tmp.mkdir(parents=True, exist_ok=True)
-            torch.save(rng_state(), tmp / f"rng-rank{self.rank:05d}.pt")
+            rng = tmp / f"rng-rank{self.rank:05d}.pt"
+            torch.save(rng_state(), rng)
+            sync_files([rng])  # by its own rank: on another node, rank 0 could not
             meta = self._meta(step)  # now: an async save is written while training moves on
             tensors = self.tensors.state_dict()
             self.size = tensor_bytes(tensors) * self.world_size  # FSDP shards evenly
@@ -232,6 +234,9 @@ class Checkpointer:
         if self.rank != 0:
             return
         self.write_extras(tmp)
+        # on disk before meta.json says the checkpoint is whole (a power loss kept the mark, not an empty
+        # rng file or config): the extras, hf_format's index; DCP synced its own files
+        sync_files(p for p in tmp.rglob("*") if p.is_file() and p.suffix != ".distcp" and p.name != ".metadata")
         write_text_atomic(tmp / "meta.json", json.dumps(meta, indent=1) + "\n", sync=True)  # last: marks it complete
         final = self.root / tmp.name.removeprefix(".tmp-")
         trash = self.root / f".old-{final.name}"

@@ -286,12 +286,21 @@ def check_compatible(saved: dict, now: dict, path: Path) -> None:
                         "checkpoint's values (lr, max_steps, eval and log settings may change) or use a new output_dir")
 
 
-def check_same_data(meta: dict, sequences: int, path) -> None:
+def check_same_data(meta: dict, sequences: int, next_batch: str, path) -> None:
     """Refuse a resume whose training split is not the one its checkpoint's steps counted: the config
     can be the same while the files under data.path (or a hub dataset's revision) changed, and the
-    seeded order of another split made "step N" other samples, without a word."""
-    saved = (meta.get("data") if isinstance(meta.get("data"), dict) else {}).get("sequences_per_epoch")
+    seeded order of another split made "step N" other samples, without a word. At the same count,
+    `next_batch` (data.batches.batch_key of the step the resume trains first) must be the checkpoint's:
+    another shuffle (another shardtune's batch plan, torch's randperm) or other documents (the hold-out
+    drawn otherwise, files edited) trained the rest of the epoch on other samples, some twice."""
+    data = meta.get("data") if isinstance(meta.get("data"), dict) else {}
+    saved = data.get("sequences_per_epoch")
     if isinstance(saved, int) and not isinstance(saved, bool) and saved != sequences:
         raise UserError(f"cannot resume from {str(path)!r}: the training split now holds {sequences} sequences, the "
                         f"checkpoint's run trained on {saved} (the files under data.path, or their tokenization, "
                         "changed since); restore that data, or start over in a new output_dir")
+    if isinstance(data.get("next_batch"), str) and data["next_batch"] != next_batch:
+        raise UserError(f"cannot resume from {str(path)!r}: step {meta['step'] + 1} would train other sequences than "
+                        "the checkpoint's run (the same count; the files under data.path, their tokenization or "
+                        "hold-out, or the data order of this shardtune or torch changed since); restore them, or "
+                        "start over in a new output_dir")

@@ -18,6 +18,7 @@ from shardtune.checkpoint.folders import (
     finish_interrupted_saves,
     read_meta,
     resolve_checkpoint,
+    step_of,
     why_no_checkpoint,
 )
 from shardtune.distributed.process_group import LAUNCHER_ENV
@@ -151,6 +152,10 @@ def prepare_run_dir(cfg, overwrite: bool, check_only: bool = False, out: Path | 
         shutil.rmtree(stale, ignore_errors=True)  # a final/ cut short by a kill
     if ckpt is not None:
         trim_metrics(out / "metrics.jsonl", step)
+        if ckpt.parent.resolve() == root.resolve() and step_of(ckpt) >= 0:
+            # a rewind (resume=PATH of an older checkpoint of this run): `latest` named the abandoned later
+            # one, which a requeue (resume=auto) before this run's first save continued, without a word
+            write_text_atomic(root / "latest", ckpt.name + "\n", sync=True)
         print(f"resuming from {ckpt} (step {step})", flush=True)
     elif cfg.resume == "auto" and not earlier:
         print(f"resume=auto: no checkpoint in {out / 'checkpoints'}; starting from step 0", flush=True)

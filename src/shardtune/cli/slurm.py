@@ -55,7 +55,8 @@ def run(args) -> int:
     refuse_inside_run(Path(out), option)
     text = sbatch_script(recipe, out, args.nodes, args.gpus_per_node, overrides=args.overrides,
                          job_name=args.job_name, time=args.time, partition=args.partition, account=args.account,
-                         cpus_per_gpu=args.cpus_per_gpu, signal_lead_s=args.signal_lead, offline=not args.online)
+                         cpus_per_gpu=args.cpus_per_gpu, signal_lead_s=args.signal_lead, offline=not args.online,
+                         resume=cfg.resume)
     if args.out:
         from shardtune.fsio import make_dir, refuse_foreign_file, write_text_atomic
 

@@ -87,6 +87,23 @@ class BatchPlan:
         return out
 
 
+def batch_key(ds, plan: BatchPlan, step: int) -> str:
+    """A digest of the sequences optimizer step `step` (0-based) trains, all ranks' (any world size and
+    micro-batch: the same): a checkpoint records its next step's, and a resume whose next step would
+    train other sequences (the same count, another order or other documents) is refused."""
+    import copy
+    import hashlib
+
+    rows = ds[copy.copy(plan).global_indices(step)]  # a copy: the prefetcher's thread caches its epoch's order
+    digest = hashlib.sha256()
+    for key in ("input_ids", "labels"):
+        values = rows.get(key)
+        for t in values if isinstance(values, list) else [] if values is None else [values]:
+            digest.update(repr(tuple(t.shape)).encode())
+            digest.update(t.numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
 def eval_batches(num_samples: int, micro_batch: int, world_size: int, rank: int,
                  max_batches: int = 0) -> list[list[int]]:
     """Validation blocks for this rank in fixed order. Every rank gets the same number of

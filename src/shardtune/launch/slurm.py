@@ -7,7 +7,8 @@ seconds before the time limit; torchrun is told to handle SIGUSR1 and to pass it
 workers (waiting up to --shutdown_timeout for them, where its torch has that option); each
 worker finishes the steps under way, all write one checkpoint, and rank 0 leaves a PREEMPTED
 marker in the output folder. The script sees the marker and requeues the job, which starts
-again with `resume=auto`.
+again with `resume=auto` (a job given resume=PATH starts from PATH, and from PATH again until the run
+has a checkpoint of its own).
 """
 
 from __future__ import annotations
@@ -42,10 +43,11 @@ def shell_word(path: str) -> str:
 def sbatch_script(recipe: str, output_dir: str, nodes: int, gpus_per_node: int, *, overrides: list[str],
                   job_name: str | None = None, time: str = "24:00:00", partition: str | None = None,
                   account: str | None = None, cpus_per_gpu: int = 8, signal_lead_s: int = 300,
-                  offline: bool = True, workdir: str | None = None) -> str:
+                  offline: bool = True, workdir: str | None = None, resume: str | None = None) -> str:
     """The script; it runs in `workdir` (default: this process's folder), where the recipe, the output
     folder and the recipe's own relative paths were meant: sbatch runs a script in the folder it is
-    submitted from, and a script submitted later from elsewhere read and wrote other files."""
+    submitted from, and a script submitted later from elsewhere read and wrote other files. `resume`:
+    the run's resume (recipe or override), a checkpoint the job starts from."""
     if nodes < 1 or gpus_per_node < 1:
         raise UserError(f"--nodes and --gpus-per-node must be at least 1, got {nodes} and {gpus_per_node}")
     if signal_lead_s >= (limit := time_limit_s(time)):
@@ -63,8 +65,16 @@ def sbatch_script(recipe: str, output_dir: str, nodes: int, gpus_per_node: int, 
         raise UserError(f"--job-name {job_name!r} holds '/' or '%', which the job's log file name "
                         f"({job_name}-%j.log) cannot carry; give a name without them")
     out = shell_word(output_dir)  # `rm -f -x/PREEMPTED` took -x for its options
-    train_args = " ".join(shlex.quote(a) for a in [recipe, *overrides, override_word("output_dir", str(output_dir)),
-                                                   "resume=auto"])
+    train_args = " ".join(shlex.quote(a) for a in [recipe, *overrides, override_word("output_dir", str(output_dir))])
+    # resume=auto comes last, and the last override wins: a resume=PATH given (a run to go on from, a rewind)
+    # would never be read. The job starts from PATH; a requeue takes the run's own newest checkpoint once it
+    # has one, PATH again before that.
+    start, train_args = "", f"{train_args} resume=auto"
+    if resume not in (None, "auto"):
+        start = (f"resume={shlex.quote(override_word('resume', resume))}\n"
+                 f'if [ "${{SLURM_RESTART_COUNT:-0}}" -gt 0 ] && [ -f {out}/checkpoints/latest ]; then '
+                 "resume='resume=auto'; fi  # requeued: the run's own newest checkpoint\n")
+        train_args = train_args.removesuffix(" resume=auto") + ' "$resume"'
     optional = "".join(f"#SBATCH --{key}={value}\n" for key, value in
                        (("partition", partition), ("account", account)) if value)
     offline_env = ("export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1  "
@@ -90,7 +100,7 @@ head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 # the other's rendezvous, and died with it)
 port=$(({SLURM_PORT_BASE} + SLURM_JOB_ID % {SLURM_PORT_SPAN}))
 rm -f {out}/{PREEMPTED_MARKER}
-
+{start}
 # How long torchrun waits for the ranks' checkpoint after the signal; torchrun of torch 2.11
 # and older has no such option and waits a fixed 30 s.
 grace=$(torchrun --help 2>&1 | grep -q -e --shutdown_timeout && echo --shutdown_timeout={max(30, signal_lead_s - 30)})

@@ -86,7 +86,9 @@ class Trainer:
         self.plan = batching.BatchPlan(len(self.train_ds), t.global_batch_size, t.micro_batch_size,
                                        dist.world_size, dist.rank, t.seed, lengths=lengths)
         if resume_from:  # the same config may read changed files
-            check_same_data(read_meta(Path(resume_from)), self.plan.num_samples, resume_from)
+            saved = read_meta(Path(resume_from))
+            check_same_data(saved, self.plan.num_samples, batching.batch_key(self.train_ds, self.plan, saved["step"]),
+                            resume_from)
         self.total_steps = total_steps(t, self.plan.steps_per_epoch)
         eval_mb = cfg.eval.micro_batch_size or t.micro_batch_size
         self.val_batches = batching.eval_batches(len(self.val_ds), eval_mb, dist.world_size, dist.rank,
@@ -160,13 +162,14 @@ class Trainer:
         return built
 
     def describe(self, step: int) -> dict:
-        """What a checkpoint records beside the state objects: the run config (a resume checks
-        it) and the position in the seeded data order (data.BatchPlan), for people."""
+        """What a checkpoint records beside the state objects: the run config and the sequences its next
+        step trains (a resume checks both), and the position in the seeded data order, for people."""
         spe, gb, d = self.plan.steps_per_epoch, self.cfg.train.global_batch_size, self.cfg.data
         epoch, in_epoch = divmod(step, spe)
         return {"epoch": step / spe, "config": self.cfg.to_dict(),
                 "data": {"start_idx": d.start_idx, "end_idx": d.end_idx, "sequences_per_epoch": self.plan.num_samples,
-                         "epoch": epoch, "samples_into_epoch": in_epoch * gb, "samples_consumed": step * gb}}
+                         "epoch": epoch, "samples_into_epoch": in_epoch * gb, "samples_consumed": step * gb,
+                         "next_batch": batching.batch_key(self.train_ds, self.plan, step)}}
 
     def write_checkpoint_extras(self, folder: Path) -> None:
         """The HF config and tokenizer beside the shards: export/eval/generate need nothing else. An
