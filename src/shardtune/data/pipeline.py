@@ -227,6 +227,34 @@ def _count(rows, column: str) -> int:
     return sum(pc.sum(chunk.column(column), min_count=0).as_py() for chunk in ArrowChunks(rows, [column]))
 
 
+def same_on_every_rank(dist, splits: dict) -> None:
+    """Refuse alike on every rank where the ranks prepared different data (`splits`: name -> the
+    prepared split, or None). Each rank prepares its own (rank 0 first, the others from their
+    node's cache): a node whose copy of data.path or of the tokenizer differed, or a file rewritten
+    while the ranks started, trained those ranks on other samples than the plan's, or hung where
+    their counts of steps or validation batches differed. Compared: each split's sequence count and
+    a hash of its first, middle and last sequence, and of every example's length (a column; packed
+    blocks shift after any edit that changes a length), not the corpus."""
+    import hashlib
+
+    import numpy as np
+
+    from shardtune.data.batches import sample_lengths
+    from shardtune.distributed import collectives
+
+    seen = {}
+    for name, ds in splits.items():
+        n, digest = len(ds) if ds is not None else 0, hashlib.sha256()
+        digest.update(np.asarray(n and sample_lengths(ds) or [], dtype=np.int64).tobytes())
+        for i in sorted({0, n // 2, n - 1}) if n else ():
+            row = ds[i]
+            for key in sorted(row):
+                digest.update(key.encode() + np.asarray(row[key], dtype=np.int64).tobytes())
+        seen[f"{name} sequences"], seen[f"{name} tokens (a hash)"] = n, digest.hexdigest()[:16]
+    collectives.same_on_every_rank(dist, seen, "each rank reads data.path and the tokenizer on its own node: give "
+                                   "every node the same files, unchanged while a run starts", "read different data")
+
+
 def prepare(cfg: DataConfig, tokenizer, global_batch: int = 1):
     """(train, val) torch datasets with `input_ids` (and `labels` where some tokens get no loss).
     text: packed blocks of seq_len; instruct/chat: one example per row, at most cutoff_len long,
