@@ -277,7 +277,34 @@ def read_local(files: dict[str, list[str]], path: str):
                                 "data.path elsewhere") from None
             raise UserError(f"could not read data file(s) {', '.join(repr(n) for n in names)} of {path!r} "
                             f"({first_line(exc)}); fix the file or point data.path elsewhere") from None
+        if fmt.builder == "json" and (line := _columns_in_one_row(out[split], names)):
+            raise UserError(line)
     return datasets.DatasetDict(out)
+
+
+def _columns_in_one_row(ds, names: list[str]) -> str | None:
+    """A refusal of a .json split that is one object whose every value is a list of plain values
+    (text, numbers), all of one length (2 or more): a table written by columns (`json.dump` of
+    `{"text": [...]}` or of `ds.to_dict()`), which the reader takes as one record: its lists were
+    joined into one document (one instruct example) without a word. None for any other split."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if len(ds) != 1 or any(kind_of(n).suffix != ".json" for n in names):
+        return None  # a JSON-lines file is one record a line, whatever it holds
+    columns = ds.data.table.columns
+
+    def plain_list(kind) -> bool:
+        return (pa.types.is_list(kind) or pa.types.is_large_list(kind)) and not pa.types.is_nested(kind.value_type)
+
+    if not all(plain_list(c.type) for c in columns):
+        return None
+    lengths = {pc.list_value_length(c)[0].as_py() or 0 for c in columns}
+    if len(lengths) != 1 or (count := lengths.pop()) < 2:
+        return None
+    return (f"data file(s) {', '.join(repr(n) for n in names)} hold one JSON object of columns "
+            f"({', '.join(ds.column_names)}: {count} values each), which the reader takes as one record, its lists "
+            "joined into one document; write one object per record (JSON lines, or a list of objects)")
 
 
 def reader_options(name: str, fmt) -> dict:
