@@ -385,3 +385,18 @@ def test_a_json_table_written_by_columns_is_refused_not_read_as_one_record(tmp_p
         assert refused and f"{name}' hold one JSON object of columns" in str(exc) and "\n" not in str(exc), exc
     else:
         assert not refused and len(splits["train"]) == 1
+
+
+@pytest.mark.parametrize(("name", "content"), [("notes.csv", "text,n\n{big},1\nsmall,2\n"),
+                                               ("notes.tsv", "text\tn\n\"{big}\"\t1\nsmall\t2\n"),
+                                               ("notes.csv", "text,{big}\nsmall,2\n")])
+def test_a_csv_field_longer_than_the_csv_modules_limit_is_read(tmp_path, name, content):
+    """The header check read the first records with the csv module, whose fields stop at 128 KiB: a
+    first document of ~25k words (an article, a chapter) failed with a traceback (pandas reads it)."""
+    import csv
+
+    big = "word, " * 30_000 if name.endswith(".tsv") else "word " * 30_000
+    (tmp_path / name).write_text(content.format(big=big.strip()))
+    rows = read_path(tmp_path / name, name)["train"].to_list()
+    assert [len(r["text"]) for r in rows][-1] == 5 and csv.field_size_limit() == 128 * 1024
+    assert content.startswith("text,{big}") or rows[0]["text"] == big.strip()

@@ -77,12 +77,18 @@ def _check_csv_header(path: Path) -> None:
     """A csv header that names a column twice: the reader renames the second (`text.1`), so the
     run would read the first without a word. A first row with more fields than the header: the
     reader takes the extra leading fields as an index and shifts every column onto its neighbour's
-    name. Both records are read as the reader reads them."""
+    name. Both records are read as the reader reads them, of any length (the csv module's limit of
+    128 KiB a field, which pandas does not have, failed a long first document with a traceback)."""
     import csv
 
-    with opened(path, text=True) as f:
-        records = csv.reader(f, delimiter=kind_of(path).format.kwargs.get("sep", ","))
-        header, first = next(records, []), next(records, [])
+    limit = csv.field_size_limit()
+    try:
+        csv.field_size_limit(2**31 - 1)  # C long's most on every platform
+        with opened(path, text=True) as f:
+            records = csv.reader(f, delimiter=kind_of(path).format.kwargs.get("sep", ","))
+            header, first = next(records, []), next(records, [])
+    finally:
+        csv.field_size_limit(limit)
     if len(first) > len(header):
         raise UserError(f"data file {str(path)!r}: its first row has {len(first)} fields but its header names "
                         f"{len(header)} columns (the reader would shift the columns onto the wrong names); quote "
