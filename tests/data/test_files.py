@@ -6,7 +6,6 @@ import bz2
 import csv
 import gzip
 import io
-import json
 import lzma
 import tempfile
 from pathlib import Path
@@ -360,31 +359,6 @@ def test_a_split_subfolder_beside_data_files_is_refused(tmp_path, inner, refused
     with pytest.raises(UserError, match=rf"its subfolder '{inner.split('/')[0]}' holds the \w+ split's, which would "
                                         "not be read"):
         local_files(tmp_path)
-
-
-@pytest.mark.parametrize(("name", "value", "refused"), [
-    ("train.json", {"text": ["first document", "second document"]}, True),  # json.dump({"text": texts})
-    ("train.json.gz", {"instruction": ["a", "b", "c"], "output": ["x", "y", "z"]}, True),  # json.dump(ds.to_dict())
-    ("train.json", {"id": [1, 2], "text": ["one", "two"]}, True),
-    ("train.json", {"text": "one document"}, False),  # a single record
-    ("train.json", {"moves": ["e4", "e5"], "result": "1-0"}, False),  # one game: a list beside a value
-    ("train.json", {"moves": ["e4"]}, False),
-    ("train.json", {"a": ["e4", "e5"], "b": ["x"]}, False),  # lists of other lengths: no table
-    ("train.json", {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}, False),
-    ("train.jsonl", {"text": ["e4", "e5"]}, False),  # a JSON-lines file: a line is a record
-])
-def test_a_json_table_written_by_columns_is_refused_not_read_as_one_record(tmp_path, name, value, refused):
-    """`{"text": [...]}` (a dict of columns dumped as JSON) is one record to the reader: its documents were
-    joined into one (instruct: every instruction into one prompt, every output into one response)."""
-    data = json.dumps(value).encode()
-    (tmp_path / name).write_bytes(gzip.compress(data) if name.endswith(".gz") else data)
-    (tmp_path / "validation.jsonl").write_text('{"text": "held out"}\n')
-    try:
-        splits = read_path(tmp_path, str(tmp_path))
-    except UserError as exc:
-        assert refused and f"{name}' hold one JSON object of columns" in str(exc) and "\n" not in str(exc), exc
-    else:
-        assert not refused and len(splits["train"]) == 1
 
 
 @pytest.mark.parametrize(("name", "content"), [("notes.csv", "text,n\n{big},1\nsmall,2\n"),

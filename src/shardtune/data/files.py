@@ -9,6 +9,7 @@ import os
 import re
 from pathlib import Path
 
+from shardtune.data.jsontypes import check_json_types, columns_in_one_row
 from shardtune.data.layouts import (
     builder_of,
     is_saved,
@@ -227,9 +228,10 @@ def named_split(name: str) -> str | None:
     return "validation" if split in VAL_NAMES else split
 
 
-def read_path(path: Path, shown: str, say=None):
+def read_path(path: Path, shown: str, say=None, columns: tuple[str, ...] = ()):
     """A local data.path as a DatasetDict: a folder that save_to_disk wrote, as it was saved; else
-    its data files (local_files), read by their readers. `shown`: data.path as the user wrote it.
+    its data files (local_files), read by their readers, JSON-lines `columns` (the text a run reads)
+    of one kind in every file (jsontypes.py). `shown`: data.path as the user wrote it.
     `say` gets a line for each file held out of training only because its name starts with a
     split's word (held_out_by_prefix)."""
     if is_saved(path):
@@ -241,7 +243,9 @@ def read_path(path: Path, shown: str, say=None):
         words = ", ".join(VAL_NAMES) if split == "validation" else split
         say(f"note: data file {name!r} of {shown} is the {split} split, not training data: its name starts with a "
             f"word of that split's ({words}); rename it to train on it")
-    return read_local(files, shown)
+    splits = read_local(files, shown)
+    check_json_types(files, splits, list(columns))
+    return splits
 
 
 def held_out_by_prefix(name: str) -> bool:
@@ -283,34 +287,9 @@ def read_local(files: dict[str, list[str]], path: str):
                                 "data.path elsewhere") from None
             raise UserError(f"could not read data file(s) {', '.join(repr(n) for n in names)} of {path!r} "
                             f"({first_line(exc)}); fix the file or point data.path elsewhere") from None
-        if fmt.builder == "json" and (line := _columns_in_one_row(out[split], names)):
+        if fmt.builder == "json" and (line := columns_in_one_row(out[split], names)):
             raise UserError(line)
     return datasets.DatasetDict(out)
-
-
-def _columns_in_one_row(ds, names: list[str]) -> str | None:
-    """A refusal of a .json split that is one object whose every value is a list of plain values
-    (text, numbers), all of one length (2 or more): a table written by columns (`json.dump` of
-    `{"text": [...]}` or of `ds.to_dict()`), which the reader takes as one record: its lists were
-    joined into one document (one instruct example) without a word. None for any other split."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    if len(ds) != 1 or any(kind_of(n).suffix != ".json" for n in names):
-        return None  # a JSON-lines file is one record a line, whatever it holds
-    columns = ds.data.table.columns
-
-    def plain_list(kind) -> bool:
-        return (pa.types.is_list(kind) or pa.types.is_large_list(kind)) and not pa.types.is_nested(kind.value_type)
-
-    if not all(plain_list(c.type) for c in columns):
-        return None
-    lengths = {pc.list_value_length(c)[0].as_py() or 0 for c in columns}
-    if len(lengths) != 1 or (count := lengths.pop()) < 2:
-        return None
-    return (f"data file(s) {', '.join(repr(n) for n in names)} hold one JSON object of columns "
-            f"({', '.join(ds.column_names)}: {count} values each), which the reader takes as one record, its lists "
-            "joined into one document; write one object per record (JSON lines, or a list of objects)")
 
 
 def reader_options(name: str, fmt) -> dict:

@@ -31,7 +31,7 @@ def load_documents(cfg: DataConfig):
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors are retold as one UserError
     try:
         if path.exists():
-            return read_path(path, cfg.path, say=_warn)
+            return read_path(path, cfg.path, say=_warn, columns=tuple(c for c, _, _ in formats.read_columns(cfg)))
         if any(c in cfg.path for c in "*?["):  # a shell would have expanded it; a recipe's value is not
             raise UserError(f"data.path={cfg.path!r} is a pattern, and shardtune reads no patterns; point data.path "
                             "at the folder that holds the files (its train* and validation* files are the splits)")
