@@ -114,6 +114,21 @@ def test_a_validation_split_shorter_than_one_sequence_is_said_not_dropped_silent
                      "lower data.seq_len)"] if val is None else []), said
 
 
+@pytest.mark.parametrize(("docs", "val_size", "held"), [(9, 0.05, 0), (10, 0.05, 0), (30, 0.05, 2), (9, 1, 1),
+                                                        (9, 0, 0)])
+def test_a_val_size_that_holds_out_nothing_is_said(tmp_path, tokenizer, capsys, docs, val_size, held):
+    """The default 5 % of a small corpus (9 books) rounds to no document: the run validated nothing without
+    a word. Said in one line, as a validation split too short for one sequence is; data.val_size=0 asks
+    for none."""
+    write_jsonl(tmp_path / "train.jsonl", [f"a long document {i} " * 40 for i in range(docs)])
+    _, val = D.prepare(DataConfig(path=str(tmp_path), seq_len=16, val_size=val_size), tokenizer)
+    said = [line for line in capsys.readouterr().err.splitlines() if "validat" in line]
+    assert (val is not None) == bool(held)
+    assert said == ([f"warning: data.val_size=0.05 of the {docs} training documents of {str(tmp_path)!r} holds out "
+                     "none; this run validates nothing (hold out a count: data.val_size=1)"]
+                    if val_size and not held else []), said
+
+
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_ranks_see_distinct_parts_of_the_same_global_batches(world):
     n, global_batch, micro = 100, 8, 2

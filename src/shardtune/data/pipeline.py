@@ -278,6 +278,9 @@ def prepare(cfg: DataConfig, tokenizer, global_batch: int = 1):
 def _prepare(cfg: DataConfig, tokenizer, warn, global_batch: int = 1):
     splits = load_documents(cfg)
     train_docs, val_docs, causes = _split(cfg, splits)
+    if not len(val_docs) and cfg.val_size and validation_split(cfg, splits) is None:  # a fraction that rounds to 0
+        warn(f"warning: data.val_size={cfg.val_size:g} of the {len(splits[cfg.split])} training documents of "
+             f"{cfg.path!r} holds out none; this run validates nothing (hold out a count: data.val_size=1)")
     if len(train_docs) == 0:
         raise UserError(f"dataset {cfg.path!r} has no training documents left"
                         + too_small(causes, "check data.path"))
