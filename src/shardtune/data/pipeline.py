@@ -242,6 +242,8 @@ def same_on_every_rank(dist, splits: dict) -> None:
     from shardtune.data.batches import sample_lengths
     from shardtune.distributed import collectives
 
+    if dist.world_size == 1:
+        return
     seen = {}
     for name, ds in splits.items():
         n, digest = len(ds) if ds is not None else 0, hashlib.sha256()
