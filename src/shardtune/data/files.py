@@ -37,12 +37,16 @@ def _is_blank(path: Path) -> bool:
 
 CHECK_CHUNK = 1 << 20  # bytes read at a time by the checks of a text file
 _BARE_NULL = re.compile(rb"(?m)^[ \t\r]*null[ \t\r]*$")
+_INNER_BOM = re.compile(b"[\r\n]\xef\xbb\xbf")
 
 
-def _check_text_file(path: Path, json_lines: bool) -> None:
+def _check_text_file(path: Path, json_lines: bool, boms: bool = False) -> None:
     """One pass over a text data file before `datasets` reads it: every byte must be UTF-8 (pyarrow
     takes invalid bytes into string columns unchecked, and they fail later, mid-tokenization), and
     no JSON record may be a bare `null` (pyarrow 22's JSON reader crashes the process on one).
+    `boms`: no line but the first may start with a byte-order mark (files joined with `cat`, each
+    saved by a Windows editor): the reader strips the file's own, and a later one stayed the first
+    character of its document (the JSON reader refuses one itself).
     A chunk at a time, decoded incrementally (a character may straddle two chunks); the line a
     chunk ends in is carried only while it may still be a `null` line: a file of one
     long line (a JSON array as json.dump writes it) was copied again with every chunk, quadratic
@@ -50,7 +54,7 @@ def _check_text_file(path: Path, json_lines: bool) -> None:
     import codecs
 
     decoder = codecs.getincrementaldecoder("utf-8")()
-    line, offset, tail = 1, 0, b""  # line: the number of the line the next chunk starts in
+    line, offset, tail, last = 1, 0, b"", b""  # line: the number of the line the next chunk starts in
     with opened(path) as f:
         while True:
             chunk = f.read(CHECK_CHUNK)
@@ -61,6 +65,10 @@ def _check_text_file(path: Path, json_lines: bool) -> None:
                 bad_line = line + chunk.count(b"\n", 0, max(exc.start - held, 0))
                 raise UserError(f"data file {str(path)!r} is not UTF-8 text (line {bad_line}, byte "
                                 f"{offset - held + exc.start}); re-save it as UTF-8") from None
+            if boms and (m := _INNER_BOM.search(last + chunk)):  # `last`: a BOM may straddle two chunks
+                where = line + chunk.count(b"\n", 0, max(m.start() - len(last) + 1, 0))
+                raise UserError(f"data file {str(path)!r} line {where} starts with a byte-order mark (files joined "
+                                "with cat?), which would stay the first character of its document; remove it")
             data = tail + chunk
             cut = data.rfind(b"\n") + 1 if chunk else len(data)  # whole lines only: `null` may go on (`nullable`)
             if json_lines and (m := _BARE_NULL.search(data, 0, cut)):
@@ -69,7 +77,7 @@ def _check_text_file(path: Path, json_lines: bool) -> None:
                                 'write it as {"text": ...}')
             if not chunk:
                 return
-            line, offset, tail = line + chunk.count(b"\n"), offset + len(chunk), data[cut:]
+            line, offset, tail, last = line + chunk.count(b"\n"), offset + len(chunk), data[cut:], (last + chunk)[-3:]
             if tail.strip(b" \t\r") not in (b"", b"n", b"nu", b"nul", b"null"):
                 tail = b"x"  # a line that can no longer be `null`; the next chunk does not start a line
 
@@ -199,7 +207,7 @@ def local_files(path: Path) -> dict[str, list[str]]:
                         "or point data.path elsewhere")
     for p, kind in kinds.items():
         if kind.format.text:
-            _check_text_file(p, json_lines=kind.format.builder == "json")
+            _check_text_file(p, json_lines=kind.format.builder == "json", boms=kind.format.builder == "text")
         if kind.format.builder == "csv":
             _check_csv_header(p)
         if kind.format.builder == "text" and kind.codec:
