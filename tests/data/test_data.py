@@ -58,8 +58,8 @@ def test_preparation_reads_each_file_once_for_its_checks(tmp_path, tokenizer, mo
     write_jsonl(tmp_path / "validation.jsonl", [f"val doc {i} " * 5 for i in range(7)])
     checked = []
     real = files._check_text_file
-    monkeypatch.setattr(files, "_check_text_file", lambda path, json_lines: (checked.append(path.name),
-                                                                            real(path, json_lines)))
+    monkeypatch.setattr(files, "_check_text_file", lambda path, *args, **kw: (checked.append(path.name),
+                                                                             real(path, *args, **kw)))
     train, val = D.prepare(DataConfig(path=str(tmp_path), seq_len=8), tokenizer)
     assert len(train) and len(val) and sorted(checked) == ["train.jsonl", "validation.jsonl"]
 
