@@ -9,7 +9,7 @@ import os
 import re
 from pathlib import Path
 
-from shardtune.data.jsontypes import check_json_types, columns_in_one_row
+from shardtune.data.kinds import check_kinds, columns_in_one_row
 from shardtune.data.layouts import (
     builder_of,
     is_saved,
@@ -238,8 +238,8 @@ def named_split(name: str) -> str | None:
 
 def read_path(path: Path, shown: str, say=None, columns: tuple[str, ...] = ()):
     """A local data.path as a DatasetDict: a folder that save_to_disk wrote, as it was saved; else
-    its data files (local_files), read by their readers, JSON-lines `columns` (the text a run reads)
-    of one kind in every file (jsontypes.py). `shown`: data.path as the user wrote it.
+    its data files (local_files), read by their readers, `columns` (the text a run reads) of one
+    kind in every file (kinds.py). `shown`: data.path as the user wrote it.
     `say` gets a line for each file held out of training only because its name starts with a
     split's word (held_out_by_prefix)."""
     if is_saved(path):
@@ -252,7 +252,7 @@ def read_path(path: Path, shown: str, say=None, columns: tuple[str, ...] = ()):
         say(f"note: data file {name!r} of {shown} is the {split} split, not training data: its name starts with a "
             f"word of that split's ({words}); rename it to train on it")
     splits = read_local(files, shown)
-    check_json_types(files, splits, list(columns))
+    check_kinds(files, splits, list(columns))
     return splits
 
 

@@ -1,4 +1,5 @@
-"""data/jsontypes.py: a JSON-lines column the run reads holds one kind of value in every file."""
+"""data/kinds.py: data the readers would misread: a column the run reads holds one kind of value in
+every file; a .json table written by columns."""
 
 from __future__ import annotations
 
@@ -42,6 +43,35 @@ def test_a_value_of_another_kind_in_a_later_file_is_refused_not_turned_into_text
     else:
         assert refused is None and len(splits["train"]) == 3
 
+
+
+@pytest.mark.parametrize("suffix", ["parquet", "arrow"])
+@pytest.mark.parametrize(("later", "refused"), [("int64", True), ("bool", True), ("large_string", False),
+                                                ("dictionary", False)])
+def test_a_later_parquet_or_arrow_file_of_another_kind_is_refused(tmp_path, suffix, later, refused):
+    """The same for parquet and arrow shards (their types read from their headers): a later shard's numbers
+    became their digits (a column the run does not read may differ); another type of text (large_string,
+    a dictionary of text) is the same kind."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    values = {"int64": pa.array([5]), "bool": pa.array([True]), "large_string": pa.array(["b"], pa.large_string()),
+              "dictionary": pa.array(["b"]).dictionary_encode()}
+    tables = [pa.table({"text": ["a"], "id": ["x"]}), pa.table({"text": values[later], "id": [7]})]
+    for number, table in enumerate(tables):
+        path = tmp_path / f"train-{number}.{suffix}"
+        if suffix == "parquet":
+            pq.write_table(table, path)
+        else:
+            with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+                writer.write_table(table)
+    try:
+        splits = D.load_documents(DataConfig(path=str(tmp_path), text_field="text"))
+    except UserError as exc:
+        assert refused and f"train-1.{suffix}': column text holds {later} where the split's first file holds string" \
+            in str(exc), exc
+    else:
+        assert not refused and splits["train"]["text"][:] == ["a", "b"]
 
 @pytest.mark.parametrize(("name", "value", "refused"), [
     ("train.json", {"text": ["first document", "second document"]}, True),  # json.dump({"text": texts})
