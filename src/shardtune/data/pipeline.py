@@ -45,8 +45,9 @@ def load_documents(cfg: DataConfig):
     except datasets.exceptions.DatasetGenerationError as exc:  # e.g. a malformed JSON line
         if no_room(exc, 0, None):
             raise  # not the file's fault: prepare() tells a full disk
-        raise UserError(f"could not read dataset {cfg.path!r} ({first_line(exc.__cause__ or exc)}); fix the file "
-                        "or point data.path elsewhere") from None
+        why = " ".join(str(exc.__cause__ or exc).split())[:300] or type(exc).__name__  # a cast's types span lines
+        raise UserError(f"could not read dataset {cfg.path!r} ({why}); fix the file or point data.path "
+                        "elsewhere") from None
     except (FileNotFoundError, ConnectionError, ValueError) as exc:
         target = f"dataset:{cfg.path}" + (f":{cfg.name}" if cfg.name else "")
         raise UserError(f"could not load dataset {cfg.path!r} ({first_line(exc)}); check data.path/data.name "
