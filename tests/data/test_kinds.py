@@ -100,3 +100,17 @@ def test_a_json_table_written_by_columns_is_refused_not_read_as_one_record(tmp_p
         assert refused and f"{name}' hold one JSON object of columns" in str(exc) and "\n" not in str(exc), exc
     else:
         assert not refused and len(splits["train"]) == 1
+
+
+def test_a_record_longer_than_a_block_is_checked_not_refused(tmp_path, monkeypatch):
+    """pyarrow's streaming reader refuses a record longer than its block ("straddling"): a long document
+    is read again in larger blocks, and a value of another kind after it is still found."""
+    from shardtune.data import kinds
+
+    monkeypatch.setattr(kinds, "BLOCK", 64)  # stands for 10 MiB: a 2 KB document is a long one
+    (tmp_path / "train-00000.jsonl").write_text(json.dumps({"text": "a"}) + "\n")
+    (tmp_path / "train-00001.jsonl").write_text(json.dumps({"text": "word " * 400}) + "\n")
+    assert len(D.load_documents(DataConfig(path=str(tmp_path)))["train"]) == 2
+    (tmp_path / "train-00002.jsonl").write_text(json.dumps({"text": "word " * 400}) + "\n" + '{"text": 5}\n')
+    with pytest.raises(UserError, match="train-00002.jsonl', record 2: text is a number"):
+        D.load_documents(DataConfig(path=str(tmp_path)))

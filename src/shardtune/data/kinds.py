@@ -106,24 +106,30 @@ def _check_json(name: str, schema) -> None:
     import pyarrow.json as paj
 
     options = paj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
-    done = 0
     with opened(name) as f:
         if f.read(1 << 12).lstrip(b"\xef\xbb\xbf \t\r\n")[:1] == b"[":
             return  # a .json array is read whole, by pandas, not in blocks
-    with opened(name) as f:
-        try:
-            for batch in paj.open_json(f, parse_options=options):
-                done += batch.num_rows
-        except pa.ArrowInvalid as exc:
-            m = re.search(r"Column\(/([^)]*)\) changed from (\w+) to (\w+) in row (\d+)", str(exc))
-            if m is None:
-                raise UserError(f"could not read data file {name!r} ({first_line(exc)}); fix the file or point "
-                                "data.path elsewhere") from None
-            column, was, now, row = m.groups()
-            raise UserError(f"data file {name!r}, record {done + int(row) + 1}: {column.replace('/[]', '[]')} is "
-                            f"{_a(now)} where the split's first records hold {_a(was)}; the reader would turn it into "
-                            f"{_a(was)} (a record or list into its JSON text) and train on that: make it {_a(was)} "
-                            "in every file, or drop the record") from None
+    block = BLOCK
+    while True:  # a block holds whole records: a longer one (a long document) is read again in larger blocks
+        done = 0
+        with opened(name) as f:
+            try:
+                for batch in paj.open_json(f, read_options=paj.ReadOptions(block_size=block), parse_options=options):
+                    done += batch.num_rows
+                return
+            except pa.ArrowInvalid as exc:
+                if "straddling" in str(exc) and block < 1 << 30:
+                    block *= 4
+                    continue
+                m = re.search(r"Column\(/([^)]*)\) changed from (\w+) to (\w+) in row (\d+)", str(exc))
+                if m is None:
+                    raise UserError(f"could not read data file {name!r} ({first_line(exc)}); fix the file or point "
+                                    "data.path elsewhere") from None
+                column, was, now, row = m.groups()
+                raise UserError(f"data file {name!r}, record {done + int(row) + 1}: {column.replace('/[]', '[]')} is "
+                                f"{_a(now)} where the split's first records hold {_a(was)}; the reader would turn it "
+                                f"into {_a(was)} (a record or list into its JSON text) and train on that: make it "
+                                f"{_a(was)} in every file, or drop the record") from None
 
 
 def _a(kind: str) -> str:
