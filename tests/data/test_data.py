@@ -58,8 +58,8 @@ def test_preparation_reads_each_file_once_for_its_checks(tmp_path, tokenizer, mo
     write_jsonl(tmp_path / "validation.jsonl", [f"val doc {i} " * 5 for i in range(7)])
     checked = []
     real = files._check_text_file
-    monkeypatch.setattr(files, "_check_text_file", lambda path, json_lines: (checked.append(path.name),
-                                                                            real(path, json_lines)))
+    monkeypatch.setattr(files, "_check_text_file", lambda path, *args, **kw: (checked.append(path.name),
+                                                                             real(path, *args, **kw)))
     train, val = D.prepare(DataConfig(path=str(tmp_path), seq_len=8), tokenizer)
     assert len(train) and len(val) and sorted(checked) == ["train.jsonl", "validation.jsonl"]
 
@@ -112,6 +112,21 @@ def test_a_validation_split_shorter_than_one_sequence_is_said_not_dropped_silent
     assert said == ([f"warning: the validation split of {str(tmp_path)!r} (validation.jsonl) has fewer tokens than "
                      "one sequence of data.seq_len=16; this run validates nothing (add validation documents, or "
                      "lower data.seq_len)"] if val is None else []), said
+
+
+@pytest.mark.parametrize(("docs", "val_size", "held"), [(9, 0.05, 0), (10, 0.05, 0), (30, 0.05, 2), (9, 1, 1),
+                                                        (9, 0, 0)])
+def test_a_val_size_that_holds_out_nothing_is_said(tmp_path, tokenizer, capsys, docs, val_size, held):
+    """The default 5 % of a small corpus (9 books) rounds to no document: the run validated nothing without
+    a word. Said in one line, as a validation split too short for one sequence is; data.val_size=0 asks
+    for none."""
+    write_jsonl(tmp_path / "train.jsonl", [f"a long document {i} " * 40 for i in range(docs)])
+    _, val = D.prepare(DataConfig(path=str(tmp_path), seq_len=16, val_size=val_size), tokenizer)
+    said = [line for line in capsys.readouterr().err.splitlines() if "validat" in line]
+    assert (val is not None) == bool(held)
+    assert said == ([f"warning: data.val_size=0.05 of the {docs} training documents of {str(tmp_path)!r} holds out "
+                     "none; this run validates nothing (hold out a count: data.val_size=1)"]
+                    if val_size and not held else []), said
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
@@ -260,3 +275,46 @@ def test_val_size_above_the_data_is_refused_as_such(tokenizer, tmp_path):
     cfg = DataConfig(path=str(write_jsonl(tmp_path / "abstracts.jsonl", ["a short abstract"] * 50)), val_size=2000)
     with pytest.raises(UserError, match=r"data.val_size=2000 holds out 2000 document\(s\).* only 50; lower"):
         D.prepare(cfg, tokenizer)
+
+
+@pytest.mark.parametrize("fmt", ["text", "instruct"])
+def test_ranks_that_prepared_different_data_are_refused_alike(tmp_path, tokenizer, monkeypatch, fmt):
+    """Each rank prepares its own data: a node whose copy of data.path differs (more documents, another
+    first one) trained its ranks on other samples than the plan's, or hung where the counts of steps
+    differ. Each rank now compares its data (counts, lengths, a hash of three sequences) with rank 0's,
+    and all refuse alike; the same data passes."""
+    import torch
+    import torch.distributed as tdist
+
+    from shardtune.distributed.process_group import Dist
+
+    rows = [{"instruction": f"say {i}", "output": f"number {i} is here " * 3, "text": f"doc {i} " * 6}
+            for i in range(40)]
+    edited = [rows[1], *rows[1:]]  # the first document another's, of the same length
+    extra = {"template": "{instruction}: "} if fmt == "instruct" else {}  # a prompt shorter than seq_len
+
+    def rank_of(rows, name, rank0=None) -> dict:
+        """Rank 0 (`rank0` None) or rank 1 beside a rank 0 that sent `rank0`, having prepared `rows`:
+        what it sends (every rank gets the same gathered list, so one rank's refusal is all of theirs)."""
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        cfg = DataConfig(path=str(tmp_path / name), seq_len=64, val_size=0, format=fmt, **extra)
+        train, val = D.prepare(cfg, tokenizer)
+        sent = {}
+
+        def all_gather_object(seen, value):
+            seen[:] = [rank0 or value, sent.update(value) or value]
+        monkeypatch.setattr(tdist, "all_gather_object", all_gather_object)
+        D.same_on_every_rank(Dist(int(rank0 is not None), 2, 2, torch.device("cpu")),
+                             {"training": train, "validation": val})
+        return sent
+
+    ours = rank_of(rows, "ours")
+    for name, theirs, refused in (("same", rows, None), ("longer", [*rows, *rows[:10]], "training sequences"),
+                                  ("edited", edited, "training tokens (a hash)")):
+        try:
+            rank_of(theirs, name, ours)
+        except UserError as exc:
+            assert refused and str(exc).startswith(f"the ranks of this job read different data: {refused} "), exc
+        else:
+            assert refused is None, name

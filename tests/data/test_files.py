@@ -7,6 +7,7 @@ import csv
 import gzip
 import io
 import lzma
+import re
 import tempfile
 from pathlib import Path
 
@@ -309,16 +310,19 @@ def test_every_format_reads_the_rows_a_plain_reader_reads(texts, name):
         assert list(read_local(local_files(Path(folder)), folder)["train"]["text"]) == wanted
 
 
-PIECES = [b"a", b" ", b"\r", b"\n", b"null", b'{"t": 1}', "é".encode(), "😀".encode(), b"\xe9", b"\xf0\x9f"]
+PIECES = [b"a", b" ", b"\r", b"\n", b"null", b'{"t": 1}', "é".encode(), "😀".encode(), b"\xe9", b"\xf0\x9f",
+          b"\xef\xbb\xbf"]
 
 
 @settings(max_examples=150, deadline=None)
-@given(pieces=st.lists(st.sampled_from(PIECES), max_size=30), chunk=st.integers(1, 9), json_lines=st.booleans())
-def test_the_text_check_finds_what_a_whole_file_read_finds(pieces, chunk, json_lines):
+@given(pieces=st.lists(st.sampled_from(PIECES), max_size=30), chunk=st.integers(1, 9), json_lines=st.booleans(),
+       boms=st.booleans())
+def test_the_text_check_finds_what_a_whole_file_read_finds(pieces, chunk, json_lines, boms):
     """The check reads a chunk at a time (a character or a line may straddle chunks) and carries
     only a short line start (a file of one long line was copied again with every chunk: quadratic):
-    it refuses exactly the files that a whole read finds not UTF-8 or with a bare `null` line, at
-    the first such line and byte."""
+    it refuses exactly the files that a whole read finds not UTF-8, with a bare `null` line or (a
+    .txt) a byte-order mark starting a line but the first (`cat` of files a Windows editor saved: it
+    stayed the first character of a document), at the first such line and byte."""
     from unittest import mock
 
     from shardtune.data import files
@@ -333,11 +337,14 @@ def test_the_text_check_finds_what_a_whole_file_read_finds(pieces, chunk, json_l
     if json_lines:
         nulls = [i for i, text in enumerate(content.split(b"\n"), 1) if text.strip(b" \t\r") == b"null"]
         found += [f"line {i} is `null`" for i in nulls[:1]]
+    if boms and (bom := re.search(b"[\r\n]\xef\xbb\xbf", content)):
+        line = content.count(b"\n", 0, bom.start() + 1) + 1
+        found.append(f"line {line} starts with a byte-order mark")
     with tempfile.TemporaryDirectory() as folder, mock.patch.object(files, "CHECK_CHUNK", chunk):
         path = Path(folder) / "train.jsonl"
         path.write_bytes(content)
         try:
-            files._check_text_file(path, json_lines)
+            files._check_text_file(path, json_lines, boms)
         except UserError as exc:
             assert any(f"{str(path)!r} {what}" in str(exc) for what in found), (str(exc), found)
             return
@@ -359,3 +366,18 @@ def test_a_split_subfolder_beside_data_files_is_refused(tmp_path, inner, refused
     with pytest.raises(UserError, match=rf"its subfolder '{inner.split('/')[0]}' holds the \w+ split's, which would "
                                         "not be read"):
         local_files(tmp_path)
+
+
+@pytest.mark.parametrize(("name", "content"), [("notes.csv", "text,n\n{big},1\nsmall,2\n"),
+                                               ("notes.tsv", "text\tn\n\"{big}\"\t1\nsmall\t2\n"),
+                                               ("notes.csv", "text,{big}\nsmall,2\n")])
+def test_a_csv_field_longer_than_the_csv_modules_limit_is_read(tmp_path, name, content):
+    """The header check read the first records with the csv module, whose fields stop at 128 KiB: a
+    first document of ~25k words (an article, a chapter) failed with a traceback (pandas reads it)."""
+    import csv
+
+    big = "word, " * 30_000 if name.endswith(".tsv") else "word " * 30_000
+    (tmp_path / name).write_text(content.format(big=big.strip()))
+    rows = read_path(tmp_path / name, name)["train"].to_list()
+    assert [len(r["text"]) for r in rows][-1] == 5 and csv.field_size_limit() == 128 * 1024
+    assert content.startswith("text,{big}") or rows[0]["text"] == big.strip()

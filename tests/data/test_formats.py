@@ -452,6 +452,25 @@ def test_empty_cells_are_counted_once_each_across_chunks():
 
 
 
+
+@pytest.mark.parametrize(("fmt", "column", "values", "names_template"), [
+    ("text", "text", [5, 6], True), ("instruct", "instruction", [5, 6], True), ("instruct", "input", [5, "x"], True),
+    ("instruct", "output", [5, 6], False), ("instruct", "output", [5, "x"], False),
+    ("chat", "messages", [5, 6], False)])
+def test_a_refused_column_of_numbers_names_data_template_only_where_it_would_format_that_column(
+        tmp_path, fmt, column, values, names_template):
+    """data.template formats a document or an instruct prompt: a response of numbers (a math set's
+    answers) or chat messages were told to "use data.template", which never reads them."""
+    from shardtune.data.files import read_path
+
+    rows = [{"text": "t", "instruction": "i", "input": "x", "output": "o", column: v} for v in values]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    docs = read_path(tmp_path, "x")["train"]  # numbers beside text: a column of JSON values
+    with pytest.raises(UserError, match=f"column '{column}'") as exc:
+        F.check_cells(docs, DataConfig(path="x", format=fmt), "the data", lambda line: None)
+    assert ("data.template" in str(exc.value)) == names_template, exc.value
+
+
 PIECES = st.lists(st.sampled_from(["a", " ", "<|endoftext|>", "<|endof", "text|>", "<s>", "</s", ">", "<|im_end|>"]),
                   max_size=4).map("".join).filter(str.strip)
 CELL_SHAPES = {  # a cell of each shape a format reads from its pieces of text, and the text it tokenizes

@@ -184,3 +184,36 @@ def test_a_folders_data_file_in_a_compression_no_reader_takes_is_refused(tmp_pat
     (tmp_path / other).write_bytes(b"PK")
     with pytest.raises(UserError, match=rf"mixes or has unsupported file types \(.*{re.escape(shown)}"):
         D.load_documents(DataConfig(path=str(tmp_path)))
+
+
+SHAPES = {  # data.format and its keys -> a row of that shape (a list cell, a number, chat messages)
+    "text": ({"template": "Game {id}: {moves} ({meta[white]})"},
+             {"id": 3, "moves": ["e4", "e5"], "meta": {"white": "A"}}),
+    "instruct": ({"template": "{instruction} {moves}: "}, {"instruction": "play", "moves": ["d4"], "output": "d5 c4"}),
+    "chat": ({"chat_template": "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+                               "{% endfor %}"},
+             {"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "world"}]}),
+}
+
+
+@pytest.mark.parametrize("fmt", SHAPES)
+def test_a_folder_saved_with_a_format_reads_as_saved_without_one(tmp_path, fmt):
+    """load_from_disk brings back the format a dataset was saved with, and the formats read rows as Python
+    values: under set_format("numpy") or "pandas" a list cell rendered as the text "['e4' 'e5']", chat
+    messages were refused as no list, and instruct rows crashed under "arrow". Every saved format now
+    gives the token ids of the same rows saved plain."""
+    import datasets
+
+    from conftest import llama_tokenizer
+
+    keys, row = SHAPES[fmt]
+    ids = {}
+    for kind in (None, "numpy", "pandas", "arrow", "torch", "columns"):
+        ds = datasets.Dataset.from_list([row] * 3)
+        ds.set_format(**({"columns": ds.column_names[:1]} if kind == "columns" else {"type": kind}))
+        ds.save_to_disk(str(tmp_path / str(kind)))
+        cfg = DataConfig(path=str(tmp_path / str(kind)), seq_len=4 if fmt == "text" else 128, val_size=0,
+                         format=fmt, **keys)
+        train, _ = D.prepare(cfg, llama_tokenizer())
+        ids[kind] = [train[i]["input_ids"].tolist() for i in range(len(train))]
+    assert ids["numpy"] == ids[None] and all(v == ids[None] for v in ids.values()), ids

@@ -9,6 +9,7 @@ import os
 import re
 from pathlib import Path
 
+from shardtune.data.kinds import check_kinds, columns_in_one_row
 from shardtune.data.layouts import (
     builder_of,
     is_saved,
@@ -36,12 +37,16 @@ def _is_blank(path: Path) -> bool:
 
 CHECK_CHUNK = 1 << 20  # bytes read at a time by the checks of a text file
 _BARE_NULL = re.compile(rb"(?m)^[ \t\r]*null[ \t\r]*$")
+_INNER_BOM = re.compile(b"[\r\n]\xef\xbb\xbf")
 
 
-def _check_text_file(path: Path, json_lines: bool) -> None:
+def _check_text_file(path: Path, json_lines: bool, boms: bool = False) -> None:
     """One pass over a text data file before `datasets` reads it: every byte must be UTF-8 (pyarrow
     takes invalid bytes into string columns unchecked, and they fail later, mid-tokenization), and
     no JSON record may be a bare `null` (pyarrow 22's JSON reader crashes the process on one).
+    `boms`: no line but the first may start with a byte-order mark (files joined with `cat`, each
+    saved by a Windows editor): the reader strips the file's own, and a later one stayed the first
+    character of its document (the JSON reader refuses one itself).
     A chunk at a time, decoded incrementally (a character may straddle two chunks); the line a
     chunk ends in is carried only while it may still be a `null` line: a file of one
     long line (a JSON array as json.dump writes it) was copied again with every chunk, quadratic
@@ -49,7 +54,7 @@ def _check_text_file(path: Path, json_lines: bool) -> None:
     import codecs
 
     decoder = codecs.getincrementaldecoder("utf-8")()
-    line, offset, tail = 1, 0, b""  # line: the number of the line the next chunk starts in
+    line, offset, tail, last = 1, 0, b"", b""  # line: the number of the line the next chunk starts in
     with opened(path) as f:
         while True:
             chunk = f.read(CHECK_CHUNK)
@@ -60,6 +65,10 @@ def _check_text_file(path: Path, json_lines: bool) -> None:
                 bad_line = line + chunk.count(b"\n", 0, max(exc.start - held, 0))
                 raise UserError(f"data file {str(path)!r} is not UTF-8 text (line {bad_line}, byte "
                                 f"{offset - held + exc.start}); re-save it as UTF-8") from None
+            if boms and (m := _INNER_BOM.search(last + chunk)):  # `last`: a BOM may straddle two chunks
+                where = line + chunk.count(b"\n", 0, max(m.start() - len(last) + 1, 0))
+                raise UserError(f"data file {str(path)!r} line {where} starts with a byte-order mark (files joined "
+                                "with cat?), which would stay the first character of its document; remove it")
             data = tail + chunk
             cut = data.rfind(b"\n") + 1 if chunk else len(data)  # whole lines only: `null` may go on (`nullable`)
             if json_lines and (m := _BARE_NULL.search(data, 0, cut)):
@@ -68,7 +77,7 @@ def _check_text_file(path: Path, json_lines: bool) -> None:
                                 'write it as {"text": ...}')
             if not chunk:
                 return
-            line, offset, tail = line + chunk.count(b"\n"), offset + len(chunk), data[cut:]
+            line, offset, tail, last = line + chunk.count(b"\n"), offset + len(chunk), data[cut:], (last + chunk)[-3:]
             if tail.strip(b" \t\r") not in (b"", b"n", b"nu", b"nul", b"null"):
                 tail = b"x"  # a line that can no longer be `null`; the next chunk does not start a line
 
@@ -77,12 +86,18 @@ def _check_csv_header(path: Path) -> None:
     """A csv header that names a column twice: the reader renames the second (`text.1`), so the
     run would read the first without a word. A first row with more fields than the header: the
     reader takes the extra leading fields as an index and shifts every column onto its neighbour's
-    name. Both records are read as the reader reads them."""
+    name. Both records are read as the reader reads them, of any length (the csv module's limit of
+    128 KiB a field, which pandas does not have, failed a long first document with a traceback)."""
     import csv
 
-    with opened(path, text=True) as f:
-        records = csv.reader(f, delimiter=kind_of(path).format.kwargs.get("sep", ","))
-        header, first = next(records, []), next(records, [])
+    limit = csv.field_size_limit()
+    try:
+        csv.field_size_limit(2**31 - 1)  # C long's most on every platform
+        with opened(path, text=True) as f:
+            records = csv.reader(f, delimiter=kind_of(path).format.kwargs.get("sep", ","))
+            header, first = next(records, []), next(records, [])
+    finally:
+        csv.field_size_limit(limit)
     if len(first) > len(header):
         raise UserError(f"data file {str(path)!r}: its first row has {len(first)} fields but its header names "
                         f"{len(header)} columns (the reader would shift the columns onto the wrong names); quote "
@@ -192,7 +207,7 @@ def local_files(path: Path) -> dict[str, list[str]]:
                         "or point data.path elsewhere")
     for p, kind in kinds.items():
         if kind.format.text:
-            _check_text_file(p, json_lines=kind.format.builder == "json")
+            _check_text_file(p, json_lines=kind.format.builder == "json", boms=kind.format.builder == "text")
         if kind.format.builder == "csv":
             _check_csv_header(p)
         if kind.format.builder == "text" and kind.codec:
@@ -221,9 +236,10 @@ def named_split(name: str) -> str | None:
     return "validation" if split in VAL_NAMES else split
 
 
-def read_path(path: Path, shown: str, say=None):
+def read_path(path: Path, shown: str, say=None, columns: tuple[str, ...] = ()):
     """A local data.path as a DatasetDict: a folder that save_to_disk wrote, as it was saved; else
-    its data files (local_files), read by their readers. `shown`: data.path as the user wrote it.
+    its data files (local_files), read by their readers, `columns` (the text a run reads) of one
+    kind in every file (kinds.py). `shown`: data.path as the user wrote it.
     `say` gets a line for each file held out of training only because its name starts with a
     split's word (held_out_by_prefix)."""
     if is_saved(path):
@@ -235,7 +251,9 @@ def read_path(path: Path, shown: str, say=None):
         words = ", ".join(VAL_NAMES) if split == "validation" else split
         say(f"note: data file {name!r} of {shown} is the {split} split, not training data: its name starts with a "
             f"word of that split's ({words}); rename it to train on it")
-    return read_local(files, shown)
+    splits = read_local(files, shown)
+    check_kinds(files, splits, list(columns))
+    return splits
 
 
 def held_out_by_prefix(name: str) -> bool:
@@ -277,6 +295,8 @@ def read_local(files: dict[str, list[str]], path: str):
                                 "data.path elsewhere") from None
             raise UserError(f"could not read data file(s) {', '.join(repr(n) for n in names)} of {path!r} "
                             f"({first_line(exc)}); fix the file or point data.path elsewhere") from None
+        if fmt.builder == "json" and (line := columns_in_one_row(out[split], names)):
+            raise UserError(line)
     return datasets.DatasetDict(out)
 
 

@@ -99,6 +99,9 @@ def check_cells(docs, cfg: DataConfig, what: str, warn, tokenizer=None) -> None:
         texts = pa.types.is_string(kind) or pa.types.is_large_string(kind)
         lists = pa.types.is_list(kind) or pa.types.is_large_list(kind)
         wants = "lists of {role, content} messages" if cfg.format == "chat" else "text (or lists of text)"
+        # data.template formats a document or a prompt from other columns, never a response or messages
+        other = (", or use data.template to format other columns" if cfg.format == "text" or key != "data.output_field"
+                 and cfg.format != "chat" else "")
         if pa.types.is_null(kind):
             empty = len(docs)
         elif (cfg.format != "chat" and texts) or (lists and (cfg.format == "chat" or pa.types.is_string(
@@ -122,12 +125,11 @@ def check_cells(docs, cfg: DataConfig, what: str, warn, tokenizer=None) -> None:
             # text; a split whose own values are all text tokenizes (another split may hold the others)
             if (odd := _first_not_text(docs, column)) is not None:
                 raise UserError(f"column {column!r} of {what} ({key}) mixes text with other values (one row holds "
-                                f"{odd}); make those rows text (or lists of text), or use data.template to "
-                                "format the columns")
+                                f"{odd}); make those rows text (or lists of text){other}")
             continue
         else:
             raise UserError(f"column {column!r} of {what} ({key}) holds {kind}, not {wants}; point {key} at the "
-                            "right column, or use data.template to format other columns")
+                            f"right column{other or ', or write its values as text'}")
         if may_be_empty:
             continue
         if empty == len(docs):

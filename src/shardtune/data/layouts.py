@@ -129,7 +129,10 @@ def is_saved(path: Path) -> bool:
 
 def read_saved(path: Path, shown: str):
     """A saved folder as a DatasetDict (a single Dataset is the train split), read by
-    `datasets.load_from_disk`: memory-mapped where it lies, as the readers' cache is."""
+    `datasets.load_from_disk`: memory-mapped where it lies, as the readers' cache is. Without the
+    format it was saved with (`set_format("numpy")`, "pandas", "arrow", a subset of columns): the
+    formats read rows as Python values, and a numpy list cell became the text "['e4' 'e5']", chat
+    messages were refused as not a list and instruct rows crashed on arrow's."""
     import datasets
 
     _refuse_empty_saved(path, shown)
@@ -138,6 +141,9 @@ def read_saved(path: Path, shown: str):
     except (OSError, ValueError, KeyError) as exc:  # a file it lists is gone, a JSON file is not JSON
         raise UserError(f"could not read the dataset that save_to_disk wrote in {shown!r} ({first_line(exc)}); "
                         "save it again, or point data.path elsewhere") from None
+    for split in loaded.values() if isinstance(loaded, datasets.DatasetDict) else [loaded]:
+        if split.format["type"] is not None or split.format["columns"] != split.column_names:
+            split.reset_format()  # only where set: a reset is a new fingerprint, which the token caches key on
     return loaded if isinstance(loaded, datasets.DatasetDict) else datasets.DatasetDict({"train": loaded})
 
 

@@ -31,7 +31,7 @@ def load_documents(cfg: DataConfig):
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors are retold as one UserError
     try:
         if path.exists():
-            return read_path(path, cfg.path, say=_warn)
+            return read_path(path, cfg.path, say=_warn, columns=tuple(c for c, _, _ in formats.read_columns(cfg)))
         if any(c in cfg.path for c in "*?["):  # a shell would have expanded it; a recipe's value is not
             raise UserError(f"data.path={cfg.path!r} is a pattern, and shardtune reads no patterns; point data.path "
                             "at the folder that holds the files (its train* and validation* files are the splits)")
@@ -45,8 +45,9 @@ def load_documents(cfg: DataConfig):
     except datasets.exceptions.DatasetGenerationError as exc:  # e.g. a malformed JSON line
         if no_room(exc, 0, None):
             raise  # not the file's fault: prepare() tells a full disk
-        raise UserError(f"could not read dataset {cfg.path!r} ({first_line(exc.__cause__ or exc)}); fix the file "
-                        "or point data.path elsewhere") from None
+        why = " ".join(str(exc.__cause__ or exc).split())[:300] or type(exc).__name__  # a cast's types span lines
+        raise UserError(f"could not read dataset {cfg.path!r} ({why}); fix the file or point data.path "
+                        "elsewhere") from None
     except (FileNotFoundError, ConnectionError, ValueError) as exc:
         target = f"dataset:{cfg.path}" + (f":{cfg.name}" if cfg.name else "")
         raise UserError(f"could not load dataset {cfg.path!r} ({first_line(exc)}); check data.path/data.name "
@@ -227,6 +228,36 @@ def _count(rows, column: str) -> int:
     return sum(pc.sum(chunk.column(column), min_count=0).as_py() for chunk in ArrowChunks(rows, [column]))
 
 
+def same_on_every_rank(dist, splits: dict) -> None:
+    """Refuse alike on every rank where the ranks prepared different data (`splits`: name -> the
+    prepared split, or None). Each rank prepares its own (rank 0 first, the others from their
+    node's cache): a node whose copy of data.path or of the tokenizer differed, or a file rewritten
+    while the ranks started, trained those ranks on other samples than the plan's, or hung where
+    their counts of steps or validation batches differed. Compared: each split's sequence count and
+    a hash of its first, middle and last sequence, and of every example's length (a column; packed
+    blocks shift after any edit that changes a length), not the corpus."""
+    import hashlib
+
+    import numpy as np
+
+    from shardtune.data.batches import sample_lengths
+    from shardtune.distributed import collectives
+
+    if dist.world_size == 1:
+        return
+    seen = {}
+    for name, ds in splits.items():
+        n, digest = len(ds) if ds is not None else 0, hashlib.sha256()
+        digest.update(np.asarray(n and sample_lengths(ds) or [], dtype=np.int64).tobytes())
+        for i in sorted({0, n // 2, n - 1}) if n else ():
+            row = ds[i]
+            for key in sorted(row):
+                digest.update(key.encode() + np.asarray(row[key], dtype=np.int64).tobytes())
+        seen[f"{name} sequences"], seen[f"{name} tokens (a hash)"] = n, digest.hexdigest()[:16]
+    collectives.same_on_every_rank(dist, seen, "each rank reads data.path and the tokenizer on its own node: give "
+                                   "every node the same files, unchanged while a run starts", "read different data")
+
+
 def prepare(cfg: DataConfig, tokenizer, global_batch: int = 1):
     """(train, val) torch datasets with `input_ids` (and `labels` where some tokens get no loss).
     text: packed blocks of seq_len; instruct/chat: one example per row, at most cutoff_len long,
@@ -250,6 +281,9 @@ def prepare(cfg: DataConfig, tokenizer, global_batch: int = 1):
 def _prepare(cfg: DataConfig, tokenizer, warn, global_batch: int = 1):
     splits = load_documents(cfg)
     train_docs, val_docs, causes = _split(cfg, splits)
+    if not len(val_docs) and cfg.val_size and validation_split(cfg, splits) is None:  # a fraction that rounds to 0
+        warn(f"warning: data.val_size={cfg.val_size:g} of the {len(splits[cfg.split])} training documents of "
+             f"{cfg.path!r} holds out none; this run validates nothing (hold out a count: data.val_size=1)")
     if len(train_docs) == 0:
         raise UserError(f"dataset {cfg.path!r} has no training documents left"
                         + too_small(causes, "check data.path"))

@@ -37,11 +37,11 @@ def broadcast_value(dist: Dist, value):
     return box[0]
 
 
-def same_on_every_rank(dist: Dist, values: dict, fix: str) -> None:
+def same_on_every_rank(dist: Dist, values: dict, fix: str, what: str = "run different configs") -> None:
     """A UserError on every rank alike where any rank's `values` (names to plain values) differ from
     rank 0's, naming the first such name, both values and `fix`. Ranks that resolved their own values
-    (torchrun's and srun's each resolve `auto` on their own machine, read their own node's recipe)
-    and differ would otherwise hang at the first collective they count differently."""
+    (torchrun's and srun's each resolve `auto` on their own machine, read their own node's recipe
+    and data files) and differ would otherwise hang at the first collective they count differently."""
     if dist.world_size == 1:
         return
     import torch.distributed as tdist
@@ -51,7 +51,7 @@ def same_on_every_rank(dist: Dist, values: dict, fix: str) -> None:
     for name, first in seen[0].items():
         other = next((rank for rank, v in enumerate(seen) if v.get(name) != first), None)
         if other is not None:
-            raise UserError(f"the ranks of this job run different configs: {name} is {first!r} on rank 0 but "
+            raise UserError(f"the ranks of this job {what}: {name} is {first!r} on rank 0 but "
                             f"{seen[other].get(name)!r} on rank {other}; {fix}")
 
 

@@ -159,6 +159,7 @@ def eval_one(spec: str, req: EvalRequest, dist, data_cfg) -> dict:
     """Metrics of one model over all ranks (collective), on the data that `data_cfg` (the run
     config of the evaluated checkpoint, or None) and `req` select."""
     from shardtune.data.batches import eval_batches
+    from shardtune.data.pipeline import same_on_every_rank
     from shardtune.distributed.collectives import rank0_first
     from shardtune.distributed.fsdp import build_mesh
     from shardtune.model.build import ModelSpec, build_model
@@ -168,6 +169,7 @@ def eval_one(spec: str, req: EvalRequest, dist, data_cfg) -> dict:
     # Rank 0 alone reads the full weights; the other ranks only the config and tokenizer.
     source, tokenizer, hf_config, run_cfg = rank0_first(dist, lambda: load_model(spec, weights=dist.is_main))
     ds = rank0_first(dist, lambda: eval_blocks(req, data_cfg, tokenizer))
+    same_on_every_rank(dist, {"evaluation": ds})
     # fp32, full_shard: evaluation needs none of the run's training settings, only its adapter
     layout = ModelSpec(hf_config, loss_chunk_tokens=run_cfg.loss_chunk_tokens if run_cfg else None,
                        peft=adapter_structure(spec),  # an adapter that does not fold into the base

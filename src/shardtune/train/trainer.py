@@ -81,6 +81,7 @@ class Trainer:
         self.accum = run.accum
         self.train_ds, self.val_ds = rank0_first(dist, lambda: data_lib.prepare(cfg.data, tokenizer,
                                                                                   cfg.train.global_batch_size))
+        data_lib.same_on_every_rank(dist, {"training": self.train_ds, "validation": self.val_ds})
         t = cfg.train
         lengths = batching.sample_lengths(self.train_ds) if cfg.data.group_by_length else None
         self.plan = batching.BatchPlan(len(self.train_ds), t.global_batch_size, t.micro_batch_size,
