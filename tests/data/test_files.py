@@ -291,6 +291,8 @@ def test_every_format_reads_the_rows_a_plain_reader_reads(texts, name):
 
     if name.endswith(".txt"):
         texts = [t.replace("\r", " ").replace("\n", " ") for t in texts]  # a line of a .txt file
+        # a later line that starts with a byte-order mark is refused (test_the_text_check_finds_...)
+        texts = texts[:1] + ["x" + t if t.startswith("\ufeff") else t for t in texts[1:]]
     with tempfile.TemporaryDirectory() as folder:
         path = write_texts(Path(folder) / name.removesuffix(".gz"), texts)
         if name == "train.json":

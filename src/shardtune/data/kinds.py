@@ -5,8 +5,8 @@ MiB) and turns every later value into them, a number into its digits and (JSON) 
 into its JSON text (`{"k":1}`, `["a","b"]`), while the same values inside one JSON block are a
 column of mixed JSON that the format checks refuse. A shard of numbers or a late row of records
 trained as text without a word. A parquet or arrow file's types are in its header; a JSON-lines
-file is parsed again by pyarrow's streaming reader with the split's types for those columns alone
-(the others skipped), at a few times the speed of the reader."""
+file is parsed again by pyarrow's JSON parser, a few MB of whole lines at a time, with the split's
+types for those columns alone (the others skipped), at a few times the speed of the reader."""
 
 from __future__ import annotations
 
@@ -109,27 +109,41 @@ def _check_json(name: str, schema) -> None:
     with opened(name) as f:
         if f.read(1 << 12).lstrip(b"\xef\xbb\xbf \t\r\n")[:1] == b"[":
             return  # a .json array is read whole, by pandas, not in blocks
-    block = BLOCK
-    while True:  # a block holds whole records: a longer one (a long document) is read again in larger blocks
-        done = 0
-        with opened(name) as f:
-            try:
-                for batch in paj.open_json(f, read_options=paj.ReadOptions(block_size=block), parse_options=options):
-                    done += batch.num_rows
-                return
-            except pa.ArrowInvalid as exc:
-                if "straddling" in str(exc) and block < 1 << 30:
-                    block *= 4
-                    continue
-                m = re.search(r"Column\(/([^)]*)\) changed from (\w+) to (\w+) in row (\d+)", str(exc))
-                if m is None:
-                    raise UserError(f"could not read data file {name!r} ({first_line(exc)}); fix the file or point "
-                                    "data.path elsewhere") from None
-                column, was, now, row = m.groups()
-                raise UserError(f"data file {name!r}, record {done + int(row) + 1}: {column.replace('/[]', '[]')} is "
-                                f"{_a(now)} where the split's first records hold {_a(was)}; the reader would turn it "
-                                f"into {_a(was)} (a record or list into its JSON text) and train on that: make it "
-                                f"{_a(was)} in every file, or drop the record") from None
+    done = 0
+    for lines in _whole_lines(name):
+        if not lines.strip():
+            continue
+        try:  # one block of whole records: pyarrow's own streaming reader read ahead, ~half the file held
+            done += paj.read_json(pa.BufferReader(lines), read_options=paj.ReadOptions(
+                block_size=len(lines) + 1, use_threads=False), parse_options=options,
+                memory_pool=pa.system_memory_pool()).num_rows
+        except pa.ArrowInvalid as exc:
+            m = re.search(r"Column\(/([^)]*)\) changed from (\w+) to (\w+) in row (\d+)", str(exc))
+            if m is None:
+                raise UserError(f"could not read data file {name!r} ({first_line(exc)}); fix the file or point "
+                                "data.path elsewhere") from None
+            column, was, now, row = m.groups()
+            raise UserError(f"data file {name!r}, record {done + int(row) + 1}: {column.replace('/[]', '[]')} is "
+                            f"{_a(now)} where the split's first records hold {_a(was)}; the reader would turn it "
+                            f"into {_a(was)} (a record or list into its JSON text) and train on that: make it "
+                            f"{_a(was)} in every file, or drop the record") from None
+
+
+def _whole_lines(name: str, size: int = 1 << 20):
+    """The file's bytes in blocks of about `size` that end at a line's end (a longer line: a block of
+    its own), so the check holds a few blocks whatever the file's size."""
+    rest = b""
+    with opened(name) as f:
+        while data := f.read(size):
+            data, rest = rest + data, b""
+            cut = data.rfind(b"\n") + 1
+            if cut == 0:
+                rest = data
+                continue
+            yield data[:cut]
+            rest = data[cut:]
+    if rest.strip():
+        yield rest
 
 
 def _a(kind: str) -> str:
