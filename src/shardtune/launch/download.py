@@ -17,9 +17,10 @@ from shardtune.errors import UserError, first_line
 from shardtune.fsio import make_dir, refuse_inside_run
 from shardtune.names import hub_id
 
-# Weights in formats shardtune never reads: skipped so a 7B download is not three 7B downloads.
-IGNORE = ["*.h5", "*.msgpack", "*.ot", "*.onnx", "*.onnx_data", "onnx/*", "coreml/*", "*.tflite", "*.mlmodel",
-          "*.gguf", "original/*"]
+# Weights in formats shardtune never reads: skipped so a 7B download is not three 7B downloads. And
+# every subfolder: `from_pretrained(ID)` reads the repo's root only, and a repo shardtune published keeps
+# each checkpoint in checkpoints/step-N/ (ten checkpoints were eleven models downloaded).
+IGNORE = ["*.h5", "*.msgpack", "*.ot", "*.onnx", "*.onnx_data", "*.tflite", "*.mlmodel", "*.gguf", "*/*"]
 PYTORCH_BINARIES = ["*.bin", "*.pt", "*.pth"]  # skipped where the repo's root has safetensors
 WEIGHTS = ["*.safetensors", *PYTORCH_BINARIES]  # all a tokenizer-only target skips
 
