@@ -12,6 +12,7 @@ import pytest
 from hub_server import point_at, start_server
 
 from conftest import tiny_overrides
+from shardtune.checkpoint.folders import FINAL_RECORD
 
 
 @pytest.fixture
@@ -254,7 +255,8 @@ def test_an_adapter_names_the_hub_base_only_where_it_is_the_trained_one(config, 
 
 NAMES = ["model.safetensors", "model.safetensors.index.json", "model-00001-of-00002.safetensors",
          "model-00002-of-00002.safetensors", "model-00001-of-00003.safetensors", "adapter_config.json",
-         "adapter_model.safetensors", "tokenizer.json", "tokenizer.model", "config.json", "base/model.safetensors"]
+         "adapter_model.safetensors", "tokenizer.json", "tokenizer.model", "config.json", "base/model.safetensors",
+         FINAL_RECORD]  # final/'s step: a later export --push-to-hub left {"step": 2} beside step 5's weights
 
 
 def test_a_push_replaces_the_earlier_model_files_and_keeps_checkpoints_and_text(tmp_path, monkeypatch):

@@ -68,11 +68,12 @@ def _fatal(exc: BaseException) -> bool:
 
 
 # What an upload replaces at its place: the files a model or adapter folder is made of (weights and
-# their index, configs, tokenizer files), and an adapter's base/ copy. Anything else stays: what a
-# person put in the repo (a README, a license, images, results), checkpoints/ (uploaded on their own).
+# their index, configs, tokenizer files, final/'s record of its step), and an adapter's base/ copy.
+# Anything else stays: what a person put in the repo (a README, a license, images, results),
+# checkpoints/ (uploaded on their own).
 MODEL_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.index.json", "*config.json", "tokenizer*",
                "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt", "*.model", "*.tiktoken",
-               "chat_template.*", "shardtune_config.yaml")
+               "chat_template.*", "shardtune_config.yaml", "shardtune.json")  # checkpoint.folders.FINAL_RECORD
 
 
 def replaced(name: str) -> bool:
