@@ -25,6 +25,16 @@ def run_folder(spec: str) -> Path | None:
     return None
 
 
+def run_trusts(folder) -> bool:
+    """Whether `folder` (a model folder: a run's final/) is of a run that trusted its model's code
+    (model.trust_remote_code): eval, generate and export read it as that run wrote it, where a
+    plain folder's code is never run unasked."""
+    from shardtune.config.load import load_saved_config
+
+    run = run_folder(str(folder))
+    return bool(run and load_saved_config(run / "config.yaml").model.trust_remote_code)
+
+
 def model_step(spec: str) -> int | None:
     """The training step of the model `spec` names, where its run tells it: a checkpoint's own, a
     run's final/ (which records none) the last step its run logged; None for a model of no run."""
@@ -140,7 +150,7 @@ def _load(spec: str, device: str, weights: bool):
     from shardtune.config.schema import ModelConfig
     from shardtune.model.hf import check_vocab, load_hf_config, load_source_model, load_tokenizer
 
-    mc = ModelConfig(name_or_path=str(where))
+    mc = ModelConfig(name_or_path=str(where), trust_remote_code=run_trusts(where))
     tokenizer, hf_config = load_tokenizer(mc), load_hf_config(mc)
     check_vocab(hf_config, tokenizer, "a token past those has no embedding: use the model's own tokenizer, or "
                 "resize the model's embeddings and save it again", f"the tokenizer of model {spec!r}")
