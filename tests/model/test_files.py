@@ -8,7 +8,8 @@ import torch
 
 from conftest import tiny_overrides
 
-CONFIG_CODE = "from transformers import LlamaConfig\n\n\nclass RemoteConfig(LlamaConfig):\n    model_type = 'remotetiny'\n"
+CONFIG_CODE = ("from transformers import LlamaConfig\n\n\n"
+               "class RemoteConfig(LlamaConfig):\n    model_type = 'remotetiny'\n")
 MODEL_CODE = ("from transformers import LlamaForCausalLM\n\nfrom .configuration_remote import RemoteConfig\n\n\n"
               "class RemoteForCausalLM(LlamaForCausalLM):\n    config_class = RemoteConfig\n")
 
