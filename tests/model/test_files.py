@@ -4,6 +4,7 @@ run's folders trusts it as the run did."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from conftest import tiny_overrides
@@ -75,3 +76,35 @@ def test_every_folder_of_a_remote_code_run_loads_with_its_code(assets, tmp_path,
     with torch.no_grad():  # eval and generate read the run's final/ and its checkpoints
         assert (load_model(str(out))[0](probe).logits - logits["final"]).abs().max() == 0
         assert (load_model(str(step1))[0](probe).logits - logits["export of step 1 (DCP)"]).abs().max() == 0
+
+
+def test_an_adapter_on_a_remote_code_base_is_read_as_its_run_trusted_it(assets, tmp_path, single_thread):
+    """A LoRA run on a trust_remote_code base: eval, generate and export --merge of its final/ died
+    with transformers' ValueError traceback ('contains custom code'); a copy of that adapter outside
+    any run is one line, its code not run."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from shardtune.checkpoint.export import merge_adapter_folder
+    from shardtune.checkpoint.loading import load_model
+    from shardtune.config.load import load_config
+    from shardtune.errors import UserError
+    from shardtune.train.trainer import run
+
+    base = remote_code_model(tmp_path / "remote_base_lora_st")
+    AutoTokenizer.from_pretrained(assets["tokenizer"]).save_pretrained(base)
+    out = tmp_path / "run"
+    run(load_config(None, [o for o in tiny_overrides(assets, out, **{"train.max_steps": 1, "eval.max_batches": 1,
+                                                                      "eval.at_start": "false"})
+                           if not o.startswith(("model.config=", "model.tokenizer="))]
+                    + [f"model.name_or_path={base}", "model.trust_remote_code=true", "peft.method=lora"], defaults={}),
+        overwrite=False)
+    probe = (torch.arange(32).reshape(2, 16) * 7) % 250
+    merged = merge_adapter_folder(out, tmp_path / "merged")
+    merged = AutoModelForCausalLM.from_pretrained(merged, trust_remote_code=True)
+    with torch.no_grad():
+        assert (load_model(str(out))[0](probe).logits - merged.eval()(probe).logits).abs().max() < 1e-5
+    import shutil
+
+    shutil.copytree(out / "final", tmp_path / "loose")
+    with pytest.raises(UserError, match="runs code of its own"):
+        load_model(str(tmp_path / "loose"))

@@ -258,7 +258,7 @@ def merge_adapter_folder(adapter: Path, out: Path, max_shard_size: int | str = "
     base = parts.base
     if out.exists() and any(out.iterdir()):
         raise UserError(f"export folder {str(out)!r} is not empty; choose a new folder")
-    model = fold(fit_adapter(load_base(base, dtype="auto"), adapter, base))
+    model = fold(fit_adapter(load_base(parts, dtype="auto"), adapter, base))
     with atomic_dir(out) as tmp:
         model.save_pretrained(tmp, max_shard_size=max_shard_size, safe_serialization=True)
         parts.tokenizer.save_pretrained(tmp)  # the adapter's own, else its base's (adapter_folder.tokenizer_source)

@@ -144,7 +144,7 @@ def _load(spec: str, device: str, weights: bool):
             return None, tokenizer, _folded_config(parts.base_config, parts.config), None
         # fp32, as a run reads the base and as a checkpoint or a model folder loads: a bf16 base (a hub
         # model's, as transformers loads it by default) rounded the folded update away in part
-        model = _folded(fit_adapter(load_base(parts.base, dtype=torch.float32), where, parts.base))
+        model = _folded(fit_adapter(load_base(parts, dtype=torch.float32), where, parts.base))
         return model.to(torch.device(device)).eval(), tokenizer, model.config, None
 
     from shardtune.config.schema import ModelConfig
