@@ -39,14 +39,15 @@ def _is_local(path: str) -> bool:
 def targets_from_recipe(recipe: str, overrides: list[str] | None = None) -> list[tuple[str, str, str | None]]:
     """(kind, repo id, dataset config name) for the model, tokenizer and dataset of a recipe, in
     that order, without duplicates; local folders and files are left out. A tokenizer from another
-    repo than the model is kind "tokenizer": its repo's weights are not downloaded."""
+    repo than the model is kind "tokenizer", and a model trained from fresh weights
+    (model.random_init) kind "config": neither repo's weights are downloaded (a 7B's 13 GB, never read)."""
     from shardtune.config.load import load_config
 
     cfg = load_config(recipe, overrides)
     found: list[tuple[str, str, str | None]] = []
     model = cfg.model.name_or_path if cfg.model.name_or_path and not _is_local(cfg.model.name_or_path) else None
     if model:
-        found.append(("model", model, None))
+        found.append(("config" if cfg.model.random_init else "model", model, None))
     if cfg.model.tokenizer and cfg.model.tokenizer != model and not _is_local(cfg.model.tokenizer):
         found.append(("tokenizer", cfg.model.tokenizer, None))
     if cfg.data.path and not _is_local(cfg.data.path):
@@ -69,7 +70,7 @@ def download(targets: list[tuple[str, str, str | None]], cache_dir: str | None =
         make_dir(root)  # a cache that cannot be written is told now, as itself, not as a network failure
     paths = []
     for kind, repo, config_name in targets:
-        if kind in ("model", "tokenizer"):
+        if kind in ("model", "tokenizer", "config"):
             paths.append(_download_model(repo, str(root / "hub") if root else None, weights=kind == "model"))
         elif kind == "dataset":
             paths.append(_download_dataset(repo, config_name, str(root / "datasets") if root else None))
