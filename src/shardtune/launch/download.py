@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from shardtune.errors import UserError, first_line
-from shardtune.fsio import make_dir, refuse_inside_run
+from shardtune.fsio import json_loads, make_dir, refuse_inside_run
 from shardtune.names import hub_id
 
 # Weights in formats shardtune never reads: skipped so a 7B download is not three 7B downloads. And
@@ -87,7 +87,7 @@ def _download_model(repo: str, cache_dir: str | None, weights: bool = True) -> s
         files = HfApi().list_repo_files(repo)
         # only safetensors weights at the root replace the .bin ones (a safetensors file in a subfolder does not)
         ignore = IGNORE + (PYTORCH_BINARIES if any(f.endswith(".safetensors") and "/" not in f for f in files) else [])
-        ignore += [] if weights else WEIGHTS  # a tokenizer's repo: a 7B model's files are not its tokenizer
+        ignore += _unread_safetensors(repo, files, cache_dir) if weights else WEIGHTS  # a tokenizer's: no weights
         return snapshot_download(repo_id=repo, cache_dir=cache_dir, ignore_patterns=ignore)
     except RepositoryNotFoundError:  # also a gated repo without access
         raise UserError(f"model {repo!r} not found on the Hugging Face hub (or it is gated); check the name, "
@@ -95,6 +95,25 @@ def _download_model(repo: str, cache_dir: str | None, weights: bool = True) -> s
     except Exception as exc:  # noqa: BLE001 - the Hub client's HTTP library (httpx, requests) raises its own kinds
         raise UserError(f"could not download model {repo!r} ({type(exc).__name__}: {first_line(exc)}); check "
                         f"{_check(exc, 'the network and the name')}") from None
+
+
+def _unread_safetensors(repo: str, files: list[str], cache_dir: str | None) -> list[str]:
+    """The repo's root safetensors files from_pretrained never reads, as ignore patterns: all but
+    model.safetensors where that is there (transformers takes it first), else those its index does
+    not name (Mistral's consolidated.safetensors beside its shards: the model twice over)."""
+    import glob
+
+    root = [f for f in files if f.endswith(".safetensors") and "/" not in f]
+    if "model.safetensors" in root:
+        read = {"model.safetensors"}
+    elif "model.safetensors.index.json" in files:
+        from huggingface_hub import hf_hub_download
+
+        index = json_loads(Path(hf_hub_download(repo, "model.safetensors.index.json", cache_dir=cache_dir)).read_text())
+        read = set((index.get("weight_map") or {}).values()) if isinstance(index, dict) else set()
+    else:
+        return []
+    return [glob.escape(f) for f in root if read and f not in read]
 
 
 def _check(exc: BaseException, otherwise: str) -> str:
