@@ -141,13 +141,16 @@ class Ledger:
             saved = {}
         self.items: dict = saved.get(self.key, {}) if isinstance(saved, dict) else {}
         self.all = saved if isinstance(saved, dict) else {}
+        self.kept = self.key in self.all  # this run's own record of the repo, since it began publishing there
 
     def __contains__(self, item: str) -> bool:
         return item in self.items
 
-    def add(self, item: str, step: int, **seconds: float) -> None:
-        self.items[item] = {"step": step, "at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                            **{k: round(v, 3) for k, v in seconds.items()}}
+    def add(self, item: str | None = None, step: int | None = None, **seconds: float) -> None:
+        """Record `item` as uploaded; with none, the (empty) record a run keeps from its start."""
+        if item is not None:
+            self.items[item] = {"step": step, "at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                                **{k: round(v, 3) for k, v in seconds.items()}}
         self.all[self.key] = self.items
         self.path.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomic(self.path, json.dumps(self.all, indent=1) + "\n")
@@ -167,6 +170,8 @@ class HubPublisher:
         self.ready = False  # the repo (and branch) exist
         self.adapter_base = None  # the hub id an uploaded adapter_config.json names (adapter_base.py)
         self.resuming = resuming  # a fresh run replaces what an earlier one left in the repo
+        if not resuming:  # its record from the start: a resume trusts it, not another run's step-N in the repo
+            self.ledger.add()
         self.thread = threading.Thread(target=self._work, name="shardtune-hub", daemon=True)
         self.thread.start()
 
@@ -204,7 +209,7 @@ class HubPublisher:
     # ---- the background thread
 
     def _work(self) -> None:
-        if self.resuming:
+        if self.resuming and not self.ledger.kept:
             self._read_repo()
         while (job := self.jobs.get()) is not None:
             try:
@@ -216,8 +221,10 @@ class HubPublisher:
                 self.jobs.task_done()
 
     def _read_repo(self) -> None:
-        """On a resume, the checkpoints already in the repo count as published (a ledger lost
-        with a copied run folder)."""
+        """On a resume without the run's own record (a ledger lost with a copied run folder), the
+        checkpoints already in the repo count as published. Where the record is kept it alone
+        decides: a step-N an earlier run left in the repo was taken for this run's, which then
+        never uploaded its own."""
         try:
             from huggingface_hub import HfApi
 
