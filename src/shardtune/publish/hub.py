@@ -11,7 +11,7 @@ so a hung Hub would keep a finished run's process alive for good (tests/publish/
 runs the CLI against a hung server); a daemon thread lets the run exit after publish.wait_s. The
 waits between attempts are huggingface_hub's own HTTP backoff (its preupload and file uploads
 retry 408, 429, 5xx and network errors); `publish.retries` repeats a whole commit that still
-failed. What was uploaded is kept in OUT/publish/ledger.json (and the repo's
+failed. What was uploaded is kept in OUT/publish/ledger.json (where that is lost, the repo's
 file list is read at start), so a resumed run does not upload it again.
 """
 
