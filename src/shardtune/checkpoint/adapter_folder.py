@@ -51,7 +51,7 @@ def adapter_parts(adapter: Path) -> AdapterParts:
         raise UserError(f"adapter folder {str(adapter)!r} has no adapter_model.safetensors; {REEXPORT}")
     if weights.is_file():
         check_safetensors(weights)
-    from shardtune.checkpoint.loading import run_trusts
+    from shardtune.checkpoint.folders import run_trusts
     from shardtune.config.schema import ModelConfig
     from shardtune.model.hf import check_vocab, load_tokenizer
 

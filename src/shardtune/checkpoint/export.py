@@ -87,7 +87,8 @@ def export_final(final: Path, out: Path, max_shard_size: int | str = "2GB") -> N
                 config["base_model_name_or_path"] = str((whole_folder(out) / "base").resolve())
                 (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         return
-    from shardtune.checkpoint.loading import load_model, run_trusts
+    from shardtune.checkpoint.folders import run_trusts
+    from shardtune.checkpoint.loading import load_model
     from shardtune.config.schema import ModelConfig
     from shardtune.model.hf import load_generation_config, load_hf_config, load_tokenizer
     from shardtune.model.hf_sharded_io import read_safetensors_into

@@ -10,29 +10,9 @@ from pathlib import Path
 import torch
 
 from shardtune.checkpoint.dcp import dcp_load
-from shardtune.checkpoint.folders import final_step, read_meta, resolve_checkpoint, run_weights
+from shardtune.checkpoint.folders import final_step, read_meta, resolve_checkpoint, run_folder, run_trusts, run_weights
 from shardtune.errors import UserError
 from shardtune.names import hub_id
-
-
-def run_folder(spec: str) -> Path | None:
-    """The shardtune run folder that `spec` (a run folder, its final/, checkpoints/, one of its
-    checkpoints or their `latest` pointer) is part of, or None."""
-    path = Path(spec).expanduser()
-    for folder in (path, path.parent, path.parent.parent):
-        if (folder / "metrics.jsonl").is_file() and (folder / "config.yaml").is_file():
-            return folder
-    return None
-
-
-def run_trusts(folder) -> bool:
-    """Whether `folder` (a model folder: a run's final/) is of a run that trusted its model's code
-    (model.trust_remote_code): eval, generate and export read it as that run wrote it, where a
-    plain folder's code is never run unasked."""
-    from shardtune.config.load import load_saved_config
-
-    run = run_folder(str(folder))
-    return bool(run and load_saved_config(run / "config.yaml").model.trust_remote_code)
 
 
 def model_step(spec: str) -> int | None:
