@@ -218,6 +218,8 @@ def test_download_targets_skip_local_paths_and_repeat_nothing(assets, tmp_path):
     assert targets_from_recipe(str(recipe)) == [("tokenizer", "org/tok", None)]  # its repo's weights are not needed
     recipe.write_text("model:\n  name_or_path: org/m\n  tokenizer: org/m\ndata:\n  path: ./data/train.jsonl\n")
     assert targets_from_recipe(str(recipe)) == [("model", "org/m", None)]
+    recipe.write_text("model:\n  name_or_path: org/m\n  random_init: true\ndata:\n  path: ./data/train.jsonl\n")
+    assert targets_from_recipe(str(recipe)) == [("config", "org/m", None)]  # fresh weights: the repo's are never read
 
 
 @pytest.mark.parametrize("flag", ["HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"])  # huggingface_hub reads either

@@ -12,6 +12,7 @@ import pytest
 from hub_server import point_at, start_server
 
 from conftest import tiny_overrides
+from shardtune.checkpoint.folders import FINAL_RECORD
 
 
 @pytest.fixture
@@ -254,7 +255,8 @@ def test_an_adapter_names_the_hub_base_only_where_it_is_the_trained_one(config, 
 
 NAMES = ["model.safetensors", "model.safetensors.index.json", "model-00001-of-00002.safetensors",
          "model-00002-of-00002.safetensors", "model-00001-of-00003.safetensors", "adapter_config.json",
-         "adapter_model.safetensors", "tokenizer.json", "tokenizer.model", "config.json", "base/model.safetensors"]
+         "adapter_model.safetensors", "tokenizer.json", "tokenizer.model", "config.json", "base/model.safetensors",
+         FINAL_RECORD]  # final/'s step: a later export --push-to-hub left {"step": 2} beside step 5's weights
 
 
 def test_a_push_replaces_the_earlier_model_files_and_keeps_checkpoints_and_text(tmp_path, monkeypatch):
@@ -309,6 +311,46 @@ def test_a_push_replaces_the_earlier_model_files_and_keeps_checkpoints_and_text(
             warnings.simplefilter("error")
             commit_folder(HfApi(), "user/m0", folder, "", {"README.md": "the run's card"}, "final")
         assert (store / "user" / "m0" / "main" / "README.md").read_text() == "the run's card"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_resume_uploads_its_own_checkpoint_over_another_runs_of_that_step(tmp_path, monkeypatch):
+    """A run publishing to a repo an earlier run filled, stopped before its step-2 went up: the
+    resume listed the repo, took the earlier run's checkpoints/step-000002 for its own and never
+    uploaded it. The run's ledger, kept from its start, decides; the repo's listing only stands in
+    for a ledger lost with a copied run folder."""
+    import shardtune.checkpoint.export as export
+    from shardtune.config.schema import PublishConfig
+    from shardtune.publish.hub import HubPublisher
+
+    proc, store, endpoint = start_server(tmp_path)
+    point_at(monkeypatch, endpoint)
+    step2 = store / "user" / "two" / "main" / "checkpoints" / "step-000002"
+    out, folder = tmp_path / "run", tmp_path / "run" / "checkpoints" / "step-000002"
+    folder.mkdir(parents=True)
+    (folder / "meta.json").write_text("{}")
+
+    def write_export(path, into, replace=False):  # this run's checkpoint, exported
+        into.mkdir(parents=True, exist_ok=True)
+        (into / "config.json").write_text("this run")
+
+    monkeypatch.setattr(export, "write_export", write_export)
+    p = PublishConfig(hub_repo="user/two", retries=1, wait_s=30)
+    say = [].append
+    try:
+        for resuming, kept in ((False, True), (True, True), (True, False)):
+            step2.mkdir(parents=True, exist_ok=True)
+            (step2 / "config.json").write_text("an earlier run")
+            if not kept:  # a run folder copied without publish/
+                (out / "publish" / "ledger.json").unlink()
+            hub = HubPublisher(p, out, say, resuming)
+            if resuming:
+                hub.checkpoint(folder, 2)
+            hub.finish()
+            expected = "this run" if kept and resuming else "an earlier run"
+            assert (step2 / "config.json").read_text() == expected, (resuming, kept)
     finally:
         proc.kill()
         proc.wait()

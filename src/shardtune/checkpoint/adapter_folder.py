@@ -18,6 +18,7 @@ class AdapterParts(NamedTuple):
     base: str  # the base model to load it on
     base_config: Any  # the base's HF config
     tokenizer: Any  # the adapter folder's own tokenizer, else its base's (`tokenizer_source`)
+    trust: bool = False  # the base runs its own code: the final/ of a run with model.trust_remote_code
 
 
 def adapter_parts(adapter: Path) -> AdapterParts:
@@ -50,16 +51,18 @@ def adapter_parts(adapter: Path) -> AdapterParts:
         raise UserError(f"adapter folder {str(adapter)!r} has no adapter_model.safetensors; {REEXPORT}")
     if weights.is_file():
         check_safetensors(weights)
+    from shardtune.checkpoint.folders import run_trusts
     from shardtune.config.schema import ModelConfig
     from shardtune.model.hf import check_vocab, load_tokenizer
 
-    hf_config = base_config(base)
+    trust = run_trusts(adapter)
+    hf_config = base_config(base, trust)
     source = tokenizer_source(adapter, base)
-    tokenizer = load_tokenizer(ModelConfig(tokenizer=source))  # its own one-line refusals
+    tokenizer = load_tokenizer(ModelConfig(tokenizer=source, trust_remote_code=trust))  # its own one-line refusals
     check_vocab(hf_config, tokenizer, "a token past those has no embedding: use the base's own tokenizer, or "
                 "set base_model_name_or_path in adapter_config.json to a base resized to this tokenizer",
                 f"the tokenizer in {source!r}", f"the adapter's base model {base!r}")
-    return AdapterParts(config, base, hf_config, tokenizer)
+    return AdapterParts(config, base, hf_config, tokenizer, trust)
 
 
 def tokenizer_source(adapter: Path, base: str) -> str:
@@ -76,24 +79,30 @@ def base_missing(base: str) -> UserError:
     return UserError(f"base model {base!r} of the adapter not found; {hub_hint(base)}")
 
 
-def base_config(base: str):
-    """The HF config of the base an adapter goes on, or one line saying it is not there."""
+def base_config(base: str, trust: bool = False):
+    """The HF config of the base an adapter goes on, or one line saying it is not there (or that
+    it runs code of its own, which only a run that trusted it has said may run)."""
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(base)
+        return AutoConfig.from_pretrained(base, trust_remote_code=trust)
     except OSError:
         raise base_missing(base) from None
+    except ValueError as exc:  # transformers' "contains custom code which must be executed"
+        if "trust_remote_code" not in str(exc):
+            raise
+        raise UserError(f"the adapter's base model {base!r} runs code of its own (trust_remote_code); shardtune "
+                        "runs it only for the final/ of a run trained with model.trust_remote_code=true") from None
 
 
-def load_base(base: str, **kwargs):
+def load_base(parts: AdapterParts, **kwargs):
     """The base model an adapter goes on, or one line saying it is not there."""
     from transformers import AutoModelForCausalLM
 
     try:
-        return AutoModelForCausalLM.from_pretrained(base, **kwargs)
+        return AutoModelForCausalLM.from_pretrained(parts.base, trust_remote_code=parts.trust, **kwargs)
     except OSError:
-        raise base_missing(base) from None
+        raise base_missing(parts.base) from None
 
 
 def fit_adapter(model, adapter: Path, base: str):

@@ -87,6 +87,7 @@ def export_final(final: Path, out: Path, max_shard_size: int | str = "2GB") -> N
                 config["base_model_name_or_path"] = str((whole_folder(out) / "base").resolve())
                 (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         return
+    from shardtune.checkpoint.folders import run_trusts
     from shardtune.checkpoint.loading import load_model
     from shardtune.config.schema import ModelConfig
     from shardtune.model.hf import load_generation_config, load_hf_config, load_tokenizer
@@ -100,8 +101,8 @@ def export_final(final: Path, out: Path, max_shard_size: int | str = "2GB") -> N
             raise UserError(f"{str(final)!r} lacks weights {sorted(missing)[:3]} (damaged?); export a checkpoint "
                             "of the run instead (RUN/checkpoints/step-N)")
 
-    hf_config = load_hf_config(ModelConfig(name_or_path=str(final)))
-    tokenizer = load_tokenizer(ModelConfig(name_or_path=str(final)))
+    model_cfg = ModelConfig(name_or_path=str(final), trust_remote_code=run_trusts(final))
+    hf_config, tokenizer = load_hf_config(model_cfg), load_tokenizer(model_cfg)
     generation = load_generation_config(final, hf_config)
     with atomic_dir(out) as tmp:
         done = export_streamed(final, hf_config, tokenizer, tmp, max_shard_size, generation, read)
@@ -258,7 +259,7 @@ def merge_adapter_folder(adapter: Path, out: Path, max_shard_size: int | str = "
     base = parts.base
     if out.exists() and any(out.iterdir()):
         raise UserError(f"export folder {str(out)!r} is not empty; choose a new folder")
-    model = fold(fit_adapter(load_base(base, dtype="auto"), adapter, base))
+    model = fold(fit_adapter(load_base(parts, dtype="auto"), adapter, base))
     with atomic_dir(out) as tmp:
         model.save_pretrained(tmp, max_shard_size=max_shard_size, safe_serialization=True)
         parts.tokenizer.save_pretrained(tmp)  # the adapter's own, else its base's (adapter_folder.tokenizer_source)

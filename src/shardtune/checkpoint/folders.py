@@ -114,6 +114,26 @@ class RunWeights:
         return f"{run}: its newest checkpoint {self.path} ({step}; no final/ of that step)"
 
 
+def run_folder(spec: str) -> Path | None:
+    """The shardtune run folder that `spec` (a run folder, its final/, checkpoints/, one of its
+    checkpoints or their `latest` pointer) is part of, or None."""
+    path = Path(spec).expanduser()
+    for folder in (path, path.parent, path.parent.parent):
+        if (folder / "metrics.jsonl").is_file() and (folder / "config.yaml").is_file():
+            return folder
+    return None
+
+
+def run_trusts(folder) -> bool:
+    """Whether `folder` (a model folder: a run's final/) is of a run that trusted its model's code
+    (model.trust_remote_code): eval, generate and export read it as that run wrote it, where a
+    plain folder's code is never run unasked."""
+    from shardtune.config.load import load_saved_config
+
+    run = run_folder(str(folder))
+    return bool(run and load_saved_config(run / "config.yaml").model.trust_remote_code)
+
+
 def is_run_folder(path: Path) -> bool:
     return path.name not in ("final", "checkpoints") and ((path / "final").is_dir() or (path / "checkpoints").is_dir())
 

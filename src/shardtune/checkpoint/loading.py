@@ -10,19 +10,9 @@ from pathlib import Path
 import torch
 
 from shardtune.checkpoint.dcp import dcp_load
-from shardtune.checkpoint.folders import final_step, read_meta, resolve_checkpoint, run_weights
+from shardtune.checkpoint.folders import final_step, read_meta, resolve_checkpoint, run_folder, run_trusts, run_weights
 from shardtune.errors import UserError
 from shardtune.names import hub_id
-
-
-def run_folder(spec: str) -> Path | None:
-    """The shardtune run folder that `spec` (a run folder, its final/, checkpoints/, one of its
-    checkpoints or their `latest` pointer) is part of, or None."""
-    path = Path(spec).expanduser()
-    for folder in (path, path.parent, path.parent.parent):
-        if (folder / "metrics.jsonl").is_file() and (folder / "config.yaml").is_file():
-            return folder
-    return None
 
 
 def model_step(spec: str) -> int | None:
@@ -134,13 +124,13 @@ def _load(spec: str, device: str, weights: bool):
             return None, tokenizer, _folded_config(parts.base_config, parts.config), None
         # fp32, as a run reads the base and as a checkpoint or a model folder loads: a bf16 base (a hub
         # model's, as transformers loads it by default) rounded the folded update away in part
-        model = _folded(fit_adapter(load_base(parts.base, dtype=torch.float32), where, parts.base))
+        model = _folded(fit_adapter(load_base(parts, dtype=torch.float32), where, parts.base))
         return model.to(torch.device(device)).eval(), tokenizer, model.config, None
 
     from shardtune.config.schema import ModelConfig
     from shardtune.model.hf import check_vocab, load_hf_config, load_source_model, load_tokenizer
 
-    mc = ModelConfig(name_or_path=str(where))
+    mc = ModelConfig(name_or_path=str(where), trust_remote_code=run_trusts(where))
     tokenizer, hf_config = load_tokenizer(mc), load_hf_config(mc)
     check_vocab(hf_config, tokenizer, "a token past those has no embedding: use the model's own tokenizer, or "
                 "resize the model's embeddings and save it again", f"the tokenizer of model {spec!r}")

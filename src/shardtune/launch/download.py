@@ -14,12 +14,13 @@ import os
 from pathlib import Path
 
 from shardtune.errors import UserError, first_line
-from shardtune.fsio import make_dir, refuse_inside_run
+from shardtune.fsio import json_loads, make_dir, refuse_inside_run
 from shardtune.names import hub_id
 
-# Weights in formats shardtune never reads: skipped so a 7B download is not three 7B downloads.
-IGNORE = ["*.h5", "*.msgpack", "*.ot", "*.onnx", "*.onnx_data", "onnx/*", "coreml/*", "*.tflite", "*.mlmodel",
-          "*.gguf", "original/*"]
+# Weights in formats shardtune never reads: skipped so a 7B download is not three 7B downloads. And
+# every subfolder: `from_pretrained(ID)` reads the repo's root only, and a repo shardtune published keeps
+# each checkpoint in checkpoints/step-N/ (ten checkpoints were eleven models downloaded).
+IGNORE = ["*.h5", "*.msgpack", "*.ot", "*.onnx", "*.onnx_data", "*.tflite", "*.mlmodel", "*.gguf", "*/*"]
 PYTORCH_BINARIES = ["*.bin", "*.pt", "*.pth"]  # skipped where the repo's root has safetensors
 WEIGHTS = ["*.safetensors", *PYTORCH_BINARIES]  # all a tokenizer-only target skips
 
@@ -38,14 +39,15 @@ def _is_local(path: str) -> bool:
 def targets_from_recipe(recipe: str, overrides: list[str] | None = None) -> list[tuple[str, str, str | None]]:
     """(kind, repo id, dataset config name) for the model, tokenizer and dataset of a recipe, in
     that order, without duplicates; local folders and files are left out. A tokenizer from another
-    repo than the model is kind "tokenizer": its repo's weights are not downloaded."""
+    repo than the model is kind "tokenizer", and a model trained from fresh weights
+    (model.random_init) kind "config": neither repo's weights are downloaded (a 7B's 13 GB, never read)."""
     from shardtune.config.load import load_config
 
     cfg = load_config(recipe, overrides)
     found: list[tuple[str, str, str | None]] = []
     model = cfg.model.name_or_path if cfg.model.name_or_path and not _is_local(cfg.model.name_or_path) else None
     if model:
-        found.append(("model", model, None))
+        found.append(("config" if cfg.model.random_init else "model", model, None))
     if cfg.model.tokenizer and cfg.model.tokenizer != model and not _is_local(cfg.model.tokenizer):
         found.append(("tokenizer", cfg.model.tokenizer, None))
     if cfg.data.path and not _is_local(cfg.data.path):
@@ -68,7 +70,7 @@ def download(targets: list[tuple[str, str, str | None]], cache_dir: str | None =
         make_dir(root)  # a cache that cannot be written is told now, as itself, not as a network failure
     paths = []
     for kind, repo, config_name in targets:
-        if kind in ("model", "tokenizer"):
+        if kind in ("model", "tokenizer", "config"):
             paths.append(_download_model(repo, str(root / "hub") if root else None, weights=kind == "model"))
         elif kind == "dataset":
             paths.append(_download_dataset(repo, config_name, str(root / "datasets") if root else None))
@@ -85,7 +87,7 @@ def _download_model(repo: str, cache_dir: str | None, weights: bool = True) -> s
         files = HfApi().list_repo_files(repo)
         # only safetensors weights at the root replace the .bin ones (a safetensors file in a subfolder does not)
         ignore = IGNORE + (PYTORCH_BINARIES if any(f.endswith(".safetensors") and "/" not in f for f in files) else [])
-        ignore += [] if weights else WEIGHTS  # a tokenizer's repo: a 7B model's files are not its tokenizer
+        ignore += _unread_safetensors(repo, files, cache_dir) if weights else WEIGHTS  # a tokenizer's: no weights
         return snapshot_download(repo_id=repo, cache_dir=cache_dir, ignore_patterns=ignore)
     except RepositoryNotFoundError:  # also a gated repo without access
         raise UserError(f"model {repo!r} not found on the Hugging Face hub (or it is gated); check the name, "
@@ -93,6 +95,25 @@ def _download_model(repo: str, cache_dir: str | None, weights: bool = True) -> s
     except Exception as exc:  # noqa: BLE001 - the Hub client's HTTP library (httpx, requests) raises its own kinds
         raise UserError(f"could not download model {repo!r} ({type(exc).__name__}: {first_line(exc)}); check "
                         f"{_check(exc, 'the network and the name')}") from None
+
+
+def _unread_safetensors(repo: str, files: list[str], cache_dir: str | None) -> list[str]:
+    """The repo's root safetensors files from_pretrained never reads, as ignore patterns: all but
+    model.safetensors where that is there (transformers takes it first), else those its index does
+    not name (Mistral's consolidated.safetensors beside its shards: the model twice over)."""
+    import glob
+
+    root = [f for f in files if f.endswith(".safetensors") and "/" not in f]
+    if "model.safetensors" in root:
+        read = {"model.safetensors"}
+    elif "model.safetensors.index.json" in files:
+        from huggingface_hub import hf_hub_download
+
+        index = json_loads(Path(hf_hub_download(repo, "model.safetensors.index.json", cache_dir=cache_dir)).read_text())
+        read = set((index.get("weight_map") or {}).values()) if isinstance(index, dict) else set()
+    else:
+        return []
+    return [glob.escape(f) for f in root if read and f not in read]
 
 
 def _check(exc: BaseException, otherwise: str) -> str:

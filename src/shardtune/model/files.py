@@ -145,3 +145,24 @@ def check_safetensors(path: Path) -> None:
     except Exception as exc:  # SafetensorError, or OSError for an unreadable file
         raise UserError(f"weights file {str(path)!r} is truncated or damaged ({first_line(exc, 100)}); "
                         "re-download or re-export the model") from None
+
+
+def save_model_code(hf_config, folder: Path) -> None:
+    """A trust_remote_code model's own modules (its modeling file and what that imports) beside the
+    config.json written into `folder`, as `save_pretrained` copies them: `config.save_pretrained`
+    copies the config's module only, and a checkpoint or a sharded final/ whose config.json names
+    a modeling file it lacks could be neither exported, evaluated nor loaded. A config of
+    transformers' own class has no code of its own: nothing is copied."""
+    from transformers.dynamic_module_utils import custom_object_save, get_class_from_dynamic_module
+    from transformers.utils import TRANSFORMERS_DYNAMIC_MODULE_NAME
+
+    ref = (getattr(hf_config, "auto_map", None) or {}).get("AutoModelForCausalLM")
+    if not ref or not type(hf_config).__module__.startswith(TRANSFORMERS_DYNAMIC_MODULE_NAME + "."):
+        return
+    from transformers import AutoModelForCausalLM
+
+    try:  # registered when this process built the model from its config
+        model_class = AutoModelForCausalLM._model_mapping[type(hf_config)]
+    except KeyError:
+        model_class = get_class_from_dynamic_module(ref, hf_config.name_or_path)
+    custom_object_save(model_class, folder)

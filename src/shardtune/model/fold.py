@@ -29,22 +29,23 @@ def _untie(config) -> None:
 
 def fold(peft_model):
     """A mergeable adapter (LoRA, DoRA, IA3) folded into its base: a plain model. An adapter on
-    input embeddings tied to the LM head changed the lookup only, never the head: the head gets
-    its own copy of the base weight first (untied), else merging would move the head too and the
-    folded model would not be the one trained."""
+    either of a tied pair (input embeddings, LM head: a peft-made adapter may adapt the head)
+    changed that one only: the head gets its own copy of the base weight first (untied), else
+    merging one would move the other too and the folded model would not be the one trained."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     base = peft_model.get_base_model()
     pair = _tied_pair(base)
-    if pair is not None and isinstance(pair[0], BaseTunerLayer):
-        pair[1].weight = nn.Parameter(pair[1].weight.detach().clone(), requires_grad=False)
+    if pair is not None and any(isinstance(m, BaseTunerLayer) for m in pair):
+        head = getattr(pair[1], "base_layer", pair[1])  # an adapted head's weight is its base layer's
+        head.weight = nn.Parameter(head.weight.detach().clone(), requires_grad=False)
         _untie(base.config)
     return peft_model.merge_and_unload()
 
 
 def folded_config(hf_config, targets, trust_remote_code: bool = False):
     """The config of the model `fold` gives for an adapter on `targets` (a list of names or peft's
-    regular expression) over a base of `hf_config`: untied where they adapt tied input embeddings.
+    regular expression) over a base of `hf_config`: untied where they adapt either of a tied pair.
     Read from a skeleton on the meta device, so every rank builds what rank 0 folds."""
     from transformers import AutoModelForCausalLM
 
@@ -53,9 +54,8 @@ def folded_config(hf_config, targets, trust_remote_code: bool = False):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)
     pair = _tied_pair(model)
-    name = next((n for n, m in model.named_modules() if pair and m is pair[0]), None)
-    hit = name is not None and (re.fullmatch(targets, name) if isinstance(targets, str) else matches(name, targets))
-    if not hit:
+    names = [n for n, m in model.named_modules() if pair and any(m is half for half in pair)]
+    if not any(re.fullmatch(targets, n) if isinstance(targets, str) else matches(n, targets) for n in names):
         return hf_config
     config = copy.deepcopy(hf_config)
     _untie(config)

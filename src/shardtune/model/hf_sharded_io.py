@@ -299,9 +299,12 @@ def _write_configs(shell, hf_config, tokenizer, out: Path, generation=None) -> N
     """config.json, generation_config.json and the tokenizer, as save_pretrained writes them."""
     from transformers import GenerationConfig
 
+    from shardtune.model.files import save_model_code
+
     shell.config.dtype = str(shell.dtype).split(".")[1]
     shell.config.architectures = [type(shell).__name__]
     shell.config.save_pretrained(out)
+    save_model_code(shell.config, out)
     if generation is not None or shell.generation_config is None:
         shell.generation_config = generation or GenerationConfig.from_model_config(hf_config)
     if shell.can_generate():

@@ -20,15 +20,20 @@ def model_card(cfg: dict, step: int, evals: dict | None, config_name: str = "sha
     base = (adapter_hub_base(model_cfg, peft_cfg) if peft_cfg.adapter else hub_base(model_cfg))[0]
     dataset = hub_id(data.get("path"))
     method = peft.get("method", "none")
+    # fresh weights, as model.hf.load_source_model builds them: no name_or_path, or random_init with one
+    scratch = model_cfg.random_init or not model_cfg.name_or_path
     header = ["---", f"library_name: {'peft' if method != 'none' else 'transformers'}", "tags:", "- shardtune",
-              "- trained-from-scratch" if model.get("random_init") else "- fine-tuned"]
+              "- trained-from-scratch" if scratch else "- fine-tuned"]
     if base:
         header.append(f"base_model: {json.dumps(base)}")
     if dataset:
         header += ["datasets:", f"- {json.dumps(dataset)}"]
     header.append("---")
     kind = (model.get("config") or {}).get("model_type", "")
-    source = base or model.get("name_or_path") or f"a randomly initialised {kind} model"
+    source = base or model_cfg.name_or_path
+    if scratch:  # never "trained from gpt2" for fresh weights of gpt2's config
+        source = " ".join(filter(None, ["a randomly initialised", kind, "model"])) + (
+            f" of {model_cfg.name_or_path}'s config" if model_cfg.name_or_path else "")
     named = {"lora": "LoRA", "dora": "DoRA", "ia3": "IA3", "adaption_prompt": "LLaMA-Adapter"}.get(method, method)
     what = f"{named} adapter" if method != "none" else "model"
     what = ("An " if what[0] in "AEIOU" else "A ") + what

@@ -11,7 +11,7 @@ so a hung Hub would keep a finished run's process alive for good (tests/publish/
 runs the CLI against a hung server); a daemon thread lets the run exit after publish.wait_s. The
 waits between attempts are huggingface_hub's own HTTP backoff (its preupload and file uploads
 retry 408, 429, 5xx and network errors); `publish.retries` repeats a whole commit that still
-failed. What was uploaded is kept in OUT/publish/ledger.json (and the repo's
+failed. What was uploaded is kept in OUT/publish/ledger.json (where that is lost, the repo's
 file list is read at start), so a resumed run does not upload it again.
 """
 
@@ -68,11 +68,12 @@ def _fatal(exc: BaseException) -> bool:
 
 
 # What an upload replaces at its place: the files a model or adapter folder is made of (weights and
-# their index, configs, tokenizer files), and an adapter's base/ copy. Anything else stays: what a
-# person put in the repo (a README, a license, images, results), checkpoints/ (uploaded on their own).
+# their index, configs, tokenizer files, final/'s record of its step), and an adapter's base/ copy.
+# Anything else stays: what a person put in the repo (a README, a license, images, results),
+# checkpoints/ (uploaded on their own).
 MODEL_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.index.json", "*config.json", "tokenizer*",
                "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt", "*.model", "*.tiktoken",
-               "chat_template.*", "shardtune_config.yaml")
+               "chat_template.*", "shardtune_config.yaml", "shardtune.json")  # checkpoint.folders.FINAL_RECORD
 
 
 def replaced(name: str) -> bool:
@@ -140,13 +141,16 @@ class Ledger:
             saved = {}
         self.items: dict = saved.get(self.key, {}) if isinstance(saved, dict) else {}
         self.all = saved if isinstance(saved, dict) else {}
+        self.kept = self.key in self.all  # this run's own record of the repo, since it began publishing there
 
     def __contains__(self, item: str) -> bool:
         return item in self.items
 
-    def add(self, item: str, step: int, **seconds: float) -> None:
-        self.items[item] = {"step": step, "at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                            **{k: round(v, 3) for k, v in seconds.items()}}
+    def add(self, item: str | None = None, step: int | None = None, **seconds: float) -> None:
+        """Record `item` as uploaded; with none, the (empty) record a run keeps from its start."""
+        if item is not None:
+            self.items[item] = {"step": step, "at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                                **{k: round(v, 3) for k, v in seconds.items()}}
         self.all[self.key] = self.items
         self.path.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomic(self.path, json.dumps(self.all, indent=1) + "\n")
@@ -166,6 +170,8 @@ class HubPublisher:
         self.ready = False  # the repo (and branch) exist
         self.adapter_base = None  # the hub id an uploaded adapter_config.json names (adapter_base.py)
         self.resuming = resuming  # a fresh run replaces what an earlier one left in the repo
+        if not resuming:  # its record from the start: a resume trusts it, not another run's step-N in the repo
+            self.ledger.add()
         self.thread = threading.Thread(target=self._work, name="shardtune-hub", daemon=True)
         self.thread.start()
 
@@ -203,7 +209,7 @@ class HubPublisher:
     # ---- the background thread
 
     def _work(self) -> None:
-        if self.resuming:
+        if self.resuming and not self.ledger.kept:
             self._read_repo()
         while (job := self.jobs.get()) is not None:
             try:
@@ -215,8 +221,10 @@ class HubPublisher:
                 self.jobs.task_done()
 
     def _read_repo(self) -> None:
-        """On a resume, the checkpoints already in the repo count as published (a ledger lost
-        with a copied run folder)."""
+        """On a resume without the run's own record (a ledger lost with a copied run folder), the
+        checkpoints already in the repo count as published. Where the record is kept it alone
+        decides: a step-N an earlier run left in the repo was taken for this run's, which then
+        never uploaded its own."""
         try:
             from huggingface_hub import HfApi
 

@@ -176,7 +176,10 @@ class Trainer:
         """The HF config and tokenizer beside the shards: export/eval/generate need nothing else. An
         hf_format checkpoint is a model folder other tools load as it is: its tokenizer goes beside
         the weights as well (AutoTokenizer.from_pretrained(checkpoints/step-N) found none)."""
+        from shardtune.model.files import save_model_code
+
         self.hf_config.save_pretrained(folder)
+        save_model_code(self.hf_config, folder)  # trust_remote_code: config.json names its modeling file
         self.generation_config.save_pretrained(folder)
         self.tokenizer.save_pretrained(folder / "tokenizer")
         if self.cfg.checkpoint.hf_format:
