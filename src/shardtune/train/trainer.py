@@ -321,7 +321,8 @@ class Trainer:
         cfg, step = self.cfg, queued.step
         numbers = read_numbers(queued.numbers)
         self.state.tokens_seen += numbers.input_tokens
-        meter.add(numbers.input_tokens, numbers.attention_pairs, queued.data_seconds, queued.began, queued.done)
+        meter.add(numbers.input_tokens, numbers.attention_pairs, queued.data_seconds, queued.began, queued.done,
+                  numbers.virtual_tokens)
         epoch = step / self.plan.steps_per_epoch
         loss, grad_norm = numbers.loss, numbers.grad_norm
         nonfinite_step = not math.isfinite(loss) or (self.scaler is None and not math.isfinite(grad_norm))
