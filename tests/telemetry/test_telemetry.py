@@ -81,6 +81,20 @@ def test_peak_flops_unknown_on_cpu_unless_overridden():
     assert memory_stats(cpu)["mem_rss_peak_gib"] > 0
 
 
+@pytest.mark.parametrize("platform, unit", [("linux", 1024), ("darwin", 1)])
+def test_host_peak_memory_is_ru_maxrss_in_its_platforms_unit(monkeypatch, platform, unit):
+    """ru_maxrss is KiB on Linux and bytes on macOS: a Mac's CPU run recorded 1024x its peak (and
+    the max-batch sweep's budget went below 0)."""
+    import resource
+    import types
+
+    import torch
+
+    monkeypatch.setattr(sys, "platform", platform)
+    monkeypatch.setattr(resource, "getrusage", lambda who: types.SimpleNamespace(ru_maxrss=3 * 2**30 // unit))
+    assert memory_stats(torch.device("cpu"))["mem_rss_peak_gib"] == 3
+
+
 def test_a_resume_hides_the_steps_tensorboard_got_after_the_checkpoint(tmp_path):
     """An attempt logged steps 1-4 and left a checkpoint at step 2; its resume logs 3 and 4 again:
     TensorBoard shows each step once, the resumed values."""

@@ -142,9 +142,15 @@ def memory_stats(device) -> dict:
                  "mem_reserved_gib": torch.cuda.max_memory_reserved(device) / GIB}
         torch.cuda.reset_peak_memory_stats(device)
         return stats
+    return {"mem_rss_peak_gib": peak_rss_bytes() / GIB}
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory. getrusage's ru_maxrss is in KiB on Linux, in bytes on
+    macOS (a Mac's CPU run recorded 1024x its peak)."""
     import resource
 
-    return {"mem_rss_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB}
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 
 class LiveMemory:
