@@ -51,20 +51,28 @@ def test_counted_attention_follows_what_the_formula_does_not_know(model_type, ex
     assert attention_flops(cfg, 48) == 2 * per_layer * 48  # 2 layers, seq_len 48
 
 
-@pytest.mark.parametrize("model_type", ["mixtral", "deepseek_v3"])
-def test_matmul_params_are_the_weights_a_token_meets(model_type):
+@pytest.mark.parametrize("model_type, extra", [
+    ("mixtral", None), ("deepseek_v3", None),
+    # their top-k under other names: no expert was counted (MFU and plan left out most of the matmuls)
+    ("gemma4_text", {"head_dim": 16, "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
+                     "moe_intermediate_size": 32}),
+    ("aria_text", {"moe_num_experts": 4, "moe_topk": 2, "moe_num_shared_experts": 1}),
+])
+def test_matmul_params_are_the_weights_a_token_meets(model_type, extra):
     """2 x matmul_params x tokens is the forward's matmul FLOPs as torch counts them (attention's
     bmm aside): all dense weights, and of a mixture of experts only the top-k experts per token
     (a shared expert, DeepSeek-V3's dense first layer and Qwen2-MoE's shared expert included)."""
     import torch
-    from archs import hf_config
+    from archs import COMMON, hf_config
     from torch.utils.flop_counter import FlopCounterMode
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from shardtune.telemetry.flops import matmul_params
 
     # eager experts: one matmul per expert over the tokens routed to it (the grouped kernel is not counted)
-    config = hf_config(model_type, experts_implementation="eager", attn_implementation="eager")
+    eager = {"experts_implementation": "eager", "attn_implementation": "eager"}
+    config = hf_config(model_type, **eager) if extra is None else \
+        AutoConfig.for_model(model_type, **COMMON, **extra, **eager)
     model = AutoModelForCausalLM.from_config(config).eval()
     with FlopCounterMode(display=False) as counter, torch.no_grad():
         model(input_ids=torch.randint(2, 300, (1, 40)), use_cache=False)

@@ -15,6 +15,9 @@ from shardtune import hf_patches
 from shardtune.families import config_value, hidden_size, layer_count
 
 WEIGHT_MATMULS = {"aten.mm", "aten.addmm", "aten._grouped_mm"}  # what `matmul_params` counts
+# the experts a token is routed to, as transformers' configs of mixtures of experts name them (Gemma 4:
+# top_k_experts, Aria and HunYuan: moe_topk, Ernie 4.5: moe_k); where none is set, experts were not counted
+TOP_K = ("num_experts_per_tok", "top_k_experts", "moe_topk", "moe_k", "num_experts_per_token")
 
 
 def attention_flops(hf_config, seq_len: int) -> float:
@@ -117,7 +120,7 @@ def _matmul_weights(model):
     first one (frozen blocks under freeze.trainable_blocks, all but the head with freeze.head_only)
     it stops. A peft model's frozen input embedding passes a gradient on (adapters._inputs_carry_grad):
     every weight's."""
-    top_k = config_value(model.config, "num_experts_per_tok")
+    top_k = config_value(model.config, *TOP_K)
     below_trained = hasattr(model, "peft_config")
     for module in model.modules():
         # the module's own parameter: an adapter's wrapper (peft's lora.Linear) answers `weight` with
@@ -135,7 +138,7 @@ def matmul_params(model) -> tuple[int, int]:
     """(all, trainable) elements of the weights one token is multiplied by: 2-D weights outside
     embedding lookups (an LM head counts even when tied to the input embedding: it multiplies),
     and of a mixture of experts' fused 3-D expert weights (experts x ...) only the share of the
-    experts each token is routed to (`num_experts_per_tok` of them): FLOPs follow the active
+    experts each token is routed to (`TOP_K` of them): FLOPs follow the active
     experts, memory (not counted here) all of them. Each weight counts once, where it is a parameter."""
     weights = list(_matmul_weights(model))
     return sum(n for n, _, _ in weights), sum(n for n, w, _ in weights if w.requires_grad)
