@@ -55,15 +55,17 @@ def test_counted_attention_follows_what_the_formula_does_not_know(model_type, ex
     ("mixtral", None), ("deepseek_v3", None),
     # their top-k under other names: no expert was counted (MFU and plan left out most of the matmuls)
     ("gemma4_text", {"head_dim": 16, "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
-                     "moe_intermediate_size": 32}),
+                     "moe_intermediate_size": 32, "vocab_size_per_layer_input": 300}),
     ("aria_text", {"moe_num_experts": 4, "moe_topk": 2, "moe_num_shared_experts": 1}),
+    # weights no token meets: Gemma 3's vision tower (MFU 1.9x the tiny model's), BART's cross-attention
+    ("gemma3", "tiny"), ("bart", "tiny"),
 ])
 def test_matmul_params_are_the_weights_a_token_meets(model_type, extra):
     """2 x matmul_params x tokens is the forward's matmul FLOPs as torch counts them (attention's
     bmm aside): all dense weights, and of a mixture of experts only the top-k experts per token
     (a shared expert, DeepSeek-V3's dense first layer and Qwen2-MoE's shared expert included)."""
     import torch
-    from archs import COMMON, hf_config
+    from archs import COMMON, hf_config, tiny_config
     from torch.utils.flop_counter import FlopCounterMode
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -71,7 +73,7 @@ def test_matmul_params_are_the_weights_a_token_meets(model_type, extra):
 
     # eager experts: one matmul per expert over the tokens routed to it (the grouped kernel is not counted)
     eager = {"experts_implementation": "eager", "attn_implementation": "eager"}
-    config = hf_config(model_type, **eager) if extra is None else \
+    config = hf_config(model_type, **eager) if extra is None else tiny_config(model_type) if extra == "tiny" else \
         AutoConfig.for_model(model_type, **COMMON, **extra, **eager)
     model = AutoModelForCausalLM.from_config(config).eval()
     with FlopCounterMode(display=False) as counter, torch.no_grad():

@@ -100,9 +100,9 @@ class Trainer:
         self.watch = Watch(model, self.built.block_cls, cfg.log.watch, cfg.log.watch_every, dist.device,
                            histograms=bool(HISTOGRAM_TRACKERS & set(cfg.log.trackers)))
         total, trainable = count_params(model)
-        matmul, matmul_trainable = flops.matmul_params(model)
+        matmul, matmul_trainable = flops.matmul_params(model, cfg.data.seq_len)
         self.flops = flops.flops_rates(matmul, hf_config, cfg.data.seq_len, matmul_trainable,
-                                           flops.backward_reach(model, self.built.block_cls))
+                                           flops.backward_reach(model, self.built.block_cls, cfg.data.seq_len))
         self.say(f"model: {type(model).__name__.removeprefix('FSDP')} {total:,} params "
                  f"({trainable:,} trainable, {100 * trainable / max(total, 1):.3g}%) | "
                  f"{dist.world_size} rank(s) on {dist.device.type} | {cfg.fsdp.sharding} | {cfg.precision} | "
