@@ -21,6 +21,8 @@ NAMES = {
     "NVIDIA GeForce RTX 3090 Ti": None, "NVIDIA RTX A6000": "A6000", "NVIDIA RTX 6000 Ada Generation": None,
     "Tesla V100-SXM2-32GB": "V100-32GB", "Tesla V100-SXM2-16GB": "V100-16GB", "Tesla V100-PCIE-32GB": None,
     "Tesla V100S-PCIE-32GB": None, "Tesla T4": "T4", "NVIDIA T400 4GB": None, "NVIDIA T1000": None,
+    # a MIG slice has a share of the card's units: the whole card's peak put its MFU 2-7x low
+    "NVIDIA A100-SXM4-40GB MIG 3g.20gb": None, "NVIDIA H100 80GB HBM3 MIG 1g.10gb": None,
 }
 
 

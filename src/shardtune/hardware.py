@@ -119,7 +119,8 @@ def gpu_by_name(name: str) -> GPU:
 # What may follow a card's name in a device name and leave it that card: memory sizes and kinds, the SXM
 # board ("NVIDIA H100 80GB HBM3", "Tesla V100-SXM2-16GB"). Anything else is another card, with other
 # peaks: "NVIDIA L40" is no L4, "NVIDIA H100 PCIe" (756 bf16 TFLOP/s) and "NVL" no SXM H100 (989),
-# "RTX 3090 Ti" no 3090, "T400" no T4; those get no entry (MFU needs log.peak_tflops there).
+# "RTX 3090 Ti" no 3090, "T400" no T4, a MIG slice no whole card; those get no entry (MFU needs
+# log.peak_tflops there).
 SAME_CARD = r"(?:[ -](?:\d+GB|HBM\d*e?|SXM\d*))*"
 
 
