@@ -18,7 +18,7 @@ GIB = 1024 ** 3
 @dataclass(frozen=True)
 class GPU:
     name: str  # what `shardtune plan --gpu NAME` accepts (case-insensitive)
-    match: str  # fragment of torch.cuda.get_device_name() that identifies the card
+    match: str  # the card in torch.cuda.get_device_name(): a regular expression (`gpu_by_device_name`)
     memory_mib: int  # total memory as nvidia-smi reports it
     tflops: tuple[float, float, float, float]  # dense peak TFLOP/s: (bf16, fp16, fp32, fp8); 0 = no such unit
     link_gbs: float  # effective per-GPU collective bandwidth inside a node, GB/s (NVLink, else PCIe)
@@ -49,8 +49,8 @@ class GPU:
 # 16 -> 12). `plan --bandwidth` overrides it. Host copies (`pcie_gbs`): about 80 % of the slot's
 # per-direction figure that CUDA's bandwidthTest reaches with pinned memory (PCIe 5 x16 64 GB/s
 # -> 50, PCIe 4 x16 32 -> 25, PCIe 3 x16 16 -> 12); SXM boards use the host's PCIe link too.
-# `hbm_gbs`: the datasheets' memory bandwidth. Order matters for `match`: the first fragment
-# found in a device name wins ("A10G" before "A10", "A100" before "A10").
+# `hbm_gbs`: the datasheets' memory bandwidth. Order matters for `match`: the first card found
+# in a device name wins ("A100-SXM4-80GB" before "A100").
 # Host RAM (`host_gib`, per GPU): the memory of a multi-GPU instance type that carries the card,
 # over its GPUs, as the provider lists it (where several sizes exist, the one with the least per
 # GPU: a bound that holds on the others). `plan` bounds every answer by it per node (CPU offload's
@@ -60,13 +60,13 @@ GPUS = [
         256, "AWS p5e.48xlarge: 8 x H200, 2,048 GiB"),
     GPU("H100", "H100", 81559, (989.4, 989.4, 66.9, 1978.9), 360.0, 50.0, 3350.0,
         256, "AWS p5.48xlarge: 8 x H100, 2,048 GiB"),
-    GPU("H800", "H800", 81559, (989.4, 989.4, 66.9, 1978.9), 160.0, 50.0, 3350.0,  # SXM; PCIe: log.peak_tflops
+    GPU("H800", "H800", 81559, (989.4, 989.4, 66.9, 1978.9), 160.0, 50.0, 3350.0,
         256, "NVIDIA DGX H800: 8 x H800, 2 TiB"),
     GPU("A100-80GB", "A100-SXM4-80GB", 81920, (312.0, 312.0, 19.5, 0.0), 230.0, 25.0, 2039.0,
         144, "AWS p4de.24xlarge: 8 x A100 80GB, 1,152 GiB"),
     GPU("A100-80GB-PCIe", "A100 80GB PCIe", 81920, (312.0, 312.0, 19.5, 0.0), 24.0, 25.0, 1935.0,
         220, "Azure NC96ads_A100_v4: 4 x A100 80GB PCIe, 880 GiB"),
-    GPU("A100-40GB", "A100", 40960, (312.0, 312.0, 19.5, 0.0), 230.0, 25.0, 1555.0,
+    GPU("A100-40GB", "A100(-PCIE)?", 40960, (312.0, 312.0, 19.5, 0.0), 230.0, 25.0, 1555.0,
         144, "AWS p4d.24xlarge: 8 x A100 40GB, 1,152 GiB"),
     GPU("L40S", "L40S", 46068, (362.1, 362.1, 91.6, 733.0), 24.0, 25.0, 864.0,
         96, "AWS g6e.12xlarge: 4 x L40S, 384 GiB"),
@@ -116,10 +116,19 @@ def gpu_by_name(name: str) -> GPU:
                     "(or give --gpu-mem SIZE and --peak-tflops)")
 
 
+# What may follow a card's name in a device name and leave it that card: memory sizes and kinds, the SXM
+# board ("NVIDIA H100 80GB HBM3", "Tesla V100-SXM2-16GB"). Anything else is another card, with other
+# peaks: "NVIDIA L40" is no L4, "NVIDIA H100 PCIe" (756 bf16 TFLOP/s) and "NVL" no SXM H100 (989),
+# "RTX 3090 Ti" no 3090, "T400" no T4, a MIG slice no whole card; those get no entry (MFU needs
+# log.peak_tflops there).
+SAME_CARD = r"(?:[ -](?:\d+GB|HBM\d*e?|SXM\d*))*"
+
+
 def gpu_by_device_name(device_name: str) -> GPU | None:
-    """The table entry for torch.cuda.get_device_name(), or None."""
+    """The table entry for torch.cuda.get_device_name(): the first whose `match` ends the name
+    (but for the words of SAME_CARD), or None."""
     for gpu in GPUS:
-        if gpu.match in device_name:
+        if re.search(rf"{gpu.match}{SAME_CARD}$", device_name.strip(), re.IGNORECASE):
             return gpu
     return None
 

@@ -82,3 +82,35 @@ def test_a_frozen_models_flops_are_the_matmuls_its_step_runs(freeze):
     total, trainable = matmul_params(model)
     per_token, per_pair = flops_rates(total, config, tokens, trainable, backward_reach(model, GPT2Block))
     assert per_token * tokens + per_pair * tokens**2 == counted
+
+
+@pytest.mark.parametrize("method", ["prompt_tuning", "prefix_tuning"])
+def test_virtual_tokens_count_the_flops_the_model_computes_for_them(method):
+    """Prompt tuning's 16 virtual tokens are inputs of every row: 32 data tokens computed as 48 (MFU
+    counted 0.63 of the step's matmuls); prefix tuning's are keys of every layer's attention (0.94 of
+    the step's). What MFU counts of a step (step.work into the meter) against torch's count of Llama's."""
+    from archs import hf_config
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import AutoModelForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from shardtune.config.schema import PeftConfig
+    from shardtune.model.adapters import add_adapter
+    from shardtune.telemetry.flops import backward_reach, flops_rates, matmul_params
+    from shardtune.telemetry.metrics import StepClock, StepMeter
+    from shardtune.train.step import work
+
+    config = hf_config("llama", attn_implementation="eager")
+    model = add_adapter(AutoModelForCausalLM.from_config(config), PeftConfig(method=method, num_virtual_tokens=16))
+    ids = torch.randint(2, 300, (2, 32))
+    batch = {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}
+    with FlopCounterMode(display=False) as counter:
+        model(**batch).loss.backward()
+    counted = sum(n for op, n in counter.get_flop_counts()["Global"].items()
+                  if str(op) in {"aten.mm", "aten.addmm", "aten.bmm"})
+    total, trainable = matmul_params(model)
+    meter = StepMeter(1, flops_rates(total, config, 32, trainable, backward_reach(model, LlamaDecoderLayer)), 1.0,
+                      StepClock(torch.device("cpu")))
+    tokens, pairs, virtual = work(model, [batch])
+    meter.add(tokens.item(), pairs.item(), 0.0, 0.0, 1.0, virtual)
+    assert meter.report()["mfu"] == counted

@@ -51,20 +51,30 @@ def test_counted_attention_follows_what_the_formula_does_not_know(model_type, ex
     assert attention_flops(cfg, 48) == 2 * per_layer * 48  # 2 layers, seq_len 48
 
 
-@pytest.mark.parametrize("model_type", ["mixtral", "deepseek_v3"])
-def test_matmul_params_are_the_weights_a_token_meets(model_type):
+@pytest.mark.parametrize("model_type, extra", [
+    ("mixtral", None), ("deepseek_v3", None),
+    # their top-k under other names: no expert was counted (MFU and plan left out most of the matmuls)
+    ("gemma4_text", {"head_dim": 16, "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
+                     "moe_intermediate_size": 32, "vocab_size_per_layer_input": 300}),
+    ("aria_text", {"moe_num_experts": 4, "moe_topk": 2, "moe_num_shared_experts": 1}),
+    # weights no token meets: Gemma 3's vision tower (MFU 1.9x the tiny model's), BART's cross-attention
+    ("gemma3", "tiny"), ("bart", "tiny"),
+])
+def test_matmul_params_are_the_weights_a_token_meets(model_type, extra):
     """2 x matmul_params x tokens is the forward's matmul FLOPs as torch counts them (attention's
     bmm aside): all dense weights, and of a mixture of experts only the top-k experts per token
     (a shared expert, DeepSeek-V3's dense first layer and Qwen2-MoE's shared expert included)."""
     import torch
-    from archs import hf_config
+    from archs import COMMON, hf_config, tiny_config
     from torch.utils.flop_counter import FlopCounterMode
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from shardtune.telemetry.flops import matmul_params
 
     # eager experts: one matmul per expert over the tokens routed to it (the grouped kernel is not counted)
-    config = hf_config(model_type, experts_implementation="eager", attn_implementation="eager")
+    eager = {"experts_implementation": "eager", "attn_implementation": "eager"}
+    config = hf_config(model_type, **eager) if extra is None else tiny_config(model_type) if extra == "tiny" else \
+        AutoConfig.for_model(model_type, **COMMON, **extra, **eager)
     model = AutoModelForCausalLM.from_config(config).eval()
     with FlopCounterMode(display=False) as counter, torch.no_grad():
         model(input_ids=torch.randint(2, 300, (1, 40)), use_cache=False)
@@ -79,6 +89,20 @@ def test_peak_flops_unknown_on_cpu_unless_overridden():
     assert device_peak_flops(cpu, "bf16") is None
     assert device_peak_flops(cpu, "fp32", override_tflops=2.0) == 2e12
     assert memory_stats(cpu)["mem_rss_peak_gib"] > 0
+
+
+@pytest.mark.parametrize("platform, unit", [("linux", 1024), ("darwin", 1)])
+def test_host_peak_memory_is_ru_maxrss_in_its_platforms_unit(monkeypatch, platform, unit):
+    """ru_maxrss is KiB on Linux and bytes on macOS: a Mac's CPU run recorded 1024x its peak (and
+    the max-batch sweep's budget went below 0)."""
+    import resource
+    import types
+
+    import torch
+
+    monkeypatch.setattr(sys, "platform", platform)
+    monkeypatch.setattr(resource, "getrusage", lambda who: types.SimpleNamespace(ru_maxrss=3 * 2**30 // unit))
+    assert memory_stats(torch.device("cpu"))["mem_rss_peak_gib"] == 3
 
 
 def test_a_resume_hides_the_steps_tensorboard_got_after_the_checkpoint(tmp_path):

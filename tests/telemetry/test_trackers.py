@@ -37,3 +37,17 @@ def test_mlflow_logs_where_the_users_tracking_uri_says(tmp_path, monkeypatch):
     assert os.environ["MLFLOW_TRACKING_URI"] == store.as_uri()
     assert [p for p in store.glob("*/*") if (p / "metrics").is_dir()]
     assert not (tmp_path / "run" / "mlruns").exists()
+
+
+def test_mlflow_keeps_the_config_values_it_can_hold(tmp_path, monkeypatch):
+    """Every parameter was cut at 500 characters, where MLflow holds 6,000: a chat template of 1,200
+    was recorded cut. What MLflow cannot hold is cut at its limit, not a refused run."""
+    pytest.importorskip("mlflow")
+    from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}" * 24
+    config = {"data": {"chat_template": template, "path": "x" * (MAX_PARAM_VAL_LENGTH + 10)}}
+    Trackers(["mlflow"], tmp_path, config, "shardtune-test", "run").close()
+    params = {p.name: p.read_text() for p in (tmp_path / "mlruns").rglob("params/*")}
+    assert params == {"data.chat_template": template, "data.path": "x" * MAX_PARAM_VAL_LENGTH}

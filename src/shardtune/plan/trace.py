@@ -177,7 +177,7 @@ def trace_step(cfg: RunConfig, hf_config, world_size: int, local_world_size: int
         spec.device_type = target  # the target's sharding policy (fsdp.reshard_after_forward)
         built = build_model(spec, build_mesh(cfg.fsdp, dist), dist.device)
         model = built.model
-        params = parameter_counts(model)
+        params = parameter_counts(model, cfg.data.seq_len)
         params.update(state_bytes(model))  # state_fp32, state_bf16, ...: this rank's moments per precision
         params.update(float8.matmul_shapes(model))  # float8_matmul, float8_widths: what float8 changes in time
         blocks = [f"{type(model).__name__}.{name}" for name, m in model.named_modules()
@@ -277,11 +277,11 @@ class _ShapeOnlyData:
         return rows
 
 
-def parameter_counts(model) -> dict[str, int]:
+def parameter_counts(model, seq_len: int | None = None) -> dict[str, int]:
     """What the speed model reads of a model: its parameters ("total", "trainable") and the weights
     a token is multiplied by ("matmul", "matmul_trainable": telemetry.flops.matmul_params)."""
     from shardtune.model.hf import count_params
     from shardtune.telemetry.flops import matmul_params
 
     return dict(zip(("total", "trainable", "matmul", "matmul_trainable"),
-                    (*count_params(model), *matmul_params(model)), strict=True))
+                    (*count_params(model), *matmul_params(model, seq_len)), strict=True))

@@ -113,11 +113,11 @@ def tensor_budget(limit: int | None, device: str, records: list[dict]) -> int | 
     this process holds, having loaded the same libraries to predict."""
     if limit is None or device != "cpu":
         return limit
-    import resource
+    from shardtune.telemetry.metrics import peak_rss_bytes
 
     measured = [(r["mem_rss_gib"] - r["mem_live_gib"]) * GIB for r in records
                 if r["status"] == "ok" and r.get("mem_rss_gib") and r.get("mem_live_gib")]
-    return limit - int(max(measured) if measured else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    return limit - int(max(measured) if measured else peak_rss_bytes())
 
 
 def auto_layout(sweep, point: dict, limit: int | None, records: list[dict]) -> tuple[int | None, str | None]:

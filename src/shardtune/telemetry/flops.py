@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -15,6 +16,9 @@ from shardtune import hf_patches
 from shardtune.families import config_value, hidden_size, layer_count
 
 WEIGHT_MATMULS = {"aten.mm", "aten.addmm", "aten._grouped_mm"}  # what `matmul_params` counts
+# the experts a token is routed to, as transformers' configs of mixtures of experts name them (Gemma 4:
+# top_k_experts, Aria and HunYuan: moe_topk, Ernie 4.5: moe_k); where none is set, experts were not counted
+TOP_K = ("num_experts_per_tok", "top_k_experts", "moe_topk", "moe_k", "num_experts_per_token")
 
 
 def attention_flops(hf_config, seq_len: int) -> float:
@@ -38,16 +42,53 @@ def attention_flops(hf_config, seq_len: int) -> float:
                 with torch.device("meta"):  # bf16: the grouped expert matmul takes nothing else
                     model = AutoModelForCausalLM.from_config(copy.deepcopy(hf_config), dtype=torch.bfloat16)
                 ids = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
-                with FlopCounterMode(display=False) as counter, _MetaScalars(), torch.no_grad():
-                    model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+                ran: set = set()
+                hook = nn.modules.module.register_module_forward_pre_hook(lambda m, args: ran.add(id(m)))
+                try:
+                    with FlopCounterMode(display=False) as counter, _MetaScalars(), torch.no_grad():
+                        model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+                finally:
+                    hook.remove()
             counts = counter.get_flop_counts()["Global"]
             _COUNTED[key] = sum(n for op, n in counts.items() if str(op) not in WEIGHT_MATMULS) / seq_len
+            _IDLE[key[0]] = {name: id(m) not in ran for name, m in model.named_modules()}
         except Exception:  # noqa: BLE001
             _COUNTED[key] = 4.0 * (layer_count(hf_config) or 0) * (hidden_size(hf_config) or 0) * seq_len
     return _COUNTED[key]
 
 
 _COUNTED: dict[tuple[str, int], float] = {}
+# per config: each module of the model as transformers builds it, and whether a forward of tokens leaves it
+# idle (a multimodal model's vision and audio towers, a decoder's cross-attention without an encoder)
+_IDLE: dict[str, dict[str, bool]] = {}
+IDLE_PROBE_TOKENS = 16  # a forward this long shows which modules tokens meet (unless told the run's length)
+
+
+def idle_modules(model, seq_len: int | None = None) -> Callable[[str], bool]:
+    """Whether a module of `model` (by name) never runs in a forward of tokens: the module of
+    transformers' own model it is, or the nearest one it lies in (peft's wrappers and adapters lie in
+    the layer they adapt), is idle in `attention_flops`' forward (of `seq_len` tokens: the one the
+    run's MFU counts anyway). None idle where that did not run."""
+    config = getattr(model, "config", None)
+    if config is None or not (getattr(config, "sub_configs", None) or getattr(config, "is_decoder", False)
+                              or getattr(config, "add_cross_attention", False)):
+        return lambda name: False  # a plain decoder (no towers, no encoder's side): every module runs
+    key = json.dumps(config.to_dict(), sort_keys=True, default=str)
+    if key not in _IDLE:
+        attention_flops(config, seq_len or IDLE_PROBE_TOKENS)
+    idle = _IDLE.get(key, {})
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft's wrapped model
+    prefix = next((f"{name}." for name, m in model.named_modules() if m is base and name), "")
+
+    def is_idle(name: str) -> bool:
+        parts = name.removeprefix(prefix).split(".") if name.startswith(prefix) else [""]
+        for end in range(len(parts), -1, -1):
+            found = idle.get(".".join(parts[:end]))
+            if found is not None:
+                return found
+        return False
+
+    return is_idle
 
 
 class _MetaScalars(TorchDispatchMode):
@@ -110,16 +151,19 @@ def values(param) -> int:
     return param.numel() * 2 * (storage.itemsize if storage is not None else param.element_size())
 
 
-def _matmul_weights(model):
+def _matmul_weights(model, seq_len: int | None = None):
     """(elements a token is multiplied by, the weight, whether backward computes that matmul's input
     gradient) of each weight `matmul_params` counts, in model order (embeddings first, head last).
     Backward computes an input gradient only on the way to a parameter that trains: below the
     first one (frozen blocks under freeze.trainable_blocks, all but the head with freeze.head_only)
     it stops. A peft model's frozen input embedding passes a gradient on (adapters._inputs_carry_grad):
     every weight's."""
-    top_k = config_value(model.config, "num_experts_per_tok")
+    top_k = config_value(model.config, *TOP_K)
     below_trained = hasattr(model, "peft_config")
-    for module in model.modules():
+    idle = idle_modules(model, seq_len)
+    for name, module in model.named_modules():
+        if idle(name):  # no token meets it: a vision tower in a text run
+            continue
         # the module's own parameter: an adapter's wrapper (peft's lora.Linear) answers `weight` with
         # its base layer's, which is counted where it lives
         weight = module._parameters.get("weight")
@@ -131,22 +175,22 @@ def _matmul_weights(model):
         below_trained = below_trained or any(p.requires_grad for p in module.parameters(recurse=False))
 
 
-def matmul_params(model) -> tuple[int, int]:
+def matmul_params(model, seq_len: int | None = None) -> tuple[int, int]:
     """(all, trainable) elements of the weights one token is multiplied by: 2-D weights outside
     embedding lookups (an LM head counts even when tied to the input embedding: it multiplies),
     and of a mixture of experts' fused 3-D expert weights (experts x ...) only the share of the
-    experts each token is routed to (`num_experts_per_tok` of them): FLOPs follow the active
+    experts each token is routed to (`TOP_K` of them): FLOPs follow the active
     experts, memory (not counted here) all of them. Each weight counts once, where it is a parameter."""
-    weights = list(_matmul_weights(model))
+    weights = list(_matmul_weights(model, seq_len))
     return sum(n for n, _, _ in weights), sum(n for n, w, _ in weights if w.requires_grad)
 
 
-def backward_reach(model, block_cls: type | None) -> tuple[int, float]:
+def backward_reach(model, block_cls: type | None, seq_len: int | None = None) -> tuple[int, float]:
     """How far backward goes: (the elements of `matmul_params`' weights whose input gradient it
     computes, 2 FLOPs per token each; the share of the `block_cls` blocks whose attention it passes
     through, 2 x attention's forward FLOPs each). All of them, 1.0, in a model whose first parameters
     train; with freeze.trainable_blocks=k, the top k blocks'; with freeze.head_only, none."""
-    through = sum(n for n, _, reached in _matmul_weights(model) if reached)
+    through = sum(n for n, _, reached in _matmul_weights(model, seq_len) if reached)
     modules = list(model.modules())
     first = 0 if hasattr(model, "peft_config") else next(
         (i for i, m in enumerate(modules) if any(p.requires_grad for p in m.parameters(recurse=False))), len(modules))

@@ -64,15 +64,18 @@ class StepMeter:
         self._reset()
 
     def _reset(self) -> None:
-        self._steps = self._tokens = self._pairs = 0
+        self._steps = self._tokens = self._pairs = self._virtual = 0
         self._data_s = self._step_s = 0.0
 
-    def add(self, global_tokens: float, attention_pairs: float, data_seconds: float, began, done) -> None:
+    def add(self, global_tokens: float, attention_pairs: float, data_seconds: float, began, done,
+            virtual_tokens: float = 0) -> None:
         """A step that was read: its tokens and their (query, key) pairs (step.attention_pairs), the
-        loop's wait for its batches, its StepClock marks."""
+        loop's wait for its batches, its StepClock marks; prompt tuning's virtual input tokens, which
+        the model computes as it does the data's (MFU), but are none of the data (tokens/s)."""
         self._steps += 1
         self._tokens += global_tokens
         self._pairs += attention_pairs
+        self._virtual += virtual_tokens
         self._data_s += data_seconds
         self._step_s += self.clock.seconds(began, done)
 
@@ -83,7 +86,7 @@ class StepMeter:
                "step_time_s": elapsed / max(self._steps, 1), "data_wait_share": min(1.0, self._data_s / elapsed)}
         if self.peak_flops:
             per_token, per_pair = self.flops
-            useful = self._tokens * per_token + self._pairs * per_pair
+            useful = (self._tokens + self._virtual) * per_token + self._pairs * per_pair
             out["mfu"] = useful / elapsed / (self.peak_flops * self.world_size)
         self._reset()
         return out
@@ -139,9 +142,15 @@ def memory_stats(device) -> dict:
                  "mem_reserved_gib": torch.cuda.max_memory_reserved(device) / GIB}
         torch.cuda.reset_peak_memory_stats(device)
         return stats
+    return {"mem_rss_peak_gib": peak_rss_bytes() / GIB}
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory. getrusage's ru_maxrss is in KiB on Linux, in bytes on
+    macOS (a Mac's CPU run recorded 1024x its peak)."""
     import resource
 
-    return {"mem_rss_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB}
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 
 class LiveMemory:

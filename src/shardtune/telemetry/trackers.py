@@ -151,6 +151,18 @@ def mlflow_names(scalars: dict) -> dict:
     return {key.replace("/", "."): value for key, value in scalars.items()}
 
 
+def mlflow_params(hparams: dict) -> dict:
+    """The config as MLflow's parameters, each cut at MLflow's own limits (it refuses the whole batch
+    past them): a fixed 500 characters cut chat templates, instruct templates and file lists that
+    MLflow keeps whole (6,000 since 2.x)."""
+    try:
+        from mlflow.utils.validation import MAX_ENTITY_KEY_LENGTH as keys
+        from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH as values
+    except ImportError:  # a client without them: the oldest limits
+        keys, values = 250, 500
+    return {k[:keys]: str(v)[:values] for k, v in hparams.items()}
+
+
 class Sink(NamedTuple):
     log: Callable[[dict, int], object]  # (scalars, step)
     close: Callable[[], object]
@@ -290,7 +302,7 @@ class Trackers:
                 mlflow.start_run(run_id=earlier)
             else:
                 mlflow.start_run(run_name=run_name)
-                mlflow.log_params({k[:250]: str(v)[:500] for k, v in hparams.items()})
+                mlflow.log_params(mlflow_params(hparams))
             self._started("mlflow", mlflow.active_run().info.run_id)
             self.sinks.append(Sink(lambda scalars, step, m=mlflow: m.log_metrics(mlflow_names(scalars), step=step),
                                    mlflow.end_run))

@@ -15,7 +15,7 @@ from shardtune.data.formats import IGNORE_INDEX
 from shardtune.distributed.collectives import all_sum, all_sum_on_device, stack_on_device
 from shardtune.distributed.process_group import Dist
 from shardtune.model import loss as loss_lib
-from shardtune.model.prompt_learning import output_offset
+from shardtune.model.prompt_learning import output_offset, virtual_tokens
 from shardtune.telemetry.metrics import perplexity
 
 
@@ -73,6 +73,7 @@ class StepResult:
     loss_tokens: torch.Tensor | float  # noqa: F821  tokens with a loss in the whole global batch
     input_tokens: torch.Tensor | int  # noqa: F821  tokens this rank fed the model (padding excluded)
     attention_pairs: torch.Tensor | int  # noqa: F821  (query, key) pairs of those tokens' attention (attention_pairs)
+    virtual_tokens: int  # prompt tuning's learned inputs before this rank's rows: computed, no data's
     grad_norm: torch.Tensor  # noqa: F821
     watch: torch.Tensor | None = None  # noqa: F821  watch.Watch's per-block norms (device tensor), on a watch step
     grad_norms: GradNorms | None = None  # per parameter, for naming a non-finite one
@@ -86,6 +87,7 @@ class StepNumbers:
     loss: float  # mean token loss of the global batch
     input_tokens: float  # tokens all ranks fed the model
     attention_pairs: float  # their (query, key) pairs, all ranks'
+    virtual_tokens: float  # prompt tuning's virtual inputs, all ranks'
     stop: bool  # a rank was asked to stop (signals.Preemption)
     grad_norm: float
     loss_scale: float  # 0 without a grad scaler
@@ -95,30 +97,43 @@ def queue_numbers(out: StepResult, stop_requested: int, device) -> torch.Tensor:
     """A step's numbers in one device tensor, for `read_numbers` to take later: one small
     all-reduce (loss, input tokens, stop requests) is queued, and nothing waits for it. The loss scale
     is copied now: the scaler's own tensor changes with the next step, before the host reads this one."""
-    summed = all_sum_on_device(out.loss_sum, out.input_tokens, out.attention_pairs, stop_requested, device=device)
+    summed = all_sum_on_device(out.loss_sum, out.input_tokens, out.attention_pairs, out.virtual_tokens,
+                               stop_requested, device=device)
     scale = out.loss_scale if out.loss_scale is not None else 0
     return torch.cat([summed, stack_on_device(out.loss_tokens, out.grad_norm, scale, device=device)])
 
 
 def read_numbers(numbers: torch.Tensor) -> StepNumbers:
     """The host's copy of `queue_numbers`' tensor: waits for that step's work to finish."""
-    loss_sum, tokens, pairs, stop, loss_tokens, grad_norm, loss_scale = numbers.tolist()
-    return StepNumbers(loss_sum / max(loss_tokens, 1.0), tokens, pairs, stop > 0, grad_norm, loss_scale)
+    loss_sum, tokens, pairs, virtual, stop, loss_tokens, grad_norm, loss_scale = numbers.tolist()
+    return StepNumbers(loss_sum / max(loss_tokens, 1.0), tokens, pairs, virtual, stop > 0, grad_norm, loss_scale)
 
 
-def attention_pairs(batch: dict):
+def attention_pairs(batch: dict, virtual: int = 0, inputs: bool = False):
     """The (query, key) pairs attention computes for a collated batch (a 0-d device tensor): l² for
     every document of l tokens, what it computes alone. A row's documents are where its positions
     restart (position_ids), else the row is one, up to its padding (attention_mask); the positions
-    0..l-1 of a document sum to l² as 1 + 3 + ... + (2l - 1)."""
+    0..l-1 of a document sum to l² as 1 + 3 + ... + (2l - 1). A prompt-learning model's `virtual`
+    tokens before each row (one document: no document mask there) are keys for all its queries:
+    prefix tuning's, l x (v + l); prompt tuning's (`inputs`) are queries too, (v + l)²."""
     ids = batch["input_ids"]
     positions = batch.get("position_ids")
     if positions is None:
         positions = torch.arange(ids.size(1), device=ids.device).expand_as(ids)
-    odd = 2 * positions + 1
+    odd = 2 * positions + 1 + virtual * (2 if inputs else 1)
     if "attention_mask" in batch:
         odd = odd * batch["attention_mask"]
-    return odd.sum()
+    return odd.sum() + (ids.size(0) * virtual ** 2 if inputs else 0)
+
+
+def work(model, batches: list[dict]) -> tuple:
+    """What `model` computes for these micro-batches, as MFU counts it (StepMeter): (the data's
+    tokens, padding excluded; their attention's (query, key) pairs; prompt tuning's virtual tokens
+    before every row, inputs as the data's are, but no data: tokens/s leaves them out)."""
+    tokens = sum(b["attention_mask"].sum() if "attention_mask" in b else b["input_ids"].numel() for b in batches)
+    virtual, as_inputs = virtual_tokens(model), output_offset(model) > 0
+    pairs = sum(attention_pairs(b, virtual, as_inputs) for b in batches)
+    return tokens, pairs, virtual * sum(b["input_ids"].size(0) for b in batches) if as_inputs else 0
 
 
 def clip_gradients(model, max_grad_norm: float):
@@ -185,9 +200,7 @@ def train_step(model, optimizer, scaler, batches: list[dict], cfg: RunConfig, di
     gradients after every micro-batch (BuiltModel's policy); `watch`: a watch.Watch on the steps
     whose per-block gradient/parameter norms are wanted."""
 
-    input_tokens = sum(b["attention_mask"].sum() if "attention_mask" in b else b["input_ids"].numel()
-                       for b in batches)
-    pairs = sum(attention_pairs(b) for b in batches)
+    input_tokens, pairs, virtual = work(model, batches)
     if count_tokens:
         # counted and summed over ranks on the device: no host synchronisation before the forward
         global_tokens = sum((b["labels"][:, 1:] != IGNORE_INDEX).sum() for b in batches).double()
@@ -224,4 +237,4 @@ def train_step(model, optimizer, scaler, batches: list[dict], cfg: RunConfig, di
     optimizer.zero_grad(set_to_none=True)
     if watch is not None:
         watch = watch.finish(grads, watch.params_now() if "param" in watch.kinds else None)
-    return StepResult(loss_sum, global_tokens, input_tokens, pairs, grad_norm, watch, grad_norms, loss_scale)
+    return StepResult(loss_sum, global_tokens, input_tokens, pairs, virtual, grad_norm, watch, grad_norms, loss_scale)

@@ -103,9 +103,9 @@ class Trainer:
         self.watch = Watch(model, self.built.block_cls, cfg.log.watch, cfg.log.watch_every, dist.device,
                            histograms=bool(HISTOGRAM_TRACKERS & set(cfg.log.trackers)))
         total, trainable = count_params(model)
-        matmul, matmul_trainable = flops.matmul_params(model)
+        matmul, matmul_trainable = flops.matmul_params(model, cfg.data.seq_len)
         self.flops = flops.flops_rates(matmul, hf_config, cfg.data.seq_len, matmul_trainable,
-                                           flops.backward_reach(model, self.built.block_cls))
+                                           flops.backward_reach(model, self.built.block_cls, cfg.data.seq_len))
         self.say(f"model: {type(model).__name__.removeprefix('FSDP')} {total:,} params "
                  f"({trainable:,} trainable, {100 * trainable / max(total, 1):.3g}%) | "
                  f"{dist.world_size} rank(s) on {dist.device.type} | {cfg.fsdp.sharding} | {cfg.precision} | "
@@ -324,38 +324,42 @@ class Trainer:
         is due (else {}), and whether any rank was asked to stop. A record is due every log.every_steps,
         at the last step, and where a run can resume from (a save `save_now` of this step, a stop): a
         resume starts a speed window there, so the one before ends there (`report` weighs a window by
-        its steps), and a stop loses no step's numbers."""
+        its steps), and a stop loses no step's numbers; and at a skipped update (non-finite, fp16 overflow)."""
         cfg, step = self.cfg, queued.step
         numbers = read_numbers(queued.numbers)
         self.state.tokens_seen += numbers.input_tokens
-        meter.add(numbers.input_tokens, numbers.attention_pairs, queued.data_seconds, queued.began, queued.done)
+        meter.add(numbers.input_tokens, numbers.attention_pairs, queued.data_seconds, queued.began, queued.done,
+                  numbers.virtual_tokens)
         epoch = step / self.plan.steps_per_epoch
         loss, grad_norm = numbers.loss, numbers.grad_norm
-        if not math.isfinite(loss) or (self.scaler is None and not math.isfinite(grad_norm)):
+        nonfinite_step = not math.isfinite(loss) or (self.scaler is None and not math.isfinite(grad_norm))
+        extra = {}  # the step's own: where a non-finite step came from, or the watched norms
+        if nonfinite_step:  # on_nan=skip (stop raises)
             from shardtune.train import nonfinite
 
-            origin = nonfinite.met(self, step, loss, grad_norm, queued.grad_norms)
-            return {"step": step, "epoch": epoch, "loss": None, "skipped": True, **origin}, numbers.stop
-        watched = {}
-        if queued.watch is not None:
-            watched = self.watch.record(queued.watch)
+            extra = {"loss": None, "skipped": True, **({} if math.isfinite(grad_norm) else {"grad_norm": None}),
+                       **nonfinite.met(self, step, loss, grad_norm, queued.grad_norms)}
+        elif queued.watch is not None:
+            extra = self.watch.record(queued.watch)
             if self.dist.is_main and (histograms := self.watch.histograms_of(queued.watch)):
-                watched[HISTOGRAMS] = histograms
+                extra[HISTOGRAMS] = histograms
         resumable = numbers.stop or (save_now and step == self.state.step)
         # fp16: the grad scaler skipped this update (inf gradient at its scale) and lowers the scale;
-        # recorded as skipped, as a non-finite step of on_nan=skip is, not as a step with grad_norm inf
+        # recorded as skipped, as a non-finite step of on_nan=skip is, not as a step with grad_norm inf.
+        # Either is a whole record, its speed window ended: one at a step a run resumes from was lost
         overflow = self.scaler is not None and not math.isfinite(grad_norm)
-        if step % cfg.log.every_steps and step != self.total_steps and not resumable and not overflow:
-            return ({"step": step, "epoch": epoch, **watched} if watched else {}), numbers.stop
+        if step % cfg.log.every_steps and step != self.total_steps and not (resumable or overflow or nonfinite_step):
+            return ({"step": step, "epoch": epoch, **extra} if extra else {}), numbers.stop
         # each rank's own peaks: the record holds the fullest device's (the one that runs out first)
         memory = all_max({**telemetry.memory_stats(self.dist.device), **live.read()}, self.dist.device)
         record = {"step": step, "epoch": epoch, "loss": loss, "lr": queued.lr, "grad_norm": grad_norm,
-                  "tokens_seen": self.state.tokens_seen, **meter.report(), **memory, **gpu.read(), **watched}
+                  "tokens_seen": self.state.tokens_seen, **meter.report(), **memory, **gpu.read(), **extra}
         if self.scaler:  # this step's, queued with it: the scaler's own is a later step's by now
             record["loss_scale"] = numbers.loss_scale
         if overflow:
             record["skipped"] = True
-        progress.update(0, loss=loss, tok_s=record["tokens_per_s"])
+        if not nonfinite_step:
+            progress.update(0, loss=loss, tok_s=record["tokens_per_s"])
         return record, numbers.stop
 
     def export(self, folder: Path | None = None) -> Path:
