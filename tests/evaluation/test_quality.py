@@ -116,6 +116,41 @@ def test_rouge_reads_words_of_any_script(text, ascii_text):
     assert textscores.RougeWords.tokenize(ascii_text) == tokenize.tokenize(ascii_text, None)
 
 
+WORD = st.text(st.characters(categories=("L", "M", "N")), min_size=1, max_size=6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(WORD, min_size=1, max_size=6), st.sampled_from([" ", ", ", "\n", " - "]))
+def test_rouge_words_keep_their_marks(words, sep):
+    """A word of letters, combining marks and digits is one ROUGE word in any script: `\\w` has no
+    marks, and Hindi's vowel signs and viramas cut नमस्ते into नमस, त (ROUGE-1 of नमस्ते against
+    नमस्ते दुनिया read 0.57, not 2/3)."""
+    text = sep.join(words)
+    assert textscores.RougeWords.tokenize(text) == [w.lower() for w in words]
+    assert textscores.rouge(["नमस्ते"], ["नमस्ते दुनिया"])["rouge1"] == pytest.approx(2 / 3)
+
+
+ACCENTED = st.text(st.sampled_from("aeinouécèñçåøüǖ ,.-") | st.characters(exclude_categories=("Cs",)), max_size=20)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(ACCENTED, ACCENTED, st.sampled_from(["NFC", "NFD"]), st.sampled_from(["NFC", "NFD"])),
+                min_size=1, max_size=3))
+def test_canonically_equal_texts_score_as_equal(pairs):
+    """A generation decoded by a normalizing tokenizer (Qwen2's NFC) against a reference of the
+    same text in another Unicode form (e + U+0301) scores as the same text: every metric read
+    "café crème naïve" against itself decomposed as ROUGE 0 and chrF 23."""
+    from unicodedata import normalize
+
+    metrics = ["rouge", "bleu", "chrf", "diversity"]
+    got = textscores.score([normalize(f, g) for g, _, f, _ in pairs], [normalize(f, r) for _, r, _, f in pairs],
+                           metrics)
+    assert got == pytest.approx(textscores.score([normalize("NFC", g) for g, *_ in pairs],
+                                                 [normalize("NFC", r) for _, r, *_ in pairs], metrics))
+    same = textscores.score(["café crème naïve"], [normalize("NFD", "café crème naïve")], metrics)
+    assert same["rouge1"] == same["chrf"] / 100 == pytest.approx(1.0)
+
+
 def test_metric_names_are_checked():
     assert textscores.parse_metrics("bleu, rouge,bleu") == ["bleu", "rouge"]
     with pytest.raises(UserError, match="unknown metric 'bleurt'"):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 import random
-import re
+import unicodedata
 
 from shardtune.errors import UserError
 
@@ -47,13 +47,17 @@ def ngrams(tokens: list[str], n: int) -> list[tuple]:
 
 
 class RougeWords:
-    """ROUGE's words: runs of letters and digits of any script, lowercased. rouge-score's own
-    tokenizer keeps only a-z and 0-9, so Cyrillic, Greek or CJK text scored 0 against itself
-    (and café was caf); on ASCII text the two give the same words."""
+    """ROUGE's words: runs of letters, combining marks and digits of any script, lowercased.
+    rouge-score's own tokenizer keeps only a-z and 0-9, so Cyrillic, Greek or CJK text scored 0
+    against itself (and café was caf); a word's marks are part of it (Hindi's vowel signs and
+    viramas, Thai's vowels, a decomposed é: `\\w` has none, and cut नमस्ते into नमस, त). On
+    ASCII text the words are rouge-score's. `regex` (for \\p{M}) comes with transformers."""
 
     @staticmethod
     def tokenize(text: str) -> list[str]:
-        return re.findall(r"[^\W_]+", text.lower())
+        import regex
+
+        return regex.findall(r"[\p{L}\p{M}\p{N}]+", text.lower())
 
 
 def rouge(generations: list[str], references: list[str]) -> dict:
@@ -156,7 +160,12 @@ def mauve_score(generations: list[str], references: list[str], featurizer, seed:
 
 def score(generations: list[str], references: list[str] | None, metrics: list[str], seed: int = 0,
           featurizer=None) -> dict:
-    """Every asked metric that applies (reference metrics need references)."""
+    """Every asked metric that applies (reference metrics need references). Texts are compared in
+    one Unicode form (NFC): a tokenizer that normalizes (Qwen2's NFC) decodes é as one code point
+    where a reference may hold e + U+0301, the same text, which every metric read as different."""
+    generations = [unicodedata.normalize("NFC", t) for t in generations]
+    if references is not None:
+        references = [unicodedata.normalize("NFC", t) for t in references]
     out = {}
     if references is not None:
         if "rouge" in metrics:
