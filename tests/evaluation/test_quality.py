@@ -203,6 +203,36 @@ def test_text_prompts_are_deterministic_compare_and_report(assets, models, tmp_p
     assert "## Generation quality: a" in text and (tmp_path / "report" / "generation-a.png").stat().st_size > 1000
 
 
+def test_a_base_of_another_tokenizer_reads_the_prompt_as_its_training_did(assets, models, tmp_path, capsys):
+    """--compare with a base whose vocabulary is another (a Llama-style one that starts text with
+    <s>) gets the prompt's text in its own tokens after its own BOS, as its training read text and
+    as plain transformers' tokenizer(prompt) gives it: it was given no BOS, and generated otherwise."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from conftest import llama_tokenizer
+    from shardtune.evaluation.evaluate import continuation
+
+    tok = llama_tokenizer()
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(AutoConfig.for_model(**{**TINY["llama"], "vocab_size": len(tok)})).eval()
+    base.save_pretrained(tmp_path / "llama")
+    tok.save_pretrained(tmp_path / "llama")
+    out = tmp_path / "gen.json"
+    code, _, _ = quality([str(models[0]), "--generate", "2", "--data", str(Path(assets["train"]).parent), "--split",
+                          "train", "--prompt-tokens", "8", "--max-new-tokens", "5", "--metrics", "rouge",
+                          "--compare", str(tmp_path / "llama"),
+                          "--out", str(out)], capsys)
+    assert code == 0
+    for example in json.loads(out.read_text())["examples"]:
+        ids = tok(example["prompt"]).input_ids
+        assert ids[0] == tok.bos_token_id
+        with torch.no_grad():
+            new = base.generate(torch.tensor([ids]), max_new_tokens=5, do_sample=False, eos_token_id=tok.eos_token_id,
+                                pad_token_id=tok.eos_token_id)[0, len(ids):].tolist()
+        new = new[:new.index(tok.eos_token_id)] if tok.eos_token_id in new else new
+        assert example["base"] == continuation(tok, ids, new)
+
+
 def test_instruct_prompts_are_the_training_prompts(models, alpaca, tmp_path, capsys):
     from shardtune.data.formats import PROMPT_NO_INPUT, PROMPT_WITH_INPUT
 

@@ -137,12 +137,13 @@ def examples(req: QualityRequest, cfg, docs, tokenizer) -> list[Example]:
 def generate_for(spec: str, req: QualityRequest, device: str, prompts: list[Example],
                  ref_tokenizer, cfg) -> tuple[list[str], float]:
     """(one generation per prompt, seconds) of the model `spec`; a model with another tokenizer
-    than the evaluated one gets the prompt text in its own tokens."""
-    from shardtune.data import chat
+    than the evaluated one gets the prompt text in its own tokens, after its own BOS (a Llama-style
+    base read every text of its training after <s>: without it, it generated other text)."""
+    from shardtune.data import chat, formats
 
     model, tokenizer, _, _ = load_model(spec, device)
     same = tokenizer.get_vocab() == ref_tokenizer.get_vocab()
-    inputs = [e.prompt_ids if same else e.prompt for e in prompts]
+    inputs = [e.prompt_ids if same else formats.text_ids(tokenizer, e.prompt) for e in prompts]
     start = time.perf_counter()
     texts = generate(model, tokenizer, inputs, req.max_new_tokens, req.temperature, req.top_p, req.seed,
                      req.micro_batch_size, chat.trained_ends(cfg, tokenizer))
