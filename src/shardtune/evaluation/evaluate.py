@@ -269,14 +269,11 @@ def read_prompts(req: GenerateRequest) -> list[str]:
 # A temperature below this decodes greedily: sampling at it picks the likeliest token anyway, and
 # the logits divided by it can overflow float32 to inf (1e-300 does), which sampling cannot take.
 GREEDY_BELOW = 1e-5
-# Only the options choose the next token: transformers adds whatever decoding settings the model's
-# generation_config.json holds (a hub model's repetition penalty, beams, top-k, min-p) and, when it
-# samples, a top-k of 50 of its own, so --top-p 1 was no full-distribution sampling. These turn each off;
-# the last ones keep one plain sequence per prompt (the file's num_return_sequences or
-# return_dict_in_generate: a traceback).
-PLAIN_DECODING = dict(num_beams=1, repetition_penalty=1.0, no_repeat_ngram_size=0, min_length=0, min_new_tokens=None,
-                      bad_words_ids=None, sequence_bias=None, guidance_scale=None, num_return_sequences=1,
-                      return_dict_in_generate=False, output_scores=False, output_logits=False)
+# Only the options choose the next token: transformers fills every setting generate is not given from
+# the model's generation_config.json (a hub model's repetition penalty, beams, top-k, suppressed or forced
+# tokens, a length penalty, stop strings, contrastive or DoLa decoding: each changed the texts or was a
+# traceback), so the model decodes with a blank config (`plain_decoding`); and when it samples,
+# transformers adds a top-k of 50 of its own (--top-p 1 was no full-distribution sampling): off here.
 PLAIN_SAMPLING = dict(top_k=0, typical_p=1.0, min_p=None, epsilon_cutoff=0.0, eta_cutoff=0.0)
 
 
@@ -327,12 +324,30 @@ def generate(model, tokenizer, prompts: list, max_new_tokens: int = 64, temperat
         width = max(map(len, batch))
         ids = torch.tensor([[pad] * (width - len(r)) + r for r in batch], device=device)
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in batch], device=device)
-        with torch.no_grad():
+        with torch.no_grad(), plain_decoding(model):
             out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, pad_token_id=pad,
-                                 eos_token_id=ends or None, **at_texts, **PLAIN_DECODING, **sample, **router)
+                                 eos_token_id=ends or None, **at_texts, **sample, **router)
         outputs += [before(continuation(tokenizer, r, until(new, ends)), texts)
                     for r, new in zip(batch, out[:, width:].tolist(), strict=True)]
     return outputs
+
+
+@contextlib.contextmanager
+def plain_decoding(model):
+    """`model` (and a peft wrapper's inner model) with a blank generation config while shardtune
+    generates: a list of the file's settings to turn off missed the next one transformers reads.
+    Its EOS ids are read before (`generate`'s `ends`); the model keeps its config afterwards."""
+    from transformers import GenerationConfig
+
+    held = [(m, m.generation_config) for m in model.modules() if isinstance(getattr(m, "generation_config", None),
+                                                                              GenerationConfig)]
+    for m, _ in held:
+        m.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        for m, config in held:
+            m.generation_config = config
 
 
 def until(new_ids: list[int], ends: list[int]) -> list[int]:
