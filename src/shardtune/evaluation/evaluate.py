@@ -274,7 +274,7 @@ GREEDY_BELOW = 1e-5
 # tokens, a length penalty, stop strings, contrastive or DoLa decoding: each changed the texts or was a
 # traceback), so the model decodes with a blank config (`plain_decoding`); and when it samples,
 # transformers adds a top-k of 50 of its own (--top-p 1 was no full-distribution sampling): off here.
-PLAIN_SAMPLING = dict(top_k=0, typical_p=1.0, min_p=None, epsilon_cutoff=0.0, eta_cutoff=0.0)
+PLAIN_SAMPLING = dict(top_k=0)  # transformers' default top-k (50), which no file set
 
 
 def generate(model, tokenizer, prompts: list, max_new_tokens: int = 64, temperature: float = 0.7,
