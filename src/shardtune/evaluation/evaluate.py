@@ -269,29 +269,23 @@ def read_prompts(req: GenerateRequest) -> list[str]:
 # A temperature below this decodes greedily: sampling at it picks the likeliest token anyway, and
 # the logits divided by it can overflow float32 to inf (1e-300 does), which sampling cannot take.
 GREEDY_BELOW = 1e-5
-# Only the options choose the next token: transformers fills every setting generate is not given from
-# the model's generation_config.json (a hub model's repetition penalty, beams, top-k, suppressed or forced
-# tokens, a length penalty, stop strings, contrastive or DoLa decoding: each changed the texts or was a
-# traceback), so the model decodes with a blank config (`plain_decoding`); and when it samples,
-# transformers adds a top-k of 50 of its own (--top-p 1 was no full-distribution sampling): off here.
-PLAIN_SAMPLING = dict(top_k=0)  # transformers' default top-k (50), which no file set
+# Only the options choose the next token: transformers fills what generate is not given from the
+# model's generation_config.json (beams, penalties, suppressed tokens, stop strings, DoLa: other texts or
+# tracebacks), so the model decodes with a blank one (`plain_decoding`); sampling drops transformers' top-k of 50.
 
 
 def generate(model, tokenizer, prompts: list, max_new_tokens: int = 64, temperature: float = 0.7,
              top_p: float = 0.9, seed: int = 0, batch_size: int = 8, stop: list[int | str] = ()) -> list[str]:
-    """The continuation of each prompt (a string, or token ids), `batch_size` prompts per
-    `model.generate` call, left-padded so every row's new tokens start in the same column, up to
-    the first end-of-sequence token of the model's generation config or of `stop` (data.chat.trained_ends: token
-    ids, and texts of several tokens);
-    temperature 0 (or below GREEDY_BELOW) decodes greedily. Seeded once: the same call gives the same texts. A prompt
-    longer than the model's positions leave room for is cut from the left, after the BOS that
-    training put first."""
-
+    """The continuation of each prompt (a string, or token ids), `batch_size` prompts per `model.generate` call,
+    left-padded so every row's new tokens start in the same column, up to the first end-of-sequence token of the
+    model's generation config or of `stop` (data.chat.trained_ends: token ids, and texts of several tokens);
+    temperature 0 (or below GREEDY_BELOW) decodes greedily. Seeded once: the same call gives the same texts. A
+    prompt longer than the model's positions leave room for is cut from the left, after the BOS training put first."""
     if temperature < 0 or not 0 < top_p <= 1 or max_new_tokens < 1:
         raise UserError("need --temperature >= 0, 0 < --top-p <= 1 and --max-new-tokens >= 1")
     torch.manual_seed(seed)
     device = next(model.parameters()).device
-    sample = dict(do_sample=True, temperature=temperature, top_p=top_p, **PLAIN_SAMPLING) \
+    sample = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) \
         if temperature >= GREEDY_BELOW else dict(do_sample=False)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
@@ -334,13 +328,10 @@ def generate(model, tokenizer, prompts: list, max_new_tokens: int = 64, temperat
 
 @contextlib.contextmanager
 def plain_decoding(model):
-    """`model` (and a peft wrapper's inner model) with a blank generation config while shardtune
-    generates: a list of the file's settings to turn off missed the next one transformers reads.
-    Its EOS ids are read before (`generate`'s `ends`); the model keeps its config afterwards."""
+    """`model` (and a peft wrapper's inner one) with a blank generation config, its own put back after."""
     from transformers import GenerationConfig
 
-    held = [(m, m.generation_config) for m in model.modules() if isinstance(getattr(m, "generation_config", None),
-                                                                              GenerationConfig)]
+    held = [(m, c) for m in model.modules() if isinstance(c := getattr(m, "generation_config", None), GenerationConfig)]
     for m, _ in held:
         m.generation_config = GenerationConfig()
     try:
