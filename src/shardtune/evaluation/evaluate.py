@@ -328,10 +328,10 @@ def generate(model, tokenizer, prompts: list, max_new_tokens: int = 64, temperat
 
 @contextlib.contextmanager
 def plain_decoding(model):
-    """`model` (and a peft wrapper's inner one) with a blank generation config, its own put back after."""
+    """`model` (and a peft wrapper's inner one: each that holds one) with a blank generation config, its own after."""
     from transformers import GenerationConfig
 
-    held = [(m, c) for m in model.modules() if isinstance(c := getattr(m, "generation_config", None), GenerationConfig)]
+    held = [(m, c) for m in model.modules() if isinstance(c := vars(m).get("generation_config"), GenerationConfig)]
     for m, _ in held:
         m.generation_config = GenerationConfig()
     try:
