@@ -116,18 +116,35 @@ def test_rouge_reads_words_of_any_script(text, ascii_text):
     assert textscores.RougeWords.tokenize(ascii_text) == tokenize.tokenize(ascii_text, None)
 
 
-WORD = st.text(st.characters(categories=("L", "M", "N")), min_size=1, max_size=6)
+def unspaced(char: str) -> bool:
+    import regex
+
+    return bool(regex.match(f"[{textscores.UNSPACED}]", char))
+
+
+SPACED = st.characters(categories=("L", "N")).filter(lambda c: not unspaced(c))
+# a word starts with a letter or digit: a mark after a Chinese character is that character's
+WORD = st.builds(str.__add__, SPACED, st.text(st.characters(categories=("L", "M", "N")).filter(
+    lambda c: not unspaced(c)), max_size=5))
+HAN_KANA = st.text(st.one_of(st.characters(min_codepoint=0x4E00, max_codepoint=0x9FFF),  # CJK ideographs, kana
+                             st.characters(min_codepoint=0x3041, max_codepoint=0x30FA)).filter(unspaced),
+                   min_size=1, max_size=8)
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(WORD, min_size=1, max_size=6), st.sampled_from([" ", ", ", "\n", " - "]))
-def test_rouge_words_keep_their_marks(words, sep):
+@given(st.lists(WORD, min_size=1, max_size=6), st.sampled_from([" ", ", ", "\n", " - "]), HAN_KANA)
+def test_rouge_words_keep_their_marks_and_chinese_has_one_a_character(words, sep, han):
     """A word of letters, combining marks and digits is one ROUGE word in any script: `\\w` has no
     marks, and Hindi's vowel signs and viramas cut नमस्ते into नमस, त (ROUGE-1 of नमस्ते against
-    नमस्ते दुनिया read 0.57, not 2/3)."""
+    नमस्ते दुनिया read 0.57, not 2/3). Chinese and Japanese, written without spaces, have one a
+    character (as ROUGE is scored for Chinese): a run of them was one word, so 我爱北京 against
+    我爱北京天安门 scored 0."""
     text = sep.join(words)
     assert textscores.RougeWords.tokenize(text) == [w.lower() for w in words]
+    assert textscores.RougeWords.tokenize(f"{text}{han}{text}") == [
+        *(w.lower() for w in words[:-1]), words[-1].lower(), *han, words[0].lower(), *(w.lower() for w in words[1:])]
     assert textscores.rouge(["नमस्ते"], ["नमस्ते दुनिया"])["rouge1"] == pytest.approx(2 / 3)
+    assert textscores.rouge(["我爱北京"], ["我爱北京天安门"])["rouge1"] == pytest.approx(8 / 11)
 
 
 ACCENTED = st.text(st.sampled_from("aeinouécèñçåøüǖ ,.-") | st.characters(exclude_categories=("Cs",)), max_size=20)

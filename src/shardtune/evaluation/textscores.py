@@ -46,18 +46,24 @@ def ngrams(tokens: list[str], n: int) -> list[tuple]:
     return [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
 
 
+# scripts written without spaces between words: each character is a ROUGE word, as ROUGE is
+# computed for Chinese (and sacrebleu's zh tokenizer splits); a run of them was one "word" and
+# 我爱北京 against 我爱北京天安门 scored 0
+UNSPACED = r"\p{Han}\p{Hiragana}\p{Katakana}"
+
+
 class RougeWords:
-    """ROUGE's words: runs of letters, combining marks and digits of any script, lowercased.
-    rouge-score's own tokenizer keeps only a-z and 0-9, so Cyrillic, Greek or CJK text scored 0
-    against itself (and café was caf); a word's marks are part of it (Hindi's vowel signs and
-    viramas, Thai's vowels, a decomposed é: `\\w` has none, and cut नमस्ते into नमस, त). On
-    ASCII text the words are rouge-score's. `regex` (for \\p{M}) comes with transformers."""
+    """ROUGE's words: runs of letters, combining marks and digits of any script, lowercased; in
+    Chinese and Japanese each character. rouge-score's own tokenizer keeps only a-z and 0-9, so
+    Cyrillic, Greek or CJK text scored 0 against itself (and café was caf); a word's marks are part
+    of it (Hindi's vowel signs and viramas, Thai's vowels, a decomposed é: `\\w` has none, and cut
+    नमस्ते into नमस, त). On ASCII text the words are rouge-score's. `regex` comes with transformers."""
 
     @staticmethod
     def tokenize(text: str) -> list[str]:
         import regex
 
-        return regex.findall(r"[\p{L}\p{M}\p{N}]+", text.lower())
+        return regex.findall(rf"[{UNSPACED}]\p{{M}}*|(?:(?![{UNSPACED}])[\p{{L}}\p{{M}}\p{{N}}])+", text.lower())
 
 
 def rouge(generations: list[str], references: list[str]) -> dict:
