@@ -327,6 +327,51 @@ def test_chat_prompt_ends_with_the_generation_prompt(assets):
     assert chat_prompt_and_reply(tok, messages[:1], 1, "messages") is None
 
 
+# a Qwen3-style template (the last reply opens with an empty <think></think>), a Llama-3-style one
+# (content trimmed), ChatML
+REPLY_TEMPLATES = {
+    "qwen3": "{% for m in messages %}{% if m.role == 'assistant' and loop.last %}<|im_start|>assistant\n<think>\n\n"
+             "</think>\n\n{{ m.content }}<|im_end|>\n{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+             "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+    "trimmed": "{% for m in messages %}<|im_start|>{{ m.role }}\n\n{{ m.content | trim }}<|im_end|>{% endfor %}"
+               "{% if add_generation_prompt %}<|im_start|>assistant\n\n{% endif %}",
+    "chatml": "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+}
+
+
+@pytest.mark.parametrize("template", REPLY_TEMPLATES)
+@pytest.mark.parametrize("reply", ["Paris", " Paris is the capital \n", "日本語 café"])
+def test_a_chat_reference_is_the_reply_training_taught(assets, template, reply):
+    """A chat row's reference is the last reply as training labels it, decoded as a generation is:
+    a model that writes exactly its training labels scores ROUGE 1. The message's content was the
+    reference, and a Qwen3-style model's exact "<think>\n\n</think>\n\nParis" scored ROUGE-1 0.5."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    from shardtune.config.schema import DataConfig
+    from shardtune.data import chat
+    from shardtune.data.formats import IGNORE_INDEX
+    from shardtune.evaluation.evaluate import before, continuation, until
+    from shardtune.evaluation.quality import QualityRequest, examples
+
+    tok = AutoTokenizer.from_pretrained(assets["tokenizer"])  # byte-level: <think> is plain text, kept by decode
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    cfg = DataConfig(format="chat", chat_template=REPLY_TEMPLATES[template])
+    messages = [{"role": "user", "content": "The capital of France?"}, {"role": "assistant", "content": reply}]
+    docs = Dataset.from_list([{"messages": messages}])
+    [ex] = examples(QualityRequest(model="m", generate=1, max_new_tokens=40), cfg, docs, tok)
+    trained = chat.chat_fn(cfg, tok, docs.column_names, "docs")({"messages": [messages]}, [0])
+    ids, labels = trained["input_ids"][0], trained["labels"][0]
+    first = next(i for i, label in enumerate(labels) if label != IGNORE_INDEX)
+    ends = chat.trained_ends(cfg, tok)
+    written = before(continuation(tok, ids[:first], until(ids[first:], [e for e in ends if isinstance(e, int)])),
+                     [e for e in ends if isinstance(e, str)])  # what generate returns for a model that writes them
+    assert ex.prompt_ids == ids[:first]
+    assert ex.reference == written
+    assert textscores.rouge([written], [ex.reference])["rouge1"] == pytest.approx(1.0)
+
+
 @pytest.mark.parametrize("extra, needle", [
     (["--generate", "0"], "--generate: must be at least 1"),
     (["--generate", "2", "--metrics", "rouge,bleurt"], "unknown metric 'bleurt'"),
