@@ -92,7 +92,7 @@ def test_chat_prompts_read_text_parts(chat_tokenizer):
     """eval --generate's prompts and references go through the same messages."""
     prompt, reply = chat.chat_prompt_and_reply(chat_tokenizer, conversation(parts("a", "b"), parts("c"))["messages"], 0,
                                             "messages")
-    assert prompt == "<|user|>\nab<|endoftext|>\n<|assistant|>\n" and reply == "c"
+    assert prompt == "<|user|>\nab<|endoftext|>\n<|assistant|>\n" and reply == "c<|endoftext|>"  # as trained
 
 
 CONTENTS = st.one_of(st.text(max_size=5), st.integers(), st.floats(allow_nan=False), st.booleans(),

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardtune.evaluation.evaluate import continuation, generate
+from shardtune.evaluation.evaluate import continuation, generate, until
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -134,6 +134,39 @@ def test_greedy_is_the_likeliest_token_whatever_the_models_generation_config(gpt
             new.append(int(model(input_ids=torch.tensor([ids + new])).logits[0, -1].argmax()))
     assert generate(model, tok, ["Return the value"], max_new_tokens=8, temperature=0) == \
         [continuation(tok, ids, new)]
+
+
+# settings of a generation_config.json that reached generate past the old list of ones turned off:
+# each changed a greedy output (suppressed or forced tokens, a length penalty) or was a traceback
+# (decoding strategies moved to the Hub, stop strings without a tokenizer, assisted decoding in a batch)
+FILE_SETTINGS = [dict(suppress_tokens=list(range(200))), dict(begin_suppress_tokens=list(range(200))),
+                 dict(forced_eos_token_id=5), dict(exponential_decay_length_penalty=(1, 5.0)),
+                 dict(stop_strings=["e"]), dict(penalty_alpha=0.6, top_k=4), dict(dola_layers="high"),
+                 dict(prompt_lookup_num_tokens=3), dict(do_sample=True, temperature=5.0, top_k=3)]
+
+
+@pytest.mark.parametrize("asked", FILE_SETTINGS, ids=lambda s: next(iter(s)))
+def test_no_setting_of_the_models_file_shapes_greedy_decoding(gpt2, asked):
+    """Whatever decoding the model's generation_config.json asks for, --temperature 0 gives the
+    argmax tokens of a plain forward, in a batch, and the model keeps its file's settings."""
+    from transformers import GenerationConfig
+
+    model, tok = gpt2
+    prompts = ["Return the value", "The"]
+    saved = model.generation_config
+    model.generation_config = GenerationConfig(**{**saved.to_dict(), **asked})
+    try:
+        expected = []
+        for prompt in prompts:
+            ids, new = tok(prompt, add_special_tokens=False)["input_ids"], []
+            with torch.no_grad():
+                for _ in range(6):
+                    new.append(int(model(input_ids=torch.tensor([ids + new])).logits[0, -1].argmax()))
+            expected.append(continuation(tok, ids, until(new, [tok.eos_token_id])))
+        assert generate(model, tok, prompts, max_new_tokens=6, temperature=0, batch_size=2) == expected
+        assert model.generation_config.to_dict() == GenerationConfig(**{**saved.to_dict(), **asked}).to_dict()
+    finally:
+        model.generation_config = saved
 
 
 def test_sampling_at_top_p_1_draws_from_the_whole_vocabulary(gpt2):

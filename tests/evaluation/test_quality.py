@@ -116,6 +116,58 @@ def test_rouge_reads_words_of_any_script(text, ascii_text):
     assert textscores.RougeWords.tokenize(ascii_text) == tokenize.tokenize(ascii_text, None)
 
 
+def unspaced(char: str) -> bool:
+    import regex
+
+    return bool(regex.match(f"[{textscores.UNSPACED}]", char))
+
+
+SPACED = st.characters(categories=("L", "N")).filter(lambda c: not unspaced(c))
+# a word starts with a letter or digit: a mark after a Chinese character is that character's
+WORD = st.builds(str.__add__, SPACED, st.text(st.characters(categories=("L", "M", "N")).filter(
+    lambda c: not unspaced(c)), max_size=5))
+HAN_KANA = st.text(st.one_of(st.characters(min_codepoint=0x4E00, max_codepoint=0x9FFF),  # CJK ideographs, kana
+                             st.characters(min_codepoint=0x3041, max_codepoint=0x30FA)).filter(unspaced),
+                   min_size=1, max_size=8)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(WORD, min_size=1, max_size=6), st.sampled_from([" ", ", ", "\n", " - "]), HAN_KANA)
+def test_rouge_words_keep_their_marks_and_chinese_has_one_a_character(words, sep, han):
+    """A word of letters, combining marks and digits is one ROUGE word in any script: `\\w` has no
+    marks, and Hindi's vowel signs and viramas cut नमस्ते into नमस, त (ROUGE-1 of नमस्ते against
+    नमस्ते दुनिया read 0.57, not 2/3). Chinese and Japanese, written without spaces, have one a
+    character (as ROUGE is scored for Chinese): a run of them was one word, so 我爱北京 against
+    我爱北京天安门 scored 0."""
+    text = sep.join(words)
+    assert textscores.RougeWords.tokenize(text) == [w.lower() for w in words]
+    assert textscores.RougeWords.tokenize(f"{text}{han}{text}") == [
+        *(w.lower() for w in words[:-1]), words[-1].lower(), *han, words[0].lower(), *(w.lower() for w in words[1:])]
+    assert textscores.rouge(["नमस्ते"], ["नमस्ते दुनिया"])["rouge1"] == pytest.approx(2 / 3)
+    assert textscores.rouge(["我爱北京"], ["我爱北京天安门"])["rouge1"] == pytest.approx(8 / 11)
+
+
+ACCENTED = st.text(st.sampled_from("aeinouécèñçåøüǖ ,.-") | st.characters(exclude_categories=("Cs",)), max_size=20)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(ACCENTED, ACCENTED, st.sampled_from(["NFC", "NFD"]), st.sampled_from(["NFC", "NFD"])),
+                min_size=1, max_size=3))
+def test_canonically_equal_texts_score_as_equal(pairs):
+    """A generation decoded by a normalizing tokenizer (Qwen2's NFC) against a reference of the
+    same text in another Unicode form (e + U+0301) scores as the same text: every metric read
+    "café crème naïve" against itself decomposed as ROUGE 0 and chrF 23."""
+    from unicodedata import normalize
+
+    metrics = ["rouge", "bleu", "chrf", "diversity"]
+    got = textscores.score([normalize(f, g) for g, _, f, _ in pairs], [normalize(f, r) for _, r, _, f in pairs],
+                           metrics)
+    assert got == pytest.approx(textscores.score([normalize("NFC", g) for g, *_ in pairs],
+                                                 [normalize("NFC", r) for _, r, *_ in pairs], metrics))
+    same = textscores.score(["café crème naïve"], [normalize("NFD", "café crème naïve")], metrics)
+    assert same["rouge1"] == same["chrf"] / 100 == pytest.approx(1.0)
+
+
 def test_metric_names_are_checked():
     assert textscores.parse_metrics("bleu, rouge,bleu") == ["bleu", "rouge"]
     with pytest.raises(UserError, match="unknown metric 'bleurt'"):
@@ -166,6 +218,36 @@ def test_text_prompts_are_deterministic_compare_and_report(assets, models, tmp_p
     assert main(["report", str(tmp_path / "a"), "--out", str(tmp_path / "report")]) == 0
     text = (tmp_path / "report" / "report.md").read_text()
     assert "## Generation quality: a" in text and (tmp_path / "report" / "generation-a.png").stat().st_size > 1000
+
+
+def test_a_base_of_another_tokenizer_reads_the_prompt_as_its_training_did(assets, models, tmp_path, capsys):
+    """--compare with a base whose vocabulary is another (a Llama-style one that starts text with
+    <s>) gets the prompt's text in its own tokens after its own BOS, as its training read text and
+    as plain transformers' tokenizer(prompt) gives it: it was given no BOS, and generated otherwise."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from conftest import llama_tokenizer
+    from shardtune.evaluation.evaluate import continuation
+
+    tok = llama_tokenizer()
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(AutoConfig.for_model(**{**TINY["llama"], "vocab_size": len(tok)})).eval()
+    base.save_pretrained(tmp_path / "llama")
+    tok.save_pretrained(tmp_path / "llama")
+    out = tmp_path / "gen.json"
+    code, _, _ = quality([str(models[0]), "--generate", "2", "--data", str(Path(assets["train"]).parent), "--split",
+                          "train", "--prompt-tokens", "8", "--max-new-tokens", "5", "--metrics", "rouge",
+                          "--compare", str(tmp_path / "llama"),
+                          "--out", str(out)], capsys)
+    assert code == 0
+    for example in json.loads(out.read_text())["examples"]:
+        ids = tok(example["prompt"]).input_ids
+        assert ids[0] == tok.bos_token_id
+        with torch.no_grad():
+            new = base.generate(torch.tensor([ids]), max_new_tokens=5, do_sample=False, eos_token_id=tok.eos_token_id,
+                                pad_token_id=tok.eos_token_id)[0, len(ids):].tolist()
+        new = new[:new.index(tok.eos_token_id)] if tok.eos_token_id in new else new
+        assert example["base"] == continuation(tok, ids, new)
 
 
 def test_instruct_prompts_are_the_training_prompts(models, alpaca, tmp_path, capsys):
@@ -243,6 +325,51 @@ def test_chat_prompt_ends_with_the_generation_prompt(assets):
     assert chat_prompt_and_reply(tok, messages, 0, "messages") == (
         "<user>hi\n<assistant>hello\n<user>2+2?\n<assistant>", "4")
     assert chat_prompt_and_reply(tok, messages[:1], 1, "messages") is None
+
+
+# a Qwen3-style template (the last reply opens with an empty <think></think>), a Llama-3-style one
+# (content trimmed), ChatML
+REPLY_TEMPLATES = {
+    "qwen3": "{% for m in messages %}{% if m.role == 'assistant' and loop.last %}<|im_start|>assistant\n<think>\n\n"
+             "</think>\n\n{{ m.content }}<|im_end|>\n{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+             "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+    "trimmed": "{% for m in messages %}<|im_start|>{{ m.role }}\n\n{{ m.content | trim }}<|im_end|>{% endfor %}"
+               "{% if add_generation_prompt %}<|im_start|>assistant\n\n{% endif %}",
+    "chatml": "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+}
+
+
+@pytest.mark.parametrize("template", REPLY_TEMPLATES)
+@pytest.mark.parametrize("reply", ["Paris", " Paris is the capital \n", "日本語 café"])
+def test_a_chat_reference_is_the_reply_training_taught(assets, template, reply):
+    """A chat row's reference is the last reply as training labels it, decoded as a generation is:
+    a model that writes exactly its training labels scores ROUGE 1. The message's content was the
+    reference, and a Qwen3-style model's exact "<think>\n\n</think>\n\nParis" scored ROUGE-1 0.5."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    from shardtune.config.schema import DataConfig
+    from shardtune.data import chat
+    from shardtune.data.formats import IGNORE_INDEX
+    from shardtune.evaluation.evaluate import before, continuation, until
+    from shardtune.evaluation.quality import QualityRequest, examples
+
+    tok = AutoTokenizer.from_pretrained(assets["tokenizer"])  # byte-level: <think> is plain text, kept by decode
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    cfg = DataConfig(format="chat", chat_template=REPLY_TEMPLATES[template])
+    messages = [{"role": "user", "content": "The capital of France?"}, {"role": "assistant", "content": reply}]
+    docs = Dataset.from_list([{"messages": messages}])
+    [ex] = examples(QualityRequest(model="m", generate=1, max_new_tokens=40), cfg, docs, tok)
+    trained = chat.chat_fn(cfg, tok, docs.column_names, "docs")({"messages": [messages]}, [0])
+    ids, labels = trained["input_ids"][0], trained["labels"][0]
+    first = next(i for i, label in enumerate(labels) if label != IGNORE_INDEX)
+    ends = chat.trained_ends(cfg, tok)
+    written = before(continuation(tok, ids[:first], until(ids[first:], [e for e in ends if isinstance(e, int)])),
+                     [e for e in ends if isinstance(e, str)])  # what generate returns for a model that writes them
+    assert ex.prompt_ids == ids[:first]
+    assert ex.reference == written
+    assert textscores.rouge([written], [ex.reference])["rouge1"] == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize("extra, needle", [

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 
 from shardtune.config.schema import DataConfig
-from shardtune.data.formats import IGNORE_INDEX, add_example, as_text, format_hint, new_examples
+from shardtune.data.formats import IGNORE_INDEX, add_example, format_hint, new_examples
 from shardtune.data.messages import read_messages
 from shardtune.errors import UserError, first_line
 
@@ -102,6 +102,14 @@ def _opening(message: dict, render) -> str:
     return text[:at if 0 <= at < shared else shared]
 
 
+def reply_ids(tokenizer, prompt: str, reply: str) -> tuple[list[int], list[int]]:
+    """(prompt ids, reply ids) of `prompt + reply` tokenized together and split where training's
+    labels start (`_label_spans`): tokenized alone, a SentencePiece reply gained a leading space."""
+    ids, labels = _label_spans(prompt + reply, [(len(prompt), len(prompt) + len(reply))], tokenizer)
+    first = next((i for i, label in enumerate(labels) if label != IGNORE_INDEX), len(ids))
+    return ids[:first], ids[first:]
+
+
 def _label_spans(text: str, spans, tokenizer) -> tuple[list[int], list[int]]:
     """Token ids of `text` and labels that keep only tokens overlapping a span (a token like
     " an" that starts just before the reply is still one the model has to generate)."""
@@ -121,19 +129,36 @@ def _label_spans(text: str, spans, tokenizer) -> tuple[list[int], list[int]]:
     return ids, labels
 
 
+def chat_prompt(tokenizer, messages: list[dict], index: int) -> str:
+    """`messages` rendered with the generation prompt after them (row `index`'s, for a refusal)."""
+    return _rendered(lambda: tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), index)
+
+
 def chat_prompt_and_reply(tokenizer, value, index: int, field: str) -> tuple[str, str] | None:
     """(the conversation up to its last assistant turn, rendered with the generation prompt; that
-    turn's content), or None when the row has no assistant turn after another turn."""
+    turn as training labels it, its end of turn included: what the template writes after the
+    generation prompt, Qwen3's empty <think></think> before the content, Llama-3's content trimmed),
+    or None when the row has no assistant turn after another turn."""
     messages = read_messages(value, index, field)
     last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
     if not last:  # no assistant turn, or only an opening one: nothing before it to prompt with
         return None
+
+    def render(turns, generation_prompt):
+        return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=generation_prompt)
+
+    full, spans = _rendered(lambda: assistant_spans(messages[:last + 1], render), index)
+    return chat_prompt(tokenizer, messages[:last], index), full[spans[-1][0]:spans[-1][1]]
+
+
+def _rendered(render, index: int):
     try:
-        prompt = tokenizer.apply_chat_template(messages[:last], tokenize=False, add_generation_prompt=True)
+        return render()
+    except UserError:
+        raise
     except Exception as exc:  # jinja errors raised by the template itself
         raise UserError(f"the chat template failed on row {index} ({first_line(exc, 160)}); fix the row "
                         "or set data.chat_template") from None
-    return prompt, str(as_text(messages[last].get("content")))
 
 
 def _turn_tail(tokenizer, template: str | None) -> str | None:

@@ -271,32 +271,23 @@ def read_prompts(req: GenerateRequest) -> list[str]:
 # A temperature below this decodes greedily: sampling at it picks the likeliest token anyway, and
 # the logits divided by it can overflow float32 to inf (1e-300 does), which sampling cannot take.
 GREEDY_BELOW = 1e-5
-# Only the options choose the next token: transformers adds whatever decoding settings the model's
-# generation_config.json holds (a hub model's repetition penalty, beams, top-k, min-p) and, when it
-# samples, a top-k of 50 of its own, so --top-p 1 was no full-distribution sampling. These turn each off;
-# the last ones keep one plain sequence per prompt (the file's num_return_sequences or
-# return_dict_in_generate: a traceback).
-PLAIN_DECODING = dict(num_beams=1, repetition_penalty=1.0, no_repeat_ngram_size=0, min_length=0, min_new_tokens=None,
-                      bad_words_ids=None, sequence_bias=None, guidance_scale=None, num_return_sequences=1,
-                      return_dict_in_generate=False, output_scores=False, output_logits=False)
-PLAIN_SAMPLING = dict(top_k=0, typical_p=1.0, min_p=None, epsilon_cutoff=0.0, eta_cutoff=0.0)
+# Only the options choose the next token: transformers fills what generate is not given from the
+# model's generation_config.json (beams, penalties, suppressed tokens, stop strings, DoLa: other texts or
+# tracebacks), so the model decodes with a blank one (`plain_decoding`); sampling drops transformers' top-k of 50.
 
 
 def generate(model, tokenizer, prompts: list, max_new_tokens: int = 64, temperature: float = 0.7,
              top_p: float = 0.9, seed: int = 0, batch_size: int = 8, stop: list[int | str] = ()) -> list[str]:
-    """The continuation of each prompt (a string, or token ids), `batch_size` prompts per
-    `model.generate` call, left-padded so every row's new tokens start in the same column, up to
-    the first end-of-sequence token of the model's generation config or of `stop` (data.chat.trained_ends: token
-    ids, and texts of several tokens);
-    temperature 0 (or below GREEDY_BELOW) decodes greedily. Seeded once: the same call gives the same texts. A prompt
-    longer than the model's positions leave room for is cut from the left, after the BOS that
-    training put first."""
-
+    """The continuation of each prompt (a string, or token ids), `batch_size` prompts per `model.generate` call,
+    left-padded so every row's new tokens start in the same column, up to the first end-of-sequence token of the
+    model's generation config or of `stop` (data.chat.trained_ends: token ids, and texts of several tokens);
+    temperature 0 (or below GREEDY_BELOW) decodes greedily. Seeded once: the same call gives the same texts. A
+    prompt longer than the model's positions leave room for is cut from the left, after the BOS training put first."""
     if temperature < 0 or not 0 < top_p <= 1 or max_new_tokens < 1:
         raise UserError("need --temperature >= 0, 0 < --top-p <= 1 and --max-new-tokens >= 1")
     torch.manual_seed(seed)
     device = next(model.parameters()).device
-    sample = dict(do_sample=True, temperature=temperature, top_p=top_p, **PLAIN_SAMPLING) \
+    sample = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) \
         if temperature >= GREEDY_BELOW else dict(do_sample=False)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
@@ -329,12 +320,27 @@ def generate(model, tokenizer, prompts: list, max_new_tokens: int = 64, temperat
         width = max(map(len, batch))
         ids = torch.tensor([[pad] * (width - len(r)) + r for r in batch], device=device)
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in batch], device=device)
-        with torch.no_grad():
+        with torch.no_grad(), plain_decoding(model):
             out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, pad_token_id=pad,
-                                 eos_token_id=ends or None, **at_texts, **PLAIN_DECODING, **sample, **router)
+                                 eos_token_id=ends or None, **at_texts, **sample, **router)
         outputs += [before(continuation(tokenizer, r, until(new, ends)), texts)
                     for r, new in zip(batch, out[:, width:].tolist(), strict=True)]
     return outputs
+
+
+@contextlib.contextmanager
+def plain_decoding(model):
+    """`model` (and a peft wrapper's inner one: each that holds one) with a blank generation config, its own after."""
+    from transformers import GenerationConfig
+
+    held = [(m, c) for m in model.modules() if isinstance(c := vars(m).get("generation_config"), GenerationConfig)]
+    for m, _ in held:
+        m.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        for m, config in held:
+            m.generation_config = config
 
 
 def until(new_ids: list[int], ends: list[int]) -> list[int]:

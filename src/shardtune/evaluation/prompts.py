@@ -52,8 +52,7 @@ def rendered(prompts: list[str], cfg, tokenizer) -> list[tuple[str, list[int]]]:
     chat.check_chat_template(cfg, tokenizer)  # installs the run's data.chat_template
     out = []
     for index, p in enumerate(prompts):
-        turns = [{"role": "user", "content": p}, {"role": "assistant", "content": ""}]
-        text, _ = chat.chat_prompt_and_reply(tokenizer, turns, index, cfg.messages_field)
+        text = chat.chat_prompt(tokenizer, [{"role": "user", "content": p}], index)
         out.append((text, tokenizer(text, add_special_tokens=False)["input_ids"]))
     return out
 

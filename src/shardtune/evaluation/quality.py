@@ -18,7 +18,7 @@ from shardtune.checkpoint.loading import Reading, load_model, model_step, pinned
 from shardtune.checkpoint.rundir import refuse_run_file
 from shardtune.errors import UserError
 from shardtune.evaluation import lengths, textscores
-from shardtune.evaluation.evaluate import continuation, data_config, generate, options_named
+from shardtune.evaluation.evaluate import before, continuation, data_config, generate, options_named, until
 from shardtune.evaluation.prompts import check_chat
 from shardtune.fsio import make_dir, refuse_foreign_file, write_text_atomic
 
@@ -116,11 +116,12 @@ def examples(req: QualityRequest, cfg, docs, tokenizer) -> list[Example]:
                 break
     else:
         chat.chat_fn(cfg, tokenizer, docs.column_names, what)  # checks the column and the template
+        ends = chat.trained_ends(cfg, tokenizer)
         for index, value in enumerate(docs[cfg.messages_field]):
             pair = chat.chat_prompt_and_reply(tokenizer, value, index, cfg.messages_field)
             if pair is not None:
-                ids = tokenizer(pair[0], add_special_tokens=False)["input_ids"]
-                out.append(Example(pair[0], pair[1], ids))
+                ids, reply = chat.reply_ids(tokenizer, *pair)
+                out.append(Example(pair[0], as_generated(tokenizer, ids, reply, ends), ids))
             if len(out) == req.generate:
                 break
     if not out:
@@ -134,15 +135,25 @@ def examples(req: QualityRequest, cfg, docs, tokenizer) -> list[Example]:
     return out
 
 
+def as_generated(tokenizer, prompt_ids: list[int], reply_ids: list[int], ends: list[int | str]) -> str:
+    """A chat reply's tokens as training labels them (its end included) as `generate` returns a
+    model's writing of them: cut at the first end, decoded after the prompt. Its content alone was the
+    reference, so the reply a model learned (a Qwen3 template's empty <think></think>, then the
+    content) scored ROUGE-1 0.5 against a one-word answer it wrote exactly."""
+    return before(continuation(tokenizer, prompt_ids, until(reply_ids, [e for e in ends if isinstance(e, int)])),
+                  [e for e in ends if isinstance(e, str)])
+
+
 def generate_for(spec: str, req: QualityRequest, device: str, prompts: list[Example],
                  ref_tokenizer, cfg) -> tuple[list[str], float]:
     """(one generation per prompt, seconds) of the model `spec`; a model with another tokenizer
-    than the evaluated one gets the prompt text in its own tokens."""
-    from shardtune.data import chat
+    than the evaluated one gets the prompt text in its own tokens, after its own BOS (a Llama-style
+    base read every text of its training after <s>: without it, it generated other text)."""
+    from shardtune.data import chat, formats
 
     model, tokenizer, _, _ = load_model(spec, device)
     same = tokenizer.get_vocab() == ref_tokenizer.get_vocab()
-    inputs = [e.prompt_ids if same else e.prompt for e in prompts]
+    inputs = [e.prompt_ids if same else formats.text_ids(tokenizer, e.prompt) for e in prompts]
     start = time.perf_counter()
     texts = generate(model, tokenizer, inputs, req.max_new_tokens, req.temperature, req.top_p, req.seed,
                      req.micro_batch_size, chat.trained_ends(cfg, tokenizer))
