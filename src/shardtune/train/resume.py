@@ -21,3 +21,27 @@ def resume_notes(meta: dict, t, step: int, total_steps: int, steps_per_epoch: in
         notes.append(f"checkpoint written by {meta['world_size']} rank(s), resuming on {world_size}: model, "
                      "optimizer and data order carry over; RNG streams (dropout) are re-seeded from seed+step+rank")
     return notes
+
+
+def data_record(cfg, plan, ds, step: int) -> dict:
+    """What a checkpoint at `step` records of the data: the sequences its next step trains
+    (data.batches.batch_key; a resume checks them, and the count), and the position in the seeded
+    data order (`plan`, a data.batches.BatchPlan over `ds`), for people."""
+    from shardtune.data.batches import batch_key
+
+    epoch, in_epoch = divmod(step, plan.steps_per_epoch)
+    gb = cfg.train.global_batch_size
+    return {"start_idx": cfg.data.start_idx, "end_idx": cfg.data.end_idx, "sequences_per_epoch": plan.num_samples,
+            "epoch": epoch, "samples_into_epoch": in_epoch * gb, "samples_consumed": step * gb,
+            "next_batch": batch_key(ds, plan, step)}
+
+
+def check_resume_data(resume_from, plan, ds) -> None:
+    """Refuse a resume from `resume_from` whose data is not its checkpoint's (checkpoint.folders.check_same_data)."""
+    from pathlib import Path
+
+    from shardtune.checkpoint.folders import check_same_data, read_meta
+    from shardtune.data.batches import batch_key
+
+    saved = read_meta(Path(resume_from))
+    check_same_data(saved, plan.num_samples, batch_key(ds, plan, saved["step"]), resume_from)

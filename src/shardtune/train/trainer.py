@@ -10,7 +10,6 @@ import torch
 import torch.distributed
 
 from shardtune.check.run import CheckedRun, check_run
-from shardtune.checkpoint.folders import check_same_data, read_meta
 from shardtune.checkpoint.rundir import PREEMPTED_MARKER
 from shardtune.config.load import dump_yaml
 from shardtune.config.schema import RunConfig
@@ -32,7 +31,7 @@ from shardtune.telemetry import flops
 from shardtune.telemetry import metrics as telemetry
 from shardtune.telemetry.trackers import flatten
 from shardtune.train.optim import total_steps
-from shardtune.train.resume import resume_notes
+from shardtune.train.resume import check_resume_data, data_record, resume_notes
 from shardtune.train.state import LoopParts, QueuedStep, TrainState, seed_everything
 from shardtune.train.step import evaluate, queue_numbers, read_numbers, train_step
 
@@ -87,9 +86,7 @@ class Trainer:
         self.plan = batching.BatchPlan(len(self.train_ds), t.global_batch_size, t.micro_batch_size,
                                        dist.world_size, dist.rank, t.seed, lengths=lengths)
         if resume_from:  # the same config may read changed files
-            saved = read_meta(Path(resume_from))
-            check_same_data(saved, self.plan.num_samples, batching.batch_key(self.train_ds, self.plan, saved["step"]),
-                            resume_from)
+            check_resume_data(resume_from, self.plan, self.train_ds)
         self.total_steps = total_steps(t, self.plan.steps_per_epoch)
         eval_mb = cfg.eval.micro_batch_size or t.micro_batch_size
         self.val_batches = batching.eval_batches(len(self.val_ds), eval_mb, dist.world_size, dist.rank,
@@ -163,14 +160,9 @@ class Trainer:
         return built
 
     def describe(self, step: int) -> dict:
-        """What a checkpoint records beside the state objects: the run config and the sequences its next
-        step trains (a resume checks both), and the position in the seeded data order, for people."""
-        spe, gb, d = self.plan.steps_per_epoch, self.cfg.train.global_batch_size, self.cfg.data
-        epoch, in_epoch = divmod(step, spe)
-        return {"epoch": step / spe, "config": self.cfg.to_dict(),
-                "data": {"start_idx": d.start_idx, "end_idx": d.end_idx, "sequences_per_epoch": self.plan.num_samples,
-                         "epoch": epoch, "samples_into_epoch": in_epoch * gb, "samples_consumed": step * gb,
-                         "next_batch": batching.batch_key(self.train_ds, self.plan, step)}}
+        """What a checkpoint records beside the state objects: the run config and its data (a resume checks both)."""
+        return {"epoch": step / self.plan.steps_per_epoch, "config": self.cfg.to_dict(),
+                "data": data_record(self.cfg, self.plan, self.train_ds, step)}
 
     def write_checkpoint_extras(self, folder: Path) -> None:
         """The HF config and tokenizer beside the shards: export/eval/generate need nothing else. An
