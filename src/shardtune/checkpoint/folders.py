@@ -127,11 +127,15 @@ def run_folder(spec: str) -> Path | None:
 def run_trusts(folder) -> bool:
     """Whether `folder` (a model folder: a run's final/) is of a run that trusted its model's code
     (model.trust_remote_code): eval, generate and export read it as that run wrote it, where a
-    plain folder's code is never run unasked."""
+    plain folder's code is never run unasked. A run config this shardtune cannot read trusts nothing
+    (the command goes on to its own checks, which name what is wrong)."""
     from shardtune.config.load import load_saved_config
 
     run = run_folder(str(folder))
-    return bool(run and load_saved_config(run / "config.yaml").model.trust_remote_code)
+    try:
+        return bool(run and load_saved_config(run / "config.yaml").model.trust_remote_code)
+    except UserError:
+        return False
 
 
 def is_run_folder(path: Path) -> bool:
