@@ -41,7 +41,7 @@ class QueuedStep:
     step: int
     lr: float
     data_seconds: float  # the loop's wait for this step's batches
-    numbers: torch.Tensor  # step.queue_numbers: still on the device
+    numbers: object  # step.QueuedNumbers: on CUDA, still being copied
     began: float | torch.cuda.Event  # telemetry.StepClock mark queued before the step asked for its batches
     done: float | torch.cuda.Event  # telemetry.StepClock mark queued behind the step
     watch: torch.Tensor | None = None  # log.watch's per-block norms, still on the device
