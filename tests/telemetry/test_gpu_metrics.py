@@ -63,3 +63,39 @@ def test_sampling_is_off_without_nvml_or_off_a_gpu(nvml, monkeypatch):
 
     monkeypatch.setattr(nvml, "nvmlInit", no_driver)
     assert sampled(torch.device("cuda", 0), tries=50) == {}  # nothing sampled and nothing raised
+
+
+def test_a_step_is_timed_though_its_numbers_were_read_before_its_end_mark_was_reached(monkeypatch):
+    """The loop reads a step's numbers by waiting for the event behind their copy (train.step.HostCopy),
+    queued just before the StepClock mark behind the step: the device may not have reached that mark
+    yet, and CUDA's elapsed_time refuses an event not reached ("device not ready"). A fake device
+    that reaches an event (and all before it) only when the host waits for it."""
+    from shardtune.telemetry.metrics import StepClock
+
+    queued: list = []
+
+    class Event:
+        def __init__(self, enable_timing: bool = False):
+            self.reached = False
+
+        def record(self):
+            self.at = len(queued) * 0.25  # a quarter of a second per event queued
+            queued.append(self)
+
+        def synchronize(self):
+            for event in queued[:queued.index(self) + 1]:
+                event.reached = True
+
+        def elapsed_time(self, end) -> float:
+            if not (self.reached and end.reached):
+                raise RuntimeError("CUDA error: device not ready")
+            return (end.at - self.at) * 1000
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    clock = StepClock(torch.device("cuda", 0))
+    began = clock.mark()
+    copied = Event()
+    copied.record()
+    done = clock.mark()
+    copied.synchronize()  # the host reads the step's numbers
+    assert clock.seconds(began, done) == 0.5

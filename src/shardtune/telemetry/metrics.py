@@ -49,7 +49,10 @@ class StepClock:
         return event
 
     def seconds(self, start, end) -> float:
-        return start.elapsed_time(end) / 1000 if self.cuda else end - start
+        if not self.cuda:
+            return end - start
+        end.synchronize()  # elapsed_time refuses an event not yet reached; the step's numbers, read, may
+        return start.elapsed_time(end) / 1000  # have been copied just before it (train.step.HostCopy)
 
 
 class StepMeter:
