@@ -151,3 +151,35 @@ def test_a_packed_batch_reaches_the_model_without_an_attention_mask(assets, tmp_
     assert seen and all(mask is None for mask in seen)
     if arch == "opt":
         assert reads.everyone == []
+
+
+def test_a_cuda_step_is_read_through_a_copy_queued_behind_it_not_behind_the_next(one_rank, monkeypatch):
+    """On CUDA the host reads step N once step N+1 is queued. A copy to the host asked for then
+    (`.tolist()` of the device tensor) is queued behind step N+1's work: the host waited for that
+    step to end, and the device idled while the host queued N+2. The copy and an event are queued
+    behind step N's numbers instead, and the reading waits for that event. A fake device: an event
+    remembers what was queued before it, the tensors say they are CUDA's."""
+    from shardtune.train.step import StepResult, queue_numbers, read_numbers
+
+    queue, waited = [], []
+
+    class Event:
+        def record(self):
+            self.after = list(queue)
+
+        def synchronize(self):
+            waited.append(self.after)
+
+    def result(loss):
+        return StepResult(torch.tensor(loss), 3.0, 4, 10, 0, torch.tensor(1.5))
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    with monkeypatch.context() as fake:
+        fake.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+        queue.append("step 1")
+        first = queue_numbers(result(6.0), 0, one_rank.device)
+        queue.append("step 2")
+        second = queue_numbers(result(9.0), 1, one_rank.device)
+    assert (read_numbers(first).loss, read_numbers(second).loss) == (2.0, 3.0)
+    assert waited == [["step 1"], ["step 1", "step 2"]]  # step 1's reading waited for step 1 alone
+    assert read_numbers(queue_numbers(result(6.0), 0, one_rank.device)) == read_numbers(first)  # CPU: as it is

@@ -49,7 +49,10 @@ class StepClock:
         return event
 
     def seconds(self, start, end) -> float:
-        return start.elapsed_time(end) / 1000 if self.cuda else end - start
+        if not self.cuda:
+            return end - start
+        end.synchronize()  # elapsed_time refuses an event not yet reached; the step's numbers, read, may
+        return start.elapsed_time(end) / 1000  # have been copied just before it (train.step.HostCopy)
 
 
 class StepMeter:
@@ -214,7 +217,10 @@ class PeakOnlyTracker(MemTracker):
 
 class GPUSampler:
     """Background NVML sampling of GPU utilisation and memory; `read()` gives the means since
-    the last read. Silently off where NVML is missing (CPU machines, no nvidia-ml-py)."""
+    the last read. Silently off where NVML is missing (CPU machines, no nvidia-ml-py). The card is
+    asked for through torch.cuda, which maps `cuda:N` to NVML's index through CUDA_VISIBLE_DEVICES:
+    NVML counts every card of the machine, so a rank given GPUs 2,3 (Slurm, a shared node) asked
+    for index N sampled another job's card."""
 
     def __init__(self, device, interval: float = 0.5):
         import threading
@@ -225,28 +231,26 @@ class GPUSampler:
         self._thread = None
         if device.type != "cuda":
             return
+        self._device, self._interval = device, interval
         try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            index = device.index if device.index is not None else 0
-            self._handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            self._nvml = pynvml
+            self._sample()
         except Exception:  # no driver library / package: telemetry must never stop training
             return
-        self._interval = interval
         self._thread = threading.Thread(target=self._run, name="gpu-sampler", daemon=True)
         self._thread.start()
+
+    def _sample(self) -> tuple[float, float]:
+        """(utilisation %, used memory GiB) of this rank's card now."""
+        return float(torch.cuda.utilization(self._device)), torch.cuda.device_memory_used(self._device) / GIB
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval):
             try:
-                util = self._nvml.nvmlDeviceGetUtilizationRates(self._handle)
-                mem = self._nvml.nvmlDeviceGetMemoryInfo(self._handle)
+                sample = self._sample()
             except Exception:
                 return
             with self._lock:
-                self._samples.append((float(util.gpu), mem.used / GIB))
+                self._samples.append(sample)
 
     def read(self) -> dict:
         with self._lock:

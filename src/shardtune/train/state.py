@@ -41,10 +41,10 @@ class QueuedStep:
     step: int
     lr: float
     data_seconds: float  # the loop's wait for this step's batches
-    numbers: torch.Tensor  # step.queue_numbers: still on the device
+    numbers: object  # step.HostCopy of step.queue_numbers: on CUDA, maybe still on its way
     began: float | torch.cuda.Event  # telemetry.StepClock mark queued before the step asked for its batches
     done: float | torch.cuda.Event  # telemetry.StepClock mark queued behind the step
-    watch: torch.Tensor | None = None  # log.watch's per-block norms, still on the device
+    watch: object = None  # step.HostCopy of log.watch's per-block norms: on CUDA, maybe still on its way
     grad_norms: object = None  # step.GradNorms: read only when the step was not finite
 
 

@@ -93,19 +93,46 @@ class StepNumbers:
     loss_scale: float  # 0 without a grad scaler
 
 
-def queue_numbers(out: StepResult, stop_requested: int, device) -> torch.Tensor:
+@dataclass
+class HostCopy:
+    """A device tensor the host reads later (a step's numbers, its watched norms: the loop reads a
+    step once the next is queued). On CUDA a copy into page-locked host memory and an event are
+    queued behind it now, and `result()` waits for that event: this step's work alone. A copy asked
+    for at reading (`.tolist()` of the device tensor) is queued behind all work queued since, the
+    next step's included: the host waited for that step to end, and the device idled while the host
+    queued the one after, the very wait that reading one step late is for."""
+
+    values: torch.Tensor
+    copied: torch.cuda.Event | None = None
+
+    @classmethod
+    def queue(cls, t: torch.Tensor) -> HostCopy:
+        if not t.is_cuda:
+            return cls(t)
+        copied = torch.cuda.Event()
+        host = t.to("cpu", non_blocking=True)  # page-locked, filled when the work before it is done
+        copied.record()
+        return cls(host, copied)
+
+    def result(self) -> torch.Tensor:
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.values
+
+
+def queue_numbers(out: StepResult, stop_requested: int, device) -> HostCopy:
     """A step's numbers in one device tensor, for `read_numbers` to take later: one small
     all-reduce (loss, input tokens, stop requests) is queued, and nothing waits for it. The loss scale
     is copied now: the scaler's own tensor changes with the next step, before the host reads this one."""
     summed = all_sum_on_device(out.loss_sum, out.input_tokens, out.attention_pairs, out.virtual_tokens,
                                stop_requested, device=device)
     scale = out.loss_scale if out.loss_scale is not None else 0
-    return torch.cat([summed, stack_on_device(out.loss_tokens, out.grad_norm, scale, device=device)])
+    return HostCopy.queue(torch.cat([summed, stack_on_device(out.loss_tokens, out.grad_norm, scale, device=device)]))
 
 
-def read_numbers(numbers: torch.Tensor) -> StepNumbers:
-    """The host's copy of `queue_numbers`' tensor: waits for that step's work to finish."""
-    loss_sum, tokens, pairs, virtual, stop, loss_tokens, grad_norm, loss_scale = numbers.tolist()
+def read_numbers(numbers: HostCopy) -> StepNumbers:
+    """The host's copy of `queue_numbers`' numbers: waits for that step's work to finish."""
+    loss_sum, tokens, pairs, virtual, stop, loss_tokens, grad_norm, loss_scale = numbers.result().tolist()
     return StepNumbers(loss_sum / max(loss_tokens, 1.0), tokens, pairs, virtual, stop > 0, grad_norm, loss_scale)
 
 

@@ -33,7 +33,7 @@ from shardtune.telemetry.trackers import flatten
 from shardtune.train.optim import total_steps
 from shardtune.train.resume import check_resume_data, data_record, resume_notes
 from shardtune.train.state import LoopParts, QueuedStep, TrainState, seed_everything
-from shardtune.train.step import evaluate, queue_numbers, read_numbers, train_step
+from shardtune.train.step import HostCopy, evaluate, queue_numbers, read_numbers, train_step
 
 HISTOGRAMS = "_histograms"  # a record's log.watch histograms, for the trackers only
 
@@ -274,8 +274,8 @@ class Trainer:
             # the global loss, tokens and whether any rank was asked to stop (all ranks stop at the
             # same step): one small all-reduce, queued behind the step
             numbers = queue_numbers(out, preemption.requested, dist.device)
-            queued.append(QueuedStep(step, lr, data_seconds, numbers, began, clock.mark(), out.watch,
-                                     out.grad_norms))
+            queued.append(QueuedStep(step, lr, data_seconds, numbers, began, clock.mark(),
+                                     None if out.watch is None else HostCopy.queue(out.watch), out.grad_norms))
             profiler.step()  # after the mark: writing the trace is no step's time
             last = step == self.total_steps
             eval_now = bool(self.val_batches) and (last or (cfg.eval.every_steps and step % cfg.eval.every_steps == 0))
@@ -332,8 +332,8 @@ class Trainer:
             extra = {"loss": None, "skipped": True, **({} if math.isfinite(grad_norm) else {"grad_norm": None}),
                        **nonfinite.met(self, step, loss, grad_norm, queued.grad_norms)}
         elif queued.watch is not None:
-            extra = self.watch.record(queued.watch)
-            if self.dist.is_main and (histograms := self.watch.histograms_of(queued.watch)):
+            extra = self.watch.record(watched := queued.watch.result())
+            if self.dist.is_main and (histograms := self.watch.histograms_of(watched)):
                 extra[HISTOGRAMS] = histograms
         resumable = numbers.stop or (save_now and step == self.state.step)
         # fp16: the grad scaler skipped this update (inf gradient at its scale) and lowers the scale;
