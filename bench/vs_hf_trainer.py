@@ -89,6 +89,22 @@ def shardtune_overrides(setup: dict, tokenizer: str, data_dir: str, out: Path, n
 # ----------------------------------------------------------------------------- workers (one per rank)
 
 
+def wall_clock_steps() -> list[float]:
+    """Seconds from each step's end mark to the next's, filled as shardtune's StepMeter reads steps."""
+    from shardtune.telemetry.metrics import StepMeter
+
+    gaps, add = [], StepMeter.add
+
+    def timed(meter, global_tokens, attention_pairs, data_seconds, began, done, *rest):
+        if getattr(meter, "bench_last_done", None) is not None:
+            gaps.append(meter.clock.seconds(meter.bench_last_done, done))
+        meter.bench_last_done = done
+        return add(meter, global_tokens, attention_pairs, data_seconds, began, done, *rest)
+
+    StepMeter.add = timed
+    return gaps
+
+
 def worker_shardtune(spec: dict) -> None:
 
     from shardtune.config.load import load_config
@@ -101,6 +117,7 @@ def worker_shardtune(spec: dict) -> None:
         epoch, in_epoch = divmod(step, plan.steps_per_epoch)
         sums += [int(C.weighted_sums(ds[[int(i) for i in idx]]["input_ids"]))
                  for idx in plan.micro_batches(epoch, in_epoch)]
+    ends = wall_clock_steps()
     rss_setup, cpu0, wall0 = C.current_rss_bytes(), time.process_time(), time.perf_counter()
     trainer.fit()
     util = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
@@ -112,9 +129,13 @@ def worker_shardtune(spec: dict) -> None:
     record = {"peak_bytes": peak, "rss_setup": rss_setup, "sums": sums, "mode": f"FSDP2 {spec['sharding']}",
               "cpu_util": util}
     if trainer.dist.is_main:
-        # each record's step_time_s is timed by telemetry.StepClock: when the step's work was done
-        record["step_seconds"] = [r.get("step_time_s") or spec["tokens_per_step"] / r["tokens_per_s"]
-                                  for r in rows if "tokens_per_s" in r]
+        # from one step's end to the next's (the device's clock), as HF's side is timed: a gap where the
+        # device waited for the host counts, as it does in HF's wall clock (the telemetry's own step_time_s
+        # runs from a step's start mark, and leaves such a gap out); the first step from its start
+        timed = [r.get("step_time_s") or spec["tokens_per_step"] / r["tokens_per_s"]
+                 for r in rows if "tokens_per_s" in r]
+        record["step_seconds"] = timed[:1] + ends[:len(timed) - 1] if len(ends) >= len(timed) - 1 else timed
+        record["step_seconds_from_start_marks"] = timed  # what the run's own tokens/s and MFU count
         record["losses"] = [r["loss"] for r in rows]
         record["grad_norms"] = [r.get("grad_norm") for r in rows]
     C.write_rank_json(Path(spec["out"]), "shardtune", record)
