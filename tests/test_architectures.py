@@ -162,12 +162,19 @@ def _check_freezing(model_type, model, order):
     top = [m for m in model.modules() if isinstance(m, block_cls)][-1]
     end = max(i for i, m in enumerate(order) if any(m is t for t in top.modules()))
     after = {id(p) for m in [*top.modules(), *order[end + 1:]] if m is not head for p in m.parameters(recurse=False)}
-    for settings, trained in ((FreezeConfig(trainable_blocks=1), after), (FreezeConfig(head_only=True),
-                                                                          {id(p) for p in head.parameters()})):
+    # fsdp.block_class naming a module inside the blocks (finer FSDP units) counts the same blocks
+    # (a class only the blocks hold, with weights: an attention, an MLP)
+    held = {id(m) for b in model.modules() if isinstance(b, block_cls) for m in b.modules()}
+    shared = {type(m) for m in model.modules() if id(m) not in held}
+    inner = next(type(m) for m in top.modules() if m is not top and type(m) not in shared
+                 and any(True for _ in m.parameters()))
+    for settings, trained, unit in ((FreezeConfig(trainable_blocks=1), after, block_cls),
+                                    (FreezeConfig(trainable_blocks=1), after, inner),
+                                    (FreezeConfig(head_only=True), {id(p) for p in head.parameters()}, block_cls)):
         model.requires_grad_(True)
-        freeze(model, settings, block_cls)
+        freeze(model, settings, unit)
         expected = {n for n, p in model.named_parameters() if id(p) in trained}
-        assert {n for n, p in model.named_parameters() if p.requires_grad} == expected, (model_type, settings)
+        assert {n for n, p in model.named_parameters() if p.requires_grad} == expected, (model_type, settings, unit)
     model.requires_grad_(True)
 
 

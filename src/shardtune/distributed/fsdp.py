@@ -54,6 +54,19 @@ def detect_block_class(model, override: str | None = None) -> type:
     return type(max(lists, key=rank)[1][0])
 
 
+def decoder_blocks(model, block_cls: type) -> list:
+    """The blocks freeze.trainable_blocks counts: the FSDP units' (`block_cls`), or the detected decoder
+    blocks where fsdp.block_class names a module inside them (an attention: the lower layers' MLPs trained)."""
+    blocks = [m for m in model.modules() if isinstance(m, block_cls)]
+    try:
+        detected = detect_block_class(model)
+    except UserError:
+        return blocks
+    outer = [m for m in model.modules() if isinstance(m, detected)]
+    inside = {id(m) for block in outer for m in block.modules() if m is not block}
+    return outer if detected is not block_cls and blocks and all(id(b) in inside for b in blocks) else blocks
+
+
 def _input_embeddings(model):
     try:
         return model.get_input_embeddings()

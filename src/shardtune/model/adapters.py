@@ -381,7 +381,9 @@ def freeze(model, cfg: FreezeConfig, block_cls: type) -> None:
         return
     freeze_embeddings = cfg.embeddings
     if cfg.trainable_blocks is not None:
-        blocks = [m for m in model.modules() if isinstance(m, block_cls)]
+        from shardtune.distributed.fsdp import decoder_blocks
+
+        blocks = decoder_blocks(model, block_cls)
         if not 0 <= cfg.trainable_blocks <= len(blocks):
             raise UserError(f"freeze.trainable_blocks={cfg.trainable_blocks} but the model has {len(blocks)} "
                             f"blocks; choose 0..{len(blocks)}")
@@ -402,3 +404,4 @@ def freeze(model, cfg: FreezeConfig, block_cls: type) -> None:
         for module in model.modules():
             if isinstance(module, nn.Embedding):
                 module.requires_grad_(False)
+
