@@ -153,6 +153,35 @@ PACKED_POSITIONS = frozenset({
 })
 
 
+# Model types whose flash-attention layers are their own (not transformers' shared attention
+# function) and drop the document lengths docmask passes (cu_seq_lens): "position_ids", they find the
+# documents in the position ids, which transformers reads only in a micro-batch of one row; None,
+# they see no documents at all. tests/test_architectures.py and tests/test_every_architecture.py
+# find them with a CPU stand-in for the kernel (tests/archs.flash_stand_in).
+FLASH_DOCUMENTS = {"falcon": "position_ids", "nemotron": "position_ids", "stablelm": "position_ids", "gpt_neo": None,
+                   "gptj": None}
+
+
+def document_mask_limit(hf_config) -> tuple[int, str] | None:
+    """(the longest row, in tokens, in which a packed document computes what it computes alone; why)
+    where a setting of the model's config limits it, else None. Both read the token's place in its
+    row where alone it would read its place in the document: Falcon's ALiBi builds its bias from a
+    padding mask (no row at all: with the 4-D document mask its forward crashes); Llama 4 scales the
+    queries of its layers without RoPE by the token's index in the row (attn_temperature_tuning),
+    which leaves 1 below floor_scale."""
+    text = text_config(hf_config)
+    kind = getattr(text, "model_type", None)
+    if kind == "falcon" and getattr(text, "alibi", False):
+        return 0, "Falcon's ALiBi (alibi=true) takes its positions from a padding mask, not the documents"
+    if kind == "llama4_text" and getattr(text, "attn_temperature_tuning", False) \
+            and not all(getattr(text, "no_rope_layers", None) or [1]):
+        floor = int(text.floor_scale)
+        return floor - 1, (f"Llama 4 scales the queries of its layers without RoPE by a token's index in its row "
+                           f"(attn_temperature_tuning; the same as in its document only in rows of under "
+                           f"floor_scale={floor} tokens)")
+    return None
+
+
 # A model with an adapter per language (X-MOD) reads its inputs' language from this config field when
 # the forward gets no language ids, which shardtune's never passes: it must name one of the model's
 # languages (the second field).
