@@ -449,7 +449,7 @@ def check_flash_documents(model_type, model, rows) -> None:
         refused = None
         with flash_stand_in(model):
             try:
-                docmask.check(DataConfig(path="x", document_mask=True), model.config, batch_rows)
+                docmask.check(DataConfig(path="x", document_mask=True, seq_len=sum(DOCS)), model.config, batch_rows)
             except UserError as exc:
                 refused = str(exc)
         if refused is None:
@@ -457,3 +457,27 @@ def check_flash_documents(model_type, model, rows) -> None:
                                    f"row(s) ({worst}): families.FLASH_DOCUMENTS must say so")
         else:
             assert worst > 1e-3 and "\n" not in refused and "flash_attention_2" in refused, (model_type, worst, refused)
+
+
+def check_long_rows(model_type, model) -> None:
+    """A padding-free row of documents each within the model's positions but together longer (3 of
+    100 to 120 tokens, for the tiny configs' 128): each computes what it computes alone, or docmask
+    refuses such rows in one line (and the forward really fails or mixes them)."""
+    import torch
+
+    from shardtune.config.schema import DataConfig
+    from shardtune.data import docmask
+    from shardtune.errors import UserError
+
+    gen = torch.Generator().manual_seed(3)
+    docs = [torch.randint(2, 250, (n,), generator=gen).tolist() for n in (100, 90, 120)]
+    try:
+        worst = packed_vs_alone(model, packed_batch(docs), docs)
+    except (RuntimeError, ValueError, IndexError) as exc:
+        worst = exc
+    try:
+        docmask.check(DataConfig(path="x", format="instruct", padding_free=True, seq_len=120), model.config, 3)
+    except UserError as exc:
+        assert "\n" not in str(exc) and (isinstance(worst, Exception) or worst > 1e-3), (model_type, worst, str(exc))
+        return
+    assert not isinstance(worst, Exception) and worst <= 1e-5, f"{model_type}: a padding-free row of 310: {worst}"

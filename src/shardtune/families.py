@@ -164,21 +164,25 @@ FLASH_DOCUMENTS = {"falcon": "position_ids", "nemotron": "position_ids", "stable
 
 def document_mask_limit(hf_config) -> tuple[int, str] | None:
     """(the longest row, in tokens, in which a packed document computes what it computes alone; why)
-    where a setting of the model's config limits it, else None. Both read the token's place in its
-    row where alone it would read its place in the document: Falcon's ALiBi builds its bias from a
-    padding mask (no row at all: with the 4-D document mask its forward crashes); Llama 4 scales the
-    queries of its layers without RoPE by the token's index in the row (attn_temperature_tuning),
-    which leaves 1 below floor_scale."""
+    where the model's config limits it, else None. Falcon's ALiBi builds its bias from a padding mask,
+    not the documents; Llama 4 scales the queries of its layers without RoPE by the token's index in
+    the row (attn_temperature_tuning), which leaves 1 below floor_scale; GPT-Neo masks attention with
+    a table of its positions, too small for a padding-free row of several documents."""
     text = text_config(hf_config)
     kind = getattr(text, "model_type", None)
     if kind == "falcon" and getattr(text, "alibi", False):
-        return 0, "Falcon's ALiBi (alibi=true) takes its positions from a padding mask, not the documents"
+        return 0, "Falcon's ALiBi (alibi=true) takes its positions from a padding mask, not from the documents " \
+                  "(its forward fails on the document mask)"
     if kind == "llama4_text" and getattr(text, "attn_temperature_tuning", False) \
             and not all(getattr(text, "no_rope_layers", None) or [1]):
         floor = int(text.floor_scale)
         return floor - 1, (f"Llama 4 scales the queries of its layers without RoPE by a token's index in its row "
-                           f"(attn_temperature_tuning; the same as in its document only in rows of under "
-                           f"floor_scale={floor} tokens)")
+                           f"(attn_temperature_tuning), so from floor_scale={floor} tokens on a packed document's "
+                           f"differ from its own")
+    if kind == "gpt_neo":
+        positions = int(text.max_position_embeddings)
+        return positions, (f"GPT-Neo masks attention with a table of max_position_embeddings={positions} positions "
+                           f"(a longer row fails)")
     return None
 
 

@@ -48,10 +48,9 @@ def check(cfg: DataConfig, hf_config, rows: int | None = None) -> None:
     limit = document_mask_limit(hf_config)
     longest = cfg.seq_len * (rows or 1) if cfg.padding_free else cfg.seq_len  # a row's tokens, at most
     if limit is not None and longest > limit[0]:
-        shorter = f"rows of at most {limit[0]} tokens (data.seq_len" + \
-            (" x micro-batch size), " if cfg.padding_free else "), ") if limit[0] else ""
-        raise UserError(f"{key}: {limit[1]}, so a packed document would not compute what it computes alone; "
-                        f"{shorter}{fix}")
+        shorter = f"keep rows to {limit[0]} tokens (data.seq_len" + \
+            (" x micro-batch size) or " if cfg.padding_free else ") or ") if limit[0] else ""
+        raise UserError(f"{key}: {limit[1]}; {shorter}{fix}")
 
 
 def document_mask(model_type: str | None) -> str | None:
