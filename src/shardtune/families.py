@@ -177,8 +177,8 @@ def document_mask_limit(hf_config) -> tuple[int, str] | None:
             and not all(getattr(text, "no_rope_layers", None) or [1]):
         floor = int(text.floor_scale)
         return floor - 1, (f"Llama 4 scales the queries of its layers without RoPE by a token's index in its row "
-                           f"(attn_temperature_tuning), so from floor_scale={floor} tokens on a packed document's "
-                           f"differ from its own")
+                           f"(attn_temperature_tuning): from floor_scale={floor} tokens on, a packed document's "
+                           f"queries are not scaled as alone")
     if kind == "gpt_neo":
         positions = int(text.max_position_embeddings)
         return positions, (f"GPT-Neo masks attention with a table of max_position_embeddings={positions} positions "

@@ -41,10 +41,10 @@ def check(cfg: DataConfig, hf_config, rows: int | None = None) -> None:
                         f"not {attn!r}; pick one of them in model.config, or {fix}")
     one_row = cfg.padding_free or rows == 1  # padding-free: a micro-batch is one row
     if attn in FLASH and model_type in FLASH_DOCUMENTS and not (FLASH_DOCUMENTS[model_type] and one_row):
-        where = "in a micro-batch of one row only (set train.micro_batch_size=1 and eval.micro_batch_size=1)" \
-            if FLASH_DOCUMENTS[model_type] else "in no batch"
-        raise UserError(f"{key} with {attn}: {model_type}'s flash-attention layers find the documents {where}; "
-                        f"use sdpa or eager in model.config, or {fix}")
+        where = "only in a micro-batch of one row (set train.micro_batch_size=1 and eval.micro_batch_size=1)" \
+            if FLASH_DOCUMENTS[model_type] else "in no batch (a token would attend to the documents before it)"
+        raise UserError(f"{key} with {attn}: {model_type}'s flash-attention layers see the document boundaries "
+                        f"{where}; use sdpa or eager in model.config, or {fix}")
     limit = document_mask_limit(hf_config)
     longest = cfg.seq_len * (rows or 1) if cfg.padding_free else cfg.seq_len  # a row's tokens, at most
     if limit is not None and longest > limit[0]:
