@@ -92,11 +92,12 @@ TINY_FIELDS.update(indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=16, i
 # sharing another layer's K/V (Gemma 3n: each layer type needs a producer before the sharing ones)
 TINY_FIELDS.update(num_dense_layers=1, num_kv_shared_layers=0)
 # fields a real checkpoint sets that neither the defaults nor a rule can know: a hybrid's layer kinds
-# (LFM2-8B-A1B mixes conv and attention layers), a field the modeling reads that the config class does
+# (LFM2 and LFM2-8B-A1B mix conv and attention layers), a field the modeling reads that the config class does
 # not declare or leaves None (DBRX's attention reads rope_theta, clamps by clip_qkv: dbrx-instruct's),
 # a size the modeling assumes (Cohere Compass's rotary sections, 22+22+20 of 64 frequency pairs in
 # transformers 5.17: its checkpoints' head_dim of 128)
 CHECKPOINT_FIELDS = {"lfm2_moe": {"layer_types": ["conv", "full_attention"]},
+                     "lfm2": {"layer_types": ["conv", "full_attention"]},  # LFM2-1.2B: 10 conv, 6 attention
                      "dbrx": {"attn_config": {"rope_theta": 500000.0, "clip_qkv": 8}},
                      "cohere_compass_text": {"head_dim": 128}}
 
