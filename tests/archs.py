@@ -5,6 +5,8 @@ claims about the family can be seen in the numbers."""
 
 from __future__ import annotations
 
+import contextlib
+
 COMMON = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
           "num_key_value_heads": 2, "max_position_embeddings": 128, "vocab_size": 300, "bos_token_id": 0,
           "eos_token_id": 1, "pad_token_id": 0, "tie_word_embeddings": False}
@@ -90,11 +92,12 @@ TINY_FIELDS.update(indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=16, i
 # sharing another layer's K/V (Gemma 3n: each layer type needs a producer before the sharing ones)
 TINY_FIELDS.update(num_dense_layers=1, num_kv_shared_layers=0)
 # fields a real checkpoint sets that neither the defaults nor a rule can know: a hybrid's layer kinds
-# (LFM2-8B-A1B mixes conv and attention layers), a field the modeling reads that the config class does
+# (LFM2 and LFM2-8B-A1B mix conv and attention layers), a field the modeling reads that the config class does
 # not declare or leaves None (DBRX's attention reads rope_theta, clamps by clip_qkv: dbrx-instruct's),
 # a size the modeling assumes (Cohere Compass's rotary sections, 22+22+20 of 64 frequency pairs in
 # transformers 5.17: its checkpoints' head_dim of 128)
 CHECKPOINT_FIELDS = {"lfm2_moe": {"layer_types": ["conv", "full_attention"]},
+                     "lfm2": {"layer_types": ["conv", "full_attention"]},  # LFM2-1.2B: 10 conv, 6 attention
                      "dbrx": {"attn_config": {"rope_theta": 500000.0, "clip_qkv": 8}},
                      "cohere_compass_text": {"head_dim": 128}}
 
@@ -305,17 +308,18 @@ def packed_batch(rows):
 
 
 def packed_vs_alone(model, batch, rows) -> float:
-    """The largest difference between a document's logits inside the packed row and alone."""
+    """The largest difference between a document's logits inside the packed row (every row of
+    the batch holds the same documents) and alone."""
     import torch
 
     from shardtune.data import docmask
 
     with torch.no_grad():
-        packed = model(**docmask.model_inputs(model, batch)).logits[0]
+        packed = model(**docmask.model_inputs(model, batch)).logits
         start, worst = 0, 0.0
         for row in rows:
-            alone = model(input_ids=torch.tensor([row]), use_cache=False).logits[0]
-            worst = max(worst, float((packed[start:start + len(row)] - alone).abs().max()))
+            alone = model(input_ids=torch.tensor([row]), use_cache=False).logits
+            worst = max(worst, float((packed[:, start:start + len(row)] - alone).abs().max()))
             start += len(row)
     return worst
 
@@ -348,3 +352,133 @@ def optimizer_step(model_type, model, batch) -> set:
     out = train_step(model, optimizer, None, [batch], cfg, Dist(0, 1, 1, torch.device("cpu")), count_tokens=True)
     assert torch.isfinite(out.loss_sum) and torch.isfinite(out.grad_norm), model_type
     return {n for n, p in model.named_parameters() if n in before and not torch.equal(p, before[n])}
+
+
+def _stand_in_flash(query_states, key_states, value_states, attention_mask, query_length, is_causal=True,
+                    dropout=0.0, position_ids=None, softmax_scale=None, sliding_window=None, softcap=None,
+                    cu_seq_lens_q=None, **_):
+    """transformers' `_flash_attention_forward` on the CPU, dense: it keeps documents apart from what
+    the real one reads, in its order (a padding mask; the document lengths; position ids that
+    restart, in a batch of one row only), and from nothing else."""
+    import torch
+    from transformers.modeling_flash_attention_utils import _is_packed_sequence
+
+    batch, length, heads, dim = query_states.shape
+    groups = heads // key_states.shape[2]
+    keys, values = (x.repeat_interleave(groups, dim=2).float() for x in (key_states, value_states))
+    scores = torch.einsum("bqhd,bkhd->bhqk", query_states.float(), keys) * (softmax_scale or dim ** -0.5)
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    index = torch.arange(length)
+    allowed = (index[None, :] <= index[:, None]).expand(batch, length, length)
+    if sliding_window:
+        allowed = allowed & (index[:, None] - index[None, :] < sliding_window)
+    document = None
+    if attention_mask is not None:
+        allowed = allowed & attention_mask.bool()[:, None, :]
+    elif cu_seq_lens_q is not None:
+        document = torch.bucketize(torch.arange(batch * length), cu_seq_lens_q[1:], right=True).view(batch, length)
+    elif _is_packed_sequence(position_ids, batch):
+        document = (torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1) != 1).cumsum(-1)
+    if document is not None:
+        allowed = allowed & (document[:, :, None] == document[:, None, :])
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), values).to(query_states.dtype).contiguous()
+
+
+@contextlib.contextmanager
+def flash_stand_in(model):
+    """`model` (built with sdpa or eager) runs as with flash_attention_2 until the block ends, its
+    kernel replaced by `_stand_in_flash`: what a model hands its flash path, checked without CUDA.
+    Attention classes of their own for flash (Falcon's, GPT-J's) take the place of the others."""
+    import sys
+
+    import transformers.integrations.flash_attention as shared
+    import transformers.modeling_flash_attention_utils as utils
+
+    module = sys.modules[type(model).__module__]
+    configs = {id(c): c for c in [model.config, *(getattr(m, "config", None) for m in model.modules())]
+                if hasattr(c, "_attn_implementation_internal")}.values()
+    tables = [t for name, t in vars(module).items() if name.endswith("ATTENTION_CLASSES") and isinstance(t, dict)]
+    swapped = [(m, type(m)) for m in model.modules() for t in tables
+               if "flash_attention_2" in t and type(m) in t.values() and type(m) is not t["flash_attention_2"]]
+    before = [(c, c._attn_implementation_internal) for c in configs]
+    saved = [(owner, name, vars(owner).get(name)) for owner in (utils, shared, module)
+             for name in ("_flash_attention_forward", "get_target_dtype") if name in vars(owner) or owner is module]
+    try:
+        for owner, name, _ in saved:  # float32 on the CPU: no dtype to cast to
+            setattr(owner, name, _stand_in_flash if name == "_flash_attention_forward" else lambda *a: None)
+        for m, _ in swapped:
+            m.__class__ = next(t["flash_attention_2"] for t in tables if type(m) in t.values())
+            m._flash_attn_uses_top_left_mask = False
+        for c, _ in before:
+            c._attn_implementation_internal = "flash_attention_2"
+        yield model
+    finally:
+        for c, value in before:
+            c._attn_implementation_internal = value
+        for m, cls in swapped:
+            m.__class__ = cls
+        for owner, name, value in saved:
+            if value is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)
+
+
+def flash_vs_alone(model, rows) -> tuple[float, float]:
+    """packed_vs_alone under `flash_stand_in`, for a micro-batch of one packed row and of two."""
+    import torch
+
+    one = packed_batch(rows)
+    with flash_stand_in(model):
+        return packed_vs_alone(model, one, rows), packed_vs_alone(model, {k: torch.cat([v, v]) for k, v in one.items()},
+                                                                  rows)
+
+
+def check_flash_documents(model_type, model, rows) -> None:
+    """Under flash attention (the CPU stand-in), a packed document computes what it computes alone
+    in a micro-batch of one row and of two, or docmask refuses that in one line (and it really mixes).
+    A model without flash attention is refused it by transformers."""
+    from shardtune.config.schema import DataConfig
+    from shardtune.data import docmask
+    from shardtune.errors import UserError
+
+    if not getattr(model, "_supports_flash_attn", False):
+        return
+    for worst, batch_rows in zip(flash_vs_alone(model, rows), (1, 2), strict=True):
+        refused = None
+        with flash_stand_in(model):
+            try:
+                docmask.check(DataConfig(path="x", document_mask=True, seq_len=sum(DOCS)), model.config, batch_rows)
+            except UserError as exc:
+                refused = str(exc)
+        if refused is None:
+            assert worst <= 1e-5, (f"{model_type}: flash attention mixes the packed documents of {batch_rows} "
+                                   f"row(s) ({worst}): families.FLASH_DOCUMENTS must say so")
+        else:
+            assert worst > 1e-3 and "\n" not in refused and "flash_attention_2" in refused, (model_type, worst, refused)
+
+
+def check_long_rows(model_type, model) -> None:
+    """A padding-free row of documents each within the model's positions but together longer (3 of
+    100 to 120 tokens, for the tiny configs' 128): each computes what it computes alone, or docmask
+    refuses such rows in one line (and the forward really fails or mixes them)."""
+    import torch
+
+    from shardtune.config.schema import DataConfig
+    from shardtune.data import docmask
+    from shardtune.errors import UserError
+
+    gen = torch.Generator().manual_seed(3)
+    docs = [torch.randint(2, 250, (n,), generator=gen).tolist() for n in (100, 90, 120)]
+    try:
+        worst = packed_vs_alone(model, packed_batch(docs), docs)
+    except (RuntimeError, ValueError, IndexError) as exc:
+        worst = exc
+    try:
+        docmask.check(DataConfig(path="x", format="instruct", padding_free=True, seq_len=120), model.config, 3)
+    except UserError as exc:
+        assert "\n" not in str(exc) and (isinstance(worst, Exception) or worst > 1e-3), (model_type, worst, str(exc))
+        return
+    assert not isinstance(worst, Exception) and worst <= 1e-5, f"{model_type}: a padding-free row of 310: {worst}"

@@ -42,6 +42,8 @@ def _check_facts(model_type, model):
 def _check_document_mask(model_type, model, batch, rows):
     """A document inside the packed row has the logits it has alone, or the table refuses it
     (and it really does not)."""
+    from archs import check_flash_documents, check_long_rows
+
     from shardtune.config.schema import DataConfig
     from shardtune.data import docmask
     from shardtune.errors import UserError
@@ -49,7 +51,9 @@ def _check_document_mask(model_type, model, batch, rows):
     worst = packed_vs_alone(model, batch, rows)
     if FAMILIES[model_type].document_mask:
         assert worst <= 1e-5, (model_type, worst)
-        docmask.check(DataConfig(path="x", document_mask=True), model.config)
+        docmask.check(DataConfig(path="x", document_mask=True, seq_len=sum(DOCS)), model.config)
+        check_flash_documents(model_type, model, rows)
+        check_long_rows(model_type, model)
     else:
         assert worst > 1e-3, f"{model_type}: packed documents match ({worst}): the families table can allow it"
         with pytest.raises(UserError, match=f"model type '{model_type}' is not one"):

@@ -60,6 +60,8 @@ def sampled(model_type: str) -> bool:
 def _check_document_mask(model_type, model, batch, rows, config) -> bool:
     """Packed documents equal alone where docmask allows the type; elsewhere they really differ
     (or the forward cannot take restarting positions) and the config is refused in one line."""
+    from archs import check_flash_documents, check_long_rows
+
     from shardtune.config.schema import DataConfig
     from shardtune.data import docmask
     from shardtune.errors import UserError
@@ -71,7 +73,9 @@ def _check_document_mask(model_type, model, batch, rows, config) -> bool:
     allowed = docmask.document_mask(model_type) is not None
     if allowed:
         assert not isinstance(worst, Exception) and worst <= 1e-5, (model_type, worst)
-        docmask.check(DataConfig(path="x", document_mask=True), config)
+        docmask.check(DataConfig(path="x", document_mask=True, seq_len=sum(DOCS)), config)
+        check_flash_documents(model_type, model, rows)
+        check_long_rows(model_type, model)
         return True
     assert isinstance(worst, Exception) or worst > 1e-5, \
         f"{model_type}: packed documents match alone ({worst}): add it to families.PACKED_POSITIONS"

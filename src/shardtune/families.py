@@ -137,6 +137,7 @@ FAMILIES = {
 # through the restarting position ids (data/docmask.py, "position_ids"): every causal LM of
 # transformers is tried by tests/test_every_architecture.py, which fails both when one listed here
 # mixes its documents and when one left out keeps them apart (then add it here).
+# (Not LFM2: its checkpoints' short-convolution layers carry a document's last tokens into the next.)
 PACKED_POSITIONS = frozenset({
     "apertus", "arcee", "aria_text", "axk1", "axk2", "beam", "bitnet", "cohere2", "cohere2_moe",
     "cohere_compass_text", "ctrl", "cwm", "dbrx", "deepseek_v2", "deepseek_v32", "diffllama", "doge", "dots1",
@@ -146,11 +147,44 @@ PACKED_POSITIONS = frozenset({
     "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "got_ocr2", "gpt-sw3", "gpt_neox_japanese",
     "granite_swa", "granitemoe_swa", "granitemoeshared", "helium", "hrm_text", "hunyuan_v1_dense",
     "hunyuan_v1_moe", "hy_v3", "hy_v4", "hyperclovax", "internlm3", "iquestcoder", "jais2", "jetmoe",
-    "kolibri1", "laguna", "lfm2", "llama4", "llama4_text", "longcat_flash", "mellum", "mimo_v2_flash",
+    "kolibri1", "laguna", "llama4", "llama4_text", "longcat_flash", "mellum", "mimo_v2_flash",
     "minicpm3", "minimax_m2", "minimax_m3_vl_text", "ministral", "ministral3", "mllama",
     "modernbert-decoder", "moshi", "moss_transcribe_diarize", "nanochat", "nemotron", "olmo", "olmo3",
     "persimmon", "phi4_multimodal", "seed_oss", "solar_open", "vaultgemma", "whisper", "youtu",
 })
+
+
+# Model types whose flash-attention layers are their own (not transformers' shared attention
+# function) and drop the document lengths docmask passes (cu_seq_lens): "position_ids", they find the
+# documents in the position ids, which transformers reads only in a micro-batch of one row; None,
+# they see no documents at all. tests/test_architectures.py and tests/test_every_architecture.py
+# find them with a CPU stand-in for the kernel (tests/archs.flash_stand_in).
+FLASH_DOCUMENTS = {"falcon": "position_ids", "nemotron": "position_ids", "stablelm": "position_ids", "gpt_neo": None,
+                   "gptj": None}
+
+
+def document_mask_limit(hf_config) -> tuple[int, str] | None:
+    """(the longest row, in tokens, in which a packed document computes what it computes alone; why)
+    where the model's config limits it, else None. Falcon's ALiBi builds its bias from a padding mask,
+    not the documents; Llama 4 scales the queries of its layers without RoPE by the token's index in
+    the row (attn_temperature_tuning), which leaves 1 below floor_scale; GPT-Neo masks attention with
+    a table of its positions, too small for a padding-free row of several documents."""
+    text = text_config(hf_config)
+    kind = getattr(text, "model_type", None)
+    if kind == "falcon" and getattr(text, "alibi", False):
+        return 0, "Falcon's ALiBi (alibi=true) takes its positions from a padding mask, not from the documents " \
+                  "(its forward fails on the document mask)"
+    if kind == "llama4_text" and getattr(text, "attn_temperature_tuning", False) \
+            and not all(getattr(text, "no_rope_layers", None) or [1]):
+        floor = int(text.floor_scale)
+        return floor - 1, (f"Llama 4 scales the queries of its layers without RoPE by a token's index in its row "
+                           f"(attn_temperature_tuning): from floor_scale={floor} tokens on, a packed document's "
+                           f"queries are not scaled as alone")
+    if kind == "gpt_neo":
+        positions = int(text.max_position_embeddings)
+        return positions, (f"GPT-Neo masks attention with a table of max_position_embeddings={positions} positions "
+                           f"(a longer row fails)")
+    return None
 
 
 # A model with an adapter per language (X-MOD) reads its inputs' language from this config field when

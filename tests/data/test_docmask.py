@@ -4,6 +4,7 @@ exactly what it computes alone, and padding-free batches give the padded batches
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -124,13 +125,58 @@ def test_model_that_cannot_keep_documents_apart_is_refused(model_config, words):
     docmask.check(DataConfig(path="x"), hf_config)  # text without the mask: nothing to refuse
 
 
+@pytest.mark.parametrize("model_type, extra, data, rows, refused", [
+    ("falcon", {"alibi": True}, {"seq_len": 52}, 1, "Falcon's ALiBi (alibi=true)"),  # crashed on the 4-D mask
+    ("llama4_text", {"floor_scale": 16}, {"seq_len": 52}, 1, "keep rows to 15 tokens (data.seq_len) or"),
+    ("llama4_text", {"floor_scale": 64}, {"seq_len": 52}, 8, None),
+    ("llama4_text", {"floor_scale": 64}, {"seq_len": 32, "padding_free": True}, 2, "(data.seq_len x micro-batch"),
+    ("llama4_text", {"floor_scale": 16, "attn_temperature_tuning": False}, {"seq_len": 52}, 1, None),
+    ("gpt_neo", {}, {"seq_len": 100, "padding_free": True}, 2, "keep rows to 128 tokens"),  # crashed
+    ("gpt_neo", {}, {"seq_len": 64, "padding_free": True}, 2, None),
+])
+def test_a_setting_that_reads_the_row_not_the_document_is_refused(model_type, extra, data, rows, refused):
+    """A model that reads a token's place in its row where alone it reads its place in the document
+    (Falcon's ALiBi, Llama 4's query temperature past floor_scale, GPT-Neo's table of positions) is
+    refused in one line where a row can be that long, and only there: on the longest row the run
+    can make, a packed document computes what it computes alone, or the row is refused."""
+    import torch
+    from archs import packed_batch, packed_vs_alone, tiny_config
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(model_type)
+    for name, value in {"attn_scale": 1.0, **extra}.items():  # Llama 4's temperature, made visible
+        setattr(config, name, value)
+    cfg = DataConfig(path="x", document_mask=True, **({"format": "instruct"} if "padding_free" in data else {}), **data)
+    longest = cfg.seq_len * (rows if cfg.padding_free else 1)
+    gen = torch.Generator().manual_seed(1)
+    docs = [torch.randint(2, 250, (n,), generator=gen).tolist() for n in (longest // 3, longest // 3)]
+    docs.append(torch.randint(2, 250, (longest - 2 * (longest // 3),), generator=gen).tolist())
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    try:
+        worst = packed_vs_alone(model, packed_batch(docs), docs)
+    except (ValueError, RuntimeError) as exc:  # the forward fails on such a row
+        worst = exc
+    if refused is None:
+        docmask.check(cfg, config, rows)
+        assert worst <= 1e-5, worst
+        return
+    with pytest.raises(UserError, match=re.escape(refused)) as err:
+        docmask.check(cfg, config, rows)
+    assert "\n" not in str(err.value) and str(err.value).endswith("=false"), str(err.value)
+    assert isinstance(worst, Exception) or worst > 1e-3, worst
+
+
 def test_bad_document_mask_input_is_one_line_before_any_data_work(assets, tmp_path, capfd):
     """Exit 2 with one line; the data path does not exist, so the error came before reading it."""
     from shardtune.cli.main import main
 
     bloom = json.dumps({"model_type": "bloom", "n_layer": 1, "hidden_size": 32, "n_head": 2})
     missing = str(tmp_path / "missing.jsonl")
+    falcon_rw = json.dumps({"model_type": "falcon", "num_hidden_layers": 1, "hidden_size": 32, "num_attention_heads": 2,
+                            "alibi": True})
     for extra, words in [({"model.config": bloom, "data.document_mask": "true"}, "model type 'bloom'"),
+                         ({"model.config": falcon_rw, "data.document_mask": "true"}, "Falcon's ALiBi"),
                          ({"data.padding_free": "true", "data.packing": "false"}, "data.format=text is packed"),
                          ({"data.padding_free": "true", "data.format": "chat", "data.packing": "true"},
                           "(or data.packing=false)"),

@@ -39,6 +39,9 @@ from shardtune.names import hub_id
       "intermediate_size": 64, "num_hidden_layers": 1}, ["2 attention heads", "3 key/value heads"]),
     ({"model_type": "bert", "hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64,
       "num_hidden_layers": 1}, ["is_decoder=false", "model.config.is_decoder=true"]),
+    ({"model_type": "gemma3_text", "hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 1,
+      "head_dim": 16, "intermediate_size": 64, "num_hidden_layers": 1, "use_bidirectional_attention": True},
+     ["use_bidirectional_attention=true", "model.config.use_bidirectional_attention=false"]),  # EmbeddingGemma
 ])
 def test_model_config_that_cannot_be_built(capfd, recipe, out, config, words):
     fails(capfd, ["train", recipe, f"model.config={yaml.safe_dump(config, default_flow_style=True).strip()}",

@@ -41,7 +41,8 @@ def check_model(cfg: RunConfig, hf_config, tokenizer=None) -> None:
         check_vocab(hf_config, tokenizer, "use the model's own tokenizer or set model.config.vocab_size")
     check_seq_len(hf_config, cfg.data.seq_len, cfg.peft.virtual_tokens)
     check_method(cfg.peft, hf_config)
-    docmask.check(cfg.data, hf_config)
+    sizes = (cfg.train.micro_batch_size, cfg.eval.micro_batch_size or cfg.train.micro_batch_size)
+    docmask.check(cfg.data, hf_config, max(sizes) if all(isinstance(n, int) for n in sizes) else None)
     spec = ModelSpec.of_run(cfg, hf_config)
     check_structure(spec)
     if cfg.checkpoint.hf_format:  # transformers' renames on save, read from the keys of the meta skeleton

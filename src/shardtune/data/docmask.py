@@ -6,7 +6,8 @@ stays inside it, through the model's own packed-sequence support in transformers
   a block-causal mask (sdpa, eager) — nothing more to do;
 - OPT and Falcon compute their masks without them, so the block-causal mask is built with the same
   transformers function and passed in as a 4-D mask;
-- flash-attention (CUDA) gets the cumulative document lengths and runs its varlen kernel.
+- flash-attention (CUDA) gets the cumulative document lengths and runs its varlen kernel (where a
+  model's own flash layers drop them, families.FLASH_DOCUMENTS says what they see instead).
 
 Architectures and attention implementations not verified here are refused up front.
 """
@@ -16,14 +17,15 @@ from __future__ import annotations
 from shardtune.config.schema import DataConfig
 from shardtune.data.formats import IGNORE_INDEX
 from shardtune.errors import UserError
-from shardtune.families import PACKED_POSITIONS, family, with_document_mask
+from shardtune.families import FLASH_DOCUMENTS, PACKED_POSITIONS, document_mask_limit, family, with_document_mask
 
 FLASH = ("flash_attention_2", "flash_attention_3")
 ATTENTION = (None, "sdpa", "eager", *FLASH)  # None: transformers' default (sdpa where the model has it)
 
 
-def check(cfg: DataConfig, hf_config) -> None:
-    """Refuse document masking where it would silently not happen (before any data work)."""
+def check(cfg: DataConfig, hf_config, rows: int | None = None) -> None:
+    """Refuse document masking where it would silently not happen (before any data work). `rows`:
+    the most sequences one forward takes (train's or eval's micro-batch), None while not known (auto)."""
     if not cfg.masks_documents:
         return
     key = "data.padding_free" if cfg.padding_free else "data.document_mask"
@@ -37,6 +39,18 @@ def check(cfg: DataConfig, hf_config) -> None:
     if attn not in ATTENTION:
         raise UserError(f"{key} works with attention implementations {', '.join(a for a in ATTENTION if a)}, "
                         f"not {attn!r}; pick one of them in model.config, or {fix}")
+    one_row = cfg.padding_free or rows == 1  # padding-free: a micro-batch is one row
+    if attn in FLASH and model_type in FLASH_DOCUMENTS and not (FLASH_DOCUMENTS[model_type] and one_row):
+        where = "only in a micro-batch of one row (set train.micro_batch_size=1 and eval.micro_batch_size=1)" \
+            if FLASH_DOCUMENTS[model_type] else "in no batch (a token would attend to the documents before it)"
+        raise UserError(f"{key} with {attn}: {model_type}'s flash-attention layers see the document boundaries "
+                        f"{where}; use sdpa or eager in model.config, or {fix}")
+    limit = document_mask_limit(hf_config)
+    longest = cfg.seq_len * (rows or 1) if cfg.padding_free else cfg.seq_len  # a row's tokens, at most
+    if limit is not None and longest > limit[0]:
+        shorter = f"keep rows to {limit[0]} tokens (data.seq_len" + \
+            (" x micro-batch size) or " if cfg.padding_free else ") or ") if limit[0] else ""
+        raise UserError(f"{key}: {limit[1]}; {shorter}{fix}")
 
 
 def document_mask(model_type: str | None) -> str | None:

@@ -205,6 +205,14 @@ def check_buildable(hf_config, trust_remote_code: bool, what: str) -> None:
     if getattr(model.config, "is_decoder", None) is False and any("is_decoder=True" in line for line in said):
         raise UserError(f"{what} is a {hf_config.model_type!r} model with is_decoder=false: it attends to later "
                         "tokens, so it cannot learn to predict them; set model.config.is_decoder=true")
+    # the same for a decoder made an encoder by its config (Gemma's use_bidirectional_attention, set by
+    # EmbeddingGemma; Gemma 4's "all", where "vision" keeps the text causal)
+    both_ways = getattr(text_config(hf_config), "use_bidirectional_attention", None)
+    if both_ways is True or both_ways == "all":
+        unset = "false" if both_ways is True else "null"
+        raise UserError(f"{what} has use_bidirectional_attention={str(both_ways).lower()}: it attends to later "
+                        f"tokens (an embedding model), so it cannot learn to predict them; set "
+                        f"model.config.use_bidirectional_attention={unset}")
 
 
 def check_input_language(hf_config) -> None:
