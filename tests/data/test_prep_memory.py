@@ -15,6 +15,8 @@ import random
 import subprocess
 import sys
 
+import pytest
+
 from conftest import child_env
 from shardtune.config.schema import DataConfig
 
@@ -22,6 +24,8 @@ MB = 1 << 20
 
 GROWTH = r"""
 import sys
+
+import pytest
 from transformers import AutoTokenizer
 from shardtune.config.schema import DataConfig
 from shardtune.data import pipeline
@@ -64,6 +68,7 @@ def prepare_growth(corpus, tokenizer: str, cache, monkeypatch) -> tuple[float, i
     return float(growth), int(blocks)
 
 
+@pytest.mark.early  # tens of seconds: run first (conftest)
 def test_preparation_memory_does_not_grow_with_the_corpus(assets, tmp_path, monkeypatch):
     source = "\n".join(json.loads(line)["text"] for line in open(assets["train"]))
     # from 8 MB on, what is bounded is full (below); both above the JSON reader's 10 MiB block, so both

@@ -143,6 +143,7 @@ def torchrun(nproc: int, script_args: list[str], nnodes: int = 1, timeout: int =
     return [(a.returncode, o) for a, o in zip(agents, outs, strict=True)]
 
 
+@pytest.mark.early  # tens of seconds: run first (conftest)
 def test_two_ranks_match_one_process_for_every_sharding(assets, baseline, baseline_dir, lora_baseline,
                                                         docmask_baseline, moe_baseline, float8_baseline, peft_runs,
                                                         tmp_path):
@@ -225,6 +226,7 @@ def test_two_ranks_match_one_process_for_every_sharding(assets, baseline, baseli
         assert -UNDER <= error <= OVER, (name, error)
 
 
+@pytest.mark.early  # tens of seconds: run first (conftest)
 def test_two_nodes_hybrid_shard_matches_one_process(assets, baseline, baseline_dir, tmp_path):
     """Two torchrun agents (--nnodes 2, c10d rendezvous on 127.0.0.1), 2 ranks each, running the
     real CLI with hybrid_shard: replicate across the 2 'nodes', shard within each (2 x 2); final/

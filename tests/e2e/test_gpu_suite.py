@@ -48,6 +48,7 @@ def test_every_stage_command_line_is_accepted(tmp_path, mode):
     assert "| soak | 0 |" in (results / "summary.md").read_text()
 
 
+@pytest.mark.early  # tens of seconds: run first (conftest)
 def test_a_rehearsed_stage_end_to_end(tmp_path):
     results, back = tmp_path / "results", tmp_path / "back"
     proc = suite(tmp_path, "--rehearse", str(results), str(back), STAGES="profile plan", CAP_PLAN="20")

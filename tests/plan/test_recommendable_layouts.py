@@ -61,6 +61,7 @@ def test_the_covering_set_runs_every_value_pair_of_the_menu():
     assert len(chosen) < len(menu) / 4
 
 
+@pytest.mark.early  # tens of seconds: run first (conftest)
 def test_every_recommendable_layout_takes_a_step_on_two_ranks(assets, tmp_path):
     pytest.importorskip("torchao")
     chosen = covering(recommendable())

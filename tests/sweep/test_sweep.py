@@ -121,6 +121,7 @@ def libraries_mib() -> int:
     return int(probe.stdout) // 1024
 
 
+@pytest.mark.early  # tens of seconds: run first (conftest)
 def test_max_batch_search_finds_the_boundary_under_a_real_memory_cap(assets, tmp_path):
     """A 4-layer GPT-2 whose activations dominate: under a cap on each trial's data segment of
     630 MiB above the libraries' (about 950 MiB in all with torch's CPU build), the largest
